@@ -1,0 +1,96 @@
+//! Code generation. Every generated path is fully qualified (`::shardkit::...`,
+//! `::core::...`) so user imports cannot change its meaning.
+
+use crate::ast::{self, Group, Sharded};
+use crate::ctxt::Ctxt;
+use proc_macro2::TokenStream;
+use quote::{quote, quote_spanned};
+use syn::DeriveInput;
+use syn::spanned::Spanned;
+
+pub fn entity_group(input: &DeriveInput) -> Result<TokenStream, TokenStream> {
+    let mut cx = Ctxt::default();
+    let group = Group::from_syn(&mut cx, input);
+    cx.check()?;
+    let Some(Group { ident, key, name }) = group else {
+        return Ok(TokenStream::new());
+    };
+    let key_span = key.span();
+    let key_type_def = quote_spanned!(key_span=> type Key = #key;);
+    Ok(quote! {
+        impl ::shardkit::EntityGroup for #ident {
+            #key_type_def
+            const NAME: &'static str = #name;
+        }
+        impl ::shardkit::GroupKey<#ident> for #key {
+            #[inline]
+            fn into_group_key(self) -> Self {
+                self
+            }
+        }
+    })
+}
+
+pub fn sharded(input: &DeriveInput) -> Result<TokenStream, TokenStream> {
+    // `#[sea_orm::model]` repeats every derive on the generated `ModelEx`; the
+    // entity is described once, by `Model`.
+    if input.ident == "ModelEx" {
+        return Ok(TokenStream::new());
+    }
+    let mut cx = Ctxt::default();
+    let sharded = Sharded::from_syn(&mut cx, input);
+    let variant = match &sharded {
+        Some(s) => match ast::column_variant(s.shard_key.field) {
+            Ok(v) => Some(v),
+            Err(err) => {
+                cx.syn_error(err);
+                None
+            }
+        },
+        None => None,
+    };
+    cx.check()?;
+    let (Some(Sharded { group, shard_key }), Some(variant)) = (sharded, variant) else {
+        return Ok(TokenStream::new());
+    };
+    let model = &input.ident;
+    let field = shard_key.ident;
+    let ty = shard_key.ty;
+    let column_name = {
+        let raw = field.to_string();
+        raw.strip_prefix("r#").unwrap_or(&raw).to_owned()
+    };
+    let key = quote!(<#group as ::shardkit::EntityGroup>::Key);
+    // Spanned on the field's type so a mismatch points at the user's field.
+    let cast = quote_spanned! {ty.span()=>
+        #[inline]
+        fn __shardkit_key(value: #ty) -> #key {
+            <#ty as ::shardkit::GroupKey<#group>>::into_group_key(value)
+        }
+    };
+    Ok(quote! {
+        const _: () = {
+            #cast
+
+            impl ::shardkit::ShardedEntity for Entity {
+                type Group = #group;
+                const SHARD_KEY_FIELD: &'static str = #column_name;
+
+                #[inline]
+                fn shard_key_column() -> Column {
+                    Column::#variant
+                }
+
+                #[inline]
+                fn shard_key(model: &#model) -> #key {
+                    __shardkit_key(::core::clone::Clone::clone(&model.#field))
+                }
+
+                #[inline]
+                fn active_shard_key(model: &ActiveModel) -> ::core::option::Option<#key> {
+                    ::shardkit::__private::active_value(&model.#field).map(__shardkit_key)
+                }
+            }
+        };
+    })
+}

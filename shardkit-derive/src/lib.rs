@@ -1,0 +1,61 @@
+//! Derive macros for [shardkit](https://docs.rs/shardkit). Use them through the
+//! `shardkit` crate, which re-exports them: `#[derive(shardkit::Sharded)]` and
+//! `#[derive(shardkit::EntityGroup)]`.
+//!
+//! The macros follow one shape: parse the item into a small AST (`ast`), collect
+//! every attribute problem at once (`ctxt`), then expand. When an attribute is
+//! wrong the macro still emits nothing else that could fail, so the user sees the
+//! real error rather than a cascade of follow-ups.
+
+mod ast;
+mod ctxt;
+mod expand;
+
+use proc_macro::TokenStream;
+use syn::{DeriveInput, parse_macro_input};
+
+/// Declares a transactional entity group and its shard key type.
+///
+/// ```ignore
+/// #[derive(shardkit::EntityGroup)]
+/// #[shardkit(key = i64)]
+/// pub struct Customer;
+/// ```
+///
+/// Container keys: `key = Type` (required; `i64`, `i32`, `u64`, `String` or
+/// `uuid::Uuid`), `name = "..."` (the group's name in the cluster config;
+/// defaults to the type's name).
+#[proc_macro_derive(EntityGroup, attributes(shardkit))]
+pub fn derive_entity_group(input: TokenStream) -> TokenStream {
+    let input = parse_macro_input!(input as DeriveInput);
+    expand::entity_group(&input)
+        .unwrap_or_else(|errors| errors)
+        .into()
+}
+
+/// Makes a SeaORM entity sharded: names its entity group and its shard key.
+///
+/// ```ignore
+/// #[sea_orm::model]
+/// #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel, shardkit::Sharded)]
+/// #[sea_orm(table_name = "orders")]
+/// #[shardkit(group = crate::Customer)]
+/// pub struct Model {
+///     #[sea_orm(primary_key, auto_increment = false)]
+///     pub id: i64,
+///     #[shardkit(shard_key)]
+///     pub customer_id: i64,
+/// }
+/// ```
+///
+/// Works on the dense (`#[sea_orm::model]`) and the compact
+/// (`#[derive(DeriveEntityModel)]`) entity formats. `#[sea_orm::model]` applies
+/// every derive to the generated `ModelEx` as well; the impls are generated once,
+/// from `Model`.
+#[proc_macro_derive(Sharded, attributes(shardkit))]
+pub fn derive_sharded(input: TokenStream) -> TokenStream {
+    let input = parse_macro_input!(input as DeriveInput);
+    expand::sharded(&input)
+        .unwrap_or_else(|errors| errors)
+        .into()
+}

@@ -1,0 +1,435 @@
+//! [`Cluster`]: the entry point. It holds the validated topology and one
+//! connection pool per logical shard (and per directory database), routes keys,
+//! and hands out reads ([`Cluster::find`]) and transactions ([`Cluster::begin`]).
+
+use crate::entity::{EntityGroup, ShardKey, ShardedEntity};
+use crate::error::{Result, ShardError};
+use crate::read::{Find, Unkeyed};
+use crate::topology::{ClusterConfig, DatabaseUrl, Located, PoolConfig, ShardId, Target, Topology};
+use crate::tx::ShardTx;
+use futures::future::join_all;
+use sea_orm::sea_query::{Alias, Expr, OnConflict, Query};
+use sea_orm::{
+    ConnectOptions, ConnectionTrait, Database, DatabaseConnection, ExprTrait, TransactionTrait,
+};
+use sea_orm_migration::MigratorTrait;
+use std::marker::PhantomData;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// A sharded database cluster. Cheap to clone (one `Arc`); share it.
+#[derive(Clone)]
+pub struct Cluster {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    topology: Topology,
+    shards: Vec<DatabaseConnection>,
+    directories: Vec<DatabaseConnection>,
+}
+
+impl std::fmt::Debug for Cluster {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Cluster")
+            .field("shards", &self.inner.topology.shards())
+            .field("directories", &self.inner.topology.directories())
+            .finish()
+    }
+}
+
+impl Cluster {
+    /// Validates the config and connects to every shard and directory database
+    /// (concurrently). Fails with [`ShardError::Connect`] naming the first shard
+    /// that could not be reached; its URL appears without its password.
+    pub async fn connect(config: ClusterConfig) -> Result<Self> {
+        let topology = Topology::build(&config)?;
+        let pool = &config.pool;
+        let shard_conns = join_all(
+            topology
+                .shards()
+                .iter()
+                .map(|s| connect_one(&s.name, &s.url, pool)),
+        );
+        let dir_conns = join_all(topology.directories().iter().map(|d| {
+            let name = format!("directory:{}", d.group);
+            async move { connect_one(&name, &d.url, pool).await }
+        }));
+        let (shards, directories) = futures::join!(shard_conns, dir_conns);
+        let shards = shards.into_iter().collect::<Result<Vec<_>>>()?;
+        let directories = directories.into_iter().collect::<Result<Vec<_>>>()?;
+        Ok(Cluster {
+            inner: Arc::new(Inner {
+                topology,
+                shards,
+                directories,
+            }),
+        })
+    }
+
+    /// The validated topology.
+    pub fn topology(&self) -> &Topology {
+        &self.inner.topology
+    }
+
+    /// A shard's connection pool by name, for administration and for checking
+    /// where rows landed. Statements sent through it bypass shardkit's checks.
+    pub fn connection(&self, shard: &str) -> Option<&DatabaseConnection> {
+        let id = self.inner.topology.shard_id(shard)?;
+        Some(&self.inner.shards[id.index()])
+    }
+
+    pub(crate) fn shard_conn(&self, id: ShardId) -> &DatabaseConnection {
+        &self.inner.shards[id.index()]
+    }
+
+    pub(crate) fn shard_name(&self, id: ShardId) -> &str {
+        &self.inner.topology.shard(id).name
+    }
+
+    /// Where `key` of group `G` lives. Pure computation for hash, range and
+    /// modulo placements; one lookup for directory placements.
+    pub async fn route<G: EntityGroup>(&self, key: &G::Key) -> Result<Target> {
+        match self.inner.topology.locate(G::NAME, key)? {
+            Located::Target(target) => Ok(target),
+            Located::Directory(index) => self.directory_index::<G>(index).lookup_target(key).await,
+        }
+    }
+
+    /// The name of the shard `key` of group `G` lives on.
+    pub async fn shard_of<G: EntityGroup>(&self, key: &G::Key) -> Result<&str> {
+        let target = self.route::<G>(key).await?;
+        Ok(self.shard_name(target.shard))
+    }
+
+    /// Starts a read of entity `E`. A key must be given (`.key(k)`) before it
+    /// can run; shardkit never guesses which shards to read.
+    pub fn find<E: ShardedEntity>(&self) -> Find<E, Unkeyed> {
+        Find::new(self.clone(), E::find())
+    }
+
+    /// Opens a transaction for group `G` pinned to `key`, on the key's shard.
+    /// Every write in it must carry that key.
+    pub async fn begin<G: EntityGroup>(&self, key: G::Key) -> Result<ShardTx<G>> {
+        let target = self.route::<G>(&key).await?;
+        let shard = self.shard_name(target.shard).to_owned();
+        let span = tracing::info_span!(
+            "shardkit.tx",
+            group = G::NAME,
+            shard = %shard,
+            bucket = tracing::field::Empty,
+        );
+        if let Some(bucket) = target.bucket {
+            span.record("bucket", bucket);
+        }
+        tracing::debug!(parent: &span, key = ?key, "begin");
+        let txn = self
+            .shard_conn(target.shard)
+            .begin()
+            .await
+            .map_err(|source| ShardError::Db {
+                group: G::NAME,
+                shard: shard.clone(),
+                operation: "begin".to_owned(),
+                source,
+            })?;
+        Ok(ShardTx::new(txn, key, shard, target, span))
+    }
+
+    /// The lookup table of a directory-placed group.
+    pub fn directory<G: EntityGroup>(&self) -> Result<Directory<G>> {
+        match self.inner.topology.placement(G::NAME)? {
+            crate::topology::Placement::Directory { directory } => {
+                Ok(self.directory_index(*directory))
+            }
+            _ => Err(ShardError::config(
+                format!("groups.{}", G::NAME),
+                "this group is not placed by directory (placement = \"directory\")",
+            )),
+        }
+    }
+
+    fn directory_index<G: EntityGroup>(&self, index: usize) -> Directory<G> {
+        Directory {
+            cluster: self.clone(),
+            index,
+            _group: PhantomData,
+        }
+    }
+
+    /// Applies migrator `M` to every shard and every directory database, all
+    /// of them concurrently, then reports each one's status. Fails with
+    /// [`ShardError::Migration`] naming a shard whose migration failed, after
+    /// every other shard has had its turn.
+    pub async fn migrate<M: MigratorTrait>(&self) -> Result<MigrationReport> {
+        let results = join_all(self.databases().map(|(name, conn)| async move {
+            M::up(conn, None)
+                .await
+                .map_err(|source| ShardError::Migration {
+                    shard: name,
+                    source,
+                })
+        }))
+        .await;
+        results.into_iter().collect::<Result<Vec<()>>>()?;
+        self.migration_status::<M>().await
+    }
+
+    /// The migration status of every shard and directory database, without
+    /// changing anything (beyond creating SeaORM's migration table if missing).
+    pub async fn migration_status<M: MigratorTrait>(&self) -> Result<MigrationReport> {
+        let statuses = join_all(self.databases().map(|(name, conn)| async move {
+            let applied = M::get_applied_migrations(conn).await;
+            let pending = M::get_pending_migrations(conn).await;
+            match (applied, pending) {
+                (Ok(applied), Ok(pending)) => Ok(DatabaseMigrationStatus {
+                    name,
+                    applied: applied.iter().map(|m| m.name().to_owned()).collect(),
+                    pending: pending.iter().map(|m| m.name().to_owned()).collect(),
+                }),
+                (Err(source), _) | (_, Err(source)) => Err(ShardError::Migration {
+                    shard: name,
+                    source,
+                }),
+            }
+        }))
+        .await;
+        Ok(MigrationReport {
+            databases: statuses.into_iter().collect::<Result<Vec<_>>>()?,
+        })
+    }
+
+    /// Every database of the cluster with its report name, deduplicated by URL
+    /// (a directory may live in a shard's database).
+    fn databases(&self) -> impl Iterator<Item = (String, &DatabaseConnection)> {
+        let topology = &self.inner.topology;
+        let shards = topology
+            .shards()
+            .iter()
+            .zip(&self.inner.shards)
+            .map(|(spec, conn)| (spec.name.clone(), &spec.url, conn));
+        let dirs = topology
+            .directories()
+            .iter()
+            .zip(&self.inner.directories)
+            .map(|(spec, conn)| (format!("directory:{}", spec.group), &spec.url, conn));
+        let mut seen: Vec<&DatabaseUrl> = Vec::new();
+        shards
+            .chain(dirs)
+            .filter(move |(_, url, _)| {
+                if seen.contains(url) {
+                    false
+                } else {
+                    seen.push(url);
+                    true
+                }
+            })
+            .map(|(name, _, conn)| (name, conn))
+    }
+}
+
+async fn connect_one(
+    name: &str,
+    url: &DatabaseUrl,
+    pool: &PoolConfig,
+) -> Result<DatabaseConnection> {
+    let mut options = ConnectOptions::new(url.expose().to_owned());
+    // Statements are logged by shardkit's own spans; keep the driver's
+    // per-statement log below info.
+    options.sqlx_logging_level(log::LevelFilter::Debug);
+    if let Some(n) = pool.max_connections {
+        options.max_connections(n);
+    }
+    if let Some(n) = pool.min_connections {
+        options.min_connections(n);
+    }
+    if let Some(secs) = pool.connect_timeout_secs {
+        options.connect_timeout(Duration::from_secs(secs));
+    }
+    if let Some(secs) = pool.acquire_timeout_secs {
+        options.acquire_timeout(Duration::from_secs(secs));
+    }
+    Database::connect(options)
+        .await
+        .map_err(|err| ShardError::Connect {
+            shard: name.to_owned(),
+            url: url.redacted(),
+            cause: url.scrub(&err.to_string()),
+        })
+}
+
+/// The result of [`Cluster::migrate`] / [`Cluster::migration_status`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MigrationReport {
+    /// One entry per shard (by name) and per directory database
+    /// (`directory:<group>`).
+    pub databases: Vec<DatabaseMigrationStatus>,
+}
+
+/// One database's migrations.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DatabaseMigrationStatus {
+    /// Shard name, or `directory:<group>`.
+    pub name: String,
+    /// Applied migrations, in order.
+    pub applied: Vec<String>,
+    /// Migrations not yet applied.
+    pub pending: Vec<String>,
+}
+
+impl MigrationReport {
+    /// Databases with pending migrations: behind the migrator, and so behind
+    /// any shard that has them applied.
+    pub fn behind(&self) -> Vec<&DatabaseMigrationStatus> {
+        self.databases
+            .iter()
+            .filter(|d| !d.pending.is_empty())
+            .collect()
+    }
+
+    /// Whether every database has every migration applied.
+    pub fn is_current(&self) -> bool {
+        self.behind().is_empty()
+    }
+}
+
+impl std::fmt::Display for MigrationReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for db in &self.databases {
+            writeln!(
+                f,
+                "{:<24} applied {:>3}  pending {:>3}{}",
+                db.name,
+                db.applied.len(),
+                db.pending.len(),
+                if db.pending.is_empty() {
+                    ""
+                } else {
+                    "  <- behind"
+                }
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// The `key → shard` lookup table of a directory-placed group (see
+/// `placement = "directory"`). The table is created by the `shardkit-migration`
+/// crate's migrations.
+pub struct Directory<G: EntityGroup> {
+    cluster: Cluster,
+    index: usize,
+    _group: PhantomData<fn() -> G>,
+}
+
+impl<G: EntityGroup> Directory<G> {
+    fn conn(&self) -> &DatabaseConnection {
+        &self.cluster.inner.directories[self.index]
+    }
+
+    fn table(&self) -> Alias {
+        Alias::new(
+            self.cluster.inner.topology.directories()[self.index]
+                .table
+                .as_str(),
+        )
+    }
+
+    fn db_err(&self, operation: &str, source: sea_orm::DbErr) -> ShardError {
+        ShardError::Db {
+            group: G::NAME,
+            shard: format!("directory:{}", G::NAME),
+            operation: operation.to_owned(),
+            source,
+        }
+    }
+
+    /// Places `key` on `shard` (insert or overwrite).
+    pub async fn assign(&self, key: &G::Key, shard: &str) -> Result<()> {
+        if self.cluster.inner.topology.shard_id(shard).is_none() {
+            return Err(ShardError::config(
+                format!("directory:{}", G::NAME),
+                format!("cannot assign a key to shard `{shard}`: no such shard"),
+            ));
+        }
+        let stmt = Query::insert()
+            .into_table(self.table())
+            .columns([
+                Alias::new("group_name"),
+                Alias::new("shard_key"),
+                Alias::new("shard"),
+            ])
+            .values_panic([G::NAME.into(), key.to_directory_text().into(), shard.into()])
+            .on_conflict(
+                OnConflict::columns([Alias::new("group_name"), Alias::new("shard_key")])
+                    .update_column(Alias::new("shard"))
+                    .to_owned(),
+            )
+            .to_owned();
+        self.conn()
+            .execute(&stmt)
+            .await
+            .map_err(|e| self.db_err("assign directory entry", e))?;
+        Ok(())
+    }
+
+    /// The shard `key` is assigned to, if any.
+    pub async fn lookup(&self, key: &G::Key) -> Result<Option<String>> {
+        let stmt = Query::select()
+            .column(Alias::new("shard"))
+            .from(self.table())
+            .and_where(Expr::col(Alias::new("group_name")).eq(G::NAME))
+            .and_where(Expr::col(Alias::new("shard_key")).eq(key.to_directory_text()))
+            .to_owned();
+        let row = self
+            .conn()
+            .query_one(&stmt)
+            .await
+            .map_err(|e| self.db_err("directory lookup", e))?;
+        row.map(|row| row.try_get::<String>("", "shard"))
+            .transpose()
+            .map_err(|e| self.db_err("directory lookup", e))
+    }
+
+    /// Removes `key`'s entry; returns whether there was one.
+    pub async fn remove(&self, key: &G::Key) -> Result<bool> {
+        let stmt = Query::delete()
+            .from_table(self.table())
+            .and_where(Expr::col(Alias::new("group_name")).eq(G::NAME))
+            .and_where(Expr::col(Alias::new("shard_key")).eq(key.to_directory_text()))
+            .to_owned();
+        let res = self
+            .conn()
+            .execute(&stmt)
+            .await
+            .map_err(|e| self.db_err("directory remove", e))?;
+        Ok(res.rows_affected() > 0)
+    }
+
+    async fn lookup_target(&self, key: &G::Key) -> Result<Target> {
+        let shard = self
+            .lookup(key)
+            .await?
+            .ok_or_else(|| ShardError::Unroutable {
+                group: G::NAME,
+                key: format!("{key:?}"),
+                reason: "the key has no entry in the directory; assign it with \
+                     `cluster.directory::<G>()?.assign(&key, shard)`"
+                    .to_owned(),
+            })?;
+        let id = self
+            .cluster
+            .inner
+            .topology
+            .shard_id(&shard)
+            .ok_or_else(|| ShardError::Unroutable {
+                group: G::NAME,
+                key: format!("{key:?}"),
+                reason: format!("the directory names shard `{shard}`, which is not in the config"),
+            })?;
+        Ok(Target {
+            shard: id,
+            bucket: None,
+        })
+    }
+}

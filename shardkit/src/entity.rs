@@ -1,0 +1,193 @@
+//! What the derives implement: [`EntityGroup`], [`ShardedEntity`], and the
+//! [`ShardKey`] types a group can be keyed by.
+
+use crate::topology::pghash;
+use sea_orm::{EntityTrait, Value};
+use std::fmt::Debug;
+use std::hash::Hash;
+
+/// A value that can be a shard key.
+///
+/// Implemented for `i64`, `i32`, `u64`, `String` and `uuid::Uuid`. The hash is
+/// PostgreSQL's hash-partitioning hash for the matching SQL type, so a key lands
+/// in the same bucket that `PARTITION BY HASH (key) MODULUS buckets` puts it in:
+/// integers hash as `bigint` (`hashint8extended`; `i32` agrees with `integer`
+/// because PostgreSQL makes the two agree, and `u64` hashes as the `bigint` with
+/// the same 64 bits), strings as `text` (`hashtextextended`) and UUIDs as `uuid`.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` cannot be a shard key",
+    label = "not a supported shard key type",
+    note = "shardkit shard keys are one of: i64, i32, u64, String, uuid::Uuid (never `Option<_>`)"
+)]
+pub trait ShardKey: Clone + Eq + Hash + Debug + Send + Sync + 'static + Into<Value> {
+    /// `hash_combine64(0, hash_extended(key, HASH_PARTITION_SEED))`: the 64-bit
+    /// row hash PostgreSQL's hash partitioning computes for this key.
+    fn partition_hash(&self) -> u64;
+
+    /// The key as range and modulo placements see it.
+    fn key_ref(&self) -> KeyRef<'_>;
+
+    /// The canonical text stored in a directory table.
+    fn to_directory_text(&self) -> String;
+}
+
+/// A borrowed view of a shard key, for placements that compare or divide keys.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KeyRef<'a> {
+    /// Any integer key, widened.
+    Int(i128),
+    /// A string key.
+    Text(&'a str),
+    /// A UUID key.
+    Uuid(&'a uuid::Uuid),
+}
+
+macro_rules! int_key {
+    ($($t:ty => $as_i64:expr),* $(,)?) => {$(
+        impl ShardKey for $t {
+            #[inline]
+            fn partition_hash(&self) -> u64 {
+                let f: fn($t) -> i64 = $as_i64;
+                pghash::partition_hash_i64(f(*self))
+            }
+            #[inline]
+            fn key_ref(&self) -> KeyRef<'_> {
+                KeyRef::Int(i128::from(*self))
+            }
+            fn to_directory_text(&self) -> String {
+                self.to_string()
+            }
+        }
+    )*};
+}
+
+int_key! {
+    i64 => |v| v,
+    i32 => i64::from,
+    // PostgreSQL has no unsigned type: a u64 key is hashed as the bigint with the
+    // same 64 bits, which is how it round-trips through a `bigint` column.
+    u64 => |v| v as i64,
+}
+
+impl ShardKey for String {
+    #[inline]
+    fn partition_hash(&self) -> u64 {
+        pghash::partition_hash_bytes(self.as_bytes())
+    }
+    #[inline]
+    fn key_ref(&self) -> KeyRef<'_> {
+        KeyRef::Text(self)
+    }
+    fn to_directory_text(&self) -> String {
+        self.clone()
+    }
+}
+
+impl ShardKey for uuid::Uuid {
+    #[inline]
+    fn partition_hash(&self) -> u64 {
+        pghash::partition_hash_bytes(self.as_bytes())
+    }
+    #[inline]
+    fn key_ref(&self) -> KeyRef<'_> {
+        KeyRef::Uuid(self)
+    }
+    fn to_directory_text(&self) -> String {
+        self.hyphenated().to_string()
+    }
+}
+
+/// A transactional entity group: tables sharded by the same key and written
+/// together (PayPal's "entity group"). Derive it:
+///
+/// ```ignore
+/// #[derive(shardkit::EntityGroup)]
+/// #[shardkit(key = i64)]
+/// pub struct Customer;
+/// ```
+pub trait EntityGroup: Send + Sync + 'static {
+    /// The shard key type every member entity uses.
+    type Key: ShardKey;
+    /// The group's name in the cluster config (`[groups.<NAME>]`).
+    const NAME: &'static str;
+}
+
+/// Ties a shard key field's type to its group's key type. The `EntityGroup`
+/// derive implements it for exactly the declared key type, so a field of any
+/// other type is a compile error that names both.
+#[diagnostic::on_unimplemented(
+    message = "the shard key type `{Self}` does not match the key type of entity group `{G}`",
+    label = "this shard key must have the group's key type",
+    note = "every entity of a group is sharded by the same key type; use the type given in \
+            `#[shardkit(key = ...)]` on `{G}` (supported: i64, i32, u64, String, uuid::Uuid)"
+)]
+pub trait GroupKey<G: EntityGroup> {
+    /// Identity conversion, typed through the group.
+    fn into_group_key(self) -> G::Key;
+}
+
+/// A SeaORM entity whose rows live on shards. Derive it on the `Model` with
+/// `#[derive(shardkit::Sharded)]`.
+pub trait ShardedEntity: EntityTrait {
+    /// The transactional entity group the entity belongs to.
+    type Group: EntityGroup;
+    /// The Rust field name of the shard key.
+    const SHARD_KEY_FIELD: &'static str;
+    /// The shard key column.
+    fn shard_key_column() -> Self::Column;
+    /// The shard key of a model.
+    fn shard_key(model: &Self::Model) -> <Self::Group as EntityGroup>::Key;
+    /// The shard key of an ActiveModel, or `None` when it is `NotSet`.
+    fn active_shard_key(
+        model: &<Self as EntityTrait>::ActiveModel,
+    ) -> Option<<Self::Group as EntityGroup>::Key>;
+}
+
+/// "`Self` is an entity of group `G`": the bound [`ShardTx<G>`](crate::ShardTx)
+/// puts on what it writes, so writing another group's entity fails to compile
+/// with a message that says so.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is not an entity of group `{G}`, so a `ShardTx<{G}>` cannot write it",
+    label = "belongs to another entity group",
+    note = "a shardkit transaction is pinned to one group and one key; open a transaction for \
+            the entity's own group with `cluster.begin::<ItsGroup>(key)`"
+)]
+pub trait InGroup<G: EntityGroup>: ShardedEntity {
+    /// The shard key of an ActiveModel, typed as `G`'s key.
+    fn group_key_of(model: &<Self as EntityTrait>::ActiveModel) -> Option<G::Key>;
+    /// `G`'s key typed as the entity's own group key (they are the same type).
+    fn group_key_as_entity_key(key: &G::Key) -> <Self::Group as EntityGroup>::Key;
+}
+
+impl<E: ShardedEntity> InGroup<E::Group> for E {
+    #[inline]
+    fn group_key_of(model: &E::ActiveModel) -> Option<<E::Group as EntityGroup>::Key> {
+        E::active_shard_key(model)
+    }
+    #[inline]
+    fn group_key_as_entity_key(
+        key: &<E::Group as EntityGroup>::Key,
+    ) -> <E::Group as EntityGroup>::Key {
+        key.clone()
+    }
+}
+
+/// Support code for the derives; not part of the public API.
+#[doc(hidden)]
+pub mod __private {
+    use sea_orm::ActiveValue;
+
+    /// The value of a set (or unchanged) active field.
+    #[inline]
+    pub fn active_value<T: Clone + Into<sea_orm::Value>>(value: &ActiveValue<T>) -> Option<T> {
+        match value {
+            ActiveValue::Set(v) | ActiveValue::Unchanged(v) => Some(v.clone()),
+            ActiveValue::NotSet => None,
+        }
+    }
+}
+
+/// The table name of an entity, for messages and spans.
+pub(crate) fn table_name<E: EntityTrait>() -> &'static str {
+    E::default().table_name()
+}

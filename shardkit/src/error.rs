@@ -1,0 +1,168 @@
+//! One error type for everything shardkit does.
+//!
+//! Every variant says what went wrong and where: which group, which shard, which
+//! key or config entry. Database errors keep SeaORM's [`DbErr`] as their source.
+//! Connection URLs appear only in redacted form (see [`crate::topology::DatabaseUrl`]).
+
+use sea_orm::DbErr;
+
+/// `Result` with [`ShardError`] as the default error.
+pub type Result<T, E = ShardError> = std::result::Result<T, E>;
+
+/// Everything that can go wrong in shardkit.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ShardError {
+    /// The cluster configuration is invalid. `entry` names the offending part,
+    /// e.g. `shards[2] ("s2")` or `groups.Customer.buckets[1]`.
+    #[error("invalid shardkit config at {entry}: {message}")]
+    Config {
+        /// Where in the config the problem is.
+        entry: String,
+        /// What is wrong and how to fix it.
+        message: String,
+    },
+
+    /// A shard's database could not be reached when the cluster connected.
+    #[error("cannot connect to shard `{shard}` at {url}: {cause}")]
+    Connect {
+        /// The logical shard (or directory database) being connected.
+        shard: String,
+        /// The URL with its password replaced by `***`.
+        url: String,
+        /// The driver's message, with the password scrubbed from it.
+        cause: String,
+    },
+
+    /// A statement failed on a shard.
+    #[error("{operation} on shard `{shard}` (group `{group}`) failed: {source}")]
+    Db {
+        /// The entity group the statement was routed for.
+        group: &'static str,
+        /// The shard it ran on.
+        shard: String,
+        /// What shardkit was doing (`select orders`, `insert orders`, `commit`, ...).
+        operation: String,
+        /// SeaORM's error.
+        #[source]
+        source: DbErr,
+    },
+
+    /// A write inside a [`ShardTx`](crate::ShardTx) carried a row whose shard key
+    /// is not the transaction's key. Nothing was sent to the database, and the
+    /// transaction is now rollback-only.
+    #[error(
+        "cross-shard write refused: `{entity}` row has {column} = {found}, but the transaction \
+         is pinned to {column} = {expected}; open a transaction for that key instead"
+    )]
+    CrossShardWrite {
+        /// The entity (table) being written.
+        entity: &'static str,
+        /// The shard key column.
+        column: &'static str,
+        /// The transaction's key.
+        expected: String,
+        /// The key the row carries.
+        found: String,
+    },
+
+    /// A write carried an ActiveModel whose shard key is not set, so it cannot be
+    /// checked against the transaction's key. Nothing was sent to the database.
+    #[error(
+        "`{entity}` write has no shard key: set `{column}` on the ActiveModel (to the \
+         transaction's key) before writing it"
+    )]
+    MissingShardKey {
+        /// The entity (table) being written.
+        entity: &'static str,
+        /// The shard key column that was `NotSet`.
+        column: &'static str,
+    },
+
+    /// The transaction refused an earlier write (or an earlier statement failed),
+    /// so it can only be rolled back. Nothing it did was committed.
+    #[error(
+        "transaction for group `{group}` on shard `{shard}` is rollback-only after an earlier \
+         error ({reason}); nothing was committed"
+    )]
+    RollbackOnly {
+        /// The transaction's group.
+        group: &'static str,
+        /// The transaction's shard.
+        shard: String,
+        /// The first error that poisoned it.
+        reason: String,
+    },
+
+    /// The group has no entry in the cluster config.
+    #[error(
+        "entity group `{group}` has no placement: add a `[groups.{group}]` table to the cluster config (configured groups: {configured})"
+    )]
+    UnknownGroup {
+        /// The group's name (`EntityGroup::NAME`).
+        group: String,
+        /// The groups the config does define.
+        configured: String,
+    },
+
+    /// A key could not be placed on any shard: outside every configured range,
+    /// absent from the directory, or of a type the placement cannot handle.
+    #[error("cannot route group `{group}` key {key}: {reason}")]
+    Unroutable {
+        /// The group.
+        group: &'static str,
+        /// The key (Debug form).
+        key: String,
+        /// Why no shard takes it.
+        reason: String,
+    },
+
+    /// Applying migrations to a shard failed.
+    #[error("migrating shard `{shard}` failed: {source}")]
+    Migration {
+        /// The shard (or directory database) being migrated.
+        shard: String,
+        /// SeaORM's error.
+        #[source]
+        source: DbErr,
+    },
+}
+
+/// A coarse classification of [`ShardError`] for callers that branch on it
+/// (retry, report, fix config) without matching every variant.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ErrorKind {
+    /// The configuration is wrong; fix it and restart.
+    Config,
+    /// A database could not be reached or a statement failed; may be transient.
+    Database,
+    /// The program asked for something shardkit refuses (cross-shard write,
+    /// missing key, poisoned transaction); retrying the same call will not help.
+    Refused,
+    /// The key has no shard.
+    Routing,
+}
+
+impl ShardError {
+    /// Which kind of error this is.
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            ShardError::Config { .. } | ShardError::UnknownGroup { .. } => ErrorKind::Config,
+            ShardError::Connect { .. } | ShardError::Db { .. } | ShardError::Migration { .. } => {
+                ErrorKind::Database
+            }
+            ShardError::CrossShardWrite { .. }
+            | ShardError::MissingShardKey { .. }
+            | ShardError::RollbackOnly { .. } => ErrorKind::Refused,
+            ShardError::Unroutable { .. } => ErrorKind::Routing,
+        }
+    }
+
+    pub(crate) fn config(entry: impl Into<String>, message: impl Into<String>) -> Self {
+        ShardError::Config {
+            entry: entry.into(),
+            message: message.into(),
+        }
+    }
+}

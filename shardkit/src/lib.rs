@@ -1,0 +1,117 @@
+//! # shardkit
+//!
+//! A data-access layer on top of [SeaORM](https://www.sea-ql.org/SeaORM/) 2.0
+//! for applications whose data is split over many databases (shards).
+//! Entities declare their shard key and their transactional entity group;
+//! reads are routed by key; writes that would cross shards are refused before
+//! any SQL runs.
+//!
+//! ```no_run
+//! use shardkit::prelude::*;
+//!
+//! #[derive(EntityGroup)]
+//! #[shardkit(key = i64)]
+//! pub struct Customer;
+//!
+//! pub mod order {
+//!     use sea_orm::entity::prelude::*;
+//!
+//!     #[sea_orm::model]
+//!     #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel, shardkit::Sharded)]
+//!     #[sea_orm(table_name = "orders")]
+//!     #[shardkit(group = crate::Customer)]
+//!     pub struct Model {
+//!         #[sea_orm(primary_key, auto_increment = false)]
+//!         pub id: i64,
+//!         #[shardkit(shard_key)]
+//!         pub customer_id: i64,
+//!         pub total_cents: i64,
+//!     }
+//!
+//!     impl ActiveModelBehavior for ActiveModel {}
+//! }
+//!
+//! # async fn run() -> shardkit::Result<()> {
+//! let cluster = Cluster::connect(ClusterConfig::from_toml(r#"
+//!     shards = [
+//!         { name = "s0", url = "sqlite://data/s0.db?mode=rwc" },
+//!         { name = "s1", url = "sqlite://data/s1.db?mode=rwc" },
+//!     ]
+//!     [groups.Customer]
+//!     placement = "hash"
+//! "#)?).await?;
+//!
+//! // A write: one group, one key, one shard.
+//! let tx = cluster.begin::<Customer>(42).await?;
+//! tx.insert(order::ActiveModel {
+//!     id: Set(1),
+//!     customer_id: Set(42),
+//!     total_cents: Set(1_999),
+//! })
+//! .await?;
+//! tx.commit().await?;
+//!
+//! // A read: the key picks the shard (and is added to the WHERE clause).
+//! let mine = cluster
+//!     .find::<order::Entity>()
+//!     .key(42)
+//!     .filter(order::Column::TotalCents.gt(1_000))
+//!     .all()
+//!     .await?;
+//! # let _ = mine;
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! ## Tour
+//!
+//! - [`entity`]: [`EntityGroup`] and [`ShardedEntity`], implemented by
+//!   `#[derive(EntityGroup)]` and `#[derive(Sharded)]`.
+//! - [`topology`]: buckets → logical shards → hosts; hash (PostgreSQL
+//!   partition-compatible), range, modulo and directory placements; the TOML
+//!   config ([`ClusterConfig`]) and its validation.
+//! - [`cluster`]: [`Cluster`], the entry point: connections, routing,
+//!   migrations, directory tables.
+//! - [`read`]: keyed reads ([`Find`]).
+//! - [`tx`]: [`ShardTx`], a transaction pinned to one key.
+//! - [`error`]: [`ShardError`], the one error type.
+//!
+//! ## Compile-time guarantees
+//!
+//! An unkeyed read (`cluster.find::<E>().all()`) and a write of another
+//! group's entity through a `ShardTx<G>` do not compile; the derives reject a
+//! missing, duplicated, nullable or mistyped shard key.
+
+#![warn(missing_docs)]
+
+pub mod cluster;
+pub mod entity;
+pub mod error;
+pub mod read;
+pub mod topology;
+pub mod tx;
+
+pub use cluster::{Cluster, DatabaseMigrationStatus, Directory, MigrationReport};
+pub use entity::{EntityGroup, GroupKey, InGroup, KeyRef, ShardKey, ShardedEntity};
+pub use error::{ErrorKind, Result, ShardError};
+pub use read::{Find, KeyOf, Keyed, TxFind, Unkeyed};
+pub use shardkit_derive::{EntityGroup, Sharded};
+pub use topology::{ClusterConfig, DatabaseUrl, ShardId, Target, Topology};
+pub use tx::ShardTx;
+
+/// The SeaORM this version of shardkit is built on.
+pub use sea_orm;
+
+#[doc(hidden)]
+pub use entity::__private;
+
+/// The items most programs need: `use shardkit::prelude::*;`.
+pub mod prelude {
+    pub use crate::{
+        Cluster, ClusterConfig, EntityGroup, InGroup, ShardError, ShardKey, ShardTx, Sharded,
+        ShardedEntity,
+    };
+    pub use sea_orm::{
+        ActiveValue::Set, ColumnTrait, EntityTrait, QueryFilter, QueryOrder, QuerySelect,
+    };
+}

@@ -1,0 +1,231 @@
+//! The cluster configuration as users write it (TOML), and its validation.
+//!
+//! ```toml
+//! [[shards]]
+//! name = "s0"
+//! url = "sqlite://data/s0.db?mode=rwc"
+//!
+//! [[hosts]]                      # a physical server holding several shards
+//! name = "pg1"
+//! url = "postgres://app:secret@10.0.0.5:5432"
+//!
+//! [[shards]]
+//! name = "s1"
+//! host = "pg1"
+//! database = "orders_1"
+//!
+//! [groups.Customer]              # one table per entity group
+//! placement = "hash"             # hash (default) | range | modulo | directory
+//! buckets = 1024                 # default 1024
+//! bucket_ranges = [              # optional: default spreads buckets evenly
+//!   { shard = "s0", first = 0,   last = 511 },
+//!   { shard = "s1", first = 512, last = 1023 },
+//! ]
+//! ```
+
+use super::url::{DatabaseUrl, redact_urls};
+use crate::error::{Result, ShardError};
+use serde::Deserialize;
+use std::collections::BTreeMap;
+
+/// The whole cluster: hosts, logical shards and one placement per entity group.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClusterConfig {
+    /// Physical database servers that several logical shards share. Optional:
+    /// a shard may give its own `url` instead.
+    #[serde(default)]
+    pub hosts: Vec<HostConfig>,
+    /// The logical shards, in order. A shard's position is its index in routing
+    /// tables; its name is what the rest of the config refers to.
+    pub shards: Vec<ShardConfig>,
+    /// Placement of each entity group, keyed by the group's name
+    /// (`EntityGroup::NAME`, the type's name unless `#[shardkit(name = ...)]`).
+    #[serde(default)]
+    pub groups: BTreeMap<String, GroupConfig>,
+    /// Connection pool settings applied to every shard.
+    #[serde(default)]
+    pub pool: PoolConfig,
+}
+
+/// A physical database server.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HostConfig {
+    /// Name shards use to refer to this host.
+    pub name: String,
+    /// Server URL without a database, e.g. `postgres://user:pw@10.0.0.5:5432`.
+    pub url: DatabaseUrl,
+}
+
+/// A logical shard: one database.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ShardConfig {
+    /// Unique shard name, used in placements, errors and traces.
+    pub name: String,
+    /// Full database URL. Give either this, or `host` and `database`.
+    pub url: Option<DatabaseUrl>,
+    /// Name of a `[[hosts]]` entry this shard's database lives on.
+    pub host: Option<String>,
+    /// Database name on `host`.
+    pub database: Option<String>,
+}
+
+/// How a group's keys are placed on shards.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PlacementKind {
+    /// PostgreSQL-compatible hash → bucket → shard (PayPal's scuttles).
+    #[default]
+    Hash,
+    /// Ordered key ranges, `[from, to)`, each on one shard.
+    Range,
+    /// `key mod n` picks the shard from a list (integer keys only).
+    Modulo,
+    /// A lookup table `key → shard` in a database of its own.
+    Directory,
+}
+
+/// One entity group's placement.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GroupConfig {
+    /// The placement strategy; `hash` when omitted.
+    #[serde(default)]
+    pub placement: PlacementKind,
+    /// `hash`: number of buckets (virtual shards), default 1024. Fixed for the
+    /// life of the data: rebalancing moves buckets, it never changes this.
+    pub buckets: Option<u32>,
+    /// `hash`: which shard owns which buckets (inclusive `first..=last`). When
+    /// omitted, buckets are spread evenly over `shards` (or every shard).
+    pub bucket_ranges: Option<Vec<BucketRange>>,
+    /// `range`: key ranges `[from, to)`, without gaps or overlaps.
+    pub ranges: Option<Vec<KeyRange>>,
+    /// `modulo`: the shards `key mod n` indexes into. `hash` without
+    /// `bucket_ranges`: the shards buckets are spread over.
+    pub shards: Option<Vec<String>>,
+    /// `directory`: where the lookup table lives.
+    pub directory: Option<DirectoryConfig>,
+}
+
+/// `first..=last` buckets on one shard.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BucketRange {
+    /// The owning shard.
+    pub shard: String,
+    /// First bucket (inclusive).
+    pub first: u32,
+    /// Last bucket (inclusive).
+    pub last: u32,
+}
+
+/// Keys in `[from, to)` on one shard. A missing `from` is unbounded below
+/// (first range only); a missing `to` is unbounded above (last range only).
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KeyRange {
+    /// The owning shard.
+    pub shard: String,
+    /// Lower bound, inclusive.
+    pub from: Option<RangeBound>,
+    /// Upper bound, exclusive.
+    pub to: Option<RangeBound>,
+}
+
+/// A range bound: an integer for integer keys, a string for text and UUID keys
+/// (UUIDs compare in their lowercase hyphenated form, which is byte order).
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Deserialize)]
+#[serde(untagged)]
+pub enum RangeBound {
+    /// Integer bound.
+    Int(i64),
+    /// String bound.
+    Text(String),
+}
+
+impl std::fmt::Display for RangeBound {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RangeBound::Int(v) => write!(f, "{v}"),
+            RangeBound::Text(v) => write!(f, "{v:?}"),
+        }
+    }
+}
+
+/// Where a directory placement keeps its lookup table.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DirectoryConfig {
+    /// Full database URL. Give either this, or `host` and `database`.
+    pub url: Option<DatabaseUrl>,
+    /// Name of a `[[hosts]]` entry.
+    pub host: Option<String>,
+    /// Database name on `host`.
+    pub database: Option<String>,
+    /// Lookup table name; default `shardkit_directory` (created by the
+    /// `shardkit-migration` crate).
+    pub table: Option<String>,
+}
+
+/// Connection pool settings.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PoolConfig {
+    /// Maximum connections per shard (SeaORM's default when omitted).
+    pub max_connections: Option<u32>,
+    /// Minimum idle connections per shard.
+    pub min_connections: Option<u32>,
+    /// Seconds to wait for a new connection.
+    pub connect_timeout_secs: Option<u64>,
+    /// Seconds to wait for a pooled connection.
+    pub acquire_timeout_secs: Option<u64>,
+}
+
+impl ClusterConfig {
+    /// Parses and validates a TOML cluster config.
+    ///
+    /// Parse errors name the line and say what is wrong, without echoing the
+    /// source line (it may hold a password).
+    pub fn from_toml(text: &str) -> Result<Self> {
+        let config: ClusterConfig = toml::from_str(text).map_err(|err| {
+            let entry = match err.span() {
+                Some(span) => {
+                    let line = text[..span.start.min(text.len())].matches('\n').count() + 1;
+                    format!("line {line}")
+                }
+                None => "the document".to_owned(),
+            };
+            ShardError::config(entry, redact_urls(err.message()))
+        })?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Checks everything that parsing cannot: unique names, references that
+    /// resolve, bucket and key ranges that cover their space exactly once, URLs
+    /// that parse. The first problem is returned, naming its entry.
+    pub fn validate(&self) -> Result<()> {
+        super::Topology::build(self).map(|_| ())
+    }
+}
+
+pub(super) const SUPPORTED_SCHEMES: &[&str] = &["sqlite", "postgres", "postgresql", "mysql"];
+
+/// Checks a URL's syntax and scheme without ever printing it.
+pub(super) fn check_url(entry: &str, url: &DatabaseUrl) -> Result<()> {
+    let parsed = url::Url::parse(url.expose())
+        .map_err(|err| ShardError::config(entry, format!("malformed database URL ({err})")))?;
+    if !SUPPORTED_SCHEMES.contains(&parsed.scheme()) {
+        return Err(ShardError::config(
+            entry,
+            format!(
+                "unsupported database URL scheme `{}`; expected one of {}",
+                parsed.scheme(),
+                SUPPORTED_SCHEMES.join(", ")
+            ),
+        ));
+    }
+    Ok(())
+}

@@ -1,0 +1,696 @@
+//! Buckets → logical shards → physical hosts.
+//!
+//! A key is placed by its group's [`Placement`]: with `hash` (the default) it
+//! hashes to one of a fixed number of buckets and the bucket maps to a logical
+//! shard, so rebalancing moves buckets and never rehashes keys (PayPal's
+//! scuttles). Logical shards are databases; several may live on one physical
+//! host. Routing is pure data computed before any I/O ([`Target`]), except for
+//! `directory` placements, whose lookup table the [`Cluster`](crate::Cluster)
+//! reads.
+
+mod config;
+pub mod pghash;
+mod url;
+
+pub use config::{
+    BucketRange, ClusterConfig, DirectoryConfig, GroupConfig, HostConfig, KeyRange, PlacementKind,
+    PoolConfig, RangeBound, ShardConfig,
+};
+pub use url::DatabaseUrl;
+
+use crate::entity::{KeyRef, ShardKey};
+use crate::error::{Result, ShardError};
+use config::check_url;
+use std::collections::{BTreeMap, HashMap};
+use std::fmt;
+
+/// Index of a logical shard in the cluster (its position in `[[shards]]`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ShardId(pub u32);
+
+impl ShardId {
+    /// The index as `usize`.
+    #[inline]
+    pub fn index(self) -> usize {
+        self.0 as usize
+    }
+}
+
+/// Where one key's rows live: computed before any statement runs, printable
+/// and testable on its own.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Target {
+    /// The logical shard.
+    pub shard: ShardId,
+    /// The bucket, for hash placements.
+    pub bucket: Option<u32>,
+}
+
+/// A logical shard as the topology knows it.
+#[derive(Clone, Debug)]
+pub struct ShardSpec {
+    /// The shard's name.
+    pub name: String,
+    /// Its database URL (prints redacted).
+    pub url: DatabaseUrl,
+    /// The `[[hosts]]` entry it lives on, if it was configured through one.
+    pub host: Option<String>,
+}
+
+/// A directory placement's lookup database.
+#[derive(Clone, Debug)]
+pub struct DirectorySpec {
+    /// The group it serves.
+    pub group: String,
+    /// Its database URL (prints redacted).
+    pub url: DatabaseUrl,
+    /// The lookup table.
+    pub table: String,
+}
+
+/// One group's validated placement.
+#[derive(Clone, Debug)]
+pub enum Placement {
+    /// `bucket = partition_hash(key) % buckets`, then `owner[bucket]`.
+    Hash {
+        /// Number of buckets.
+        buckets: u32,
+        /// Owning shard of each bucket.
+        owner: Box<[ShardId]>,
+    },
+    /// Sorted, contiguous `[from, to)` ranges.
+    Range {
+        /// The ranges in key order.
+        ranges: Vec<(Option<RangeBound>, Option<RangeBound>, ShardId)>,
+    },
+    /// `key mod shards.len()` indexes `shards`.
+    Modulo {
+        /// The shards, in order.
+        shards: Vec<ShardId>,
+    },
+    /// `key → shard` rows in a lookup table.
+    Directory {
+        /// Index into [`Topology::directories`].
+        directory: usize,
+    },
+}
+
+/// The result of placing a key without I/O.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Located {
+    /// The shard is known.
+    Target(Target),
+    /// The shard must be read from this directory database.
+    Directory(usize),
+}
+
+/// The validated cluster layout. Built from a [`ClusterConfig`]; immutable.
+#[derive(Clone, Debug)]
+pub struct Topology {
+    shards: Vec<ShardSpec>,
+    by_name: HashMap<String, ShardId>,
+    groups: HashMap<String, Placement>,
+    directories: Vec<DirectorySpec>,
+}
+
+/// The default number of buckets of a hash placement.
+pub const DEFAULT_BUCKETS: u32 = 1024;
+
+/// The default directory table name.
+pub const DEFAULT_DIRECTORY_TABLE: &str = "shardkit_directory";
+
+impl Topology {
+    /// Validates a config and builds the routing tables.
+    pub fn build(config: &ClusterConfig) -> Result<Self> {
+        let mut hosts: HashMap<&str, &DatabaseUrl> = HashMap::new();
+        for (i, host) in config.hosts.iter().enumerate() {
+            let entry = format!("hosts[{i}] ({:?})", host.name);
+            if host.name.is_empty() {
+                return Err(ShardError::config(entry, "a host needs a non-empty `name`"));
+            }
+            check_url(&entry, &host.url)?;
+            if hosts.insert(&host.name, &host.url).is_some() {
+                return Err(ShardError::config(
+                    entry,
+                    format!("host `{}` is defined twice", host.name),
+                ));
+            }
+        }
+
+        if config.shards.is_empty() {
+            return Err(ShardError::config(
+                "shards",
+                "define at least one `[[shards]]` entry",
+            ));
+        }
+        if config.shards.len() > u32::MAX as usize {
+            return Err(ShardError::config("shards", "too many shards"));
+        }
+        let mut shards = Vec::with_capacity(config.shards.len());
+        let mut by_name = HashMap::new();
+        for (i, shard) in config.shards.iter().enumerate() {
+            let entry = format!("shards[{i}] ({:?})", shard.name);
+            if shard.name.is_empty() {
+                return Err(ShardError::config(
+                    entry,
+                    "a shard needs a non-empty `name`",
+                ));
+            }
+            if let Some(&ShardId(first)) = by_name.get(&shard.name) {
+                return Err(ShardError::config(
+                    entry,
+                    format!(
+                        "shard `{}` is defined twice (first at shards[{first}])",
+                        shard.name
+                    ),
+                ));
+            }
+            let url = locate_database(&entry, &hosts, &shard.url, &shard.host, &shard.database)?;
+            by_name.insert(shard.name.clone(), ShardId(i as u32));
+            shards.push(ShardSpec {
+                name: shard.name.clone(),
+                url,
+                host: shard.host.clone(),
+            });
+        }
+
+        let mut topology = Topology {
+            shards,
+            by_name,
+            groups: HashMap::new(),
+            directories: Vec::new(),
+        };
+        for (name, group) in &config.groups {
+            let placement = topology.build_placement(name, group, &hosts)?;
+            topology.groups.insert(name.clone(), placement);
+        }
+        Ok(topology)
+    }
+
+    fn shard_ref(&self, entry: &str, name: &str) -> Result<ShardId> {
+        self.by_name.get(name).copied().ok_or_else(|| {
+            ShardError::config(
+                entry,
+                format!(
+                    "shard `{name}` is referenced but not defined; defined shards: {}",
+                    self.shard_names().collect::<Vec<_>>().join(", ")
+                ),
+            )
+        })
+    }
+
+    fn build_placement(
+        &mut self,
+        name: &str,
+        group: &GroupConfig,
+        hosts: &HashMap<&str, &DatabaseUrl>,
+    ) -> Result<Placement> {
+        let base = format!("groups.{name}");
+        let only = |field: &str, present: bool, kinds: &str| -> Result<()> {
+            if present {
+                Err(ShardError::config(
+                    format!("{base}.{field}"),
+                    format!("`{field}` applies only to placement = {kinds}"),
+                ))
+            } else {
+                Ok(())
+            }
+        };
+        let kind = group.placement;
+        only(
+            "buckets",
+            group.buckets.is_some() && kind != PlacementKind::Hash,
+            "\"hash\"",
+        )?;
+        only(
+            "bucket_ranges",
+            group.bucket_ranges.is_some() && kind != PlacementKind::Hash,
+            "\"hash\"",
+        )?;
+        only(
+            "ranges",
+            group.ranges.is_some() && kind != PlacementKind::Range,
+            "\"range\"",
+        )?;
+        only(
+            "shards",
+            group.shards.is_some() && !matches!(kind, PlacementKind::Hash | PlacementKind::Modulo),
+            "\"hash\" or \"modulo\"",
+        )?;
+        only(
+            "directory",
+            group.directory.is_some() && kind != PlacementKind::Directory,
+            "\"directory\"",
+        )?;
+
+        match kind {
+            PlacementKind::Hash => {
+                let buckets = group.buckets.unwrap_or(DEFAULT_BUCKETS);
+                if buckets == 0 {
+                    return Err(ShardError::config(
+                        format!("{base}.buckets"),
+                        "zero buckets: a hash placement needs at least one bucket (default 1024)",
+                    ));
+                }
+                let owner = match &group.bucket_ranges {
+                    Some(ranges) => {
+                        if group.shards.is_some() {
+                            return Err(ShardError::config(
+                                format!("{base}.shards"),
+                                "give either `bucket_ranges` or `shards`, not both",
+                            ));
+                        }
+                        self.bucket_owners(&base, buckets, ranges)?
+                    }
+                    None => {
+                        let ids = match &group.shards {
+                            Some(names) => self.shard_list(&format!("{base}.shards"), names)?,
+                            None => (0..self.shards.len() as u32).map(ShardId).collect(),
+                        };
+                        spread(buckets, &ids)
+                    }
+                };
+                Ok(Placement::Hash { buckets, owner })
+            }
+            PlacementKind::Range => {
+                let ranges = group.ranges.as_ref().filter(|r| !r.is_empty()).ok_or_else(|| {
+                    ShardError::config(
+                        format!("{base}.ranges"),
+                        "a range placement needs `ranges = [{ shard = \"...\", from = ..., to = ... }, ...]`",
+                    )
+                })?;
+                self.key_ranges(&base, ranges)
+            }
+            PlacementKind::Modulo => {
+                let names = group
+                    .shards
+                    .as_ref()
+                    .filter(|s| !s.is_empty())
+                    .ok_or_else(|| {
+                        ShardError::config(
+                            format!("{base}.shards"),
+                            "a modulo placement needs `shards = [\"s0\", \"s1\", ...]`",
+                        )
+                    })?;
+                let shards = self.shard_list(&format!("{base}.shards"), names)?;
+                Ok(Placement::Modulo { shards })
+            }
+            PlacementKind::Directory => {
+                let entry = format!("{base}.directory");
+                let dir = group.directory.as_ref().ok_or_else(|| {
+                    ShardError::config(
+                        &entry,
+                        "a directory placement needs `directory = { url = \"...\" }` (or `host` and `database`)",
+                    )
+                })?;
+                let url = locate_database(&entry, hosts, &dir.url, &dir.host, &dir.database)?;
+                let table = dir
+                    .table
+                    .clone()
+                    .unwrap_or_else(|| DEFAULT_DIRECTORY_TABLE.to_owned());
+                if table.is_empty() || !table.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+                {
+                    return Err(ShardError::config(
+                        format!("{entry}.table"),
+                        "the directory table name may contain only ASCII letters, digits and `_`",
+                    ));
+                }
+                self.directories.push(DirectorySpec {
+                    group: name.to_owned(),
+                    url,
+                    table,
+                });
+                Ok(Placement::Directory {
+                    directory: self.directories.len() - 1,
+                })
+            }
+        }
+    }
+
+    fn shard_list(&self, entry: &str, names: &[String]) -> Result<Vec<ShardId>> {
+        let mut seen = BTreeMap::new();
+        names
+            .iter()
+            .enumerate()
+            .map(|(i, name)| {
+                if let Some(first) = seen.insert(name.as_str(), i) {
+                    return Err(ShardError::config(
+                        format!("{entry}[{i}]"),
+                        format!("shard `{name}` is listed twice (also at [{first}])"),
+                    ));
+                }
+                self.shard_ref(&format!("{entry}[{i}]"), name)
+            })
+            .collect()
+    }
+
+    fn bucket_owners(
+        &self,
+        base: &str,
+        buckets: u32,
+        ranges: &[BucketRange],
+    ) -> Result<Box<[ShardId]>> {
+        let mut sorted: Vec<(usize, &BucketRange)> = ranges.iter().enumerate().collect();
+        sorted.sort_by_key(|(_, r)| (r.first, r.last));
+        let mut owner = Vec::with_capacity(buckets as usize);
+        let mut next = 0u32;
+        let mut previous: Option<usize> = None;
+        for (i, range) in sorted {
+            let entry = format!("{base}.bucket_ranges[{i}]");
+            let shard = self.shard_ref(&entry, &range.shard)?;
+            if range.last < range.first {
+                return Err(ShardError::config(
+                    entry,
+                    format!(
+                        "`last` ({}) is before `first` ({})",
+                        range.last, range.first
+                    ),
+                ));
+            }
+            if range.last >= buckets {
+                return Err(ShardError::config(
+                    entry,
+                    format!(
+                        "bucket {} is out of range: the group has {buckets} buckets (0..={})",
+                        range.last,
+                        buckets - 1
+                    ),
+                ));
+            }
+            if range.first < next {
+                let other = previous.map_or(String::new(), |p| format!(" and bucket_ranges[{p}]"));
+                return Err(ShardError::config(
+                    entry,
+                    format!(
+                        "buckets {}..={} overlap{other}: bucket {} is assigned twice",
+                        range.first, range.last, range.first
+                    ),
+                ));
+            }
+            if range.first > next {
+                return Err(ShardError::config(
+                    entry,
+                    format!(
+                        "buckets {next}..={} are not assigned to any shard",
+                        range.first - 1
+                    ),
+                ));
+            }
+            owner.extend(std::iter::repeat_n(
+                shard,
+                (range.last - range.first + 1) as usize,
+            ));
+            next = range.last + 1;
+            previous = Some(i);
+        }
+        if next < buckets {
+            return Err(ShardError::config(
+                format!("{base}.bucket_ranges"),
+                format!(
+                    "buckets {next}..={} are not assigned to any shard",
+                    buckets - 1
+                ),
+            ));
+        }
+        Ok(owner.into_boxed_slice())
+    }
+
+    fn key_ranges(&self, base: &str, ranges: &[KeyRange]) -> Result<Placement> {
+        let mut out = Vec::with_capacity(ranges.len());
+        let int_bounds = ranges
+            .iter()
+            .flat_map(|r| [&r.from, &r.to])
+            .flatten()
+            .map(|b| matches!(b, RangeBound::Int(_)))
+            .collect::<Vec<_>>();
+        if int_bounds.iter().any(|&b| b) && int_bounds.iter().any(|&b| !b) {
+            return Err(ShardError::config(
+                format!("{base}.ranges"),
+                "range bounds mix integers and strings; use one kind for the whole group",
+            ));
+        }
+        let mut sorted: Vec<(usize, &KeyRange)> = ranges.iter().enumerate().collect();
+        // Unbounded-below sorts first (None < Some).
+        sorted.sort_by(|a, b| a.1.from.cmp(&b.1.from));
+        let last = sorted.len() - 1;
+        for (pos, &(i, range)) in sorted.iter().enumerate() {
+            let entry = format!("{base}.ranges[{i}]");
+            let shard = self.shard_ref(&entry, &range.shard)?;
+            if let (Some(from), Some(to)) = (&range.from, &range.to)
+                && from >= to
+            {
+                return Err(ShardError::config(
+                    entry,
+                    format!("empty range: `from` ({from}) must be below `to` ({to})"),
+                ));
+            }
+            if range.from.is_none() && pos != 0 {
+                return Err(ShardError::config(
+                    entry,
+                    "only one range may be unbounded below (omit `from`)",
+                ));
+            }
+            if range.to.is_none() && pos != last {
+                let (j, next) = sorted[pos + 1];
+                return Err(ShardError::config(
+                    entry,
+                    format!(
+                        "unbounded above (no `to`) but ranges[{j}] starts at {} after it: the ranges overlap",
+                        next.from
+                            .as_ref()
+                            .map_or("-inf".to_owned(), |b| b.to_string())
+                    ),
+                ));
+            }
+            if pos < last {
+                let (j, next) = sorted[pos + 1];
+                let (Some(to), Some(next_from)) = (&range.to, &next.from) else {
+                    unreachable!(
+                        "checked above: only the first range lacks `from`, only the last lacks `to`"
+                    );
+                };
+                if to < next_from {
+                    return Err(ShardError::config(
+                        entry,
+                        format!(
+                            "gap between ranges: keys in [{to}, {next_from}) belong to no range (next is ranges[{j}])"
+                        ),
+                    ));
+                }
+                if to > next_from {
+                    return Err(ShardError::config(
+                        entry,
+                        format!(
+                            "ranges overlap: this range ends at {to} but ranges[{j}] starts at {next_from}"
+                        ),
+                    ));
+                }
+            }
+            out.push((range.from.clone(), range.to.clone(), shard));
+        }
+        Ok(Placement::Range { ranges: out })
+    }
+
+    /// The logical shards, in config order.
+    pub fn shards(&self) -> &[ShardSpec] {
+        &self.shards
+    }
+
+    /// The shard names, in config order.
+    pub fn shard_names(&self) -> impl Iterator<Item = &str> {
+        self.shards.iter().map(|s| s.name.as_str())
+    }
+
+    /// A shard by name.
+    pub fn shard_id(&self, name: &str) -> Option<ShardId> {
+        self.by_name.get(name).copied()
+    }
+
+    /// A shard's spec.
+    pub fn shard(&self, id: ShardId) -> &ShardSpec {
+        &self.shards[id.index()]
+    }
+
+    /// The directory databases of `directory` placements.
+    pub fn directories(&self) -> &[DirectorySpec] {
+        &self.directories
+    }
+
+    /// A group's placement.
+    pub fn placement(&self, group: &str) -> Result<&Placement> {
+        self.groups
+            .get(group)
+            .ok_or_else(|| ShardError::UnknownGroup {
+                group: group.to_owned(),
+                configured: {
+                    let mut names: Vec<&str> = self.groups.keys().map(String::as_str).collect();
+                    names.sort_unstable();
+                    if names.is_empty() {
+                        "none".to_owned()
+                    } else {
+                        names.join(", ")
+                    }
+                },
+            })
+    }
+
+    /// Places a key without I/O: the target shard, or the directory to ask.
+    #[inline]
+    pub fn locate<K: ShardKey>(&self, group: &'static str, key: &K) -> Result<Located> {
+        match self.placement(group)? {
+            Placement::Hash { buckets, owner } => {
+                let bucket = (key.partition_hash() % u64::from(*buckets)) as u32;
+                Ok(Located::Target(Target {
+                    shard: owner[bucket as usize],
+                    bucket: Some(bucket),
+                }))
+            }
+            Placement::Range { ranges } => {
+                let shard = range_lookup(group, ranges, key)?;
+                Ok(Located::Target(Target { shard, bucket: None }))
+            }
+            Placement::Modulo { shards } => match key.key_ref() {
+                KeyRef::Int(v) => {
+                    let index = v.rem_euclid(shards.len() as i128) as usize;
+                    Ok(Located::Target(Target {
+                        shard: shards[index],
+                        bucket: None,
+                    }))
+                }
+                _ => Err(ShardError::Unroutable {
+                    group,
+                    key: format!("{key:?}"),
+                    reason: "a modulo placement needs an integer shard key; use hash for text and UUID keys".to_owned(),
+                }),
+            },
+            Placement::Directory { directory } => Ok(Located::Directory(*directory)),
+        }
+    }
+}
+
+/// Builds a shard URL from either `url` or `host` + `database`.
+fn locate_database(
+    entry: &str,
+    hosts: &HashMap<&str, &DatabaseUrl>,
+    url: &Option<DatabaseUrl>,
+    host: &Option<String>,
+    database: &Option<String>,
+) -> Result<DatabaseUrl> {
+    match (url, host, database) {
+        (Some(url), None, None) => {
+            check_url(entry, url)?;
+            Ok(url.clone())
+        }
+        (None, Some(host), Some(database)) => {
+            let base = hosts.get(host.as_str()).ok_or_else(|| {
+                ShardError::config(
+                    entry,
+                    format!("host `{host}` is referenced but not defined in `[[hosts]]`"),
+                )
+            })?;
+            if database.is_empty() || database.contains(['/', '?', '#']) {
+                return Err(ShardError::config(
+                    entry,
+                    format!("invalid database name {database:?}"),
+                ));
+            }
+            let mut parsed = ::url::Url::parse(base.expose())
+                .map_err(|err| ShardError::config(entry, format!("malformed host URL ({err})")))?;
+            if parsed.scheme() == "sqlite" {
+                return Err(ShardError::config(
+                    entry,
+                    "a sqlite database has no server: give the shard its own `url`",
+                ));
+            }
+            parsed.set_path(database);
+            Ok(DatabaseUrl::new(String::from(parsed)))
+        }
+        (Some(_), _, _) => Err(ShardError::config(
+            entry,
+            "give either `url`, or `host` and `database`, not both",
+        )),
+        (None, Some(_), None) => Err(ShardError::config(
+            entry,
+            "`host` needs a `database` name too",
+        )),
+        (None, None, Some(_)) => Err(ShardError::config(entry, "`database` needs a `host` too")),
+        (None, None, None) => Err(ShardError::config(
+            entry,
+            "missing location: give `url`, or `host` and `database`",
+        )),
+    }
+}
+
+/// Spreads `buckets` evenly over `shards` in contiguous runs.
+fn spread(buckets: u32, shards: &[ShardId]) -> Box<[ShardId]> {
+    let n = shards.len() as u64;
+    (0..u64::from(buckets))
+        .map(|b| shards[(b * n / u64::from(buckets)) as usize])
+        .collect()
+}
+
+fn range_lookup<K: ShardKey>(
+    group: &'static str,
+    ranges: &[(Option<RangeBound>, Option<RangeBound>, ShardId)],
+    key: &K,
+) -> Result<ShardId> {
+    use std::cmp::Ordering;
+    let unroutable = |reason: String| ShardError::Unroutable {
+        group,
+        key: format!("{key:?}"),
+        reason,
+    };
+    // How the key orders against a bound.
+    let compare = |bound: &RangeBound| -> Result<Ordering> {
+        match (key.key_ref(), bound) {
+            (KeyRef::Int(k), RangeBound::Int(b)) => Ok(k.cmp(&i128::from(*b))),
+            (KeyRef::Text(k), RangeBound::Text(b)) => Ok(k.cmp(b.as_str())),
+            (KeyRef::Uuid(u), RangeBound::Text(b)) => {
+                let mut buf = uuid::Uuid::encode_buffer();
+                Ok((*u.hyphenated().encode_lower(&mut buf)).cmp(b.as_str()))
+            }
+            (_, RangeBound::Int(_)) => Err(unroutable(
+                "the range bounds are integers but the key is not".to_owned(),
+            )),
+            (_, RangeBound::Text(_)) => Err(unroutable(
+                "the range bounds are strings but the key is an integer".to_owned(),
+            )),
+        }
+    };
+    // Ranges are sorted and contiguous: the owner is the last range whose
+    // `from` <= key, provided the key is below its `to`.
+    let mut lo = 0usize;
+    let mut hi = ranges.len();
+    while lo < hi {
+        let mid = (lo + hi) / 2;
+        let starts_after_key = match &ranges[mid].0 {
+            None => false,
+            Some(from) => compare(from)? == Ordering::Less,
+        };
+        if starts_after_key {
+            hi = mid;
+        } else {
+            lo = mid + 1;
+        }
+    }
+    let Some((_, to, shard)) = lo.checked_sub(1).map(|i| &ranges[i]) else {
+        return Err(unroutable("below the first configured range".to_owned()));
+    };
+    if let Some(to) = to
+        && compare(to)? != Ordering::Less
+    {
+        return Err(unroutable(format!(
+            "at or above {to}, past the last configured range"
+        )));
+    }
+    Ok(*shard)
+}
+
+impl fmt::Display for Target {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.bucket {
+            Some(b) => write!(f, "shard #{} (bucket {b})", self.shard.0),
+            None => write!(f, "shard #{}", self.shard.0),
+        }
+    }
+}

@@ -1,0 +1,281 @@
+//! [`ShardTx<G>`]: a transaction pinned to one entity group and one shard key.
+//!
+//! The key, not the shard, is what a transaction is for: two keys that share a
+//! shard today may not after a rebalance, so a write whose row carries another
+//! key is refused even when it would land on the same database. Rows of other
+//! groups are refused at compile time (the [`InGroup`] bound).
+
+use crate::entity::{EntityGroup, InGroup, ShardedEntity, table_name};
+use crate::error::{Result, ShardError};
+use crate::read::TxFind;
+use crate::topology::Target;
+use sea_orm::{
+    ActiveModelBehavior, ActiveModelTrait, ColumnTrait, DatabaseTransaction, DbErr, EntityTrait,
+    IntoActiveModel, QueryFilter,
+};
+use std::sync::Mutex;
+use tracing::Instrument;
+
+/// A transaction on the shard of one key of group `G`.
+///
+/// Open it with [`Cluster::begin`](crate::Cluster::begin). Writes take SeaORM
+/// ActiveModels of `G`'s entities. Before any SQL runs, each write's shard key
+/// is checked: a missing key is [`ShardError::MissingShardKey`], a different
+/// key is [`ShardError::CrossShardWrite`]. Either refusal makes the
+/// transaction rollback-only: later writes and [`commit`](Self::commit) return
+/// [`ShardError::RollbackOnly`] and nothing is written. Dropping it without
+/// committing rolls it back.
+pub struct ShardTx<G: EntityGroup> {
+    txn: DatabaseTransaction,
+    key: G::Key,
+    shard: String,
+    target: Target,
+    poisoned: Mutex<Option<String>>,
+    span: tracing::Span,
+}
+
+impl<G: EntityGroup> std::fmt::Debug for ShardTx<G> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShardTx")
+            .field("group", &G::NAME)
+            .field("shard", &self.shard)
+            .field("target", &self.target)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<G: EntityGroup> ShardTx<G> {
+    pub(crate) fn new(
+        txn: DatabaseTransaction,
+        key: G::Key,
+        shard: String,
+        target: Target,
+        span: tracing::Span,
+    ) -> Self {
+        ShardTx {
+            txn,
+            key,
+            shard,
+            target,
+            poisoned: Mutex::new(None),
+            span,
+        }
+    }
+
+    /// The key the transaction is pinned to.
+    pub fn key(&self) -> &G::Key {
+        &self.key
+    }
+
+    /// The name of the shard it runs on.
+    pub fn shard(&self) -> &str {
+        &self.shard
+    }
+
+    /// Where its key was routed.
+    pub fn target(&self) -> Target {
+        self.target
+    }
+
+    /// Whether an earlier refusal made it rollback-only.
+    pub fn is_rollback_only(&self) -> bool {
+        self.poison_reason().is_some()
+    }
+
+    fn poison_reason(&self) -> Option<String> {
+        self.poisoned
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    fn poison(&self, err: ShardError) -> ShardError {
+        let mut slot = self.poisoned.lock().unwrap_or_else(|p| p.into_inner());
+        slot.get_or_insert_with(|| err.to_string());
+        err
+    }
+
+    fn ensure_open(&self) -> Result<()> {
+        match self.poison_reason() {
+            Some(reason) => Err(ShardError::RollbackOnly {
+                group: G::NAME,
+                shard: self.shard.clone(),
+                reason,
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// Refuses a row whose shard key is missing or not the transaction's.
+    fn check<E: InGroup<G>>(&self, model: &E::ActiveModel) -> Result<()> {
+        self.ensure_open()?;
+        match E::group_key_of(model) {
+            None => Err(self.poison(ShardError::MissingShardKey {
+                entity: table_name::<E>(),
+                column: E::SHARD_KEY_FIELD,
+            })),
+            Some(found) if found != self.key => Err(self.poison(ShardError::CrossShardWrite {
+                entity: table_name::<E>(),
+                column: E::SHARD_KEY_FIELD,
+                expected: format!("{:?}", self.key),
+                found: format!("{found:?}"),
+            })),
+            Some(_) => Ok(()),
+        }
+    }
+
+    fn write_err<E: EntityTrait>(&self, op: &str, source: DbErr) -> ShardError {
+        ShardError::Db {
+            group: G::NAME,
+            shard: self.shard.clone(),
+            operation: format!("{op} {}", table_name::<E>()),
+            source,
+        }
+    }
+
+    fn write_span<E: EntityTrait>(&self, op: &'static str) -> tracing::Span {
+        tracing::info_span!(parent: &self.span, "shardkit.write", op = op, table = table_name::<E>())
+    }
+
+    /// Inserts a row of the transaction's key; returns it as stored.
+    ///
+    /// The shard key is checked before anything runs, and again after
+    /// `ActiveModelBehavior::before_save`, so a hook cannot move the row.
+    pub async fn insert<A>(&self, model: A) -> Result<<A::Entity as EntityTrait>::Model>
+    where
+        A: ActiveModelTrait + ActiveModelBehavior + Send,
+        A::Entity: InGroup<G> + EntityTrait<ActiveModel = A>,
+        <A::Entity as EntityTrait>::Model: IntoActiveModel<A>,
+    {
+        self.check::<A::Entity>(&model)?;
+        let span = self.write_span::<A::Entity>("insert");
+        async {
+            let model = A::before_save(model, &self.txn, true)
+                .await
+                .map_err(|e| self.write_err::<A::Entity>("insert", e))?;
+            self.check::<A::Entity>(&model)?;
+            let row = <A::Entity as EntityTrait>::insert(model)
+                .exec_with_returning(&self.txn)
+                .await
+                .map_err(|e| self.write_err::<A::Entity>("insert", e))?;
+            A::after_save(row, &self.txn, true)
+                .await
+                .map_err(|e| self.write_err::<A::Entity>("insert", e))
+        }
+        .instrument(span)
+        .await
+    }
+
+    /// Updates a row of the transaction's key by primary key; returns it as
+    /// stored. The `UPDATE` also matches the shard key, so a row of another key
+    /// with the same primary key is never touched (SeaORM's
+    /// `RecordNotUpdated` is returned instead).
+    pub async fn update<A>(&self, model: A) -> Result<<A::Entity as EntityTrait>::Model>
+    where
+        A: ActiveModelTrait + ActiveModelBehavior + Send,
+        A::Entity: InGroup<G> + EntityTrait<ActiveModel = A>,
+        <A::Entity as EntityTrait>::Model: IntoActiveModel<A>,
+    {
+        self.check::<A::Entity>(&model)?;
+        let span = self.write_span::<A::Entity>("update");
+        async {
+            let model = A::before_save(model, &self.txn, false)
+                .await
+                .map_err(|e| self.write_err::<A::Entity>("update", e))?;
+            self.check::<A::Entity>(&model)?;
+            let row = <A::Entity as EntityTrait>::update(model)
+                .validate()
+                .map_err(|e| self.write_err::<A::Entity>("update", e))?
+                .filter(<A::Entity as ShardedEntity>::shard_key_column().eq(self.key.clone()))
+                .exec(&self.txn)
+                .await
+                .map_err(|e| self.write_err::<A::Entity>("update", e))?;
+            A::after_save(row, &self.txn, false)
+                .await
+                .map_err(|e| self.write_err::<A::Entity>("update", e))
+        }
+        .instrument(span)
+        .await
+    }
+
+    /// Deletes a row of the transaction's key by primary key; returns the
+    /// number of rows deleted (0 or 1). The `DELETE` also matches the shard key.
+    pub async fn delete<A>(&self, model: A) -> Result<u64>
+    where
+        A: ActiveModelTrait + ActiveModelBehavior + Send,
+        A::Entity: InGroup<G> + EntityTrait<ActiveModel = A>,
+    {
+        self.check::<A::Entity>(&model)?;
+        let span = self.write_span::<A::Entity>("delete");
+        async {
+            let model = A::before_delete(model, &self.txn)
+                .await
+                .map_err(|e| self.write_err::<A::Entity>("delete", e))?;
+            self.check::<A::Entity>(&model)?;
+            let res = <A::Entity as EntityTrait>::delete(model.clone())
+                .validate()
+                .map_err(|e| self.write_err::<A::Entity>("delete", e))?
+                .filter(<A::Entity as ShardedEntity>::shard_key_column().eq(self.key.clone()))
+                .exec(&self.txn)
+                .await
+                .map_err(|e| self.write_err::<A::Entity>("delete", e))?;
+            A::after_delete(model, &self.txn)
+                .await
+                .map_err(|e| self.write_err::<A::Entity>("delete", e))?;
+            Ok(res.rows_affected)
+        }
+        .instrument(span)
+        .await
+    }
+
+    /// Reads rows of the transaction's key, inside the transaction.
+    pub fn find<E: InGroup<G>>(&self) -> TxFind<'_, E, DatabaseTransaction> {
+        TxFind::new(
+            &self.txn,
+            &self.shard,
+            &E::group_key_as_entity_key(&self.key),
+        )
+    }
+
+    /// Commits. If a write was refused, rolls back instead and returns
+    /// [`ShardError::RollbackOnly`].
+    pub async fn commit(self) -> Result<()> {
+        if let Some(reason) = self.poison_reason() {
+            let ShardTx { txn, shard, .. } = self;
+            txn.rollback().await.map_err(|source| ShardError::Db {
+                group: G::NAME,
+                shard: shard.clone(),
+                operation: "rollback".to_owned(),
+                source,
+            })?;
+            return Err(ShardError::RollbackOnly {
+                group: G::NAME,
+                shard,
+                reason,
+            });
+        }
+        let ShardTx {
+            txn, shard, span, ..
+        } = self;
+        txn.commit()
+            .instrument(span)
+            .await
+            .map_err(|source| ShardError::Db {
+                group: G::NAME,
+                shard,
+                operation: "commit".to_owned(),
+                source,
+            })
+    }
+
+    /// Rolls back.
+    pub async fn rollback(self) -> Result<()> {
+        let ShardTx { txn, shard, .. } = self;
+        txn.rollback().await.map_err(|source| ShardError::Db {
+            group: G::NAME,
+            shard,
+            operation: "rollback".to_owned(),
+            source,
+        })
+    }
+}
