@@ -1,0 +1,109 @@
+//! The models and migrations the example programs share: a `Customer` entity
+//! group with customers and their orders, sharded by customer id.
+
+use sea_orm_migration::prelude::*;
+use shardkit::EntityGroup;
+
+/// Everything a customer owns is sharded by the customer's id.
+#[derive(EntityGroup)]
+#[shardkit(key = i64)]
+pub struct Customer;
+
+/// A customer (dense `#[sea_orm::model]` format).
+pub mod customer {
+    use sea_orm::entity::prelude::*;
+
+    /// One customer; its own id is its shard key.
+    #[sea_orm::model]
+    #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel, shardkit::Sharded)]
+    #[sea_orm(table_name = "customers")]
+    #[shardkit(group = crate::Customer)]
+    pub struct Model {
+        /// Customer id, the shard key.
+        #[sea_orm(primary_key, auto_increment = false)]
+        #[shardkit(shard_key)]
+        pub id: i64,
+        /// Display name.
+        pub name: String,
+        /// Contact address.
+        pub email: String,
+    }
+
+    impl ActiveModelBehavior for ActiveModel {}
+}
+
+/// An order, on its customer's shard.
+pub mod order {
+    use sea_orm::entity::prelude::*;
+
+    /// One order.
+    #[sea_orm::model]
+    #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel, shardkit::Sharded)]
+    #[sea_orm(table_name = "orders")]
+    #[shardkit(group = crate::Customer)]
+    pub struct Model {
+        /// Order id.
+        #[sea_orm(primary_key, auto_increment = false)]
+        pub id: i64,
+        /// The owning customer: the shard key.
+        #[shardkit(shard_key)]
+        pub customer_id: i64,
+        /// Amount in cents.
+        pub total_cents: i64,
+    }
+
+    impl ActiveModelBehavior for ActiveModel {}
+}
+
+/// Creates the example tables from the entities.
+pub struct CreateCustomersAndOrders;
+
+impl MigrationName for CreateCustomersAndOrders {
+    fn name(&self) -> &str {
+        "m20261122_000100_create_customers_and_orders"
+    }
+}
+
+#[async_trait::async_trait]
+impl MigrationTrait for CreateCustomersAndOrders {
+    async fn up(&self, manager: &SchemaManager) -> Result<(), DbErr> {
+        let schema = sea_orm::Schema::new(manager.get_database_backend());
+        manager
+            .create_table(
+                schema
+                    .create_table_from_entity(customer::Entity)
+                    .if_not_exists()
+                    .to_owned(),
+            )
+            .await?;
+        manager
+            .create_table(
+                schema
+                    .create_table_from_entity(order::Entity)
+                    .if_not_exists()
+                    .to_owned(),
+            )
+            .await
+    }
+
+    async fn down(&self, manager: &SchemaManager) -> Result<(), DbErr> {
+        manager
+            .drop_table(Table::drop().table(order::Entity).to_owned())
+            .await?;
+        manager
+            .drop_table(Table::drop().table(customer::Entity).to_owned())
+            .await
+    }
+}
+
+/// The example application's migrator: shardkit's tables, then its own.
+pub struct Migrator;
+
+#[async_trait::async_trait]
+impl MigratorTrait for Migrator {
+    fn migrations() -> Vec<Box<dyn MigrationTrait>> {
+        let mut all = shardkit_migration::migrations();
+        all.push(Box::new(CreateCustomersAndOrders));
+        all
+    }
+}

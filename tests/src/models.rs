@@ -1,0 +1,253 @@
+//! Entities the scenarios share: one group per key type and placement, in
+//! both SeaORM entity formats.
+
+use sea_orm_migration::prelude::*;
+use shardkit::EntityGroup;
+
+/// i64 key, hash placement.
+#[derive(EntityGroup)]
+#[shardkit(key = i64)]
+pub struct Customer;
+
+/// String key, hash placement.
+#[derive(EntityGroup)]
+#[shardkit(key = String)]
+pub struct Tenant;
+
+/// UUID key, hash placement.
+#[derive(EntityGroup)]
+#[shardkit(key = uuid::Uuid)]
+pub struct Device;
+
+/// i32 key, range placement.
+#[derive(EntityGroup)]
+#[shardkit(key = i32)]
+pub struct Account;
+
+/// i64 key, modulo placement; named explicitly in the config. (A `u64` key
+/// routes the same way, but SeaORM stores `u64` only on MySQL/MariaDB.)
+#[derive(EntityGroup)]
+#[shardkit(key = i64, name = "meters")]
+pub struct Meter;
+
+/// i64 key, directory placement.
+#[derive(EntityGroup)]
+#[shardkit(key = i64)]
+pub struct Member;
+
+/// Customers (dense format); the id is the shard key.
+pub mod customer {
+    use sea_orm::entity::prelude::*;
+
+    #[sea_orm::model]
+    #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel, shardkit::Sharded)]
+    #[sea_orm(table_name = "customers")]
+    #[shardkit(group = crate::models::Customer)]
+    pub struct Model {
+        #[sea_orm(primary_key, auto_increment = false)]
+        #[shardkit(shard_key)]
+        pub id: i64,
+        pub name: String,
+    }
+
+    impl ActiveModelBehavior for ActiveModel {}
+}
+
+/// Orders (dense format), sharded by customer.
+pub mod order {
+    use sea_orm::entity::prelude::*;
+
+    #[sea_orm::model]
+    #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel, shardkit::Sharded)]
+    #[sea_orm(table_name = "orders")]
+    #[shardkit(group = crate::models::Customer)]
+    pub struct Model {
+        #[sea_orm(primary_key, auto_increment = false)]
+        pub id: i64,
+        #[shardkit(shard_key)]
+        pub customer_id: i64,
+        pub total_cents: i64,
+    }
+
+    impl ActiveModelBehavior for ActiveModel {}
+}
+
+/// A Customer-group entity whose table is never created: a write that reaches
+/// the database fails with "no such table", so a refusal proves no SQL ran.
+pub mod ghost {
+    use sea_orm::entity::prelude::*;
+
+    #[sea_orm::model]
+    #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel, shardkit::Sharded)]
+    #[sea_orm(table_name = "ghosts_never_created")]
+    #[shardkit(group = crate::models::Customer)]
+    pub struct Model {
+        #[sea_orm(primary_key, auto_increment = false)]
+        pub id: i64,
+        #[shardkit(shard_key)]
+        pub customer_id: i64,
+    }
+
+    impl ActiveModelBehavior for ActiveModel {}
+}
+
+/// Notes (compact format: `DeriveEntityModel` with a `Relation` enum), keyed
+/// by tenant name.
+pub mod note {
+    use sea_orm::entity::prelude::*;
+
+    #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel, shardkit::Sharded)]
+    #[sea_orm(table_name = "notes")]
+    #[shardkit(group = crate::models::Tenant)]
+    pub struct Model {
+        #[sea_orm(primary_key, auto_increment = false)]
+        pub id: i64,
+        #[shardkit(shard_key)]
+        pub tenant: String,
+        pub body: String,
+    }
+
+    #[derive(Copy, Clone, Debug, EnumIter, DeriveRelation)]
+    pub enum Relation {}
+
+    impl ActiveModelBehavior for ActiveModel {}
+}
+
+/// Sensor readings keyed by device UUID.
+pub mod reading {
+    use sea_orm::entity::prelude::*;
+
+    #[sea_orm::model]
+    #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel, shardkit::Sharded)]
+    #[sea_orm(table_name = "readings")]
+    #[shardkit(group = crate::models::Device)]
+    pub struct Model {
+        #[sea_orm(primary_key, auto_increment = false)]
+        pub id: i64,
+        #[shardkit(shard_key)]
+        pub device_id: Uuid,
+        pub value: i64,
+    }
+
+    impl ActiveModelBehavior for ActiveModel {}
+}
+
+/// Ledger entries keyed by an i32 account number (range placement).
+pub mod ledger {
+    use sea_orm::entity::prelude::*;
+
+    #[sea_orm::model]
+    #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel, shardkit::Sharded)]
+    #[sea_orm(table_name = "ledger")]
+    #[shardkit(group = crate::models::Account)]
+    pub struct Model {
+        #[sea_orm(primary_key, auto_increment = false)]
+        pub id: i64,
+        #[shardkit(shard_key)]
+        pub account: i32,
+        pub amount: i64,
+    }
+
+    impl ActiveModelBehavior for ActiveModel {}
+}
+
+/// Meter samples keyed by meter id (modulo placement).
+pub mod sample {
+    use sea_orm::entity::prelude::*;
+
+    #[sea_orm::model]
+    #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel, shardkit::Sharded)]
+    #[sea_orm(table_name = "samples")]
+    #[shardkit(group = crate::models::Meter)]
+    pub struct Model {
+        #[sea_orm(primary_key, auto_increment = false)]
+        pub id: i64,
+        #[shardkit(shard_key)]
+        pub meter: i64,
+        pub kwh: i64,
+    }
+
+    impl ActiveModelBehavior for ActiveModel {}
+}
+
+/// Member profiles placed by directory.
+pub mod profile {
+    use sea_orm::entity::prelude::*;
+
+    #[sea_orm::model]
+    #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel, shardkit::Sharded)]
+    #[sea_orm(table_name = "profiles")]
+    #[shardkit(group = crate::models::Member)]
+    pub struct Model {
+        #[sea_orm(primary_key, auto_increment = false)]
+        #[shardkit(shard_key)]
+        pub member_id: i64,
+        pub bio: String,
+    }
+
+    impl ActiveModelBehavior for ActiveModel {}
+}
+
+/// Creates one entity's table.
+pub struct CreateTable<E>(pub &'static str, pub E);
+
+impl<E: sea_orm::EntityTrait> MigrationName for CreateTable<E> {
+    fn name(&self) -> &str {
+        self.0
+    }
+}
+
+#[async_trait::async_trait]
+impl<E: sea_orm::EntityTrait + Sync> MigrationTrait for CreateTable<E> {
+    async fn up(&self, manager: &SchemaManager) -> Result<(), DbErr> {
+        let schema = sea_orm::Schema::new(manager.get_database_backend());
+        manager
+            .create_table(
+                schema
+                    .create_table_from_entity(self.1)
+                    .if_not_exists()
+                    .to_owned(),
+            )
+            .await
+    }
+
+    async fn down(&self, manager: &SchemaManager) -> Result<(), DbErr> {
+        manager
+            .drop_table(Table::drop().table(self.1).to_owned())
+            .await
+    }
+}
+
+/// shardkit's tables and every test table.
+pub struct Migrator;
+
+#[async_trait::async_trait]
+impl MigratorTrait for Migrator {
+    fn migrations() -> Vec<Box<dyn MigrationTrait>> {
+        let mut all = OldMigrator::migrations();
+        all.extend::<[Box<dyn MigrationTrait>; 6]>([
+            Box::new(CreateTable("m20261122_000102_orders", order::Entity)),
+            Box::new(CreateTable("m20261122_000103_notes", note::Entity)),
+            Box::new(CreateTable("m20261122_000104_readings", reading::Entity)),
+            Box::new(CreateTable("m20261122_000105_ledger", ledger::Entity)),
+            Box::new(CreateTable("m20261122_000106_samples", sample::Entity)),
+            Box::new(CreateTable("m20261122_000107_profiles", profile::Entity)),
+        ]);
+        all
+    }
+}
+
+/// An older release of the schema: shardkit's tables and customers only.
+pub struct OldMigrator;
+
+#[async_trait::async_trait]
+impl MigratorTrait for OldMigrator {
+    fn migrations() -> Vec<Box<dyn MigrationTrait>> {
+        let mut all = shardkit_migration::migrations();
+        all.push(Box::new(CreateTable(
+            "m20261122_000101_customers",
+            customer::Entity,
+        )));
+        all
+    }
+}
