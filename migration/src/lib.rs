@@ -3,7 +3,7 @@
 //! Add them to your application's `Migrator` ahead of your own, then let
 //! `cluster.migrate::<Migrator>()` apply everything to every shard:
 //!
-//! ```ignore
+//! ```text
 //! pub struct Migrator;
 //!
 //! #[async_trait::async_trait]

@@ -16,7 +16,7 @@ use syn::{DeriveInput, parse_macro_input};
 
 /// Declares a transactional entity group and its shard key type.
 ///
-/// ```ignore
+/// ```text
 /// #[derive(shardkit::EntityGroup)]
 /// #[shardkit(key = i64)]
 /// pub struct Customer;
@@ -35,7 +35,7 @@ pub fn derive_entity_group(input: TokenStream) -> TokenStream {
 
 /// Makes a SeaORM entity sharded: names its entity group and its shard key.
 ///
-/// ```ignore
+/// ```text
 /// #[sea_orm::model]
 /// #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel, shardkit::Sharded)]
 /// #[sea_orm(table_name = "orders")]

@@ -100,7 +100,7 @@ impl ShardKey for uuid::Uuid {
 /// A transactional entity group: tables sharded by the same key and written
 /// together (PayPal's "entity group"). Derive it:
 ///
-/// ```ignore
+/// ```text
 /// #[derive(shardkit::EntityGroup)]
 /// #[shardkit(key = i64)]
 /// pub struct Customer;
@@ -145,7 +145,9 @@ pub trait ShardedEntity: EntityTrait {
 
 /// "`Self` is an entity of group `G`": the bound [`ShardTx<G>`](crate::ShardTx)
 /// puts on what it writes, so writing another group's entity fails to compile
-/// with a message that says so.
+/// with a message that says so. `#[derive(Sharded)]` implements it for the
+/// entity's own group only (a blanket impl would turn the error into a bare
+/// type mismatch).
 #[diagnostic::on_unimplemented(
     message = "`{Self}` is not an entity of group `{G}`, so a `ShardTx<{G}>` cannot write it",
     label = "belongs to another entity group",
@@ -157,19 +159,6 @@ pub trait InGroup<G: EntityGroup>: ShardedEntity {
     fn group_key_of(model: &<Self as EntityTrait>::ActiveModel) -> Option<G::Key>;
     /// `G`'s key typed as the entity's own group key (they are the same type).
     fn group_key_as_entity_key(key: &G::Key) -> <Self::Group as EntityGroup>::Key;
-}
-
-impl<E: ShardedEntity> InGroup<E::Group> for E {
-    #[inline]
-    fn group_key_of(model: &E::ActiveModel) -> Option<<E::Group as EntityGroup>::Key> {
-        E::active_shard_key(model)
-    }
-    #[inline]
-    fn group_key_as_entity_key(
-        key: &<E::Group as EntityGroup>::Key,
-    ) -> <E::Group as EntityGroup>::Key {
-        key.clone()
-    }
 }
 
 /// Support code for the derives; not part of the public API.

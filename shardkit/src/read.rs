@@ -79,9 +79,14 @@ impl<E: ShardedEntity> Find<E, Unkeyed> {
     }
 }
 
-impl<E: ShardedEntity, R: Routed<E>> Find<E, R> {
+// The `Routed` bound sits on each method rather than on the impl so that an
+// unkeyed read reports the bound's own message, not "method not found".
+impl<E: ShardedEntity, R> Find<E, R> {
     /// All matching rows.
-    pub async fn all(self) -> Result<Vec<E::Model>> {
+    pub async fn all(self) -> Result<Vec<E::Model>>
+    where
+        R: Routed<E>,
+    {
         let key = self.route.shard_key().clone();
         let select = keyed_select::<E>(self.select, &key);
         let cluster = self.cluster;
@@ -97,7 +102,10 @@ impl<E: ShardedEntity, R: Routed<E>> Find<E, R> {
     }
 
     /// The first matching row.
-    pub async fn one(self) -> Result<Option<E::Model>> {
+    pub async fn one(self) -> Result<Option<E::Model>>
+    where
+        R: Routed<E>,
+    {
         let key = self.route.shard_key().clone();
         let select = keyed_select::<E>(self.select, &key);
         let cluster = self.cluster;
@@ -115,6 +123,7 @@ impl<E: ShardedEntity, R: Routed<E>> Find<E, R> {
     /// The number of matching rows.
     pub async fn count(self) -> Result<u64>
     where
+        R: Routed<E>,
         E::Model: Sync,
     {
         let key = self.route.shard_key().clone();

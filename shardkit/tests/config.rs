@@ -1,0 +1,369 @@
+//! Config validation: every mistake is rejected with an error that names the
+//! offending entry, and passwords never show.
+
+use shardkit::topology::{Located, Target};
+use shardkit::{ClusterConfig, ShardError, Topology};
+
+fn rejected(toml: &str) -> (String, String) {
+    match ClusterConfig::from_toml(toml) {
+        Err(ShardError::Config { entry, message }) => (entry, message),
+        Err(other) => panic!("expected a config error, got {other:?}"),
+        Ok(_) => panic!("config was accepted:\n{toml}"),
+    }
+}
+
+const FOUR: &str = r#"
+[[shards]]
+name = "s0"
+url = "sqlite://s0.db"
+[[shards]]
+name = "s1"
+url = "sqlite://s1.db"
+[[shards]]
+name = "s2"
+url = "sqlite://s2.db"
+[[shards]]
+name = "s3"
+url = "sqlite://s3.db"
+"#;
+
+fn with(groups: &str) -> String {
+    format!("{FOUR}\n{groups}")
+}
+
+#[test]
+fn a_valid_config_builds() {
+    let config = ClusterConfig::from_toml(&with(
+        r#"
+[groups.Customer]
+bucket_ranges = [
+  { shard = "s1", first = 512, last = 1023 },
+  { shard = "s0", first = 0, last = 511 },
+]
+[groups.Tenant]
+placement = "range"
+ranges = [{ shard = "s0", to = "m" }, { shard = "s1", from = "m" }]
+"#,
+    ))
+    .unwrap();
+    let topology = Topology::build(&config).unwrap();
+    assert_eq!(
+        topology.shard_names().collect::<Vec<_>>(),
+        ["s0", "s1", "s2", "s3"]
+    );
+}
+
+#[test]
+fn overlapping_bucket_ranges() {
+    let (entry, message) = rejected(&with(
+        r#"
+[groups.Customer]
+buckets = 8
+bucket_ranges = [
+  { shard = "s0", first = 0, last = 4 },
+  { shard = "s1", first = 4, last = 7 },
+]
+"#,
+    ));
+    assert_eq!(entry, "groups.Customer.bucket_ranges[1]");
+    assert!(
+        message.contains("overlap") && message.contains("bucket 4"),
+        "{message}"
+    );
+}
+
+#[test]
+fn missing_bucket_ranges() {
+    let (entry, message) = rejected(&with(
+        "[groups.Customer]\nbuckets = 8\nbucket_ranges = [{ shard = \"s0\", first = 0, last = 2 }, { shard = \"s1\", first = 5, last = 7 }]\n",
+    ));
+    assert_eq!(entry, "groups.Customer.bucket_ranges[1]");
+    assert!(
+        message.contains("buckets 3..=4 are not assigned"),
+        "{message}"
+    );
+
+    let (entry, message) = rejected(&with(
+        "[groups.Customer]\nbuckets = 8\nbucket_ranges = [{ shard = \"s0\", first = 0, last = 5 }]\n",
+    ));
+    assert_eq!(entry, "groups.Customer.bucket_ranges");
+    assert!(
+        message.contains("buckets 6..=7 are not assigned"),
+        "{message}"
+    );
+
+    let (entry, message) = rejected(&with(
+        "[groups.Customer]\nbuckets = 8\nbucket_ranges = [{ shard = \"s0\", first = 0, last = 8 }]\n",
+    ));
+    assert_eq!(entry, "groups.Customer.bucket_ranges[0]");
+    assert!(message.contains("out of range"), "{message}");
+}
+
+#[test]
+fn zero_buckets() {
+    let (entry, message) = rejected(&with("[groups.Customer]\nbuckets = 0\n"));
+    assert_eq!(entry, "groups.Customer.buckets");
+    assert!(message.contains("zero buckets"), "{message}");
+}
+
+#[test]
+fn key_range_gaps_and_overlaps() {
+    let (entry, message) = rejected(&with(
+        "[groups.A]\nplacement = \"range\"\nranges = [{ shard = \"s0\", to = 100 }, { shard = \"s1\", from = 150 }]\n",
+    ));
+    assert_eq!(entry, "groups.A.ranges[0]");
+    assert!(
+        message.contains("gap") && message.contains("[100, 150)"),
+        "{message}"
+    );
+
+    let (entry, message) = rejected(&with(
+        "[groups.A]\nplacement = \"range\"\nranges = [{ shard = \"s0\", from = 0, to = 100 }, { shard = \"s1\", from = 50, to = 200 }]\n",
+    ));
+    assert_eq!(entry, "groups.A.ranges[0]");
+    assert!(message.contains("overlap"), "{message}");
+
+    let (entry, message) = rejected(&with(
+        "[groups.A]\nplacement = \"range\"\nranges = [{ shard = \"s0\", from = 0 }, { shard = \"s1\", from = 50, to = 200 }]\n",
+    ));
+    assert_eq!(entry, "groups.A.ranges[0]");
+    assert!(message.contains("overlap"), "{message}");
+
+    let (entry, message) = rejected(&with(
+        "[groups.A]\nplacement = \"range\"\nranges = [{ shard = \"s0\", from = 10, to = 10 }]\n",
+    ));
+    assert_eq!(entry, "groups.A.ranges[0]");
+    assert!(message.contains("empty range"), "{message}");
+
+    let (_, message) = rejected(&with(
+        "[groups.A]\nplacement = \"range\"\nranges = [{ shard = \"s0\", to = 10 }, { shard = \"s1\", from = \"a\" }]\n",
+    ));
+    assert!(message.contains("mix"), "{message}");
+}
+
+#[test]
+fn shard_referenced_but_not_defined() {
+    let (entry, message) = rejected(&with(
+        "[groups.M]\nplacement = \"modulo\"\nshards = [\"s0\", \"s9\"]\n",
+    ));
+    assert_eq!(entry, "groups.M.shards[1]");
+    assert!(
+        message.contains("`s9` is referenced but not defined"),
+        "{message}"
+    );
+
+    let (entry, _) = rejected(&with(
+        "[groups.C]\nbuckets = 2\nbucket_ranges = [{ shard = \"s0\", first = 0, last = 0 }, { shard = \"nope\", first = 1, last = 1 }]\n",
+    ));
+    assert_eq!(entry, "groups.C.bucket_ranges[1]");
+
+    let (entry, message) =
+        rejected("[[shards]]\nname = \"s0\"\nhost = \"db1\"\ndatabase = \"x\"\n");
+    assert_eq!(entry, "shards[0] (\"s0\")");
+    assert!(
+        message.contains("host `db1` is referenced but not defined"),
+        "{message}"
+    );
+}
+
+#[test]
+fn shard_defined_twice() {
+    let (entry, message) = rejected(&format!(
+        "{FOUR}\n[[shards]]\nname = \"s1\"\nurl = \"sqlite://again.db\"\n"
+    ));
+    assert_eq!(entry, "shards[4] (\"s1\")");
+    assert!(
+        message.contains("defined twice (first at shards[1])"),
+        "{message}"
+    );
+}
+
+#[test]
+fn malformed_urls() {
+    let (entry, message) = rejected("[[shards]]\nname = \"s0\"\nurl = \"not a url\"\n");
+    assert_eq!(entry, "shards[0] (\"s0\")");
+    assert!(message.contains("malformed database URL"), "{message}");
+
+    let (_, message) = rejected("[[shards]]\nname = \"s0\"\nurl = \"redis://127.0.0.1\"\n");
+    assert!(
+        message.contains("unsupported database URL scheme `redis`"),
+        "{message}"
+    );
+
+    let (entry, message) = rejected(
+        "[[hosts]]\nname = \"h\"\nurl = \"postgres://u:hunter2@[::1\"\n[[shards]]\nname = \"s0\"\nhost = \"h\"\ndatabase = \"d\"\n",
+    );
+    assert_eq!(entry, "hosts[0] (\"h\")");
+    assert!(!message.contains("hunter2"), "{message}");
+}
+
+#[test]
+fn unknown_fields_are_rejected() {
+    let (entry, message) =
+        rejected("[[shards]]\nname = \"s0\"\nurl = \"sqlite://a.db\"\nweight = 3\n");
+    assert_eq!(entry, "line 4");
+    assert!(message.contains("unknown field `weight`"), "{message}");
+
+    let (_, message) = rejected(&with("[groups.C]\nplacment = \"hash\"\n"));
+    assert!(message.contains("unknown field `placment`"), "{message}");
+
+    let (entry, message) = rejected(&with(
+        "[groups.C]\nplacement = \"modulo\"\nbuckets = 4\nshards = [\"s0\"]\n",
+    ));
+    assert_eq!(entry, "groups.C.buckets");
+    assert!(
+        message.contains("applies only to placement = \"hash\""),
+        "{message}"
+    );
+}
+
+#[test]
+fn passwords_never_appear() {
+    let toml = "[[hosts]]\nname = \"pg\"\nurl = \"postgres://app:hunter2@10.0.0.5:5432\"\n\
+                [[shards]]\nname = \"s0\"\nhost = \"pg\"\ndatabase = \"orders_0\"\n\
+                [[shards]]\nname = \"s1\"\nurl = \"mysql://root:hunter2@10.0.0.6/orders_1\"\n";
+    let config = ClusterConfig::from_toml(toml).unwrap();
+    let debug = format!("{config:?}");
+    assert!(!debug.contains("hunter2"), "{debug}");
+    let topology = Topology::build(&config).unwrap();
+    let debug = format!("{topology:?}");
+    assert!(!debug.contains("hunter2"), "{debug}");
+    assert!(
+        debug.contains("postgres://app:***@10.0.0.5:5432/orders_0"),
+        "{debug}"
+    );
+
+    // A parse error on a line holding a password does not echo the line.
+    let err = ClusterConfig::from_toml(
+        "[[shards]]\nname = \"s0\"\nurl = { x = \"postgres://app:hunter2@h/db\" }\n",
+    )
+    .unwrap_err();
+    assert!(!err.to_string().contains("hunter2"), "{err}");
+    let err = ClusterConfig::from_toml(
+        "shards = [{ name = \"s0\", url = \"postgres://app:hunter2@h/db\", bogus = 1 }]\n",
+    )
+    .unwrap_err();
+    assert!(!err.to_string().contains("hunter2"), "{err}");
+    assert!(!format!("{err:?}").contains("hunter2"), "{err:?}");
+}
+
+#[tokio::test]
+async fn connect_errors_name_the_shard_without_the_password() {
+    // Port 9 (discard) on loopback is closed: the connection is refused.
+    let toml = "[[shards]]\nname = \"s0\"\nurl = \"postgres://app:hunter2@127.0.0.1:9/orders\"\n[pool]\nconnect_timeout_secs = 2\nacquire_timeout_secs = 2\n";
+    let err = shardkit::Cluster::connect(ClusterConfig::from_toml(toml).unwrap())
+        .await
+        .unwrap_err();
+    match &err {
+        ShardError::Connect { shard, url, .. } => {
+            assert_eq!(shard, "s0");
+            assert_eq!(url, "postgres://app:***@127.0.0.1:9/orders");
+        }
+        other => panic!("expected Connect, got {other:?}"),
+    }
+    assert!(!err.to_string().contains("hunter2"), "{err}");
+    assert!(!format!("{err:?}").contains("hunter2"), "{err:?}");
+}
+
+#[test]
+fn placements_route_without_io() {
+    let config = ClusterConfig::from_toml(&with(
+        r#"
+[groups.Customer]
+buckets = 4
+bucket_ranges = [{ shard = "s2", first = 0, last = 1 }, { shard = "s3", first = 2, last = 3 }]
+[groups.U]
+placement = "modulo"
+shards = ["s1", "s0"]
+[groups.R]
+placement = "range"
+ranges = [{ shard = "s0", from = "a", to = "n" }, { shard = "s1", from = "n", to = "zz" }]
+"#,
+    ))
+    .unwrap();
+    let t = Topology::build(&config).unwrap();
+    let hash = |k: i64| shardkit::topology::pghash::partition_hash_i64(k) % 4;
+    for k in [-3i64, 0, 7, 1 << 40] {
+        let bucket = hash(k) as u32;
+        let shard = if bucket < 2 { 2 } else { 3 };
+        assert_eq!(
+            t.locate("Customer", &k).unwrap(),
+            Located::Target(Target {
+                shard: shardkit::ShardId(shard),
+                bucket: Some(bucket)
+            })
+        );
+    }
+    // u64 keys route like any integer.
+    // u64::MAX is odd: index 1 of ["s1", "s0"] is s0.
+    assert_eq!(
+        t.locate("U", &u64::MAX).unwrap(),
+        Located::Target(Target {
+            shard: shardkit::ShardId(0),
+            bucket: None
+        })
+    );
+    assert_eq!(
+        t.locate("U", &4u64).unwrap(),
+        Located::Target(Target {
+            shard: shardkit::ShardId(1),
+            bucket: None
+        })
+    );
+    assert!(matches!(
+        t.locate("U", &"x".to_string()),
+        Err(ShardError::Unroutable { .. })
+    ));
+    assert_eq!(
+        t.locate("R", &"m".to_string()).unwrap(),
+        Located::Target(Target {
+            shard: shardkit::ShardId(0),
+            bucket: None
+        })
+    );
+    assert_eq!(
+        t.locate("R", &"n".to_string()).unwrap(),
+        Located::Target(Target {
+            shard: shardkit::ShardId(1),
+            bucket: None
+        })
+    );
+    for outside in ["", "zz", "zzz"] {
+        let err = t.locate("R", &outside.to_string()).unwrap_err();
+        assert!(
+            matches!(err, ShardError::Unroutable { .. }),
+            "{outside:?}: {err:?}"
+        );
+    }
+    assert!(matches!(
+        t.locate("R", &5i64),
+        Err(ShardError::Unroutable { .. })
+    ));
+    match t.locate("Nope", &1i64) {
+        Err(ShardError::UnknownGroup { group, configured }) => {
+            assert_eq!(group, "Nope");
+            assert_eq!(configured, "Customer, R, U");
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn default_hash_spreads_buckets_evenly() {
+    let config = ClusterConfig::from_toml(&with("[groups.C]\n")).unwrap();
+    let t = Topology::build(&config).unwrap();
+    let mut per_shard = [0u32; 4];
+    for k in 0..4096i64 {
+        let Located::Target(target) = t.locate("C", &k).unwrap() else {
+            panic!()
+        };
+        per_shard[target.shard.index()] += 1;
+        let bucket = target.bucket.unwrap();
+        assert_eq!(
+            target.shard.index() as u32,
+            bucket / 256,
+            "contiguous runs of 256 buckets"
+        );
+    }
+    assert!(per_shard.iter().all(|&n| n > 800), "{per_shard:?}");
+}

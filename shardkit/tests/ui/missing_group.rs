@@ -1,0 +1,17 @@
+pub mod order {
+    use sea_orm::entity::prelude::*;
+
+    #[sea_orm::model]
+    #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel, shardkit::Sharded)]
+    #[sea_orm(table_name = "orders")]
+    pub struct Model {
+        #[sea_orm(primary_key, auto_increment = false)]
+        pub id: i64,
+        #[shardkit(shard_key)]
+        pub customer_id: i64,
+    }
+
+    impl ActiveModelBehavior for ActiveModel {}
+}
+
+fn main() {}

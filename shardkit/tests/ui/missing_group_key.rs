@@ -1,0 +1,6 @@
+use shardkit::EntityGroup;
+
+#[derive(EntityGroup)]
+pub struct Customer;
+
+fn main() {}
