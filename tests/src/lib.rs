@@ -173,7 +173,8 @@ impl TestDbs {
     /// `url`; server shards share one `[[hosts]]` entry, several databases on
     /// one server.
     pub fn shards_toml(&self, shards: usize) -> String {
-        let mut toml = String::new();
+        // Small pools: many tests run at once against one server.
+        let mut toml = String::from("[pool]\nmax_connections = 4\n\n");
         match self.backend {
             Backend::Sqlite => {
                 for (i, path) in self.names.iter().take(shards).enumerate() {
