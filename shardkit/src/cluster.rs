@@ -249,6 +249,9 @@ async fn connect_one(
     if let Some(secs) = pool.acquire_timeout_secs {
         options.acquire_timeout(Duration::from_secs(secs));
     }
+    if let Some(test) = pool.test_before_acquire {
+        options.test_before_acquire(test);
+    }
     Database::connect(options)
         .await
         .map_err(|err| ShardError::Connect {

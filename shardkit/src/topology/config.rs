@@ -181,6 +181,9 @@ pub struct PoolConfig {
     pub connect_timeout_secs: Option<u64>,
     /// Seconds to wait for a pooled connection.
     pub acquire_timeout_secs: Option<u64>,
+    /// Ping a pooled connection before handing it out (SQLx's default: true).
+    /// Turning it off saves a round trip per statement.
+    pub test_before_acquire: Option<bool>,
 }
 
 impl ClusterConfig {
