@@ -56,7 +56,7 @@ buckets = 1024
 
 fn resolve(c: &mut Criterion) {
     let topology = Topology::build(&ClusterConfig::from_toml(CONFIG).unwrap()).unwrap();
-    let mut key: i64 = 0x5DEE_CE66_D;
+    let mut key: i64 = 0x0005_DEEC_E66D;
     c.bench_function("routing/resolve", |b| {
         b.iter(|| {
             key = key
