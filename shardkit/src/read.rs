@@ -5,6 +5,7 @@
 use crate::cluster::Cluster;
 use crate::entity::{EntityGroup, ShardedEntity, table_name};
 use crate::error::{Result, ShardError};
+use crate::topology::Target;
 use sea_orm::sea_query::SelectStatement;
 use sea_orm::{
     ColumnTrait, ConnectionTrait, DbErr, PaginatorTrait, QueryFilter, QueryOrder, QuerySelect,
@@ -79,26 +80,49 @@ impl<E: ShardedEntity> Find<E, Unkeyed> {
     }
 }
 
+/// A read whose shard is known: everything but the I/O.
+struct Planned<E: ShardedEntity> {
+    cluster: Cluster,
+    target: Target,
+    select: Select<E>,
+    span: tracing::Span,
+}
+
 // The `Routed` bound sits on each method rather than on the impl so that an
 // unkeyed read reports the bound's own message, not "method not found".
 impl<E: ShardedEntity, R> Find<E, R> {
+    async fn plan(self, op: &'static str) -> Result<Planned<E>>
+    where
+        R: Routed<E>,
+    {
+        let key = self.route.shard_key();
+        let target = self.cluster.route::<E::Group>(key).await?;
+        let span = read_span::<E>(self.cluster.shard_name(target.shard), target.bucket, op);
+        tracing::debug!(parent: &span, key = ?key, "routed read");
+        Ok(Planned {
+            select: keyed_select::<E>(self.select, key),
+            cluster: self.cluster,
+            target,
+            span,
+        })
+    }
+
     /// All matching rows.
     pub async fn all(self) -> Result<Vec<E::Model>>
     where
         R: Routed<E>,
     {
-        let key = self.route.shard_key().clone();
-        let select = keyed_select::<E>(self.select, &key);
-        let cluster = self.cluster;
-        let target = cluster.route::<E::Group>(&key).await?;
-        let shard = cluster.shard_name(target.shard);
-        let span = read_span::<E>(shard, target.bucket, "all");
-        tracing::debug!(parent: &span, key = ?key, "routed read");
+        let Planned {
+            cluster,
+            target,
+            select,
+            span,
+        } = self.plan("all").await?;
         select
             .all(cluster.shard_conn(target.shard))
             .instrument(span)
             .await
-            .map_err(|e| read_err::<E>(shard, e))
+            .map_err(|e| read_err::<E>(cluster.shard_name(target.shard), e))
     }
 
     /// The first matching row.
@@ -106,18 +130,17 @@ impl<E: ShardedEntity, R> Find<E, R> {
     where
         R: Routed<E>,
     {
-        let key = self.route.shard_key().clone();
-        let select = keyed_select::<E>(self.select, &key);
-        let cluster = self.cluster;
-        let target = cluster.route::<E::Group>(&key).await?;
-        let shard = cluster.shard_name(target.shard);
-        let span = read_span::<E>(shard, target.bucket, "one");
-        tracing::debug!(parent: &span, key = ?key, "routed read");
+        let Planned {
+            cluster,
+            target,
+            select,
+            span,
+        } = self.plan("one").await?;
         select
             .one(cluster.shard_conn(target.shard))
             .instrument(span)
             .await
-            .map_err(|e| read_err::<E>(shard, e))
+            .map_err(|e| read_err::<E>(cluster.shard_name(target.shard), e))
     }
 
     /// The number of matching rows.
@@ -126,18 +149,17 @@ impl<E: ShardedEntity, R> Find<E, R> {
         R: Routed<E>,
         E::Model: Sync,
     {
-        let key = self.route.shard_key().clone();
-        let select = keyed_select::<E>(self.select, &key);
-        let cluster = self.cluster;
-        let target = cluster.route::<E::Group>(&key).await?;
-        let shard = cluster.shard_name(target.shard);
-        let span = read_span::<E>(shard, target.bucket, "count");
-        tracing::debug!(parent: &span, key = ?key, "routed read");
+        let Planned {
+            cluster,
+            target,
+            select,
+            span,
+        } = self.plan("count").await?;
         select
             .count(cluster.shard_conn(target.shard))
             .instrument(span)
             .await
-            .map_err(|e| read_err::<E>(shard, e))
+            .map_err(|e| read_err::<E>(cluster.shard_name(target.shard), e))
     }
 }
 

@@ -40,7 +40,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     println!("\n== writes: one transaction per customer, on that customer's shard");
     let mut order_id = 1000;
-    for id in 1..=8_i64 {
+    for id in 1..=12_i64 {
         let tx = cluster.begin::<Customer>(id).await?;
         tx.insert(customer::ActiveModel {
             id: Set(id),
