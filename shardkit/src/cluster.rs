@@ -27,6 +27,84 @@ struct Inner {
     topology: Topology,
     shards: Vec<DatabaseConnection>,
     directories: Vec<DatabaseConnection>,
+    read: ReadSettings,
+}
+
+/// Cluster-wide read defaults (from `[read]`).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ReadSettings {
+    pub(crate) timeout: Option<Duration>,
+    pub(crate) max_concurrency: usize,
+}
+
+/// Called after every statement a shard runs (see [`ClusterBuilder::on_statement`]).
+pub type StatementObserver = Arc<dyn Fn(&StatementEvent<'_>) + Send + Sync>;
+
+/// One executed statement, as seen by a [`StatementObserver`].
+#[derive(Debug)]
+#[non_exhaustive]
+pub struct StatementEvent<'a> {
+    /// The shard (or `directory:<group>`) it ran on.
+    pub shard: &'a str,
+    /// The statement with its bound values.
+    pub statement: &'a sea_orm::Statement,
+    /// How long it took.
+    pub elapsed: Duration,
+    /// Whether it failed.
+    pub failed: bool,
+}
+
+/// Builds a [`Cluster`] with options beyond the config file.
+pub struct ClusterBuilder {
+    config: ClusterConfig,
+    observer: Option<StatementObserver>,
+}
+
+impl ClusterBuilder {
+    /// Calls `observer` after every statement any shard runs: for metrics, slow
+    /// query logs, or tests that assert on the SQL sent to each shard.
+    pub fn on_statement(
+        mut self,
+        observer: impl Fn(&StatementEvent<'_>) + Send + Sync + 'static,
+    ) -> Self {
+        self.observer = Some(Arc::new(observer));
+        self
+    }
+
+    /// Validates the config and connects (see [`Cluster::connect`]).
+    pub async fn connect(self) -> Result<Cluster> {
+        let ClusterBuilder { config, observer } = self;
+        let topology = Topology::build(&config)?;
+        let pool = &config.pool;
+        let observer = observer.as_ref();
+        let shard_conns = join_all(
+            topology
+                .shards()
+                .iter()
+                .map(|s| connect_one(s.name.clone(), &s.url, pool, observer)),
+        );
+        let dir_conns = join_all(
+            topology
+                .directories()
+                .iter()
+                .map(|d| connect_one(format!("directory:{}", d.group), &d.url, pool, observer)),
+        );
+        let (shards, directories) = futures::join!(shard_conns, dir_conns);
+        let shards = shards.into_iter().collect::<Result<Vec<_>>>()?;
+        let directories = directories.into_iter().collect::<Result<Vec<_>>>()?;
+        let read = ReadSettings {
+            timeout: config.read.timeout_ms.map(Duration::from_millis),
+            max_concurrency: config.read.max_concurrency.unwrap_or(16),
+        };
+        Ok(Cluster {
+            inner: Arc::new(Inner {
+                topology,
+                shards,
+                directories,
+                read,
+            }),
+        })
+    }
 }
 
 impl std::fmt::Debug for Cluster {
@@ -43,28 +121,19 @@ impl Cluster {
     /// (concurrently). Fails with [`ShardError::Connect`] naming the first shard
     /// that could not be reached; its URL appears without its password.
     pub async fn connect(config: ClusterConfig) -> Result<Self> {
-        let topology = Topology::build(&config)?;
-        let pool = &config.pool;
-        let shard_conns = join_all(
-            topology
-                .shards()
-                .iter()
-                .map(|s| connect_one(&s.name, &s.url, pool)),
-        );
-        let dir_conns = join_all(topology.directories().iter().map(|d| {
-            let name = format!("directory:{}", d.group);
-            async move { connect_one(&name, &d.url, pool).await }
-        }));
-        let (shards, directories) = futures::join!(shard_conns, dir_conns);
-        let shards = shards.into_iter().collect::<Result<Vec<_>>>()?;
-        let directories = directories.into_iter().collect::<Result<Vec<_>>>()?;
-        Ok(Cluster {
-            inner: Arc::new(Inner {
-                topology,
-                shards,
-                directories,
-            }),
-        })
+        Cluster::builder(config).connect().await
+    }
+
+    /// A builder for options the config file cannot hold (statement observers).
+    pub fn builder(config: ClusterConfig) -> ClusterBuilder {
+        ClusterBuilder {
+            config,
+            observer: None,
+        }
+    }
+
+    pub(crate) fn read_settings(&self) -> ReadSettings {
+        self.inner.read
     }
 
     /// The validated topology.
@@ -229,9 +298,10 @@ impl Cluster {
 }
 
 async fn connect_one(
-    name: &str,
+    name: String,
     url: &DatabaseUrl,
     pool: &PoolConfig,
+    observer: Option<&StatementObserver>,
 ) -> Result<DatabaseConnection> {
     let mut options = ConnectOptions::new(url.expose().to_owned());
     // Statements are logged by shardkit's own spans; keep the driver's
@@ -252,13 +322,28 @@ async fn connect_one(
     if let Some(test) = pool.test_before_acquire {
         options.test_before_acquire(test);
     }
-    Database::connect(options)
+    if let Some(lazy) = pool.connect_lazy {
+        options.connect_lazy(lazy);
+    }
+    let mut conn = Database::connect(options)
         .await
         .map_err(|err| ShardError::Connect {
-            shard: name.to_owned(),
+            shard: name.clone(),
             url: url.redacted(),
             cause: url.scrub(&err.to_string()),
-        })
+        })?;
+    if let Some(observer) = observer {
+        let observer = Arc::clone(observer);
+        conn.set_metric_callback(move |info| {
+            observer(&StatementEvent {
+                shard: &name,
+                statement: info.statement,
+                elapsed: info.elapsed,
+                failed: info.failed,
+            })
+        });
+    }
+    Ok(conn)
 }
 
 /// The result of [`Cluster::migrate`] / [`Cluster::migration_status`].

@@ -117,6 +117,48 @@ pub enum ShardError {
         reason: String,
     },
 
+    /// A read over several shards failed on some of them, and the caller did
+    /// not ask for partial results (`.partial()`). Lists every failed shard
+    /// with its cause.
+    #[error(
+        "{} of {asked} shards failed reading `{table}` (group `{group}`): {}",
+        failures.len(),
+        list_failures(failures)
+    )]
+    ShardsFailed {
+        /// The group read.
+        group: &'static str,
+        /// The table read.
+        table: &'static str,
+        /// How many shards were asked.
+        asked: usize,
+        /// Each failed shard and why.
+        failures: Vec<ShardFailure>,
+    },
+
+    /// A shard did not answer within the read timeout; its query was cancelled.
+    #[error(
+        "shard `{shard}` (group `{group}`) did not answer within {after:?}; the query was cancelled"
+    )]
+    Timeout {
+        /// The group read.
+        group: &'static str,
+        /// The slow shard.
+        shard: String,
+        /// The timeout that fired.
+        after: std::time::Duration,
+    },
+
+    /// A multi-shard read asked for something that cannot be merged correctly
+    /// from per-shard results.
+    #[error("cannot merge a multi-shard read of `{table}`: {reason}")]
+    Unmergeable {
+        /// The table read.
+        table: &'static str,
+        /// What cannot be merged.
+        reason: String,
+    },
+
     /// Applying migrations to a shard failed.
     #[error("migrating shard `{shard}` failed: {source}")]
     Migration {
@@ -149,12 +191,15 @@ impl ShardError {
     pub fn kind(&self) -> ErrorKind {
         match self {
             ShardError::Config { .. } | ShardError::UnknownGroup { .. } => ErrorKind::Config,
-            ShardError::Connect { .. } | ShardError::Db { .. } | ShardError::Migration { .. } => {
-                ErrorKind::Database
-            }
+            ShardError::Connect { .. }
+            | ShardError::Db { .. }
+            | ShardError::Migration { .. }
+            | ShardError::ShardsFailed { .. }
+            | ShardError::Timeout { .. } => ErrorKind::Database,
             ShardError::CrossShardWrite { .. }
             | ShardError::MissingShardKey { .. }
-            | ShardError::RollbackOnly { .. } => ErrorKind::Refused,
+            | ShardError::RollbackOnly { .. }
+            | ShardError::Unmergeable { .. } => ErrorKind::Refused,
             ShardError::Unroutable { .. } => ErrorKind::Routing,
         }
     }
@@ -165,4 +210,27 @@ impl ShardError {
             message: message.into(),
         }
     }
+}
+
+/// One shard's failure in a multi-shard read.
+#[derive(Debug)]
+pub struct ShardFailure {
+    /// The shard that failed.
+    pub shard: String,
+    /// Why (a [`ShardError::Db`], [`ShardError::Timeout`], ...).
+    pub error: Box<ShardError>,
+}
+
+impl std::fmt::Display for ShardFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.shard, self.error)
+    }
+}
+
+fn list_failures(failures: &[ShardFailure]) -> String {
+    failures
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join("; ")
 }

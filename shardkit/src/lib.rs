@@ -92,10 +92,13 @@ pub mod read;
 pub mod topology;
 pub mod tx;
 
-pub use cluster::{Cluster, DatabaseMigrationStatus, Directory, MigrationReport};
+pub use cluster::{
+    Cluster, ClusterBuilder, DatabaseMigrationStatus, Directory, MigrationReport, StatementEvent,
+    StatementObserver,
+};
 pub use entity::{EntityGroup, GroupKey, InGroup, KeyRef, ShardKey, ShardedEntity};
-pub use error::{ErrorKind, Result, ShardError};
-pub use read::{Find, KeyOf, Keyed, TxFind, Unkeyed};
+pub use error::{ErrorKind, Result, ShardError, ShardFailure};
+pub use read::{AllowPartial, Find, KeyOf, Keyed, Keys, Partial, Scatter, TxFind, Unkeyed};
 pub use shardkit_derive::{EntityGroup, Sharded};
 pub use topology::{ClusterConfig, DatabaseUrl, ShardId, Target, Topology};
 pub use tx::ShardTx;

@@ -1,22 +1,39 @@
-//! Keyed reads. A read names its shard key before it can run; the key picks
-//! the shard and is also added to the `WHERE` clause, so a read never returns
-//! another key's rows even when two keys share a shard.
+//! Reads. A read names what it reads before it can run: one shard key
+//! ([`Find::key`]), several ([`Find::keys`]), or every shard on purpose
+//! ([`Find::scatter`]).
+//!
+//! A keyed read runs on its key's shard with `shard_key = key` added to its
+//! `WHERE` clause, so it never returns another key's rows even when two keys
+//! share a shard. A multi-shard read asks only the shards that can hold its
+//! keys, each with only its own keys (an `IN` list split per shard and chunked
+//! under the backend's parameter limit), runs the shards concurrently (at most
+//! `read.max_concurrency` at once) and merges: `order_by_*` + `limit` /
+//! `offset` give the same rows as one database would, `count()` sums.
+//!
+//! A shard that fails or does not answer within the timeout fails the whole
+//! read ([`ShardError::ShardsFailed`] names every failed shard and why), unless
+//! the caller asked for partial results with [`Find::partial`].
 
 use crate::cluster::Cluster;
 use crate::entity::{EntityGroup, ShardedEntity, table_name};
-use crate::error::{Result, ShardError};
-use crate::topology::Target;
+use crate::error::{Result, ShardError, ShardFailure};
+use crate::topology::{ShardId, Target};
+use futures::StreamExt;
 use sea_orm::sea_query::SelectStatement;
 use sea_orm::{
-    ColumnTrait, ConnectionTrait, DbErr, PaginatorTrait, QueryFilter, QueryOrder, QuerySelect,
-    QueryTrait, Select,
+    ColumnTrait, ConnectionTrait, DatabaseConnection, DbBackend, DbErr, IdenStatic, ModelTrait,
+    Order, PaginatorTrait, QueryFilter, QueryOrder, QuerySelect, QueryTrait, Select, Value,
 };
+use std::cmp::Ordering;
+use std::collections::{BTreeMap, HashSet};
+use std::future::Future;
+use std::time::Duration;
 use tracing::Instrument;
 
 /// The shard key type of entity `E`.
 pub type KeyOf<E> = <<E as ShardedEntity>::Group as EntityGroup>::Key;
 
-/// A read that has no shard key yet. Add one with [`Find::key`].
+/// A read that has no shard key yet: add `.key(k)`, `.keys(..)` or `.scatter()`.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Unkeyed;
 
@@ -24,40 +41,157 @@ pub struct Unkeyed;
 #[derive(Clone, Debug)]
 pub struct Keyed<K>(K);
 
+/// A read of several shard keys.
+#[derive(Clone, Debug)]
+pub struct Keys<K>(Vec<K>);
+
+/// A read of every shard of the group.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Scatter;
+
+/// A multi-shard read that returns the rows of healthy shards plus the list
+/// of failed ones ([`Partial`]) instead of failing.
+#[derive(Clone, Debug)]
+pub struct AllowPartial<R>(R);
+
+/// The result of a [`Find::partial`] read: the rows every healthy shard
+/// returned, and the shards that failed with their errors.
+#[derive(Debug)]
+pub struct Partial<T> {
+    /// Rows (or the count) from the shards that answered.
+    pub rows: T,
+    /// The shards that failed or timed out, with why.
+    pub failed: Vec<ShardFailure>,
+}
+
+impl<T> Partial<T> {
+    /// Whether every shard answered.
+    pub fn is_complete(&self) -> bool {
+        self.failed.is_empty()
+    }
+}
+
 mod sealed {
     pub trait Sealed {}
     impl Sealed for super::Unkeyed {}
     impl<K> Sealed for super::Keyed<K> {}
+    impl<K> Sealed for super::Keys<K> {}
+    impl Sealed for super::Scatter {}
+    impl<R> Sealed for super::AllowPartial<R> {}
+}
+
+/// Which shards a read goes to.
+#[doc(hidden)]
+#[derive(Debug)]
+pub enum RouteSpec<K> {
+    /// One key: its shard.
+    One(K),
+    /// These keys: their shards, each with its own keys.
+    Many(Vec<K>),
+    /// Every shard of the group.
+    All,
+}
+
+/// What a multi-shard read tells [`Routed::finish`].
+#[doc(hidden)]
+#[derive(Debug)]
+pub struct Gathered {
+    group: &'static str,
+    table: &'static str,
+    asked: usize,
+    failed: Vec<ShardFailure>,
 }
 
 /// The routing states a read can run in. `Unkeyed` is not one of them, so an
 /// unkeyed read does not compile.
 #[diagnostic::on_unimplemented(
     message = "this shardkit read has no shard key, so it cannot run",
-    label = "add `.key(k)` before running the read",
-    note = "shardkit never guesses which shards to read: use `.key(k)` to read one shard key's rows"
+    label = "add `.key(k)`, `.keys(..)` or `.scatter()` before running the read",
+    note = "shardkit never guesses which shards to read: use `.key(k)` for one shard key, \
+            `.keys([..])` for several, or `.scatter()` to read every shard on purpose"
 )]
-pub trait Routed<E: ShardedEntity>: sealed::Sealed {
-    /// The key the read is pinned to.
-    fn shard_key(&self) -> &KeyOf<E>;
+pub trait Routed<E: ShardedEntity>: sealed::Sealed + Send {
+    /// What the read returns: the rows, or [`Partial`] rows.
+    type Output<T>;
+    #[doc(hidden)]
+    fn spec(self) -> RouteSpec<KeyOf<E>>;
+    #[doc(hidden)]
+    fn finish<T>(rows: T, gathered: Gathered) -> Result<Self::Output<T>>;
+}
+
+fn strict<T>(rows: T, gathered: Gathered) -> Result<T> {
+    if gathered.failed.is_empty() {
+        Ok(rows)
+    } else {
+        Err(ShardError::ShardsFailed {
+            group: gathered.group,
+            table: gathered.table,
+            asked: gathered.asked,
+            failures: gathered.failed,
+        })
+    }
 }
 
 impl<E: ShardedEntity> Routed<E> for Keyed<KeyOf<E>> {
-    fn shard_key(&self) -> &KeyOf<E> {
-        &self.0
+    type Output<T> = T;
+    fn spec(self) -> RouteSpec<KeyOf<E>> {
+        RouteSpec::One(self.0)
+    }
+    fn finish<T>(rows: T, gathered: Gathered) -> Result<T> {
+        strict(rows, gathered)
+    }
+}
+
+impl<E: ShardedEntity> Routed<E> for Keys<KeyOf<E>> {
+    type Output<T> = T;
+    fn spec(self) -> RouteSpec<KeyOf<E>> {
+        RouteSpec::Many(self.0)
+    }
+    fn finish<T>(rows: T, gathered: Gathered) -> Result<T> {
+        strict(rows, gathered)
+    }
+}
+
+impl<E: ShardedEntity> Routed<E> for Scatter {
+    type Output<T> = T;
+    fn spec(self) -> RouteSpec<KeyOf<E>> {
+        RouteSpec::All
+    }
+    fn finish<T>(rows: T, gathered: Gathered) -> Result<T> {
+        strict(rows, gathered)
+    }
+}
+
+impl<E: ShardedEntity, R: Routed<E>> Routed<E> for AllowPartial<R> {
+    type Output<T> = Partial<T>;
+    fn spec(self) -> RouteSpec<KeyOf<E>> {
+        self.0.spec()
+    }
+    fn finish<T>(rows: T, gathered: Gathered) -> Result<Partial<T>> {
+        Ok(Partial {
+            rows,
+            failed: gathered.failed,
+        })
     }
 }
 
 /// A read of entity `E` through the cluster: a SeaORM [`Select`] plus routing.
 ///
-/// `filter`, `order_by_*`, `limit`, `offset`, `columns` and the other
-/// [`QueryFilter`], [`QueryOrder`] and [`QuerySelect`] methods work as on a
-/// `Select<E>`.
+/// `filter` works as on a `Select<E>` (it is pushed to every shard).
+/// `order_by_asc`, `order_by_desc`, `order_by`, `limit` and `offset` are
+/// shardkit's own, so a multi-shard read can merge them correctly. A
+/// single-key read also takes every other [`QueryOrder`] and [`QuerySelect`]
+/// method.
 #[must_use = "a read does nothing until `.all()`, `.one()` or `.count()` runs it"]
 pub struct Find<E: ShardedEntity, R = Unkeyed> {
     cluster: Cluster,
     select: Select<E>,
     route: R,
+    order: Vec<(E::Column, Order)>,
+    limit: Option<u64>,
+    offset: Option<u64>,
+    timeout: Option<Duration>,
+    concurrency: Option<usize>,
 }
 
 impl<E: ShardedEntity> Find<E, Unkeyed> {
@@ -66,100 +200,629 @@ impl<E: ShardedEntity> Find<E, Unkeyed> {
             cluster,
             select,
             route: Unkeyed,
+            order: Vec::new(),
+            limit: None,
+            offset: None,
+            timeout: None,
+            concurrency: None,
+        }
+    }
+
+    fn reroute<R>(self, route: R) -> Find<E, R> {
+        Find {
+            cluster: self.cluster,
+            select: self.select,
+            route,
+            order: self.order,
+            limit: self.limit,
+            offset: self.offset,
+            timeout: self.timeout,
+            concurrency: self.concurrency,
         }
     }
 
     /// Pins the read to one shard key: it runs on that key's shard only, with
     /// `shard_key = key` added to its `WHERE` clause.
     pub fn key(self, key: KeyOf<E>) -> Find<E, Keyed<KeyOf<E>>> {
-        Find {
-            cluster: self.cluster,
-            select: self.select,
-            route: Keyed(key),
-        }
+        self.reroute(Keyed(key))
+    }
+
+    /// Reads several shard keys: each shard that holds some of them gets one
+    /// query with only its own keys (`shard_key IN (...)`, chunked under the
+    /// backend's parameter limit); the shards run concurrently.
+    pub fn keys(self, keys: impl IntoIterator<Item = KeyOf<E>>) -> Find<E, Keys<KeyOf<E>>> {
+        self.reroute(Keys(keys.into_iter().collect()))
+    }
+
+    /// Reads every shard of the group, on purpose.
+    pub fn scatter(self) -> Find<E, Scatter> {
+        self.reroute(Scatter)
     }
 }
 
-/// A read whose shard is known: everything but the I/O.
-struct Planned<E: ShardedEntity> {
+impl<E: ShardedEntity> Find<E, Keys<KeyOf<E>>> {
+    /// Returns the rows of every healthy shard plus the failed shards
+    /// ([`Partial`]) instead of failing the read.
+    pub fn partial(self) -> Find<E, AllowPartial<Keys<KeyOf<E>>>> {
+        self.partial_inner()
+    }
+}
+
+impl<E: ShardedEntity> Find<E, Scatter> {
+    /// Returns the rows of every healthy shard plus the failed shards
+    /// ([`Partial`]) instead of failing the read.
+    pub fn partial(self) -> Find<E, AllowPartial<Scatter>> {
+        self.partial_inner()
+    }
+}
+
+impl<E: ShardedEntity, R> Find<E, R> {
+    fn partial_inner(self) -> Find<E, AllowPartial<R>> {
+        Find {
+            cluster: self.cluster,
+            select: self.select,
+            route: AllowPartial(self.route),
+            order: self.order,
+            limit: self.limit,
+            offset: self.offset,
+            timeout: self.timeout,
+            concurrency: self.concurrency,
+        }
+    }
+
+    /// Orders by a column, ascending. Merged across shards.
+    pub fn order_by_asc(self, column: E::Column) -> Self {
+        self.order_by(column, Order::Asc)
+    }
+
+    /// Orders by a column, descending. Merged across shards.
+    pub fn order_by_desc(self, column: E::Column) -> Self {
+        self.order_by(column, Order::Desc)
+    }
+
+    /// Orders by a column. Merged across shards.
+    pub fn order_by(mut self, column: E::Column, order: Order) -> Self {
+        self.order.push((column, order));
+        self
+    }
+
+    /// At most `limit` rows in all (each shard returns at most `limit +
+    /// offset`; the merge keeps the global order).
+    pub fn limit(mut self, limit: u64) -> Self {
+        self.limit = Some(limit);
+        self
+    }
+
+    /// Skips the first `offset` rows of the merged result.
+    pub fn offset(mut self, offset: u64) -> Self {
+        self.offset = Some(offset);
+        self
+    }
+
+    /// How long each shard may take before it counts as failed and its query is
+    /// cancelled (overrides `read.timeout_ms`).
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = Some(timeout);
+        self
+    }
+
+    /// How many shards this read queries at once (overrides
+    /// `read.max_concurrency`; at least 1).
+    pub fn max_concurrency(mut self, shards: usize) -> Self {
+        self.concurrency = Some(shards.max(1));
+        self
+    }
+
+    /// All matching rows.
+    ///
+    /// The `Routed` bound sits on each method rather than on the impl so that
+    /// an unkeyed read reports the bound's own message, not "method not found".
+    pub async fn all(self) -> Result<R::Output<Vec<E::Model>>>
+    where
+        R: Routed<E>,
+    {
+        let (read, spec) = self.split();
+        match spec {
+            RouteSpec::One(key) => {
+                let plan = read.plan_one(&key, "all").await?;
+                let select = read.shape(plan.select, true);
+                let rows = read
+                    .run_one(
+                        plan.target,
+                        plan.span,
+                        select.all(read.cluster.shard_conn(plan.target.shard)),
+                    )
+                    .await?;
+                R::finish(rows, read.gathered(1, Vec::new()))
+            }
+            spec => {
+                let parts = read.fan_out(spec).await?;
+                let asked = count_shards(&parts);
+                let parts = parts
+                    .into_iter()
+                    .map(|(id, s)| (id, read.shape(s, false)))
+                    .collect();
+                let (ok, failed, span) = read
+                    .gather(parts, asked, "all", |s, conn| s.all(conn))
+                    .await;
+                let rows = read.merge(ok)?;
+                span.record("rows", rows.len());
+                R::finish(rows, read.gathered(asked, failed))
+            }
+        }
+    }
+
+    /// The first matching row (in `order_by` order across shards).
+    pub async fn one(self) -> Result<R::Output<Option<E::Model>>>
+    where
+        R: Routed<E>,
+    {
+        let (mut read, spec) = self.split();
+        match spec {
+            RouteSpec::One(key) => {
+                let plan = read.plan_one(&key, "one").await?;
+                let select = read.shape(plan.select, true);
+                let row = read
+                    .run_one(
+                        plan.target,
+                        plan.span,
+                        select.one(read.cluster.shard_conn(plan.target.shard)),
+                    )
+                    .await?;
+                R::finish(row, read.gathered(1, Vec::new()))
+            }
+            spec => {
+                read.limit = Some(1);
+                let parts = read.fan_out(spec).await?;
+                let asked = count_shards(&parts);
+                let parts = parts
+                    .into_iter()
+                    .map(|(id, s)| (id, read.shape(s, false)))
+                    .collect();
+                let (ok, failed, span) = read
+                    .gather(parts, asked, "one", |s, conn| s.all(conn))
+                    .await;
+                let row = read.merge(ok)?.into_iter().next();
+                span.record("rows", usize::from(row.is_some()));
+                R::finish(row, read.gathered(asked, failed))
+            }
+        }
+    }
+
+    /// The number of matching rows (summed over shards; `limit`/`offset` and
+    /// ordering do not apply).
+    pub async fn count(self) -> Result<R::Output<u64>>
+    where
+        R: Routed<E>,
+        E::Model: Sync,
+    {
+        let (read, spec) = self.split();
+        match spec {
+            RouteSpec::One(key) => {
+                let plan = read.plan_one(&key, "count").await?;
+                let n = read
+                    .run_one(
+                        plan.target,
+                        plan.span,
+                        plan.select
+                            .count(read.cluster.shard_conn(plan.target.shard)),
+                    )
+                    .await?;
+                R::finish(n, read.gathered(1, Vec::new()))
+            }
+            spec => {
+                let parts = read.fan_out(spec).await?;
+                let asked = count_shards(&parts);
+                let (ok, failed, span) = read
+                    .gather(parts, asked, "count", |s, conn| s.count(conn))
+                    .await;
+                let n: u64 = ok.into_iter().map(|(_, n)| n).sum();
+                span.record("rows", n);
+                R::finish(n, read.gathered(asked, failed))
+            }
+        }
+    }
+
+    fn split(self) -> (Read<E>, RouteSpec<KeyOf<E>>)
+    where
+        R: Routed<E>,
+    {
+        let settings = self.cluster.read_settings();
+        let read = Read {
+            timeout: self.timeout.or(settings.timeout),
+            concurrency: self.concurrency.unwrap_or(settings.max_concurrency),
+            cluster: self.cluster,
+            select: self.select,
+            order: self.order,
+            limit: self.limit,
+            offset: self.offset,
+        };
+        (read, self.route.spec())
+    }
+}
+
+/// A read with its routing taken out: what every execution path shares.
+struct Read<E: ShardedEntity> {
     cluster: Cluster,
+    select: Select<E>,
+    order: Vec<(E::Column, Order)>,
+    limit: Option<u64>,
+    offset: Option<u64>,
+    timeout: Option<Duration>,
+    concurrency: usize,
+}
+
+/// A single-key read whose shard is known.
+struct PlannedOne<E: ShardedEntity> {
     target: Target,
     select: Select<E>,
     span: tracing::Span,
 }
 
-// The `Routed` bound sits on each method rather than on the impl so that an
-// unkeyed read reports the bound's own message, not "method not found".
-impl<E: ShardedEntity, R> Find<E, R> {
-    async fn plan(self, op: &'static str) -> Result<Planned<E>>
-    where
-        R: Routed<E>,
-    {
-        let key = self.route.shard_key();
+impl<E: ShardedEntity> Read<E> {
+    fn group() -> &'static str {
+        <E::Group as EntityGroup>::NAME
+    }
+
+    fn gathered(&self, asked: usize, failed: Vec<ShardFailure>) -> Gathered {
+        Gathered {
+            group: Self::group(),
+            table: table_name::<E>(),
+            asked,
+            failed,
+        }
+    }
+
+    async fn plan_one(&self, key: &KeyOf<E>, op: &'static str) -> Result<PlannedOne<E>> {
         let target = self.cluster.route::<E::Group>(key).await?;
         let span = read_span::<E>(self.cluster.shard_name(target.shard), target.bucket, op);
         tracing::debug!(parent: &span, key = ?key, "routed read");
-        Ok(Planned {
-            select: keyed_select::<E>(self.select, key),
-            cluster: self.cluster,
+        Ok(PlannedOne {
             target,
+            select: keyed_select::<E>(self.select.clone(), key),
             span,
         })
     }
 
-    /// All matching rows.
-    pub async fn all(self) -> Result<Vec<E::Model>>
-    where
-        R: Routed<E>,
-    {
-        let Planned {
-            cluster,
-            target,
-            select,
-            span,
-        } = self.plan("all").await?;
-        select
-            .all(cluster.shard_conn(target.shard))
-            .instrument(span)
+    /// Runs a single-shard statement with the read's timeout.
+    async fn run_one<T>(
+        &self,
+        target: Target,
+        span: tracing::Span,
+        fut: impl Future<Output = std::result::Result<T, DbErr>>,
+    ) -> Result<T> {
+        let shard = self.cluster.shard_name(target.shard);
+        with_timeout(Self::group(), shard, self.timeout, fut.instrument(span))
             .await
-            .map_err(|e| read_err::<E>(cluster.shard_name(target.shard), e))
+            .map_err(|e| e.into_shard_error::<E>(shard))
     }
 
-    /// The first matching row.
-    pub async fn one(self) -> Result<Option<E::Model>>
-    where
-        R: Routed<E>,
-    {
-        let Planned {
-            cluster,
-            target,
-            select,
-            span,
-        } = self.plan("one").await?;
+    /// Applies ordering and paging. A single shard gets them as written; a
+    /// shard of a multi-shard read returns its first `limit + offset` rows and
+    /// the merge applies the offset.
+    fn shape(&self, mut select: Select<E>, single: bool) -> Select<E> {
+        for (column, order) in &self.order {
+            select = QueryOrder::order_by(select, *column, order.clone());
+        }
+        let offset = self.offset.unwrap_or(0);
+        match (self.limit, single) {
+            (Some(limit), true) => select = QuerySelect::limit(select, limit),
+            (Some(limit), false) => {
+                select = QuerySelect::limit(select, limit.saturating_add(offset))
+            }
+            (None, _) => {}
+        }
+        if single && offset > 0 {
+            select = QuerySelect::offset(select, offset);
+        }
         select
-            .one(cluster.shard_conn(target.shard))
-            .instrument(span)
-            .await
-            .map_err(|e| read_err::<E>(cluster.shard_name(target.shard), e))
     }
 
-    /// The number of matching rows.
-    pub async fn count(self) -> Result<u64>
+    /// The per-shard statements of a multi-shard read, before ordering.
+    async fn fan_out(&self, spec: RouteSpec<KeyOf<E>>) -> Result<Vec<(ShardId, Select<E>)>> {
+        match spec {
+            RouteSpec::One(key) => Ok(vec![(
+                self.cluster.route::<E::Group>(&key).await?.shard,
+                keyed_select::<E>(self.select.clone(), &key),
+            )]),
+            RouteSpec::All => Ok(self
+                .cluster
+                .topology()
+                .shards_of(Self::group())?
+                .into_iter()
+                .map(|id| (id, self.select.clone()))
+                .collect()),
+            RouteSpec::Many(keys) => {
+                let mut seen = HashSet::with_capacity(keys.len());
+                let mut by_shard: BTreeMap<ShardId, Vec<KeyOf<E>>> = BTreeMap::new();
+                for key in keys {
+                    if seen.contains(&key) {
+                        continue;
+                    }
+                    let target = self.cluster.route::<E::Group>(&key).await?;
+                    seen.insert(key.clone());
+                    by_shard.entry(target.shard).or_default().push(key);
+                }
+                let mut parts = Vec::new();
+                for (id, keys) in by_shard {
+                    let conn = self.cluster.shard_conn(id);
+                    let chunk = self.key_chunk(conn.get_database_backend())?;
+                    for chunk in keys.chunks(chunk) {
+                        let select = self
+                            .select
+                            .clone()
+                            .filter(E::shard_key_column().is_in(chunk.iter().cloned()));
+                        parts.push((id, select));
+                    }
+                }
+                Ok(parts)
+            }
+        }
+    }
+
+    /// How many keys fit in one `IN` list on `backend`, leaving room for the
+    /// read's own parameters and its `LIMIT`.
+    fn key_chunk(&self, backend: DbBackend) -> Result<usize> {
+        let limit: usize = match backend {
+            DbBackend::Sqlite => 32_766,
+            _ => 65_535,
+        };
+        let used = backend
+            .build(QueryTrait::as_query(&self.select))
+            .values
+            .map_or(0, |v| v.0.len());
+        let room = limit.saturating_sub(used + 2);
+        if room == 0 {
+            return Err(ShardError::Unmergeable {
+                table: table_name::<E>(),
+                reason: format!("the read already binds {used} parameters, the backend's limit"),
+            });
+        }
+        Ok(room)
+    }
+
+    /// Runs every part, at most `concurrency` at once, each under the timeout.
+    /// Returns the results of the shards whose every part succeeded, and one
+    /// failure per shard that had any part fail.
+    async fn gather<'a, T, F, Fut>(
+        &'a self,
+        parts: Vec<(ShardId, Select<E>)>,
+        asked: usize,
+        op: &'static str,
+        run: F,
+    ) -> (Vec<(ShardId, T)>, Vec<ShardFailure>, tracing::Span)
     where
-        R: Routed<E>,
-        E::Model: Sync,
+        F: Fn(Select<E>, &'a DatabaseConnection) -> Fut,
+        Fut: Future<Output = std::result::Result<T, DbErr>> + 'a,
     {
-        let Planned {
-            cluster,
-            target,
-            select,
-            span,
-        } = self.plan("count").await?;
-        select
-            .count(cluster.shard_conn(target.shard))
-            .instrument(span)
-            .await
-            .map_err(|e| read_err::<E>(cluster.shard_name(target.shard), e))
+        let span = tracing::info_span!(
+            "shardkit.scatter",
+            group = Self::group(),
+            table = table_name::<E>(),
+            op = op,
+            shards_asked = asked,
+            shards_failed = tracing::field::Empty,
+            statements = parts.len(),
+            rows = tracing::field::Empty,
+        );
+        let cluster = &self.cluster;
+        let timeout = self.timeout;
+        let results: Vec<(ShardId, Result<T>)> = futures::stream::iter(parts)
+            .map(|(id, select)| {
+                let shard = cluster.shard_name(id);
+                let fut =
+                    run(select, cluster.shard_conn(id)).instrument(read_span::<E>(shard, None, op));
+                async move {
+                    let result = with_timeout(Self::group(), shard, timeout, fut)
+                        .await
+                        .map_err(|e| e.into_shard_error::<E>(shard));
+                    (id, result)
+                }
+            })
+            .buffer_unordered(self.concurrency)
+            .collect()
+            .instrument(span.clone())
+            .await;
+        let mut ok: BTreeMap<ShardId, Vec<T>> = BTreeMap::new();
+        let mut failed: BTreeMap<ShardId, ShardError> = BTreeMap::new();
+        for (id, result) in results {
+            match result {
+                Ok(value) => ok.entry(id).or_default().push(value),
+                Err(error) => {
+                    failed.entry(id).or_insert(error);
+                }
+            }
+        }
+        span.record("shards_failed", failed.len());
+        if !failed.is_empty() {
+            tracing::warn!(parent: &span, failed = failed.len(), "shards failed in a multi-shard read");
+        }
+        let ok = ok
+            .into_iter()
+            .filter(|(id, _)| !failed.contains_key(id))
+            .flat_map(|(id, values)| values.into_iter().map(move |v| (id, v)))
+            .collect();
+        let failed = failed
+            .into_iter()
+            .map(|(id, error)| ShardFailure {
+                shard: cluster.shard_name(id).to_owned(),
+                error: Box::new(error),
+            })
+            .collect();
+        (ok, failed, span)
+    }
+
+    /// Merges per-shard rows into one ordered, paged result.
+    fn merge(&self, parts: Vec<(ShardId, Vec<E::Model>)>) -> Result<Vec<E::Model>> {
+        let rows = parts.into_iter().flat_map(|(_, rows)| rows);
+        let offset = self.offset.unwrap_or(0) as usize;
+        let limit = self.limit.map_or(usize::MAX, |l| l as usize);
+        if self.order.is_empty() {
+            return Ok(rows.skip(offset).take(limit).collect());
+        }
+        // PostgreSQL sorts NULL above every value; MySQL and SQLite below.
+        let nulls_high =
+            self.cluster.shard_conn(ShardId(0)).get_database_backend() == DbBackend::Postgres;
+        let mut keyed: Vec<(Vec<Value>, E::Model)> = rows
+            .map(|row| (self.order.iter().map(|(c, _)| row.get(*c)).collect(), row))
+            .collect();
+        for (i, (column, _)) in self.order.iter().enumerate() {
+            if let Some((values, _)) = keyed
+                .iter()
+                .find(|(v, _)| compare_values(&v[i], &v[i], nulls_high).is_none())
+            {
+                return Err(ShardError::Unmergeable {
+                    table: table_name::<E>(),
+                    reason: format!(
+                        "cannot order rows from several shards by `{}`: values like {:?} have no merge order",
+                        column.as_str(),
+                        values[i]
+                    ),
+                });
+            }
+        }
+        keyed.sort_by(|(a, _), (b, _)| {
+            for (i, (_, order)) in self.order.iter().enumerate() {
+                let ord = compare_values(&a[i], &b[i], nulls_high).unwrap_or(Ordering::Equal);
+                let ord = if matches!(order, Order::Desc) {
+                    ord.reverse()
+                } else {
+                    ord
+                };
+                if ord != Ordering::Equal {
+                    return ord;
+                }
+            }
+            Ordering::Equal
+        });
+        Ok(keyed
+            .into_iter()
+            .map(|(_, row)| row)
+            .skip(offset)
+            .take(limit)
+            .collect())
+    }
+}
+
+fn count_shards<T>(parts: &[(ShardId, T)]) -> usize {
+    let mut ids: Vec<ShardId> = parts.iter().map(|(id, _)| *id).collect();
+    ids.dedup();
+    ids.len()
+}
+
+/// A shard's statement failed or timed out.
+enum RunError {
+    Db(DbErr),
+    Timeout(ShardError),
+}
+
+impl RunError {
+    fn into_shard_error<E: ShardedEntity>(self, shard: &str) -> ShardError {
+        match self {
+            RunError::Db(source) => read_err::<E>(shard, source),
+            RunError::Timeout(err) => err,
+        }
+    }
+}
+
+async fn with_timeout<T>(
+    group: &'static str,
+    shard: &str,
+    timeout: Option<Duration>,
+    fut: impl Future<Output = std::result::Result<T, DbErr>>,
+) -> std::result::Result<T, RunError> {
+    match timeout {
+        None => fut.await.map_err(RunError::Db),
+        // Dropping the statement's future on timeout cancels it.
+        Some(after) => match tokio::time::timeout(after, fut).await {
+            Ok(result) => result.map_err(RunError::Db),
+            Err(_) => Err(RunError::Timeout(ShardError::Timeout {
+                group,
+                shard: shard.to_owned(),
+                after,
+            })),
+        },
+    }
+}
+
+/// Orders two column values the way the database would (numbers by value,
+/// text by bytes, NULL per backend); `None` for values shardkit cannot order.
+fn compare_values(a: &Value, b: &Value, nulls_high: bool) -> Option<Ordering> {
+    fn int(v: &Value) -> Option<Option<i128>> {
+        Some(match v {
+            Value::TinyInt(x) => x.map(i128::from),
+            Value::SmallInt(x) => x.map(i128::from),
+            Value::Int(x) => x.map(i128::from),
+            Value::BigInt(x) => x.map(i128::from),
+            Value::TinyUnsigned(x) => x.map(i128::from),
+            Value::SmallUnsigned(x) => x.map(i128::from),
+            Value::Unsigned(x) => x.map(i128::from),
+            Value::BigUnsigned(x) => x.map(i128::from),
+            Value::Bool(x) => x.map(i128::from),
+            _ => return None,
+        })
+    }
+    fn float(v: &Value) -> Option<Option<f64>> {
+        Some(match v {
+            Value::Float(x) => x.map(f64::from),
+            Value::Double(x) => *x,
+            _ => return None,
+        })
+    }
+    fn nulls<T>(
+        a: Option<T>,
+        b: Option<T>,
+        nulls_high: bool,
+        cmp: impl FnOnce(T, T) -> Option<Ordering>,
+    ) -> Option<Ordering> {
+        match (a, b) {
+            (Some(a), Some(b)) => cmp(a, b),
+            (None, None) => Some(Ordering::Equal),
+            (None, Some(_)) => Some(if nulls_high {
+                Ordering::Greater
+            } else {
+                Ordering::Less
+            }),
+            (Some(_), None) => Some(if nulls_high {
+                Ordering::Less
+            } else {
+                Ordering::Greater
+            }),
+        }
+    }
+    if let (Some(x), Some(y)) = (int(a), int(b)) {
+        return nulls(x, y, nulls_high, |x, y| Some(x.cmp(&y)));
+    }
+    if let (Some(x), Some(y)) = (float(a), float(b)) {
+        return nulls(x, y, nulls_high, |x, y| x.partial_cmp(&y));
+    }
+    match (a, b) {
+        (Value::String(x), Value::String(y)) => {
+            nulls(x.as_ref(), y.as_ref(), nulls_high, |x, y| Some(x.cmp(y)))
+        }
+        (Value::Char(x), Value::Char(y)) => nulls(*x, *y, nulls_high, |x, y| Some(x.cmp(&y))),
+        (Value::Bytes(x), Value::Bytes(y)) => {
+            nulls(x.as_ref(), y.as_ref(), nulls_high, |x, y| Some(x.cmp(y)))
+        }
+        (Value::Uuid(x), Value::Uuid(y)) => {
+            nulls(x.as_ref(), y.as_ref(), nulls_high, |x, y| Some(x.cmp(y)))
+        }
+        (Value::ChronoDate(x), Value::ChronoDate(y)) => {
+            nulls(x.as_ref(), y.as_ref(), nulls_high, |x, y| Some(x.cmp(y)))
+        }
+        (Value::ChronoTime(x), Value::ChronoTime(y)) => {
+            nulls(x.as_ref(), y.as_ref(), nulls_high, |x, y| Some(x.cmp(y)))
+        }
+        (Value::ChronoDateTime(x), Value::ChronoDateTime(y)) => {
+            nulls(x.as_ref(), y.as_ref(), nulls_high, |x, y| Some(x.cmp(y)))
+        }
+        (Value::ChronoDateTimeUtc(x), Value::ChronoDateTimeUtc(y)) => {
+            nulls(x.as_ref(), y.as_ref(), nulls_high, |x, y| Some(x.cmp(y)))
+        }
+        (Value::ChronoDateTimeWithTimeZone(x), Value::ChronoDateTimeWithTimeZone(y)) => {
+            nulls(x.as_ref(), y.as_ref(), nulls_high, |x, y| Some(x.cmp(y)))
+        }
+        _ => None,
     }
 }
 
@@ -244,12 +907,6 @@ fn read_err<E: ShardedEntity>(shard: &str, source: DbErr) -> ShardError {
 
 macro_rules! select_traits {
     ($ty:ty, [$($generics:tt)*]) => {
-        impl<$($generics)*> QueryFilter for $ty {
-            type QueryStatement = SelectStatement;
-            fn query(&mut self) -> &mut SelectStatement {
-                QueryTrait::query(&mut self.select)
-            }
-        }
         impl<$($generics)*> QueryOrder for $ty {
             type QueryStatement = SelectStatement;
             fn query(&mut self) -> &mut SelectStatement {
@@ -265,5 +922,21 @@ macro_rules! select_traits {
     };
 }
 
-select_traits!(Find<E, R>, [E: ShardedEntity, R]);
+impl<E: ShardedEntity, R> QueryFilter for Find<E, R> {
+    type QueryStatement = SelectStatement;
+    fn query(&mut self) -> &mut SelectStatement {
+        QueryTrait::query(&mut self.select)
+    }
+}
+
+// A single-key read runs as written, so every SeaORM ordering and selection
+// method is safe on it; multi-shard reads take only what they can merge.
+select_traits!(Find<E, Keyed<K>>, [E: ShardedEntity, K]);
 select_traits!(TxFind<'t, E, C>, ['t, E: ShardedEntity, C]);
+
+impl<E: ShardedEntity, C> QueryFilter for TxFind<'_, E, C> {
+    type QueryStatement = SelectStatement;
+    fn query(&mut self) -> &mut SelectStatement {
+        QueryTrait::query(&mut self.select)
+    }
+}

@@ -173,11 +173,42 @@ impl TestDbs {
     /// `url`; server shards share one `[[hosts]]` entry, several databases on
     /// one server.
     pub fn shards_toml(&self, shards: usize) -> String {
+        self.shards_toml_with(shards, "", &[])
+    }
+
+    /// Like [`shards_toml`](Self::shards_toml), with extra `[pool]` settings and
+    /// the shards at `broken` pointing at a database that cannot be reached
+    /// (a closed port; for SQLite, an empty database without the tables).
+    pub fn shards_toml_with(&self, shards: usize, pool: &str, broken: &[usize]) -> String {
         // Small pools: many tests run at once against one server.
-        let mut toml = String::from("[pool]\nmax_connections = 4\n\n");
+        let mut toml = format!("[pool]\nmax_connections = 4\n{pool}\n");
+        let unreachable = |i: usize| match self.backend {
+            // SQLite has no server to lose, and SeaORM opens the file at
+            // connect time (to read its version): a failed SQLite shard is an
+            // empty database the migrations never reach, so every read of a
+            // table fails on it.
+            Backend::Sqlite => {
+                let dir = self.dir.as_ref().expect("sqlite dir");
+                let path = dir.join(format!("s{i}-broken.db"));
+                format!(
+                    "[[shards]]\nname = \"s{i}\"\nurl = \"sqlite://{}?mode=rwc\"\n\n",
+                    path.display()
+                )
+            }
+            Backend::Postgres => format!(
+                "[[shards]]\nname = \"s{i}\"\nurl = \"postgres://postgres@127.0.0.1:9/down\"\n\n"
+            ),
+            Backend::MySql => {
+                format!("[[shards]]\nname = \"s{i}\"\nurl = \"mysql://root@127.0.0.1:9/down\"\n\n")
+            }
+        };
         match self.backend {
             Backend::Sqlite => {
                 for (i, path) in self.names.iter().take(shards).enumerate() {
+                    if broken.contains(&i) {
+                        toml.push_str(&unreachable(i));
+                        continue;
+                    }
                     toml.push_str(&format!(
                         "[[shards]]\nname = \"s{i}\"\nurl = \"sqlite://{path}?mode=rwc\"\n\n"
                     ));
@@ -189,6 +220,10 @@ impl TestDbs {
                     "[[hosts]]\nname = \"server\"\nurl = \"{url}\"\n\n"
                 ));
                 for (i, db) in self.names.iter().take(shards).enumerate() {
+                    if broken.contains(&i) {
+                        toml.push_str(&unreachable(i));
+                        continue;
+                    }
                     toml.push_str(&format!(
                         "[[shards]]\nname = \"s{i}\"\nhost = \"server\"\ndatabase = \"{db}\"\n\n"
                     ));
@@ -201,12 +236,15 @@ impl TestDbs {
     /// Connects a cluster over the first `shards` databases with `groups` (TOML
     /// `[groups.*]` tables) appended.
     pub async fn cluster(&self, shards: usize, groups: &str) -> Cluster {
-        let toml = format!("{}\n{groups}", self.shards_toml(shards));
-        let config =
-            ClusterConfig::from_toml(&toml).unwrap_or_else(|e| panic!("config: {e}\n{toml}"));
-        Cluster::connect(config)
+        Cluster::connect(self.config(shards, groups))
             .await
             .expect("connect the test cluster")
+    }
+
+    /// The config [`cluster`](Self::cluster) connects with.
+    pub fn config(&self, shards: usize, groups: &str) -> ClusterConfig {
+        let toml = format!("{}\n{groups}", self.shards_toml(shards));
+        ClusterConfig::from_toml(&toml).unwrap_or_else(|e| panic!("config: {e}\n{toml}"))
     }
 
     /// Drops every database the test created. Call it last: a failing test

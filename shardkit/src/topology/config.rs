@@ -46,6 +46,21 @@ pub struct ClusterConfig {
     /// Connection pool settings applied to every shard.
     #[serde(default)]
     pub pool: PoolConfig,
+    /// Defaults for reads that span several shards.
+    #[serde(default)]
+    pub read: ReadConfig,
+}
+
+/// Defaults for multi-shard reads; each can be overridden per query.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReadConfig {
+    /// Milliseconds a shard may take to answer a read before it counts as
+    /// failed and its query is cancelled. No timeout when omitted.
+    pub timeout_ms: Option<u64>,
+    /// How many shards one read queries at once (default 16), so a fan-out
+    /// over hundreds of shards does not open hundreds of connections at once.
+    pub max_concurrency: Option<usize>,
 }
 
 /// A physical database server.
@@ -184,6 +199,13 @@ pub struct PoolConfig {
     /// Ping a pooled connection before handing it out (SQLx's default: true).
     /// Turning it off saves a round trip per statement.
     pub test_before_acquire: Option<bool>,
+    /// Open connections on first use instead of at [`Cluster::connect`]
+    /// (default false). With it, a shard that is down does not stop the
+    /// cluster from starting; reads that need it fail instead. (SQLite files
+    /// are still opened at connect: SeaORM reads their version.)
+    ///
+    /// [`Cluster::connect`]: crate::Cluster::connect
+    pub connect_lazy: Option<bool>,
 }
 
 impl ClusterConfig {

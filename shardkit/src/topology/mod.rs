@@ -14,7 +14,7 @@ mod url;
 
 pub use config::{
     BucketRange, ClusterConfig, DirectoryConfig, GroupConfig, HostConfig, KeyRange, PlacementKind,
-    PoolConfig, RangeBound, ShardConfig,
+    PoolConfig, RangeBound, ReadConfig, ShardConfig,
 };
 pub use url::DatabaseUrl;
 
@@ -122,6 +122,12 @@ pub const DEFAULT_DIRECTORY_TABLE: &str = "shardkit_directory";
 impl Topology {
     /// Validates a config and builds the routing tables.
     pub fn build(config: &ClusterConfig) -> Result<Self> {
+        if config.read.max_concurrency == Some(0) {
+            return Err(ShardError::config(
+                "read.max_concurrency",
+                "must be at least 1 (it bounds how many shards one read queries at once)",
+            ));
+        }
         let mut hosts: HashMap<&str, &DatabaseUrl> = HashMap::new();
         for (i, host) in config.hosts.iter().enumerate() {
             let entry = format!("hosts[{i}] ({:?})", host.name);
@@ -532,6 +538,21 @@ impl Topology {
                     }
                 },
             })
+    }
+
+    /// Every shard that can hold rows of `group`, in shard order: the shards a
+    /// scatter read asks.
+    pub fn shards_of(&self, group: &str) -> Result<Vec<ShardId>> {
+        let mut ids: Vec<ShardId> = match self.placement(group)? {
+            Placement::Hash { owner, .. } => owner.to_vec(),
+            Placement::Range { ranges } => ranges.iter().map(|(_, _, shard)| *shard).collect(),
+            Placement::Modulo { shards } => shards.clone(),
+            // Any shard may appear in the lookup table.
+            Placement::Directory { .. } => (0..self.shards.len() as u32).map(ShardId).collect(),
+        };
+        ids.sort_unstable();
+        ids.dedup();
+        Ok(ids)
     }
 
     /// Places a key without I/O: the target shard, or the directory to ask.
