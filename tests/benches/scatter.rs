@@ -12,7 +12,6 @@
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use sea_orm::{ConnectionTrait, Set};
-use sea_orm_migration::MigratorTrait;
 use shardkit::Cluster;
 use shardkit_tests::models::{Customer, Migrator, order};
 use shardkit_tests::{Backend, TestDbs};
