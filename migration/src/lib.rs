@@ -23,12 +23,90 @@
 use sea_orm_migration::prelude::*;
 
 pub mod m20261122_000001_create_shardkit_directory;
+pub mod m20261122_000002_create_ticket_registry;
 
 /// shardkit's migrations, in order.
 pub fn migrations() -> Vec<Box<dyn MigrationTrait>> {
-    vec![Box::new(
-        m20261122_000001_create_shardkit_directory::Migration,
-    )]
+    vec![
+        Box::new(m20261122_000001_create_shardkit_directory::Migration),
+        Box::new(m20261122_000002_create_ticket_registry::Migration),
+    ]
+}
+
+/// The table of one named ticket sequence, Flickr's `Tickets64`: a 64-bit
+/// `id` and a unique one-character `stub`, holding one row.
+///
+/// On MySQL/MariaDB `id` is `AUTO_INCREMENT` and tickets come from
+/// `REPLACE INTO ... (stub) VALUES ('a')` with per-session
+/// `auto_increment_increment`/`auto_increment_offset`. On PostgreSQL and
+/// SQLite `id` is a plain `BIGINT` advanced by an upsert (`ON CONFLICT (stub)
+/// DO UPDATE SET id = id + n RETURNING id`).
+///
+/// `name` must be a valid sequence name (ASCII lowercase letters, digits and
+/// `_`); the table is `tickets_<name>`.
+pub fn ticket_table(
+    backend: sea_orm_migration::sea_orm::DbBackend,
+    name: &str,
+) -> TableCreateStatement {
+    let mut id = ColumnDef::new(Alias::new("id"));
+    id.big_integer().not_null().primary_key();
+    if backend == sea_orm_migration::sea_orm::DbBackend::MySql {
+        id.auto_increment();
+    }
+    Table::create()
+        .table(Alias::new(format!("tickets_{name}")))
+        .if_not_exists()
+        .col(id)
+        .col(
+            ColumnDef::new(Alias::new("stub"))
+                .char_len(1)
+                .not_null()
+                .unique_key(),
+        )
+        .to_owned()
+}
+
+/// A migration creating one ticket sequence's table, for a ticket server's
+/// own `Migrator` (sequences can also be created at run time with
+/// `cluster.ids().create_sequence(name)`).
+pub struct CreateTicketSequence {
+    migration: String,
+    sequence: String,
+}
+
+impl CreateTicketSequence {
+    /// The migration for sequence `sequence` (table `tickets_<sequence>`).
+    pub fn new(sequence: &str) -> Self {
+        CreateTicketSequence {
+            migration: format!("m20261122_000003_create_tickets_{sequence}"),
+            sequence: sequence.to_owned(),
+        }
+    }
+}
+
+impl MigrationName for CreateTicketSequence {
+    fn name(&self) -> &str {
+        &self.migration
+    }
+}
+
+#[async_trait::async_trait]
+impl MigrationTrait for CreateTicketSequence {
+    async fn up(&self, manager: &SchemaManager) -> Result<(), DbErr> {
+        manager
+            .create_table(ticket_table(manager.get_database_backend(), &self.sequence))
+            .await
+    }
+
+    async fn down(&self, manager: &SchemaManager) -> Result<(), DbErr> {
+        manager
+            .drop_table(
+                Table::drop()
+                    .table(Alias::new(format!("tickets_{}", self.sequence)))
+                    .to_owned(),
+            )
+            .await
+    }
 }
 
 /// A migrator holding only shardkit's tables.

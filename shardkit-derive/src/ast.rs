@@ -15,6 +15,19 @@ pub struct Group<'a> {
 pub struct Sharded<'a> {
     pub group: Path,
     pub shard_key: ShardKeyField<'a>,
+    pub id: Option<IdField<'a>>,
+}
+
+/// A primary key field shardkit fills on insert.
+pub struct IdField<'a> {
+    pub field: &'a syn::Field,
+    pub strategy: IdStrategy,
+}
+
+pub enum IdStrategy {
+    Ticket(String),
+    UuidV7,
+    Snowflake,
 }
 
 pub struct ShardKeyField<'a> {
@@ -25,7 +38,7 @@ pub struct ShardKeyField<'a> {
 
 const GROUP_KEYS: &str = "`key = Type`, `name = \"...\"`";
 const ENTITY_KEYS: &str = "`group = path::To::Group`";
-const FIELD_KEYS: &str = "`shard_key`";
+const FIELD_KEYS: &str = "`shard_key`, `id = \"ticket:<sequence>\" | \"uuid_v7\" | \"snowflake\"`";
 
 impl<'a> Group<'a> {
     pub fn from_syn(cx: &mut Ctxt, input: &'a DeriveInput) -> Option<Self> {
@@ -145,6 +158,7 @@ impl<'a> Sharded<'a> {
         }
 
         let mut keys: Vec<ShardKeyField<'a>> = Vec::new();
+        let mut id: Option<IdField<'a>> = None;
         for field in fields {
             let mut is_key = false;
             for attr in field.attrs.iter().filter(|a| a.path().is_ident("shardkit")) {
@@ -157,6 +171,45 @@ impl<'a> Sharded<'a> {
                             );
                         }
                         is_key = true;
+                    } else if meta.path.is_ident("id") {
+                        let lit: LitStr = meta.value()?.parse()?;
+                        let value = lit.value();
+                        let strategy = if let Some(seq) = value.strip_prefix("ticket:") {
+                            if seq.is_empty()
+                                || seq.len() > 48
+                                || !seq.chars().all(|c| {
+                                    c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_'
+                                })
+                            {
+                                cx.error_spanned_by(
+                                    &lit,
+                                    "a sequence name is 1-48 ASCII lowercase letters, digits and `_`",
+                                );
+                            }
+                            Some(IdStrategy::Ticket(seq.to_owned()))
+                        } else if value == "uuid_v7" {
+                            Some(IdStrategy::UuidV7)
+                        } else if value == "snowflake" {
+                            Some(IdStrategy::Snowflake)
+                        } else {
+                            cx.error_spanned_by(
+                                &lit,
+                                "unknown id generator; expected \"ticket:<sequence>\", \"uuid_v7\" or \"snowflake\"",
+                            );
+                            None
+                        };
+                        if !is_primary_key(field) {
+                            cx.error_spanned_by(
+                                &meta.path,
+                                "`id = ...` fills the primary key: put it on the `#[sea_orm(primary_key)]` field",
+                            );
+                        }
+                        if id.is_some() {
+                            cx.error_spanned_by(&meta.path, "only one field can have a generated id");
+                        }
+                        if let Some(strategy) = strategy {
+                            id = Some(IdField { field, strategy });
+                        }
                     } else {
                         cx.error_spanned_by(
                             &meta.path,
@@ -223,8 +276,27 @@ impl<'a> Sharded<'a> {
         }
         let group = group?;
         let shard_key = keys.into_iter().next()?;
-        Some(Sharded { group, shard_key })
+        Some(Sharded {
+            group,
+            shard_key,
+            id,
+        })
     }
+}
+
+fn is_primary_key(field: &syn::Field) -> bool {
+    let mut found = false;
+    for attr in field.attrs.iter().filter(|a| a.path().is_ident("sea_orm")) {
+        let _ = attr.parse_nested_meta(|meta| {
+            if meta.path.is_ident("primary_key") {
+                found = true;
+            } else {
+                skip_meta_value(&meta)?;
+            }
+            Ok(())
+        });
+    }
+    found
 }
 
 fn is_option(tp: &syn::TypePath) -> bool {

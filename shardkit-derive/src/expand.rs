@@ -50,8 +50,37 @@ pub fn sharded(input: &DeriveInput) -> Result<TokenStream, TokenStream> {
         None => None,
     };
     cx.check()?;
-    let (Some(Sharded { group, shard_key }), Some(variant)) = (sharded, variant) else {
+    let id_variant = match sharded.as_ref().and_then(|s| s.id.as_ref()) {
+        Some(id) => match ast::column_variant(id.field) {
+            Ok(v) => Some(v),
+            Err(err) => return Err(err.to_compile_error()),
+        },
+        None => None,
+    };
+    let (
+        Some(Sharded {
+            group,
+            shard_key,
+            id,
+        }),
+        Some(variant),
+    ) = (sharded, variant)
+    else {
         return Ok(TokenStream::new());
+    };
+    let id_items = match (id, id_variant) {
+        (Some(id), Some(id_variant)) => {
+            let strategy = match &id.strategy {
+                ast::IdStrategy::Ticket(seq) => quote!(::shardkit::ids::IdStrategy::Ticket(#seq)),
+                ast::IdStrategy::UuidV7 => quote!(::shardkit::ids::IdStrategy::UuidV7),
+                ast::IdStrategy::Snowflake => quote!(::shardkit::ids::IdStrategy::Snowflake),
+            };
+            quote! {
+                const ID: ::core::option::Option<(Column, ::shardkit::ids::IdStrategy)> =
+                    ::core::option::Option::Some((Column::#id_variant, #strategy));
+            }
+        }
+        _ => quote!(),
     };
     let model = &input.ident;
     let field = shard_key.ident;
@@ -75,6 +104,7 @@ pub fn sharded(input: &DeriveInput) -> Result<TokenStream, TokenStream> {
             impl ::shardkit::ShardedEntity for Entity {
                 type Group = #group;
                 const SHARD_KEY_FIELD: &'static str = #column_name;
+                #id_items
 
                 #[inline]
                 fn shard_key_column() -> Column {

@@ -4,6 +4,7 @@
 
 use crate::entity::{EntityGroup, ShardKey, ShardedEntity};
 use crate::error::{Result, ShardError};
+use crate::ids::{Ids, TicketServer, mysql_session_sql};
 use crate::read::{Find, Unkeyed};
 use crate::topology::{ClusterConfig, DatabaseUrl, Located, PoolConfig, ShardId, Target, Topology};
 use crate::tx::ShardTx;
@@ -28,6 +29,7 @@ struct Inner {
     shards: Vec<DatabaseConnection>,
     directories: Vec<DatabaseConnection>,
     read: ReadSettings,
+    ids: Arc<Ids>,
 }
 
 /// Cluster-wide read defaults (from `[read]`).
@@ -81,15 +83,36 @@ impl ClusterBuilder {
             topology
                 .shards()
                 .iter()
-                .map(|s| connect_one(s.name.clone(), &s.url, pool, observer)),
+                .map(|s| connect_one(s.name.clone(), &s.url, pool, observer, None)),
         );
-        let dir_conns = join_all(
-            topology
-                .directories()
-                .iter()
-                .map(|d| connect_one(format!("directory:{}", d.group), &d.url, pool, observer)),
-        );
-        let (shards, directories) = futures::join!(shard_conns, dir_conns);
+        let count = topology.ticket_servers().len();
+        let ticket_conns = join_all(topology.ticket_servers().iter().enumerate().map(|(i, s)| {
+            connect_one(
+                s.name.clone(),
+                &s.url,
+                pool,
+                observer,
+                Some(mysql_session_sql(i, count)),
+            )
+        }));
+        let dir_conns = join_all(topology.directories().iter().map(|d| {
+            connect_one(
+                format!("directory:{}", d.group),
+                &d.url,
+                pool,
+                observer,
+                None,
+            )
+        }));
+        let (shards, directories, tickets) = futures::join!(shard_conns, dir_conns, ticket_conns);
+        let tickets = tickets.into_iter().collect::<Result<Vec<_>>>()?;
+        let servers = topology
+            .ticket_servers()
+            .iter()
+            .zip(tickets)
+            .map(|(spec, conn)| TicketServer::new(spec.name.clone(), conn))
+            .collect();
+        let ids = Arc::new(Ids::new(servers, config.ids.clone())?);
         let shards = shards.into_iter().collect::<Result<Vec<_>>>()?;
         let directories = directories.into_iter().collect::<Result<Vec<_>>>()?;
         let read = ReadSettings {
@@ -102,6 +125,7 @@ impl ClusterBuilder {
                 shards,
                 directories,
                 read,
+                ids,
             }),
         })
     }
@@ -130,6 +154,11 @@ impl Cluster {
             config,
             observer: None,
         }
+    }
+
+    /// The id service: ticket sequences, snowflakes.
+    pub fn ids(&self) -> &Arc<Ids> {
+        &self.inner.ids
     }
 
     pub(crate) fn read_settings(&self) -> ReadSettings {
@@ -202,7 +231,14 @@ impl Cluster {
                 operation: "begin".to_owned(),
                 source,
             })?;
-        Ok(ShardTx::new(txn, key, shard, target, span))
+        Ok(ShardTx::new(
+            txn,
+            Arc::clone(&self.inner.ids),
+            key,
+            shard,
+            target,
+            span,
+        ))
     }
 
     /// The lookup table of a directory-placed group.
@@ -269,7 +305,8 @@ impl Cluster {
     }
 
     /// Every database of the cluster with its report name, deduplicated by URL
-    /// (a directory may live in a shard's database).
+    /// (a directory may live in a shard's database): shards, directory
+    /// databases, ticket servers.
     fn databases(&self) -> impl Iterator<Item = (String, &DatabaseConnection)> {
         let topology = &self.inner.topology;
         let shards = topology
@@ -282,9 +319,15 @@ impl Cluster {
             .iter()
             .zip(&self.inner.directories)
             .map(|(spec, conn)| (format!("directory:{}", spec.group), &spec.url, conn));
+        let tickets = topology
+            .ticket_servers()
+            .iter()
+            .zip(&self.inner.ids.servers)
+            .map(|(spec, server)| (format!("ids:{}", spec.name), &spec.url, &server.conn));
         let mut seen: Vec<&DatabaseUrl> = Vec::new();
         shards
             .chain(dirs)
+            .chain(tickets)
             .filter(move |(_, url, _)| {
                 if seen.contains(url) {
                     false
@@ -302,6 +345,7 @@ async fn connect_one(
     url: &DatabaseUrl,
     pool: &PoolConfig,
     observer: Option<&StatementObserver>,
+    mysql_session: Option<String>,
 ) -> Result<DatabaseConnection> {
     let mut options = ConnectOptions::new(url.expose().to_owned());
     // Statements are logged by shardkit's own spans; keep the driver's
@@ -324,6 +368,24 @@ async fn connect_one(
     }
     if let Some(lazy) = pool.connect_lazy {
         options.connect_lazy(lazy);
+    }
+    if let Some(sql) = mysql_session {
+        // Session variables live per connection: set them on every connection
+        // the pool opens, not once.
+        let sql = Arc::new(sql);
+        options.map_sqlx_mysql_pool_opts(move |opts| {
+            let sql = Arc::clone(&sql);
+            opts.after_connect(move |conn, _meta| {
+                let sql = Arc::clone(&sql);
+                Box::pin(async move {
+                    use sea_orm::sqlx::{AssertSqlSafe, Executor, raw_sql};
+                    // The statement is built from two integers, not user input.
+                    conn.execute(raw_sql(AssertSqlSafe(sql.to_string())))
+                        .await
+                        .map(|_| ())
+                })
+            })
+        });
     }
     let mut conn = Database::connect(options)
         .await

@@ -133,6 +133,9 @@ pub trait ShardedEntity: EntityTrait {
     type Group: EntityGroup;
     /// The Rust field name of the shard key.
     const SHARD_KEY_FIELD: &'static str;
+    /// The primary key column shardkit fills on insert when it is unset, and
+    /// how (`#[shardkit(id = "...")]`).
+    const ID: Option<(Self::Column, crate::ids::IdStrategy)> = None;
     /// The shard key column.
     fn shard_key_column() -> Self::Column;
     /// The shard key of a model.

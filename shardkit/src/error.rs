@@ -159,6 +159,23 @@ pub enum ShardError {
         reason: String,
     },
 
+    /// No ticket server could hand out a ticket for the sequence.
+    #[error("no ticket server could serve sequence `{sequence}`: {causes}")]
+    IdsUnavailable {
+        /// The sequence.
+        sequence: String,
+        /// Each server's failure.
+        causes: String,
+    },
+
+    /// The clock stepped back further than the snowflake generator waits out;
+    /// no id was made (it could have repeated one).
+    #[error("the clock moved back {millis} ms; refusing to make snowflake ids until it catches up")]
+    ClockMovedBackwards {
+        /// How far back.
+        millis: u64,
+    },
+
     /// Applying migrations to a shard failed.
     #[error("migrating shard `{shard}` failed: {source}")]
     Migration {
@@ -195,7 +212,9 @@ impl ShardError {
             | ShardError::Db { .. }
             | ShardError::Migration { .. }
             | ShardError::ShardsFailed { .. }
-            | ShardError::Timeout { .. } => ErrorKind::Database,
+            | ShardError::Timeout { .. }
+            | ShardError::IdsUnavailable { .. }
+            | ShardError::ClockMovedBackwards { .. } => ErrorKind::Database,
             ShardError::CrossShardWrite { .. }
             | ShardError::MissingShardKey { .. }
             | ShardError::RollbackOnly { .. }

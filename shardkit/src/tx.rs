@@ -27,6 +27,7 @@ use tracing::Instrument;
 /// committing rolls it back.
 pub struct ShardTx<G: EntityGroup> {
     txn: DatabaseTransaction,
+    ids: std::sync::Arc<crate::ids::Ids>,
     key: G::Key,
     shard: String,
     target: Target,
@@ -47,6 +48,7 @@ impl<G: EntityGroup> std::fmt::Debug for ShardTx<G> {
 impl<G: EntityGroup> ShardTx<G> {
     pub(crate) fn new(
         txn: DatabaseTransaction,
+        ids: std::sync::Arc<crate::ids::Ids>,
         key: G::Key,
         shard: String,
         target: Target,
@@ -54,6 +56,7 @@ impl<G: EntityGroup> ShardTx<G> {
     ) -> Self {
         ShardTx {
             txn,
+            ids,
             key,
             shard,
             target,
@@ -140,14 +143,23 @@ impl<G: EntityGroup> ShardTx<G> {
     /// Inserts a row of the transaction's key; returns it as stored.
     ///
     /// The shard key is checked before anything runs, and again after
-    /// `ActiveModelBehavior::before_save`, so a hook cannot move the row.
-    pub async fn insert<A>(&self, model: A) -> Result<<A::Entity as EntityTrait>::Model>
+    /// `ActiveModelBehavior::before_save`, so a hook cannot move the row. An
+    /// unset primary key with `#[shardkit(id = "...")]` is filled first.
+    pub async fn insert<A>(&self, mut model: A) -> Result<<A::Entity as EntityTrait>::Model>
     where
         A: ActiveModelTrait + ActiveModelBehavior + Send,
         A::Entity: InGroup<G> + EntityTrait<ActiveModel = A>,
         <A::Entity as EntityTrait>::Model: IntoActiveModel<A>,
     {
         self.check::<A::Entity>(&model)?;
+        if let Some((column, strategy)) = <A::Entity as ShardedEntity>::ID
+            && model.get(column).is_not_set()
+        {
+            let id = self.ids.generate(strategy).await?;
+            model
+                .try_set(column, id)
+                .map_err(|e| self.write_err::<A::Entity>("insert", e))?;
+        }
         let span = self.write_span::<A::Entity>("insert");
         async {
             let model = A::before_save(model, &self.txn, true)

@@ -298,3 +298,51 @@ macro_rules! backend_tests {
         }
     )*};
 }
+
+/// A TCP proxy in front of a database server that a test can cut, to make a
+/// server unreachable mid-test: [`kill`](Proxy::kill) closes the listener and
+/// every connection through it.
+pub struct Proxy {
+    /// The port clients connect to.
+    pub port: u16,
+    kill: tokio::sync::watch::Sender<bool>,
+}
+
+impl Proxy {
+    /// Listens on a free loopback port and forwards to `target` (`host:port`).
+    pub async fn start(target: String) -> Proxy {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind proxy");
+        let port = listener.local_addr().expect("proxy address").port();
+        let (kill, mut killed) = tokio::sync::watch::channel(false);
+        tokio::spawn(async move {
+            loop {
+                let accepted = tokio::select! {
+                    accepted = listener.accept() => accepted,
+                    _ = killed.changed() => return,
+                };
+                let Ok((mut client, _)) = accepted else {
+                    continue;
+                };
+                let target = target.clone();
+                let mut killed = killed.clone();
+                tokio::spawn(async move {
+                    let Ok(mut server) = tokio::net::TcpStream::connect(&target).await else {
+                        return;
+                    };
+                    tokio::select! {
+                        _ = tokio::io::copy_bidirectional(&mut client, &mut server) => {}
+                        _ = killed.changed() => {}
+                    }
+                });
+            }
+        });
+        Proxy { port, kill }
+    }
+
+    /// Cuts every connection and refuses new ones.
+    pub fn kill(&self) {
+        let _ = self.kill.send(true);
+    }
+}

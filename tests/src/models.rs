@@ -188,6 +188,64 @@ pub mod profile {
     impl ActiveModelBehavior for ActiveModel {}
 }
 
+/// Invoices: the primary key comes from the `invoices` ticket sequence when
+/// unset.
+pub mod invoice {
+    use sea_orm::entity::prelude::*;
+
+    #[sea_orm::model]
+    #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel, shardkit::Sharded)]
+    #[sea_orm(table_name = "invoices")]
+    #[shardkit(group = crate::models::Customer)]
+    pub struct Model {
+        #[sea_orm(primary_key, auto_increment = false)]
+        #[shardkit(id = "ticket:invoices")]
+        pub id: i64,
+        #[shardkit(shard_key)]
+        pub customer_id: i64,
+    }
+
+    impl ActiveModelBehavior for ActiveModel {}
+}
+
+/// Audit events: UUIDv7 primary keys.
+pub mod event {
+    use sea_orm::entity::prelude::*;
+
+    #[sea_orm::model]
+    #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel, shardkit::Sharded)]
+    #[sea_orm(table_name = "events")]
+    #[shardkit(group = crate::models::Customer)]
+    pub struct Model {
+        #[sea_orm(primary_key, auto_increment = false)]
+        #[shardkit(id = "uuid_v7")]
+        pub id: Uuid,
+        #[shardkit(shard_key)]
+        pub customer_id: i64,
+    }
+
+    impl ActiveModelBehavior for ActiveModel {}
+}
+
+/// Clicks: snowflake primary keys.
+pub mod click {
+    use sea_orm::entity::prelude::*;
+
+    #[sea_orm::model]
+    #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel, shardkit::Sharded)]
+    #[sea_orm(table_name = "clicks")]
+    #[shardkit(group = crate::models::Customer)]
+    pub struct Model {
+        #[sea_orm(primary_key, auto_increment = false)]
+        #[shardkit(id = "snowflake")]
+        pub id: i64,
+        #[shardkit(shard_key)]
+        pub customer_id: i64,
+    }
+
+    impl ActiveModelBehavior for ActiveModel {}
+}
+
 /// Creates one entity's table.
 pub struct CreateTable<E>(pub &'static str, pub E);
 
@@ -225,13 +283,16 @@ pub struct Migrator;
 impl MigratorTrait for Migrator {
     fn migrations() -> Vec<Box<dyn MigrationTrait>> {
         let mut all = OldMigrator::migrations();
-        all.extend::<[Box<dyn MigrationTrait>; 6]>([
+        all.extend::<[Box<dyn MigrationTrait>; 9]>([
             Box::new(CreateTable("m20261122_000102_orders", order::Entity)),
             Box::new(CreateTable("m20261122_000103_notes", note::Entity)),
             Box::new(CreateTable("m20261122_000104_readings", reading::Entity)),
             Box::new(CreateTable("m20261122_000105_ledger", ledger::Entity)),
             Box::new(CreateTable("m20261122_000106_samples", sample::Entity)),
             Box::new(CreateTable("m20261122_000107_profiles", profile::Entity)),
+            Box::new(CreateTable("m20261122_000108_invoices", invoice::Entity)),
+            Box::new(CreateTable("m20261122_000109_events", event::Entity)),
+            Box::new(CreateTable("m20261122_000110_clicks", click::Entity)),
         ]);
         all
     }

@@ -420,12 +420,9 @@ async fn migrate_shows_shards_behind(dbs: &mut TestDbs) {
 
     let status = cluster.migration_status::<Migrator>().await.unwrap();
     assert_eq!(status.behind().len(), 4);
-    assert!(
-        status
-            .databases
-            .iter()
-            .all(|d| d.pending.len() == 6 && d.applied.len() == 2)
-    );
+    assert!(status.databases.iter().all(|d| d.pending.len()
+        == Migrator::migrations().len() - OldMigrator::migrations().len()
+        && d.applied.len() == OldMigrator::migrations().len()));
 
     // One shard upgraded by hand: the other three are visibly behind it.
     Migrator::up(cluster.connection("s0").unwrap(), None)

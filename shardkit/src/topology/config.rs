@@ -49,6 +49,64 @@ pub struct ClusterConfig {
     /// Defaults for reads that span several shards.
     #[serde(default)]
     pub read: ReadConfig,
+    /// Globally unique ids: ticket servers, sequences, snowflake worker.
+    #[serde(default)]
+    pub ids: IdsConfig,
+}
+
+/// `[ids]`: where unique ids come from.
+///
+/// ```toml
+/// [ids]
+/// servers = [
+///   { name = "tickets_a", url = "mysql://app:pw@10.0.0.7/tickets" },
+///   { name = "tickets_b", url = "mysql://app:pw@10.0.0.8/tickets" },
+/// ]
+/// worker_id = 3                      # snowflake worker of this process
+/// [ids.sequences.orders]
+/// block = 1000                       # ids reserved per ticket (1 = Flickr)
+/// ```
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct IdsConfig {
+    /// Ticket servers. Server `i` of `n` hands out tickets `≡ i + 1 (mod n)`,
+    /// so the servers never overlap and either can serve alone.
+    #[serde(default)]
+    pub servers: Vec<ShardConfig>,
+    /// Per-sequence settings; a sequence not listed uses the defaults.
+    #[serde(default)]
+    pub sequences: BTreeMap<String, SequenceConfig>,
+    /// Milliseconds a failed ticket server is skipped before it is tried again
+    /// (default 1000).
+    pub retry_after_ms: Option<u64>,
+    /// Milliseconds one ticket request may take before the next server is
+    /// tried (default 2000).
+    pub timeout_ms: Option<u64>,
+    /// This process's snowflake worker id (default 0).
+    pub worker_id: Option<u64>,
+    /// Snowflake bit layout (default 41/10/12).
+    pub snowflake: Option<SnowflakeConfig>,
+}
+
+/// One sequence's settings.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SequenceConfig {
+    /// Ids per ticket (the block, B). Default 1000; 1 is Flickr's one ticket
+    /// per id.
+    pub block: Option<u64>,
+}
+
+/// Snowflake layout: `time_bits + worker_bits + sequence_bits` ≤ 63.
+#[derive(Clone, Copy, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SnowflakeConfig {
+    /// Milliseconds since the epoch (default 41: 69 years).
+    pub time_bits: u8,
+    /// Worker id bits (default 10).
+    pub worker_bits: u8,
+    /// Per-millisecond sequence bits (default 12: 4,096 ids/ms).
+    pub sequence_bits: u8,
 }
 
 /// Defaults for multi-shard reads; each can be overridden per query.

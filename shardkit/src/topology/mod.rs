@@ -13,8 +13,9 @@ pub mod pghash;
 mod url;
 
 pub use config::{
-    BucketRange, ClusterConfig, DirectoryConfig, GroupConfig, HostConfig, KeyRange, PlacementKind,
-    PoolConfig, RangeBound, ReadConfig, ShardConfig,
+    BucketRange, ClusterConfig, DirectoryConfig, GroupConfig, HostConfig, IdsConfig, KeyRange,
+    PlacementKind, PoolConfig, RangeBound, ReadConfig, SequenceConfig, ShardConfig,
+    SnowflakeConfig,
 };
 pub use url::DatabaseUrl;
 
@@ -108,6 +109,7 @@ pub enum Located {
 #[derive(Clone, Debug)]
 pub struct Topology {
     shards: Vec<ShardSpec>,
+    ticket_servers: Vec<ShardSpec>,
     by_name: HashMap<String, ShardId>,
     groups: HashMap<String, Placement>,
     directories: Vec<DirectorySpec>,
@@ -180,8 +182,32 @@ impl Topology {
             });
         }
 
+        let mut ticket_servers: Vec<ShardSpec> = Vec::new();
+        for (i, server) in config.ids.servers.iter().enumerate() {
+            let entry = format!("ids.servers[{i}] ({:?})", server.name);
+            if server.name.is_empty() {
+                return Err(ShardError::config(
+                    entry,
+                    "a ticket server needs a non-empty `name`",
+                ));
+            }
+            if ticket_servers.iter().any(|s| s.name == server.name) {
+                return Err(ShardError::config(
+                    entry,
+                    format!("ticket server `{}` is defined twice", server.name),
+                ));
+            }
+            let url = locate_database(&entry, &hosts, &server.url, &server.host, &server.database)?;
+            ticket_servers.push(ShardSpec {
+                name: server.name.clone(),
+                url,
+                host: server.host.clone(),
+            });
+        }
+
         let mut topology = Topology {
             shards,
+            ticket_servers,
             by_name,
             groups: HashMap::new(),
             directories: Vec::new(),
@@ -515,6 +541,12 @@ impl Topology {
     /// A shard's spec.
     pub fn shard(&self, id: ShardId) -> &ShardSpec {
         &self.shards[id.index()]
+    }
+
+    /// The ticket servers of `[ids]`, in order (server `i` hands out tickets
+    /// `≡ i + 1 (mod n)`).
+    pub fn ticket_servers(&self) -> &[ShardSpec] {
+        &self.ticket_servers
     }
 
     /// The directory databases of `directory` placements.

@@ -1,0 +1,761 @@
+//! Globally unique ids.
+//!
+//! - **Tickets** (Flickr): a ticket server is a database with one
+//!   `tickets_<sequence>` table per named sequence. Server `i` of `n` hands out
+//!   tickets `≡ i + 1 (mod n)`, so two (or `n`) servers never overlap and any
+//!   one of them can serve alone. On MySQL/MariaDB a ticket is Flickr's
+//!   `REPLACE INTO tickets_x (stub) VALUES ('a')` with `auto_increment_increment`
+//!   / `auto_increment_offset` set on every session the pool opens; on
+//!   PostgreSQL and SQLite it is an upsert `... DO UPDATE SET id = id + n
+//!   RETURNING id`. Either way, one round trip. Requests round-robin over the
+//!   servers; a server that errors or times out is skipped for
+//!   `retry_after_ms` and the next one is asked.
+//! - **Segments** (hi-lo, Meituan Leaf): ticket `t` reserves the block of ids
+//!   `[t·B, (t+1)·B)`. Blocks are handed out from memory; once 10% of the
+//!   current block is used, the next block is fetched in the background
+//!   (double buffering), so [`Sequence::next`] does not wait on a database in
+//!   steady state. `B = 1` is exactly Flickr: one ticket per id, no prefetch.
+//!   **A crash loses at most the unused rest of the current and the prefetched
+//!   block** (gaps, never duplicates).
+//! - **UUIDv7** ([`uuid_v7`]): time-ordered, index-friendly, monotonic within
+//!   the process.
+//! - **Snowflake** ([`Snowflake`]): 64-bit `time | worker | sequence`
+//!   (default 41/10/12 bits) from a fixed epoch, with a clock-rollback policy.
+//! - **Shard-encoded** ([`Cluster::next_encoded_id`], [`Cluster::route_id`]): a
+//!   sequence id with the row's bucket in its low 13 bits (Instagram), so the
+//!   shard is known from the id alone ([`Cluster::next_encoded_id`]).
+
+use crate::cluster::Cluster;
+use crate::entity::{EntityGroup, ShardKey};
+use crate::error::{Result, ShardError};
+use crate::topology::{IdsConfig, ShardId, SnowflakeConfig, Target};
+use futures::FutureExt;
+use futures::future::{BoxFuture, Shared};
+use sea_orm::{ConnectionTrait, DatabaseConnection, DbBackend, Statement};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+/// Default ids per ticket.
+pub const DEFAULT_BLOCK: u64 = 1000;
+/// Bits of a shard-encoded id that hold the bucket (up to 8,192 buckets).
+pub const BUCKET_BITS: u32 = 13;
+/// The snowflake epoch: 2026-01-01T00:00:00Z, in Unix milliseconds.
+pub const SNOWFLAKE_EPOCH_MS: u64 = 1_767_225_600_000;
+
+/// How `#[shardkit(id = "...")]` fills a primary key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IdStrategy {
+    /// `ticket:<sequence>`: the next id of a ticket sequence.
+    Ticket(&'static str),
+    /// `uuid_v7`: [`uuid_v7`].
+    UuidV7,
+    /// `snowflake`: this process's snowflake worker.
+    Snowflake,
+}
+
+impl Ids {
+    /// A fresh id for `strategy`, as a SeaORM value.
+    pub async fn generate(self: &Arc<Self>, strategy: IdStrategy) -> Result<sea_orm::Value> {
+        Ok(match strategy {
+            IdStrategy::Ticket(sequence) => self.next(sequence).await?.into(),
+            IdStrategy::UuidV7 => uuid_v7().into(),
+            IdStrategy::Snowflake => self.snowflake()?.into(),
+        })
+    }
+}
+
+/// A connected ticket server.
+pub(crate) struct TicketServer {
+    pub(crate) name: String,
+    pub(crate) conn: DatabaseConnection,
+    down_until: Mutex<Option<Instant>>,
+}
+
+impl TicketServer {
+    pub(crate) fn new(name: String, conn: DatabaseConnection) -> Self {
+        TicketServer {
+            name,
+            conn,
+            down_until: Mutex::new(None),
+        }
+    }
+
+    fn is_down(&self, now: Instant) -> bool {
+        lock(&self.down_until).is_some_and(|until| until > now)
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The SQL that sets a MySQL session up for server `index` of `count`.
+pub(crate) fn mysql_session_sql(index: usize, count: usize) -> String {
+    format!(
+        "SET SESSION auto_increment_increment = {count}, auto_increment_offset = {}",
+        index + 1
+    )
+}
+
+/// The id service of a [`Cluster`]: `cluster.ids()`.
+pub struct Ids {
+    pub(crate) servers: Vec<TicketServer>,
+    next_server: AtomicUsize,
+    sequences: Mutex<HashMap<String, Arc<Sequence>>>,
+    config: IdsConfig,
+    requests: AtomicU64,
+    snowflake: Snowflake,
+}
+
+impl std::fmt::Debug for Ids {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Ids")
+            .field(
+                "servers",
+                &self.servers.iter().map(|s| &s.name).collect::<Vec<_>>(),
+            )
+            .finish_non_exhaustive()
+    }
+}
+
+fn check_name(name: &str) -> Result<()> {
+    if name.is_empty()
+        || name.len() > 48
+        || !name
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+    {
+        return Err(ShardError::config(
+            format!("ids.sequences.{name}"),
+            "a sequence name is 1-48 ASCII lowercase letters, digits and `_`",
+        ));
+    }
+    Ok(())
+}
+
+impl Ids {
+    pub(crate) fn new(servers: Vec<TicketServer>, config: IdsConfig) -> Result<Self> {
+        for (name, seq) in &config.sequences {
+            check_name(name)?;
+            if seq.block == Some(0) {
+                return Err(ShardError::config(
+                    format!("ids.sequences.{name}.block"),
+                    "a block holds at least one id",
+                ));
+            }
+        }
+        let layout = config
+            .snowflake
+            .map_or(Ok(SnowflakeLayout::default()), SnowflakeLayout::new)?;
+        let snowflake =
+            Snowflake::new(layout, config.worker_id.unwrap_or(0), Arc::new(SystemClock))?;
+        Ok(Ids {
+            servers,
+            next_server: AtomicUsize::new(0),
+            sequences: Mutex::new(HashMap::new()),
+            config,
+            requests: AtomicU64::new(0),
+            snowflake,
+        })
+    }
+
+    /// How many ticket requests have reached a server (successful or not).
+    pub fn ticket_requests(&self) -> u64 {
+        self.requests.load(Ordering::Relaxed)
+    }
+
+    /// The ticket servers, in order.
+    pub fn servers(&self) -> impl Iterator<Item = &str> {
+        self.servers.iter().map(|s| s.name.as_str())
+    }
+
+    /// Creates sequence `name` on every ticket server (its `tickets_<name>`
+    /// table and its registry row). Idempotent.
+    pub async fn create_sequence(&self, name: &str) -> Result<()> {
+        check_name(name)?;
+        for server in &self.servers {
+            let backend = server.conn.get_database_backend();
+            let err = |source| ShardError::Db {
+                group: "ids",
+                shard: server.name.clone(),
+                operation: format!("create sequence {name}"),
+                source,
+            };
+            server
+                .conn
+                .execute(&shardkit_migration::ticket_table(backend, name))
+                .await
+                .map_err(err)?;
+            let insert = sea_orm::sea_query::Query::insert()
+                .into_table(sea_orm::sea_query::Alias::new("shardkit_ticket_sequences"))
+                .columns([sea_orm::sea_query::Alias::new("name")])
+                .values_panic([name.into()])
+                // A no-op update rather than DO NOTHING: one form every backend takes.
+                .on_conflict(
+                    sea_orm::sea_query::OnConflict::column(sea_orm::sea_query::Alias::new("name"))
+                        .update_column(sea_orm::sea_query::Alias::new("name"))
+                        .to_owned(),
+                )
+                .to_owned();
+            server.conn.execute(&insert).await.map_err(err)?;
+        }
+        Ok(())
+    }
+
+    /// The sequences the first reachable ticket server holds.
+    pub async fn sequences(&self) -> Result<Vec<String>> {
+        let mut last = None;
+        for server in &self.servers {
+            let stmt = Statement::from_string(
+                server.conn.get_database_backend(),
+                "SELECT name FROM shardkit_ticket_sequences ORDER BY name",
+            );
+            match server.conn.query_all_raw(stmt).await {
+                Ok(rows) => {
+                    return rows
+                        .iter()
+                        .map(|r| r.try_get::<String>("", "name"))
+                        .collect::<std::result::Result<_, _>>()
+                        .map_err(|source| ShardError::Db {
+                            group: "ids",
+                            shard: server.name.clone(),
+                            operation: "list sequences".into(),
+                            source,
+                        });
+                }
+                Err(source) => {
+                    last = Some(ShardError::Db {
+                        group: "ids",
+                        shard: server.name.clone(),
+                        operation: "list sequences".into(),
+                        source,
+                    })
+                }
+            }
+        }
+        Err(last.unwrap_or_else(no_servers))
+    }
+
+    /// The handle of sequence `name` (cheap to keep; [`Ids::next`] looks it up
+    /// on every call).
+    pub fn sequence(self: &Arc<Self>, name: &str) -> Result<Arc<Sequence>> {
+        check_name(name)?;
+        let mut sequences = lock(&self.sequences);
+        if let Some(seq) = sequences.get(name) {
+            return Ok(Arc::clone(seq));
+        }
+        let block = self
+            .config
+            .sequences
+            .get(name)
+            .and_then(|s| s.block)
+            .unwrap_or(DEFAULT_BLOCK);
+        let seq = Arc::new(Sequence {
+            name: name.to_owned(),
+            block,
+            ids: Arc::clone(self),
+            state: Mutex::new(Segment::default()),
+        });
+        sequences.insert(name.to_owned(), Arc::clone(&seq));
+        Ok(seq)
+    }
+
+    /// The next id of sequence `name`.
+    pub async fn next(self: &Arc<Self>, name: &str) -> Result<i64> {
+        self.sequence(name)?.next().await
+    }
+
+    /// A snowflake id from this process's worker (see [`Snowflake`]).
+    pub fn snowflake(&self) -> Result<i64> {
+        self.snowflake.next()
+    }
+
+    /// Makes sure sequence `name` never hands out `id` or anything below it
+    /// again (for rows inserted with explicit ids). Discards this process's
+    /// buffered blocks; other processes' buffers are theirs to drain.
+    pub async fn advance_past(self: &Arc<Self>, name: &str, id: i64) -> Result<()> {
+        let seq = self.sequence(name)?;
+        let id = u64::try_from(id).unwrap_or(0);
+        // The first ticket whose block lies wholly above `id`.
+        let min_ticket = id / seq.block + 1;
+        let n = self.servers.len();
+        for (i, server) in self.servers.iter().enumerate() {
+            let backend = server.conn.get_database_backend();
+            let sql = match backend {
+                DbBackend::MySql => {
+                    format!("ALTER TABLE tickets_{name} AUTO_INCREMENT = {min_ticket}")
+                }
+                _ => {
+                    // Keep the server's residue: the next upsert returns `v + n`.
+                    let residue = ((i + 1) % n) as u64;
+                    let base = min_ticket.saturating_sub(n as u64);
+                    let v = base - (base % n as u64) + residue;
+                    let v = if v + n as u64 >= min_ticket {
+                        v
+                    } else {
+                        v + n as u64
+                    };
+                    format!(
+                        "INSERT INTO tickets_{name} (stub, id) VALUES ('a', {v}) ON CONFLICT (stub) \
+                         DO UPDATE SET id = CASE WHEN tickets_{name}.id < {v} THEN {v} ELSE tickets_{name}.id END"
+                    )
+                }
+            };
+            server
+                .conn
+                .execute_unprepared(&sql)
+                .await
+                .map_err(|source| ShardError::Db {
+                    group: "ids",
+                    shard: server.name.clone(),
+                    operation: format!("advance sequence {name}"),
+                    source,
+                })?;
+        }
+        *lock(&seq.state) = Segment::default();
+        Ok(())
+    }
+
+    /// One ticket for sequence `name`: round-robin over the servers, skipping
+    /// servers that failed recently.
+    async fn ticket(&self, name: &str) -> Result<u64> {
+        if self.servers.is_empty() {
+            return Err(no_servers());
+        }
+        let n = self.servers.len();
+        let start = self.next_server.fetch_add(1, Ordering::Relaxed);
+        let now = Instant::now();
+        // Healthy servers first, then the ones marked down (better a retry
+        // than no id at all).
+        let order: Vec<usize> = (0..n)
+            .map(|k| (start + k) % n)
+            .filter(|&i| !self.servers[i].is_down(now))
+            .chain(
+                (0..n)
+                    .map(|k| (start + k) % n)
+                    .filter(|&i| self.servers[i].is_down(now)),
+            )
+            .collect();
+        let timeout = Duration::from_millis(self.config.timeout_ms.unwrap_or(2000));
+        let retry_after = Duration::from_millis(self.config.retry_after_ms.unwrap_or(1000));
+        let mut causes = Vec::new();
+        for i in order {
+            let server = &self.servers[i];
+            self.requests.fetch_add(1, Ordering::Relaxed);
+            let result = tokio::time::timeout(timeout, ticket_from(server, i, n, name)).await;
+            match result {
+                Ok(Ok(ticket)) => {
+                    *lock(&server.down_until) = None;
+                    return Ok(ticket);
+                }
+                Ok(Err(err)) => causes.push(format!("{}: {err}", server.name)),
+                Err(_) => causes.push(format!("{}: no answer within {timeout:?}", server.name)),
+            }
+            tracing::warn!(server = %server.name, sequence = name, "ticket server failed; trying the next one");
+            *lock(&server.down_until) = Some(Instant::now() + retry_after);
+        }
+        Err(ShardError::IdsUnavailable {
+            sequence: name.to_owned(),
+            causes: causes.join("; "),
+        })
+    }
+}
+
+fn no_servers() -> ShardError {
+    ShardError::config("ids.servers", "no ticket servers are configured")
+}
+
+/// One round trip to server `index` of `count`.
+async fn ticket_from(server: &TicketServer, index: usize, count: usize, name: &str) -> Result<u64> {
+    let backend = server.conn.get_database_backend();
+    let err = |source| ShardError::Db {
+        group: "ids",
+        shard: server.name.clone(),
+        operation: format!("ticket {name}"),
+        source,
+    };
+    let ticket = match backend {
+        DbBackend::MySql => {
+            let res = server
+                .conn
+                .execute_unprepared(&format!("REPLACE INTO tickets_{name} (stub) VALUES ('a')"))
+                .await
+                .map_err(err)?;
+            res.last_insert_id()
+        }
+        _ => {
+            let sql = format!(
+                "INSERT INTO tickets_{name} (stub, id) VALUES ('a', {first}) ON CONFLICT (stub) \
+                 DO UPDATE SET id = tickets_{name}.id + {count} RETURNING id",
+                first = index + 1
+            );
+            let row = server
+                .conn
+                .query_one_raw(Statement::from_string(backend, sql))
+                .await
+                .map_err(err)?
+                .ok_or_else(|| err(sea_orm::DbErr::RecordNotFound("ticket row".into())))?;
+            let id: i64 = row.try_get("", "id").map_err(err)?;
+            id as u64
+        }
+    };
+    // A session without the right increment/offset would hand out another
+    // server's tickets: refuse rather than risk a duplicate.
+    if count > 1 && ticket % count as u64 != (index as u64 + 1) % count as u64 {
+        return Err(ShardError::config(
+            format!("ids.servers[{index}] ({:?})", server.name),
+            format!(
+                "ticket {ticket} is not ≡ {} (mod {count}): the server's session settings are wrong",
+                index + 1
+            ),
+        ));
+    }
+    Ok(ticket)
+}
+
+/// One named sequence's blocks.
+pub struct Sequence {
+    name: String,
+    block: u64,
+    ids: Arc<Ids>,
+    state: Mutex<Segment>,
+}
+
+#[derive(Default)]
+struct Segment {
+    next: u64,
+    end: u64,
+    /// When `next` reaches this, the next block is fetched.
+    prefetch_at: u64,
+    ready: Option<(u64, u64)>,
+    fetching: Option<Shared<BoxFuture<'static, ()>>>,
+    error: Option<String>,
+}
+
+impl std::fmt::Debug for Sequence {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Sequence")
+            .field("name", &self.name)
+            .field("block", &self.block)
+            .finish()
+    }
+}
+
+impl Sequence {
+    /// Ids per ticket.
+    pub fn block(&self) -> u64 {
+        self.block
+    }
+
+    /// The next id: from memory when the current block has one left; the
+    /// database is only awaited when no block is buffered.
+    pub async fn next(self: &Arc<Self>) -> Result<i64> {
+        loop {
+            let wait = {
+                let mut st = lock(&self.state);
+                if st.next < st.end {
+                    let id = st.next;
+                    st.next += 1;
+                    if st.next >= st.prefetch_at
+                        && st.ready.is_none()
+                        && st.fetching.is_none()
+                        && self.block > 1
+                    {
+                        let fetch = self.fetch();
+                        st.fetching = Some(fetch.clone());
+                        tokio::spawn(fetch);
+                    }
+                    return Ok(id as i64);
+                }
+                if let Some((start, end)) = st.ready.take() {
+                    st.next = start;
+                    st.end = end;
+                    st.prefetch_at = start + (self.block / 10).max(1);
+                    continue;
+                }
+                // A fetch this caller (or another) waited on failed: report it
+                // once; the next call tries the servers again.
+                if st.fetching.is_none()
+                    && let Some(error) = st.error.take()
+                {
+                    return Err(ShardError::IdsUnavailable {
+                        sequence: self.name.clone(),
+                        causes: error,
+                    });
+                }
+                match &st.fetching {
+                    Some(f) => f.clone(),
+                    None => {
+                        let fetch = self.fetch();
+                        st.fetching = Some(fetch.clone());
+                        fetch
+                    }
+                }
+            };
+            wait.await;
+            // Surface a failed fetch the caller waited on.
+            let mut st = lock(&self.state);
+            if st.ready.is_none()
+                && st.next >= st.end
+                && let Some(error) = st.error.take()
+            {
+                return Err(ShardError::IdsUnavailable {
+                    sequence: self.name.clone(),
+                    causes: error,
+                });
+            }
+        }
+    }
+
+    /// A shared fetch of the next block. Whoever polls it first runs it; it
+    /// installs its block exactly once.
+    fn fetch(self: &Arc<Self>) -> Shared<BoxFuture<'static, ()>> {
+        let seq = Arc::clone(self);
+        async move {
+            let result = seq.ids.ticket(&seq.name).await;
+            let mut st = lock(&seq.state);
+            st.fetching = None;
+            match result {
+                Ok(ticket) => {
+                    let start = ticket.saturating_mul(seq.block);
+                    st.ready = Some((start, start.saturating_add(seq.block)));
+                }
+                Err(err) => st.error = Some(err.to_string()),
+            }
+        }
+        .boxed()
+        .shared()
+    }
+}
+
+/// A time-ordered UUID (version 7): index-friendly like COMB GUIDs, and
+/// monotonic within this process (the `uuid` crate's v7 context). Store it as
+/// 16 bytes (`uuid` on PostgreSQL, `BINARY(16)`/`BLOB` elsewhere).
+pub fn uuid_v7() -> uuid::Uuid {
+    uuid::Uuid::now_v7()
+}
+
+/// Where a snowflake generator reads the time (Unix milliseconds).
+pub trait Clock: Send + Sync {
+    /// Milliseconds since the Unix epoch.
+    fn now_millis(&self) -> u64;
+}
+
+/// The system clock.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct SystemClock;
+
+impl Clock for SystemClock {
+    fn now_millis(&self) -> u64 {
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64)
+    }
+}
+
+/// Bit layout of a snowflake id: `time | worker | sequence`, most significant
+/// first, under a zero sign bit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SnowflakeLayout {
+    /// Milliseconds since [`SNOWFLAKE_EPOCH_MS`].
+    pub time_bits: u8,
+    /// Worker id.
+    pub worker_bits: u8,
+    /// Per-millisecond counter.
+    pub sequence_bits: u8,
+}
+
+impl Default for SnowflakeLayout {
+    fn default() -> Self {
+        SnowflakeLayout {
+            time_bits: 41,
+            worker_bits: 10,
+            sequence_bits: 12,
+        }
+    }
+}
+
+impl SnowflakeLayout {
+    fn new(c: SnowflakeConfig) -> Result<Self> {
+        let total = u32::from(c.time_bits) + u32::from(c.worker_bits) + u32::from(c.sequence_bits);
+        if total > 63 || c.time_bits < 30 || c.sequence_bits == 0 {
+            return Err(ShardError::config(
+                "ids.snowflake",
+                format!(
+                    "time_bits + worker_bits + sequence_bits must be at most 63 with time_bits ≥ 30 and sequence_bits ≥ 1 (got {total})"
+                ),
+            ));
+        }
+        Ok(SnowflakeLayout {
+            time_bits: c.time_bits,
+            worker_bits: c.worker_bits,
+            sequence_bits: c.sequence_bits,
+        })
+    }
+}
+
+/// Snowflake ids: `(ms since 2026-01-01 UTC) << (worker_bits + sequence_bits)
+/// | worker << sequence_bits | sequence`.
+///
+/// Clock rollback: if the clock steps back by at most 5 ms the generator
+/// waits it out; a larger step is refused with
+/// [`ShardError::ClockMovedBackwards`]. It never returns a duplicate.
+pub struct Snowflake {
+    layout: SnowflakeLayout,
+    worker: u64,
+    clock: Arc<dyn Clock>,
+    max_backward: u64,
+    state: Mutex<(u64, u64)>,
+}
+
+impl std::fmt::Debug for Snowflake {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Snowflake")
+            .field("layout", &self.layout)
+            .field("worker", &self.worker)
+            .finish()
+    }
+}
+
+impl Snowflake {
+    /// A generator for `worker` with `clock`.
+    pub fn new(layout: SnowflakeLayout, worker: u64, clock: Arc<dyn Clock>) -> Result<Self> {
+        if worker >> layout.worker_bits != 0 {
+            return Err(ShardError::config(
+                "ids.worker_id",
+                format!(
+                    "worker id {worker} does not fit in {} bits",
+                    layout.worker_bits
+                ),
+            ));
+        }
+        Ok(Snowflake {
+            layout,
+            worker,
+            clock,
+            max_backward: 5,
+            state: Mutex::new((0, 0)),
+        })
+    }
+
+    /// How far back (ms) the clock may step before ids are refused.
+    pub fn with_max_backward_ms(mut self, ms: u64) -> Self {
+        self.max_backward = ms;
+        self
+    }
+
+    /// The next id.
+    pub fn next(&self) -> Result<i64> {
+        let seq_mask = (1u64 << self.layout.sequence_bits) - 1;
+        let mut st = lock(&self.state);
+        let (last, seq) = *st;
+        let mut now = self.elapsed_ms()?;
+        if now < last {
+            if last - now > self.max_backward {
+                return Err(ShardError::ClockMovedBackwards { millis: last - now });
+            }
+            while now < last {
+                std::hint::spin_loop();
+                now = self.elapsed_ms()?;
+            }
+        }
+        let seq = if now == last {
+            let next = (seq + 1) & seq_mask;
+            if next == 0 {
+                // 2^sequence_bits ids this millisecond: wait for the next one.
+                while now <= last {
+                    std::hint::spin_loop();
+                    now = self.elapsed_ms()?;
+                }
+            }
+            next
+        } else {
+            0
+        };
+        if now >> self.layout.time_bits != 0 {
+            return Err(ShardError::config(
+                "ids.snowflake",
+                "the time bits are exhausted",
+            ));
+        }
+        *st = (now, seq);
+        let id = (now << (self.layout.worker_bits + self.layout.sequence_bits))
+            | (self.worker << self.layout.sequence_bits)
+            | seq;
+        Ok(id as i64)
+    }
+
+    fn elapsed_ms(&self) -> Result<u64> {
+        let now = self.clock.now_millis();
+        now.checked_sub(SNOWFLAKE_EPOCH_MS)
+            .ok_or_else(|| ShardError::ClockMovedBackwards {
+                millis: SNOWFLAKE_EPOCH_MS - now,
+            })
+    }
+
+    /// Splits an id into (Unix ms, worker, sequence).
+    pub fn decode(&self, id: i64) -> (u64, u64, u64) {
+        let id = id as u64;
+        let seq = id & ((1 << self.layout.sequence_bits) - 1);
+        let worker = (id >> self.layout.sequence_bits) & ((1 << self.layout.worker_bits) - 1);
+        let ms = id >> (self.layout.worker_bits + self.layout.sequence_bits);
+        (ms + SNOWFLAKE_EPOCH_MS, worker, seq)
+    }
+}
+
+fn encoded_bucket<G: EntityGroup>(cluster: &Cluster, key: &G::Key) -> Result<u32> {
+    match cluster.topology().placement(G::NAME)? {
+        crate::topology::Placement::Hash { buckets, .. } if *buckets <= 1 << BUCKET_BITS => {
+            Ok((key.partition_hash() % u64::from(*buckets)) as u32)
+        }
+        _ => Err(ShardError::config(
+            format!("groups.{}", G::NAME),
+            "shard-encoded ids need a hash placement with at most 8192 buckets",
+        )),
+    }
+}
+
+impl Cluster {
+    /// The next id of sequence `name` with `key`'s bucket in its low
+    /// [`BUCKET_BITS`] bits, so [`Cluster::route_id`] finds the shard from the
+    /// id alone (Instagram's layout, with a ticket sequence where Instagram
+    /// used time, so ids stay unique across processes). The group must use a
+    /// hash placement with at most 8,192 buckets.
+    pub async fn next_encoded_id<G: EntityGroup>(&self, name: &str, key: &G::Key) -> Result<i64> {
+        let bucket = encoded_bucket::<G>(self, key)?;
+        let id = self.ids().next(name).await?;
+        let id = u64::try_from(id).unwrap_or_default();
+        if id >> (63 - BUCKET_BITS) != 0 {
+            return Err(ShardError::config(
+                format!("ids.sequences.{name}"),
+                "the sequence has outgrown the 50 bits a shard-encoded id leaves it",
+            ));
+        }
+        Ok(((id << BUCKET_BITS) | u64::from(bucket)) as i64)
+    }
+
+    /// The shard a shard-encoded id ([`Ids::next_encoded`]) belongs to, from
+    /// the id alone.
+    pub fn route_id<G: EntityGroup>(&self, id: i64) -> Result<Target> {
+        match self.topology().placement(G::NAME)? {
+            crate::topology::Placement::Hash { buckets, owner } if *buckets <= 1 << BUCKET_BITS => {
+                let bucket = (id as u64 & ((1 << BUCKET_BITS) - 1)) as u32;
+                let shard: ShardId = *owner.get(bucket as usize).ok_or_else(|| ShardError::Unroutable {
+                    group: G::NAME,
+                    key: format!("id {id}"),
+                    reason: format!("bucket {bucket} is outside the group's {buckets} buckets: not a shard-encoded id of this group"),
+                })?;
+                Ok(Target {
+                    shard,
+                    bucket: Some(bucket),
+                })
+            }
+            _ => Err(ShardError::config(
+                format!("groups.{}", G::NAME),
+                "shard-encoded ids need a hash placement with at most 8192 buckets",
+            )),
+        }
+    }
+}
