@@ -79,8 +79,10 @@ pub enum ShardError {
         column: &'static str,
     },
 
-    /// The transaction refused an earlier write (or an earlier statement failed),
-    /// so it can only be rolled back. Nothing it did was committed.
+    /// The transaction refused an earlier write (cross-shard or without a shard
+    /// key), so it can only be rolled back. Nothing it did was committed. (A
+    /// statement the database rejected does not poison it; the caller decides,
+    /// as with any SeaORM transaction.)
     #[error(
         "transaction for group `{group}` on shard `{shard}` is rollback-only after an earlier \
          error ({reason}); nothing was committed"
@@ -136,9 +138,12 @@ pub enum ShardError {
         failures: Vec<ShardFailure>,
     },
 
-    /// A shard did not answer within the read timeout; its query was cancelled.
+    /// A shard did not answer within the read timeout. shardkit stopped waiting
+    /// and dropped the statement's future (its connection is discarded); the
+    /// database may still finish the statement unless it has a server-side
+    /// limit (`statement_timeout`, `max_statement_time`).
     #[error(
-        "shard `{shard}` (group `{group}`) did not answer within {after:?}; the query was cancelled"
+        "shard `{shard}` (group `{group}`) did not answer within {after:?}; shardkit stopped waiting"
     )]
     Timeout {
         /// The group read.

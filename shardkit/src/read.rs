@@ -518,8 +518,22 @@ impl<E: ShardedEntity> Read<E> {
         select
     }
 
-    /// The per-shard statements of a multi-shard read, before ordering.
+    /// The per-shard statements of a multi-shard read, before ordering. Fails
+    /// before any I/O when the ordering cannot be merged.
     async fn fan_out(&self, spec: RouteSpec<KeyOf<E>>) -> Result<Vec<(ShardId, Select<E>)>> {
+        if let Some((column, _)) = self
+            .order
+            .iter()
+            .find(|(_, o)| !matches!(o, Order::Asc | Order::Desc))
+        {
+            return Err(ShardError::Unmergeable {
+                table: table_name::<E>(),
+                reason: format!(
+                    "`{}` is ordered by a custom field list; a multi-shard read merges only Asc and Desc",
+                    column.as_str()
+                ),
+            });
+        }
         match spec {
             RouteSpec::One(key) => Ok(vec![(
                 self.cluster.route::<E::Group>(&key).await?.shard,
@@ -654,6 +668,7 @@ impl<E: ShardedEntity> Read<E> {
 
     /// Merges per-shard rows into one ordered, paged result.
     fn merge(&self, parts: Vec<(ShardId, Vec<E::Model>)>) -> Result<Vec<E::Model>> {
+        let first_shard = parts.first().map(|(id, _)| *id);
         let rows = parts.into_iter().flat_map(|(_, rows)| rows);
         let offset = self.offset.unwrap_or(0) as usize;
         let limit = self.limit.map_or(usize::MAX, |l| l as usize);
@@ -661,8 +676,9 @@ impl<E: ShardedEntity> Read<E> {
             return Ok(rows.skip(offset).take(limit).collect());
         }
         // PostgreSQL sorts NULL above every value; MySQL and SQLite below.
-        let nulls_high =
-            self.cluster.shard_conn(ShardId(0)).get_database_backend() == DbBackend::Postgres;
+        let nulls_high = first_shard.is_some_and(|id| {
+            self.cluster.shard_conn(id).get_database_backend() == DbBackend::Postgres
+        });
         let mut keyed: Vec<(Vec<Value>, E::Model)> = rows
             .map(|row| (self.order.iter().map(|(c, _)| row.get(*c)).collect(), row))
             .collect();

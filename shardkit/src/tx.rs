@@ -195,6 +195,38 @@ impl<G: EntityGroup> ShardTx<G> {
                 .await
                 .map_err(|e| self.write_err::<A::Entity>("update", e))?;
             self.check::<A::Entity>(&model)?;
+            if !model.is_changed() {
+                // Nothing to set: SeaORM would answer with a primary-key read
+                // that ignores the shard key. Read within the key instead.
+                let mut select = <A::Entity as EntityTrait>::find()
+                    .filter(<A::Entity as ShardedEntity>::shard_key_column().eq(self.key.clone()));
+                for key in <<A::Entity as EntityTrait>::PrimaryKey as sea_orm::Iterable>::iter() {
+                    let column = sea_orm::PrimaryKeyToColumn::into_column(key);
+                    match model.get(column) {
+                        sea_orm::ActiveValue::Set(v) | sea_orm::ActiveValue::Unchanged(v) => {
+                            select = select.filter(column.eq(v));
+                        }
+                        sea_orm::ActiveValue::NotSet => {
+                            return Err(self.write_err::<A::Entity>(
+                                "update",
+                                DbErr::PrimaryKeyNotSet {
+                                    ctx: "ShardTx::update",
+                                },
+                            ));
+                        }
+                    }
+                }
+                let row = select
+                    .one(&self.txn)
+                    .await
+                    .map_err(|e| self.write_err::<A::Entity>("update", e))?
+                    .ok_or_else(|| {
+                        self.write_err::<A::Entity>("update", DbErr::RecordNotUpdated)
+                    })?;
+                return A::after_save(row, &self.txn, false)
+                    .await
+                    .map_err(|e| self.write_err::<A::Entity>("update", e));
+            }
             let row = <A::Entity as EntityTrait>::update(model)
                 .validate()
                 .map_err(|e| self.write_err::<A::Entity>("update", e))?

@@ -367,3 +367,28 @@ fn default_hash_spreads_buckets_evenly() {
     }
     assert!(per_shard.iter().all(|&n| n > 800), "{per_shard:?}");
 }
+
+#[test]
+fn inputs_that_used_to_panic_are_config_errors() {
+    let (entry, _) = rejected(&with("[groups.C]\nshards = []\n"));
+    assert_eq!(entry, "groups.C.shards");
+
+    let (entry, message) = rejected(&with(
+        "[groups.A]\nplacement = \"range\"\nranges = [{ shard = \"s0\", to = 10 }, { shard = \"s1\", to = 20 }]\n",
+    ));
+    assert!(entry.starts_with("groups.A.ranges["), "{entry}");
+    assert!(message.contains("unbounded below"), "{message}");
+
+    let (entry, message) = rejected(&with("[groups.C]\nbuckets = 4000000000\n"));
+    assert_eq!(entry, "groups.C.buckets");
+    assert!(message.contains("more than"), "{message}");
+}
+
+#[test]
+fn one_database_cannot_be_two_shards() {
+    let (entry, message) = rejected(&format!(
+        "{FOUR}\n[[shards]]\nname = \"s4\"\nurl = \"sqlite://s2.db\"\n"
+    ));
+    assert_eq!(entry, "shards[4] (\"s4\")");
+    assert!(message.contains("same database as shards[2]"), "{message}");
+}

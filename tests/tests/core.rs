@@ -312,6 +312,25 @@ async fn update_and_delete_stay_within_their_key(dbs: &mut TestDbs) {
         ),
         "{err:?}"
     );
+    // Nothing to set: still matched within key b, so a's row is not returned.
+    let err = tx
+        .update(order::ActiveModel {
+            id: Unchanged(order_id),
+            customer_id: Unchanged(b),
+            total_cents: Unchanged(0),
+        })
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            ShardError::Db {
+                source: DbErr::RecordNotUpdated,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
     let deleted = tx
         .delete(order::ActiveModel {
             id: Unchanged(order_id),

@@ -282,6 +282,24 @@ async fn scatter_merges_like_one_database(dbs: &mut TestDbs) {
         .unwrap();
     assert_eq!(n, want);
 
+    // A custom field-list ordering cannot be merged: refused before any I/O.
+    sent.lock().unwrap().clear();
+    let err = cluster
+        .find::<order::Entity>()
+        .scatter()
+        .order_by(
+            order::Column::TotalCents,
+            sea_orm::Order::Field(sea_orm::Values(vec![
+                Value::BigInt(Some(1)),
+                Value::BigInt(Some(2)),
+            ])),
+        )
+        .all()
+        .await
+        .unwrap_err();
+    assert!(matches!(err, ShardError::Unmergeable { .. }), "{err:?}");
+    assert!(sent.lock().unwrap().is_empty(), "nothing was sent");
+
     // Bounded concurrency still reads every shard.
     let bounded = cluster
         .find::<order::Entity>()

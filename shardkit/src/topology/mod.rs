@@ -118,6 +118,9 @@ pub struct Topology {
 /// The default number of buckets of a hash placement.
 pub const DEFAULT_BUCKETS: u32 = 1024;
 
+/// The most buckets a hash placement may have (its routing table is an array).
+pub const MAX_BUCKETS: u32 = 1 << 20;
+
 /// The default directory table name.
 pub const DEFAULT_DIRECTORY_TABLE: &str = "shardkit_directory";
 
@@ -174,6 +177,23 @@ impl Topology {
                 ));
             }
             let url = locate_database(&entry, &hosts, &shard.url, &shard.host, &shard.database)?;
+            // Two names for one database would make every scatter read it twice.
+            // (Each `sqlite::memory:` connection is a database of its own.)
+            let in_memory =
+                url.expose().contains(":memory:") || url.expose().contains("mode=memory");
+            if let Some(other) = shards
+                .iter()
+                .position(|s: &ShardSpec| s.url == url)
+                .filter(|_| !in_memory)
+            {
+                return Err(ShardError::config(
+                    entry,
+                    format!(
+                        "shard `{}` is the same database as shards[{other}]",
+                        shard.name
+                    ),
+                ));
+            }
             by_name.insert(shard.name.clone(), ShardId(i as u32));
             shards.push(ShardSpec {
                 name: shard.name.clone(),
@@ -284,6 +304,14 @@ impl Topology {
                         "zero buckets: a hash placement needs at least one bucket (default 1024)",
                     ));
                 }
+                if buckets > MAX_BUCKETS {
+                    return Err(ShardError::config(
+                        format!("{base}.buckets"),
+                        format!(
+                            "{buckets} buckets is more than the {MAX_BUCKETS} shardkit keeps in its routing table"
+                        ),
+                    ));
+                }
                 let owner = match &group.bucket_ranges {
                     Some(ranges) => {
                         if group.shards.is_some() {
@@ -296,6 +324,12 @@ impl Topology {
                     }
                     None => {
                         let ids = match &group.shards {
+                            Some(names) if names.is_empty() => {
+                                return Err(ShardError::config(
+                                    format!("{base}.shards"),
+                                    "an empty shard list places no bucket; list shards or omit `shards`",
+                                ));
+                            }
                             Some(names) => self.shard_list(&format!("{base}.shards"), names)?,
                             None => (0..self.shards.len() as u32).map(ShardId).collect(),
                         };
@@ -497,9 +531,12 @@ impl Topology {
             if pos < last {
                 let (j, next) = sorted[pos + 1];
                 let (Some(to), Some(next_from)) = (&range.to, &next.from) else {
-                    unreachable!(
-                        "checked above: only the first range lacks `from`, only the last lacks `to`"
-                    );
+                    // `to` is present (checked above); a later range without
+                    // `from` overlaps everything below it.
+                    return Err(ShardError::config(
+                        format!("{base}.ranges[{j}]"),
+                        "only one range may be unbounded below (omit `from`)",
+                    ));
                 };
                 if to < next_from {
                     return Err(ShardError::config(
