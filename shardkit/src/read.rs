@@ -27,6 +27,7 @@ use sea_orm::{
 use std::cmp::Ordering;
 use std::collections::{BTreeMap, HashSet};
 use std::future::Future;
+use std::sync::atomic::{AtomicUsize, Ordering as AtomicOrdering};
 use std::time::Duration;
 use tracing::Instrument;
 
@@ -336,18 +337,8 @@ impl<E: ShardedEntity, R> Find<E, R> {
                 R::finish(rows, read.gathered(1, Vec::new()))
             }
             spec => {
-                let parts = read.fan_out(spec).await?;
-                let asked = count_shards(&parts);
-                let parts = parts
-                    .into_iter()
-                    .map(|(id, s)| (id, read.shape(s, false)))
-                    .collect();
-                let (ok, failed, span) = read
-                    .gather(parts, asked, "all", |s, conn| s.all(conn))
-                    .await;
-                let rows = read.merge(ok)?;
-                span.record("rows", rows.len());
-                R::finish(rows, read.gathered(asked, failed))
+                let (rows, gathered) = read.rows(spec, "all").await?;
+                R::finish(rows, gathered)
             }
         }
     }
@@ -373,18 +364,8 @@ impl<E: ShardedEntity, R> Find<E, R> {
             }
             spec => {
                 read.limit = Some(1);
-                let parts = read.fan_out(spec).await?;
-                let asked = count_shards(&parts);
-                let parts = parts
-                    .into_iter()
-                    .map(|(id, s)| (id, read.shape(s, false)))
-                    .collect();
-                let (ok, failed, span) = read
-                    .gather(parts, asked, "one", |s, conn| s.all(conn))
-                    .await;
-                let row = read.merge(ok)?.into_iter().next();
-                span.record("rows", usize::from(row.is_some()));
-                R::finish(row, read.gathered(asked, failed))
+                let (rows, gathered) = read.rows(spec, "one").await?;
+                R::finish(rows.into_iter().next(), gathered)
             }
         }
     }
@@ -495,6 +476,24 @@ impl<E: ShardedEntity> Read<E> {
         with_timeout(Self::group(), shard, self.timeout, fut.instrument(span))
             .await
             .map_err(|e| e.into_shard_error::<E>(shard))
+    }
+
+    /// A multi-shard read of rows: fan out, shape, gather, merge.
+    async fn rows(
+        &self,
+        spec: RouteSpec<KeyOf<E>>,
+        op: &'static str,
+    ) -> Result<(Vec<E::Model>, Gathered)> {
+        let parts = self.fan_out(spec).await?;
+        let asked = count_shards(&parts);
+        let parts = parts
+            .into_iter()
+            .map(|(id, s)| (id, self.shape(s, false)))
+            .collect();
+        let (ok, failed, span) = self.gather(parts, asked, op, |s, conn| s.all(conn)).await;
+        let rows = self.merge(ok)?;
+        span.record("rows", rows.len());
+        Ok((rows, self.gathered(asked, failed)))
     }
 
     /// Applies ordering and paging. A single shard gets them as written; a
@@ -618,18 +617,27 @@ impl<E: ShardedEntity> Read<E> {
             shards_failed = tracing::field::Empty,
             statements = parts.len(),
             rows = tracing::field::Empty,
+            peak_in_flight = tracing::field::Empty,
         );
         let cluster = &self.cluster;
         let timeout = self.timeout;
+        // Statements in flight, counted where they start and end, so the
+        // bound is observable (`peak_in_flight` on the span).
+        let in_flight = AtomicUsize::new(0);
+        let peak = AtomicUsize::new(0);
+        let (in_flight, peak) = (&in_flight, &peak);
         let results: Vec<(ShardId, Result<T>)> = futures::stream::iter(parts)
             .map(|(id, select)| {
                 let shard = cluster.shard_name(id);
+                let now = in_flight.fetch_add(1, AtomicOrdering::Relaxed) + 1;
+                peak.fetch_max(now, AtomicOrdering::Relaxed);
                 let fut =
                     run(select, cluster.shard_conn(id)).instrument(read_span::<E>(shard, None, op));
                 async move {
                     let result = with_timeout(Self::group(), shard, timeout, fut)
                         .await
                         .map_err(|e| e.into_shard_error::<E>(shard));
+                    in_flight.fetch_sub(1, AtomicOrdering::Relaxed);
                     (id, result)
                 }
             })
@@ -648,6 +656,7 @@ impl<E: ShardedEntity> Read<E> {
             }
         }
         span.record("shards_failed", failed.len());
+        span.record("peak_in_flight", peak.load(AtomicOrdering::Relaxed));
         if !failed.is_empty() {
             tracing::warn!(parent: &span, failed = failed.len(), "shards failed in a multi-shard read");
         }
