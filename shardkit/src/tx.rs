@@ -80,6 +80,14 @@ impl<G: EntityGroup> ShardTx<G> {
         self.target
     }
 
+    /// The transaction's own connection, for statements shardkit cannot check
+    /// (shard-wide aggregates, locks, per-shard counters). What runs through
+    /// it is not limited to the transaction's key: keep writes of rows on the
+    /// typed methods.
+    pub fn unchecked_connection(&self) -> &DatabaseTransaction {
+        &self.txn
+    }
+
     /// Whether an earlier refusal made it rollback-only.
     pub fn is_rollback_only(&self) -> bool {
         self.poison_reason().is_some()
