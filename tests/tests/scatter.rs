@@ -146,7 +146,8 @@ async fn keys_split_per_shard(dbs: &mut TestDbs) {
 
     // 1,000 keys over 8 shards: 8 statements, 1,000 bound keys in all.
     sent.lock().unwrap().clear();
-    let many: Vec<i64> = (1..=1000).collect();
+    // Duplicates are sent once.
+    let many: Vec<i64> = (1..=1000).chain(1..=100).collect();
     let rows = cluster
         .find::<order::Entity>()
         .keys(many)
@@ -509,4 +510,65 @@ async fn slow_shard_times_out(dbs: &mut TestDbs) {
     assert!(!on_s2.is_empty());
     assert_eq!(partial.rows.len(), rows.len() - on_s2.len());
     assert!(partial.rows.iter().all(|r| !on_s2.contains(&r.id)));
+}
+
+/// A key list longer than SQLite's 32,766-parameter limit is split into
+/// several statements on the same shard, and every row still comes back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn long_key_lists_are_chunked_under_the_parameter_limit() {
+    let Some(dbs) = TestDbs::create(Backend::Sqlite, "scatter::long_key_lists", 1).await else {
+        return;
+    };
+    let sent: Sent = Arc::default();
+    let log = Arc::clone(&sent);
+    let cluster = Cluster::builder(dbs.config(1, "[groups.Customer]\n"))
+        .on_statement(move |event| {
+            log.lock()
+                .unwrap()
+                .push((event.shard.to_owned(), event.statement.clone()))
+        })
+        .connect()
+        .await
+        .unwrap();
+    cluster.migrate::<Migrator>().await.unwrap();
+    let tx = cluster.begin::<Customer>(70_000).await.unwrap();
+    tx.insert(order::ActiveModel {
+        id: Set(1),
+        customer_id: Set(70_000),
+        total_cents: Set(1),
+    })
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    sent.lock().unwrap().clear();
+    let rows = cluster
+        .find::<order::Entity>()
+        .keys(1..=70_000)
+        .filter(order::Column::TotalCents.gte(0))
+        .all()
+        .await
+        .unwrap();
+    assert_eq!(rows.len(), 1);
+    let statements = sent.lock().unwrap().clone();
+    assert_eq!(
+        statements.len(),
+        3,
+        "70,000 keys in chunks under 32,766 parameters"
+    );
+    for (_, stmt) in &statements {
+        let n = stmt.values.as_ref().map_or(0, |v| v.0.len());
+        assert!(n <= 32_766, "{n} parameters");
+    }
+    let keys: Vec<i64> = statements
+        .iter()
+        .flat_map(|(_, s)| s.values.iter().flat_map(|v| v.0.clone()))
+        .filter_map(|v| match v {
+            Value::BigInt(Some(k)) if k >= 1 => Some(k),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(keys.len(), 70_000, "every key sent once");
+    assert_eq!(keys.iter().copied().collect::<BTreeSet<_>>().len(), 70_000);
+    drop(cluster);
+    dbs.cleanup().await;
 }
