@@ -15,14 +15,15 @@
 //! the caller asked for partial results with [`Find::partial`].
 
 use crate::cluster::Cluster;
-use crate::entity::{EntityGroup, ShardedEntity, table_name};
+use crate::entity::{EntityGroup, KeyRef, ShardKey, ShardedEntity, table_name};
 use crate::error::{Result, ShardError, ShardFailure};
 use crate::topology::{ShardId, Target};
 use futures::StreamExt;
-use sea_orm::sea_query::SelectStatement;
+use sea_orm::sea_query::{Expr, SelectStatement};
+use sea_orm::{Condition, ExprTrait};
 use sea_orm::{
-    ColumnTrait, ConnectionTrait, DatabaseConnection, DbBackend, DbErr, IdenStatic, ModelTrait,
-    Order, PaginatorTrait, QueryFilter, QueryOrder, QuerySelect, QueryTrait, Select, Value,
+    ConnectionTrait, DatabaseConnection, DbBackend, DbErr, IdenStatic, ModelTrait, Order,
+    PaginatorTrait, QueryFilter, QueryOrder, QuerySelect, QueryTrait, Select, Value,
 };
 use std::cmp::Ordering;
 use std::collections::{BTreeMap, HashSet};
@@ -458,9 +459,10 @@ impl<E: ShardedEntity> Read<E> {
         let target = self.cluster.route::<E::Group>(key).await?;
         let span = read_span::<E>(self.cluster.shard_name(target.shard), target.bucket, op);
         tracing::debug!(parent: &span, key = ?key, "routed read");
+        let backend = self.cluster.shard_conn(target.shard).get_database_backend();
         Ok(PlannedOne {
             target,
-            select: keyed_select::<E>(self.select.clone(), key),
+            select: keyed_select::<E>(self.select.clone(), key, backend),
             span,
         })
     }
@@ -534,10 +536,14 @@ impl<E: ShardedEntity> Read<E> {
             });
         }
         match spec {
-            RouteSpec::One(key) => Ok(vec![(
-                self.cluster.route::<E::Group>(&key).await?.shard,
-                keyed_select::<E>(self.select.clone(), &key),
-            )]),
+            RouteSpec::One(key) => {
+                let shard = self.cluster.route::<E::Group>(&key).await?.shard;
+                let backend = self.cluster.shard_conn(shard).get_database_backend();
+                Ok(vec![(
+                    shard,
+                    keyed_select::<E>(self.select.clone(), &key, backend),
+                )])
+            }
             RouteSpec::All => Ok(self
                 .cluster
                 .topology()
@@ -558,13 +564,17 @@ impl<E: ShardedEntity> Read<E> {
                 }
                 let mut parts = Vec::new();
                 for (id, keys) in by_shard {
-                    let conn = self.cluster.shard_conn(id);
-                    let chunk = self.key_chunk(conn.get_database_backend())?;
+                    let backend = self.cluster.shard_conn(id).get_database_backend();
+                    let mut chunk = self.key_chunk(backend)?;
+                    if binary_text_keys::<E>(&keys, backend) {
+                        // Each key is bound twice (see `key_condition`).
+                        chunk = (chunk / 2).max(1);
+                    }
                     for chunk in keys.chunks(chunk) {
                         let select = self
                             .select
                             .clone()
-                            .filter(E::shard_key_column().is_in(chunk.iter().cloned()));
+                            .filter(key_condition::<E>(chunk, backend));
                         parts.push((id, select));
                     }
                 }
@@ -865,7 +875,7 @@ impl<'t, E: ShardedEntity, C: ConnectionTrait> TxFind<'t, E, C> {
         TxFind {
             conn,
             shard,
-            select: keyed_select::<E>(E::find(), key),
+            select: keyed_select::<E>(E::find(), key, conn.get_database_backend()),
         }
     }
 
@@ -897,9 +907,40 @@ impl<'t, E: ShardedEntity, C: ConnectionTrait> TxFind<'t, E, C> {
     }
 }
 
-/// The one place a shard-key predicate is added to a read.
-fn keyed_select<E: ShardedEntity>(select: Select<E>, key: &KeyOf<E>) -> Select<E> {
-    select.filter(E::shard_key_column().eq(key.clone()))
+/// The shard-key predicate of a read or write: `key = ?` or `key IN (...)`.
+///
+/// MySQL/MariaDB's default collations compare text case- and
+/// trailing-space-insensitively (`'acme' = 'Acme '`), which would let one key
+/// reach another key's rows on a shared shard; for text keys there the
+/// predicate adds the same comparison on `CAST(key AS BINARY)`. The plain
+/// comparison stays first so the key's index is still used.
+pub(crate) fn key_condition<E: ShardedEntity>(keys: &[KeyOf<E>], backend: DbBackend) -> Condition {
+    let column = E::shard_key_column();
+    let compare = |cond: Condition, expr: Expr| match keys {
+        [key] => cond.add(expr.eq(key.clone())),
+        _ => cond.add(expr.is_in(keys.iter().cloned())),
+    };
+    let cond = compare(Condition::all(), Expr::col((E::default(), column)));
+    if binary_text_keys::<E>(keys, backend) {
+        compare(cond, Expr::col((E::default(), column)).cast_as("BINARY"))
+    } else {
+        cond
+    }
+}
+
+fn binary_text_keys<E: ShardedEntity>(keys: &[KeyOf<E>], backend: DbBackend) -> bool {
+    backend == DbBackend::MySql
+        && keys
+            .first()
+            .is_some_and(|k| matches!(k.key_ref(), KeyRef::Text(_)))
+}
+
+fn keyed_select<E: ShardedEntity>(
+    select: Select<E>,
+    key: &KeyOf<E>,
+    backend: DbBackend,
+) -> Select<E> {
+    select.filter(key_condition::<E>(std::slice::from_ref(key), backend))
 }
 
 fn read_span<E: ShardedEntity>(

@@ -135,6 +135,14 @@ impl<G: EntityGroup> ShardTx<G> {
         }
     }
 
+    /// The transaction's key as a predicate on `E` (see [`crate::read`]).
+    fn key_condition<E: InGroup<G>>(&self) -> sea_orm::Condition {
+        crate::read::key_condition::<E>(
+            &[E::group_key_as_entity_key(&self.key)],
+            sea_orm::ConnectionTrait::get_database_backend(&self.txn),
+        )
+    }
+
     fn write_err<E: EntityTrait>(&self, op: &str, source: DbErr) -> ShardError {
         ShardError::Db {
             group: G::NAME,
@@ -206,8 +214,8 @@ impl<G: EntityGroup> ShardTx<G> {
             if !model.is_changed() {
                 // Nothing to set: SeaORM would answer with a primary-key read
                 // that ignores the shard key. Read within the key instead.
-                let mut select = <A::Entity as EntityTrait>::find()
-                    .filter(<A::Entity as ShardedEntity>::shard_key_column().eq(self.key.clone()));
+                let mut select =
+                    <A::Entity as EntityTrait>::find().filter(self.key_condition::<A::Entity>());
                 for key in <<A::Entity as EntityTrait>::PrimaryKey as sea_orm::Iterable>::iter() {
                     let column = sea_orm::PrimaryKeyToColumn::into_column(key);
                     match model.get(column) {
@@ -238,7 +246,7 @@ impl<G: EntityGroup> ShardTx<G> {
             let row = <A::Entity as EntityTrait>::update(model)
                 .validate()
                 .map_err(|e| self.write_err::<A::Entity>("update", e))?
-                .filter(<A::Entity as ShardedEntity>::shard_key_column().eq(self.key.clone()))
+                .filter(self.key_condition::<A::Entity>())
                 .exec(&self.txn)
                 .await
                 .map_err(|e| self.write_err::<A::Entity>("update", e))?;
@@ -267,7 +275,7 @@ impl<G: EntityGroup> ShardTx<G> {
             let res = <A::Entity as EntityTrait>::delete(model.clone())
                 .validate()
                 .map_err(|e| self.write_err::<A::Entity>("delete", e))?
-                .filter(<A::Entity as ShardedEntity>::shard_key_column().eq(self.key.clone()))
+                .filter(self.key_condition::<A::Entity>())
                 .exec(&self.txn)
                 .await
                 .map_err(|e| self.write_err::<A::Entity>("delete", e))?;

@@ -21,6 +21,7 @@ backend_tests!(4 =>
     migrate_shows_shards_behind,
     range_modulo_and_directory_placements,
     text_and_uuid_keys,
+    text_keys_match_exactly,
 );
 
 const CUSTOMER_HASH: &str = r#"
@@ -721,4 +722,61 @@ async fn text_and_uuid_keys(dbs: &mut TestDbs) {
             .unwrap();
         assert_eq!(got.map(|r| r.value), Some(i as i64));
     }
+}
+
+/// Keys differing only in case or trailing spaces are different keys, also on
+/// MySQL/MariaDB whose default collation calls them equal.
+async fn text_keys_match_exactly(dbs: &mut TestDbs) {
+    // Every tenant on one shard, so the three keys share a table.
+    let cluster = dbs.cluster(4, "[groups.Tenant]\nshards = [\"s0\"]\n").await;
+    cluster.migrate::<Migrator>().await.unwrap();
+    let tenants = ["acme", "Acme", "acme "];
+    for (i, tenant) in tenants.iter().enumerate() {
+        let tx = cluster.begin::<Tenant>(tenant.to_string()).await.unwrap();
+        tx.insert(note::ActiveModel {
+            id: Set(i as i64),
+            tenant: Set(tenant.to_string()),
+            body: Set(format!("{tenant:?}")),
+        })
+        .await
+        .unwrap();
+        tx.commit().await.unwrap();
+    }
+    for (i, tenant) in tenants.iter().enumerate() {
+        let rows = cluster
+            .find::<note::Entity>()
+            .key(tenant.to_string())
+            .all()
+            .await
+            .unwrap();
+        assert_eq!(
+            rows.iter().map(|r| r.id).collect::<Vec<_>>(),
+            vec![i as i64],
+            "key {tenant:?}"
+        );
+        let rows = cluster
+            .find::<note::Entity>()
+            .keys([tenant.to_string()])
+            .all()
+            .await
+            .unwrap();
+        assert_eq!(rows.len(), 1, "keys([{tenant:?}])");
+    }
+    // A write for "acme" cannot delete "Acme"'s row through its primary key.
+    let tx = cluster.begin::<Tenant>("acme".to_string()).await.unwrap();
+    let deleted = tx
+        .delete(note::ActiveModel {
+            id: Unchanged(1),
+            tenant: Unchanged("acme".to_string()),
+            body: NotSet,
+        })
+        .await
+        .unwrap();
+    assert_eq!(deleted, 0);
+    tx.commit().await.unwrap();
+    let all = note::Entity::find()
+        .all(cluster.connection("s0").unwrap())
+        .await
+        .unwrap();
+    assert_eq!(all.len(), 3);
 }
