@@ -24,12 +24,14 @@ use sea_orm_migration::prelude::*;
 
 pub mod m20261122_000001_create_shardkit_directory;
 pub mod m20261122_000002_create_ticket_registry;
+pub mod m20261122_000003_create_gsi_catalog;
 
 /// shardkit's migrations, in order.
 pub fn migrations() -> Vec<Box<dyn MigrationTrait>> {
     vec![
         Box::new(m20261122_000001_create_shardkit_directory::Migration),
         Box::new(m20261122_000002_create_ticket_registry::Migration),
+        Box::new(m20261122_000003_create_gsi_catalog::Migration),
     ]
 }
 
@@ -117,4 +119,42 @@ impl MigratorTrait for Migrator {
     fn migrations() -> Vec<Box<dyn MigrationTrait>> {
         migrations()
     }
+}
+
+/// The table of one global secondary index, `gsi_<primary table>_<column>`:
+/// the secondary value, the owner's shard key and primary key (all as text),
+/// and when the row was written (Unix ms, so reconciliation can leave rows of
+/// inserts still in flight alone). A unique index's primary key is the value;
+/// a non-unique one's is (value, shard key, owner).
+pub fn gsi_table(name: &str, unique: bool) -> TableCreateStatement {
+    let mut pk = Index::create();
+    pk.col(Alias::new("value"));
+    if !unique {
+        pk.col(Alias::new("shard_key")).col(Alias::new("owner_pk"));
+    }
+    Table::create()
+        .table(Alias::new(name))
+        .if_not_exists()
+        .col(
+            ColumnDef::new(Alias::new("value"))
+                .string_len(255)
+                .not_null(),
+        )
+        .col(
+            ColumnDef::new(Alias::new("shard_key"))
+                .string_len(255)
+                .not_null(),
+        )
+        .col(
+            ColumnDef::new(Alias::new("owner_pk"))
+                .string_len(255)
+                .not_null(),
+        )
+        .col(
+            ColumnDef::new(Alias::new("created_ms"))
+                .big_integer()
+                .not_null(),
+        )
+        .primary_key(&mut pk)
+        .to_owned()
 }

@@ -16,6 +16,8 @@ pub struct Sharded<'a> {
     pub group: Path,
     pub shard_key: ShardKeyField<'a>,
     pub id: Option<IdField<'a>>,
+    /// `#[shardkit(global_index)]` fields, with whether the index is unique.
+    pub indexes: Vec<(&'a syn::Field, bool)>,
 }
 
 /// A primary key field shardkit fills on insert.
@@ -38,7 +40,7 @@ pub struct ShardKeyField<'a> {
 
 const GROUP_KEYS: &str = "`key = Type`, `name = \"...\"`";
 const ENTITY_KEYS: &str = "`group = path::To::Group`";
-const FIELD_KEYS: &str = "`shard_key`, `id = \"ticket:<sequence>\" | \"uuid_v7\" | \"snowflake\"`";
+const FIELD_KEYS: &str = "`shard_key`, `global_index`, `global_index(unique)`, `id = \"ticket:<sequence>\" | \"uuid_v7\" | \"snowflake\"`";
 
 impl<'a> Group<'a> {
     pub fn from_syn(cx: &mut Ctxt, input: &'a DeriveInput) -> Option<Self> {
@@ -159,6 +161,7 @@ impl<'a> Sharded<'a> {
 
         let mut keys: Vec<ShardKeyField<'a>> = Vec::new();
         let mut id: Option<IdField<'a>> = None;
+        let mut indexes: Vec<(&'a syn::Field, bool)> = Vec::new();
         for field in fields {
             let mut is_key = false;
             for attr in field.attrs.iter().filter(|a| a.path().is_ident("shardkit")) {
@@ -171,6 +174,22 @@ impl<'a> Sharded<'a> {
                             );
                         }
                         is_key = true;
+                    } else if meta.path.is_ident("global_index") {
+                        let mut unique = false;
+                        if meta.input.peek(syn::token::Paren) {
+                            meta.parse_nested_meta(|inner| {
+                                if inner.path.is_ident("unique") {
+                                    unique = true;
+                                    Ok(())
+                                } else {
+                                    Err(inner.error("unknown global_index option; expected `unique`"))
+                                }
+                            })?;
+                        }
+                        if indexes.iter().any(|(f, _)| std::ptr::eq(*f, field)) {
+                            cx.error_spanned_by(&meta.path, "duplicate shardkit attribute `global_index`");
+                        }
+                        indexes.push((field, unique));
                     } else if meta.path.is_ident("id") {
                         let lit: LitStr = meta.value()?.parse()?;
                         let value = lit.value();
@@ -280,6 +299,7 @@ impl<'a> Sharded<'a> {
             group,
             shard_key,
             id,
+            indexes,
         })
     }
 }

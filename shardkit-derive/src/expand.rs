@@ -57,16 +57,31 @@ pub fn sharded(input: &DeriveInput) -> Result<TokenStream, TokenStream> {
         },
         None => None,
     };
+    let mut index_items = Vec::new();
+    for (field, unique) in sharded.iter().flat_map(|s| s.indexes.iter()) {
+        match ast::column_variant(field) {
+            Ok(v) => index_items.push(quote!((Column::#v, #unique))),
+            Err(err) => return Err(err.to_compile_error()),
+        }
+    }
     let (
         Some(Sharded {
             group,
             shard_key,
             id,
+            ..
         }),
         Some(variant),
     ) = (sharded, variant)
     else {
         return Ok(TokenStream::new());
+    };
+    let index_items = if index_items.is_empty() {
+        quote!()
+    } else {
+        quote! {
+            const GLOBAL_INDEXES: &'static [(Column, bool)] = &[#(#index_items),*];
+        }
     };
     let id_items = match (id, id_variant) {
         (Some(id), Some(id_variant)) => {
@@ -105,6 +120,7 @@ pub fn sharded(input: &DeriveInput) -> Result<TokenStream, TokenStream> {
                 type Group = #group;
                 const SHARD_KEY_FIELD: &'static str = #column_name;
                 #id_items
+                #index_items
 
                 #[inline]
                 fn shard_key_column() -> Column {

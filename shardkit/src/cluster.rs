@@ -30,6 +30,8 @@ struct Inner {
     directories: Vec<DatabaseConnection>,
     read: ReadSettings,
     ids: Arc<Ids>,
+    gsi_states: crate::gsi::StateCache,
+    gsi_grace: Duration,
 }
 
 /// Cluster-wide read defaults (from `[read]`).
@@ -126,6 +128,8 @@ impl ClusterBuilder {
                 directories,
                 read,
                 ids,
+                gsi_states: crate::gsi::StateCache::default(),
+                gsi_grace: Duration::from_millis(config.gsi.grace_ms.unwrap_or(30_000)),
             }),
         })
     }
@@ -159,6 +163,14 @@ impl Cluster {
     /// The id service: ticket sequences, snowflakes.
     pub fn ids(&self) -> &Arc<Ids> {
         &self.inner.ids
+    }
+
+    pub(crate) fn gsi_states(&self) -> &crate::gsi::StateCache {
+        &self.inner.gsi_states
+    }
+
+    pub(crate) fn gsi_grace(&self) -> Duration {
+        self.inner.gsi_grace
     }
 
     pub(crate) fn read_settings(&self) -> ReadSettings {
@@ -231,14 +243,7 @@ impl Cluster {
                 operation: "begin".to_owned(),
                 source,
             })?;
-        Ok(ShardTx::new(
-            txn,
-            Arc::clone(&self.inner.ids),
-            key,
-            shard,
-            target,
-            span,
-        ))
+        Ok(ShardTx::new(txn, self.clone(), key, shard, target, span))
     }
 
     /// The lookup table of a directory-placed group.

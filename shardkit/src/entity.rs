@@ -27,8 +27,11 @@ pub trait ShardKey: Clone + Eq + Hash + Debug + Send + Sync + 'static + Into<Val
     /// The key as range and modulo placements see it.
     fn key_ref(&self) -> KeyRef<'_>;
 
-    /// The canonical text stored in a directory table.
+    /// The canonical text stored in a directory or index table.
     fn to_directory_text(&self) -> String;
+
+    /// Parses [`to_directory_text`](Self::to_directory_text)'s output.
+    fn from_directory_text(text: &str) -> Option<Self>;
 }
 
 /// A borrowed view of a shard key, for placements that compare or divide keys.
@@ -57,6 +60,9 @@ macro_rules! int_key {
             fn to_directory_text(&self) -> String {
                 self.to_string()
             }
+            fn from_directory_text(text: &str) -> Option<Self> {
+                text.parse().ok()
+            }
         }
     )*};
 }
@@ -81,6 +87,9 @@ impl ShardKey for String {
     fn to_directory_text(&self) -> String {
         self.clone()
     }
+    fn from_directory_text(text: &str) -> Option<Self> {
+        Some(text.to_owned())
+    }
 }
 
 impl ShardKey for uuid::Uuid {
@@ -94,6 +103,9 @@ impl ShardKey for uuid::Uuid {
     }
     fn to_directory_text(&self) -> String {
         self.hyphenated().to_string()
+    }
+    fn from_directory_text(text: &str) -> Option<Self> {
+        uuid::Uuid::parse_str(text).ok()
     }
 }
 
@@ -136,6 +148,9 @@ pub trait ShardedEntity: EntityTrait {
     /// The primary key column shardkit fills on insert when it is unset, and
     /// how (`#[shardkit(id = "...")]`).
     const ID: Option<(Self::Column, crate::ids::IdStrategy)> = None;
+    /// Columns with a global secondary index (`#[shardkit(global_index)]`),
+    /// and whether each is unique.
+    const GLOBAL_INDEXES: &'static [(Self::Column, bool)] = &[];
     /// The shard key column.
     fn shard_key_column() -> Self::Column;
     /// The shard key of a model.

@@ -164,6 +164,16 @@ pub enum ShardError {
         reason: String,
     },
 
+    /// A unique global index already maps this value to another live row (or
+    /// to a write still in flight).
+    #[error("unique index `{index}` already holds value {value:?} for another row")]
+    UniqueViolation {
+        /// The index table.
+        index: String,
+        /// The value.
+        value: String,
+    },
+
     /// No ticket server could hand out a ticket for the sequence.
     #[error("no ticket server could serve sequence `{sequence}`: {causes}")]
     IdsUnavailable {
@@ -223,7 +233,8 @@ impl ShardError {
             ShardError::CrossShardWrite { .. }
             | ShardError::MissingShardKey { .. }
             | ShardError::RollbackOnly { .. }
-            | ShardError::Unmergeable { .. } => ErrorKind::Refused,
+            | ShardError::Unmergeable { .. }
+            | ShardError::UniqueViolation { .. } => ErrorKind::Refused,
             ShardError::Unroutable { .. } => ErrorKind::Routing,
         }
     }

@@ -88,6 +88,7 @@
 pub mod cluster;
 pub mod entity;
 pub mod error;
+pub mod gsi;
 pub mod ids;
 pub mod read;
 pub mod topology;
@@ -100,7 +101,9 @@ pub use cluster::{
 pub use entity::{EntityGroup, GroupKey, InGroup, KeyRef, ShardKey, ShardedEntity};
 pub use error::{ErrorKind, Result, ShardError, ShardFailure};
 pub use ids::{Ids, Sequence, Snowflake, SnowflakeLayout, uuid_v7};
-pub use read::{AllowPartial, Find, KeyOf, Keyed, Keys, Partial, Scatter, TxFind, Unkeyed};
+pub use read::{
+    AllowPartial, ByIndex, Find, KeyOf, Keyed, Keys, Partial, Scatter, TxFind, Unkeyed,
+};
 pub use shardkit_derive::{EntityGroup, Sharded};
 pub use topology::{ClusterConfig, DatabaseUrl, ShardId, Target, Topology};
 pub use tx::ShardTx;

@@ -51,6 +51,13 @@ pub struct Keys<K>(Vec<K>);
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Scatter;
 
+/// A read by a global secondary index value ([`Find::by_index`]).
+#[derive(Clone, Debug)]
+pub struct ByIndex {
+    column: &'static str,
+    value: Value,
+}
+
 /// A multi-shard read that returns the rows of healthy shards plus the list
 /// of failed ones ([`Partial`]) instead of failing.
 #[derive(Clone, Debug)]
@@ -79,6 +86,7 @@ mod sealed {
     impl<K> Sealed for super::Keyed<K> {}
     impl<K> Sealed for super::Keys<K> {}
     impl Sealed for super::Scatter {}
+    impl Sealed for super::ByIndex {}
     impl<R> Sealed for super::AllowPartial<R> {}
 }
 
@@ -92,6 +100,8 @@ pub enum RouteSpec<K> {
     Many(Vec<K>),
     /// Every shard of the group.
     All,
+    /// The shards a global index lists for a value (column, value).
+    Index(&'static str, Value),
 }
 
 /// What a multi-shard read tells [`Routed::finish`].
@@ -158,6 +168,16 @@ impl<E: ShardedEntity> Routed<E> for Scatter {
     type Output<T> = T;
     fn spec(self) -> RouteSpec<KeyOf<E>> {
         RouteSpec::All
+    }
+    fn finish<T>(rows: T, gathered: Gathered) -> Result<T> {
+        strict(rows, gathered)
+    }
+}
+
+impl<E: ShardedEntity> Routed<E> for ByIndex {
+    type Output<T> = T;
+    fn spec(self) -> RouteSpec<KeyOf<E>> {
+        RouteSpec::Index(self.column, self.value)
     }
     fn finish<T>(rows: T, gathered: Gathered) -> Result<T> {
         strict(rows, gathered)
@@ -239,6 +259,26 @@ impl<E: ShardedEntity> Find<E, Unkeyed> {
     /// Reads every shard of the group, on purpose.
     pub fn scatter(self) -> Find<E, Scatter> {
         self.reroute(Scatter)
+    }
+
+    /// Reads the rows whose `column` equals `value` through the column's
+    /// global secondary index: the index names the shard keys, only their
+    /// shards are asked, and each row is checked to hold the value (a
+    /// dangling or stale index row never yields a wrong row). While the index
+    /// is `write_only` this is a scatter read filtered by the column.
+    pub fn by_index(self, column: E::Column, value: impl Into<Value>) -> Find<E, ByIndex> {
+        self.reroute(ByIndex {
+            column: column.as_str(),
+            value: value.into(),
+        })
+    }
+}
+
+impl<E: ShardedEntity> Find<E, ByIndex> {
+    /// Returns the rows of every healthy shard plus the failed shards
+    /// ([`Partial`]) instead of failing the read.
+    pub fn partial(self) -> Find<E, AllowPartial<ByIndex>> {
+        self.partial_inner()
     }
 }
 
@@ -535,22 +575,48 @@ impl<E: ShardedEntity> Read<E> {
                 ),
             });
         }
+        // An index read becomes a keyed (or, while the index fills, a
+        // scatter) read that also filters on the indexed column.
+        let (base, spec) = match spec {
+            RouteSpec::Index(column, value) => {
+                let (col, unique) = E::GLOBAL_INDEXES
+                    .iter()
+                    .find(|(c, _)| c.as_str() == column)
+                    .ok_or_else(|| {
+                        ShardError::config(
+                            format!("{}.{column}", table_name::<E>()),
+                            "no global index on this column: add `#[shardkit(global_index)]` to the field",
+                        )
+                    })?;
+                let index = crate::gsi::IndexDef::of::<E>(*col, *unique);
+                let base = self
+                    .select
+                    .clone()
+                    .filter(Expr::col((E::default(), *col)).eq(value.clone()));
+                match self.cluster.gsi().lookup::<E>(&index, &value).await? {
+                    Some(keys) => (base, RouteSpec::Many(keys)),
+                    None => (base, RouteSpec::All),
+                }
+            }
+            other => (self.select.clone(), other),
+        };
         match spec {
             RouteSpec::One(key) => {
                 let shard = self.cluster.route::<E::Group>(&key).await?.shard;
                 let backend = self.cluster.shard_conn(shard).get_database_backend();
-                Ok(vec![(
-                    shard,
-                    keyed_select::<E>(self.select.clone(), &key, backend),
-                )])
+                Ok(vec![(shard, keyed_select::<E>(base, &key, backend))])
             }
             RouteSpec::All => Ok(self
                 .cluster
                 .topology()
                 .shards_of(Self::group())?
                 .into_iter()
-                .map(|id| (id, self.select.clone()))
+                .map(|id| (id, base.clone()))
                 .collect()),
+            RouteSpec::Index(..) => Err(ShardError::Unmergeable {
+                table: table_name::<E>(),
+                reason: "an index read cannot nest another".to_owned(),
+            }),
             RouteSpec::Many(keys) => {
                 let mut seen = HashSet::with_capacity(keys.len());
                 let mut by_shard: BTreeMap<ShardId, Vec<KeyOf<E>>> = BTreeMap::new();
@@ -571,10 +637,7 @@ impl<E: ShardedEntity> Read<E> {
                         chunk = (chunk / 2).max(1);
                     }
                     for chunk in keys.chunks(chunk) {
-                        let select = self
-                            .select
-                            .clone()
-                            .filter(key_condition::<E>(chunk, backend));
+                        let select = base.clone().filter(key_condition::<E>(chunk, backend));
                         parts.push((id, select));
                     }
                 }

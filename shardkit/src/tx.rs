@@ -5,10 +5,11 @@
 //! key is refused even when it would land on the same database. Rows of other
 //! groups are refused at compile time (the [`InGroup`] bound).
 
-use crate::entity::{EntityGroup, InGroup, ShardedEntity, table_name};
+use crate::entity::{EntityGroup, InGroup, ShardKey, ShardedEntity, table_name};
 use crate::error::{Result, ShardError};
 use crate::read::TxFind;
 use crate::topology::Target;
+use sea_orm::ModelTrait;
 use sea_orm::{
     ActiveModelBehavior, ActiveModelTrait, ColumnTrait, DatabaseTransaction, DbErr, EntityTrait,
     IntoActiveModel, QueryFilter,
@@ -27,7 +28,9 @@ use tracing::Instrument;
 /// committing rolls it back.
 pub struct ShardTx<G: EntityGroup> {
     txn: DatabaseTransaction,
-    ids: std::sync::Arc<crate::ids::Ids>,
+    cluster: crate::Cluster,
+    /// Index rows to remove once the primary transaction has committed.
+    removals: Mutex<Vec<crate::gsi::Removal>>,
     key: G::Key,
     shard: String,
     target: Target,
@@ -48,7 +51,7 @@ impl<G: EntityGroup> std::fmt::Debug for ShardTx<G> {
 impl<G: EntityGroup> ShardTx<G> {
     pub(crate) fn new(
         txn: DatabaseTransaction,
-        ids: std::sync::Arc<crate::ids::Ids>,
+        cluster: crate::Cluster,
         key: G::Key,
         shard: String,
         target: Target,
@@ -56,7 +59,8 @@ impl<G: EntityGroup> ShardTx<G> {
     ) -> Self {
         ShardTx {
             txn,
-            ids,
+            cluster,
+            removals: Mutex::new(Vec::new()),
             key,
             shard,
             target,
@@ -135,6 +139,97 @@ impl<G: EntityGroup> ShardTx<G> {
         }
     }
 
+    /// A read of the row `model` names (primary key) within the key.
+    fn row_select<E: InGroup<G>>(
+        &self,
+        model: &E::ActiveModel,
+        op: &str,
+    ) -> Result<sea_orm::Select<E>> {
+        let mut select = E::find().filter(self.key_condition::<E>());
+        for key in <E::PrimaryKey as sea_orm::Iterable>::iter() {
+            let column = sea_orm::PrimaryKeyToColumn::into_column(key);
+            match model.get(column) {
+                sea_orm::ActiveValue::Set(v) | sea_orm::ActiveValue::Unchanged(v) => {
+                    select = select.filter(column.eq(v));
+                }
+                sea_orm::ActiveValue::NotSet => {
+                    return Err(self.write_err::<E>(op, DbErr::PrimaryKeyNotSet { ctx: "ShardTx" }));
+                }
+            }
+        }
+        Ok(select)
+    }
+
+    /// Writes the index rows of `model`'s indexed values, each committed on
+    /// its own before the primary write. With `current` (an update), only
+    /// changed values are written, and the old rows are queued for removal
+    /// after the commit.
+    async fn index_first<E: InGroup<G>>(
+        &self,
+        model: &E::ActiveModel,
+        current: Option<&E::Model>,
+    ) -> Result<()> {
+        if E::GLOBAL_INDEXES.is_empty() {
+            return Ok(());
+        }
+        let key = self.key.to_directory_text();
+        let owner = crate::gsi::owner_pk(model);
+        let gsi = self.cluster.gsi();
+        let mut changed = Vec::new();
+        for (column, unique) in E::GLOBAL_INDEXES {
+            let value = match (model.get(*column), current) {
+                (sea_orm::ActiveValue::Set(v), _) | (sea_orm::ActiveValue::Unchanged(v), None) => v,
+                _ => continue,
+            };
+            if let Some(current) = current {
+                let old = current.get(*column);
+                if crate::gsi::value_text(&old) == crate::gsi::value_text(&value) {
+                    continue;
+                }
+                changed.push(*column);
+            }
+            let index = crate::gsi::IndexDef::of::<E>(*column, *unique);
+            gsi.write_entry_from::<E>(
+                &index,
+                &value,
+                &key,
+                &owner,
+                Some((self.target.shard, &self.txn)),
+            )
+            .await?;
+        }
+        fail::fail_point!("shardkit::gsi::after_index_write", |_| Err(self
+            .write_err::<E>(
+                "insert",
+                DbErr::Custom("failpoint shardkit::gsi::after_index_write".into())
+            )));
+        if let Some(current) = current {
+            self.queue_removals::<E>(current, &changed)?;
+        }
+        Ok(())
+    }
+
+    /// Queues removal of `row`'s index rows for `columns`, after the commit.
+    fn queue_removals<E: InGroup<G>>(&self, row: &E::Model, columns: &[E::Column]) -> Result<()> {
+        let key = self.key.to_directory_text();
+        let owner = crate::gsi::model_pk::<E>(row);
+        let gsi = self.cluster.gsi();
+        let mut queue = self.removals.lock().unwrap_or_else(|p| p.into_inner());
+        for (column, unique) in E::GLOBAL_INDEXES {
+            if !columns
+                .iter()
+                .any(|c| sea_orm::IdenStatic::as_str(c) == sea_orm::IdenStatic::as_str(column))
+            {
+                continue;
+            }
+            let index = crate::gsi::IndexDef::of::<E>(*column, *unique);
+            if let Some(removal) = gsi.removal::<E>(&index, &row.get(*column), &key, &owner)? {
+                queue.push(removal);
+            }
+        }
+        Ok(())
+    }
+
     /// The transaction's key as a predicate on `E` (see [`crate::read`]).
     fn key_condition<E: InGroup<G>>(&self) -> sea_orm::Condition {
         crate::read::key_condition::<E>(
@@ -171,7 +266,7 @@ impl<G: EntityGroup> ShardTx<G> {
         if let Some((column, strategy)) = <A::Entity as ShardedEntity>::ID
             && model.get(column).is_not_set()
         {
-            let id = self.ids.generate(strategy).await?;
+            let id = self.cluster.ids().generate(strategy).await?;
             model
                 .try_set(column, id)
                 .map_err(|e| self.write_err::<A::Entity>("insert", e))?;
@@ -182,6 +277,8 @@ impl<G: EntityGroup> ShardTx<G> {
                 .await
                 .map_err(|e| self.write_err::<A::Entity>("insert", e))?;
             self.check::<A::Entity>(&model)?;
+            // Index rows commit before the primary row is even written.
+            self.index_first::<A::Entity>(&model, None).await?;
             let row = <A::Entity as EntityTrait>::insert(model)
                 .exec_with_returning(&self.txn)
                 .await
@@ -214,24 +311,7 @@ impl<G: EntityGroup> ShardTx<G> {
             if !model.is_changed() {
                 // Nothing to set: SeaORM would answer with a primary-key read
                 // that ignores the shard key. Read within the key instead.
-                let mut select =
-                    <A::Entity as EntityTrait>::find().filter(self.key_condition::<A::Entity>());
-                for key in <<A::Entity as EntityTrait>::PrimaryKey as sea_orm::Iterable>::iter() {
-                    let column = sea_orm::PrimaryKeyToColumn::into_column(key);
-                    match model.get(column) {
-                        sea_orm::ActiveValue::Set(v) | sea_orm::ActiveValue::Unchanged(v) => {
-                            select = select.filter(column.eq(v));
-                        }
-                        sea_orm::ActiveValue::NotSet => {
-                            return Err(self.write_err::<A::Entity>(
-                                "update",
-                                DbErr::PrimaryKeyNotSet {
-                                    ctx: "ShardTx::update",
-                                },
-                            ));
-                        }
-                    }
-                }
+                let select = self.row_select::<A::Entity>(&model, "update")?;
                 let row = select
                     .one(&self.txn)
                     .await
@@ -242,6 +322,17 @@ impl<G: EntityGroup> ShardTx<G> {
                 return A::after_save(row, &self.txn, false)
                     .await
                     .map_err(|e| self.write_err::<A::Entity>("update", e));
+            }
+            if !<A::Entity as ShardedEntity>::GLOBAL_INDEXES.is_empty() {
+                let current = self
+                    .row_select::<A::Entity>(&model, "update")?
+                    .one(&self.txn)
+                    .await
+                    .map_err(|e| self.write_err::<A::Entity>("update", e))?;
+                if let Some(current) = current {
+                    self.index_first::<A::Entity>(&model, Some(&current))
+                        .await?;
+                }
             }
             let row = <A::Entity as EntityTrait>::update(model)
                 .validate()
@@ -272,6 +363,14 @@ impl<G: EntityGroup> ShardTx<G> {
                 .await
                 .map_err(|e| self.write_err::<A::Entity>("delete", e))?;
             self.check::<A::Entity>(&model)?;
+            let current = if <A::Entity as ShardedEntity>::GLOBAL_INDEXES.is_empty() {
+                None
+            } else {
+                self.row_select::<A::Entity>(&model, "delete")?
+                    .one(&self.txn)
+                    .await
+                    .map_err(|e| self.write_err::<A::Entity>("delete", e))?
+            };
             let res = <A::Entity as EntityTrait>::delete(model.clone())
                 .validate()
                 .map_err(|e| self.write_err::<A::Entity>("delete", e))?
@@ -279,6 +378,14 @@ impl<G: EntityGroup> ShardTx<G> {
                 .exec(&self.txn)
                 .await
                 .map_err(|e| self.write_err::<A::Entity>("delete", e))?;
+            if let Some(current) = current.filter(|_| res.rows_affected > 0) {
+                // The primary row goes first; its index rows after it commits.
+                let all: Vec<_> = <A::Entity as ShardedEntity>::GLOBAL_INDEXES
+                    .iter()
+                    .map(|(c, _)| *c)
+                    .collect();
+                self.queue_removals::<A::Entity>(&current, &all)?;
+            }
             A::after_delete(model, &self.txn)
                 .await
                 .map_err(|e| self.write_err::<A::Entity>("delete", e))?;
@@ -315,7 +422,12 @@ impl<G: EntityGroup> ShardTx<G> {
             });
         }
         let ShardTx {
-            txn, shard, span, ..
+            txn,
+            shard,
+            span,
+            cluster,
+            removals,
+            ..
         } = self;
         txn.commit()
             .instrument(span)
@@ -325,7 +437,16 @@ impl<G: EntityGroup> ShardTx<G> {
                 shard,
                 operation: "commit".to_owned(),
                 source,
-            })
+            })?;
+        // Old index rows go only now; a failure here leaves a dangling row,
+        // which lookups ignore and reconciliation removes.
+        let removals = removals.into_inner().unwrap_or_else(|p| p.into_inner());
+        for removal in &removals {
+            if let Err(err) = cluster.gsi().remove_entry(removal).await {
+                tracing::warn!(index = %removal.index.table, error = %err, "index row left for reconciliation");
+            }
+        }
+        Ok(())
     }
 
     /// Rolls back.

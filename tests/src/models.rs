@@ -246,6 +246,29 @@ pub mod click {
     impl ActiveModelBehavior for ActiveModel {}
 }
 
+/// Contacts: a unique global index on email, a non-unique one on phone (a
+/// family shares a number across customers).
+pub mod contact {
+    use sea_orm::entity::prelude::*;
+
+    #[sea_orm::model]
+    #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel, shardkit::Sharded)]
+    #[sea_orm(table_name = "contacts")]
+    #[shardkit(group = crate::models::Customer)]
+    pub struct Model {
+        #[sea_orm(primary_key, auto_increment = false)]
+        pub id: i64,
+        #[shardkit(shard_key)]
+        pub customer_id: i64,
+        #[shardkit(global_index(unique))]
+        pub email: String,
+        #[shardkit(global_index)]
+        pub phone: String,
+    }
+
+    impl ActiveModelBehavior for ActiveModel {}
+}
+
 /// Creates one entity's table.
 pub struct CreateTable<E>(pub &'static str, pub E);
 
@@ -283,7 +306,7 @@ pub struct Migrator;
 impl MigratorTrait for Migrator {
     fn migrations() -> Vec<Box<dyn MigrationTrait>> {
         let mut all = OldMigrator::migrations();
-        all.extend::<[Box<dyn MigrationTrait>; 9]>([
+        all.extend::<[Box<dyn MigrationTrait>; 10]>([
             Box::new(CreateTable("m20261122_000102_orders", order::Entity)),
             Box::new(CreateTable("m20261122_000103_notes", note::Entity)),
             Box::new(CreateTable("m20261122_000104_readings", reading::Entity)),
@@ -293,6 +316,7 @@ impl MigratorTrait for Migrator {
             Box::new(CreateTable("m20261122_000108_invoices", invoice::Entity)),
             Box::new(CreateTable("m20261122_000109_events", event::Entity)),
             Box::new(CreateTable("m20261122_000110_clicks", click::Entity)),
+            Box::new(CreateTable("m20261122_000111_contacts", contact::Entity)),
         ]);
         all
     }

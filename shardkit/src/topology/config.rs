@@ -52,6 +52,19 @@ pub struct ClusterConfig {
     /// Globally unique ids: ticket servers, sequences, snowflake worker.
     #[serde(default)]
     pub ids: IdsConfig,
+    /// Global secondary indexes.
+    #[serde(default)]
+    pub gsi: GsiConfig,
+}
+
+/// `[gsi]`: global secondary index settings.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GsiConfig {
+    /// Milliseconds an index row without an owner is left alone, because the
+    /// insert that wrote it may still be in flight (default 30,000). Applies
+    /// to reconciliation and to unique-index takeover.
+    pub grace_ms: Option<u64>,
 }
 
 /// `[ids]`: where unique ids come from.

@@ -1,0 +1,834 @@
+//! Global secondary indexes (PayPal's GSI, Vitess's `consistent_lookup`).
+//!
+//! A field marked `#[shardkit(global_index)]` (or `global_index(unique)`) gets
+//! an index table `gsi_<table>_<column>` on every shard of its group: the
+//! secondary value, the owner's shard key and primary key (as text), and when
+//! the row was written. An index row lives on the shard its *value* hashes to
+//! (PostgreSQL's text hash over the group's shards), so there is no single
+//! index database to lose.
+//!
+//! **Index first.** On insert the index row commits before the primary row's
+//! transaction (or, when it lives on the owner's own shard, atomically with
+//! it, in the same transaction); on an update of an indexed column the new index row commits
+//! first and the old one is removed after the primary commits; on delete the
+//! index row is removed after the primary commits. A failure in between leaves
+//! a *dangling* index row, never a primary row without one. Lookups verify the
+//! owner (the read filters on the indexed column), so a dangling or stale row
+//! never yields a wrong row, and [`Gsi::reconcile`] removes dangling rows older
+//! than a grace period.
+//!
+//! A catalog (`shardkit_gsi_catalog`, on every shard of the group) records each
+//! index and its state: `write_only` while [`Gsi::backfill`] fills it
+//! (lookups fall back to a scatter read), `active` after.
+
+use crate::cluster::Cluster;
+use crate::entity::{EntityGroup, ShardKey, ShardedEntity, table_name};
+use crate::error::{Result, ShardError};
+use crate::read::{KeyOf, key_condition};
+use crate::topology::ShardId;
+use crate::topology::pghash::partition_hash_bytes;
+use sea_orm::sea_query::{Alias, Expr, OnConflict, Query};
+use sea_orm::{
+    ActiveModelTrait, ActiveValue, ConnectionTrait, DatabaseConnection, DbErr, EntityTrait,
+    ExprTrait, IdenStatic, Iterable, ModelTrait, PrimaryKeyToColumn, QueryFilter, QueryOrder,
+    QuerySelect, TransactionSession, TransactionTrait, Value,
+};
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+/// Whether lookups may use an index.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IndexState {
+    /// Written on every write, not yet complete: lookups scatter.
+    WriteOnly,
+    /// Complete: lookups use it.
+    Active,
+}
+
+impl IndexState {
+    fn as_str(self) -> &'static str {
+        match self {
+            IndexState::WriteOnly => "write_only",
+            IndexState::Active => "active",
+        }
+    }
+}
+
+/// What [`Gsi::reconcile`] did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ReconcileReport {
+    /// Index rows examined.
+    pub scanned: u64,
+    /// Dangling index rows removed.
+    pub removed: u64,
+    /// Index rows added for owners that had none.
+    pub added: u64,
+}
+
+/// Progress of a [`Gsi::backfill`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BackfillProgress {
+    /// Primary rows read so far.
+    pub rows: u64,
+    /// Index rows written so far.
+    pub written: u64,
+    /// Shards finished.
+    pub shards_done: usize,
+    /// Shards in all.
+    pub shards: usize,
+}
+
+/// One index of one entity.
+#[derive(Clone, Debug)]
+pub(crate) struct IndexDef {
+    pub(crate) table: String,
+    pub(crate) column: &'static str,
+    pub(crate) unique: bool,
+}
+
+impl IndexDef {
+    pub(crate) fn of<E: ShardedEntity>(column: E::Column, unique: bool) -> Self {
+        let column = column.as_str();
+        IndexDef {
+            table: format!("gsi_{}_{}", table_name::<E>(), column),
+            column,
+            unique,
+        }
+    }
+
+    /// The index of `column`, if `E` declares one.
+    pub(crate) fn find<E: ShardedEntity>(column: E::Column) -> Result<Self> {
+        E::GLOBAL_INDEXES
+            .iter()
+            .find(|(c, _)| c.as_str() == column.as_str())
+            .map(|(c, unique)| IndexDef::of::<E>(*c, *unique))
+            .ok_or_else(|| {
+                ShardError::config(
+                    format!("{}.{}", table_name::<E>(), column.as_str()),
+                    "no global index on this column: add `#[shardkit(global_index)]` to the field",
+                )
+            })
+    }
+}
+
+/// The text an index stores for a value; `None` for NULL (not indexed).
+pub(crate) fn value_text(value: &Value) -> Option<String> {
+    Some(match value {
+        Value::Bool(v) => v.map(|v| v.to_string())?,
+        Value::TinyInt(v) => v.map(|v| v.to_string())?,
+        Value::SmallInt(v) => v.map(|v| v.to_string())?,
+        Value::Int(v) => v.map(|v| v.to_string())?,
+        Value::BigInt(v) => v.map(|v| v.to_string())?,
+        Value::TinyUnsigned(v) => v.map(|v| v.to_string())?,
+        Value::SmallUnsigned(v) => v.map(|v| v.to_string())?,
+        Value::Unsigned(v) => v.map(|v| v.to_string())?,
+        Value::BigUnsigned(v) => v.map(|v| v.to_string())?,
+        Value::String(v) => v.clone()?,
+        Value::Char(v) => v.map(|v| v.to_string())?,
+        Value::Uuid(v) => v.map(|v| v.hyphenated().to_string())?,
+        Value::ChronoDate(v) => v.map(|v| v.to_string())?,
+        Value::ChronoDateTime(v) => v.map(|v| v.to_string())?,
+        Value::ChronoDateTimeUtc(v) => v.map(|v| v.to_rfc3339())?,
+        other => format!("{other:?}"),
+    })
+}
+
+fn active_value(value: ActiveValue<Value>) -> Option<Value> {
+    match value {
+        ActiveValue::Set(v) | ActiveValue::Unchanged(v) => Some(v),
+        ActiveValue::NotSet => None,
+    }
+}
+
+/// The owner's primary key as text (`\u{1f}`-joined for composite keys).
+pub(crate) fn owner_pk<A: ActiveModelTrait>(model: &A) -> String {
+    <<A::Entity as EntityTrait>::PrimaryKey as Iterable>::iter()
+        .map(|pk| {
+            active_value(model.get(pk.into_column()))
+                .and_then(|v| value_text(&v))
+                .unwrap_or_default()
+        })
+        .collect::<Vec<_>>()
+        .join("\u{1f}")
+}
+
+fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64)
+}
+
+fn gsi_err(shard: &str, operation: String, source: DbErr) -> ShardError {
+    ShardError::Db {
+        group: "gsi",
+        shard: shard.to_owned(),
+        operation,
+        source,
+    }
+}
+
+/// An index row to remove after the primary transaction commits.
+#[derive(Clone, Debug)]
+pub(crate) struct Removal {
+    pub(crate) shard: ShardId,
+    pub(crate) index: IndexDef,
+    pub(crate) value: String,
+    pub(crate) key: String,
+    pub(crate) owner: String,
+}
+
+/// The GSI service of a cluster: `cluster.gsi()`.
+pub struct Gsi<'c> {
+    cluster: &'c Cluster,
+}
+
+/// Cached index states, so writes and lookups do not read the catalog each time.
+#[derive(Default)]
+pub(crate) struct StateCache(Mutex<HashMap<String, (IndexState, Instant)>>);
+
+const STATE_TTL: Duration = Duration::from_secs(1);
+
+impl Cluster {
+    /// Global secondary indexes: create, backfill, reconcile.
+    pub fn gsi(&self) -> Gsi<'_> {
+        Gsi { cluster: self }
+    }
+}
+
+impl<'c> Gsi<'c> {
+    /// The shard an index row for `value` lives on.
+    pub(crate) fn index_shard<E: ShardedEntity>(&self, value: &str) -> Result<ShardId> {
+        let shards = self
+            .cluster
+            .topology()
+            .shards_of(<E::Group as EntityGroup>::NAME)?;
+        let hash = partition_hash_bytes(value.as_bytes());
+        Ok(shards[(hash % shards.len() as u64) as usize])
+    }
+
+    fn conn(&self, id: ShardId) -> (&'c DatabaseConnection, &'c str) {
+        (self.cluster.shard_conn(id), self.cluster.shard_name(id))
+    }
+
+    fn group_shards<E: ShardedEntity>(&self) -> Result<Vec<ShardId>> {
+        self.cluster
+            .topology()
+            .shards_of(<E::Group as EntityGroup>::NAME)
+    }
+
+    /// Creates the index tables of `E` on every shard of its group and
+    /// registers them in the catalog as `write_only` (unless already there).
+    pub async fn create<E: ShardedEntity>(&self) -> Result<()> {
+        for id in self.group_shards::<E>()? {
+            let (db, shard) = self.conn(id);
+            for (column, unique) in E::GLOBAL_INDEXES {
+                let index = IndexDef::of::<E>(*column, *unique);
+                db.execute(&shardkit_migration::gsi_table(&index.table, index.unique))
+                    .await
+                    .map_err(|e| gsi_err(shard, format!("create {}", index.table), e))?;
+                let insert = Query::insert()
+                    .into_table(Alias::new("shardkit_gsi_catalog"))
+                    .columns(
+                        [
+                            "name",
+                            "primary_table",
+                            "gsi_table",
+                            "secondary_column",
+                            "shard_key_column",
+                            "is_unique",
+                            "state",
+                        ]
+                        .map(Alias::new),
+                    )
+                    .values_panic([
+                        index.table.clone().into(),
+                        table_name::<E>().into(),
+                        index.table.clone().into(),
+                        index.column.into(),
+                        E::SHARD_KEY_FIELD.into(),
+                        index.unique.into(),
+                        IndexState::WriteOnly.as_str().into(),
+                    ])
+                    .on_conflict(
+                        OnConflict::column(Alias::new("name"))
+                            .update_column(Alias::new("primary_table"))
+                            .to_owned(),
+                    )
+                    .to_owned();
+                db.execute(&insert)
+                    .await
+                    .map_err(|e| gsi_err(shard, format!("register {}", index.table), e))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The state of `E`'s index on `column`.
+    pub async fn state<E: ShardedEntity>(&self, column: E::Column) -> Result<IndexState> {
+        let index = IndexDef::find::<E>(column)?;
+        self.state_of::<E>(&index).await
+    }
+
+    pub(crate) async fn state_of<E: ShardedEntity>(&self, index: &IndexDef) -> Result<IndexState> {
+        if let Some((state, at)) = self
+            .cluster
+            .gsi_states()
+            .0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&index.table)
+            && at.elapsed() < STATE_TTL
+        {
+            return Ok(*state);
+        }
+        let id = self.group_shards::<E>()?[0];
+        let (db, shard) = self.conn(id);
+        let stmt = Query::select()
+            .column(Alias::new("state"))
+            .from(Alias::new("shardkit_gsi_catalog"))
+            .and_where(Expr::col(Alias::new("name")).eq(index.table.as_str()))
+            .to_owned();
+        let row = db
+            .query_one(&stmt)
+            .await
+            .map_err(|e| gsi_err(shard, "read gsi catalog".into(), e))?;
+        let state = match row.map(|r| r.try_get::<String>("", "state")).transpose() {
+            Ok(Some(s)) if s == "active" => IndexState::Active,
+            Ok(Some(_)) => IndexState::WriteOnly,
+            Ok(None) => {
+                return Err(ShardError::config(
+                    index.table.clone(),
+                    "the index is not in the catalog: run `cluster.gsi().create::<E>()` (and backfill)",
+                ));
+            }
+            Err(e) => return Err(gsi_err(shard, "read gsi catalog".into(), e)),
+        };
+        self.cluster
+            .gsi_states()
+            .0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(index.table.clone(), (state, Instant::now()));
+        Ok(state)
+    }
+
+    async fn set_state<E: ShardedEntity>(
+        &self,
+        index: &IndexDef,
+        state: IndexState,
+        progress: Option<String>,
+    ) -> Result<()> {
+        for id in self.group_shards::<E>()? {
+            let (db, shard) = self.conn(id);
+            let stmt = Query::update()
+                .table(Alias::new("shardkit_gsi_catalog"))
+                .value(Alias::new("state"), state.as_str())
+                .value(Alias::new("progress"), progress.clone())
+                .and_where(Expr::col(Alias::new("name")).eq(index.table.as_str()))
+                .to_owned();
+            db.execute(&stmt)
+                .await
+                .map_err(|e| gsi_err(shard, "update gsi catalog".into(), e))?;
+        }
+        self.cluster
+            .gsi_states()
+            .0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&index.table);
+        Ok(())
+    }
+
+    async fn progress<E: ShardedEntity>(&self, index: &IndexDef) -> Result<Option<String>> {
+        let id = self.group_shards::<E>()?[0];
+        let (db, shard) = self.conn(id);
+        let stmt = Query::select()
+            .column(Alias::new("progress"))
+            .from(Alias::new("shardkit_gsi_catalog"))
+            .and_where(Expr::col(Alias::new("name")).eq(index.table.as_str()))
+            .to_owned();
+        let row = db
+            .query_one(&stmt)
+            .await
+            .map_err(|e| gsi_err(shard, "read gsi catalog".into(), e))?;
+        Ok(row.and_then(|r| r.try_get::<Option<String>>("", "progress").ok().flatten()))
+    }
+
+    /// Whether the owner row of an index entry exists: a row of shard key
+    /// `key` whose indexed column holds `value`.
+    async fn owner_alive<E: ShardedEntity>(
+        &self,
+        index: &IndexDef,
+        key: &str,
+        value: &Value,
+    ) -> Result<bool> {
+        let Some(key) = KeyOf::<E>::from_directory_text(key) else {
+            return Ok(false);
+        };
+        let target = self.cluster.route::<E::Group>(&key).await?;
+        let (db, shard) = self.conn(target.shard);
+        let owner = E::find()
+            .filter(key_condition::<E>(
+                std::slice::from_ref(&key),
+                db.get_database_backend(),
+            ))
+            .filter(Expr::col((E::default(), Alias::new(index.column))).eq(value.clone()))
+            .one(db)
+            .await
+            .map_err(|e| gsi_err(shard, format!("check owner in {}", table_name::<E>()), e))?;
+        Ok(owner.is_some())
+    }
+
+    /// Writes (idempotently) the index row `value → key/owner`, committing it
+    /// on its own before the primary write. A unique index refuses a value a
+    /// live owner holds, and takes over a dangling row older than the grace
+    /// period.
+    pub(crate) async fn write_entry<E: ShardedEntity>(
+        &self,
+        index: &IndexDef,
+        raw_value: &Value,
+        key: &str,
+        owner: &str,
+    ) -> Result<()> {
+        self.write_entry_from::<E>(index, raw_value, key, owner, None)
+            .await
+    }
+
+    /// [`write_entry`](Self::write_entry) from inside a shard transaction:
+    /// an index row that lives on the transaction's own shard is written
+    /// through it (it then commits atomically with the primary row, which is
+    /// stronger than index-first, and SQLite's single writer is not asked
+    /// for a second write lock it would wait on forever).
+    pub(crate) async fn write_entry_from<E: ShardedEntity>(
+        &self,
+        index: &IndexDef,
+        raw_value: &Value,
+        key: &str,
+        owner: &str,
+        local: Option<(ShardId, &sea_orm::DatabaseTransaction)>,
+    ) -> Result<()> {
+        let Some(value) = value_text(raw_value) else {
+            return Ok(());
+        };
+        let id = self.index_shard::<E>(&value)?;
+        match local {
+            Some((local_id, txn)) if local_id == id => {
+                self.write_on::<E, _>(
+                    txn,
+                    self.cluster.shard_name(id),
+                    index,
+                    raw_value,
+                    &value,
+                    key,
+                    owner,
+                )
+                .await
+            }
+            _ => {
+                let (db, shard) = self.conn(id);
+                self.write_on::<E, _>(db, shard, index, raw_value, &value, key, owner)
+                    .await
+            }
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn write_on<E: ShardedEntity, C: ConnectionTrait + TransactionTrait>(
+        &self,
+        db: &C,
+        shard: &str,
+        index: &IndexDef,
+        raw_value: &Value,
+        value: &str,
+        key: &str,
+        owner: &str,
+    ) -> Result<()> {
+        let value = value.to_owned();
+        let err = |e| gsi_err(shard, format!("write {}", index.table), e);
+        if !index.unique {
+            let insert = entry_insert(index, &value, key, owner)
+                .on_conflict(
+                    OnConflict::columns(["value", "shard_key", "owner_pk"].map(Alias::new))
+                        .update_column(Alias::new("created_ms"))
+                        .to_owned(),
+                )
+                .to_owned();
+            db.execute(&insert).await.map_err(err)?;
+            return Ok(());
+        }
+        let grace = self.cluster.gsi_grace();
+        let txn = db.begin().await.map_err(err)?;
+        let mut select = Query::select();
+        select
+            .columns(["shard_key", "owner_pk", "created_ms"].map(Alias::new))
+            .from(Alias::new(index.table.as_str()))
+            .and_where(Expr::col(Alias::new("value")).eq(value.as_str()));
+        if db.get_database_backend() != sea_orm::DbBackend::Sqlite {
+            select.lock_exclusive();
+        }
+        let existing = txn.query_one(&select).await.map_err(err)?;
+        match existing {
+            None => {
+                txn.execute(&entry_insert(index, &value, key, owner).to_owned())
+                    .await
+                    .map_err(|e| match e {
+                        DbErr::Exec(_) | DbErr::Query(_) => ShardError::UniqueViolation {
+                            index: index.table.clone(),
+                            value: value.clone(),
+                        },
+                        other => err(other),
+                    })?;
+            }
+            Some(row) => {
+                let other_key: String = row.try_get("", "shard_key").map_err(err)?;
+                let other_owner: String = row.try_get("", "owner_pk").map_err(err)?;
+                let created: i64 = row.try_get("", "created_ms").map_err(err)?;
+                if other_key == key && other_owner == owner {
+                    // A retry of this very write.
+                } else if now_ms() - created < grace.as_millis() as i64
+                    || self.owner_alive::<E>(index, &other_key, raw_value).await?
+                {
+                    // A live owner, or a write still in flight: not ours to take.
+                    return Err(ShardError::UniqueViolation {
+                        index: index.table.clone(),
+                        value,
+                    });
+                } else {
+                    let take = Query::update()
+                        .table(Alias::new(index.table.as_str()))
+                        .value(Alias::new("shard_key"), key)
+                        .value(Alias::new("owner_pk"), owner)
+                        .value(Alias::new("created_ms"), now_ms())
+                        .and_where(Expr::col(Alias::new("value")).eq(value.as_str()))
+                        .to_owned();
+                    txn.execute(&take).await.map_err(err)?;
+                    tracing::debug!(index = %index.table, "took over a dangling unique index row");
+                }
+            }
+        }
+        txn.commit().await.map_err(err)?;
+        Ok(())
+    }
+
+    /// The removal of index row `value → key/owner`, to run after the primary
+    /// commits.
+    pub(crate) fn removal<E: ShardedEntity>(
+        &self,
+        index: &IndexDef,
+        value: &Value,
+        key: &str,
+        owner: &str,
+    ) -> Result<Option<Removal>> {
+        let Some(value) = value_text(value) else {
+            return Ok(None);
+        };
+        Ok(Some(Removal {
+            shard: self.index_shard::<E>(&value)?,
+            index: index.clone(),
+            value,
+            key: key.to_owned(),
+            owner: owner.to_owned(),
+        }))
+    }
+
+    /// Removes an index row (idempotent).
+    pub(crate) async fn remove_entry(&self, removal: &Removal) -> Result<u64> {
+        let (db, shard) = self.conn(removal.shard);
+        let mut delete = Query::delete();
+        delete
+            .from_table(Alias::new(removal.index.table.as_str()))
+            .and_where(Expr::col(Alias::new("value")).eq(removal.value.as_str()))
+            .and_where(Expr::col(Alias::new("shard_key")).eq(removal.key.as_str()));
+        if !removal.index.unique {
+            delete.and_where(Expr::col(Alias::new("owner_pk")).eq(removal.owner.as_str()));
+        }
+        let res = db
+            .execute(&delete)
+            .await
+            .map_err(|e| gsi_err(shard, format!("remove from {}", removal.index.table), e))?;
+        Ok(res.rows_affected())
+    }
+
+    /// The shard keys an active index lists for `value`, or `None` while the
+    /// index is `write_only` (the caller scatters).
+    pub(crate) async fn lookup<E: ShardedEntity>(
+        &self,
+        index: &IndexDef,
+        value: &Value,
+    ) -> Result<Option<Vec<KeyOf<E>>>> {
+        if self.state_of::<E>(index).await? != IndexState::Active {
+            return Ok(None);
+        }
+        let Some(text) = value_text(value) else {
+            return Ok(Some(Vec::new()));
+        };
+        let id = self.index_shard::<E>(&text)?;
+        let (db, shard) = self.conn(id);
+        let stmt = Query::select()
+            .column(Alias::new("shard_key"))
+            .from(Alias::new(index.table.as_str()))
+            .and_where(Expr::col(Alias::new("value")).eq(text.as_str()))
+            .to_owned();
+        let rows = db
+            .query_all(&stmt)
+            .await
+            .map_err(|e| gsi_err(shard, format!("lookup in {}", index.table), e))?;
+        let mut keys = Vec::with_capacity(rows.len());
+        for row in rows {
+            let text: String = row
+                .try_get("", "shard_key")
+                .map_err(|e| gsi_err(shard, format!("lookup in {}", index.table), e))?;
+            if let Some(key) = KeyOf::<E>::from_directory_text(&text)
+                && !keys.contains(&key)
+            {
+                keys.push(key);
+            }
+        }
+        Ok(Some(keys))
+    }
+
+    /// Fills `E`'s index on `column` from the primary tables, shard by shard in
+    /// chunks, then marks it `active`. Resumable: progress is saved in the
+    /// catalog after every chunk and a rerun continues from it (index writes
+    /// are idempotent, so a repeated chunk is harmless).
+    pub async fn backfill<E: ShardedEntity>(&self, column: E::Column) -> Result<BackfillProgress> {
+        self.backfill_with::<E>(column, 500, |_| {}).await
+    }
+
+    /// [`backfill`](Self::backfill) with a chunk size and a progress callback.
+    pub async fn backfill_with<E: ShardedEntity>(
+        &self,
+        column: E::Column,
+        chunk: u64,
+        mut on_progress: impl FnMut(BackfillProgress),
+    ) -> Result<BackfillProgress> {
+        let index = IndexDef::find::<E>(column)?;
+        let shards = self.group_shards::<E>()?;
+        // Progress: "<shard index>:<rows done on it>".
+        let (start_shard, start_row) = match self.progress::<E>(&index).await? {
+            Some(p) => p
+                .split_once(':')
+                .and_then(|(a, b)| Some((a.parse::<usize>().ok()?, b.parse::<u64>().ok()?)))
+                .unwrap_or((0, 0)),
+            None => (0, 0),
+        };
+        let mut progress = BackfillProgress {
+            shards: shards.len(),
+            shards_done: start_shard,
+            ..Default::default()
+        };
+        for (i, id) in shards.iter().enumerate().skip(start_shard) {
+            let (db, shard) = self.conn(*id);
+            let mut offset = if i == start_shard { start_row } else { 0 };
+            loop {
+                let mut select = E::find().offset(offset).limit(chunk);
+                for pk in <E::PrimaryKey as Iterable>::iter() {
+                    select = select.order_by_asc(pk.into_column());
+                }
+                let rows = select
+                    .all(db)
+                    .await
+                    .map_err(|e| gsi_err(shard, format!("backfill {}", index.table), e))?;
+                let read = rows.len() as u64;
+                for row in rows {
+                    let value = row.get(column);
+                    let key = E::shard_key(&row).to_directory_text();
+                    let owner = model_pk::<E>(&row);
+                    self.write_entry::<E>(&index, &value, &key, &owner).await?;
+                    progress.written += u64::from(value_text(&value).is_some());
+                }
+                progress.rows += read;
+                offset += read;
+                self.set_state::<E>(&index, IndexState::WriteOnly, Some(format!("{i}:{offset}")))
+                    .await?;
+                on_progress(progress);
+                if read < chunk {
+                    break;
+                }
+            }
+            progress.shards_done = i + 1;
+            on_progress(progress);
+        }
+        self.set_state::<E>(&index, IndexState::Active, None)
+            .await?;
+        Ok(progress)
+    }
+
+    /// Removes dangling index rows of `E` older than the grace period and adds
+    /// index rows for owners that have none. Run it periodically
+    /// ([`reconcile_every`](Self::reconcile_every)).
+    pub async fn reconcile<E: ShardedEntity>(&self) -> Result<ReconcileReport> {
+        let grace = self.cluster.gsi_grace().as_millis() as i64;
+        let mut report = ReconcileReport::default();
+        for (column, unique) in E::GLOBAL_INDEXES {
+            let index = IndexDef::of::<E>(*column, *unique);
+            for id in self.group_shards::<E>()? {
+                let (db, shard) = self.conn(id);
+                let err = |e| gsi_err(shard, format!("reconcile {}", index.table), e);
+                let mut offset = 0u64;
+                let mut dangling = Vec::new();
+                loop {
+                    let stmt = Query::select()
+                        .columns(["value", "shard_key", "owner_pk", "created_ms"].map(Alias::new))
+                        .from(Alias::new(index.table.as_str()))
+                        .order_by(Alias::new("value"), sea_orm::Order::Asc)
+                        .order_by(Alias::new("shard_key"), sea_orm::Order::Asc)
+                        .order_by(Alias::new("owner_pk"), sea_orm::Order::Asc)
+                        .limit(500)
+                        .offset(offset)
+                        .to_owned();
+                    let rows = db.query_all(&stmt).await.map_err(err)?;
+                    for row in &rows {
+                        report.scanned += 1;
+                        let value: String = row.try_get("", "value").map_err(err)?;
+                        let key: String = row.try_get("", "shard_key").map_err(err)?;
+                        let owner: String = row.try_get("", "owner_pk").map_err(err)?;
+                        let created: i64 = row.try_get("", "created_ms").map_err(err)?;
+                        if now_ms() - created < grace {
+                            continue; // an insert may still be in flight
+                        }
+                        let typed = typed_value::<E>(*column, &value);
+                        if !self.owner_alive::<E>(&index, &key, &typed).await? {
+                            dangling.push(Removal {
+                                shard: id,
+                                index: index.clone(),
+                                value,
+                                key,
+                                owner,
+                            });
+                        }
+                    }
+                    offset += rows.len() as u64;
+                    if rows.len() < 500 {
+                        break;
+                    }
+                }
+                for removal in &dangling {
+                    report.removed += self.remove_entry(removal).await?;
+                }
+            }
+            // Owners without an index row.
+            for id in self.group_shards::<E>()? {
+                let (db, shard) = self.conn(id);
+                let mut offset = 0u64;
+                loop {
+                    let mut select = E::find().offset(offset).limit(500);
+                    for pk in <E::PrimaryKey as Iterable>::iter() {
+                        select = select.order_by_asc(pk.into_column());
+                    }
+                    let rows = select
+                        .all(db)
+                        .await
+                        .map_err(|e| gsi_err(shard, format!("reconcile {}", index.table), e))?;
+                    let read = rows.len();
+                    for row in rows {
+                        let value = row.get(*column);
+                        let Some(text) = value_text(&value) else {
+                            continue;
+                        };
+                        let key = E::shard_key(&row).to_directory_text();
+                        if !self.entry_exists::<E>(&index, &text, &key).await? {
+                            self.write_entry::<E>(&index, &value, &key, &model_pk::<E>(&row))
+                                .await?;
+                            report.added += 1;
+                        }
+                    }
+                    offset += read as u64;
+                    if read < 500 {
+                        break;
+                    }
+                }
+            }
+        }
+        Ok(report)
+    }
+
+    async fn entry_exists<E: ShardedEntity>(
+        &self,
+        index: &IndexDef,
+        value: &str,
+        key: &str,
+    ) -> Result<bool> {
+        let id = self.index_shard::<E>(value)?;
+        let (db, shard) = self.conn(id);
+        let stmt = Query::select()
+            .expr(Expr::val(1))
+            .from(Alias::new(index.table.as_str()))
+            .and_where(Expr::col(Alias::new("value")).eq(value))
+            .and_where(Expr::col(Alias::new("shard_key")).eq(key))
+            .to_owned();
+        Ok(db
+            .query_one(&stmt)
+            .await
+            .map_err(|e| gsi_err(shard, format!("check {}", index.table), e))?
+            .is_some())
+    }
+
+    /// Runs [`reconcile`](Self::reconcile) every `interval` until the handle
+    /// is aborted; each pass's report (or error) is logged.
+    pub fn reconcile_every<E: ShardedEntity>(
+        &self,
+        interval: Duration,
+    ) -> tokio::task::JoinHandle<()> {
+        let cluster = self.cluster.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(interval);
+            loop {
+                tick.tick().await;
+                match cluster.gsi().reconcile::<E>().await {
+                    Ok(report) => tracing::info!(
+                        table = table_name::<E>(),
+                        scanned = report.scanned,
+                        removed = report.removed,
+                        added = report.added,
+                        "gsi reconcile"
+                    ),
+                    Err(err) => {
+                        tracing::warn!(table = table_name::<E>(), error = %err, "gsi reconcile failed")
+                    }
+                }
+            }
+        })
+    }
+}
+
+fn entry_insert(
+    index: &IndexDef,
+    value: &str,
+    key: &str,
+    owner: &str,
+) -> sea_orm::sea_query::InsertStatement {
+    Query::insert()
+        .into_table(Alias::new(index.table.as_str()))
+        .columns(["value", "shard_key", "owner_pk", "created_ms"].map(Alias::new))
+        .values_panic([value.into(), key.into(), owner.into(), now_ms().into()])
+        .to_owned()
+}
+
+pub(crate) fn model_pk<E: ShardedEntity>(row: &E::Model) -> String {
+    <E::PrimaryKey as Iterable>::iter()
+        .map(|pk| value_text(&row.get(pk.into_column())).unwrap_or_default())
+        .collect::<Vec<_>>()
+        .join("\u{1f}")
+}
+
+/// The indexed column's value for `text`, typed like the column (so the
+/// owner check compares like with like).
+fn typed_value<E: ShardedEntity>(column: E::Column, text: &str) -> Value {
+    use sea_orm::ColumnTrait;
+    use sea_orm::sea_query::ColumnType;
+    match column.def().get_column_type() {
+        ColumnType::BigInteger | ColumnType::BigUnsigned => text
+            .parse::<i64>()
+            .map_or_else(|_| text.into(), Value::from),
+        ColumnType::Integer
+        | ColumnType::Unsigned
+        | ColumnType::SmallInteger
+        | ColumnType::TinyInteger => text
+            .parse::<i32>()
+            .map_or_else(|_| text.into(), Value::from),
+        ColumnType::Uuid => uuid::Uuid::parse_str(text).map_or_else(|_| text.into(), Value::from),
+        _ => text.into(),
+    }
+}

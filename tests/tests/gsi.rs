@@ -1,0 +1,475 @@
+//! Global secondary indexes on SQLite, PostgreSQL and MySQL/MariaDB: index
+//! rows written first, lookups that ask only the shards the index names and
+//! verify every row, unique violations and takeover of dangling rows, updates
+//! that move the entry, backfill and reconciliation.
+
+use sea_orm::{
+    ActiveValue::Unchanged, ColumnTrait, ConnectionTrait, EntityTrait, QueryFilter, Set, Statement,
+};
+use shardkit::gsi::IndexState;
+use shardkit::{Cluster, ShardError};
+use shardkit_tests::models::*;
+use shardkit_tests::{TestDbs, backend_tests};
+use std::collections::BTreeSet;
+use std::sync::{Arc, Mutex};
+
+backend_tests!(4 =>
+    lookups_follow_the_index,
+    unique_violation_and_takeover,
+    write_only_scatters_until_backfilled,
+    reconcile_removes_dangling_and_adds_missing,
+);
+
+type Sent = Arc<Mutex<Vec<(String, String)>>>;
+
+async fn gsi_cluster(dbs: &TestDbs, extra: &str) -> (Cluster, Sent) {
+    let sent: Sent = Arc::default();
+    let log = Arc::clone(&sent);
+    let cluster = Cluster::builder(dbs.config(4, &format!("[groups.Customer]\n{extra}")))
+        .on_statement(move |e| {
+            log.lock()
+                .unwrap()
+                .push((e.shard.to_owned(), e.statement.sql.clone()))
+        })
+        .connect()
+        .await
+        .unwrap();
+    cluster.migrate::<Migrator>().await.unwrap();
+    cluster.gsi().create::<contact::Entity>().await.unwrap();
+    (cluster, sent)
+}
+
+async fn add_contact(
+    cluster: &Cluster,
+    id: i64,
+    customer: i64,
+    email: &str,
+    phone: &str,
+) -> shardkit::Result<contact::Model> {
+    let tx = cluster.begin::<Customer>(customer).await?;
+    let row = tx
+        .insert(contact::ActiveModel {
+            id: Set(id),
+            customer_id: Set(customer),
+            email: Set(email.to_owned()),
+            phone: Set(phone.to_owned()),
+        })
+        .await?;
+    tx.commit().await?;
+    Ok(row)
+}
+
+/// Index rows of `table` across all shards, as (value, shard key).
+async fn index_rows(cluster: &Cluster, table: &str) -> BTreeSet<(String, String)> {
+    let mut rows = BTreeSet::new();
+    for shard in cluster.topology().shard_names() {
+        let db = cluster.connection(shard).unwrap();
+        let found = db
+            .query_all_raw(Statement::from_string(
+                db.get_database_backend(),
+                format!("SELECT value, shard_key FROM {table}"),
+            ))
+            .await
+            .unwrap();
+        for row in found {
+            rows.insert((
+                row.try_get::<String>("", "value").unwrap(),
+                row.try_get::<String>("", "shard_key").unwrap(),
+            ));
+        }
+    }
+    rows
+}
+
+async fn lookups_follow_the_index(dbs: &mut TestDbs) {
+    let (cluster, sent) = gsi_cluster(dbs, "").await;
+    cluster
+        .gsi()
+        .backfill::<contact::Entity>(contact::Column::Email)
+        .await
+        .unwrap();
+    cluster
+        .gsi()
+        .backfill::<contact::Entity>(contact::Column::Phone)
+        .await
+        .unwrap();
+    assert_eq!(
+        cluster
+            .gsi()
+            .state::<contact::Entity>(contact::Column::Email)
+            .await
+            .unwrap(),
+        IndexState::Active
+    );
+
+    for i in 1..=40_i64 {
+        // Families share a phone number across customers (and shards).
+        add_contact(
+            &cluster,
+            i,
+            i,
+            &format!("c{i}@example.com"),
+            &format!("555-{}", i % 4),
+        )
+        .await
+        .unwrap();
+    }
+    assert_eq!(index_rows(&cluster, "gsi_contacts_email").await.len(), 40);
+
+    // A unique value: one index lookup, then only the owner's shard.
+    for i in [1_i64, 17, 40] {
+        sent.lock().unwrap().clear();
+        let rows = cluster
+            .find::<contact::Entity>()
+            .by_index(contact::Column::Email, format!("c{i}@example.com"))
+            .all()
+            .await
+            .unwrap();
+        assert_eq!(rows.iter().map(|r| r.id).collect::<Vec<_>>(), vec![i]);
+        let owner = cluster.shard_of::<Customer>(&i).await.unwrap().to_owned();
+        let reads: Vec<String> = sent
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(_, sql)| sql.contains("\"contacts\"") || sql.contains("`contacts`"))
+            .map(|(s, _)| s.clone())
+            .collect();
+        assert_eq!(reads, vec![owner], "only the owner's shard is read");
+    }
+    assert!(
+        cluster
+            .find::<contact::Entity>()
+            .by_index(contact::Column::Email, "nobody@example.com")
+            .all()
+            .await
+            .unwrap()
+            .is_empty()
+    );
+
+    // A shared value: the same rows as a scatter filtered by the column.
+    for phone in ["555-0", "555-1", "555-3"] {
+        let mut by_index = cluster
+            .find::<contact::Entity>()
+            .by_index(contact::Column::Phone, phone)
+            .all()
+            .await
+            .unwrap();
+        let mut scatter = cluster
+            .find::<contact::Entity>()
+            .scatter()
+            .filter(contact::Column::Phone.eq(phone))
+            .all()
+            .await
+            .unwrap();
+        by_index.sort_by_key(|r| r.id);
+        scatter.sort_by_key(|r| r.id);
+        assert_eq!(by_index, scatter, "phone {phone}");
+        assert_eq!(by_index.len(), 10);
+    }
+
+    // Update of an indexed column: the entry moves.
+    let tx = cluster.begin::<Customer>(5).await.unwrap();
+    tx.update(contact::ActiveModel {
+        id: Unchanged(5),
+        customer_id: Unchanged(5),
+        email: Set("new5@example.com".into()),
+        phone: Unchanged("555-1".into()),
+    })
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    assert!(
+        cluster
+            .find::<contact::Entity>()
+            .by_index(contact::Column::Email, "c5@example.com")
+            .all()
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    let moved = cluster
+        .find::<contact::Entity>()
+        .by_index(contact::Column::Email, "new5@example.com")
+        .one()
+        .await
+        .unwrap();
+    assert_eq!(moved.map(|r| r.id), Some(5));
+    let emails = index_rows(&cluster, "gsi_contacts_email").await;
+    assert!(emails.contains(&("new5@example.com".into(), "5".into())));
+    assert!(
+        !emails.iter().any(|(v, _)| v == "c5@example.com"),
+        "the old entry is removed after commit"
+    );
+
+    // Delete: the primary row first, then its index rows.
+    let tx = cluster.begin::<Customer>(6).await.unwrap();
+    let n = tx
+        .delete(contact::ActiveModel {
+            id: Unchanged(6),
+            customer_id: Unchanged(6),
+            email: Unchanged("c6@example.com".into()),
+            phone: Unchanged("555-2".into()),
+        })
+        .await
+        .unwrap();
+    assert_eq!(n, 1);
+    tx.commit().await.unwrap();
+    assert!(
+        !index_rows(&cluster, "gsi_contacts_email")
+            .await
+            .iter()
+            .any(|(v, _)| v == "c6@example.com")
+    );
+    assert!(
+        !index_rows(&cluster, "gsi_contacts_phone")
+            .await
+            .contains(&("555-2".into(), "6".into()))
+    );
+}
+
+async fn unique_violation_and_takeover(dbs: &mut TestDbs) {
+    let (cluster, _) = gsi_cluster(dbs, "[gsi]\ngrace_ms = 300\n").await;
+    cluster
+        .gsi()
+        .backfill::<contact::Entity>(contact::Column::Email)
+        .await
+        .unwrap();
+
+    add_contact(&cluster, 1, 1, "taken@example.com", "1")
+        .await
+        .unwrap();
+    // A live owner: refused, and nothing is written for customer 2.
+    match add_contact(&cluster, 2, 2, "taken@example.com", "2").await {
+        Err(ShardError::UniqueViolation { index, value }) => {
+            assert_eq!(
+                (index.as_str(), value.as_str()),
+                ("gsi_contacts_email", "taken@example.com")
+            );
+        }
+        other => panic!("expected UniqueViolation, got {other:?}"),
+    }
+    assert!(
+        cluster
+            .find::<contact::Entity>()
+            .key(2)
+            .all()
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    // A retry of the owner's own write is idempotent.
+    let tx = cluster.begin::<Customer>(1).await.unwrap();
+    tx.update(contact::ActiveModel {
+        id: Unchanged(1),
+        customer_id: Unchanged(1),
+        email: Set("taken@example.com".into()),
+        phone: Set("1b".into()),
+    })
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+
+    // A dangling row: its primary transaction never committed.
+    let tx = cluster.begin::<Customer>(3).await.unwrap();
+    tx.insert(contact::ActiveModel {
+        id: Set(3),
+        customer_id: Set(3),
+        email: Set("free@example.com".into()),
+        phone: Set("3".into()),
+    })
+    .await
+    .unwrap();
+    drop(tx); // rolled back: the index row dangles
+    assert!(
+        cluster
+            .find::<contact::Entity>()
+            .by_index(contact::Column::Email, "free@example.com")
+            .all()
+            .await
+            .unwrap()
+            .is_empty(),
+        "dangling rows are ignored"
+    );
+    // Within the grace period it may be an insert in flight: refused.
+    assert!(matches!(
+        add_contact(&cluster, 4, 4, "free@example.com", "4").await,
+        Err(ShardError::UniqueViolation { .. })
+    ));
+    tokio::time::sleep(std::time::Duration::from_millis(400)).await;
+    // After it, the new row takes the dangling entry over.
+    add_contact(&cluster, 4, 4, "free@example.com", "4")
+        .await
+        .unwrap();
+    let found = cluster
+        .find::<contact::Entity>()
+        .by_index(contact::Column::Email, "free@example.com")
+        .all()
+        .await
+        .unwrap();
+    assert_eq!(
+        found.iter().map(|r| r.customer_id).collect::<Vec<_>>(),
+        vec![4]
+    );
+}
+
+async fn write_only_scatters_until_backfilled(dbs: &mut TestDbs) {
+    let (cluster, sent) = gsi_cluster(dbs, "").await;
+    // Rows written before the index existed: no index rows for them.
+    for i in 1..=12_i64 {
+        let shard = cluster.shard_of::<Customer>(&i).await.unwrap().to_owned();
+        contact::Entity::insert(contact::ActiveModel {
+            id: Set(i),
+            customer_id: Set(i),
+            email: Set(format!("old{i}@x")),
+            phone: Set("0".into()),
+        })
+        .exec(cluster.connection(&shard).unwrap())
+        .await
+        .unwrap();
+    }
+    assert_eq!(
+        cluster
+            .gsi()
+            .state::<contact::Entity>(contact::Column::Email)
+            .await
+            .unwrap(),
+        IndexState::WriteOnly
+    );
+    sent.lock().unwrap().clear();
+    let rows = cluster
+        .find::<contact::Entity>()
+        .by_index(contact::Column::Email, "old7@x")
+        .all()
+        .await
+        .unwrap();
+    assert_eq!(
+        rows.iter().map(|r| r.id).collect::<Vec<_>>(),
+        vec![7],
+        "write_only: a scatter finds it"
+    );
+    let shards: BTreeSet<String> = sent
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|(_, sql)| sql.contains("contacts"))
+        .map(|(s, _)| s.clone())
+        .collect();
+    assert_eq!(shards.len(), 4, "while write_only, every shard is asked");
+
+    let mut seen = Vec::new();
+    let progress = cluster
+        .gsi()
+        .backfill_with::<contact::Entity>(contact::Column::Email, 2, |p| seen.push(p))
+        .await
+        .unwrap();
+    assert_eq!(
+        (progress.rows, progress.written, progress.shards_done),
+        (12, 12, 4)
+    );
+    assert!(seen.len() > 4, "progress is reported per chunk");
+    assert_eq!(
+        cluster
+            .gsi()
+            .state::<contact::Entity>(contact::Column::Email)
+            .await
+            .unwrap(),
+        IndexState::Active
+    );
+    sent.lock().unwrap().clear();
+    let rows = cluster
+        .find::<contact::Entity>()
+        .by_index(contact::Column::Email, "old7@x")
+        .all()
+        .await
+        .unwrap();
+    assert_eq!(rows.iter().map(|r| r.id).collect::<Vec<_>>(), vec![7]);
+    let shards: BTreeSet<String> = sent
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|(_, sql)| sql.contains("\"contacts\"") || sql.contains("`contacts`"))
+        .map(|(s, _)| s.clone())
+        .collect();
+    assert_eq!(shards.len(), 1, "active: only the owner's shard");
+    // A second backfill is harmless (idempotent writes).
+    cluster
+        .gsi()
+        .backfill::<contact::Entity>(contact::Column::Email)
+        .await
+        .unwrap();
+    assert_eq!(index_rows(&cluster, "gsi_contacts_email").await.len(), 12);
+}
+
+async fn reconcile_removes_dangling_and_adds_missing(dbs: &mut TestDbs) {
+    let (cluster, _) = gsi_cluster(dbs, "[gsi]\ngrace_ms = 0\n").await;
+    cluster
+        .gsi()
+        .backfill::<contact::Entity>(contact::Column::Email)
+        .await
+        .unwrap();
+    cluster
+        .gsi()
+        .backfill::<contact::Entity>(contact::Column::Phone)
+        .await
+        .unwrap();
+    for i in 1..=10_i64 {
+        add_contact(&cluster, i, i, &format!("r{i}@x"), &format!("p{i}"))
+            .await
+            .unwrap();
+    }
+    // Three rolled-back inserts leave dangling rows in both indexes.
+    for i in 11..=13_i64 {
+        let tx = cluster.begin::<Customer>(i).await.unwrap();
+        tx.insert(contact::ActiveModel {
+            id: Set(i),
+            customer_id: Set(i),
+            email: Set(format!("r{i}@x")),
+            phone: Set(format!("p{i}")),
+        })
+        .await
+        .unwrap();
+        tx.rollback().await.unwrap();
+    }
+    // One row written behind shardkit's back has no index rows.
+    let shard = cluster.shard_of::<Customer>(&20).await.unwrap().to_owned();
+    contact::Entity::insert(contact::ActiveModel {
+        id: Set(20),
+        customer_id: Set(20),
+        email: Set("r20@x".into()),
+        phone: Set("p20".into()),
+    })
+    .exec(cluster.connection(&shard).unwrap())
+    .await
+    .unwrap();
+    // Index rows on the owner's own shard rolled back with it; the others dangle.
+    let emails = index_rows(&cluster, "gsi_contacts_email").await;
+    let phones = index_rows(&cluster, "gsi_contacts_phone").await;
+    let dangling = emails
+        .iter()
+        .chain(phones.iter())
+        .filter(|(_, key)| ["11", "12", "13"].contains(&key.as_str()))
+        .count() as u64;
+    assert!(dangling > 0, "with 4 shards some index rows live elsewhere");
+    let scanned = (emails.len() + phones.len()) as u64;
+
+    let report = cluster.gsi().reconcile::<contact::Entity>().await.unwrap();
+    assert_eq!(report.removed, dangling, "{report:?}");
+    assert_eq!(report.added, 2, "{report:?}");
+    assert_eq!(report.scanned, scanned, "{report:?}");
+    let emails = index_rows(&cluster, "gsi_contacts_email").await;
+    assert_eq!(emails.len(), 11);
+    assert!(emails.contains(&("r20@x".into(), "20".into())));
+    let again = cluster.gsi().reconcile::<contact::Entity>().await.unwrap();
+    assert_eq!(
+        (again.removed, again.added),
+        (0, 0),
+        "a second pass finds nothing"
+    );
+    let found = cluster
+        .find::<contact::Entity>()
+        .by_index(contact::Column::Email, "r20@x")
+        .one()
+        .await
+        .unwrap();
+    assert_eq!(found.map(|r| r.id), Some(20));
+}
