@@ -32,6 +32,7 @@ struct Inner {
     ids: Arc<Ids>,
     gsi_states: crate::gsi::StateCache,
     gsi_grace: Duration,
+    gsi_pins: std::collections::HashMap<String, ShardId>,
 }
 
 /// Cluster-wide read defaults (from `[read]`).
@@ -117,6 +118,15 @@ impl ClusterBuilder {
         let ids = Arc::new(Ids::new(servers, config.ids.clone())?);
         let shards = shards.into_iter().collect::<Result<Vec<_>>>()?;
         let directories = directories.into_iter().collect::<Result<Vec<_>>>()?;
+        let topology_ids: std::collections::HashMap<String, ShardId> = topology
+            .shard_names()
+            .map(|name| {
+                (
+                    name.to_owned(),
+                    topology.shard_id(name).unwrap_or(ShardId(0)),
+                )
+            })
+            .collect();
         let read = ReadSettings {
             timeout: config.read.timeout_ms.map(Duration::from_millis),
             max_concurrency: config.read.max_concurrency.unwrap_or(16),
@@ -130,6 +140,14 @@ impl ClusterBuilder {
                 ids,
                 gsi_states: crate::gsi::StateCache::default(),
                 gsi_grace: Duration::from_millis(config.gsi.grace_ms.unwrap_or(30_000)),
+                gsi_pins: config
+                    .gsi
+                    .pin
+                    .iter()
+                    .filter_map(|(index, shard)| {
+                        Some((index.clone(), topology_ids.get(shard).copied()?))
+                    })
+                    .collect(),
             }),
         })
     }
@@ -167,6 +185,10 @@ impl Cluster {
 
     pub(crate) fn gsi_states(&self) -> &crate::gsi::StateCache {
         &self.inner.gsi_states
+    }
+
+    pub(crate) fn gsi_pin(&self, index: &str) -> Option<ShardId> {
+        self.inner.gsi_pins.get(index).copied()
     }
 
     pub(crate) fn gsi_grace(&self) -> Duration {

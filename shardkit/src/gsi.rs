@@ -197,8 +197,16 @@ impl Cluster {
 }
 
 impl<'c> Gsi<'c> {
-    /// The shard an index row for `value` lives on.
-    pub(crate) fn index_shard<E: ShardedEntity>(&self, value: &str) -> Result<ShardId> {
+    /// The shard an index row for `value` lives on: the value's hash over the
+    /// group's shards, or the shard the config pins the index to.
+    pub(crate) fn index_shard<E: ShardedEntity>(
+        &self,
+        index: &IndexDef,
+        value: &str,
+    ) -> Result<ShardId> {
+        if let Some(pinned) = self.cluster.gsi_pin(&index.table) {
+            return Ok(pinned);
+        }
         let shards = self
             .cluster
             .topology()
@@ -411,7 +419,7 @@ impl<'c> Gsi<'c> {
         let Some(value) = value_text(raw_value) else {
             return Ok(());
         };
-        let id = self.index_shard::<E>(&value)?;
+        let id = self.index_shard::<E>(index, &value)?;
         match local {
             Some((local_id, txn)) if local_id == id => {
                 self.write_on::<E, _>(
@@ -524,7 +532,7 @@ impl<'c> Gsi<'c> {
             return Ok(None);
         };
         Ok(Some(Removal {
-            shard: self.index_shard::<E>(&value)?,
+            shard: self.index_shard::<E>(index, &value)?,
             index: index.clone(),
             value,
             key: key.to_owned(),
@@ -563,7 +571,7 @@ impl<'c> Gsi<'c> {
         let Some(text) = value_text(value) else {
             return Ok(Some(Vec::new()));
         };
-        let id = self.index_shard::<E>(&text)?;
+        let id = self.index_shard::<E>(index, &text)?;
         let (db, shard) = self.conn(id);
         let stmt = Query::select()
             .column(Alias::new("shard_key"))
@@ -750,7 +758,7 @@ impl<'c> Gsi<'c> {
         value: &str,
         key: &str,
     ) -> Result<bool> {
-        let id = self.index_shard::<E>(value)?;
+        let id = self.index_shard::<E>(index, value)?;
         let (db, shard) = self.conn(id);
         let stmt = Query::select()
             .expr(Expr::val(1))

@@ -18,6 +18,7 @@ backend_tests!(4 =>
     unique_violation_and_takeover,
     write_only_scatters_until_backfilled,
     reconcile_removes_dangling_and_adds_missing,
+    pinned_index_lives_on_one_shard,
 );
 
 type Sent = Arc<Mutex<Vec<(String, String)>>>;
@@ -472,4 +473,83 @@ async fn reconcile_removes_dangling_and_adds_missing(dbs: &mut TestDbs) {
         .await
         .unwrap();
     assert_eq!(found.map(|r| r.id), Some(20));
+}
+
+async fn pinned_index_lives_on_one_shard(dbs: &mut TestDbs) {
+    let (cluster, _) = gsi_cluster(
+        dbs,
+        "[gsi]\ngrace_ms = 0\npin = { gsi_contacts_email = \"s2\" }\n",
+    )
+    .await;
+    cluster
+        .gsi()
+        .backfill::<contact::Entity>(contact::Column::Email)
+        .await
+        .unwrap();
+    for i in 1..=12_i64 {
+        add_contact(&cluster, i, i, &format!("pin{i}@x"), "0")
+            .await
+            .unwrap();
+    }
+    for shard in ["s0", "s1", "s2", "s3"] {
+        let db = cluster.connection(shard).unwrap();
+        let row = db
+            .query_one_raw(Statement::from_string(
+                db.get_database_backend(),
+                "SELECT COUNT(*) AS n FROM gsi_contacts_email",
+            ))
+            .await
+            .unwrap()
+            .unwrap();
+        let n: i64 = row.try_get("", "n").unwrap();
+        assert_eq!(n, if shard == "s2" { 12 } else { 0 }, "{shard}");
+    }
+    let found = cluster
+        .find::<contact::Entity>()
+        .by_index(contact::Column::Email, "pin9@x")
+        .one()
+        .await
+        .unwrap();
+    assert_eq!(found.map(|r| r.id), Some(9));
+
+    // A continuous reconciler removes what a rolled-back insert left behind.
+    let reconciler = cluster
+        .gsi()
+        .reconcile_every::<contact::Entity>(std::time::Duration::from_millis(50));
+    // A customer off the index's shard, so its index row cannot roll back with it.
+    let mut k = 99_i64;
+    while cluster.shard_of::<Customer>(&k).await.unwrap() == "s2" {
+        k += 1;
+    }
+    let tx = cluster.begin::<Customer>(k).await.unwrap();
+    tx.insert(contact::ActiveModel {
+        id: Set(k),
+        customer_id: Set(k),
+        email: Set("gone@x".into()),
+        phone: Set("0".into()),
+    })
+    .await
+    .unwrap();
+    tx.rollback().await.unwrap();
+    assert!(
+        index_rows(&cluster, "gsi_contacts_email")
+            .await
+            .iter()
+            .any(|(v, _)| v == "gone@x"),
+        "dangling first"
+    );
+    let mut cleaned = false;
+    for _ in 0..100 {
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        if !index_rows(&cluster, "gsi_contacts_email")
+            .await
+            .iter()
+            .any(|(v, _)| v == "gone@x")
+        {
+            cleaned = true;
+            break;
+        }
+    }
+    reconciler.abort();
+    assert!(cleaned, "the reconciler removed the dangling row");
 }

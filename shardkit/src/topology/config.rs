@@ -65,6 +65,11 @@ pub struct GsiConfig {
     /// insert that wrote it may still be in flight (default 30,000). Applies
     /// to reconciliation and to unique-index takeover.
     pub grace_ms: Option<u64>,
+    /// Indexes kept on one shard instead of spread by value hash, keyed by
+    /// index table (`gsi_<table>_<column>`), e.g.
+    /// `pin = { gsi_customers_email = "s0" }`.
+    #[serde(default)]
+    pub pin: BTreeMap<String, String>,
 }
 
 /// `[ids]`: where unique ids come from.

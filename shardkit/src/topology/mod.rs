@@ -225,6 +225,15 @@ impl Topology {
             });
         }
 
+        for (index, shard) in &config.gsi.pin {
+            if !by_name.contains_key(shard) {
+                return Err(ShardError::config(
+                    format!("gsi.pin.{index}"),
+                    format!("shard `{shard}` is referenced but not defined"),
+                ));
+            }
+        }
+
         let mut topology = Topology {
             shards,
             ticket_servers,
