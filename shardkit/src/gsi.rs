@@ -424,6 +424,7 @@ impl<'c> Gsi<'c> {
             Some((local_id, txn)) if local_id == id => {
                 self.write_on::<E, _>(
                     txn,
+                    true,
                     self.cluster.shard_name(id),
                     index,
                     raw_value,
@@ -435,7 +436,7 @@ impl<'c> Gsi<'c> {
             }
             _ => {
                 let (db, shard) = self.conn(id);
-                self.write_on::<E, _>(db, shard, index, raw_value, &value, key, owner)
+                self.write_on::<E, _>(db, false, shard, index, raw_value, &value, key, owner)
                     .await
             }
         }
@@ -445,6 +446,7 @@ impl<'c> Gsi<'c> {
     async fn write_on<E: ShardedEntity, C: ConnectionTrait + TransactionTrait>(
         &self,
         db: &C,
+        in_txn: bool,
         shard: &str,
         index: &IndexDef,
         raw_value: &Value,
@@ -464,6 +466,20 @@ impl<'c> Gsi<'c> {
                 .to_owned();
             db.execute(&insert).await.map_err(err)?;
             return Ok(());
+        }
+        // Fast path, outside a shard transaction: the value is usually free,
+        // and one autocommitted INSERT claims it. Only a conflict takes the
+        // checked path below.
+        if !in_txn {
+            match db.execute(&entry_insert(index, &value, key, owner)).await {
+                Ok(_) => return Ok(()),
+                Err(e)
+                    if matches!(
+                        e.sql_err(),
+                        Some(sea_orm::SqlErr::UniqueConstraintViolation(_))
+                    ) => {}
+                Err(e) => return Err(err(e)),
+            }
         }
         let grace = self.cluster.gsi_grace();
         let txn = db.begin().await.map_err(err)?;
