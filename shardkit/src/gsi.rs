@@ -220,9 +220,11 @@ impl<'c> Gsi<'c> {
     }
 
     fn group_shards<E: ShardedEntity>(&self) -> Result<Vec<ShardId>> {
-        self.cluster
+        Ok(self
+            .cluster
             .topology()
-            .shards_of(<E::Group as EntityGroup>::NAME)
+            .shards_of(<E::Group as EntityGroup>::NAME)?
+            .to_vec())
     }
 
     /// Creates the index tables of `E` on every shard of its group and

@@ -610,8 +610,8 @@ impl<E: ShardedEntity> Read<E> {
                 .cluster
                 .topology()
                 .shards_of(Self::group())?
-                .into_iter()
-                .map(|id| (id, base.clone()))
+                .iter()
+                .map(|id| (*id, base.clone()))
                 .collect()),
             RouteSpec::Index(..) => Err(ShardError::Unmergeable {
                 table: table_name::<E>(),

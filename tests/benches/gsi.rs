@@ -11,7 +11,7 @@
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use sea_orm::{ConnectionTrait, Set};
-use shardkit::{Cluster, EntityGroup};
+use shardkit::EntityGroup;
 use shardkit_tests::{Backend, TestDbs};
 use std::hint::black_box;
 use std::sync::atomic::{AtomicI64, Ordering};

@@ -112,6 +112,8 @@ pub struct Topology {
     ticket_servers: Vec<ShardSpec>,
     by_name: HashMap<String, ShardId>,
     groups: HashMap<String, Placement>,
+    /// Every shard each group can have rows on (what a scatter asks).
+    group_shards: HashMap<String, Vec<ShardId>>,
     directories: Vec<DirectorySpec>,
 }
 
@@ -239,11 +241,14 @@ impl Topology {
             ticket_servers,
             by_name,
             groups: HashMap::new(),
+            group_shards: HashMap::new(),
             directories: Vec::new(),
         };
         for (name, group) in &config.groups {
             let placement = topology.build_placement(name, group, &hosts)?;
+            let shards = topology.compute_shards_of(&placement);
             topology.groups.insert(name.clone(), placement);
+            topology.group_shards.insert(name.clone(), shards);
         }
         Ok(topology)
     }
@@ -620,8 +625,13 @@ impl Topology {
 
     /// Every shard that can hold rows of `group`, in shard order: the shards a
     /// scatter read asks.
-    pub fn shards_of(&self, group: &str) -> Result<Vec<ShardId>> {
-        let mut ids: Vec<ShardId> = match self.placement(group)? {
+    pub fn shards_of(&self, group: &str) -> Result<&[ShardId]> {
+        self.placement(group)?;
+        Ok(self.group_shards.get(group).map_or(&[], Vec::as_slice))
+    }
+
+    fn compute_shards_of(&self, placement: &Placement) -> Vec<ShardId> {
+        let mut ids: Vec<ShardId> = match placement {
             Placement::Hash { owner, .. } => owner.to_vec(),
             Placement::Range { ranges } => ranges.iter().map(|(_, _, shard)| *shard).collect(),
             Placement::Modulo { shards } => shards.clone(),
@@ -630,7 +640,7 @@ impl Topology {
         };
         ids.sort_unstable();
         ids.dedup();
-        Ok(ids)
+        ids
     }
 
     /// Places a key without I/O: the target shard, or the directory to ask.
