@@ -3,6 +3,27 @@
 
 use sea_orm_migration::prelude::*;
 use shardkit::EntityGroup;
+use std::path::PathBuf;
+
+/// The `[[shards]]` entries of `shards` fresh SQLite files in `$SHARDKIT_DATA_DIR`
+/// (default `data/<name>`), with the directory they are in. Old files are
+/// removed so every run of an example shows the same thing.
+pub fn sqlite_shards(name: &str, shards: usize) -> std::io::Result<(PathBuf, String)> {
+    let dir = PathBuf::from(
+        std::env::var("SHARDKIT_DATA_DIR").unwrap_or_else(|_| format!("data/{name}")),
+    );
+    std::fs::create_dir_all(&dir)?;
+    let mut toml = String::new();
+    for i in 0..shards {
+        let file = dir.join(format!("shard_{i}.db"));
+        let _ = std::fs::remove_file(&file);
+        toml.push_str(&format!(
+            "[[shards]]\nname = \"s{i}\"\nurl = \"sqlite://{}?mode=rwc\"\n\n",
+            file.display()
+        ));
+    }
+    Ok((dir, toml))
+}
 
 /// Everything a customer owns is sharded by the customer's id.
 #[derive(EntityGroup)]

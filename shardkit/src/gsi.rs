@@ -292,27 +292,15 @@ impl<'c> Gsi<'c> {
         {
             return Ok(*state);
         }
-        let id = self.group_shards::<E>()?[0];
-        let (db, shard) = self.conn(id);
-        let stmt = Query::select()
-            .column(Alias::new("state"))
-            .from(Alias::new("shardkit_gsi_catalog"))
-            .and_where(Expr::col(Alias::new("name")).eq(index.table.as_str()))
-            .to_owned();
-        let row = db
-            .query_one(&stmt)
-            .await
-            .map_err(|e| gsi_err(shard, "read gsi catalog".into(), e))?;
-        let state = match row.map(|r| r.try_get::<String>("", "state")).transpose() {
-            Ok(Some(s)) if s == "active" => IndexState::Active,
-            Ok(Some(_)) => IndexState::WriteOnly,
-            Ok(None) => {
+        let state = match self.catalog::<E>(index, "state").await? {
+            Some(Some(s)) if s == "active" => IndexState::Active,
+            Some(_) => IndexState::WriteOnly,
+            None => {
                 return Err(ShardError::config(
                     index.table.clone(),
                     "the index is not in the catalog: run `cluster.gsi().create::<E>()` (and backfill)",
                 ));
             }
-            Err(e) => return Err(gsi_err(shard, "read gsi catalog".into(), e)),
         };
         self.cluster
             .gsi_states()
@@ -351,10 +339,20 @@ impl<'c> Gsi<'c> {
     }
 
     async fn progress<E: ShardedEntity>(&self, index: &IndexDef) -> Result<Option<String>> {
+        Ok(self.catalog::<E>(index, "progress").await?.flatten())
+    }
+
+    /// One column of an index's catalog row: `None` when the index is not
+    /// registered, `Some(None)` when the column is NULL.
+    async fn catalog<E: ShardedEntity>(
+        &self,
+        index: &IndexDef,
+        column: &str,
+    ) -> Result<Option<Option<String>>> {
         let id = self.group_shards::<E>()?[0];
         let (db, shard) = self.conn(id);
         let stmt = Query::select()
-            .column(Alias::new("progress"))
+            .column(Alias::new(column))
             .from(Alias::new("shardkit_gsi_catalog"))
             .and_where(Expr::col(Alias::new("name")).eq(index.table.as_str()))
             .to_owned();
@@ -362,7 +360,9 @@ impl<'c> Gsi<'c> {
             .query_one(&stmt)
             .await
             .map_err(|e| gsi_err(shard, "read gsi catalog".into(), e))?;
-        Ok(row.and_then(|r| r.try_get::<Option<String>>("", "progress").ok().flatten()))
+        row.map(|r| r.try_get::<Option<String>>("", column))
+            .transpose()
+            .map_err(|e| gsi_err(shard, "read gsi catalog".into(), e))
     }
 
     /// Whether the owner row of an index entry exists: a row of shard key

@@ -11,7 +11,6 @@ use shardkit::gsi::IndexState;
 use shardkit::prelude::*;
 use shardkit_examples::Customer;
 use std::io::Write;
-use std::path::PathBuf;
 
 mod member {
     use sea_orm::entity::prelude::*;
@@ -36,19 +35,7 @@ const ROWS: i64 = 2_000;
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let dir = PathBuf::from(
-        std::env::var("SHARDKIT_DATA_DIR").unwrap_or_else(|_| "data/gsi_backfill".into()),
-    );
-    std::fs::create_dir_all(&dir)?;
-    let mut toml = String::new();
-    for i in 0..SHARDS {
-        let file = dir.join(format!("shard_{i}.db"));
-        let _ = std::fs::remove_file(&file);
-        toml.push_str(&format!(
-            "[[shards]]\nname = \"s{i}\"\nurl = \"sqlite://{}?mode=rwc\"\n\n",
-            file.display()
-        ));
-    }
+    let (_, mut toml) = shardkit_examples::sqlite_shards("gsi_backfill", SHARDS)?;
     toml.push_str("[groups.Customer]\n[gsi]\ngrace_ms = 0\n");
     let cluster = Cluster::connect(ClusterConfig::from_toml(&toml)?).await?;
     cluster.migrate::<shardkit_migration::Migrator>().await?;

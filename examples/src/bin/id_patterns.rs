@@ -18,7 +18,6 @@
 use sea_orm::{ConnectionTrait, EntityTrait, QueryFilter, QueryOrder, Statement};
 use shardkit::prelude::*;
 use shardkit_examples::Customer;
-use std::path::PathBuf;
 
 /// Pattern 1: a composite key `(customer_id, seq)`.
 mod note {
@@ -63,19 +62,7 @@ const SHARDS: usize = 4;
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let dir = PathBuf::from(
-        std::env::var("SHARDKIT_DATA_DIR").unwrap_or_else(|_| "data/id_patterns".into()),
-    );
-    std::fs::create_dir_all(&dir)?;
-    let mut toml = String::new();
-    for i in 0..SHARDS {
-        let file = dir.join(format!("shard_{i}.db"));
-        let _ = std::fs::remove_file(&file);
-        toml.push_str(&format!(
-            "[[shards]]\nname = \"s{i}\"\nurl = \"sqlite://{}?mode=rwc\"\n\n",
-            file.display()
-        ));
-    }
+    let (_, mut toml) = shardkit_examples::sqlite_shards("id_patterns", SHARDS)?;
     toml.push_str("[groups.Customer]\n");
     let cluster = Cluster::connect(ClusterConfig::from_toml(&toml)?).await?;
     for name in cluster.topology().shard_names() {

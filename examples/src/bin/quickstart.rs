@@ -9,26 +9,12 @@
 use sea_orm::{EntityTrait, PaginatorTrait};
 use shardkit::prelude::*;
 use shardkit_examples::{Customer, Migrator, customer, order};
-use std::path::PathBuf;
 
 const SHARDS: usize = 4;
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let dir = PathBuf::from(
-        std::env::var("SHARDKIT_DATA_DIR").unwrap_or_else(|_| "data/quickstart".into()),
-    );
-    std::fs::create_dir_all(&dir)?;
-    let mut toml = String::new();
-    for i in 0..SHARDS {
-        let file = dir.join(format!("shard_{i}.db"));
-        // Start from empty shards so every run shows the same thing.
-        let _ = std::fs::remove_file(&file);
-        toml.push_str(&format!(
-            "[[shards]]\nname = \"s{i}\"\nurl = \"sqlite://{}?mode=rwc\"\n\n",
-            file.display()
-        ));
-    }
+    let (dir, mut toml) = shardkit_examples::sqlite_shards("quickstart", SHARDS)?;
     toml.push_str("[groups.Customer]\nplacement = \"hash\"\nbuckets = 1024\n");
 
     println!("== cluster: {SHARDS} SQLite shards in {}", dir.display());
