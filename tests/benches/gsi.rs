@@ -3,6 +3,9 @@
 //!
 //! - `gsi/<backend>/insert_plain` vs `insert_with_gsi`: one row in its own
 //!   shard transaction, without and with one unique global index.
+//! - `gsi/<backend>/insert_plain_plus_autocommit`: the plain insert plus one
+//!   autocommitted row on another shard — the two durable commits index-first
+//!   needs, without any index logic: the floor for `insert_with_gsi`.
 //! - `gsi/<backend>/keyed_read` vs `by_index`: the same row read by its shard
 //!   key, and by its indexed email.
 //!
@@ -10,7 +13,7 @@
 //! printed line when unreachable).
 
 use criterion::{Criterion, criterion_group, criterion_main};
-use sea_orm::{ConnectionTrait, Set};
+use sea_orm::{ConnectionTrait, EntityTrait, Set};
 use shardkit::EntityGroup;
 use shardkit_tests::{Backend, TestDbs};
 use std::hint::black_box;
@@ -106,6 +109,30 @@ fn gsi(c: &mut Criterion) {
                     id: Set(id),
                     email: Set(format!("u{id}@x")),
                 })
+                .await
+                .unwrap();
+                tx.commit().await.unwrap();
+            })
+        });
+        // The floor index-first cannot go below: the same insert plus one
+        // autocommitted row on another shard (two durable commits).
+        group.bench_function("insert_plain_plus_autocommit", |b| {
+            b.to_async(&rt).iter(|| async {
+                let id = next.fetch_add(1, Ordering::Relaxed);
+                let tx = cluster.begin::<Owner>(id).await.unwrap();
+                let own = tx.target().shard.index();
+                tx.insert(plain::ActiveModel {
+                    id: Set(id),
+                    email: Set(format!("u{id}@x")),
+                })
+                .await
+                .unwrap();
+                let other = cluster.topology().shards()[(own + 1) % 4].name.clone();
+                plain::Entity::insert(plain::ActiveModel {
+                    id: Set(-id),
+                    email: Set(format!("f{id}@x")),
+                })
+                .exec(cluster.connection(&other).unwrap())
                 .await
                 .unwrap();
                 tx.commit().await.unwrap();
