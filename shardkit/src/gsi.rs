@@ -34,6 +34,7 @@ use sea_orm::{
     QuerySelect, TransactionSession, TransactionTrait, Value,
 };
 use std::collections::HashMap;
+use std::ops::ControlFlow;
 use std::sync::Mutex;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -77,6 +78,9 @@ pub struct BackfillProgress {
     pub shards_done: usize,
     /// Shards in all.
     pub shards: usize,
+    /// Whether the index is complete and now `active` (false when the
+    /// callback stopped the run; call again to resume).
+    pub finished: bool,
 }
 
 /// One index of one entity.
@@ -619,15 +623,19 @@ impl<'c> Gsi<'c> {
     /// catalog after every chunk and a rerun continues from it (index writes
     /// are idempotent, so a repeated chunk is harmless).
     pub async fn backfill<E: ShardedEntity>(&self, column: E::Column) -> Result<BackfillProgress> {
-        self.backfill_with::<E>(column, 500, |_| {}).await
+        self.backfill_with::<E>(column, 500, |_| ControlFlow::Continue(()))
+            .await
     }
 
-    /// [`backfill`](Self::backfill) with a chunk size and a progress callback.
+    /// [`backfill`](Self::backfill) with a chunk size and a progress callback,
+    /// called after every chunk and every shard. Returning
+    /// `ControlFlow::Break(())` stops after the current chunk with the index
+    /// still `write_only` (`finished: false`); the next call resumes there.
     pub async fn backfill_with<E: ShardedEntity>(
         &self,
         column: E::Column,
         chunk: u64,
-        mut on_progress: impl FnMut(BackfillProgress),
+        mut on_progress: impl FnMut(BackfillProgress) -> ControlFlow<()>,
     ) -> Result<BackfillProgress> {
         let index = IndexDef::find::<E>(column)?;
         let shards = self.group_shards::<E>()?;
@@ -668,16 +676,21 @@ impl<'c> Gsi<'c> {
                 offset += read;
                 self.set_state::<E>(&index, IndexState::WriteOnly, Some(format!("{i}:{offset}")))
                     .await?;
-                on_progress(progress);
+                if on_progress(progress).is_break() {
+                    return Ok(progress);
+                }
                 if read < chunk {
                     break;
                 }
             }
             progress.shards_done = i + 1;
-            on_progress(progress);
+            if on_progress(progress).is_break() && i + 1 < shards.len() {
+                return Ok(progress);
+            }
         }
         self.set_state::<E>(&index, IndexState::Active, None)
             .await?;
+        progress.finished = true;
         Ok(progress)
     }
 

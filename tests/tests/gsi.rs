@@ -357,16 +357,48 @@ async fn write_only_scatters_until_backfilled(dbs: &mut TestDbs) {
         .collect();
     assert_eq!(shards.len(), 4, "while write_only, every shard is asked");
 
+    // A run stopped after three chunks of two rows leaves the index write_only...
+    let mut calls = 0;
+    let stopped = cluster
+        .gsi()
+        .backfill_with::<contact::Entity>(contact::Column::Email, 2, |_| {
+            calls += 1;
+            if calls == 3 {
+                std::ops::ControlFlow::Break(())
+            } else {
+                std::ops::ControlFlow::Continue(())
+            }
+        })
+        .await
+        .unwrap();
+    assert!(!stopped.finished);
+    assert_eq!(
+        cluster
+            .gsi()
+            .state::<contact::Entity>(contact::Column::Email)
+            .await
+            .unwrap(),
+        IndexState::WriteOnly
+    );
+    let first_rows = stopped.rows;
+    assert!((2..=6).contains(&first_rows), "{stopped:?}");
+    // ...and the next run resumes where it stopped instead of starting over.
     let mut seen = Vec::new();
     let progress = cluster
         .gsi()
-        .backfill_with::<contact::Entity>(contact::Column::Email, 2, |p| seen.push(p))
+        .backfill_with::<contact::Entity>(contact::Column::Email, 2, |p| {
+            seen.push(p);
+            std::ops::ControlFlow::Continue(())
+        })
         .await
         .unwrap();
+    assert!(progress.finished);
     assert_eq!(
-        (progress.rows, progress.written, progress.shards_done),
-        (12, 12, 4)
+        progress.rows + first_rows,
+        12,
+        "resumed: {progress:?} after {stopped:?}"
     );
+    assert_eq!(progress.shards_done, 4);
     assert!(seen.len() > 4, "progress is reported per chunk");
     assert_eq!(
         cluster

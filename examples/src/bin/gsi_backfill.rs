@@ -78,6 +78,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 p.shards
             );
             let _ = std::io::stdout().flush();
+            std::ops::ControlFlow::Continue(())
         })
         .await?;
     println!(
