@@ -346,3 +346,41 @@ impl Proxy {
         let _ = self.kill.send(true);
     }
 }
+
+/// Every statement a [`recording_cluster`] sent: (shard, statement).
+pub type Sent = std::sync::Arc<std::sync::Mutex<Vec<(String, sea_orm::Statement)>>>;
+
+/// A cluster over the test's first `shards` databases (with `groups`
+/// appended to the config) that records every statement it sends.
+pub async fn recording_cluster(dbs: &TestDbs, shards: usize, groups: &str) -> (Cluster, Sent) {
+    let sent: Sent = Sent::default();
+    let log = std::sync::Arc::clone(&sent);
+    let cluster = Cluster::builder(dbs.config(shards, groups))
+        .on_statement(move |event| {
+            log.lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push((event.shard.to_owned(), event.statement.clone()))
+        })
+        .connect()
+        .await
+        .expect("connect the test cluster");
+    (cluster, sent)
+}
+
+/// `SELECT COUNT(*)` of `table` summed over every shard of the cluster.
+pub async fn count_rows(cluster: &Cluster, table: &str) -> u64 {
+    let mut n = 0;
+    for shard in cluster.topology().shard_names() {
+        let db = cluster.connection(shard).expect("configured shard");
+        let row = db
+            .query_one_raw(sea_orm::Statement::from_string(
+                db.get_database_backend(),
+                format!("SELECT COUNT(*) AS n FROM {table}"),
+            ))
+            .await
+            .expect("count rows")
+            .expect("a count row");
+        n += row.try_get::<i64>("", "n").expect("a count") as u64;
+    }
+    n
+}

@@ -9,9 +9,8 @@ use sea_orm::{
 use shardkit::gsi::IndexState;
 use shardkit::{Cluster, ShardError};
 use shardkit_tests::models::*;
-use shardkit_tests::{TestDbs, backend_tests};
+use shardkit_tests::{Sent, TestDbs, backend_tests, recording_cluster};
 use std::collections::BTreeSet;
-use std::sync::{Arc, Mutex};
 
 backend_tests!(4 =>
     lookups_follow_the_index,
@@ -21,23 +20,21 @@ backend_tests!(4 =>
     pinned_index_lives_on_one_shard,
 );
 
-type Sent = Arc<Mutex<Vec<(String, String)>>>;
-
 async fn gsi_cluster(dbs: &TestDbs, extra: &str) -> (Cluster, Sent) {
-    let sent: Sent = Arc::default();
-    let log = Arc::clone(&sent);
-    let cluster = Cluster::builder(dbs.config(4, &format!("[groups.Customer]\n{extra}")))
-        .on_statement(move |e| {
-            log.lock()
-                .unwrap()
-                .push((e.shard.to_owned(), e.statement.sql.clone()))
-        })
-        .connect()
-        .await
-        .unwrap();
+    let (cluster, sent) = recording_cluster(dbs, 4, &format!("[groups.Customer]\n{extra}")).await;
     cluster.migrate::<Migrator>().await.unwrap();
     cluster.gsi().create::<contact::Entity>().await.unwrap();
     (cluster, sent)
+}
+
+/// Shards that read the `contacts` table among the recorded statements.
+fn contact_readers(sent: &Sent) -> Vec<String> {
+    sent.lock()
+        .unwrap()
+        .iter()
+        .filter(|(_, s)| s.sql.contains("\"contacts\"") || s.sql.contains("`contacts`"))
+        .map(|(shard, _)| shard.clone())
+        .collect()
 }
 
 async fn add_contact(
@@ -128,13 +125,7 @@ async fn lookups_follow_the_index(dbs: &mut TestDbs) {
             .unwrap();
         assert_eq!(rows.iter().map(|r| r.id).collect::<Vec<_>>(), vec![i]);
         let owner = cluster.shard_of::<Customer>(&i).await.unwrap().to_owned();
-        let reads: Vec<String> = sent
-            .lock()
-            .unwrap()
-            .iter()
-            .filter(|(_, sql)| sql.contains("\"contacts\"") || sql.contains("`contacts`"))
-            .map(|(s, _)| s.clone())
-            .collect();
+        let reads = contact_readers(&sent);
         assert_eq!(reads, vec![owner], "only the owner's shard is read");
     }
     assert!(
@@ -348,13 +339,7 @@ async fn write_only_scatters_until_backfilled(dbs: &mut TestDbs) {
         vec![7],
         "write_only: a scatter finds it"
     );
-    let shards: BTreeSet<String> = sent
-        .lock()
-        .unwrap()
-        .iter()
-        .filter(|(_, sql)| sql.contains("contacts"))
-        .map(|(s, _)| s.clone())
-        .collect();
+    let shards: BTreeSet<String> = contact_readers(&sent).into_iter().collect();
     assert_eq!(shards.len(), 4, "while write_only, every shard is asked");
 
     // A run stopped after three chunks of two rows leaves the index write_only...
@@ -416,13 +401,7 @@ async fn write_only_scatters_until_backfilled(dbs: &mut TestDbs) {
         .await
         .unwrap();
     assert_eq!(rows.iter().map(|r| r.id).collect::<Vec<_>>(), vec![7]);
-    let shards: BTreeSet<String> = sent
-        .lock()
-        .unwrap()
-        .iter()
-        .filter(|(_, sql)| sql.contains("\"contacts\"") || sql.contains("`contacts`"))
-        .map(|(s, _)| s.clone())
-        .collect();
+    let shards: BTreeSet<String> = contact_readers(&sent).into_iter().collect();
     assert_eq!(shards.len(), 1, "active: only the owner's shard");
     // A second backfill is harmless (idempotent writes).
     cluster

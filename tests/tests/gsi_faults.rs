@@ -8,30 +8,12 @@
 //! This binary holds only this scenario: the failpoint is process-wide, and
 //! all three backends want it at 20%.
 
-use sea_orm::{ConnectionTrait, EntityTrait, Set, Statement};
-use shardkit::Cluster;
+use sea_orm::{EntityTrait, Set};
 use shardkit_tests::models::*;
-use shardkit_tests::{TestDbs, backend_tests};
+use shardkit_tests::{TestDbs, backend_tests, count_rows};
 use std::collections::{BTreeSet, HashMap};
 
 backend_tests!(4 => injected_failures_leave_only_dangling_index_rows);
-
-async fn count_rows(cluster: &Cluster, table: &str) -> u64 {
-    let mut n = 0;
-    for shard in cluster.topology().shard_names() {
-        let db = cluster.connection(shard).unwrap();
-        let row = db
-            .query_one_raw(Statement::from_string(
-                db.get_database_backend(),
-                format!("SELECT COUNT(*) AS n FROM {table}"),
-            ))
-            .await
-            .unwrap()
-            .unwrap();
-        n += row.try_get::<i64>("", "n").unwrap() as u64;
-    }
-    n
-}
 
 async fn injected_failures_leave_only_dangling_index_rows(dbs: &mut TestDbs) {
     let cluster = dbs

@@ -12,9 +12,8 @@ use sea_orm_migration::MigratorTrait;
 use shardkit::prelude::*;
 use shardkit::{Cluster, ShardError};
 use shardkit_tests::models::*;
-use shardkit_tests::{Backend, TestDbs, backend_tests};
+use shardkit_tests::{Backend, TestDbs, backend_tests, recording_cluster};
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 backend_tests!(8 =>
@@ -23,24 +22,6 @@ backend_tests!(8 =>
     failed_shard_fails_or_is_reported,
     slow_shard_times_out,
 );
-
-type Sent = Arc<Mutex<Vec<(String, Statement)>>>;
-
-/// A cluster over the test's 8 shards that records every statement it sends.
-async fn recording_cluster(dbs: &TestDbs, groups: &str) -> (Cluster, Sent) {
-    let sent: Sent = Arc::default();
-    let log = Arc::clone(&sent);
-    let cluster = Cluster::builder(dbs.config(8, groups))
-        .on_statement(move |event| {
-            log.lock()
-                .unwrap()
-                .push((event.shard.to_owned(), event.statement.clone()))
-        })
-        .connect()
-        .await
-        .unwrap();
-    (cluster, sent)
-}
 
 /// 120 customers with 3 orders each, written through the cluster, and the same
 /// rows in one plain database for reference answers.
@@ -104,7 +85,7 @@ fn bound_ints(stmt: &Statement) -> BTreeSet<i64> {
 
 async fn keys_split_per_shard(dbs: &mut TestDbs) {
     let single = reference_db(dbs).await;
-    let (cluster, sent) = recording_cluster(dbs, "[groups.Customer]\n").await;
+    let (cluster, sent) = recording_cluster(dbs, 8, "[groups.Customer]\n").await;
     cluster.migrate::<Migrator>().await.unwrap();
     load(&cluster, &single, None).await;
 
@@ -200,7 +181,7 @@ async fn keys_split_per_shard(dbs: &mut TestDbs) {
 
 async fn scatter_merges_like_one_database(dbs: &mut TestDbs) {
     let single = reference_db(dbs).await;
-    let (cluster, sent) = recording_cluster(dbs, "[groups.Customer]\n").await;
+    let (cluster, sent) = recording_cluster(dbs, 8, "[groups.Customer]\n").await;
     cluster.migrate::<Migrator>().await.unwrap();
     load(&cluster, &single, None).await;
 
@@ -524,17 +505,7 @@ async fn long_key_lists_are_chunked_under_the_parameter_limit() {
     let Some(dbs) = TestDbs::create(Backend::Sqlite, "scatter::long_key_lists", 1).await else {
         return;
     };
-    let sent: Sent = Arc::default();
-    let log = Arc::clone(&sent);
-    let cluster = Cluster::builder(dbs.config(1, "[groups.Customer]\n"))
-        .on_statement(move |event| {
-            log.lock()
-                .unwrap()
-                .push((event.shard.to_owned(), event.statement.clone()))
-        })
-        .connect()
-        .await
-        .unwrap();
+    let (cluster, sent) = recording_cluster(&dbs, 1, "[groups.Customer]\n").await;
     cluster.migrate::<Migrator>().await.unwrap();
     let tx = cluster.begin::<Customer>(70_000).await.unwrap();
     tx.insert(order::ActiveModel {
