@@ -363,10 +363,10 @@ impl<E: ShardedEntity, R> Find<E, R> {
     where
         R: Routed<E>,
     {
-        let (read, spec) = self.split();
+        let (read, select, spec) = self.split();
         match spec {
             RouteSpec::One(key) => {
-                let plan = read.plan_one(&key, "all").await?;
+                let plan = read.plan_one(select, &key, "all").await?;
                 let select = read.shape(plan.select, true);
                 let rows = read
                     .run_one(
@@ -378,7 +378,7 @@ impl<E: ShardedEntity, R> Find<E, R> {
                 R::finish(rows, read.gathered(1, Vec::new()))
             }
             spec => {
-                let (rows, gathered) = read.rows(spec, "all").await?;
+                let (rows, gathered) = read.rows(select, spec, "all").await?;
                 R::finish(rows, gathered)
             }
         }
@@ -389,10 +389,10 @@ impl<E: ShardedEntity, R> Find<E, R> {
     where
         R: Routed<E>,
     {
-        let (mut read, spec) = self.split();
+        let (mut read, select, spec) = self.split();
         match spec {
             RouteSpec::One(key) => {
-                let plan = read.plan_one(&key, "one").await?;
+                let plan = read.plan_one(select, &key, "one").await?;
                 let select = read.shape(plan.select, true);
                 let row = read
                     .run_one(
@@ -405,7 +405,7 @@ impl<E: ShardedEntity, R> Find<E, R> {
             }
             spec => {
                 read.limit = Some(1);
-                let (rows, gathered) = read.rows(spec, "one").await?;
+                let (rows, gathered) = read.rows(select, spec, "one").await?;
                 R::finish(rows.into_iter().next(), gathered)
             }
         }
@@ -418,10 +418,10 @@ impl<E: ShardedEntity, R> Find<E, R> {
         R: Routed<E>,
         E::Model: Sync,
     {
-        let (read, spec) = self.split();
+        let (read, select, spec) = self.split();
         match spec {
             RouteSpec::One(key) => {
-                let plan = read.plan_one(&key, "count").await?;
+                let plan = read.plan_one(select, &key, "count").await?;
                 let n = read
                     .run_one(
                         plan.target,
@@ -433,7 +433,7 @@ impl<E: ShardedEntity, R> Find<E, R> {
                 R::finish(n, read.gathered(1, Vec::new()))
             }
             spec => {
-                let parts = read.fan_out(spec).await?;
+                let parts = read.fan_out(select, spec).await?;
                 let asked = count_shards(&parts);
                 let (ok, failed, span) = read
                     .gather(parts, asked, "count", |s, conn| s.count(conn))
@@ -445,7 +445,9 @@ impl<E: ShardedEntity, R> Find<E, R> {
         }
     }
 
-    fn split(self) -> (Read<E>, RouteSpec<KeyOf<E>>)
+    /// The read's settings, its statement (moved, not copied: a keyed read
+    /// sends it as is) and its route.
+    fn split(self) -> (Read<E>, Select<E>, RouteSpec<KeyOf<E>>)
     where
         R: Routed<E>,
     {
@@ -454,19 +456,17 @@ impl<E: ShardedEntity, R> Find<E, R> {
             timeout: self.timeout.or(settings.timeout),
             concurrency: self.concurrency.unwrap_or(settings.max_concurrency),
             cluster: self.cluster,
-            select: self.select,
             order: self.order,
             limit: self.limit,
             offset: self.offset,
         };
-        (read, self.route.spec())
+        (read, self.select, self.route.spec())
     }
 }
 
 /// A read with its routing taken out: what every execution path shares.
 struct Read<E: ShardedEntity> {
     cluster: Cluster,
-    select: Select<E>,
     order: Vec<(E::Column, Order)>,
     limit: Option<u64>,
     offset: Option<u64>,
@@ -495,14 +495,19 @@ impl<E: ShardedEntity> Read<E> {
         }
     }
 
-    async fn plan_one(&self, key: &KeyOf<E>, op: &'static str) -> Result<PlannedOne<E>> {
+    async fn plan_one(
+        &self,
+        select: Select<E>,
+        key: &KeyOf<E>,
+        op: &'static str,
+    ) -> Result<PlannedOne<E>> {
         let target = self.cluster.route::<E::Group>(key).await?;
         let span = read_span::<E>(self.cluster.shard_name(target.shard), target.bucket, op);
         tracing::debug!(parent: &span, key = ?key, "routed read");
         let backend = self.cluster.shard_conn(target.shard).get_database_backend();
         Ok(PlannedOne {
             target,
-            select: keyed_select::<E>(self.select.clone(), key, backend),
+            select: keyed_select::<E>(select, key, backend),
             span,
         })
     }
@@ -523,10 +528,11 @@ impl<E: ShardedEntity> Read<E> {
     /// A multi-shard read of rows: fan out, shape, gather, merge.
     async fn rows(
         &self,
+        select: Select<E>,
         spec: RouteSpec<KeyOf<E>>,
         op: &'static str,
     ) -> Result<(Vec<E::Model>, Gathered)> {
-        let parts = self.fan_out(spec).await?;
+        let parts = self.fan_out(select, spec).await?;
         let asked = count_shards(&parts);
         let parts = parts
             .into_iter()
@@ -561,7 +567,11 @@ impl<E: ShardedEntity> Read<E> {
 
     /// The per-shard statements of a multi-shard read, before ordering. Fails
     /// before any I/O when the ordering cannot be merged.
-    async fn fan_out(&self, spec: RouteSpec<KeyOf<E>>) -> Result<Vec<(ShardId, Select<E>)>> {
+    async fn fan_out(
+        &self,
+        select: Select<E>,
+        spec: RouteSpec<KeyOf<E>>,
+    ) -> Result<Vec<(ShardId, Select<E>)>> {
         if let Some((column, _)) = self
             .order
             .iter()
@@ -589,16 +599,13 @@ impl<E: ShardedEntity> Read<E> {
                         )
                     })?;
                 let index = crate::gsi::IndexDef::of::<E>(*col, *unique);
-                let base = self
-                    .select
-                    .clone()
-                    .filter(Expr::col((E::default(), *col)).eq(value.clone()));
+                let base = select.filter(Expr::col((E::default(), *col)).eq(value.clone()));
                 match self.cluster.gsi().lookup::<E>(&index, &value).await? {
                     Some(keys) => (base, RouteSpec::Many(keys)),
                     None => (base, RouteSpec::All),
                 }
             }
-            other => (self.select.clone(), other),
+            other => (select, other),
         };
         match spec {
             RouteSpec::One(key) => {
@@ -631,7 +638,7 @@ impl<E: ShardedEntity> Read<E> {
                 let mut parts = Vec::new();
                 for (id, keys) in by_shard {
                     let backend = self.cluster.shard_conn(id).get_database_backend();
-                    let mut chunk = self.key_chunk(backend)?;
+                    let mut chunk = self.key_chunk(&base, backend)?;
                     if binary_text_keys::<E>(&keys, backend) {
                         // Each key is bound twice (see `key_condition`).
                         chunk = (chunk / 2).max(1);
@@ -648,13 +655,13 @@ impl<E: ShardedEntity> Read<E> {
 
     /// How many keys fit in one `IN` list on `backend`, leaving room for the
     /// read's own parameters and its `LIMIT`.
-    fn key_chunk(&self, backend: DbBackend) -> Result<usize> {
+    fn key_chunk(&self, select: &Select<E>, backend: DbBackend) -> Result<usize> {
         let limit: usize = match backend {
             DbBackend::Sqlite => 32_766,
             _ => 65_535,
         };
         let used = backend
-            .build(QueryTrait::as_query(&self.select))
+            .build(QueryTrait::as_query(select))
             .values
             .map_or(0, |v| v.0.len());
         let room = limit.saturating_sub(used + 2);
