@@ -233,6 +233,18 @@ fn passwords_never_appear() {
         "{debug}"
     );
 
+    // A URL where another type belongs: the parser quotes the value in its
+    // message, and the password is redacted out of it.
+    let err = ClusterConfig::from_toml(&with(
+        "[groups.C]\nbuckets = \"postgres://app:hunter2@h/db\"\n",
+    ))
+    .unwrap_err();
+    let text = format!("{err} {err:?}");
+    assert!(!text.contains("hunter2"), "{text}");
+    assert!(
+        text.contains("postgres://app:***@h"),
+        "the value is quoted, redacted: {text}"
+    );
     // A parse error on a line holding a password does not echo the line.
     let err = ClusterConfig::from_toml(
         "[[shards]]\nname = \"s0\"\nurl = { x = \"postgres://app:hunter2@h/db\" }\n",

@@ -91,6 +91,38 @@ pub mod ghost {
     impl ActiveModelBehavior for ActiveModel {}
 }
 
+/// A Customer-group entity whose `before_save` hook moves the row to customer
+/// 999 when asked to (`note == "move"`); its table is never created, so a
+/// refusal proves no SQL ran.
+pub mod mover {
+    use sea_orm::entity::prelude::*;
+
+    #[sea_orm::model]
+    #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel, shardkit::Sharded)]
+    #[sea_orm(table_name = "movers_never_created")]
+    #[shardkit(group = crate::models::Customer)]
+    pub struct Model {
+        #[sea_orm(primary_key, auto_increment = false)]
+        pub id: i64,
+        #[shardkit(shard_key)]
+        pub customer_id: i64,
+        pub note: String,
+    }
+
+    #[async_trait::async_trait]
+    impl ActiveModelBehavior for ActiveModel {
+        async fn before_save<C>(mut self, _db: &C, _insert: bool) -> Result<Self, DbErr>
+        where
+            C: ConnectionTrait,
+        {
+            if self.note.as_ref() == "move" {
+                self.customer_id = sea_orm::ActiveValue::Set(999);
+            }
+            Ok(self)
+        }
+    }
+}
+
 /// Notes (compact format: `DeriveEntityModel` with a `Relation` enum), keyed
 /// by tenant name.
 pub mod note {
