@@ -524,9 +524,6 @@ async fn pinned_index_lives_on_one_shard(dbs: &mut TestDbs) {
     assert_eq!(found.map(|r| r.id), Some(9));
 
     // A continuous reconciler removes what a rolled-back insert left behind.
-    let reconciler = cluster
-        .gsi()
-        .reconcile_every::<contact::Entity>(std::time::Duration::from_millis(50));
     // A customer off the index's shard, so its index row cannot roll back with it.
     let mut k = 99_i64;
     while cluster.shard_of::<Customer>(&k).await.unwrap() == "s2" {
@@ -549,6 +546,12 @@ async fn pinned_index_lives_on_one_shard(dbs: &mut TestDbs) {
             .any(|(v, _)| v == "gone@x"),
         "dangling first"
     );
+    // Started only now: with `grace_ms = 0` a reconciler running during the
+    // insert could take its index row for dangling (the grace period is what
+    // protects inserts in flight).
+    let reconciler = cluster
+        .gsi()
+        .reconcile_every::<contact::Entity>(std::time::Duration::from_millis(50));
     let mut cleaned = false;
     for _ in 0..100 {
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
