@@ -25,6 +25,7 @@ use sea_orm_migration::prelude::*;
 pub mod m20261122_000001_create_shardkit_directory;
 pub mod m20261122_000002_create_ticket_registry;
 pub mod m20261122_000003_create_gsi_catalog;
+pub mod m20261122_000004_create_rollout_state;
 
 /// shardkit's migrations, in order.
 pub fn migrations() -> Vec<Box<dyn MigrationTrait>> {
@@ -32,6 +33,7 @@ pub fn migrations() -> Vec<Box<dyn MigrationTrait>> {
         Box::new(m20261122_000001_create_shardkit_directory::Migration),
         Box::new(m20261122_000002_create_ticket_registry::Migration),
         Box::new(m20261122_000003_create_gsi_catalog::Migration),
+        Box::new(m20261122_000004_create_rollout_state::Migration),
     ]
 }
 

@@ -33,6 +33,20 @@ struct Inner {
     gsi_states: crate::gsi::StateCache,
     gsi_grace: Duration,
     gsi_pins: std::collections::HashMap<String, ShardId>,
+    /// Registered rollouts, by the old entity's type.
+    rollouts: std::sync::RwLock<
+        std::collections::HashMap<std::any::TypeId, Arc<dyn crate::rollout::OldWrites>>,
+    >,
+}
+
+/// A [`Cluster`] reference that does not keep it alive (for background tasks).
+#[derive(Clone)]
+pub(crate) struct WeakCluster(std::sync::Weak<Inner>);
+
+impl WeakCluster {
+    pub(crate) fn upgrade(&self) -> Option<Cluster> {
+        self.0.upgrade().map(|inner| Cluster { inner })
+    }
 }
 
 /// Cluster-wide read defaults (from `[read]`).
@@ -148,6 +162,7 @@ impl ClusterBuilder {
                         Some((index.clone(), topology_ids.get(shard).copied()?))
                     })
                     .collect(),
+                rollouts: Default::default(),
             }),
         })
     }
@@ -181,6 +196,36 @@ impl Cluster {
     /// The id service: ticket sequences, snowflakes.
     pub fn ids(&self) -> &Arc<Ids> {
         &self.inner.ids
+    }
+
+    pub(crate) fn downgrade(&self) -> WeakCluster {
+        WeakCluster(Arc::downgrade(&self.inner))
+    }
+
+    /// The rollout registered for the entity with type id `entity`.
+    pub(crate) fn rollout_writes(
+        &self,
+        entity: std::any::TypeId,
+    ) -> Option<Arc<dyn crate::rollout::OldWrites>> {
+        let map = self.inner.rollouts.read().unwrap_or_else(|p| p.into_inner());
+        if map.is_empty() {
+            return None;
+        }
+        map.get(&entity).cloned()
+    }
+
+    /// Registers a rollout's write side; `false` if the entity has one.
+    pub(crate) fn add_rollout(
+        &self,
+        entity: std::any::TypeId,
+        writes: Arc<dyn crate::rollout::OldWrites>,
+    ) -> bool {
+        let mut map = self.inner.rollouts.write().unwrap_or_else(|p| p.into_inner());
+        if map.contains_key(&entity) {
+            return false;
+        }
+        map.insert(entity, writes);
+        true
     }
 
     pub(crate) fn gsi_states(&self) -> &crate::gsi::StateCache {

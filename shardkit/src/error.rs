@@ -191,6 +191,43 @@ pub enum ShardError {
         millis: u64,
     },
 
+    /// A rollout phase change came sooner after the previous one than the
+    /// rollout's gap (the longest cache TTL plus refresh interval of any
+    /// instance that registered it): cache objects of the previous phase may
+    /// still be served somewhere. Nothing was changed.
+    #[error(
+        "rollout `{rollout}` cannot move from {from} to {to} yet: the previous phase change was \
+         {elapsed_ms} ms ago and caches may hold objects of that phase for {gap_ms} ms; wait \
+         {wait_ms} ms"
+    )]
+    RolloutTooSoon {
+        /// The rollout.
+        rollout: String,
+        /// Its phase.
+        from: crate::rollout::Phase,
+        /// The phase asked for.
+        to: crate::rollout::Phase,
+        /// Time since the previous change.
+        elapsed_ms: u64,
+        /// The required gap.
+        gap_ms: u64,
+        /// How much longer to wait.
+        wait_ms: u64,
+    },
+
+    /// A rollout refused an operation in its current phase (a write of the
+    /// old entity after `Done`, a backfill before dual writes, a phase change
+    /// another instance made first, ...). Nothing was written.
+    #[error("rollout `{rollout}` (phase {phase}) refused: {reason}")]
+    Rollout {
+        /// The rollout.
+        rollout: String,
+        /// Its phase when it refused.
+        phase: crate::rollout::Phase,
+        /// Why, and what to do instead.
+        reason: String,
+    },
+
     /// Applying migrations to a shard failed.
     #[error("migrating shard `{shard}` failed: {source}")]
     Migration {
@@ -234,7 +271,9 @@ impl ShardError {
             | ShardError::MissingShardKey { .. }
             | ShardError::RollbackOnly { .. }
             | ShardError::Unmergeable { .. }
-            | ShardError::UniqueViolation { .. } => ErrorKind::Refused,
+            | ShardError::UniqueViolation { .. }
+            | ShardError::RolloutTooSoon { .. }
+            | ShardError::Rollout { .. } => ErrorKind::Refused,
             ShardError::Unroutable { .. } => ErrorKind::Routing,
         }
     }

@@ -854,7 +854,7 @@ pub(crate) fn model_pk<E: ShardedEntity>(row: &E::Model) -> String {
 
 /// The indexed column's value for `text`, typed like the column (so the
 /// owner check compares like with like).
-fn typed_value<E: ShardedEntity>(column: E::Column, text: &str) -> Value {
+pub(crate) fn typed_value<E: ShardedEntity>(column: E::Column, text: &str) -> Value {
     use sea_orm::ColumnTrait;
     use sea_orm::sea_query::ColumnType;
     match column.def().get_column_type() {

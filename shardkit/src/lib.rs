@@ -91,8 +91,10 @@ pub mod error;
 pub mod gsi;
 pub mod ids;
 pub mod read;
+pub mod rollout;
 pub mod topology;
 pub mod tx;
+pub mod verify;
 
 pub use cluster::{
     Cluster, ClusterBuilder, DatabaseMigrationStatus, Directory, MigrationReport, StatementEvent,
@@ -106,7 +108,9 @@ pub use read::{
 };
 pub use shardkit_derive::{EntityGroup, Sharded};
 pub use topology::{ClusterConfig, DatabaseUrl, ShardId, Target, Topology};
+pub use rollout::{Phase, Rollout, RolloutBackfill, RolloutHandle};
 pub use tx::ShardTx;
+pub use verify::{RowDiff, VerifyOptions, VerifyReport};
 
 /// The SeaORM this version of shardkit is built on.
 pub use sea_orm;

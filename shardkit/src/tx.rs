@@ -14,7 +14,8 @@ use sea_orm::{
     ActiveModelBehavior, ActiveModelTrait, ColumnTrait, DatabaseTransaction, DbErr, EntityTrait,
     IntoActiveModel, QueryFilter,
 };
-use std::sync::Mutex;
+use crate::rollout::{OldWrites, Phase, WriteCtx};
+use std::sync::{Arc, Mutex};
 use tracing::Instrument;
 
 /// A transaction on the shard of one key of group `G`.
@@ -31,6 +32,8 @@ pub struct ShardTx<G: EntityGroup> {
     cluster: crate::Cluster,
     /// Index rows to remove once the primary transaction has committed.
     removals: Mutex<Vec<crate::gsi::Removal>>,
+    /// Rollout cache fills and invalidations, applied once committed.
+    after_commit: Mutex<Vec<crate::rollout::AfterCommit>>,
     key: G::Key,
     shard: String,
     target: Target,
@@ -61,6 +64,7 @@ impl<G: EntityGroup> ShardTx<G> {
             txn,
             cluster,
             removals: Mutex::new(Vec::new()),
+            after_commit: Mutex::new(Vec::new()),
             key,
             shard,
             target,
@@ -238,6 +242,71 @@ impl<G: EntityGroup> ShardTx<G> {
         )
     }
 
+    /// The rollout registered for `E`, if any (see [`crate::rollout`]).
+    fn rollout_of<E: EntityTrait>(&self) -> Option<Arc<dyn OldWrites>> {
+        self.cluster.rollout_writes(std::any::TypeId::of::<E>())
+    }
+
+    fn rollout_ctx(&self) -> WriteCtx<'_> {
+        WriteCtx {
+            cluster: &self.cluster,
+            txn: &self.txn,
+            shard: &self.shard,
+            shard_id: self.target.shard,
+        }
+    }
+
+    fn defer(&self, after: Option<crate::rollout::AfterCommit>) {
+        if let Some(after) = after {
+            self.after_commit
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(after);
+        }
+    }
+
+    /// Lets the rollout of the written old row dual-write it; a failure
+    /// makes the transaction rollback-only (neither table commits).
+    async fn rollout_after_write<E: EntityTrait>(
+        &self,
+        rollout: Option<&Arc<dyn OldWrites>>,
+        row: &E::Model,
+    ) -> Result<()> {
+        if let Some(rollout) = rollout {
+            let after = rollout
+                .after_write(self.rollout_ctx(), Box::new(row.clone()))
+                .await
+                .map_err(|e| self.poison(e))?;
+            self.defer(after);
+        }
+        Ok(())
+    }
+
+    /// In `new_only` and later, a write of the old entity goes to the new
+    /// table only; returns the old model as written.
+    async fn rollout_new_only<E: EntityTrait>(
+        &self,
+        rollout: &Arc<dyn OldWrites>,
+        model: E::ActiveModel,
+        update: bool,
+    ) -> Result<E::Model>
+    where
+        E::ActiveModel: Send + 'static,
+    {
+        let (row, after) = rollout
+            .write_new_only(self.rollout_ctx(), Box::new(model), update)
+            .await
+            .map_err(|e| self.poison(e))?;
+        self.defer(Some(after));
+        row.downcast::<E::Model>().map(|b| *b).map_err(|_| {
+            self.poison(ShardError::Rollout {
+                rollout: rollout.name().to_owned(),
+                phase: rollout.phase(),
+                reason: "internal: the rollout returned another model type".into(),
+            })
+        })
+    }
+
     fn write_err<E: EntityTrait>(&self, op: &str, source: DbErr) -> ShardError {
         ShardError::Db {
             group: G::NAME,
@@ -258,7 +327,7 @@ impl<G: EntityGroup> ShardTx<G> {
     /// unset primary key with `#[shardkit(id = "...")]` is filled first.
     pub async fn insert<A>(&self, mut model: A) -> Result<<A::Entity as EntityTrait>::Model>
     where
-        A: ActiveModelTrait + ActiveModelBehavior + Send,
+        A: ActiveModelTrait + ActiveModelBehavior + Send + 'static,
         A::Entity: InGroup<G> + EntityTrait<ActiveModel = A>,
         <A::Entity as EntityTrait>::Model: IntoActiveModel<A>,
     {
@@ -277,12 +346,21 @@ impl<G: EntityGroup> ShardTx<G> {
                 .await
                 .map_err(|e| self.write_err::<A::Entity>("insert", e))?;
             self.check::<A::Entity>(&model)?;
+            let rollout = self.rollout_of::<A::Entity>();
+            if let Some(r) = rollout.as_ref().filter(|r| r.phase() >= Phase::NewOnly) {
+                let row = self.rollout_new_only::<A::Entity>(r, model, false).await?;
+                return A::after_save(row, &self.txn, true)
+                    .await
+                    .map_err(|e| self.write_err::<A::Entity>("insert", e));
+            }
             // Index rows commit before the primary row is even written.
             self.index_first::<A::Entity>(&model, None).await?;
             let row = <A::Entity as EntityTrait>::insert(model)
                 .exec_with_returning(&self.txn)
                 .await
                 .map_err(|e| self.write_err::<A::Entity>("insert", e))?;
+            self.rollout_after_write::<A::Entity>(rollout.as_ref(), &row)
+                .await?;
             A::after_save(row, &self.txn, true)
                 .await
                 .map_err(|e| self.write_err::<A::Entity>("insert", e))
@@ -297,7 +375,7 @@ impl<G: EntityGroup> ShardTx<G> {
     /// `RecordNotUpdated` is returned instead).
     pub async fn update<A>(&self, model: A) -> Result<<A::Entity as EntityTrait>::Model>
     where
-        A: ActiveModelTrait + ActiveModelBehavior + Send,
+        A: ActiveModelTrait + ActiveModelBehavior + Send + 'static,
         A::Entity: InGroup<G> + EntityTrait<ActiveModel = A>,
         <A::Entity as EntityTrait>::Model: IntoActiveModel<A>,
     {
@@ -308,6 +386,13 @@ impl<G: EntityGroup> ShardTx<G> {
                 .await
                 .map_err(|e| self.write_err::<A::Entity>("update", e))?;
             self.check::<A::Entity>(&model)?;
+            let rollout = self.rollout_of::<A::Entity>();
+            if let Some(r) = rollout.as_ref().filter(|r| r.phase() >= Phase::NewOnly) {
+                let row = self.rollout_new_only::<A::Entity>(r, model, true).await?;
+                return A::after_save(row, &self.txn, false)
+                    .await
+                    .map_err(|e| self.write_err::<A::Entity>("update", e));
+            }
             if !model.is_changed() {
                 // Nothing to set: SeaORM would answer with a primary-key read
                 // that ignores the shard key. Read within the key instead.
@@ -341,6 +426,8 @@ impl<G: EntityGroup> ShardTx<G> {
                 .exec(&self.txn)
                 .await
                 .map_err(|e| self.write_err::<A::Entity>("update", e))?;
+            self.rollout_after_write::<A::Entity>(rollout.as_ref(), &row)
+                .await?;
             A::after_save(row, &self.txn, false)
                 .await
                 .map_err(|e| self.write_err::<A::Entity>("update", e))
@@ -353,7 +440,7 @@ impl<G: EntityGroup> ShardTx<G> {
     /// number of rows deleted (0 or 1). The `DELETE` also matches the shard key.
     pub async fn delete<A>(&self, model: A) -> Result<u64>
     where
-        A: ActiveModelTrait + ActiveModelBehavior + Send,
+        A: ActiveModelTrait + ActiveModelBehavior + Send + 'static,
         A::Entity: InGroup<G> + EntityTrait<ActiveModel = A>,
     {
         self.check::<A::Entity>(&model)?;
@@ -363,6 +450,18 @@ impl<G: EntityGroup> ShardTx<G> {
                 .await
                 .map_err(|e| self.write_err::<A::Entity>("delete", e))?;
             self.check::<A::Entity>(&model)?;
+            let rollout = self.rollout_of::<A::Entity>();
+            if let Some(r) = rollout.as_ref().filter(|r| r.phase() >= Phase::NewOnly) {
+                let (deleted, after) = r
+                    .after_delete(self.rollout_ctx(), Box::new(model.clone()))
+                    .await
+                    .map_err(|e| self.poison(e))?;
+                self.defer(after);
+                A::after_delete(model, &self.txn)
+                    .await
+                    .map_err(|e| self.write_err::<A::Entity>("delete", e))?;
+                return Ok(deleted);
+            }
             let current = if <A::Entity as ShardedEntity>::GLOBAL_INDEXES.is_empty() {
                 None
             } else {
@@ -385,6 +484,13 @@ impl<G: EntityGroup> ShardTx<G> {
                     .map(|(c, _)| *c)
                     .collect();
                 self.queue_removals::<A::Entity>(&current, &all)?;
+            }
+            if let Some(r) = &rollout {
+                let (_, after) = r
+                    .after_delete(self.rollout_ctx(), Box::new(model.clone()))
+                    .await
+                    .map_err(|e| self.poison(e))?;
+                self.defer(after);
             }
             A::after_delete(model, &self.txn)
                 .await
@@ -427,6 +533,7 @@ impl<G: EntityGroup> ShardTx<G> {
             span,
             cluster,
             removals,
+            after_commit,
             ..
         } = self;
         txn.commit()
@@ -438,6 +545,9 @@ impl<G: EntityGroup> ShardTx<G> {
                 operation: "commit".to_owned(),
                 source,
             })?;
+        for after in after_commit.into_inner().unwrap_or_else(|p| p.into_inner()) {
+            after();
+        }
         // Old index rows go only now; a failure here leaves a dangling row,
         // which lookups ignore and reconciliation removes.
         let removals = removals.into_inner().unwrap_or_else(|p| p.into_inner());
