@@ -207,7 +207,11 @@ impl Cluster {
         &self,
         entity: std::any::TypeId,
     ) -> Option<Arc<dyn crate::rollout::OldWrites>> {
-        let map = self.inner.rollouts.read().unwrap_or_else(|p| p.into_inner());
+        let map = self
+            .inner
+            .rollouts
+            .read()
+            .unwrap_or_else(|p| p.into_inner());
         if map.is_empty() {
             return None;
         }
@@ -220,7 +224,11 @@ impl Cluster {
         entity: std::any::TypeId,
         writes: Arc<dyn crate::rollout::OldWrites>,
     ) -> bool {
-        let mut map = self.inner.rollouts.write().unwrap_or_else(|p| p.into_inner());
+        let mut map = self
+            .inner
+            .rollouts
+            .write()
+            .unwrap_or_else(|p| p.into_inner());
         if map.contains_key(&entity) {
             return false;
         }

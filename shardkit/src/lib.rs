@@ -106,9 +106,9 @@ pub use ids::{Ids, Sequence, Snowflake, SnowflakeLayout, uuid_v7};
 pub use read::{
     AllowPartial, ByIndex, Find, KeyOf, Keyed, Keys, Partial, Scatter, TxFind, Unkeyed,
 };
+pub use rollout::{Phase, Rollout, RolloutBackfill, RolloutHandle};
 pub use shardkit_derive::{EntityGroup, Sharded};
 pub use topology::{ClusterConfig, DatabaseUrl, ShardId, Target, Topology};
-pub use rollout::{Phase, Rollout, RolloutBackfill, RolloutHandle};
 pub use tx::ShardTx;
 pub use verify::{RowDiff, VerifyOptions, VerifyReport};
 

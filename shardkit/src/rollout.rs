@@ -134,7 +134,9 @@ impl std::fmt::Display for Phase {
     }
 }
 
-type Convert<A, B> = Arc<dyn Fn(&A) -> B + Send + Sync>;
+/// A user-supplied conversion between the two models.
+pub(crate) type ConvertFn<A, B> = dyn Fn(&A) -> B + Send + Sync;
+type Convert<A, B> = Arc<ConvertFn<A, B>>;
 type ModelOf<E> = <E as EntityTrait>::Model;
 type KeyOf<E> = <<E as ShardedEntity>::Group as EntityGroup>::Key;
 
@@ -170,7 +172,10 @@ impl<Old: ShardedEntity, New: ShardedEntity> Rollout<Old, New> {
     /// The conversion back, new → old. Needed from [`Phase::ReadNew`] on:
     /// reads of the old model are then served from the new table, and old
     /// writes in [`Phase::NewOnly`] are applied to the new row.
-    pub fn to_old(mut self, to_old: impl Fn(&New::Model) -> Old::Model + Send + Sync + 'static) -> Self {
+    pub fn to_old(
+        mut self,
+        to_old: impl Fn(&New::Model) -> Old::Model + Send + Sync + 'static,
+    ) -> Self {
         self.to_old = Some(Arc::new(to_old));
         self
     }
@@ -287,7 +292,10 @@ pub(crate) trait OldWrites: Send + Sync {
     ) -> BoxFuture<'a, Result<(Box<dyn Any + Send>, AfterCommit)>>;
 }
 
-fn new_cache<V: Clone + Send + Sync + 'static>(ttl: Duration, capacity: u64) -> moka::sync::Cache<String, V> {
+fn new_cache<V: Clone + Send + Sync + 'static>(
+    ttl: Duration,
+    capacity: u64,
+) -> moka::sync::Cache<String, V> {
     moka::sync::Cache::builder()
         .time_to_live(ttl)
         .max_capacity(capacity)
@@ -335,12 +343,39 @@ fn pk_arity<E: EntityTrait>() -> usize {
 }
 
 /// Inserts `model`, or overwrites the row with its primary key.
+///
+/// PostgreSQL and SQLite use `ON CONFLICT (<primary key>) DO UPDATE`, which
+/// fires on the primary key only. MySQL's `ON DUPLICATE KEY UPDATE` fires on
+/// *any* unique key and would overwrite another row that merely shares a
+/// unique value, so there it is an `UPDATE` by primary key (SQLx reports
+/// matched rows) and, when none matched, an `INSERT`.
 pub(crate) async fn upsert<E, C>(db: &C, model: E::Model) -> std::result::Result<(), DbErr>
 where
     E: EntityTrait,
     E::Model: IntoActiveModel<E::ActiveModel>,
     C: ConnectionTrait,
 {
+    let active = model.into_active_model().reset_all();
+    if db.get_database_backend() == sea_orm::DbBackend::MySql {
+        let pk: Vec<Value> = <E::PrimaryKey as Iterable>::iter()
+            .map(|c| {
+                active
+                    .get(c.into_column())
+                    .into_value()
+                    .unwrap_or(Value::Bool(None))
+            })
+            .collect();
+        let matched = E::update_many()
+            .set(active.clone())
+            .filter(pk_condition::<E>(&pk))
+            .exec(db)
+            .await?
+            .rows_affected;
+        if matched > 0 {
+            return Ok(());
+        }
+        return E::insert(active).exec_without_returning(db).await.map(drop);
+    }
     let pks: Vec<E::Column> = <E::PrimaryKey as Iterable>::iter()
         .map(PrimaryKeyToColumn::into_column)
         .collect();
@@ -356,7 +391,6 @@ where
     } else {
         on_conflict.update_columns(others);
     }
-    let active = model.into_active_model().reset_all();
     E::insert(active)
         .on_conflict(on_conflict)
         .exec_without_returning(db)
@@ -409,7 +443,12 @@ where
     /// Writes the new model of `old` in the transaction: its index rows
     /// first (see [`crate::gsi`]), then the row itself, as an upsert (the row
     /// may predate dual writes, or a backfill may have copied it).
-    async fn write_new(&self, ctx: &WriteCtx<'_>, old: &Old::Model, insert_only: bool) -> Result<()> {
+    async fn write_new(
+        &self,
+        ctx: &WriteCtx<'_>,
+        old: &Old::Model,
+        insert_only: bool,
+    ) -> Result<()> {
         let new = (self.to_new)(old);
         self.index_new(ctx, &new).await?;
         let op = format!("dual write {}", table_name::<New>());
@@ -447,10 +486,18 @@ where
     }
 
     /// The new row with `pk` under `key`, read within the transaction.
-    async fn new_row_in(&self, ctx: &WriteCtx<'_>, key: &KeyOf<New>, pk: &[Value]) -> Result<Option<New::Model>> {
+    async fn new_row_in(
+        &self,
+        ctx: &WriteCtx<'_>,
+        key: &KeyOf<New>,
+        pk: &[Value],
+    ) -> Result<Option<New::Model>> {
         let backend = ctx.txn.get_database_backend();
         New::find()
-            .filter(crate::read::key_condition::<New>(std::slice::from_ref(key), backend))
+            .filter(crate::read::key_condition::<New>(
+                std::slice::from_ref(key),
+                backend,
+            ))
             .filter(pk_condition::<New>(pk))
             .one(ctx.txn)
             .await
@@ -524,7 +571,8 @@ where
                     table_name::<New>()
                 )));
             }
-            let (Some(key), Some(pk)) = (Old::active_shard_key(&model), model.get_primary_key_value())
+            let (Some(key), Some(pk)) =
+                (Old::active_shard_key(&model), model.get_primary_key_value())
             else {
                 return Ok((0, None));
             };
@@ -533,7 +581,10 @@ where
             if phase.writes_new() {
                 let backend = ctx.txn.get_database_backend();
                 deleted = New::delete_many()
-                    .filter(crate::read::key_condition::<New>(std::slice::from_ref(&key), backend))
+                    .filter(crate::read::key_condition::<New>(
+                        std::slice::from_ref(&key),
+                        backend,
+                    ))
                     .filter(pk_condition::<New>(&pk))
                     .exec(ctx.txn)
                     .await
@@ -568,14 +619,24 @@ where
                     table_name::<New>()
                 )));
             }
-            let op = |what: &str| format!("{what} {} (as {})", table_name::<Old>(), table_name::<New>());
+            let op = |what: &str| {
+                format!(
+                    "{what} {} (as {})",
+                    table_name::<Old>(),
+                    table_name::<New>()
+                )
+            };
             let old = if update {
                 // Apply the set columns to the old form of the current new row.
                 let Some(key) = Old::active_shard_key(&model) else {
                     return Err(self.refused_err("internal: update without a shard key"));
                 };
                 let Some(pk) = model.get_primary_key_value() else {
-                    return Err(self.db_err(ctx.shard, op("update"), DbErr::PrimaryKeyNotSet { ctx: "rollout" }));
+                    return Err(self.db_err(
+                        ctx.shard,
+                        op("update"),
+                        DbErr::PrimaryKeyNotSet { ctx: "rollout" },
+                    ));
                 };
                 let pk: Vec<Value> = pk.into_iter().collect();
                 let current = self
@@ -616,11 +677,11 @@ impl<Old: ShardedEntity, New: ShardedEntity> Shared<Old, New> {
         self.phase.store(phase as u8, Ordering::Release);
     }
 
-    pub(crate) fn to_new_fn(&self) -> &(dyn Fn(&Old::Model) -> New::Model + Send + Sync) {
+    pub(crate) fn to_new_fn(&self) -> &ConvertFn<Old::Model, New::Model> {
         &*self.to_new
     }
 
-    pub(crate) fn to_old_fn(&self) -> Option<&(dyn Fn(&New::Model) -> Old::Model + Send + Sync)> {
+    pub(crate) fn to_old_fn(&self) -> Option<&ConvertFn<New::Model, Old::Model>> {
         self.to_old.as_deref()
     }
 
@@ -807,11 +868,14 @@ impl Cluster {
         Old::ActiveModel: TryIntoModel<Old::Model> + Send + Sync,
         New::Model: Sync + IntoActiveModel<New::ActiveModel>,
         New::ActiveModel: Send,
-    New::ActiveModel: Send,
+        New::ActiveModel: Send,
     {
         let entry = format!("rollout {:?}", rollout.name);
         if rollout.name.is_empty() || rollout.name.len() > 128 {
-            return Err(ShardError::config(entry, "a rollout name has 1 to 128 characters"));
+            return Err(ShardError::config(
+                entry,
+                "a rollout name has 1 to 128 characters",
+            ));
         }
         if pk_arity::<Old>() != pk_arity::<New>() {
             return Err(ShardError::config(
@@ -987,7 +1051,10 @@ where
         let (db, shard) = state_db::<Old>(&self.cluster)?;
         let state = read_state(db, shard, &self.shared.name)
             .await?
-            .ok_or_else(|| self.shared.refused_err(format!("its row in {STATE_TABLE} is gone")))?;
+            .ok_or_else(|| {
+                self.shared
+                    .refused_err(format!("its row in {STATE_TABLE} is gone"))
+            })?;
         self.shared.set_local_phase(state.phase);
         Ok(state)
     }
@@ -1015,9 +1082,16 @@ where
     async fn step(&self, forward: bool) -> Result<Phase> {
         let state = self.state().await?;
         let from = state.phase;
-        let to = if forward { from.next() } else { from.previous() }.ok_or_else(|| {
-            self.shared
-                .refused_err(format!("there is no phase {} {from}", if forward { "after" } else { "before" }))
+        let to = if forward {
+            from.next()
+        } else {
+            from.previous()
+        }
+        .ok_or_else(|| {
+            self.shared.refused_err(format!(
+                "there is no phase {} {from}",
+                if forward { "after" } else { "before" }
+            ))
         })?;
         if forward {
             if to >= Phase::ReadNew && self.shared.to_old.is_none() {
@@ -1058,9 +1132,9 @@ where
             .await
             .map_err(|e| state_err(shard, "update", e))?;
         if res.rows_affected() == 0 {
-            return Err(self
-                .shared
-                .refused_err("another instance changed the phase first; refresh and decide again"));
+            return Err(self.shared.refused_err(
+                "another instance changed the phase first; refresh and decide again",
+            ));
         }
         tracing::info!(rollout = %self.shared.name, %from, %to, "rollout phase changed");
         self.shared.set_local_phase(to);
@@ -1114,7 +1188,11 @@ where
             return Ok(Some(hit));
         }
         let row = if phase.reads_new() {
-            let new = match phase.caches().then(|| self.shared.new_cache.get(&ck)).flatten() {
+            let new = match phase
+                .caches()
+                .then(|| self.shared.new_cache.get(&ck))
+                .flatten()
+            {
                 Some(new) => Some(new),
                 None => self.read_new_table(&key, &pk).await?,
             };
@@ -1230,7 +1308,9 @@ where
             let db = self.cluster.shard_conn(*id);
             let shard = self.cluster.shard_name(*id);
             loop {
-                let copied = self.backfill_chunk(*id, db, shard, after.as_deref(), chunk).await?;
+                let copied = self
+                    .backfill_chunk(*id, db, shard, after.as_deref(), chunk)
+                    .await?;
                 let done = (copied.len() as u64) < chunk;
                 progress.rows += copied.len() as u64;
                 if let Some(last) = copied.last() {
@@ -1241,7 +1321,14 @@ where
                 } else {
                     format_cursor(i, after.as_deref())
                 };
-                save_progress(state_conn, state_shard, &self.shared.name, "backfill", Some(cursor)).await?;
+                save_progress(
+                    state_conn,
+                    state_shard,
+                    &self.shared.name,
+                    "backfill",
+                    Some(cursor),
+                )
+                .await?;
                 if done {
                     break;
                 }
@@ -1255,7 +1342,14 @@ where
                 return Ok(progress);
             }
         }
-        save_progress(state_conn, state_shard, &self.shared.name, "backfill", Some(BACKFILL_DONE.to_owned())).await?;
+        save_progress(
+            state_conn,
+            state_shard,
+            &self.shared.name,
+            "backfill",
+            Some(BACKFILL_DONE.to_owned()),
+        )
+        .await?;
         progress.finished = true;
         Ok(progress)
     }
@@ -1269,7 +1363,10 @@ where
         chunk: u64,
     ) -> Result<Vec<Old::Model>> {
         use sea_orm::{QuerySelect, TransactionTrait};
-        let err = |e| self.shared.db_err(shard, format!("backfill {}", table_name::<New>()), e);
+        let err = |e| {
+            self.shared
+                .db_err(shard, format!("backfill {}", table_name::<New>()), e)
+        };
         let txn = db.begin().await.map_err(err)?;
         let rows = by_pk(Old::find().filter(after_condition::<Old>(after)))
             .limit(chunk)

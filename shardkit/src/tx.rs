@@ -8,13 +8,13 @@
 use crate::entity::{EntityGroup, InGroup, ShardKey, ShardedEntity, table_name};
 use crate::error::{Result, ShardError};
 use crate::read::TxFind;
+use crate::rollout::{OldWrites, Phase, WriteCtx};
 use crate::topology::Target;
 use sea_orm::ModelTrait;
 use sea_orm::{
     ActiveModelBehavior, ActiveModelTrait, ColumnTrait, DatabaseTransaction, DbErr, EntityTrait,
     IntoActiveModel, QueryFilter,
 };
-use crate::rollout::{OldWrites, Phase, WriteCtx};
 use std::sync::{Arc, Mutex};
 use tracing::Instrument;
 

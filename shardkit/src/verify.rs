@@ -28,9 +28,9 @@ use crate::rollout::{
 };
 use sea_orm::sea_query::{Alias, Expr, Query};
 use sea_orm::{
-    ConnectionTrait, DatabaseConnection, DbBackend, DbErr, EntityTrait, IdenStatic, IntoActiveModel,
-    Iterable, PrimaryKeyToColumn, PrimaryKeyTrait, QueryFilter, QuerySelect, TransactionTrait,
-    TryIntoModel, Value, sea_query::IntoValueTuple,
+    ConnectionTrait, DatabaseConnection, DbBackend, DbErr, EntityTrait, IdenStatic,
+    IntoActiveModel, Iterable, PrimaryKeyToColumn, PrimaryKeyTrait, QueryFilter, QuerySelect,
+    TransactionTrait, TryIntoModel, Value, sea_query::IntoValueTuple,
 };
 use std::collections::HashMap;
 use std::hash::Hasher;
@@ -339,9 +339,11 @@ where
     .map_err(|e| verify_err(target.shard, format!("select {}", table_name::<D>()), e))?;
     let keep = |m: &D::Model| filter.is_none_or(|f| f(m));
     let digest = |rows: &[D::Model]| {
-        rows.iter().filter(|m| keep(m)).fold((0u64, 0u64), |(n, s), m| {
-            (n + 1, s.wrapping_add(row_hash(m)))
-        })
+        rows.iter()
+            .filter(|m| keep(m))
+            .fold((0u64, 0u64), |(n, s), m| {
+                (n + 1, s.wrapping_add(row_hash(m)))
+            })
     };
     let (src_digest, dst_digest) = (digest(&src), digest(&dst));
     if !in_db {
@@ -391,7 +393,11 @@ where
 /// `FOR UPDATE` on its shard while the fix is written, so a write to it in
 /// between waits. When source and target share a database, one transaction
 /// holds both.
-async fn repair_row<S, D>(source: &Source<'_, S, D>, target: &Target<'_>, pk: &[Value]) -> Result<()>
+async fn repair_row<S, D>(
+    source: &Source<'_, S, D>,
+    target: &Target<'_>,
+    pk: &[Value],
+) -> Result<()>
 where
     S: EntityTrait,
     D: EntityTrait,
@@ -480,18 +486,26 @@ where
             loop {
                 if opts.max_chunks.is_some_and(|m| report.chunks >= m) {
                     let cursor = format_cursor(i, after.as_deref());
-                    crate::rollout::save_progress(state_conn, state_shard, self.name(), "verify", Some(cursor.clone())).await?;
+                    crate::rollout::save_progress(
+                        state_conn,
+                        state_shard,
+                        self.name(),
+                        "verify",
+                        Some(cursor.clone()),
+                    )
+                    .await?;
                     report.cursor = Some(cursor);
                     return Ok(report);
                 }
-                let next = if let Some(to_old) = to_old.as_deref().filter(|_| opts.from_new) {
+                let next = if let Some(to_old) = to_old.filter(|_| opts.from_new) {
                     let source = Source::<New, Old> {
                         db,
                         shard,
                         convert: to_old,
                         same_table: false,
                     };
-                    verify_chunk(&source, &target, None, after.as_deref(), &opts, &mut report).await?
+                    verify_chunk(&source, &target, None, after.as_deref(), &opts, &mut report)
+                        .await?
                 } else {
                     let source = Source::<Old, New> {
                         db,
@@ -499,14 +513,22 @@ where
                         convert: shared.to_new_fn(),
                         same_table: false,
                     };
-                    verify_chunk(&source, &target, None, after.as_deref(), &opts, &mut report).await?
+                    verify_chunk(&source, &target, None, after.as_deref(), &opts, &mut report)
+                        .await?
                 };
                 after = next;
                 let cursor = match &after {
                     Some(pk) => format_cursor(i, Some(pk)),
                     None => format_cursor(i + 1, None),
                 };
-                crate::rollout::save_progress(state_conn, state_shard, self.name(), "verify", Some(cursor)).await?;
+                crate::rollout::save_progress(
+                    state_conn,
+                    state_shard,
+                    self.name(),
+                    "verify",
+                    Some(cursor),
+                )
+                .await?;
                 if after.is_none() {
                     break;
                 }
@@ -520,7 +542,11 @@ where
     /// Runs [`verify`](Self::verify) every `interval` until the handle is
     /// aborted (PayPal's consistency daemon); each pass's counts are logged,
     /// differences at `warn`.
-    pub fn verify_every(&self, interval: Duration, opts: VerifyOptions) -> tokio::task::JoinHandle<()> {
+    pub fn verify_every(
+        &self,
+        interval: Duration,
+        opts: VerifyOptions,
+    ) -> tokio::task::JoinHandle<()> {
         let this = self.clone();
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(interval);
@@ -538,7 +564,9 @@ where
                         repaired = r.repaired,
                         "rollout verify: differences"
                     ),
-                    Err(err) => tracing::warn!(rollout = %this.name(), error = %err, "rollout verify failed"),
+                    Err(err) => {
+                        tracing::warn!(rollout = %this.name(), error = %err, "rollout verify failed")
+                    }
                 }
             }
         })

@@ -301,6 +301,74 @@ pub mod contact {
     impl ActiveModelBehavior for ActiveModel {}
 }
 
+/// A rollout's old model: a person's name in two columns.
+pub mod person_v1 {
+    use sea_orm::entity::prelude::*;
+
+    #[sea_orm::model]
+    #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel, shardkit::Sharded)]
+    #[sea_orm(table_name = "people")]
+    #[shardkit(group = crate::models::Customer)]
+    pub struct Model {
+        #[sea_orm(primary_key, auto_increment = false)]
+        pub id: i64,
+        #[shardkit(shard_key)]
+        pub customer_id: i64,
+        pub first_name: String,
+        pub last_name: String,
+        pub city: String,
+    }
+
+    impl ActiveModelBehavior for ActiveModel {}
+}
+
+/// The rollout's new, denormalised model: the display name is stored (and
+/// unique, so a test can make a dual write fail on the new table only).
+pub mod person_v2 {
+    use sea_orm::entity::prelude::*;
+
+    #[sea_orm::model]
+    #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel, shardkit::Sharded)]
+    #[sea_orm(table_name = "people_v2")]
+    #[shardkit(group = crate::models::Customer)]
+    pub struct Model {
+        #[sea_orm(primary_key, auto_increment = false)]
+        pub id: i64,
+        #[shardkit(shard_key)]
+        pub customer_id: i64,
+        pub first_name: String,
+        pub last_name: String,
+        #[sea_orm(unique)]
+        pub display_name: String,
+        pub city: String,
+    }
+
+    impl ActiveModelBehavior for ActiveModel {}
+}
+
+/// old → new for the `people` rollout.
+pub fn person_to_v2(old: &person_v1::Model) -> person_v2::Model {
+    person_v2::Model {
+        id: old.id,
+        customer_id: old.customer_id,
+        first_name: old.first_name.clone(),
+        last_name: old.last_name.clone(),
+        display_name: format!("{} {}", old.first_name, old.last_name),
+        city: old.city.clone(),
+    }
+}
+
+/// new → old for the `people` rollout.
+pub fn person_to_v1(new: &person_v2::Model) -> person_v1::Model {
+    person_v1::Model {
+        id: new.id,
+        customer_id: new.customer_id,
+        first_name: new.first_name.clone(),
+        last_name: new.last_name.clone(),
+        city: new.city.clone(),
+    }
+}
+
 /// Creates one entity's table.
 pub struct CreateTable<E>(pub &'static str, pub E);
 
@@ -338,7 +406,7 @@ pub struct Migrator;
 impl MigratorTrait for Migrator {
     fn migrations() -> Vec<Box<dyn MigrationTrait>> {
         let mut all = OldMigrator::migrations();
-        all.extend::<[Box<dyn MigrationTrait>; 10]>([
+        all.extend::<[Box<dyn MigrationTrait>; 12]>([
             Box::new(CreateTable("m20261122_000102_orders", order::Entity)),
             Box::new(CreateTable("m20261122_000103_notes", note::Entity)),
             Box::new(CreateTable("m20261122_000104_readings", reading::Entity)),
@@ -349,6 +417,8 @@ impl MigratorTrait for Migrator {
             Box::new(CreateTable("m20261122_000109_events", event::Entity)),
             Box::new(CreateTable("m20261122_000110_clicks", click::Entity)),
             Box::new(CreateTable("m20261122_000111_contacts", contact::Entity)),
+            Box::new(CreateTable("m20261122_000112_people", person_v1::Entity)),
+            Box::new(CreateTable("m20261122_000113_people_v2", person_v2::Entity)),
         ]);
         all
     }

@@ -1,0 +1,630 @@
+//! Denormalisation rollouts on SQLite, PostgreSQL and MySQL/MariaDB: two
+//! application instances sharing the phase, dual writes that commit or fail
+//! together, caches of both models, backfill, and the verifier.
+
+use sea_orm::{ActiveValue::Unchanged, ConnectionTrait, EntityTrait, QueryFilter, Set, Statement};
+use shardkit::{Cluster, Phase, Rollout, RolloutHandle, ShardError, VerifyOptions};
+use shardkit_tests::models::*;
+use shardkit_tests::{Sent, TestDbs, backend_tests, count_rows, recording_cluster};
+use std::time::{Duration, Instant};
+
+backend_tests!(4 =>
+    full_rollout_walk,
+    failed_new_write_rolls_back_old,
+    phase_gap_is_enforced,
+    verify_finds_injected_differences,
+    verify_shards_compares_copies,
+);
+
+type People = RolloutHandle<person_v1::Entity, person_v2::Entity>;
+
+const TTL: Duration = Duration::from_millis(150);
+const REFRESH: Duration = Duration::from_millis(40);
+
+fn people_rollout(ttl: Duration) -> Rollout<person_v1::Entity, person_v2::Entity> {
+    Rollout::new("people_v2", person_to_v2)
+        .to_old(person_to_v1)
+        .cache_ttl(ttl)
+        .refresh_every(REFRESH)
+}
+
+/// One application instance: its own pools, caches and statement log.
+async fn instance(dbs: &TestDbs) -> (Cluster, Sent, People) {
+    let (cluster, sent) = recording_cluster(dbs, 4, "[groups.Customer]").await;
+    cluster.migrate::<Migrator>().await.unwrap();
+    let people = cluster.register_rollout(people_rollout(TTL)).await.unwrap();
+    (cluster, sent, people)
+}
+
+fn person(id: i64, customer: i64, first: &str, last: &str, city: &str) -> person_v1::Model {
+    person_v1::Model {
+        id,
+        customer_id: customer,
+        first_name: first.to_owned(),
+        last_name: last.to_owned(),
+        city: city.to_owned(),
+    }
+}
+
+/// Inserts through the old path, as code that knows nothing of the rollout.
+async fn put(cluster: &Cluster, p: &person_v1::Model) -> shardkit::Result<person_v1::Model> {
+    let tx = cluster.begin::<Customer>(p.customer_id).await?;
+    let row = tx
+        .insert(person_v1::ActiveModel {
+            id: Set(p.id),
+            customer_id: Set(p.customer_id),
+            first_name: Set(p.first_name.clone()),
+            last_name: Set(p.last_name.clone()),
+            city: Set(p.city.clone()),
+        })
+        .await?;
+    tx.commit().await?;
+    Ok(row)
+}
+
+async fn set_city(
+    cluster: &Cluster,
+    id: i64,
+    customer: i64,
+    city: &str,
+) -> shardkit::Result<person_v1::Model> {
+    let tx = cluster.begin::<Customer>(customer).await?;
+    let row = tx
+        .update(person_v1::ActiveModel {
+            id: Unchanged(id),
+            customer_id: Unchanged(customer),
+            city: Set(city.to_owned()),
+            ..Default::default()
+        })
+        .await?;
+    tx.commit().await?;
+    Ok(row)
+}
+
+async fn remove(cluster: &Cluster, id: i64, customer: i64) -> shardkit::Result<u64> {
+    let tx = cluster.begin::<Customer>(customer).await?;
+    let n = tx
+        .delete(person_v1::ActiveModel {
+            id: Unchanged(id),
+            customer_id: Unchanged(customer),
+            ..Default::default()
+        })
+        .await?;
+    tx.commit().await?;
+    Ok(n)
+}
+
+/// Advances as soon as the gap allows (asserting the refusal names a wait).
+async fn advance(people: &People) -> Phase {
+    loop {
+        match people.advance().await {
+            Ok(phase) => return phase,
+            Err(ShardError::RolloutTooSoon { wait_ms, .. }) => {
+                assert!(wait_ms > 0);
+                tokio::time::sleep(Duration::from_millis(wait_ms + 5)).await;
+            }
+            Err(e) => panic!("advance: {e}"),
+        }
+    }
+}
+
+/// Waits (without asking) until the instance acts on `phase`: phase
+/// changes reach it through its own refresh.
+async fn sees(people: &People, phase: Phase) {
+    let start = Instant::now();
+    while people.phase() != phase {
+        assert!(
+            start.elapsed() < REFRESH * 10,
+            "instance still on {} after {:?}, expected {phase}",
+            people.phase(),
+            start.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+fn statements(sent: &Sent) -> usize {
+    sent.lock().unwrap().len()
+}
+
+/// The row of `table` with `id` on the shard its key routes to (raw SQL).
+async fn raw_city(cluster: &Cluster, table: &str, customer: i64, id: i64) -> Option<String> {
+    let shard = cluster.shard_of::<Customer>(&customer).await.unwrap();
+    let db = cluster.connection(shard).unwrap();
+    db.query_one_raw(Statement::from_string(
+        db.get_database_backend(),
+        format!("SELECT city FROM {table} WHERE id = {id}"),
+    ))
+    .await
+    .unwrap()
+    .map(|r| r.try_get::<String>("", "city").unwrap())
+}
+
+async fn full_rollout_walk(dbs: &mut TestDbs) {
+    // Two instances: "old code" writes and reads the old model; "new code"
+    // reads the new one. Both have the rollout registered.
+    let (old_app, old_sent, old_view) = instance(dbs).await;
+    let (new_app, new_sent, new_view) = instance(dbs).await;
+    assert_eq!(old_view.phase(), Phase::Off);
+
+    // Off: only the old table is written; the new path converts old rows.
+    for id in 1..=10 {
+        put(
+            &old_app,
+            &person(id, id % 5, "Ann", &format!("Lee{id}"), "Oslo"),
+        )
+        .await
+        .unwrap();
+    }
+    assert_eq!(count_rows(&old_app, "people_v2").await, 0);
+    let want = person_to_v2(&person(3, 3, "Ann", "Lee3", "Oslo"));
+    assert_eq!(new_view.get_new(3, 3).await.unwrap(), Some(want.clone()));
+
+    // CacheBoth: every write fills both caches; tables unchanged.
+    assert_eq!(advance(&old_view).await, Phase::CacheBoth);
+    sees(&new_view, Phase::CacheBoth).await;
+    let ann = put(&old_app, &person(11, 1, "Ann", "Berg", "Rome"))
+        .await
+        .unwrap();
+    // PayPal's failure: inserted through the old path, read through the new
+    // path on the same instance. Both cache objects exist, so the new read
+    // is the converted row, without a statement.
+    let before = statements(&old_sent);
+    assert_eq!(
+        old_view.get_new(1, 11).await.unwrap(),
+        Some(person_to_v2(&ann))
+    );
+    assert_eq!(old_view.get_old(1, 11).await.unwrap(), Some(ann.clone()));
+    assert_eq!(statements(&old_sent), before, "cached reads sent SQL");
+    // The other instance has no cache entry: it reads the old table.
+    let before = statements(&new_sent);
+    assert_eq!(
+        new_view.get_new(1, 11).await.unwrap(),
+        Some(person_to_v2(&ann))
+    );
+    assert_eq!(statements(&new_sent), before + 1);
+    assert_eq!(count_rows(&old_app, "people_v2").await, 0);
+    // Deletes invalidate both caches.
+    assert_eq!(remove(&old_app, 11, 1).await.unwrap(), 1);
+    assert_eq!(old_view.get_new(1, 11).await.unwrap(), None);
+    assert_eq!(old_view.get_old(1, 11).await.unwrap(), None);
+
+    // DualWrite: writes of the old entity write the new table too, from
+    // either instance.
+    assert_eq!(advance(&new_view).await, Phase::DualWrite);
+    sees(&old_view, Phase::DualWrite).await;
+    put(&old_app, &person(12, 2, "Bo", "Dahl", "Pisa"))
+        .await
+        .unwrap();
+    put(&new_app, &person(13, 3, "Cy", "Moe", "Lima"))
+        .await
+        .unwrap();
+    set_city(&new_app, 1, 1, "Bergen").await.unwrap(); // predates dual writes
+    assert_eq!(remove(&old_app, 2, 2).await.unwrap(), 1);
+    assert_eq!(
+        raw_city(&old_app, "people_v2", 2, 12).await.as_deref(),
+        Some("Pisa")
+    );
+    assert_eq!(
+        raw_city(&old_app, "people_v2", 3, 13).await.as_deref(),
+        Some("Lima")
+    );
+    assert_eq!(
+        raw_city(&old_app, "people_v2", 1, 1).await.as_deref(),
+        Some("Bergen")
+    );
+    // Rows from before dual writes are missing from the new table until the
+    // backfill; the verifier says which, and reads cannot move yet.
+    let report = old_view
+        .verify(VerifyOptions::default().chunk(3))
+        .await
+        .unwrap();
+    let missing: std::collections::BTreeSet<String> =
+        report.missing.iter().map(|d| d.pk.clone()).collect();
+    let expected: std::collections::BTreeSet<String> =
+        [3, 4, 5, 6, 7, 8, 9, 10].map(|i: i64| i.to_string()).into();
+    assert_eq!(missing, expected);
+    assert!(report.extra.is_empty() && report.different.is_empty());
+    tokio::time::sleep(TTL + REFRESH).await;
+    match old_view.advance().await {
+        Err(ShardError::Rollout {
+            phase: Phase::DualWrite,
+            reason,
+            ..
+        }) => {
+            assert!(reason.contains("backfill"), "{reason}")
+        }
+        other => panic!("advance before backfill: {other:?}"),
+    }
+    let mut chunks = 0;
+    let done = old_view
+        .backfill_with(2, |_| {
+            chunks += 1;
+            std::ops::ControlFlow::Continue(())
+        })
+        .await
+        .unwrap();
+    assert!(
+        done.finished && chunks >= 4,
+        "{done:?} after {chunks} callbacks"
+    );
+    assert_eq!(
+        count_rows(&old_app, "people_v2").await,
+        count_rows(&old_app, "people").await
+    );
+    let report = new_view
+        .verify(VerifyOptions::default().chunk(3))
+        .await
+        .unwrap();
+    assert!(report.is_consistent(), "{report:?}");
+    assert_eq!(report.rows, 11);
+
+    // ReadNew: reads come from the new table; old reads are converted back.
+    assert_eq!(advance(&old_view).await, Phase::ReadNew);
+    sees(&new_view, Phase::ReadNew).await;
+    set_city(&old_app, 12, 2, "Genoa").await.unwrap();
+    new_view.clear_caches();
+    let before = new_sent.lock().unwrap().len();
+    let got = new_view.get_old(2, 12).await.unwrap().unwrap();
+    assert_eq!(got.city, "Genoa");
+    let read = new_sent.lock().unwrap()[before..].to_vec();
+    assert!(
+        read.len() == 1 && read[0].1.sql.contains("people_v2"),
+        "expected one read of people_v2: {read:?}"
+    );
+    let report = old_view.verify(VerifyOptions::default()).await.unwrap();
+    assert!(report.is_consistent(), "{report:?}");
+
+    // NewOnly: old-path writes land in the new table only.
+    assert_eq!(advance(&new_view).await, Phase::NewOnly);
+    sees(&old_view, Phase::NewOnly).await;
+    let old_rows = count_rows(&old_app, "people").await;
+    let dee = put(&old_app, &person(14, 4, "Dee", "Holm", "Kyiv"))
+        .await
+        .unwrap();
+    set_city(&old_app, 3, 3, "Turin").await.unwrap();
+    assert_eq!(count_rows(&old_app, "people").await, old_rows);
+    assert_eq!(
+        raw_city(&old_app, "people", 3, 3).await.as_deref(),
+        Some("Oslo")
+    );
+    assert_eq!(
+        raw_city(&old_app, "people_v2", 3, 3).await.as_deref(),
+        Some("Turin")
+    );
+    assert_eq!(new_view.get_old(4, 14).await.unwrap(), Some(dee.clone()));
+    assert_eq!(new_view.get_new(3, 3).await.unwrap().unwrap().city, "Turin");
+    // The old table missed exactly those writes; checked from the new side,
+    // the verifier finds them and repairs the old table (what a rollback
+    // from new_only needs), after which both agree.
+    let report = old_view
+        .verify(VerifyOptions::default().from_new().repair())
+        .await
+        .unwrap();
+    assert_eq!(report.missing.len(), 1, "{report:?}");
+    assert_eq!(report.missing[0].pk, "14");
+    assert_eq!(report.different.len(), 1, "{report:?}");
+    assert_eq!(report.different[0].pk, "3");
+    assert_eq!(report.repaired, 2);
+    assert!(
+        old_view
+            .verify(VerifyOptions::default())
+            .await
+            .unwrap()
+            .is_consistent()
+    );
+
+    // Done: the old table is retired; writes of the old entity are refused
+    // before anything is written.
+    assert_eq!(advance(&old_view).await, Phase::Done);
+    sees(&new_view, Phase::Done).await;
+    match put(&new_app, &person(15, 0, "Eve", "Lund", "Riga")).await {
+        Err(ShardError::Rollout {
+            phase: Phase::Done, ..
+        }) => {}
+        other => panic!("write after done: {other:?}"),
+    }
+    assert_eq!(raw_city(&old_app, "people_v2", 0, 15).await, None);
+    assert_eq!(
+        old_view.advance().await.unwrap_err().kind(),
+        shardkit::ErrorKind::Refused
+    );
+    // And back one phase at a time, at once.
+    assert_eq!(old_view.retreat().await.unwrap(), Phase::NewOnly);
+    assert_eq!(old_view.retreat().await.unwrap(), Phase::ReadNew);
+    assert!(
+        old_view
+            .verify(VerifyOptions::default())
+            .await
+            .unwrap()
+            .is_consistent()
+    );
+}
+
+async fn failed_new_write_rolls_back_old(dbs: &mut TestDbs) {
+    let (app, _, people) = instance(dbs).await;
+    advance(&people).await;
+    assert_eq!(advance(&people).await, Phase::DualWrite);
+    put(&app, &person(1, 7, "Ann", "Lee", "Oslo"))
+        .await
+        .unwrap();
+    // Same display name: the new table's unique index refuses it, and the
+    // old row, written first in the same transaction, goes with it.
+    let tx = app.begin::<Customer>(7).await.unwrap();
+    let err = tx
+        .insert(person_v1::ActiveModel {
+            id: Set(2),
+            customer_id: Set(7),
+            first_name: Set("Ann".into()),
+            last_name: Set("Lee".into()),
+            city: Set("Rome".into()),
+        })
+        .await
+        .unwrap_err();
+    match &err {
+        ShardError::Db { operation, .. } => assert_eq!(operation, "dual write people_v2"),
+        other => panic!("expected a database error from the new table: {other:?}"),
+    }
+    assert!(tx.is_rollback_only());
+    assert!(matches!(
+        tx.commit().await,
+        Err(ShardError::RollbackOnly { .. })
+    ));
+    assert_eq!(count_rows(&app, "people").await, 1);
+    assert_eq!(count_rows(&app, "people_v2").await, 1);
+    assert_eq!(raw_city(&app, "people", 7, 2).await, None);
+
+    // An update that would collide on the new table changes neither.
+    put(&app, &person(3, 7, "Bo", "Dahl", "Pisa"))
+        .await
+        .unwrap();
+    let tx = app.begin::<Customer>(7).await.unwrap();
+    assert!(
+        tx.update(person_v1::ActiveModel {
+            id: Unchanged(3),
+            customer_id: Unchanged(7),
+            first_name: Set("Ann".into()),
+            last_name: Set("Lee".into()),
+            ..Default::default()
+        })
+        .await
+        .is_err()
+    );
+    drop(tx);
+    let db_row = person_v1::Entity::find()
+        .filter(sea_orm::ColumnTrait::eq(&person_v1::Column::Id, 3))
+        .one(
+            app.connection(app.shard_of::<Customer>(&7).await.unwrap())
+                .unwrap(),
+        )
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(db_row.first_name, "Bo");
+    assert_eq!(
+        people.get_new(7, 3).await.unwrap().unwrap().display_name,
+        "Bo Dahl"
+    );
+}
+
+async fn phase_gap_is_enforced(dbs: &mut TestDbs) {
+    let (app, _, people) = instance(dbs).await;
+    // The first step has no previous change to wait for.
+    assert_eq!(people.advance().await.unwrap(), Phase::CacheBoth);
+    match people.advance().await {
+        Err(ShardError::RolloutTooSoon {
+            from,
+            to,
+            gap_ms,
+            wait_ms,
+            ..
+        }) => {
+            assert_eq!((from, to), (Phase::CacheBoth, Phase::DualWrite));
+            assert_eq!(gap_ms, (TTL + REFRESH).as_millis() as u64);
+            assert!(
+                wait_ms > 0 && wait_ms <= gap_ms,
+                "wait {wait_ms} of {gap_ms}"
+            );
+        }
+        other => panic!("advance inside the gap: {other:?}"),
+    }
+    assert_eq!(people.refresh().await.unwrap(), Phase::CacheBoth);
+    // An instance with a longer cache TTL lengthens the gap for everyone.
+    let (other, _) = recording_cluster(dbs, 4, "[groups.Customer]").await;
+    let slow = other
+        .register_rollout(people_rollout(Duration::from_secs(30)))
+        .await
+        .unwrap();
+    assert_eq!(slow.phase(), Phase::CacheBoth);
+    tokio::time::sleep(TTL + REFRESH).await;
+    match people.advance().await {
+        Err(ShardError::RolloutTooSoon { gap_ms, .. }) => {
+            assert_eq!(
+                gap_ms,
+                (Duration::from_secs(30) + REFRESH).as_millis() as u64
+            )
+        }
+        other => panic!("advance inside the longer gap: {other:?}"),
+    }
+    // Rolling back is allowed at once, and restarts the gap.
+    assert_eq!(people.retreat().await.unwrap(), Phase::Off);
+    assert!(matches!(
+        people.advance().await,
+        Err(ShardError::RolloutTooSoon { .. })
+    ));
+    // One rollout per old entity on a cluster.
+    assert!(matches!(
+        app.register_rollout(people_rollout(TTL)).await,
+        Err(ShardError::Config { .. })
+    ));
+}
+
+/// Runs `sql` on the shard of `customer`.
+async fn exec_on(cluster: &Cluster, customer: i64, sql: &str) {
+    let shard = cluster.shard_of::<Customer>(&customer).await.unwrap();
+    let db = cluster.connection(shard).unwrap();
+    let res = db.execute_unprepared(sql).await.unwrap();
+    assert_eq!(res.rows_affected(), 1, "{sql}");
+}
+
+async fn verify_finds_injected_differences(dbs: &mut TestDbs) {
+    let (app, _, people) = instance(dbs).await;
+    advance(&people).await;
+    advance(&people).await;
+    // 60 rows of one customer (one shard), 20 of others.
+    for id in 1..=80 {
+        let customer = if id <= 60 { 5 } else { id % 4 };
+        put(
+            &app,
+            &person(id, customer, "P", &format!("N{id}"), &format!("C{id}")),
+        )
+        .await
+        .unwrap();
+    }
+    assert!(
+        people
+            .verify(VerifyOptions::default())
+            .await
+            .unwrap()
+            .is_consistent()
+    );
+    exec_on(&app, 5, "DELETE FROM people_v2 WHERE id = 10").await;
+    exec_on(
+        &app,
+        5,
+        "INSERT INTO people_v2 (id, customer_id, first_name, last_name, display_name, city) \
+         VALUES (99, 5, 'X', 'Y', 'X Y', 'Nowhere')",
+    )
+    .await;
+    exec_on(
+        &app,
+        5,
+        "UPDATE people_v2 SET city = 'Changed' WHERE id = 20",
+    )
+    .await;
+    // A swapped pair: the set of values is unchanged, which XOR-of-CRC
+    // checksums do not notice.
+    exec_on(&app, 5, "UPDATE people_v2 SET city = 'C31' WHERE id = 30").await;
+    exec_on(&app, 5, "UPDATE people_v2 SET city = 'C30' WHERE id = 31").await;
+
+    let opts = VerifyOptions::default().chunk(7);
+    let report = people.verify(opts.clone()).await.unwrap();
+    let pks = |d: &[shardkit::RowDiff]| d.iter().map(|d| d.pk.clone()).collect::<Vec<_>>();
+    assert_eq!(pks(&report.missing), ["10"]);
+    assert_eq!(pks(&report.extra), ["99"]);
+    let mut different = pks(&report.different);
+    different.sort();
+    assert_eq!(different, ["20", "30", "31"]);
+    assert_eq!(report.rows, 80);
+    assert!(report.finished && report.chunks_differing >= 2 && report.chunks_differing <= 4);
+    let shard = app.shard_of::<Customer>(&5).await.unwrap();
+    assert!(report.missing.iter().all(|d| d.shard == shard));
+
+    // Resumable: two chunks now, the rest later, the same findings.
+    let first = people.verify(opts.clone().max_chunks(2)).await.unwrap();
+    assert!(!first.finished && first.cursor.is_some());
+    let rest = people.verify(opts.clone().resume()).await.unwrap();
+    assert!(rest.finished);
+    assert_eq!(first.differences() + rest.differences(), 5);
+    assert_eq!(first.rows + rest.rows, 80);
+
+    // Repair from the source of truth, then nothing differs.
+    let fixed = people.verify(opts.clone().repair()).await.unwrap();
+    assert_eq!(fixed.repaired, 5);
+    assert!(people.verify(opts).await.unwrap().is_consistent());
+    assert_eq!(
+        raw_city(&app, "people_v2", 5, 30).await.as_deref(),
+        Some("C30")
+    );
+    assert_eq!(raw_city(&app, "people_v2", 5, 99).await, None);
+}
+
+async fn verify_shards_compares_copies(dbs: &mut TestDbs) {
+    let (app, _, _) = instance(dbs).await;
+    for id in 1..=120 {
+        put(&app, &person(id, id % 9, "P", &format!("N{id}"), "C"))
+            .await
+            .unwrap();
+    }
+    let names: Vec<String> = app.topology().shard_names().map(str::to_owned).collect();
+    let (from, to) = (&names[0], &names[1]);
+    // Copy shard `from`'s rows over `to`'s, as a move would, then damage it.
+    let rows = person_v1::Entity::find()
+        .all(app.connection(from).unwrap())
+        .await
+        .unwrap();
+    assert!(rows.len() > 5, "shard {from} holds {} rows", rows.len());
+    let target = app.connection(to).unwrap();
+    person_v1::Entity::delete_many().exec(target).await.unwrap();
+    for row in &rows {
+        person_v1::Entity::insert(sea_orm::IntoActiveModel::into_active_model(row.clone()))
+            .exec_without_returning(target)
+            .await
+            .unwrap();
+    }
+    let opts = VerifyOptions::default().chunk(4);
+    let clean = app
+        .verify_shards::<person_v1::Entity>(from, to, None, opts.clone())
+        .await
+        .unwrap();
+    assert!(clean.is_consistent(), "{clean:?}");
+    let in_db = target.get_database_backend() != sea_orm::DbBackend::Sqlite;
+    assert_eq!(clean.chunks_in_database > 0, in_db);
+    let (a, b) = (rows[1].id, rows[3].id);
+    let raw = |sql: String| Statement::from_string(target.get_database_backend(), sql);
+    target
+        .execute_raw(raw(format!("UPDATE people SET city = 'X' WHERE id = {a}")))
+        .await
+        .unwrap();
+    target
+        .execute_raw(raw(format!("DELETE FROM people WHERE id = {b}")))
+        .await
+        .unwrap();
+    let report = app
+        .verify_shards::<person_v1::Entity>(from, to, None, opts.clone())
+        .await
+        .unwrap();
+    assert_eq!(
+        report
+            .different
+            .iter()
+            .map(|d| d.pk.clone())
+            .collect::<Vec<_>>(),
+        [a.to_string()]
+    );
+    assert_eq!(
+        report
+            .missing
+            .iter()
+            .map(|d| d.pk.clone())
+            .collect::<Vec<_>>(),
+        [b.to_string()]
+    );
+    assert!(report.extra.is_empty());
+    // One bucket only: rows of other buckets on either side do not count.
+    let bucket_of = |key: i64| {
+        let app = app.clone();
+        async move { app.route::<Customer>(&key).await.unwrap().bucket }
+    };
+    let bucket = bucket_of(rows[1].customer_id).await;
+    let same_bucket = bucket_of(rows[3].customer_id).await == bucket;
+    let in_bucket = app
+        .verify_shards::<person_v1::Entity>(from, to, bucket, opts.clone().repair())
+        .await
+        .unwrap();
+    assert_eq!(in_bucket.different.len(), 1);
+    assert_eq!(in_bucket.missing.len(), usize::from(same_bucket));
+    assert_eq!(in_bucket.repaired, 1 + u64::from(same_bucket));
+    assert_eq!(in_bucket.chunks_in_database, 0);
+    let fixed = app
+        .verify_shards::<person_v1::Entity>(from, to, None, opts.clone().repair())
+        .await
+        .unwrap();
+    assert_eq!(fixed.repaired, 2 - in_bucket.repaired);
+    assert!(
+        app.verify_shards::<person_v1::Entity>(from, to, None, opts)
+            .await
+            .unwrap()
+            .is_consistent()
+    );
+}
