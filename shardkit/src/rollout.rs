@@ -807,36 +807,37 @@ pub(crate) fn format_cursor(shard: usize, after: Option<&[Value]>) -> String {
 
 /// Rows of `E` whose primary key comes after `after`, in key order.
 pub(crate) fn after_condition<E: EntityTrait>(after: Option<&[Value]>) -> Condition {
-    let Some(after) = after else {
-        return Condition::all();
-    };
-    let cols: Vec<E::Column> = <E::PrimaryKey as Iterable>::iter()
-        .map(PrimaryKeyToColumn::into_column)
-        .collect();
-    match (cols.as_slice(), after) {
-        ([col], [v]) => Condition::all().add(col.gt(v.clone())),
-        _ => Condition::all().add(
-            Expr::tuple(cols.iter().map(|c| Expr::col((E::default(), *c))))
-                .gt(Expr::tuple(after.iter().map(|v| Expr::val(v.clone())))),
-        ),
-    }
+    pk_bound::<E>(after, true)
 }
 
 /// Rows of `E` whose primary key is at most `upto`.
 pub(crate) fn upto_condition<E: EntityTrait>(upto: Option<&[Value]>) -> Condition {
-    let Some(upto) = upto else {
+    pk_bound::<E>(upto, false)
+}
+
+/// `pk > bound` (`after`) or `pk <= bound`, comparing composite keys as
+/// row values; no bound is no condition.
+fn pk_bound<E: EntityTrait>(bound: Option<&[Value]>, after: bool) -> Condition {
+    let Some(bound) = bound else {
         return Condition::all();
     };
     let cols: Vec<E::Column> = <E::PrimaryKey as Iterable>::iter()
         .map(PrimaryKeyToColumn::into_column)
         .collect();
-    match (cols.as_slice(), upto) {
-        ([col], [v]) => Condition::all().add(col.lte(v.clone())),
-        _ => Condition::all().add(
-            Expr::tuple(cols.iter().map(|c| Expr::col((E::default(), *c))))
-                .lte(Expr::tuple(upto.iter().map(|v| Expr::val(v.clone())))),
-        ),
-    }
+    let expr = match (cols.as_slice(), bound) {
+        ([col], [v]) if after => col.gt(v.clone()),
+        ([col], [v]) => col.lte(v.clone()),
+        _ => {
+            let left = Expr::tuple(cols.iter().map(|c| Expr::col((E::default(), *c))));
+            let right = Expr::tuple(bound.iter().map(|v| Expr::val(v.clone())));
+            if after {
+                left.gt(right)
+            } else {
+                left.lte(right)
+            }
+        }
+    };
+    Condition::all().add(expr)
 }
 
 /// `select` ordered by `E`'s primary key.

@@ -282,6 +282,22 @@ impl<G: EntityGroup> ShardTx<G> {
         Ok(())
     }
 
+    /// Lets the rollout of a deleted old row delete the new row (when it
+    /// dual-writes) and drop both cache entries after the commit; returns
+    /// the new rows deleted.
+    async fn rollout_after_delete<A: Clone + Send + 'static>(
+        &self,
+        rollout: &Arc<dyn OldWrites>,
+        model: &A,
+    ) -> Result<u64> {
+        let (deleted, after) = rollout
+            .after_delete(self.rollout_ctx(), Box::new(model.clone()))
+            .await
+            .map_err(|e| self.poison(e))?;
+        self.defer(after);
+        Ok(deleted)
+    }
+
     /// In `new_only` and later, a write of the old entity goes to the new
     /// table only; returns the old model as written.
     async fn rollout_new_only<E: EntityTrait>(
@@ -452,11 +468,7 @@ impl<G: EntityGroup> ShardTx<G> {
             self.check::<A::Entity>(&model)?;
             let rollout = self.rollout_of::<A::Entity>();
             if let Some(r) = rollout.as_ref().filter(|r| r.phase() >= Phase::NewOnly) {
-                let (deleted, after) = r
-                    .after_delete(self.rollout_ctx(), Box::new(model.clone()))
-                    .await
-                    .map_err(|e| self.poison(e))?;
-                self.defer(after);
+                let deleted = self.rollout_after_delete(r, &model).await?;
                 A::after_delete(model, &self.txn)
                     .await
                     .map_err(|e| self.write_err::<A::Entity>("delete", e))?;
@@ -486,11 +498,7 @@ impl<G: EntityGroup> ShardTx<G> {
                 self.queue_removals::<A::Entity>(&current, &all)?;
             }
             if let Some(r) = &rollout {
-                let (_, after) = r
-                    .after_delete(self.rollout_ctx(), Box::new(model.clone()))
-                    .await
-                    .map_err(|e| self.poison(e))?;
-                self.defer(after);
+                self.rollout_after_delete(r, &model).await?;
             }
             A::after_delete(model, &self.txn)
                 .await

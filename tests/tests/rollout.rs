@@ -236,6 +236,12 @@ async fn full_rollout_walk(dbs: &mut TestDbs) {
         }
         other => panic!("advance before backfill: {other:?}"),
     }
+    // Stopped after its first chunk, a backfill resumes where it stopped.
+    let first = old_view
+        .backfill_with(2, |_| std::ops::ControlFlow::Break(()))
+        .await
+        .unwrap();
+    assert!(!first.finished && first.rows <= 2, "{first:?}");
     let mut chunks = 0;
     let done = old_view
         .backfill_with(2, |_| {
@@ -248,6 +254,8 @@ async fn full_rollout_walk(dbs: &mut TestDbs) {
         done.finished && chunks >= 4,
         "{done:?} after {chunks} callbacks"
     );
+    // Resumed, not restarted: the two runs copied each old row once.
+    assert_eq!(first.rows + done.rows, count_rows(&old_app, "people").await);
     assert_eq!(
         count_rows(&old_app, "people_v2").await,
         count_rows(&old_app, "people").await
