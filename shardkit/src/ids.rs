@@ -736,7 +736,7 @@ impl Cluster {
         Ok(((id << BUCKET_BITS) | u64::from(bucket)) as i64)
     }
 
-    /// The shard a shard-encoded id ([`Ids::next_encoded_id`]) belongs to, from
+    /// The shard a shard-encoded id ([`Cluster::next_encoded_id`]) belongs to, from
     /// the id alone.
     pub fn route_id<G: EntityGroup>(&self, id: i64) -> Result<Target> {
         match self.topology().placement(G::NAME)? {
