@@ -314,7 +314,9 @@ fn cache_key(key: &str, pk: &str) -> String {
     format!("{key}\u{1f}{pk}")
 }
 
-fn tuple_text(values: &[Value]) -> String {
+/// Primary key values as text (columns joined by U+001F), as reports and
+/// cache keys name rows.
+pub(crate) fn tuple_text(values: &[Value]) -> String {
     values
         .iter()
         .map(|v| crate::gsi::value_text(v).unwrap_or_default())
@@ -1142,8 +1144,15 @@ where
         Ok(to)
     }
 
-    fn pk_values(pk: <Old::PrimaryKey as PrimaryKeyTrait>::ValueType) -> Vec<Value> {
-        pk.into_value_tuple().into_iter().collect()
+    /// The phase a read acts on, its primary key values and its cache key.
+    fn read_start(
+        &self,
+        key: &KeyOf<Old>,
+        pk: <Old::PrimaryKey as PrimaryKeyTrait>::ValueType,
+    ) -> (Phase, Vec<Value>, String) {
+        let pk: Vec<Value> = pk.into_value_tuple().into_iter().collect();
+        let ck = cache_key(&key.to_directory_text(), &tuple_text(&pk));
+        (self.phase(), pk, ck)
     }
 
     async fn read_old_table(&self, key: &KeyOf<Old>, pk: &[Value]) -> Result<Option<Old::Model>> {
@@ -1180,9 +1189,7 @@ where
         key: KeyOf<Old>,
         pk: <Old::PrimaryKey as PrimaryKeyTrait>::ValueType,
     ) -> Result<Option<Old::Model>> {
-        let phase = self.phase();
-        let pk = Self::pk_values(pk);
-        let ck = cache_key(&key.to_directory_text(), &tuple_text(&pk));
+        let (phase, pk, ck) = self.read_start(&key, pk);
         if phase.caches()
             && let Some(hit) = self.shared.old_cache.get(&ck)
         {
@@ -1223,9 +1230,7 @@ where
         key: KeyOf<Old>,
         pk: <Old::PrimaryKey as PrimaryKeyTrait>::ValueType,
     ) -> Result<Option<New::Model>> {
-        let phase = self.phase();
-        let pk = Self::pk_values(pk);
-        let ck = cache_key(&key.to_directory_text(), &tuple_text(&pk));
+        let (phase, pk, ck) = self.read_start(&key, pk);
         if phase.caches() {
             if let Some(hit) = self.shared.new_cache.get(&ck) {
                 return Ok(Some(hit));

@@ -171,14 +171,6 @@ fn row_hash<M: std::fmt::Debug>(model: &M) -> u64 {
     w.0.finish()
 }
 
-fn pk_text(values: &[Value]) -> String {
-    values
-        .iter()
-        .map(|v| crate::gsi::value_text(v).unwrap_or_default())
-        .collect::<Vec<_>>()
-        .join("\u{1f}")
-}
-
 /// One side of a comparison: the rows of `S` on a shard, seen as `D` models.
 pub(crate) struct Source<'a, S: EntityTrait, D: EntityTrait> {
     pub(crate) db: &'a DatabaseConnection,
@@ -358,7 +350,7 @@ where
         .filter(|m| keep(m))
         .map(|m| {
             let pk = model_pk_values::<D>(m);
-            (pk_text(&pk), (pk, row_hash(m)))
+            (crate::rollout::tuple_text(&pk), (pk, row_hash(m)))
         })
         .collect();
     let diff = |pk: String| RowDiff {
@@ -368,7 +360,7 @@ where
     let mut fixes: Vec<Vec<Value>> = Vec::new();
     for m in src.iter().filter(|m| keep(m)) {
         let pk = model_pk_values::<D>(m);
-        let text = pk_text(&pk);
+        let text = crate::rollout::tuple_text(&pk);
         match theirs.remove(&text) {
             None => report.missing.push(diff(text)),
             Some((_, h)) if h != row_hash(m) => report.different.push(diff(text)),
