@@ -33,6 +33,12 @@ struct Inner {
     gsi_states: crate::gsi::StateCache,
     gsi_grace: Duration,
     gsi_pins: std::collections::HashMap<String, ShardId>,
+    /// `[gsi] relaxed_commit`.
+    gsi_relaxed: bool,
+    /// Each shard's PostgreSQL server identity, read on first need.
+    servers: Vec<tokio::sync::OnceCell<Option<String>>>,
+    /// For statements sent outside SeaORM's metered paths.
+    observer: Option<StatementObserver>,
     /// Registered rollouts, by the old entity's type.
     rollouts: std::sync::RwLock<
         std::collections::HashMap<std::any::TypeId, Arc<dyn crate::rollout::OldWrites>>,
@@ -95,6 +101,7 @@ impl ClusterBuilder {
         let ClusterBuilder { config, observer } = self;
         let topology = Topology::build(&config)?;
         let pool = &config.pool;
+        let kept_observer = observer.clone();
         let observer = observer.as_ref();
         let shard_conns = join_all(
             topology
@@ -145,6 +152,7 @@ impl ClusterBuilder {
             timeout: config.read.timeout_ms.map(Duration::from_millis),
             max_concurrency: config.read.max_concurrency.unwrap_or(16),
         };
+        let servers = shards.iter().map(|_| Default::default()).collect();
         Ok(Cluster {
             inner: Arc::new(Inner {
                 topology,
@@ -162,6 +170,9 @@ impl ClusterBuilder {
                         Some((index.clone(), topology_ids.get(shard).copied()?))
                     })
                     .collect(),
+                gsi_relaxed: config.gsi.relaxed_commit.unwrap_or(true),
+                servers,
+                observer: kept_observer,
                 rollouts: Default::default(),
             }),
         })
@@ -246,6 +257,40 @@ impl Cluster {
 
     pub(crate) fn gsi_grace(&self) -> Duration {
         self.inner.gsi_grace
+    }
+
+    pub(crate) fn gsi_relaxed(&self) -> bool {
+        self.inner.gsi_relaxed
+    }
+
+    /// Shard `id`'s PostgreSQL server identity (see
+    /// [`crate::gsi::read_server_identity`]), read once.
+    pub(crate) async fn server_identity(&self, id: ShardId) -> Option<&str> {
+        self.inner.servers[id.index()]
+            .get_or_init(|| {
+                crate::gsi::read_server_identity(self.shard_conn(id), self.shard_name(id))
+            })
+            .await
+            .as_deref()
+    }
+
+    /// Reports a statement sent outside SeaORM's metered paths to the
+    /// [`ClusterBuilder::on_statement`] observer.
+    pub(crate) fn observe(
+        &self,
+        shard: &str,
+        statement: &sea_orm::Statement,
+        elapsed: Duration,
+        failed: bool,
+    ) {
+        if let Some(observer) = &self.inner.observer {
+            observer(&StatementEvent {
+                shard,
+                statement,
+                elapsed,
+                failed,
+            });
+        }
     }
 
     pub(crate) fn read_settings(&self) -> ReadSettings {

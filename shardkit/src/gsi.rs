@@ -17,6 +17,18 @@
 //! never yields a wrong row, and [`Gsi::reconcile`] removes dangling rows older
 //! than a grace period.
 //!
+//! **Durability.** An index row on another shard commits on its own, so an
+//! insert pays two durable commits. When that shard is a database of the same
+//! PostgreSQL server as the owner's (one WAL), the index row commits with
+//! `synchronous_commit = off`: its commit record precedes the owner's in the
+//! WAL, and the owner's flushed commit flushes everything before it, so a
+//! committed owner never loses its index row in a crash; what a crash can lose
+//! is an index row whose owner did not commit — a dangling row, as after any
+//! failed insert. Across servers, and on SQLite and MySQL/MariaDB, every index
+//! row commits flushed. `[gsi] relaxed_commit = false` turns this off. Removals
+//! (after the owner's commit) are relaxed on any PostgreSQL shard: losing one
+//! leaves a dangling row.
+//!
 //! A catalog (`shardkit_gsi_catalog`, on every shard of the group) records each
 //! index and its state: `write_only` while [`Gsi::backfill`] fills it
 //! (lookups fall back to a scatter read), `active` after.
@@ -27,11 +39,14 @@ use crate::error::{Result, ShardError};
 use crate::read::{KeyOf, key_condition};
 use crate::topology::ShardId;
 use crate::topology::pghash::partition_hash_bytes;
-use sea_orm::sea_query::{Alias, Expr, OnConflict, Query};
+use sea_orm::sea_query::{
+    Alias, Expr, OnConflict, PostgresQueryBuilder, Query, QueryStatementWriter,
+};
 use sea_orm::{
-    ActiveModelTrait, ActiveValue, ConnectionTrait, DatabaseConnection, DbErr, EntityTrait,
-    ExprTrait, IdenStatic, Iterable, ModelTrait, PrimaryKeyToColumn, QueryFilter, QueryOrder,
-    QuerySelect, TransactionSession, TransactionTrait, Value,
+    ActiveModelTrait, ActiveValue, ConnectionTrait, DatabaseConnection, DbBackend, DbErr,
+    EntityTrait, ExprTrait, IdenStatic, Iterable, ModelTrait, PrimaryKeyToColumn, QueryFilter,
+    QueryOrder, QuerySelect, Statement, StatementBuilder, TransactionSession, TransactionTrait,
+    Value,
 };
 use std::collections::HashMap;
 use std::ops::ControlFlow;
@@ -185,6 +200,62 @@ pub(crate) struct Removal {
 /// The GSI service of a cluster: `cluster.gsi()`.
 pub struct Gsi<'c> {
     cluster: &'c Cluster,
+}
+
+/// How an index row is made durable.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Durability {
+    /// Written in the owner's own transaction (same shard): commits with it.
+    OwnerTxn,
+    /// Its own commit, flushed before it returns.
+    Flushed,
+    /// Its own commit, not waiting for the WAL flush (PostgreSQL
+    /// `synchronous_commit = off`); see the module docs for when it is safe.
+    Relaxed,
+}
+
+/// A PostgreSQL server's identity: its system identifier (shared by every
+/// database of one server, and by its physical replicas) and its postmaster's
+/// start time (which a replica promoted into a server of its own does not
+/// share). `None` for other backends and when the server will not say; two
+/// shards share a WAL only when both identities are known and equal.
+pub(crate) async fn read_server_identity(db: &DatabaseConnection, shard: &str) -> Option<String> {
+    if db.get_database_backend() != DbBackend::Postgres {
+        return None;
+    }
+    // Tests: the shard named by the failpoint's argument reports a server of
+    // its own, the others one shared server.
+    fail::fail_point!("shardkit::gsi::server_identity", |elsewhere: Option<
+        String,
+    >| {
+        Some(if elsewhere.as_deref() == Some(shard) {
+            format!("elsewhere:{shard}")
+        } else {
+            "shared".to_owned()
+        })
+    });
+    let sql = "SELECT system_identifier::text || '@' || pg_postmaster_start_time()::text AS id \
+               FROM pg_control_system()";
+    match db
+        .query_one_raw(Statement::from_string(DbBackend::Postgres, sql))
+        .await
+    {
+        Ok(row) => row.and_then(|r| r.try_get::<String>("", "id").ok()),
+        Err(err) => {
+            tracing::warn!(shard, error = %err, "server identity unknown: index rows there commit flushed");
+            None
+        }
+    }
+}
+
+impl Cluster {
+    /// Whether shards `a` and `b` are databases of one PostgreSQL server.
+    async fn same_pg_server(&self, a: ShardId, b: ShardId) -> bool {
+        match (self.server_identity(a).await, self.server_identity(b).await) {
+            (Some(x), Some(y)) => x == y,
+            _ => false,
+        }
+    }
 }
 
 /// Cached index states, so writes and lookups do not read the catalog each time.
@@ -430,7 +501,7 @@ impl<'c> Gsi<'c> {
             Some((local_id, txn)) if local_id == id => {
                 self.write_on::<E, _>(
                     txn,
-                    true,
+                    Durability::OwnerTxn,
                     self.cluster.shard_name(id),
                     index,
                     raw_value,
@@ -441,18 +512,63 @@ impl<'c> Gsi<'c> {
                 .await
             }
             _ => {
+                // Relaxed only ahead of an owner's commit on the same WAL;
+                // backfill and reconcile (no owner transaction) flush.
+                let durability = match local {
+                    Some((owner_shard, _))
+                        if self.cluster.gsi_relaxed()
+                            && self.cluster.same_pg_server(owner_shard, id).await =>
+                    {
+                        Durability::Relaxed
+                    }
+                    _ => Durability::Flushed,
+                };
                 let (db, shard) = self.conn(id);
-                self.write_on::<E, _>(db, false, shard, index, raw_value, &value, key, owner)
+                self.write_on::<E, _>(db, durability, shard, index, raw_value, &value, key, owner)
                     .await
             }
         }
+    }
+
+    /// Runs an autocommitted index write; `relaxed` (PostgreSQL only) sends
+    /// it behind `SET LOCAL synchronous_commit = off` in one simple-protocol
+    /// round trip, where the two statements form one implicit transaction, so
+    /// the setting lasts for this write alone. Values are inlined by
+    /// sea-query's PostgreSQL writer, which escapes them.
+    async fn execute_index_write<C, S>(
+        &self,
+        db: &C,
+        shard: &str,
+        stmt: &S,
+        relaxed: bool,
+    ) -> std::result::Result<u64, DbErr>
+    where
+        C: ConnectionTrait,
+        S: StatementBuilder + QueryStatementWriter,
+    {
+        if !relaxed {
+            return db.execute(stmt).await.map(|r| r.rows_affected());
+        }
+        let sql = format!(
+            "SET LOCAL synchronous_commit = off; {}",
+            stmt.to_string(PostgresQueryBuilder)
+        );
+        let started = Instant::now();
+        let res = db.execute_unprepared(&sql).await;
+        self.cluster.observe(
+            shard,
+            &Statement::from_string(DbBackend::Postgres, sql),
+            started.elapsed(),
+            res.is_err(),
+        );
+        res.map(|r| r.rows_affected())
     }
 
     #[allow(clippy::too_many_arguments)]
     async fn write_on<E: ShardedEntity, C: ConnectionTrait + TransactionTrait>(
         &self,
         db: &C,
-        in_txn: bool,
+        durability: Durability,
         shard: &str,
         index: &IndexDef,
         raw_value: &Value,
@@ -470,14 +586,20 @@ impl<'c> Gsi<'c> {
                         .to_owned(),
                 )
                 .to_owned();
-            db.execute(&insert).await.map_err(err)?;
+            self.execute_index_write(db, shard, &insert, durability == Durability::Relaxed)
+                .await
+                .map_err(err)?;
             return Ok(());
         }
         // Fast path, outside a shard transaction: the value is usually free,
         // and one autocommitted INSERT claims it. Only a conflict takes the
         // checked path below.
-        if !in_txn {
-            match db.execute(&entry_insert(index, &value, key, owner)).await {
+        if durability != Durability::OwnerTxn {
+            let insert = entry_insert(index, &value, key, owner);
+            match self
+                .execute_index_write(db, shard, &insert, durability == Durability::Relaxed)
+                .await
+            {
                 Ok(_) => return Ok(()),
                 Err(e)
                     if matches!(
@@ -573,11 +695,13 @@ impl<'c> Gsi<'c> {
         if !removal.index.unique {
             delete.and_where(Expr::col(Alias::new("owner_pk")).eq(removal.owner.as_str()));
         }
-        let res = db
-            .execute(&delete)
+        // After the owner's commit: losing a removal in a crash leaves a
+        // dangling row, so it need not wait for a flush.
+        let relaxed =
+            self.cluster.gsi_relaxed() && db.get_database_backend() == DbBackend::Postgres;
+        self.execute_index_write(db, shard, &delete, relaxed)
             .await
-            .map_err(|e| gsi_err(shard, format!("remove from {}", removal.index.table), e))?;
-        Ok(res.rows_affected())
+            .map_err(|e| gsi_err(shard, format!("remove from {}", removal.index.table), e))
     }
 
     /// The shard keys an active index lists for `value`, or `None` while the

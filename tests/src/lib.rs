@@ -367,6 +367,43 @@ pub async fn recording_cluster(dbs: &TestDbs, shards: usize, groups: &str) -> (C
     (cluster, sent)
 }
 
+/// One write to a global index table among a [`recording_cluster`]'s
+/// statements.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct IndexWrite {
+    /// The shard it ran on.
+    pub shard: String,
+    /// `INSERT`, `UPDATE` or `DELETE`.
+    pub op: String,
+    /// Sent behind `SET LOCAL synchronous_commit = off` (committed without
+    /// waiting for the WAL flush).
+    pub relaxed: bool,
+}
+
+/// The writes to index table `table` among the recorded statements, in order.
+pub fn index_writes(sent: &Sent, table: &str) -> Vec<IndexWrite> {
+    const RELAXED: &str = "SET LOCAL synchronous_commit = off; ";
+    sent.lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .iter()
+        .filter(|(_, s)| s.sql.contains(table))
+        .filter_map(|(shard, s)| {
+            let (relaxed, sql) = match s.sql.strip_prefix(RELAXED) {
+                Some(rest) => (true, rest),
+                None => (false, s.sql.as_str()),
+            };
+            let op = sql.split_whitespace().next()?.to_uppercase();
+            ["INSERT", "UPDATE", "DELETE"]
+                .contains(&op.as_str())
+                .then(|| IndexWrite {
+                    shard: shard.clone(),
+                    op,
+                    relaxed,
+                })
+        })
+        .collect()
+}
+
 /// `SELECT COUNT(*)` of `table` summed over every shard of the cluster.
 pub async fn count_rows(cluster: &Cluster, table: &str) -> u64 {
     let mut n = 0;

@@ -9,7 +9,7 @@ use sea_orm::{
 use shardkit::gsi::IndexState;
 use shardkit::{Cluster, ShardError};
 use shardkit_tests::models::*;
-use shardkit_tests::{Sent, TestDbs, backend_tests, recording_cluster};
+use shardkit_tests::{IndexWrite, Sent, TestDbs, backend_tests, index_writes, recording_cluster};
 use std::collections::BTreeSet;
 
 backend_tests!(4 =>
@@ -18,6 +18,7 @@ backend_tests!(4 =>
     write_only_scatters_until_backfilled,
     reconcile_removes_dangling_and_adds_missing,
     pinned_index_lives_on_one_shard,
+    index_rows_beside_their_owner_commit_relaxed,
 );
 
 async fn gsi_cluster(dbs: &TestDbs, extra: &str) -> (Cluster, Sent) {
@@ -566,4 +567,106 @@ async fn pinned_index_lives_on_one_shard(dbs: &mut TestDbs) {
     }
     reconciler.abort();
     assert!(cleaned, "the reconciler removed the dangling row");
+}
+
+/// On PostgreSQL, an index row on another shard of the owner's server commits
+/// with `synchronous_commit = off` (the owner's flushed commit flushes it);
+/// on the owner's own shard it goes in the owner's transaction; removals after
+/// the commit are relaxed too. SQLite and MySQL/MariaDB always flush, and
+/// `[gsi] relaxed_commit = false` turns it off. Values travel inlined on the
+/// relaxed path and must arrive exactly.
+async fn index_rows_beside_their_owner_commit_relaxed(dbs: &mut TestDbs) {
+    let (cluster, sent) = gsi_cluster(dbs, "").await;
+    let pg =
+        cluster.connection("s0").unwrap().get_database_backend() == sea_orm::DbBackend::Postgres;
+    let email = |i: i64| format!("o'hara\\'; --{i}@example.com");
+    let (mut relaxed, mut in_owner_txn) = (0, 0);
+    for i in 0..24_i64 {
+        sent.lock().unwrap().clear();
+        add_contact(&cluster, i, i, &email(i), "+1 555 0100 'x'")
+            .await
+            .unwrap();
+        let owner = cluster.shard_of::<Customer>(&i).await.unwrap();
+        for table in ["gsi_contacts_email", "gsi_contacts_phone"] {
+            let writes = index_writes(&sent, table);
+            assert_eq!(writes.len(), 1, "{table}: {writes:?}");
+            let IndexWrite {
+                shard,
+                op,
+                relaxed: r,
+            } = &writes[0];
+            assert_eq!(op, "INSERT");
+            if shard == owner {
+                assert!(!r, "in the owner's transaction: {writes:?}");
+                in_owner_txn += 1;
+            } else {
+                assert_eq!(*r, pg, "{table} on {shard}, owner on {owner}");
+                relaxed += usize::from(*r);
+            }
+        }
+    }
+    assert!(in_owner_txn > 0);
+    assert_eq!(relaxed > 0, pg);
+    assert_eq!(
+        index_rows(&cluster, "gsi_contacts_email").await,
+        (0..24).map(|i| (email(i), i.to_string())).collect()
+    );
+    cluster
+        .gsi()
+        .backfill::<contact::Entity>(contact::Column::Email)
+        .await
+        .unwrap();
+    for i in [0, 7, 23] {
+        let found = cluster
+            .find::<contact::Entity>()
+            .by_index(contact::Column::Email, email(i))
+            .all()
+            .await
+            .unwrap();
+        assert_eq!(found.iter().map(|r| r.id).collect::<Vec<_>>(), vec![i]);
+    }
+
+    // An update moves the entry: the new row first, the old one removed after
+    // the commit (relaxed on PostgreSQL wherever it lives).
+    sent.lock().unwrap().clear();
+    let tx = cluster.begin::<Customer>(5).await.unwrap();
+    tx.update(contact::ActiveModel {
+        id: Unchanged(5),
+        customer_id: Unchanged(5),
+        email: Set("moved@example.com".into()),
+        phone: Unchanged("+1 555 0100 'x'".into()),
+    })
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    let writes = index_writes(&sent, "gsi_contacts_email");
+    assert_eq!(
+        writes.iter().map(|w| w.op.as_str()).collect::<Vec<_>>(),
+        ["INSERT", "DELETE"]
+    );
+    assert_eq!(writes[1].relaxed, pg);
+    assert!(
+        !index_rows(&cluster, "gsi_contacts_email")
+            .await
+            .contains(&(email(5), "5".to_owned()))
+    );
+
+    // Turned off: every index write flushes.
+    let (strict, strict_sent) =
+        recording_cluster(dbs, 4, "[groups.Customer]\n[gsi]\nrelaxed_commit = false\n").await;
+    for i in 100..108_i64 {
+        add_contact(&strict, i, i, &email(i), "p").await.unwrap();
+    }
+    let tx = strict.begin::<Customer>(100).await.unwrap();
+    tx.delete(contact::ActiveModel {
+        id: Unchanged(100),
+        customer_id: Unchanged(100),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    let writes = index_writes(&strict_sent, "gsi_contacts_");
+    assert!(writes.iter().any(|w| w.op == "DELETE"), "{writes:?}");
+    assert!(writes.iter().all(|w| !w.relaxed), "{writes:?}");
 }

@@ -70,6 +70,13 @@ pub struct GsiConfig {
     /// `pin = { gsi_customers_email = "s0" }`.
     #[serde(default)]
     pub pin: BTreeMap<String, String>,
+    /// Whether an index row whose shard is a database of the same PostgreSQL
+    /// server as its owner's shard commits without waiting for its WAL flush
+    /// (`synchronous_commit = off` for that one write; default `true`). Index
+    /// first still holds: the owner's commit, flushed after it on the same
+    /// WAL, flushes the index row too. Index rows on another server always
+    /// commit flushed. Set `false` to flush every index row on its own.
+    pub relaxed_commit: Option<bool>,
 }
 
 /// `[ids]`: where unique ids come from.
