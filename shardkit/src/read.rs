@@ -364,18 +364,13 @@ impl<E: ShardedEntity, R> Find<E, R> {
         R: Routed<E>,
     {
         let (read, select, spec) = self.split();
+        let (select, spec, indexed) = read.resolve_index(select, spec).await?;
         match spec {
             RouteSpec::One(key) => {
-                let plan = read.plan_one(select, &key, "all").await?;
-                let select = read.shape(plan.select, true);
-                let rows = read
-                    .run_one(
-                        plan.target,
-                        plan.span,
-                        select.all(read.cluster.shard_conn(plan.target.shard)),
-                    )
-                    .await?;
-                R::finish(rows, read.gathered(1, Vec::new()))
+                read.single::<R, _, _, _>(select, &key, "all", indexed, |s, conn| {
+                    read.shape(s, true).all(conn)
+                })
+                .await
             }
             spec => {
                 let (rows, gathered) = read.rows(select, spec, "all").await?;
@@ -390,18 +385,13 @@ impl<E: ShardedEntity, R> Find<E, R> {
         R: Routed<E>,
     {
         let (mut read, select, spec) = self.split();
+        let (select, spec, indexed) = read.resolve_index(select, spec).await?;
         match spec {
             RouteSpec::One(key) => {
-                let plan = read.plan_one(select, &key, "one").await?;
-                let select = read.shape(plan.select, true);
-                let row = read
-                    .run_one(
-                        plan.target,
-                        plan.span,
-                        select.one(read.cluster.shard_conn(plan.target.shard)),
-                    )
-                    .await?;
-                R::finish(row, read.gathered(1, Vec::new()))
+                read.single::<R, _, _, _>(select, &key, "one", indexed, |s, conn| {
+                    read.shape(s, true).one(conn)
+                })
+                .await
             }
             spec => {
                 read.limit = Some(1);
@@ -419,18 +409,11 @@ impl<E: ShardedEntity, R> Find<E, R> {
         E::Model: Sync,
     {
         let (read, select, spec) = self.split();
+        let (select, spec, indexed) = read.resolve_index(select, spec).await?;
         match spec {
             RouteSpec::One(key) => {
-                let plan = read.plan_one(select, &key, "count").await?;
-                let n = read
-                    .run_one(
-                        plan.target,
-                        plan.span,
-                        plan.select
-                            .count(read.cluster.shard_conn(plan.target.shard)),
-                    )
-                    .await?;
-                R::finish(n, read.gathered(1, Vec::new()))
+                read.single::<R, _, _, _>(select, &key, "count", indexed, |s, conn| s.count(conn))
+                    .await
             }
             spec => {
                 let parts = read.fan_out(select, spec).await?;
@@ -512,6 +495,39 @@ impl<E: ShardedEntity> Read<E> {
         })
     }
 
+    /// A read on one shard key's shard. When the key came from an index, a
+    /// failure is reported as a multi-shard read reports it (strict:
+    /// `ShardsFailed`; `.partial()`: listed in `failed`), the same as when
+    /// the index lists several keys.
+    async fn single<'a, R, T, F, Fut>(
+        &'a self,
+        select: Select<E>,
+        key: &KeyOf<E>,
+        op: &'static str,
+        indexed: bool,
+        run: F,
+    ) -> Result<R::Output<T>>
+    where
+        R: Routed<E>,
+        T: Default,
+        F: FnOnce(Select<E>, &'a DatabaseConnection) -> Fut,
+        Fut: Future<Output = std::result::Result<T, DbErr>>,
+    {
+        let plan = self.plan_one(select, key, op).await?;
+        let fut = run(plan.select, self.cluster.shard_conn(plan.target.shard));
+        match self.run_one(plan.target, plan.span, fut).await {
+            Ok(value) => R::finish(value, self.gathered(1, Vec::new())),
+            Err(error) if indexed => {
+                let failure = ShardFailure {
+                    shard: self.cluster.shard_name(plan.target.shard).to_owned(),
+                    error: Box::new(error),
+                };
+                R::finish(T::default(), self.gathered(1, vec![failure]))
+            }
+            Err(error) => Err(error),
+        }
+    }
+
     /// Runs a single-shard statement with the read's timeout.
     async fn run_one<T>(
         &self,
@@ -565,30 +581,19 @@ impl<E: ShardedEntity> Read<E> {
         select
     }
 
-    /// The per-shard statements of a multi-shard read, before ordering. Fails
-    /// before any I/O when the ordering cannot be merged.
-    async fn fan_out(
+    /// Resolves an index read into the keys the index lists (one key takes
+    /// the single-shard path) or, while the index fills, a scatter; either
+    /// way the statement also filters on the indexed column, so a dangling or
+    /// stale index row never yields a wrong row. Other routes pass through.
+    async fn resolve_index(
         &self,
         select: Select<E>,
         spec: RouteSpec<KeyOf<E>>,
-    ) -> Result<Vec<(ShardId, Select<E>)>> {
-        if let Some((column, _)) = self
-            .order
-            .iter()
-            .find(|(_, o)| !matches!(o, Order::Asc | Order::Desc))
-        {
-            return Err(ShardError::Unmergeable {
-                table: table_name::<E>(),
-                reason: format!(
-                    "`{}` is ordered by a custom field list; a multi-shard read merges only Asc and Desc",
-                    column.as_str()
-                ),
-            });
-        }
-        // An index read becomes a keyed (or, while the index fills, a
-        // scatter) read that also filters on the indexed column.
-        let (base, spec) = match spec {
+    ) -> Result<(Select<E>, RouteSpec<KeyOf<E>>, bool)> {
+        Ok(match spec {
             RouteSpec::Index(column, value) => {
+                // Whatever the index finds, ordering follows multi-shard rules.
+                self.check_mergeable()?;
                 let (col, unique) = E::GLOBAL_INDEXES
                     .iter()
                     .find(|(c, _)| c.as_str() == column)
@@ -600,13 +605,44 @@ impl<E: ShardedEntity> Read<E> {
                     })?;
                 let index = crate::gsi::IndexDef::of::<E>(*col, *unique);
                 let base = select.filter(Expr::col((E::default(), *col)).eq(value.clone()));
-                match self.cluster.gsi().lookup::<E>(&index, &value).await? {
-                    Some(keys) => (base, RouteSpec::Many(keys)),
-                    None => (base, RouteSpec::All),
-                }
+                let spec = match self.cluster.gsi().lookup::<E>(&index, &value).await? {
+                    Some(mut keys) if keys.len() == 1 => RouteSpec::One(keys.remove(0)),
+                    Some(keys) => RouteSpec::Many(keys),
+                    None => RouteSpec::All,
+                };
+                (base, spec, true)
             }
-            other => (select, other),
-        };
+            other => (select, other, false),
+        })
+    }
+
+    /// Refuses, before any I/O, an ordering a multi-shard merge cannot apply.
+    fn check_mergeable(&self) -> Result<()> {
+        match self
+            .order
+            .iter()
+            .find(|(_, o)| !matches!(o, Order::Asc | Order::Desc))
+        {
+            Some((column, _)) => Err(ShardError::Unmergeable {
+                table: table_name::<E>(),
+                reason: format!(
+                    "`{}` is ordered by a custom field list; a multi-shard read merges only Asc and Desc",
+                    column.as_str()
+                ),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// The per-shard statements of a multi-shard read, before ordering. Fails
+    /// before any I/O when the ordering cannot be merged.
+    async fn fan_out(
+        &self,
+        select: Select<E>,
+        spec: RouteSpec<KeyOf<E>>,
+    ) -> Result<Vec<(ShardId, Select<E>)>> {
+        self.check_mergeable()?;
+        let (base, spec, _) = self.resolve_index(select, spec).await?;
         match spec {
             RouteSpec::One(key) => {
                 let shard = self.cluster.route::<E::Group>(&key).await?.shard;

@@ -19,6 +19,7 @@ backend_tests!(4 =>
     reconcile_removes_dangling_and_adds_missing,
     pinned_index_lives_on_one_shard,
     index_rows_beside_their_owner_commit_relaxed,
+    by_index_reports_a_failed_owner_shard,
 );
 
 async fn gsi_cluster(dbs: &TestDbs, extra: &str) -> (Cluster, Sent) {
@@ -669,4 +670,154 @@ async fn index_rows_beside_their_owner_commit_relaxed(dbs: &mut TestDbs) {
     let writes = index_writes(&strict_sent, "gsi_contacts_");
     assert!(writes.iter().any(|w| w.op == "DELETE"), "{writes:?}");
     assert!(writes.iter().all(|w| !w.relaxed), "{writes:?}");
+}
+
+/// The shard holding `table`'s index row for `value`.
+async fn index_home(cluster: &Cluster, table: &str, value: &str) -> String {
+    for shard in cluster.topology().shard_names() {
+        let db = cluster.connection(shard).unwrap();
+        let n = db
+            .query_all_raw(Statement::from_sql_and_values(
+                db.get_database_backend(),
+                match db.get_database_backend() {
+                    sea_orm::DbBackend::Postgres => {
+                        format!("SELECT 1 FROM {table} WHERE value = $1")
+                    }
+                    _ => format!("SELECT 1 FROM {table} WHERE value = ?"),
+                },
+                [value.into()],
+            ))
+            .await
+            .unwrap();
+        if !n.is_empty() {
+            return shard.to_owned();
+        }
+    }
+    panic!("no index row for {value} in {table}");
+}
+
+/// An owner shard that cannot be reached: an index read fails with
+/// `ShardsFailed` naming it, or with `.partial()` lists it and returns the
+/// rows of the shards that answered — whether the index lists one shard key
+/// (the single-shard path) or several.
+async fn by_index_reports_a_failed_owner_shard(dbs: &mut TestDbs) {
+    let (healthy, _) = gsi_cluster(dbs, "").await;
+    let shard_of = |k: i64| {
+        let healthy = healthy.clone();
+        async move { healthy.shard_of::<Customer>(&k).await.unwrap().to_owned() }
+    };
+    let mut dead_keys = Vec::new();
+    let mut live_key = None;
+    for k in 0..200_i64 {
+        if shard_of(k).await == "s3" {
+            dead_keys.push(k);
+        } else if live_key.is_none() {
+            live_key = Some(k);
+        }
+    }
+    let live_key = live_key.unwrap();
+    // Values whose index rows live on a shard that stays up.
+    let mut email = None;
+    for (i, &k) in dead_keys.iter().enumerate() {
+        let e = format!("dead{i}@example.com");
+        add_contact(&healthy, i as i64 + 1, k, &e, &format!("ph{i}"))
+            .await
+            .unwrap();
+        if index_home(&healthy, "gsi_contacts_email", &e).await != "s3" {
+            email = Some(e);
+            break;
+        }
+    }
+    let email = email.expect("an email indexed off s3");
+    let mut phone = None;
+    add_contact(&healthy, 2000, live_key, "live@example.com", "shared0")
+        .await
+        .unwrap();
+    for i in 0..50 {
+        let p = format!("shared{i}");
+        if i > 0 {
+            let tx = healthy.begin::<Customer>(live_key).await.unwrap();
+            tx.update(contact::ActiveModel {
+                id: Unchanged(2000),
+                customer_id: Unchanged(live_key),
+                phone: Set(p.clone()),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+            tx.commit().await.unwrap();
+        }
+        if index_home(&healthy, "gsi_contacts_phone", &p).await != "s3" {
+            phone = Some(p);
+            break;
+        }
+    }
+    let phone = phone.expect("a phone indexed off s3");
+    add_contact(
+        &healthy,
+        2001,
+        dead_keys[0],
+        "dead-shared@example.com",
+        &phone,
+    )
+    .await
+    .unwrap();
+    for column in [contact::Column::Email, contact::Column::Phone] {
+        healthy
+            .gsi()
+            .backfill::<contact::Entity>(column)
+            .await
+            .unwrap();
+    }
+
+    let toml = format!(
+        "{}\n[groups.Customer]\n",
+        dbs.shards_toml_with(4, "connect_lazy = true\nacquire_timeout_secs = 3\n", &[3])
+    );
+    let cluster = Cluster::connect(shardkit::ClusterConfig::from_toml(&toml).unwrap())
+        .await
+        .unwrap();
+    let read = || cluster.find::<contact::Entity>();
+    match read()
+        .by_index(contact::Column::Email, email.as_str())
+        .all()
+        .await
+    {
+        Err(ShardError::ShardsFailed {
+            asked: 1, failures, ..
+        }) => {
+            assert_eq!(failures[0].shard, "s3");
+        }
+        other => panic!("expected ShardsFailed, got {other:?}"),
+    }
+    let partial = read()
+        .by_index(contact::Column::Email, email.as_str())
+        .partial()
+        .one()
+        .await
+        .unwrap();
+    assert_eq!(partial.rows, None);
+    assert_eq!(
+        partial
+            .failed
+            .iter()
+            .map(|f| f.shard.as_str())
+            .collect::<Vec<_>>(),
+        ["s3"]
+    );
+    let shared = read()
+        .by_index(contact::Column::Phone, phone.as_str())
+        .partial()
+        .all()
+        .await
+        .unwrap();
+    assert_eq!(shared.rows.iter().map(|r| r.id).collect::<Vec<_>>(), [2000]);
+    assert_eq!(shared.failed.len(), 1);
+    // A healthy owner is read as before.
+    let live = read()
+        .by_index(contact::Column::Email, "live@example.com")
+        .one()
+        .await
+        .unwrap();
+    assert_eq!(live.map(|r| r.id), Some(2000));
 }
