@@ -9,6 +9,9 @@
 //! - `gsi/<backend>/keyed_read` vs `by_index`: the same row read by its shard
 //!   key, and by its indexed email.
 //!
+//! - `gsi/<backend>/paired`: the inserts and the reads again, interleaved
+//!   round by round, medians and ratios printed (see `interleaved`).
+//!
 //! `cargo bench -p shardkit-tests --bench gsi` (PostgreSQL skips with a
 //! printed line when unreachable).
 
@@ -102,54 +105,19 @@ fn gsi(c: &mut Criterion) {
         let mut group = c.benchmark_group(format!("gsi/{label}"));
         group.sample_size(40);
         group.bench_function("insert_plain", |b| {
-            b.to_async(&rt).iter(|| async {
-                let id = next.fetch_add(1, Ordering::Relaxed);
-                let tx = cluster.begin::<Owner>(id).await.unwrap();
-                tx.insert(plain::ActiveModel {
-                    id: Set(id),
-                    email: Set(format!("u{id}@x")),
-                })
-                .await
-                .unwrap();
-                tx.commit().await.unwrap();
-            })
+            b.to_async(&rt)
+                .iter(|| insert_plain(&cluster, next.fetch_add(1, Ordering::Relaxed)))
         });
         // The floor index-first cannot go below: the same insert plus one
         // autocommitted row on another shard (two durable commits).
         group.bench_function("insert_plain_plus_autocommit", |b| {
-            b.to_async(&rt).iter(|| async {
-                let id = next.fetch_add(1, Ordering::Relaxed);
-                let tx = cluster.begin::<Owner>(id).await.unwrap();
-                let own = tx.target().shard.index();
-                tx.insert(plain::ActiveModel {
-                    id: Set(id),
-                    email: Set(format!("u{id}@x")),
-                })
-                .await
-                .unwrap();
-                let other = cluster.topology().shards()[(own + 1) % 4].name.clone();
-                plain::Entity::insert(plain::ActiveModel {
-                    id: Set(-id),
-                    email: Set(format!("f{id}@x")),
-                })
-                .exec(cluster.connection(&other).unwrap())
-                .await
-                .unwrap();
-                tx.commit().await.unwrap();
+            b.to_async(&rt).iter(|| {
+                insert_plain_plus_autocommit(&cluster, next.fetch_add(1, Ordering::Relaxed))
             })
         });
         group.bench_function("insert_with_gsi", |b| {
-            b.to_async(&rt).iter(|| async {
-                let id = next.fetch_add(1, Ordering::Relaxed);
-                let tx = cluster.begin::<Owner>(id).await.unwrap();
-                tx.insert(indexed::ActiveModel {
-                    id: Set(id),
-                    email: Set(format!("u{id}@x")),
-                })
-                .await
-                .unwrap();
-                tx.commit().await.unwrap();
-            })
+            b.to_async(&rt)
+                .iter(|| insert_with_gsi(&cluster, next.fetch_add(1, Ordering::Relaxed)))
         });
         // A row to read back, by key and by index.
         let probe = rt.block_on(async {
@@ -187,9 +155,119 @@ fn gsi(c: &mut Criterion) {
             })
         });
         group.finish();
+        rt.block_on(paired(&cluster, &next, probe, label));
         drop(cluster);
         rt.block_on(dbs.cleanup());
     }
+}
+
+async fn insert_plain(cluster: &shardkit::Cluster, id: i64) {
+    let tx = cluster.begin::<Owner>(id).await.unwrap();
+    tx.insert(plain::ActiveModel {
+        id: Set(id),
+        email: Set(format!("u{id}@x")),
+    })
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+}
+
+async fn insert_plain_plus_autocommit(cluster: &shardkit::Cluster, id: i64) {
+    let tx = cluster.begin::<Owner>(id).await.unwrap();
+    let own = tx.target().shard.index();
+    tx.insert(plain::ActiveModel {
+        id: Set(id),
+        email: Set(format!("u{id}@x")),
+    })
+    .await
+    .unwrap();
+    let other = cluster.topology().shards()[(own + 1) % 4].name.clone();
+    plain::Entity::insert(plain::ActiveModel {
+        id: Set(-id),
+        email: Set(format!("f{id}@x")),
+    })
+    .exec(cluster.connection(&other).unwrap())
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+}
+
+async fn insert_with_gsi(cluster: &shardkit::Cluster, id: i64) {
+    let tx = cluster.begin::<Owner>(id).await.unwrap();
+    tx.insert(indexed::ActiveModel {
+        id: Set(id),
+        email: Set(format!("u{id}@x")),
+    })
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+}
+
+type Job<'a> = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + 'a>>;
+
+/// Medians of `kinds` jobs run interleaved round by round (order rotating),
+/// so all of them see the same machine: on a VM whose commit flush time
+/// drifts by 2–3 × over minutes, criterion's one-after-another runs can
+/// compare a fast minute with a slow one.
+async fn interleaved<'a>(
+    rounds: usize,
+    kinds: usize,
+    job: impl Fn(usize) -> Job<'a>,
+) -> Vec<std::time::Duration> {
+    let mut times = vec![Vec::with_capacity(rounds); kinds];
+    for round in 0..rounds {
+        for k in 0..kinds {
+            let kind = (round + k) % kinds;
+            let started = std::time::Instant::now();
+            job(kind).await;
+            times[kind].push(started.elapsed());
+        }
+    }
+    times
+        .into_iter()
+        .map(|mut t| {
+            t.sort();
+            t[t.len() / 2]
+        })
+        .collect()
+}
+
+/// `gsi/<backend>/paired`: the benchmark's pairs again, interleaved.
+async fn paired(cluster: &shardkit::Cluster, next: &AtomicI64, probe: i64, label: &str) {
+    let inserts = interleaved(300, 3, |kind| {
+        let id = next.fetch_add(1, Ordering::Relaxed);
+        match kind {
+            0 => Box::pin(insert_plain(cluster, id)),
+            1 => Box::pin(insert_with_gsi(cluster, id)),
+            _ => Box::pin(insert_plain_plus_autocommit(cluster, id)),
+        }
+    })
+    .await;
+    let reads = interleaved(1000, 2, |kind| {
+        Box::pin(async move {
+            let find = cluster.find::<indexed::Entity>();
+            let row = match kind {
+                0 => find.key(probe).one().await,
+                _ => find.by_index(indexed::Column::Email, "probe@x").one().await,
+            };
+            black_box(row.unwrap().unwrap());
+        })
+    })
+    .await;
+    let ratio = |a: std::time::Duration, b: std::time::Duration| a.as_secs_f64() / b.as_secs_f64();
+    println!(
+        "gsi/{label}/paired (medians of interleaved runs): insert_plain {:.2?}, insert_with_gsi {:.2?} \
+         = {:.2} ×, insert_plain_plus_autocommit {:.2?} = {:.2} × (300 rounds); keyed_read {:.2?}, \
+         by_index {:.2?} = {:.2} × (1,000 rounds)",
+        inserts[0],
+        inserts[1],
+        ratio(inserts[1], inserts[0]),
+        inserts[2],
+        ratio(inserts[2], inserts[0]),
+        reads[0],
+        reads[1],
+        ratio(reads[1], reads[0]),
+    );
 }
 
 criterion_group!(benches, gsi);
