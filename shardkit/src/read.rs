@@ -78,6 +78,11 @@ impl<T> Partial<T> {
     pub fn is_complete(&self) -> bool {
         self.failed.is_empty()
     }
+
+    /// The names of the shards that failed, in shard order.
+    pub fn failed_shards(&self) -> Vec<&str> {
+        self.failed.iter().map(|f| f.shard.as_str()).collect()
+    }
 }
 
 mod sealed {

@@ -797,14 +797,7 @@ async fn by_index_reports_a_failed_owner_shard(dbs: &mut TestDbs) {
         .await
         .unwrap();
     assert_eq!(partial.rows, None);
-    assert_eq!(
-        partial
-            .failed
-            .iter()
-            .map(|f| f.shard.as_str())
-            .collect::<Vec<_>>(),
-        ["s3"]
-    );
+    assert_eq!(partial.failed_shards(), ["s3"]);
     let shared = read()
         .by_index(contact::Column::Phone, phone.as_str())
         .partial()

@@ -346,14 +346,7 @@ async fn failed_shard_fails_or_is_reported(dbs: &mut TestDbs) {
         .await
         .unwrap();
     assert!(!partial.is_complete());
-    assert_eq!(
-        partial
-            .failed
-            .iter()
-            .map(|f| f.shard.as_str())
-            .collect::<Vec<_>>(),
-        vec!["s3"]
-    );
+    assert_eq!(partial.failed_shards(), vec!["s3"]);
     let mut got = partial.rows;
     got.sort_by_key(|o| o.id);
     let mut want = rows.clone();
