@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 const BLOCK: u64 = 100_000;
 
 async fn ticket_cluster(backend: Backend, name: &str) -> Option<(TestDbs, Cluster)> {
-    let mut dbs = TestDbs::create(backend, name, 1).await?;
+    let mut dbs = TestDbs::create_if_reachable(backend, name, 1).await?;
     let a = dbs.extra("tickets_a").await;
     let b = dbs.extra("tickets_b").await;
     let toml = format!(

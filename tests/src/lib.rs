@@ -1,11 +1,11 @@
 //! The harness shardkit's integration tests run on.
 //!
 //! Every scenario runs on SQLite and, when reachable, on PostgreSQL and
-//! MySQL/MariaDB ([`backend_tests!`] makes one `#[tokio::test]` per backend).
+//! MySQL/MariaDB ([`backend_tests!`] makes one test per backend).
 //! Each test creates its own shard databases, named after it, and drops them
 //! when it passes (like `#[sqlx::test]`); a failing test leaves them for
-//! inspection. Outside CI an unreachable server is skipped with a printed
-//! line; with `CI=true` it fails the test.
+//! inspection. Outside CI the scenarios of an unreachable server are reported
+//! as ignored (never as passed); with `CI=true` they fail.
 //!
 //! Servers: `SHARDKIT_PG_URL` (default `postgres://postgres@127.0.0.1:5432`)
 //! and `SHARDKIT_MYSQL_URL` (default `mysql://root@127.0.0.1:3306`).
@@ -87,9 +87,12 @@ fn db_name(test: &str, suffix: &str) -> String {
 }
 
 impl TestDbs {
-    /// Creates `shards` fresh databases for `test` (plus nothing else), or
-    /// returns `None` when the backend's server is unreachable outside CI.
-    pub async fn create(backend: Backend, test: &str, shards: usize) -> Option<Self> {
+    /// Creates `shards` fresh databases for `test` (plus nothing else).
+    ///
+    /// Panics when the backend's server cannot be reached: [`backend_tests!`]
+    /// marks the scenarios of an unreachable server ignored before they
+    /// start, so a scenario that gets here expects its server.
+    pub async fn create(backend: Backend, test: &str, shards: usize) -> Self {
         let Some(admin_url) = backend.admin_url() else {
             let dir = std::env::temp_dir()
                 .join("shardkit-tests")
@@ -99,23 +102,21 @@ impl TestDbs {
             let names = (0..shards)
                 .map(|i| dir.join(format!("shard_{i}.db")).display().to_string())
                 .collect();
-            return Some(TestDbs {
+            return TestDbs {
                 backend,
                 names,
                 dir: Some(dir),
                 admin: None,
-            });
+            };
         };
-        let admin = match Database::connect(admin_url.as_str()).await {
-            Ok(conn) => conn,
-            Err(err) => {
-                if in_ci() {
-                    panic!("{backend:?} is unreachable at {admin_url} and CI=true: {err}");
-                }
-                println!("skipping {test} on {backend:?}: server unreachable ({err})");
-                return None;
-            }
-        };
+        assert!(
+            harness::reachable(backend),
+            "{backend:?} is unreachable at {}",
+            backend.server_url().unwrap_or_default()
+        );
+        let admin = Database::connect(admin_url.as_str())
+            .await
+            .unwrap_or_else(|err| panic!("{backend:?} is unreachable at {admin_url}: {err}"));
         let names: Vec<String> = (0..shards).map(|i| db_name(test, &i.to_string())).collect();
         let dbs = TestDbs {
             backend,
@@ -126,7 +127,18 @@ impl TestDbs {
         for name in &dbs.names {
             dbs.recreate(name).await;
         }
-        Some(dbs)
+        dbs
+    }
+
+    /// [`create`](Self::create) when the backend's server is reachable;
+    /// otherwise prints why and returns `None` (for benchmarks, which
+    /// measure what they can).
+    pub async fn create_if_reachable(backend: Backend, test: &str, shards: usize) -> Option<Self> {
+        if !harness::reachable(backend) {
+            println!("skipping {test} on {backend:?}: server unreachable");
+            return None;
+        }
+        Some(Self::create(backend, test, shards).await)
     }
 
     /// Drops (if present) and creates one database on the server.
@@ -275,28 +287,174 @@ impl TestDbs {
     }
 }
 
-/// Makes one `#[tokio::test]` per backend for each scenario
-/// `async fn name(dbs: &mut TestDbs)`, in a module named after it.
+/// Makes one test per backend for each scenario `async fn name(dbs: &mut
+/// TestDbs)`, in a module named after it (`name::sqlite`, `name::postgres`,
+/// `name::mysql`), and the test binary's `main` that runs them.
+///
+/// A scenario can be limited to some backends: `[Postgres] name`. The file
+/// must be a `harness = false` test target (`tests/Cargo.toml`): the
+/// scenarios run through [`harness::run`], which marks the scenarios of an
+/// unreachable server *ignored* (shown and counted as such) instead of
+/// letting them pass without running; with `CI=true` they run and fail.
 #[macro_export]
 macro_rules! backend_tests {
-    ($shards:expr => $($scenario:ident),* $(,)?) => {$(
-        mod $scenario {
-            use $crate::{Backend, TestDbs};
-            async fn run(backend: Backend) {
-                let test = concat!(module_path!(), "::", stringify!($scenario));
-                let test = test.split_once("::").map_or(test, |(_, rest)| rest);
-                let Some(mut dbs) = TestDbs::create(backend, test, $shards).await else { return };
-                super::$scenario(&mut dbs).await;
-                dbs.cleanup().await;
+    ($shards:expr => $($([$($backend:ident),+])? $scenario:ident),* $(,)?) => {
+        $(
+            mod $scenario {
+                pub(super) fn trials() -> Vec<$crate::harness::Scenario> {
+                    let test = concat!(module_path!(), "::", stringify!($scenario));
+                    let test = test.split_once("::").map_or(test, |(_, rest)| rest);
+                    let backends: &[$crate::Backend] =
+                        $crate::backend_tests!(@backends $([$($backend),+])?);
+                    backends
+                        .iter()
+                        .map(|&backend| $crate::harness::Scenario::new(
+                            test,
+                            backend,
+                            $shards,
+                            |dbs| Box::pin(super::$scenario(dbs)),
+                        ))
+                        .collect()
+                }
             }
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn sqlite() { run(Backend::Sqlite).await }
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn postgres() { run(Backend::Postgres).await }
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn mysql() { run(Backend::MySql).await }
+        )*
+
+        fn main() -> std::process::ExitCode {
+            $crate::harness::run([$($scenario::trials()),*].into_iter().flatten().collect())
         }
-    )*};
+
+        /// Runs only when this file was built with libtest's harness, which
+        /// would never call the `main` above.
+        #[test]
+        fn harness_false_is_missing_in_tests_cargo_toml() {
+            panic!(
+                "{} uses shardkit_tests::backend_tests!: declare it in tests/Cargo.toml with \
+                 `harness = false`, or none of its scenarios run",
+                file!()
+            );
+        }
+    };
+    (@backends) => {
+        &[$crate::Backend::Sqlite, $crate::Backend::Postgres, $crate::Backend::MySql]
+    };
+    (@backends [$($backend:ident),+]) => { &[$($crate::Backend::$backend),+] };
+}
+
+/// The runner behind [`backend_tests!`], on `libtest-mimic`: the same
+/// command-line filters and output as `cargo test`, plus scenarios of an
+/// unreachable server reported as ignored.
+pub mod harness {
+    use super::{Backend, TestDbs, in_ci};
+    use std::future::Future;
+    use std::pin::Pin;
+
+    type Body = for<'a> fn(&'a mut TestDbs) -> Pin<Box<dyn Future<Output = ()> + 'a>>;
+
+    /// One scenario on one backend.
+    pub struct Scenario {
+        test: &'static str,
+        backend: Backend,
+        shards: usize,
+        body: Body,
+    }
+
+    impl Scenario {
+        /// A scenario named `test` on `backend` over `shards` fresh databases.
+        pub fn new(test: &'static str, backend: Backend, shards: usize, body: Body) -> Self {
+            Scenario {
+                test,
+                backend,
+                shards,
+                body,
+            }
+        }
+
+        fn name(&self) -> String {
+            let backend = match self.backend {
+                Backend::Sqlite => "sqlite",
+                Backend::Postgres => "postgres",
+                Backend::MySql => "mysql",
+            };
+            let scenario = self.test.rsplit("::").next().unwrap_or(self.test);
+            format!("{scenario}::{backend}")
+        }
+
+        fn run(self) {
+            let runtime = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+                .expect("a tokio runtime for the scenario");
+            runtime.block_on(async move {
+                let mut dbs = TestDbs::create(self.backend, self.test, self.shards).await;
+                (self.body)(&mut dbs).await;
+                dbs.cleanup().await;
+            });
+        }
+    }
+
+    /// Whether `backend`'s server accepts a TCP connection (SQLite always).
+    pub(crate) fn reachable(backend: Backend) -> bool {
+        use std::net::{TcpStream, ToSocketAddrs};
+        let Some(url) = backend.server_url() else {
+            return true;
+        };
+        let rest = url.split_once("://").map_or(url.as_str(), |(_, r)| r);
+        let authority = rest.split('/').next().unwrap_or(rest);
+        let host = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
+        let default_port = if backend == Backend::Postgres {
+            5432
+        } else {
+            3306
+        };
+        let addr = if host.contains(':') {
+            host.to_owned()
+        } else {
+            format!("{host}:{default_port}")
+        };
+        addr.to_socket_addrs().is_ok_and(|mut addrs| {
+            addrs.any(|a| TcpStream::connect_timeout(&a, std::time::Duration::from_secs(2)).is_ok())
+        })
+    }
+
+    /// Runs `scenarios` as the test binary's tests; returns its exit code.
+    pub fn run(scenarios: Vec<Scenario>) -> std::process::ExitCode {
+        let args = libtest_mimic::Arguments::from_args();
+        let mut reach: Vec<(Backend, bool)> = Vec::new();
+        let ci = in_ci();
+        let trials = scenarios
+            .into_iter()
+            .map(|scenario| {
+                let backend = scenario.backend;
+                let up = match reach.iter().find(|(b, _)| *b == backend) {
+                    Some((_, up)) => *up,
+                    None => {
+                        let up = reachable(backend);
+                        if !up {
+                            eprintln!(
+                                "{backend:?} is unreachable at {}: {}",
+                                backend.server_url().unwrap_or_default(),
+                                if ci {
+                                    "CI=true, so its scenarios run and fail"
+                                } else {
+                                    "its scenarios are ignored (set CI=true to fail instead)"
+                                }
+                            );
+                        }
+                        reach.push((backend, up));
+                        up
+                    }
+                };
+                let name = scenario.name();
+                libtest_mimic::Trial::test(name, move || {
+                    scenario.run();
+                    Ok(())
+                })
+                .with_ignored_flag(!up && !ci)
+            })
+            .collect();
+        libtest_mimic::run(&args, trials).exit_code()
+    }
 }
 
 /// A TCP proxy in front of a database server that a test can cut, to make a
@@ -344,6 +502,134 @@ impl Proxy {
     /// Cuts every connection and refuses new ones.
     pub fn kill(&self) {
         let _ = self.kill.send(true);
+    }
+}
+
+/// A server that accepts connections and never answers: the shard that
+/// hangs instead of refusing. Every accepted socket is held open until the
+/// `Hung` is dropped, and counted.
+pub struct Hung {
+    /// The port it listens on.
+    pub port: u16,
+    accepted: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    open: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Hung {
+    /// Listens on a free loopback port.
+    pub async fn start() -> Hung {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind the hung server");
+        let port = listener.local_addr().expect("hung server address").port();
+        let accepted = std::sync::Arc::new(AtomicUsize::new(0));
+        let open = std::sync::Arc::new(AtomicUsize::new(0));
+        let (a, o) = (accepted.clone(), open.clone());
+        let task = tokio::spawn(async move {
+            let mut held = tokio::task::JoinSet::new();
+            loop {
+                let Ok((mut socket, _)) = listener.accept().await else {
+                    continue;
+                };
+                a.fetch_add(1, Ordering::SeqCst);
+                o.fetch_add(1, Ordering::SeqCst);
+                let o = o.clone();
+                // Read (and drop) whatever the client sends, never answer;
+                // a closed socket is no longer open.
+                held.spawn(async move {
+                    let mut sink = [0u8; 1024];
+                    loop {
+                        match tokio::io::AsyncReadExt::read(&mut socket, &mut sink).await {
+                            Ok(0) | Err(_) => break,
+                            Ok(_) => {}
+                        }
+                    }
+                    o.fetch_sub(1, Ordering::SeqCst);
+                });
+            }
+        });
+        Hung {
+            port,
+            accepted,
+            open,
+            task,
+        }
+    }
+
+    /// Connections accepted so far.
+    pub fn accepted(&self) -> usize {
+        self.accepted.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Connections the client side has not closed yet.
+    pub fn open(&self) -> usize {
+        self.open.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// A PostgreSQL or MySQL URL pointing at it (for `backend`; SQLite has no
+    /// server to hang, so PostgreSQL's form is used).
+    pub fn url(&self, backend: Backend) -> String {
+        match backend {
+            Backend::MySql => format!("mysql://root@127.0.0.1:{}/hung", self.port),
+            _ => format!("postgres://postgres@127.0.0.1:{}/hung", self.port),
+        }
+    }
+}
+
+impl Drop for Hung {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl TestDbs {
+    /// The connections the server holds open to this test's databases
+    /// (`pg_stat_activity` / `information_schema.PROCESSLIST`), for checking
+    /// that nothing leaked. SQLite has no server: always 0.
+    pub async fn server_connections(&self) -> usize {
+        let Some(admin) = &self.admin else {
+            return 0;
+        };
+        let list = self
+            .names
+            .iter()
+            .map(|n| format!("'{}'", n.replace('\'', "")))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let sql = match self.backend {
+            Backend::Postgres => format!(
+                "SELECT COUNT(*) AS n FROM pg_stat_activity WHERE datname IN ({list}) \
+                 AND pid <> pg_backend_pid()"
+            ),
+            _ => format!(
+                "SELECT COUNT(*) AS n FROM information_schema.PROCESSLIST WHERE DB IN ({list}) \
+                 AND ID <> CONNECTION_ID()"
+            ),
+        };
+        let row = admin
+            .query_one_raw(sea_orm::Statement::from_string(
+                admin.get_database_backend(),
+                sql,
+            ))
+            .await
+            .expect("count server connections")
+            .expect("a count row");
+        row.try_get::<i64>("", "n").expect("a count") as usize
+    }
+
+    /// Waits (polling, at most `within`) until the server holds at most
+    /// `expected` connections to this test's databases; returns the last count.
+    pub async fn settle_connections(&self, expected: usize, within: std::time::Duration) -> usize {
+        let deadline = tokio::time::Instant::now() + within;
+        loop {
+            let n = self.server_connections().await;
+            if n <= expected || tokio::time::Instant::now() >= deadline {
+                return n;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
     }
 }
 

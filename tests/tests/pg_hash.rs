@@ -5,7 +5,9 @@
 use sea_orm::{ConnectionTrait, DatabaseConnection};
 use shardkit::Cluster;
 use shardkit_tests::models::{Account, Customer, Device, Tenant};
-use shardkit_tests::{Backend, TestDbs};
+use shardkit_tests::{TestDbs, backend_tests};
+
+backend_tests!(1 => [Postgres] buckets_match_postgres_hash_partitioning);
 
 const KEYS: usize = 10_000;
 const BUCKETS: u32 = 1024;
@@ -73,12 +75,7 @@ async fn bucket<G: shardkit::EntityGroup>(cluster: &Cluster, key: &G::Key) -> u3
         .expect("hash placement")
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn buckets_match_postgres_hash_partitioning() {
-    let Some(dbs) = TestDbs::create(Backend::Postgres, "pg_hash::buckets_match_postgres", 1).await
-    else {
-        return;
-    };
+async fn buckets_match_postgres_hash_partitioning(dbs: &mut TestDbs) {
     let groups = "[groups.Customer]\nbuckets = 1024\n[groups.Tenant]\nbuckets = 1024\n[groups.Device]\nbuckets = 1024\n[groups.Account]\nbuckets = 1024\n";
     let cluster = dbs.cluster(1, groups).await;
     let db = cluster.connection("s0").unwrap();
@@ -143,5 +140,4 @@ async fn buckets_match_postgres_hash_partitioning() {
     check(db, "hp_uuid", "uuid", rows).await;
 
     drop(cluster);
-    dbs.cleanup().await;
 }

@@ -21,6 +21,7 @@ backend_tests!(8 =>
     scatter_merges_like_one_database,
     failed_shard_fails_or_is_reported,
     slow_shard_times_out,
+    [Sqlite] long_key_lists_are_chunked_under_the_parameter_limit,
 );
 
 /// 120 customers with 3 orders each, written through the cluster, and the same
@@ -493,12 +494,8 @@ async fn slow_shard_times_out(dbs: &mut TestDbs) {
 
 /// A key list longer than SQLite's 32,766-parameter limit is split into
 /// several statements on the same shard, and every row still comes back.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn long_key_lists_are_chunked_under_the_parameter_limit() {
-    let Some(dbs) = TestDbs::create(Backend::Sqlite, "scatter::long_key_lists", 1).await else {
-        return;
-    };
-    let (cluster, sent) = recording_cluster(&dbs, 1, "[groups.Customer]\n").await;
+async fn long_key_lists_are_chunked_under_the_parameter_limit(dbs: &mut TestDbs) {
+    let (cluster, sent) = recording_cluster(dbs, 1, "[groups.Customer]\n").await;
     cluster.migrate::<Migrator>().await.unwrap();
     let tx = cluster.begin::<Customer>(70_000).await.unwrap();
     tx.insert(order::ActiveModel {
@@ -539,5 +536,4 @@ async fn long_key_lists_are_chunked_under_the_parameter_limit() {
     assert_eq!(keys.len(), 70_000, "every key sent once");
     assert_eq!(keys.iter().copied().collect::<BTreeSet<_>>().len(), 70_000);
     drop(cluster);
-    dbs.cleanup().await;
 }

@@ -72,9 +72,7 @@ impl<S: Subscriber + for<'a> LookupSpan<'a>> Layer<S> for Capture {
 
 #[tokio::test(flavor = "current_thread")]
 async fn routed_statements_are_traced_without_keys() {
-    let Some(dbs) = TestDbs::create(Backend::Sqlite, "tracing::routed_statements", 4).await else {
-        return;
-    };
+    let dbs = TestDbs::create(Backend::Sqlite, "tracing::routed_statements", 4).await;
     let cluster = dbs.cluster(4, "[groups.Customer]\n").await;
     cluster.migrate::<Migrator>().await.unwrap();
 
@@ -158,10 +156,7 @@ async fn routed_statements_are_traced_without_keys() {
 
 #[tokio::test(flavor = "current_thread")]
 async fn scatter_concurrency_is_bounded_and_traced() {
-    let Some(dbs) = TestDbs::create(Backend::Sqlite, "tracing::scatter_concurrency", 8).await
-    else {
-        return;
-    };
+    let dbs = TestDbs::create(Backend::Sqlite, "tracing::scatter_concurrency", 8).await;
     let cluster = dbs
         .cluster(8, "[groups.Customer]\n[read]\nmax_concurrency = 3\n")
         .await;
