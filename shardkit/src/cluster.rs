@@ -319,11 +319,33 @@ impl Cluster {
 
     /// Where `key` of group `G` lives. Pure computation for hash, range and
     /// modulo placements; one lookup for directory placements.
+    ///
+    /// A `u64` key above `i64::MAX` routed to a PostgreSQL or SQLite shard is
+    /// refused here ([`ShardError::Unroutable`]), before any statement binds
+    /// it: those backends have no unsigned 64-bit type.
     pub async fn route<G: EntityGroup>(&self, key: &G::Key) -> Result<Target> {
-        match self.inner.topology.locate(G::NAME, key)? {
-            Located::Target(target) => Ok(target),
-            Located::Directory(index) => self.directory_index::<G>(index).lookup_target(key).await,
+        let target = match self.inner.topology.locate(G::NAME, key)? {
+            Located::Target(target) => target,
+            Located::Directory(index) => {
+                self.directory_index::<G>(index).lookup_target(key).await?
+            }
+        };
+        if !key.fits_signed_64() {
+            let backend = self.shard_conn(target.shard).get_database_backend();
+            if backend != sea_orm::DbBackend::MySql {
+                return Err(ShardError::Unroutable {
+                    group: G::NAME,
+                    key: format!("{key:?}"),
+                    reason: format!(
+                        "a u64 key above {} fits only MySQL/MariaDB's BIGINT UNSIGNED; shard `{}` \
+                         is {backend:?}, which stores 64-bit integers signed",
+                        i64::MAX,
+                        self.shard_name(target.shard)
+                    ),
+                });
+            }
         }
+        Ok(target)
     }
 
     /// The name of the shard `key` of group `G` lives on.

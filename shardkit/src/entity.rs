@@ -32,6 +32,14 @@ pub trait ShardKey: Clone + Eq + Hash + Debug + Send + Sync + 'static + Into<Val
 
     /// Parses [`to_directory_text`](Self::to_directory_text)'s output.
     fn from_directory_text(text: &str) -> Option<Self>;
+
+    /// Whether the key can be bound on a backend without unsigned integers
+    /// (PostgreSQL, SQLite): false only for a `u64` above `i64::MAX`, which
+    /// only MySQL/MariaDB's `BIGINT UNSIGNED` stores.
+    #[inline]
+    fn fits_signed_64(&self) -> bool {
+        true
+    }
 }
 
 /// A borrowed view of a shard key, for placements that compare or divide keys.
@@ -46,7 +54,7 @@ pub enum KeyRef<'a> {
 }
 
 macro_rules! int_key {
-    ($($t:ty => $as_i64:expr),* $(,)?) => {$(
+    ($($t:ty => $as_i64:expr, $fits:expr);* $(;)?) => {$(
         impl ShardKey for $t {
             #[inline]
             fn partition_hash(&self) -> u64 {
@@ -63,16 +71,22 @@ macro_rules! int_key {
             fn from_directory_text(text: &str) -> Option<Self> {
                 text.parse().ok()
             }
+            #[inline]
+            fn fits_signed_64(&self) -> bool {
+                let f: fn($t) -> bool = $fits;
+                f(*self)
+            }
         }
     )*};
 }
 
 int_key! {
-    i64 => |v| v,
-    i32 => i64::from,
+    i64 => |v| v, |_| true;
+    i32 => i64::from, |_| true;
     // PostgreSQL has no unsigned type: a u64 key is hashed as the bigint with the
-    // same 64 bits, which is how it round-trips through a `bigint` column.
-    u64 => |v| v as i64,
+    // same 64 bits (so the hash is defined for every u64), but only MySQL/MariaDB
+    // can store one above i64::MAX; see `fits_signed_64`.
+    u64 => |v| v as i64, |v| i64::try_from(v).is_ok();
 }
 
 impl ShardKey for String {

@@ -104,7 +104,8 @@ pub use entity::{EntityGroup, GroupKey, InGroup, KeyRef, ShardKey, ShardedEntity
 pub use error::{ErrorKind, Result, ShardError, ShardFailure};
 pub use ids::{Ids, Sequence, Snowflake, SnowflakeLayout, uuid_v7};
 pub use read::{
-    AllowPartial, ByIndex, Find, KeyOf, Keyed, Keys, Partial, Scatter, TxFind, Unkeyed,
+    AllowPartial, ByIndex, Find, KeyOf, Keyed, KeyedSelect, Keys, Partial, Scatter, TxFind,
+    TxSelect, Unkeyed,
 };
 pub use rollout::{Phase, Rollout, RolloutBackfill, RolloutHandle};
 pub use shardkit_derive::{EntityGroup, Sharded};

@@ -22,8 +22,9 @@ use futures::StreamExt;
 use sea_orm::sea_query::{Expr, SelectStatement};
 use sea_orm::{Condition, ExprTrait};
 use sea_orm::{
-    ConnectionTrait, DatabaseConnection, DbBackend, DbErr, IdenStatic, ModelTrait, Order,
-    PaginatorTrait, QueryFilter, QueryOrder, QuerySelect, QueryTrait, Select, Value,
+    ConnectionTrait, DatabaseConnection, DbBackend, DbErr, FromQueryResult, IdenStatic, ModelTrait,
+    Order, PaginatorTrait, QueryFilter, QueryOrder, QuerySelect, QueryTrait, Select,
+    SelectGetableTuple, SelectModel, Selector, SelectorTrait, TryGetableMany, Value,
 };
 use std::cmp::Ordering;
 use std::collections::{BTreeMap, HashSet};
@@ -208,7 +209,10 @@ impl<E: ShardedEntity, R: Routed<E>> Routed<E> for AllowPartial<R> {
 /// `order_by_asc`, `order_by_desc`, `order_by`, `limit` and `offset` are
 /// shardkit's own, so a multi-shard read can merge them correctly. A
 /// single-key read also takes every other [`QueryOrder`] and [`QuerySelect`]
-/// method.
+/// method; a read that selects only some columns (`select_only().column(..)`)
+/// decodes with [`into_tuple`](Find::into_tuple),
+/// [`into_model`](Find::into_model) or [`into_json`](Find::into_json), since
+/// `all()` decodes whole `E::Model`s.
 #[must_use = "a read does nothing until `.all()`, `.one()` or `.count()` runs it"]
 pub struct Find<E: ShardedEntity, R = Unkeyed> {
     cluster: Cluster,
@@ -972,6 +976,69 @@ fn compare_values(a: &Value, b: &Value, nulls_high: bool) -> Option<Ordering> {
     }
 }
 
+impl<E: ShardedEntity> Find<E, Keyed<KeyOf<E>>> {
+    /// Decodes each row into `M` instead of `E::Model`, as SeaORM's
+    /// [`Select::into_model`] does: for `select_only().column(..)` reads and
+    /// partial models. The read stays on the key's shard, scoped to the key.
+    pub fn into_model<M: FromQueryResult>(self) -> KeyedSelect<E, SelectModel<M>> {
+        KeyedSelect {
+            find: self,
+            into: |select| select.into_model::<M>(),
+        }
+    }
+
+    /// Decodes each row into a tuple of its selected columns, as SeaORM's
+    /// [`Select::into_tuple`] does (`select_only().column(a).column(b)` →
+    /// `(A, B)`).
+    pub fn into_tuple<T: TryGetableMany>(self) -> KeyedSelect<E, SelectGetableTuple<T>> {
+        KeyedSelect {
+            find: self,
+            into: |select| select.into_tuple::<T>(),
+        }
+    }
+
+    /// Decodes each row into a JSON object, as SeaORM's [`Select::into_json`].
+    pub fn into_json(self) -> KeyedSelect<E, SelectModel<sea_orm::JsonValue>> {
+        KeyedSelect {
+            find: self,
+            into: |select| select.into_json(),
+        }
+    }
+}
+
+/// A keyed read decoded into another shape ([`Find::into_model`],
+/// [`Find::into_tuple`], [`Find::into_json`]). Runs like the keyed read it
+/// came from: the key's shard, the key's predicate, the read's timeout.
+#[must_use = "a read does nothing until `.all()` or `.one()` runs it"]
+pub struct KeyedSelect<E: ShardedEntity, S: SelectorTrait> {
+    find: Find<E, Keyed<KeyOf<E>>>,
+    into: fn(Select<E>) -> Selector<S>,
+}
+
+impl<E: ShardedEntity, S: SelectorTrait> KeyedSelect<E, S> {
+    /// All matching rows of the key.
+    pub async fn all(self) -> Result<Vec<S::Item>> {
+        let into = self.into;
+        let key = self.find.route.0.clone();
+        let (read, select, _) = self.find.split();
+        read.single::<Keyed<KeyOf<E>>, _, _, _>(select, &key, "all", false, |s, conn| {
+            into(read.shape(s, true)).all(conn)
+        })
+        .await
+    }
+
+    /// The first matching row of the key.
+    pub async fn one(self) -> Result<Option<S::Item>> {
+        let into = self.into;
+        let key = self.find.route.0.clone();
+        let (read, select, _) = self.find.split();
+        read.single::<Keyed<KeyOf<E>>, _, _, _>(select, &key, "one", false, |s, conn| {
+            into(read.shape(s, true)).one(conn)
+        })
+        .await
+    }
+}
+
 /// A read inside a [`ShardTx`](crate::ShardTx): already pinned to the
 /// transaction's key and run on its connection.
 #[must_use = "a read does nothing until `.all()`, `.one()` or `.count()` runs it"]
@@ -1015,6 +1082,93 @@ impl<'t, E: ShardedEntity, C: ConnectionTrait> TxFind<'t, E, C> {
             .count(self.conn)
             .await
             .map_err(|e| read_err::<E>(self.shard, e))
+    }
+}
+
+impl<'t, E: ShardedEntity, C: ConnectionTrait> TxFind<'t, E, C> {
+    /// Decodes each row into `M` (SeaORM's [`Select::into_model`]), inside
+    /// the transaction and scoped to its key.
+    pub fn into_model<M: FromQueryResult>(self) -> TxSelect<'t, C, SelectModel<M>> {
+        let TxFind {
+            conn,
+            shard,
+            select,
+        } = self;
+        TxSelect::new::<E>(conn, shard, select.into_model::<M>())
+    }
+
+    /// Decodes each row into a tuple of its selected columns (SeaORM's
+    /// [`Select::into_tuple`]).
+    pub fn into_tuple<T: TryGetableMany>(self) -> TxSelect<'t, C, SelectGetableTuple<T>> {
+        let TxFind {
+            conn,
+            shard,
+            select,
+        } = self;
+        TxSelect::new::<E>(conn, shard, select.into_tuple::<T>())
+    }
+
+    /// Decodes each row into a JSON object (SeaORM's [`Select::into_json`]).
+    pub fn into_json(self) -> TxSelect<'t, C, SelectModel<sea_orm::JsonValue>> {
+        let TxFind {
+            conn,
+            shard,
+            select,
+        } = self;
+        TxSelect::new::<E>(conn, shard, select.into_json())
+    }
+}
+
+/// A read inside a transaction decoded into another shape
+/// ([`TxFind::into_model`], [`TxFind::into_tuple`], [`TxFind::into_json`]).
+#[must_use = "a read does nothing until `.all()` or `.one()` runs it"]
+pub struct TxSelect<'t, C, S: SelectorTrait> {
+    conn: &'t C,
+    shard: &'t str,
+    table: &'static str,
+    group: &'static str,
+    selector: Selector<S>,
+}
+
+impl<'t, C: ConnectionTrait, S: SelectorTrait> TxSelect<'t, C, S> {
+    fn new<E: ShardedEntity>(conn: &'t C, shard: &'t str, selector: Selector<S>) -> Self {
+        TxSelect {
+            conn,
+            shard,
+            table: table_name::<E>(),
+            group: <E::Group as EntityGroup>::NAME,
+            selector,
+        }
+    }
+
+    /// All matching rows of the transaction's key.
+    pub async fn all(self) -> Result<Vec<S::Item>> {
+        let TxSelect {
+            conn,
+            shard,
+            table,
+            group,
+            selector,
+        } = self;
+        selector
+            .all(conn)
+            .await
+            .map_err(|source| select_err(group, table, shard, source))
+    }
+
+    /// The first matching row of the transaction's key.
+    pub async fn one(self) -> Result<Option<S::Item>> {
+        let TxSelect {
+            conn,
+            shard,
+            table,
+            group,
+            selector,
+        } = self;
+        selector
+            .one(conn)
+            .await
+            .map_err(|source| select_err(group, table, shard, source))
     }
 }
 
@@ -1074,10 +1228,19 @@ fn read_span<E: ShardedEntity>(
 }
 
 fn read_err<E: ShardedEntity>(shard: &str, source: DbErr) -> ShardError {
+    select_err(
+        <E::Group as EntityGroup>::NAME,
+        table_name::<E>(),
+        shard,
+        source,
+    )
+}
+
+fn select_err(group: &'static str, table: &str, shard: &str, source: DbErr) -> ShardError {
     ShardError::Db {
-        group: <E::Group as EntityGroup>::NAME,
+        group,
         shard: shard.to_owned(),
-        operation: format!("select {}", table_name::<E>()),
+        operation: format!("select {table}"),
         source,
     }
 }
