@@ -1,0 +1,167 @@
+//! shardkit's own CPU cost next to plain SeaORM, counted in instructions.
+//!
+//! Wall-clock ratios drift ±20% on a small VM; instruction counts under
+//! `valgrind --tool=callgrind` repeat. One invocation runs one variant:
+//!
+//! ```text
+//! overhead <plain|shardkit> <sqlite|postgres> <read|update> <operations>
+//! ```
+//!
+//! - `read`: a keyed point read of one row (`cluster.find().key(k)` + primary
+//!   key) against SeaORM's `Entity::find()` with the same two predicates on
+//!   the same database.
+//! - `update`: a one-row update transaction (`cluster.begin(k)`,
+//!   `tx.update`, `commit`) against SeaORM's `begin`, `Entity::update` with
+//!   the same key predicate, `commit`.
+//!
+//! Set-up (connecting, migrating, the row) is the same whatever the count,
+//! so the difference between two counts divided by the difference in
+//! operations is the marginal cost of one operation. `tests/benches/overhead.sh`
+//! runs every variant at two counts under callgrind and prints the ratios.
+//! Run without arguments (as `cargo bench` does) it runs each variant briefly
+//! on SQLite, to keep the code working.
+
+use sea_orm::ActiveValue::{Set, Unchanged};
+use sea_orm::{ColumnTrait, DatabaseConnection, EntityTrait, QueryFilter, TransactionTrait};
+use shardkit::Cluster;
+use shardkit_tests::models::{Customer, Migrator, order};
+use shardkit_tests::{Backend, TestDbs};
+
+const KEY: i64 = 42;
+const ROW: i64 = 1;
+
+#[derive(Clone, Copy, PartialEq)]
+enum Mode {
+    Plain,
+    Shardkit,
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Op {
+    Read,
+    Update,
+}
+
+async fn read(mode: Mode, cluster: &Cluster, db: &DatabaseConnection) {
+    let row = match mode {
+        Mode::Plain => order::Entity::find()
+            .filter(order::Column::CustomerId.eq(KEY))
+            .filter(order::Column::Id.eq(ROW))
+            .one(db)
+            .await
+            .expect("plain read"),
+        Mode::Shardkit => cluster
+            .find::<order::Entity>()
+            .key(KEY)
+            .filter(order::Column::Id.eq(ROW))
+            .one()
+            .await
+            .expect("keyed read"),
+    };
+    std::hint::black_box(row.expect("the row exists"));
+}
+
+async fn update(mode: Mode, cluster: &Cluster, db: &DatabaseConnection, value: i64) {
+    let model = order::ActiveModel {
+        id: Unchanged(ROW),
+        customer_id: Unchanged(KEY),
+        total_cents: Set(value),
+    };
+    match mode {
+        Mode::Plain => {
+            let txn = db.begin().await.expect("begin");
+            let row = order::Entity::update(model)
+                .validate()
+                .expect("a valid update")
+                .filter(order::Column::CustomerId.eq(KEY))
+                .exec(&txn)
+                .await
+                .expect("plain update");
+            txn.commit().await.expect("commit");
+            std::hint::black_box(row);
+        }
+        Mode::Shardkit => {
+            let tx = cluster.begin::<Customer>(KEY).await.expect("begin");
+            let row = tx.update(model).await.expect("update");
+            tx.commit().await.expect("commit");
+            std::hint::black_box(row);
+        }
+    }
+}
+
+async fn run(mode: Mode, backend: Backend, op: Op, operations: i64) {
+    let dbs = TestDbs::create(backend, "bench::overhead", 1).await;
+    let cluster = dbs.cluster(1, "[groups.Customer]\n").await;
+    cluster.migrate::<Migrator>().await.expect("migrate");
+    let db = cluster.connection("s0").expect("shard s0").clone();
+    order::Entity::insert(order::ActiveModel {
+        id: Set(ROW),
+        customer_id: Set(KEY),
+        total_cents: Set(0),
+    })
+    .exec(&db)
+    .await
+    .expect("the row");
+    for i in 0..operations {
+        match op {
+            Op::Read => read(mode, &cluster, &db).await,
+            Op::Update => update(mode, &cluster, &db, i).await,
+        }
+    }
+    drop(db);
+    drop(cluster);
+    dbs.cleanup().await;
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with("--"))
+        .collect();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a tokio runtime");
+    let parsed = match args.as_slice() {
+        [mode, backend, op, n] => {
+            let mode = match mode.as_str() {
+                "plain" => Mode::Plain,
+                "shardkit" => Mode::Shardkit,
+                other => panic!("mode `{other}`: expected plain or shardkit"),
+            };
+            let backend = match backend.as_str() {
+                "sqlite" => Backend::Sqlite,
+                "postgres" => Backend::Postgres,
+                other => panic!("backend `{other}`: expected sqlite or postgres"),
+            };
+            let op = match op.as_str() {
+                "read" => Op::Read,
+                "update" => Op::Update,
+                other => panic!("operation `{other}`: expected read or update"),
+            };
+            let n: i64 = n
+                .parse()
+                .unwrap_or_else(|_| panic!("operations `{n}`: not a number"));
+            Some((mode, backend, op, n))
+        }
+        [] => None,
+        _ => {
+            panic!("usage: overhead <plain|shardkit> <sqlite|postgres> <read|update> <operations>")
+        }
+    };
+    runtime.block_on(async {
+        match parsed {
+            Some((mode, backend, op, n)) => run(mode, backend, op, n).await,
+            None => {
+                for mode in [Mode::Plain, Mode::Shardkit] {
+                    for op in [Op::Read, Op::Update] {
+                        run(mode, Backend::Sqlite, op, 20).await;
+                    }
+                }
+                println!(
+                    "overhead: smoke run done; tests/benches/overhead.sh prints instruction ratios"
+                );
+            }
+        }
+    });
+}
