@@ -104,8 +104,8 @@ pub use entity::{EntityGroup, GroupKey, InGroup, KeyRef, ShardKey, ShardedEntity
 pub use error::{ErrorKind, Result, ShardError, ShardFailure};
 pub use ids::{Ids, Sequence, Snowflake, SnowflakeLayout, uuid_v7};
 pub use read::{
-    AllowPartial, ByIndex, Find, KeyOf, Keyed, KeyedSelect, Keys, Partial, Scatter, TxFind,
-    TxSelect, Unkeyed,
+    AllowPartial, ByIndex, Find, KeyOf, Keyed, KeyedSelect, Keys, MergePlan, Partial, PlannedRoute,
+    PlannedStatement, ReadPlan, Scatter, TxFind, TxSelect, Unkeyed,
 };
 pub use rollout::{Phase, Rollout, RolloutBackfill, RolloutHandle};
 pub use shardkit_derive::{EntityGroup, Sharded};

@@ -132,6 +132,8 @@ pub trait Routed<E: ShardedEntity>: sealed::Sealed + Send {
     /// What the read returns: the rows, or [`Partial`] rows.
     type Output<T>;
     #[doc(hidden)]
+    const PARTIAL: bool = false;
+    #[doc(hidden)]
     fn spec(self) -> RouteSpec<KeyOf<E>>;
     #[doc(hidden)]
     fn finish<T>(rows: T, gathered: Gathered) -> Result<Self::Output<T>>;
@@ -192,6 +194,7 @@ impl<E: ShardedEntity> Routed<E> for ByIndex {
 
 impl<E: ShardedEntity, R: Routed<E>> Routed<E> for AllowPartial<R> {
     type Output<T> = Partial<T>;
+    const PARTIAL: bool = true;
     fn spec(self) -> RouteSpec<KeyOf<E>> {
         self.0.spec()
     }
@@ -373,19 +376,14 @@ impl<E: ShardedEntity, R> Find<E, R> {
         R: Routed<E>,
     {
         let (read, select, spec) = self.split();
-        let (select, spec, indexed) = read.resolve_index(select, spec).await?;
-        match spec {
-            RouteSpec::One(key) => {
-                read.single::<R, _, _, _>(select, &key, "all", indexed, |s, conn| {
-                    read.shape(s, true).all(conn)
-                })
-                .await
-            }
-            spec => {
-                let (rows, gathered) = read.rows(select, spec, "all").await?;
-                R::finish(rows, gathered)
-            }
+        let plan = read.plan(select, spec, ReadOp::All).await?;
+        if plan.single.is_some() {
+            return read
+                .single::<R, _, _, _>(plan, "all", |s, conn| s.all(conn))
+                .await;
         }
+        let (rows, gathered) = read.rows(plan, "all").await;
+        R::finish(rows?, gathered)
     }
 
     /// The first matching row (in `order_by` order across shards).
@@ -393,21 +391,15 @@ impl<E: ShardedEntity, R> Find<E, R> {
     where
         R: Routed<E>,
     {
-        let (mut read, select, spec) = self.split();
-        let (select, spec, indexed) = read.resolve_index(select, spec).await?;
-        match spec {
-            RouteSpec::One(key) => {
-                read.single::<R, _, _, _>(select, &key, "one", indexed, |s, conn| {
-                    read.shape(s, true).one(conn)
-                })
-                .await
-            }
-            spec => {
-                read.limit = Some(1);
-                let (rows, gathered) = read.rows(select, spec, "one").await?;
-                R::finish(rows.into_iter().next(), gathered)
-            }
+        let (read, select, spec) = self.split();
+        let plan = read.plan(select, spec, ReadOp::One).await?;
+        if plan.single.is_some() {
+            return read
+                .single::<R, _, _, _>(plan, "one", |s, conn| s.one(conn))
+                .await;
         }
+        let (rows, gathered) = read.rows(plan, "one").await;
+        R::finish(rows?.into_iter().next(), gathered)
     }
 
     /// The number of matching rows (summed over shards; `limit`/`offset` and
@@ -418,23 +410,33 @@ impl<E: ShardedEntity, R> Find<E, R> {
         E::Model: Sync,
     {
         let (read, select, spec) = self.split();
-        let (select, spec, indexed) = read.resolve_index(select, spec).await?;
-        match spec {
-            RouteSpec::One(key) => {
-                read.single::<R, _, _, _>(select, &key, "count", indexed, |s, conn| s.count(conn))
-                    .await
-            }
-            spec => {
-                let parts = read.fan_out(select, spec).await?;
-                let asked = count_shards(&parts);
-                let (ok, failed, span) = read
-                    .gather(parts, asked, "count", |s, conn| s.count(conn))
-                    .await;
-                let n: u64 = ok.into_iter().map(|(_, n)| n).sum();
-                span.record("rows", n);
-                R::finish(n, read.gathered(asked, failed))
-            }
+        let plan = read.plan(select, spec, ReadOp::Count).await?;
+        if plan.single.is_some() {
+            return read
+                .single::<R, _, _, _>(plan, "count", |s, conn| s.count(conn))
+                .await;
         }
+        let asked = plan.asked;
+        let (ok, failed, span) = read
+            .gather(plan.parts, asked, "count", |s, conn| s.count(conn))
+            .await;
+        let n: u64 = ok.into_iter().map(|(_, n)| n).sum();
+        span.record("rows", n);
+        R::finish(n, read.gathered(asked, failed))
+    }
+
+    /// What [`all`](Self::all) would do, without reading any row: the
+    /// shards, the statement each would get, how their rows would merge,
+    /// the failure policy and the timeout (like Vitess's `VEXPLAIN`). Routing
+    /// lookups the read needs (a directory placement, a global index) do run:
+    /// they are how the shards are chosen. Print it with `{}`.
+    pub async fn explain(self) -> Result<ReadPlan>
+    where
+        R: Routed<E>,
+    {
+        let (read, select, spec) = self.split();
+        let plan = read.plan(select, spec, ReadOp::All).await?;
+        Ok(read.describe(plan, R::PARTIAL))
     }
 
     /// The read's settings, its statement (moved, not copied: a keyed read
@@ -456,6 +458,162 @@ impl<E: ShardedEntity, R> Find<E, R> {
     }
 }
 
+/// Which statement shape a read runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum ReadOp {
+    All,
+    One,
+    Count,
+}
+
+/// A read planned before any of its statements runs: the shards, each
+/// one's statement (already shaped), and what the merge applies.
+struct Plan<E: ShardedEntity> {
+    /// The key's target when one key's shard answers as is (no merge).
+    single: Option<Target>,
+    /// The statements, per shard (several per shard when a key list is
+    /// chunked under the parameter limit).
+    parts: Vec<(ShardId, Select<E>)>,
+    /// Distinct shards asked.
+    asked: usize,
+    /// How the route was chosen, for [`ReadPlan`].
+    route: PlannedRoute,
+    /// Whether the route came from a global index (a failure of the one
+    /// owner shard is then reported like a multi-shard read's).
+    indexed: bool,
+    /// The merged result's limit and offset.
+    limit: Option<u64>,
+    offset: u64,
+}
+
+/// What a read will do, computed before any of its statements runs
+/// ([`Find::explain`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ReadPlan {
+    /// The entity group.
+    pub group: &'static str,
+    /// The table read.
+    pub table: &'static str,
+    /// How the shards were chosen.
+    pub route: PlannedRoute,
+    /// Every statement, with the shard it runs on, in shard order.
+    pub statements: Vec<PlannedStatement>,
+    /// How the shards' rows combine; `None` when one key's shard answers
+    /// with the statement as written.
+    pub merge: Option<MergePlan>,
+    /// Whether a failed shard is reported beside the rows (`.partial()`)
+    /// instead of failing the read.
+    pub partial: bool,
+    /// How long each shard may take.
+    pub timeout: Option<Duration>,
+    /// How many shards are asked at once.
+    pub max_concurrency: usize,
+}
+
+/// How a [`ReadPlan`] chose its shards.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum PlannedRoute {
+    /// One shard key (`.key(k)`), in `bucket` when the placement hashes.
+    Key {
+        /// The key's bucket.
+        bucket: Option<u32>,
+    },
+    /// Several shard keys (`.keys(..)`), distinct ones counted.
+    Keys {
+        /// Distinct keys.
+        keys: usize,
+    },
+    /// Every shard of the group (`.scatter()`).
+    Scatter,
+    /// A global index (`.by_index(..)`).
+    Index {
+        /// The index table consulted.
+        index: String,
+        /// The shard keys it listed; `None` while the index is `write_only`
+        /// (the read scatters).
+        keys: Option<usize>,
+    },
+}
+
+/// One statement of a [`ReadPlan`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PlannedStatement {
+    /// The shard it runs on.
+    pub shard: String,
+    /// The SQL, with its values inlined for reading (it is sent with bound
+    /// parameters).
+    pub sql: String,
+}
+
+/// How a multi-shard [`ReadPlan`] merges.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MergePlan {
+    /// Columns the rows are merged by, and whether descending.
+    pub order: Vec<(&'static str, bool)>,
+    /// Rows kept after the offset.
+    pub limit: Option<u64>,
+    /// Rows skipped from the merged order.
+    pub offset: u64,
+}
+
+impl std::fmt::Display for ReadPlan {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "read {} (group {}) ", self.table, self.group)?;
+        match &self.route {
+            PlannedRoute::Key { bucket: Some(b) } => write!(f, "by key, bucket {b}")?,
+            PlannedRoute::Key { bucket: None } => write!(f, "by key")?,
+            PlannedRoute::Keys { keys } => write!(f, "by {keys} keys")?,
+            PlannedRoute::Scatter => write!(f, "on every shard")?,
+            PlannedRoute::Index {
+                index,
+                keys: Some(n),
+            } => write!(f, "through index {index} ({n} keys)")?,
+            PlannedRoute::Index { index, keys: None } => {
+                write!(f, "through index {index} (write_only: every shard)")?
+            }
+        }
+        let shards: std::collections::BTreeSet<&str> =
+            self.statements.iter().map(|s| s.shard.as_str()).collect();
+        write!(f, "; {} shard(s)", shards.len())?;
+        match self.timeout {
+            Some(t) => write!(f, ", timeout {} ms", t.as_millis())?,
+            None => write!(f, ", no timeout")?,
+        }
+        write!(
+            f,
+            ", {} at once, {}",
+            self.max_concurrency,
+            if self.partial {
+                "failed shards reported"
+            } else {
+                "any failed shard fails the read"
+            }
+        )?;
+        for statement in &self.statements {
+            write!(f, "\n  {}: {}", statement.shard, statement.sql)?;
+        }
+        if let Some(merge) = &self.merge {
+            write!(f, "\n  merge")?;
+            if merge.order.is_empty() {
+                write!(f, " in shard order")?;
+            }
+            for (i, (column, desc)) in merge.order.iter().enumerate() {
+                let sep = if i == 0 { " by" } else { "," };
+                write!(f, "{sep} {column} {}", if *desc { "DESC" } else { "ASC" })?;
+            }
+            if merge.offset > 0 {
+                write!(f, ", skip {}", merge.offset)?;
+            }
+            if let Some(limit) = merge.limit {
+                write!(f, ", keep {limit}")?;
+            }
+        }
+        Ok(())
+    }
+}
+
 /// A read with its routing taken out: what every execution path shares.
 struct Read<E: ShardedEntity> {
     cluster: Cluster,
@@ -464,13 +622,6 @@ struct Read<E: ShardedEntity> {
     offset: Option<u64>,
     timeout: Option<Duration>,
     concurrency: usize,
-}
-
-/// A single-key read whose shard is known.
-struct PlannedOne<E: ShardedEntity> {
-    target: Target,
-    select: Select<E>,
-    span: tracing::Span,
 }
 
 impl<E: ShardedEntity> Read<E> {
@@ -487,33 +638,119 @@ impl<E: ShardedEntity> Read<E> {
         }
     }
 
-    async fn plan_one(
+    /// Plans the read: resolves an index route (once), routes the keys,
+    /// builds and shapes each shard's statement. Fails before any I/O of the
+    /// read itself when the ordering cannot be merged or a key cannot be
+    /// routed.
+    async fn plan(
         &self,
         select: Select<E>,
-        key: &KeyOf<E>,
-        op: &'static str,
-    ) -> Result<PlannedOne<E>> {
-        let target = self.cluster.route::<E::Group>(key).await?;
-        let span = read_span::<E>(self.cluster.shard_name(target.shard), target.bucket, op);
-        tracing::debug!(parent: &span, key = ?key, "routed read");
-        let backend = self.cluster.shard_conn(target.shard).get_database_backend();
-        Ok(PlannedOne {
-            target,
-            select: keyed_select::<E>(select, key, backend),
-            span,
+        spec: RouteSpec<KeyOf<E>>,
+        op: ReadOp,
+    ) -> Result<Plan<E>> {
+        let (base, spec, index) = self.resolve_index(select, spec).await?;
+        let indexed = index.is_some();
+        let described = |route: PlannedRoute| match &index {
+            Some((table, keys)) => PlannedRoute::Index {
+                index: table.clone(),
+                keys: *keys,
+            },
+            None => route,
+        };
+        let offset = self.offset.unwrap_or(0);
+        if let RouteSpec::One(key) = &spec {
+            let target = self.cluster.route::<E::Group>(key).await?;
+            let backend = self.cluster.shard_conn(target.shard).get_database_backend();
+            let select = keyed_select::<E>(base, key, backend);
+            // One key's shard answers the statement as written.
+            let select = match op {
+                ReadOp::Count => select,
+                ReadOp::All | ReadOp::One => self.shape(select, self.limit, true),
+            };
+            return Ok(Plan {
+                single: Some(target),
+                parts: vec![(target.shard, select)],
+                asked: 1,
+                route: described(PlannedRoute::Key {
+                    bucket: target.bucket,
+                }),
+                indexed,
+                limit: self.limit,
+                offset,
+            });
+        }
+        self.check_mergeable()?;
+        let route = described(match &spec {
+            RouteSpec::Many(keys) => PlannedRoute::Keys { keys: keys.len() },
+            _ => PlannedRoute::Scatter,
+        });
+        let parts = self.fan_out(base, spec).await?;
+        let limit = match op {
+            ReadOp::One => Some(1),
+            _ => self.limit,
+        };
+        let parts: Vec<(ShardId, Select<E>)> = match op {
+            ReadOp::Count => parts,
+            ReadOp::All | ReadOp::One => parts
+                .into_iter()
+                .map(|(id, s)| (id, self.shape(s, limit, false)))
+                .collect(),
+        };
+        Ok(Plan {
+            single: None,
+            asked: count_shards(&parts),
+            parts,
+            route,
+            indexed,
+            limit,
+            offset,
         })
     }
 
-    /// A read on one shard key's shard. When the key came from an index, a
-    /// failure is reported as a multi-shard read reports it (strict:
-    /// `ShardsFailed`; `.partial()`: listed in `failed`), the same as when
-    /// the index lists several keys.
+    /// The printable form of a plan.
+    fn describe(&self, plan: Plan<E>, partial: bool) -> ReadPlan {
+        let statements = plan
+            .parts
+            .iter()
+            .map(|(id, select)| PlannedStatement {
+                shard: self.cluster.shard_name(*id).to_owned(),
+                sql: self
+                    .cluster
+                    .shard_conn(*id)
+                    .get_database_backend()
+                    .build(QueryTrait::as_query(select))
+                    .to_string(),
+            })
+            .collect();
+        let merge = plan.single.is_none().then(|| MergePlan {
+            order: self
+                .order
+                .iter()
+                .map(|(c, o)| (c.as_str(), matches!(o, Order::Desc)))
+                .collect(),
+            limit: plan.limit,
+            offset: plan.offset,
+        });
+        ReadPlan {
+            group: Self::group(),
+            table: table_name::<E>(),
+            route: plan.route,
+            statements,
+            merge,
+            partial,
+            timeout: self.timeout,
+            max_concurrency: self.concurrency,
+        }
+    }
+
+    /// Runs a plan whose one key's shard answers as is. When the key came
+    /// from an index, a failure is reported as a multi-shard read reports it
+    /// (strict: `ShardsFailed`; `.partial()`: listed in `failed`), the same
+    /// as when the index lists several keys.
     async fn single<'a, R, T, F, Fut>(
         &'a self,
-        select: Select<E>,
-        key: &KeyOf<E>,
+        mut plan: Plan<E>,
         op: &'static str,
-        indexed: bool,
         run: F,
     ) -> Result<R::Output<T>>
     where
@@ -522,13 +759,23 @@ impl<E: ShardedEntity> Read<E> {
         F: FnOnce(Select<E>, &'a DatabaseConnection) -> Fut,
         Fut: Future<Output = std::result::Result<T, DbErr>>,
     {
-        let plan = self.plan_one(select, key, op).await?;
-        let fut = run(plan.select, self.cluster.shard_conn(plan.target.shard));
-        match self.run_one(plan.target, plan.span, fut).await {
+        let (Some(target), Some((_, select))) = (plan.single, plan.parts.pop()) else {
+            return Err(ShardError::Unmergeable {
+                table: table_name::<E>(),
+                reason: "internal: a single-shard plan without its statement".to_owned(),
+            });
+        };
+        let shard = self.cluster.shard_name(target.shard);
+        let span = read_span::<E>(shard, target.bucket, op);
+        let fut = run(select, self.cluster.shard_conn(target.shard)).instrument(span);
+        match with_timeout(Self::group(), shard, self.timeout, fut)
+            .await
+            .map_err(|e| e.into_shard_error::<E>(shard))
+        {
             Ok(value) => R::finish(value, self.gathered(1, Vec::new())),
-            Err(error) if indexed => {
+            Err(error) if plan.indexed => {
                 let failure = ShardFailure {
-                    shard: self.cluster.shard_name(plan.target.shard).to_owned(),
+                    shard: shard.to_owned(),
                     error: Box::new(error),
                 };
                 R::finish(T::default(), self.gathered(1, vec![failure]))
@@ -537,47 +784,28 @@ impl<E: ShardedEntity> Read<E> {
         }
     }
 
-    /// Runs a single-shard statement with the read's timeout.
-    async fn run_one<T>(
-        &self,
-        target: Target,
-        span: tracing::Span,
-        fut: impl Future<Output = std::result::Result<T, DbErr>>,
-    ) -> Result<T> {
-        let shard = self.cluster.shard_name(target.shard);
-        with_timeout(Self::group(), shard, self.timeout, fut.instrument(span))
-            .await
-            .map_err(|e| e.into_shard_error::<E>(shard))
-    }
-
-    /// A multi-shard read of rows: fan out, shape, gather, merge.
-    async fn rows(
-        &self,
-        select: Select<E>,
-        spec: RouteSpec<KeyOf<E>>,
-        op: &'static str,
-    ) -> Result<(Vec<E::Model>, Gathered)> {
-        let parts = self.fan_out(select, spec).await?;
-        let asked = count_shards(&parts);
-        let parts = parts
-            .into_iter()
-            .map(|(id, s)| (id, self.shape(s, false)))
-            .collect();
-        let (ok, failed, span) = self.gather(parts, asked, op, |s, conn| s.all(conn)).await;
-        let rows = self.merge(ok)?;
-        span.record("rows", rows.len());
-        Ok((rows, self.gathered(asked, failed)))
+    /// Runs a multi-shard plan of rows: gather, merge.
+    async fn rows(&self, plan: Plan<E>, op: &'static str) -> (Result<Vec<E::Model>>, Gathered) {
+        let asked = plan.asked;
+        let (ok, failed, span) = self
+            .gather(plan.parts, asked, op, |s, conn| s.all(conn))
+            .await;
+        let rows = self.merge(ok, plan.limit, plan.offset);
+        if let Ok(rows) = &rows {
+            span.record("rows", rows.len());
+        }
+        (rows, self.gathered(asked, failed))
     }
 
     /// Applies ordering and paging. A single shard gets them as written; a
     /// shard of a multi-shard read returns its first `limit + offset` rows and
     /// the merge applies the offset.
-    fn shape(&self, mut select: Select<E>, single: bool) -> Select<E> {
+    fn shape(&self, mut select: Select<E>, limit: Option<u64>, single: bool) -> Select<E> {
         for (column, order) in &self.order {
             select = QueryOrder::order_by(select, *column, order.clone());
         }
         let offset = self.offset.unwrap_or(0);
-        match (self.limit, single) {
+        match (limit, single) {
             (Some(limit), true) => select = QuerySelect::limit(select, limit),
             (Some(limit), false) => {
                 select = QuerySelect::limit(select, limit.saturating_add(offset))
@@ -594,11 +822,16 @@ impl<E: ShardedEntity> Read<E> {
     /// the single-shard path) or, while the index fills, a scatter; either
     /// way the statement also filters on the indexed column, so a dangling or
     /// stale index row never yields a wrong row. Other routes pass through.
+    /// Returns the index table consulted and how many keys it listed.
     async fn resolve_index(
         &self,
         select: Select<E>,
         spec: RouteSpec<KeyOf<E>>,
-    ) -> Result<(Select<E>, RouteSpec<KeyOf<E>>, bool)> {
+    ) -> Result<(
+        Select<E>,
+        RouteSpec<KeyOf<E>>,
+        Option<(String, Option<usize>)>,
+    )> {
         Ok(match spec {
             RouteSpec::Index(column, value) => {
                 // Whatever the index finds, ordering follows multi-shard rules.
@@ -614,14 +847,17 @@ impl<E: ShardedEntity> Read<E> {
                     })?;
                 let index = crate::gsi::IndexDef::of::<E>(*col, *unique);
                 let base = select.filter(Expr::col((E::default(), *col)).eq(value.clone()));
-                let spec = match self.cluster.gsi().lookup::<E>(&index, &value).await? {
-                    Some(mut keys) if keys.len() == 1 => RouteSpec::One(keys.remove(0)),
-                    Some(keys) => RouteSpec::Many(keys),
-                    None => RouteSpec::All,
+                let (spec, found) = match self.cluster.gsi().lookup::<E>(&index, &value).await? {
+                    Some(mut keys) if keys.len() == 1 => (RouteSpec::One(keys.remove(0)), Some(1)),
+                    Some(keys) => {
+                        let n = keys.len();
+                        (RouteSpec::Many(keys), Some(n))
+                    }
+                    None => (RouteSpec::All, None),
                 };
-                (base, spec, true)
+                (base, spec, Some((index.table.clone(), found)))
             }
-            other => (select, other, false),
+            other => (select, other, None),
         })
     }
 
@@ -643,15 +879,12 @@ impl<E: ShardedEntity> Read<E> {
         }
     }
 
-    /// The per-shard statements of a multi-shard read, before ordering. Fails
-    /// before any I/O when the ordering cannot be merged.
+    /// The per-shard statements of a multi-shard read, before ordering.
     async fn fan_out(
         &self,
-        select: Select<E>,
+        base: Select<E>,
         spec: RouteSpec<KeyOf<E>>,
     ) -> Result<Vec<(ShardId, Select<E>)>> {
-        self.check_mergeable()?;
-        let (base, spec, _) = self.resolve_index(select, spec).await?;
         match spec {
             RouteSpec::One(key) => {
                 let shard = self.cluster.route::<E::Group>(&key).await?.shard;
@@ -801,11 +1034,16 @@ impl<E: ShardedEntity> Read<E> {
     }
 
     /// Merges per-shard rows into one ordered, paged result.
-    fn merge(&self, parts: Vec<(ShardId, Vec<E::Model>)>) -> Result<Vec<E::Model>> {
+    fn merge(
+        &self,
+        parts: Vec<(ShardId, Vec<E::Model>)>,
+        limit: Option<u64>,
+        offset: u64,
+    ) -> Result<Vec<E::Model>> {
         let first_shard = parts.first().map(|(id, _)| *id);
         let rows = parts.into_iter().flat_map(|(_, rows)| rows);
-        let offset = self.offset.unwrap_or(0) as usize;
-        let limit = self.limit.map_or(usize::MAX, |l| l as usize);
+        let offset = offset as usize;
+        let limit = limit.map_or(usize::MAX, |l| l as usize);
         if self.order.is_empty() {
             return Ok(rows.skip(offset).take(limit).collect());
         }
@@ -1019,23 +1257,19 @@ impl<E: ShardedEntity, S: SelectorTrait> KeyedSelect<E, S> {
     /// All matching rows of the key.
     pub async fn all(self) -> Result<Vec<S::Item>> {
         let into = self.into;
-        let key = self.find.route.0.clone();
-        let (read, select, _) = self.find.split();
-        read.single::<Keyed<KeyOf<E>>, _, _, _>(select, &key, "all", false, |s, conn| {
-            into(read.shape(s, true)).all(conn)
-        })
-        .await
+        let (read, select, spec) = self.find.split();
+        let plan = read.plan(select, spec, ReadOp::All).await?;
+        read.single::<Keyed<KeyOf<E>>, _, _, _>(plan, "all", |s, conn| into(s).all(conn))
+            .await
     }
 
     /// The first matching row of the key.
     pub async fn one(self) -> Result<Option<S::Item>> {
         let into = self.into;
-        let key = self.find.route.0.clone();
-        let (read, select, _) = self.find.split();
-        read.single::<Keyed<KeyOf<E>>, _, _, _>(select, &key, "one", false, |s, conn| {
-            into(read.shape(s, true)).one(conn)
-        })
-        .await
+        let (read, select, spec) = self.find.split();
+        let plan = read.plan(select, spec, ReadOp::One).await?;
+        read.single::<Keyed<KeyOf<E>>, _, _, _>(plan, "one", |s, conn| into(s).one(conn))
+            .await
     }
 }
 
