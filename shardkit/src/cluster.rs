@@ -388,6 +388,90 @@ impl Cluster {
         Ok(ShardTx::new(txn, self.clone(), key, shard, target, span))
     }
 
+    /// Runs `work` in a transaction for group `G` pinned to `key`: commits
+    /// when it returns `Ok`, rolls back when it returns `Err`, and runs it
+    /// again (in a new transaction, up to 3 attempts in all) when the
+    /// database aborted the transaction — a deadlock or serialization
+    /// failure, [`Retry::Transaction`](crate::Retry::Transaction) — in the
+    /// work or in the commit. Any other error is returned at once.
+    ///
+    /// ```no_run
+    /// # use shardkit::prelude::*;
+    /// # #[derive(EntityGroup)] #[shardkit(key = i64)] pub struct Customer;
+    /// # async fn run(cluster: Cluster) -> shardkit::Result<()> {
+    /// let n = cluster
+    ///     .transaction::<Customer, _, _>(42, |tx| async move {
+    ///         // tx.insert(..).await?; tx.update(..).await?;
+    ///         Ok(tx.key() * 2)
+    ///     })
+    ///     .await?;
+    /// # let _ = n; Ok(()) }
+    /// ```
+    ///
+    /// `work` gets the transaction behind an `Arc` so the future it returns
+    /// can own it; it must not keep a clone past its own end (the commit
+    /// needs the only one: a kept clone rolls the attempt back and returns
+    /// [`ShardError::RollbackOnly`]).
+    pub async fn transaction<G, T, Fut>(
+        &self,
+        key: G::Key,
+        work: impl FnMut(Arc<ShardTx<G>>) -> Fut,
+    ) -> Result<T>
+    where
+        G: EntityGroup,
+        Fut: std::future::Future<Output = Result<T>>,
+    {
+        self.transaction_attempts::<G, T, Fut>(key, 3, work).await
+    }
+
+    /// [`transaction`](Self::transaction) with at most `attempts` runs of
+    /// `work` (at least 1).
+    pub async fn transaction_attempts<G, T, Fut>(
+        &self,
+        key: G::Key,
+        attempts: u32,
+        mut work: impl FnMut(Arc<ShardTx<G>>) -> Fut,
+    ) -> Result<T>
+    where
+        G: EntityGroup,
+        Fut: std::future::Future<Output = Result<T>>,
+    {
+        let attempts = Ord::max(attempts, 1);
+        let mut attempt = 1;
+        loop {
+            let tx = Arc::new(self.begin::<G>(key.clone()).await?);
+            let outcome = work(Arc::clone(&tx)).await;
+            let result = match (outcome, Arc::try_unwrap(tx)) {
+                (Ok(value), Ok(tx)) => tx.commit().await.map(|()| value),
+                (Err(err), Ok(tx)) => {
+                    // The work's error is the one to report; a failed
+                    // rollback only means the connection is gone too.
+                    let _ = tx.rollback().await;
+                    Err(err)
+                }
+                (outcome, Err(shared)) => {
+                    let shard = shared.shard().to_owned();
+                    // Dropping the last clone rolls back.
+                    drop(shared);
+                    outcome.and(Err(ShardError::RollbackOnly {
+                        group: G::NAME,
+                        shard,
+                        reason: "the transaction closure kept a clone of its ShardTx past its \
+                                 end; nothing was committed"
+                            .to_owned(),
+                    }))
+                }
+            };
+            match result {
+                Err(err) if attempt < attempts && err.retry() == crate::Retry::Transaction => {
+                    tracing::debug!(group = G::NAME, attempt, error = %err, "transaction retried");
+                    attempt += 1;
+                }
+                result => return result,
+            }
+        }
+    }
+
     /// The lookup table of a directory-placed group.
     pub fn directory<G: EntityGroup>(&self) -> Result<Directory<G>> {
         match self.inner.topology.placement(G::NAME)? {

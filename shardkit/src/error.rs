@@ -278,11 +278,121 @@ impl ShardError {
         }
     }
 
+    /// What a caller can do about this error: never retry, retry the same
+    /// call now, retry after a delay, or run the whole transaction again.
+    ///
+    /// Database errors are classified by the driver's own codes, never by
+    /// message text: PostgreSQL SQLSTATE `40001` (serialization failure) and
+    /// `40P01` (deadlock), MySQL/MariaDB errors 1213 (deadlock) and 1205
+    /// (lock wait timeout) abort the transaction ([`Retry::Transaction`]);
+    /// SQLite's `SQLITE_BUSY`/`SQLITE_LOCKED`, a lost connection and a pool
+    /// timeout are transient ([`Retry::Now`]); a unique or foreign-key
+    /// violation and every other statement error are [`Retry::Never`].
+    pub fn retry(&self) -> Retry {
+        match self {
+            ShardError::Db { source, .. } => db_retry(source),
+            ShardError::Connect { .. }
+            | ShardError::Timeout { .. }
+            | ShardError::IdsUnavailable { .. } => Retry::Now,
+            ShardError::ShardsFailed { failures, .. } => failures
+                .iter()
+                .map(|f| f.error.retry())
+                .max_by_key(|r| match r {
+                    Retry::Now => 1,
+                    Retry::After(_) => 2,
+                    Retry::Transaction => 3,
+                    Retry::Never => 4,
+                })
+                .unwrap_or(Retry::Never),
+            ShardError::ClockMovedBackwards { millis } => {
+                Retry::After(std::time::Duration::from_millis(*millis))
+            }
+            ShardError::RolloutTooSoon { wait_ms, .. } => {
+                Retry::After(std::time::Duration::from_millis(*wait_ms))
+            }
+            ShardError::Config { .. }
+            | ShardError::UnknownGroup { .. }
+            | ShardError::Migration { .. }
+            | ShardError::CrossShardWrite { .. }
+            | ShardError::MissingShardKey { .. }
+            | ShardError::RollbackOnly { .. }
+            | ShardError::Unmergeable { .. }
+            | ShardError::UniqueViolation { .. }
+            | ShardError::Rollout { .. }
+            | ShardError::Unroutable { .. } => Retry::Never,
+        }
+    }
+
     pub(crate) fn config(entry: impl Into<String>, message: impl Into<String>) -> Self {
         ShardError::Config {
             entry: entry.into(),
             message: message.into(),
         }
+    }
+}
+
+/// What a caller can do about an error ([`ShardError::retry`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Retry {
+    /// The same call fails the same way: fix the input, the config or the
+    /// program.
+    Never,
+    /// A transient failure (a lost connection, a busy database, a timeout):
+    /// the same call may succeed now.
+    Now,
+    /// Retry the same call after waiting this long.
+    After(std::time::Duration),
+    /// The database aborted the transaction (deadlock, serialization
+    /// failure): everything it did is gone; run the whole transaction again.
+    Transaction,
+}
+
+/// Classifies a driver error by its code (see [`ShardError::retry`]).
+pub(crate) fn db_retry(err: &DbErr) -> Retry {
+    use sea_orm::{RuntimeErr, SqlErr, sqlx};
+    if matches!(
+        err.sql_err(),
+        Some(SqlErr::UniqueConstraintViolation(_) | SqlErr::ForeignKeyConstraintViolation(_))
+    ) {
+        return Retry::Never;
+    }
+    let runtime = match err {
+        DbErr::ConnectionAcquire(_) => return Retry::Now,
+        DbErr::Conn(r) | DbErr::Exec(r) | DbErr::Query(r) => r,
+        _ => return Retry::Never,
+    };
+    let RuntimeErr::SqlxError(sqlx_err) = runtime else {
+        return Retry::Never;
+    };
+    match &**sqlx_err {
+        sqlx::Error::Io(_)
+        | sqlx::Error::Tls(_)
+        | sqlx::Error::Protocol(_)
+        | sqlx::Error::PoolTimedOut
+        | sqlx::Error::PoolClosed
+        | sqlx::Error::WorkerCrashed => Retry::Now,
+        sqlx::Error::Database(db) => {
+            if let Some(mysql) = db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>() {
+                return match mysql.number() {
+                    1213 | 1205 => Retry::Transaction,
+                    _ => Retry::Never,
+                };
+            }
+            match db.code().as_deref() {
+                Some("40001" | "40P01") => Retry::Transaction,
+                // SQLITE_BUSY and SQLITE_LOCKED, with their extended codes
+                // (the low byte is the primary code).
+                Some(code)
+                    if db.try_downcast_ref::<sqlx::sqlite::SqliteError>().is_some()
+                        && code.parse::<i32>().is_ok_and(|c| matches!(c & 0xff, 5 | 6)) =>
+                {
+                    Retry::Now
+                }
+                _ => Retry::Never,
+            }
+        }
+        _ => Retry::Never,
     }
 }
 

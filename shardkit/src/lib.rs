@@ -101,7 +101,7 @@ pub use cluster::{
     StatementObserver,
 };
 pub use entity::{EntityGroup, GroupKey, InGroup, KeyRef, ShardKey, ShardedEntity};
-pub use error::{ErrorKind, Result, ShardError, ShardFailure};
+pub use error::{ErrorKind, Result, Retry, ShardError, ShardFailure};
 pub use ids::{Ids, Sequence, Snowflake, SnowflakeLayout, uuid_v7};
 pub use read::{
     AllowPartial, ByIndex, Find, KeyOf, Keyed, KeyedSelect, Keys, MergePlan, Partial, PlannedRoute,

@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # Instruction ratios of shardkit over plain SeaORM (see overhead.rs): each
 # variant runs under callgrind at two operation counts; the marginal
-# instructions per operation are (I(N2) - I(N1)) / (N2 - N1).
+# instructions per operation are (I(N2) - I(N1)) / (N2 - N1). Counted on the
+# main thread, where shardkit, SeaORM and the drivers' client side run (the
+# program uses a current-thread runtime): SQLx's SQLite worker threads run the
+# same SQLite work in both modes, and their wake-up spins make whole-process
+# counts drift by several percent between identical runs.
 # Usage: tests/benches/overhead.sh [N1 N2]   (PostgreSQL at SHARDKIT_PG_URL)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -15,8 +19,9 @@ for line in sys.stdin:
         print(m["executable"])')
 out=$(mktemp -d)
 count() { # mode backend op n -> instructions
-  valgrind --tool=callgrind --callgrind-out-file="$out/cg.%p" "$bin" "$@" >/dev/null 2>"$out/log"
-  grep -h "^summary:" "$out"/cg.* | awk '{s+=$2} END {print s}'
+  valgrind --tool=callgrind --separate-threads=yes --callgrind-out-file="$out/cg.%p" \
+    "$bin" "$@" >/dev/null 2>"$out/log"
+  grep -h "^summary:" "$out"/cg.*-01 | awk '{s+=$2} END {print s}'
   rm -f "$out"/cg.*
 }
 printf '%-10s %-7s %14s %14s %8s\n' backend op plain/op shardkit/op ratio

@@ -1,0 +1,192 @@
+//! `Cluster::transaction`: commit on `Ok`, roll back on `Err`, run again when
+//! the database aborted the transaction, and `ShardError::retry` read from
+//! the driver's own error codes.
+
+use sea_orm::{ConnectionTrait, DbBackend};
+use shardkit::Retry;
+use shardkit::prelude::*;
+use shardkit_tests::models::*;
+use shardkit_tests::{Backend, TestDbs, backend_tests, count_rows};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+backend_tests!(2 =>
+    closure_commits_on_ok_and_rolls_back_on_err,
+    aborted_transactions_run_again_within_the_bound,
+    driver_errors_are_classified_by_code,
+);
+
+fn order_row(id: i64, customer: i64) -> order::ActiveModel {
+    order::ActiveModel {
+        id: Set(id),
+        customer_id: Set(customer),
+        total_cents: Set(100),
+    }
+}
+
+async fn closure_commits_on_ok_and_rolls_back_on_err(dbs: &mut TestDbs) {
+    let cluster = dbs.cluster(2, "[groups.Customer]\n").await;
+    cluster.migrate::<Migrator>().await.unwrap();
+
+    let total = cluster
+        .transaction::<Customer, _, _>(7, |tx| async move {
+            tx.insert(order_row(1, 7)).await?;
+            tx.insert(order_row(2, 7)).await?;
+            tx.find::<order::Entity>().count().await
+        })
+        .await
+        .unwrap();
+    assert_eq!(total, 2);
+    assert_eq!(count_rows(&cluster, "orders").await, 2, "committed");
+
+    let err = cluster
+        .transaction::<Customer, (), _>(7, |tx| async move {
+            tx.insert(order_row(3, 7)).await?;
+            // A cross-shard write: refused, and the work fails with it.
+            tx.insert(order_row(4, 8)).await?;
+            Ok(())
+        })
+        .await
+        .unwrap_err();
+    assert!(matches!(err, ShardError::CrossShardWrite { .. }), "{err:?}");
+    assert_eq!(err.retry(), Retry::Never);
+    assert_eq!(count_rows(&cluster, "orders").await, 2, "row 3 rolled back");
+
+    // A clone kept past the closure: nothing commits.
+    let kept = Arc::new(std::sync::Mutex::new(None));
+    let slot = Arc::clone(&kept);
+    let err = cluster
+        .transaction::<Customer, (), _>(7, move |tx| {
+            let slot = Arc::clone(&slot);
+            async move {
+                tx.insert(order_row(5, 7)).await?;
+                *slot.lock().unwrap() = Some(tx);
+                Ok(())
+            }
+        })
+        .await
+        .unwrap_err();
+    assert!(matches!(err, ShardError::RollbackOnly { .. }), "{err:?}");
+    drop(kept.lock().unwrap().take());
+    assert_eq!(
+        count_rows(&cluster, "orders").await,
+        2,
+        "row 5 not committed"
+    );
+}
+
+/// Makes the database abort the transaction the way a deadlock does
+/// (SQLSTATE 40001 / MySQL 1213); SQLite has no way to raise one, so it
+/// reports a plain failure there.
+async fn abort_like_a_deadlock(tx: &ShardTx<Customer>) -> shardkit::Result<()> {
+    let conn = tx.unchecked_connection();
+    let sql = match conn.get_database_backend() {
+        DbBackend::Postgres => {
+            "DO $$ BEGIN RAISE EXCEPTION 'chosen as deadlock victim' USING ERRCODE = '40001'; END $$"
+        }
+        DbBackend::MySql => {
+            "SIGNAL SQLSTATE '40001' SET MYSQL_ERRNO = 1213, MESSAGE_TEXT = 'Deadlock found'"
+        }
+        _ => "SELECT * FROM no_such_table",
+    };
+    conn.execute_unprepared(sql)
+        .await
+        .map_err(|source| ShardError::Db {
+            group: "Customer",
+            shard: tx.shard().to_owned(),
+            operation: "deadlock".to_owned(),
+            source,
+        })?;
+    Ok(())
+}
+
+async fn aborted_transactions_run_again_within_the_bound(dbs: &mut TestDbs) {
+    let cluster = dbs.cluster(2, "[groups.Customer]\n").await;
+    cluster.migrate::<Migrator>().await.unwrap();
+    let retried = dbs.backend != Backend::Sqlite;
+
+    // Aborted once, then succeeds: the first attempt's row is gone, the
+    // second's committed.
+    let attempts = Arc::new(AtomicU32::new(0));
+    let seen = Arc::clone(&attempts);
+    let result = cluster
+        .transaction::<Customer, _, _>(9, move |tx| {
+            let seen = Arc::clone(&seen);
+            async move {
+                let attempt = seen.fetch_add(1, Ordering::SeqCst) + 1;
+                tx.insert(order_row(i64::from(attempt), 9)).await?;
+                if attempt == 1 {
+                    abort_like_a_deadlock(&tx).await?;
+                }
+                Ok(attempt)
+            }
+        })
+        .await;
+    if retried {
+        assert_eq!(result.unwrap(), 2);
+        assert_eq!(attempts.load(Ordering::SeqCst), 2);
+        assert_eq!(count_rows(&cluster, "orders").await, 1);
+    } else {
+        let err = result.unwrap_err();
+        assert_eq!(err.retry(), Retry::Never, "{err}");
+        assert_eq!(attempts.load(Ordering::SeqCst), 1, "not retried");
+        assert_eq!(count_rows(&cluster, "orders").await, 0);
+    }
+
+    // Always aborted: three attempts, then the error, nothing written.
+    let attempts = Arc::new(AtomicU32::new(0));
+    let seen = Arc::clone(&attempts);
+    let err = cluster
+        .transaction::<Customer, (), _>(10, move |tx| {
+            let seen = Arc::clone(&seen);
+            async move {
+                let attempt = seen.fetch_add(1, Ordering::SeqCst) + 1;
+                tx.insert(order_row(100 + i64::from(attempt), 10)).await?;
+                abort_like_a_deadlock(&tx).await
+            }
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(attempts.load(Ordering::SeqCst), if retried { 3 } else { 1 });
+    if retried {
+        assert_eq!(err.retry(), Retry::Transaction, "{err}");
+    }
+    assert_eq!(
+        count_rows(&cluster, "orders").await,
+        u64::from(retried),
+        "no row of key 10"
+    );
+}
+
+async fn driver_errors_are_classified_by_code(dbs: &mut TestDbs) {
+    let cluster = dbs.cluster(2, "[groups.Customer]\n").await;
+    cluster.migrate::<Migrator>().await.unwrap();
+    let tx = cluster.begin::<Customer>(5).await.unwrap();
+    tx.insert(order_row(1, 5)).await.unwrap();
+    // The same primary key again: a unique violation, never retried.
+    let err = tx.insert(order_row(1, 5)).await.unwrap_err();
+    assert!(matches!(err, ShardError::Db { .. }), "{err:?}");
+    assert_eq!(err.retry(), Retry::Never, "{err}");
+    drop(tx);
+
+    if dbs.backend != Backend::Sqlite {
+        let tx = cluster.begin::<Customer>(5).await.unwrap();
+        let err = abort_like_a_deadlock(&tx).await.unwrap_err();
+        assert_eq!(err.retry(), Retry::Transaction, "{err}");
+    }
+
+    // A closed port: the connection error is transient.
+    let down = format!(
+        "[[shards]]\nname = \"s0\"\nurl = \"{}\"\n[pool]\nconnect_lazy = true\n\
+         acquire_timeout_secs = 1\n[groups.Customer]\n",
+        match dbs.backend {
+            Backend::MySql => "mysql://root@127.0.0.1:9/down",
+            _ => "postgres://postgres@127.0.0.1:9/down",
+        }
+    );
+    let lazy = Cluster::connect(ClusterConfig::from_toml(&down).unwrap())
+        .await
+        .unwrap();
+    let err = lazy.begin::<Customer>(5).await.unwrap_err();
+    assert_eq!(err.retry(), Retry::Now, "{err}");
+}
