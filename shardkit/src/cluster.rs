@@ -324,12 +324,34 @@ impl Cluster {
     /// refused here ([`ShardError::Unroutable`]), before any statement binds
     /// it: those backends have no unsigned 64-bit type.
     pub async fn route<G: EntityGroup>(&self, key: &G::Key) -> Result<Target> {
-        let target = match self.inner.topology.locate(G::NAME, key)? {
-            Located::Target(target) => target,
+        match self.inner.topology.locate(G::NAME, key)? {
+            Located::Target(target) => self.storable::<G>(key, target),
             Located::Directory(index) => {
-                self.directory_index::<G>(index).lookup_target(key).await?
+                let target = self.directory_index::<G>(index).lookup_target(key).await?;
+                self.storable::<G>(key, target)
             }
-        };
+        }
+    }
+
+    /// [`route`](Self::route) without I/O: `Ok(None)` when the group's
+    /// placement needs a lookup (directory), in which case call `route`.
+    pub fn route_now<G: EntityGroup>(&self, key: &G::Key) -> Result<Option<Target>> {
+        match self.inner.topology.locate(G::NAME, key)? {
+            Located::Target(target) => self.storable::<G>(key, target).map(Some),
+            Located::Directory(_) => Ok(None),
+        }
+    }
+
+    /// [`shard_of`](Self::shard_of) without I/O: `Ok(None)` when the group's
+    /// placement needs a lookup (directory).
+    pub fn shard_of_now<G: EntityGroup>(&self, key: &G::Key) -> Result<Option<&str>> {
+        Ok(self
+            .route_now::<G>(key)?
+            .map(|target| self.shard_name(target.shard)))
+    }
+
+    /// Refuses a key the target shard's backend cannot bind.
+    fn storable<G: EntityGroup>(&self, key: &G::Key, target: Target) -> Result<Target> {
         if !key.fits_signed_64() {
             let backend = self.shard_conn(target.shard).get_database_backend();
             if backend != sea_orm::DbBackend::MySql {
@@ -363,7 +385,10 @@ impl Cluster {
     /// Opens a transaction for group `G` pinned to `key`, on the key's shard.
     /// Every write in it must carry that key.
     pub async fn begin<G: EntityGroup>(&self, key: G::Key) -> Result<ShardTx<G>> {
-        let target = self.route::<G>(&key).await?;
+        let target = match self.route_now::<G>(&key)? {
+            Some(target) => target,
+            None => self.route::<G>(&key).await?,
+        };
         let shard = self.shard_name(target.shard).to_owned();
         let span = tracing::info_span!(
             "shardkit.tx",

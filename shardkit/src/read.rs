@@ -20,7 +20,7 @@ use crate::error::{Result, ShardError, ShardFailure};
 use crate::topology::{ShardId, Target};
 use futures::StreamExt;
 use sea_orm::sea_query::{Expr, SelectStatement};
-use sea_orm::{Condition, ExprTrait};
+use sea_orm::{Condition, ExprTrait, IntoSimpleExpr};
 use sea_orm::{
     ConnectionTrait, DatabaseConnection, DbBackend, DbErr, FromQueryResult, IdenStatic, ModelTrait,
     Order, PaginatorTrait, QueryFilter, QueryOrder, QuerySelect, QueryTrait, Select,
@@ -441,7 +441,7 @@ impl<E: ShardedEntity, R> Find<E, R> {
 
     /// The read's settings, its statement (moved, not copied: a keyed read
     /// sends it as is) and its route.
-    fn split(self) -> (Read<E>, Select<E>, RouteSpec<KeyOf<E>>)
+    fn split(self) -> (Read<E>, Box<Select<E>>, RouteSpec<KeyOf<E>>)
     where
         R: Routed<E>,
     {
@@ -454,7 +454,9 @@ impl<E: ShardedEntity, R> Find<E, R> {
             limit: self.limit,
             offset: self.offset,
         };
-        (read, self.select, self.route.spec())
+        // Boxed once: the statement then moves through planning as a
+        // pointer and is changed in place.
+        (read, Box::new(self.select), self.route.spec())
     }
 }
 
@@ -469,10 +471,10 @@ enum ReadOp {
 /// A read planned before any of its statements runs: the shards, each
 /// one's statement (already shaped), and what the merge applies.
 struct Plan<E: ShardedEntity> {
-    /// The key's target when one key's shard answers as is (no merge).
-    single: Option<Target>,
-    /// The statements, per shard (several per shard when a key list is
-    /// chunked under the parameter limit).
+    /// One key's shard and its statement, when it answers as is (no merge).
+    single: Option<(Target, Box<Select<E>>)>,
+    /// The statements of a multi-shard read, per shard (several per shard
+    /// when a key list is chunked under the parameter limit).
     parts: Vec<(ShardId, Select<E>)>,
     /// Distinct shards asked.
     asked: usize,
@@ -644,11 +646,14 @@ impl<E: ShardedEntity> Read<E> {
     /// routed.
     async fn plan(
         &self,
-        select: Select<E>,
+        select: Box<Select<E>>,
         spec: RouteSpec<KeyOf<E>>,
         op: ReadOp,
     ) -> Result<Plan<E>> {
-        let (base, spec, index) = self.resolve_index(select, spec).await?;
+        let (mut select, spec, index) = match spec {
+            RouteSpec::Index(..) => self.resolve_index(select, spec).await?,
+            spec => (select, spec, None),
+        };
         let indexed = index.is_some();
         let described = |route: PlannedRoute| match &index {
             Some((table, keys)) => PlannedRoute::Index {
@@ -659,17 +664,21 @@ impl<E: ShardedEntity> Read<E> {
         };
         let offset = self.offset.unwrap_or(0);
         if let RouteSpec::One(key) = &spec {
-            let target = self.cluster.route::<E::Group>(key).await?;
-            let backend = self.cluster.shard_conn(target.shard).get_database_backend();
-            let select = keyed_select::<E>(base, key, backend);
-            // One key's shard answers the statement as written.
-            let select = match op {
-                ReadOp::Count => select,
-                ReadOp::All | ReadOp::One => self.shape(select, self.limit, true),
+            // Hash, range and modulo placements route without I/O.
+            let target = match self.cluster.route_now::<E::Group>(key)? {
+                Some(target) => target,
+                None => self.cluster.route::<E::Group>(key).await?,
             };
+            tracing::debug!(key = ?key, shard = self.cluster.shard_name(target.shard), "routed read");
+            let backend = self.cluster.shard_conn(target.shard).get_database_backend();
+            add_key::<E>(&mut select, key, backend);
+            // One key's shard answers the statement as written.
+            if op != ReadOp::Count {
+                self.shape(&mut select, self.limit, true);
+            }
             return Ok(Plan {
-                single: Some(target),
-                parts: vec![(target.shard, select)],
+                single: Some((target, select)),
+                parts: Vec::new(),
                 asked: 1,
                 route: described(PlannedRoute::Key {
                     bucket: target.bucket,
@@ -684,18 +693,16 @@ impl<E: ShardedEntity> Read<E> {
             RouteSpec::Many(keys) => PlannedRoute::Keys { keys: keys.len() },
             _ => PlannedRoute::Scatter,
         });
-        let parts = self.fan_out(base, spec).await?;
+        let mut parts = self.fan_out(*select, spec).await?;
         let limit = match op {
             ReadOp::One => Some(1),
             _ => self.limit,
         };
-        let parts: Vec<(ShardId, Select<E>)> = match op {
-            ReadOp::Count => parts,
-            ReadOp::All | ReadOp::One => parts
-                .into_iter()
-                .map(|(id, s)| (id, self.shape(s, limit, false)))
-                .collect(),
-        };
+        if op != ReadOp::Count {
+            for (_, select) in &mut parts {
+                self.shape(select, limit, false);
+            }
+        }
         Ok(Plan {
             single: None,
             asked: count_shards(&parts),
@@ -709,14 +716,18 @@ impl<E: ShardedEntity> Read<E> {
 
     /// The printable form of a plan.
     fn describe(&self, plan: Plan<E>, partial: bool) -> ReadPlan {
-        let statements = plan
-            .parts
-            .iter()
+        let single = plan
+            .single
+            .as_ref()
+            .map(|(target, select)| (target.shard, &**select));
+        let statements = single
+            .into_iter()
+            .chain(plan.parts.iter().map(|(id, select)| (*id, select)))
             .map(|(id, select)| PlannedStatement {
-                shard: self.cluster.shard_name(*id).to_owned(),
+                shard: self.cluster.shard_name(id).to_owned(),
                 sql: self
                     .cluster
-                    .shard_conn(*id)
+                    .shard_conn(id)
                     .get_database_backend()
                     .build(QueryTrait::as_query(select))
                     .to_string(),
@@ -759,19 +770,24 @@ impl<E: ShardedEntity> Read<E> {
         F: FnOnce(Select<E>, &'a DatabaseConnection) -> Fut,
         Fut: Future<Output = std::result::Result<T, DbErr>>,
     {
-        let (Some(target), Some((_, select))) = (plan.single, plan.parts.pop()) else {
+        let Some((target, select)) = plan.single.take() else {
             return Err(ShardError::Unmergeable {
                 table: table_name::<E>(),
-                reason: "internal: a single-shard plan without its statement".to_owned(),
+                reason: "internal: a multi-shard plan run as a single-shard one".to_owned(),
             });
         };
         let shard = self.cluster.shard_name(target.shard);
         let span = read_span::<E>(shard, target.bucket, op);
-        let fut = run(select, self.cluster.shard_conn(target.shard)).instrument(span);
-        match with_timeout(Self::group(), shard, self.timeout, fut)
-            .await
-            .map_err(|e| e.into_shard_error::<E>(shard))
-        {
+        let conn = self.cluster.shard_conn(target.shard);
+        // An instrumented future costs on every poll even when nothing
+        // listens; a point read is short enough for that to show.
+        let result = if span.is_disabled() {
+            with_timeout(Self::group(), shard, self.timeout, run(*select, conn)).await
+        } else {
+            let fut = run(*select, conn).instrument(span);
+            with_timeout(Self::group(), shard, self.timeout, fut).await
+        };
+        match result.map_err(|e| e.into_shard_error::<E>(shard)) {
             Ok(value) => R::finish(value, self.gathered(1, Vec::new())),
             Err(error) if plan.indexed => {
                 let failure = ShardFailure {
@@ -800,22 +816,24 @@ impl<E: ShardedEntity> Read<E> {
     /// Applies ordering and paging. A single shard gets them as written; a
     /// shard of a multi-shard read returns its first `limit + offset` rows and
     /// the merge applies the offset.
-    fn shape(&self, mut select: Select<E>, limit: Option<u64>, single: bool) -> Select<E> {
+    fn shape(&self, select: &mut Select<E>, limit: Option<u64>, single: bool) {
+        let query = QueryTrait::query(select);
         for (column, order) in &self.order {
-            select = QueryOrder::order_by(select, *column, order.clone());
+            query.order_by_expr(column.into_simple_expr(), order.clone());
         }
         let offset = self.offset.unwrap_or(0);
         match (limit, single) {
-            (Some(limit), true) => select = QuerySelect::limit(select, limit),
+            (Some(limit), true) => {
+                query.limit(limit);
+            }
             (Some(limit), false) => {
-                select = QuerySelect::limit(select, limit.saturating_add(offset))
+                query.limit(limit.saturating_add(offset));
             }
             (None, _) => {}
         }
         if single && offset > 0 {
-            select = QuerySelect::offset(select, offset);
+            query.offset(offset);
         }
-        select
     }
 
     /// Resolves an index read into the keys the index lists (one key takes
@@ -825,10 +843,10 @@ impl<E: ShardedEntity> Read<E> {
     /// Returns the index table consulted and how many keys it listed.
     async fn resolve_index(
         &self,
-        select: Select<E>,
+        mut select: Box<Select<E>>,
         spec: RouteSpec<KeyOf<E>>,
     ) -> Result<(
-        Select<E>,
+        Box<Select<E>>,
         RouteSpec<KeyOf<E>>,
         Option<(String, Option<usize>)>,
     )> {
@@ -846,7 +864,8 @@ impl<E: ShardedEntity> Read<E> {
                         )
                     })?;
                 let index = crate::gsi::IndexDef::of::<E>(*col, *unique);
-                let base = select.filter(Expr::col((E::default(), *col)).eq(value.clone()));
+                QueryTrait::query(&mut *select)
+                    .and_where(Expr::col((E::default(), *col)).eq(value.clone()));
                 let (spec, found) = match self.cluster.gsi().lookup::<E>(&index, &value).await? {
                     Some(mut keys) if keys.len() == 1 => (RouteSpec::One(keys.remove(0)), Some(1)),
                     Some(keys) => {
@@ -855,7 +874,7 @@ impl<E: ShardedEntity> Read<E> {
                     }
                     None => (RouteSpec::All, None),
                 };
-                (base, spec, Some((index.table.clone(), found)))
+                (select, spec, Some((index.table.clone(), found)))
             }
             other => (select, other, None),
         })
@@ -1435,11 +1454,23 @@ fn binary_text_keys<E: ShardedEntity>(keys: &[KeyOf<E>], backend: DbBackend) -> 
 }
 
 fn keyed_select<E: ShardedEntity>(
-    select: Select<E>,
+    mut select: Select<E>,
     key: &KeyOf<E>,
     backend: DbBackend,
 ) -> Select<E> {
-    select.filter(key_condition::<E>(std::slice::from_ref(key), backend))
+    add_key::<E>(&mut select, key, backend);
+    select
+}
+
+/// Adds the one-key predicate to a statement in place.
+fn add_key<E: ShardedEntity>(select: &mut Select<E>, key: &KeyOf<E>, backend: DbBackend) {
+    let keys = std::slice::from_ref(key);
+    let query = QueryTrait::query(select);
+    if binary_text_keys::<E>(keys, backend) {
+        query.cond_where(key_condition::<E>(keys, backend));
+    } else {
+        query.and_where(Expr::col((E::default(), E::shard_key_column())).eq(key.clone()));
+    }
 }
 
 fn read_span<E: ShardedEntity>(
@@ -1455,7 +1486,7 @@ fn read_span<E: ShardedEntity>(
         bucket = tracing::field::Empty,
         op = op,
     );
-    if let Some(bucket) = bucket {
+    if let Some(bucket) = bucket.filter(|_| !span.is_disabled()) {
         span.record("bucket", bucket);
     }
     span
