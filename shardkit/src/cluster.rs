@@ -396,7 +396,7 @@ impl Cluster {
             shard = %shard,
             bucket = tracing::field::Empty,
         );
-        if let Some(bucket) = target.bucket {
+        if let Some(bucket) = target.bucket.filter(|_| !span.is_disabled()) {
             span.record("bucket", bucket);
         }
         tracing::debug!(parent: &span, key = ?key, "begin");

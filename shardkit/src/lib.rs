@@ -93,6 +93,7 @@ pub mod ids;
 pub mod read;
 pub mod rollout;
 pub mod topology;
+mod trace;
 pub mod tx;
 pub mod verify;
 

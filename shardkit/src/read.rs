@@ -779,15 +779,11 @@ impl<E: ShardedEntity> Read<E> {
         let shard = self.cluster.shard_name(target.shard);
         let span = read_span::<E>(shard, target.bucket, op);
         let conn = self.cluster.shard_conn(target.shard);
-        // An instrumented future costs on every poll even when nothing
-        // listens; a point read is short enough for that to show.
-        let result = if span.is_disabled() {
-            with_timeout(Self::group(), shard, self.timeout, run(*select, conn)).await
-        } else {
-            let fut = run(*select, conn).instrument(span);
-            with_timeout(Self::group(), shard, self.timeout, fut).await
-        };
-        match result.map_err(|e| e.into_shard_error::<E>(shard)) {
+        let fut = crate::trace::in_span(span, run(*select, conn));
+        match with_timeout(Self::group(), shard, self.timeout, fut)
+            .await
+            .map_err(|e| e.into_shard_error::<E>(shard))
+        {
             Ok(value) => R::finish(value, self.gathered(1, Vec::new())),
             Err(error) if plan.indexed => {
                 let failure = ShardFailure {

@@ -16,7 +16,6 @@ use sea_orm::{
     IntoActiveModel, QueryFilter,
 };
 use std::sync::{Arc, Mutex};
-use tracing::Instrument;
 
 /// A transaction on the shard of one key of group `G`.
 ///
@@ -37,7 +36,7 @@ pub struct ShardTx<G: EntityGroup> {
     key: G::Key,
     shard: String,
     target: Target,
-    poisoned: Mutex<Option<String>>,
+    poisoned: std::sync::OnceLock<String>,
     span: tracing::Span,
 }
 
@@ -68,7 +67,7 @@ impl<G: EntityGroup> ShardTx<G> {
             key,
             shard,
             target,
-            poisoned: Mutex::new(None),
+            poisoned: std::sync::OnceLock::new(),
             span,
         }
     }
@@ -98,28 +97,25 @@ impl<G: EntityGroup> ShardTx<G> {
 
     /// Whether an earlier refusal made it rollback-only.
     pub fn is_rollback_only(&self) -> bool {
-        self.poison_reason().is_some()
+        self.poisoned.get().is_some()
     }
 
     fn poison_reason(&self) -> Option<String> {
-        self.poisoned
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
+        self.poisoned.get().cloned()
     }
 
     fn poison(&self, err: ShardError) -> ShardError {
-        let mut slot = self.poisoned.lock().unwrap_or_else(|p| p.into_inner());
-        slot.get_or_insert_with(|| err.to_string());
+        // The first refusal is the reason; later ones keep it.
+        let _ = self.poisoned.set(err.to_string());
         err
     }
 
     fn ensure_open(&self) -> Result<()> {
-        match self.poison_reason() {
+        match self.poisoned.get() {
             Some(reason) => Err(ShardError::RollbackOnly {
                 group: G::NAME,
                 shard: self.shard.clone(),
-                reason,
+                reason: reason.clone(),
             }),
             None => Ok(()),
         }
@@ -357,7 +353,7 @@ impl<G: EntityGroup> ShardTx<G> {
                 .map_err(|e| self.write_err::<A::Entity>("insert", e))?;
         }
         let span = self.write_span::<A::Entity>("insert");
-        async {
+        crate::trace::in_span(span, async {
             let model = A::before_save(model, &self.txn, true)
                 .await
                 .map_err(|e| self.write_err::<A::Entity>("insert", e))?;
@@ -380,8 +376,7 @@ impl<G: EntityGroup> ShardTx<G> {
             A::after_save(row, &self.txn, true)
                 .await
                 .map_err(|e| self.write_err::<A::Entity>("insert", e))
-        }
-        .instrument(span)
+        })
         .await
     }
 
@@ -397,7 +392,7 @@ impl<G: EntityGroup> ShardTx<G> {
     {
         self.check::<A::Entity>(&model)?;
         let span = self.write_span::<A::Entity>("update");
-        async {
+        crate::trace::in_span(span, async {
             let model = A::before_save(model, &self.txn, false)
                 .await
                 .map_err(|e| self.write_err::<A::Entity>("update", e))?;
@@ -447,8 +442,7 @@ impl<G: EntityGroup> ShardTx<G> {
             A::after_save(row, &self.txn, false)
                 .await
                 .map_err(|e| self.write_err::<A::Entity>("update", e))
-        }
-        .instrument(span)
+        })
         .await
     }
 
@@ -461,7 +455,7 @@ impl<G: EntityGroup> ShardTx<G> {
     {
         self.check::<A::Entity>(&model)?;
         let span = self.write_span::<A::Entity>("delete");
-        async {
+        crate::trace::in_span(span, async {
             let model = A::before_delete(model, &self.txn)
                 .await
                 .map_err(|e| self.write_err::<A::Entity>("delete", e))?;
@@ -504,8 +498,7 @@ impl<G: EntityGroup> ShardTx<G> {
                 .await
                 .map_err(|e| self.write_err::<A::Entity>("delete", e))?;
             Ok(res.rows_affected)
-        }
-        .instrument(span)
+        })
         .await
     }
 
@@ -544,8 +537,7 @@ impl<G: EntityGroup> ShardTx<G> {
             after_commit,
             ..
         } = self;
-        txn.commit()
-            .instrument(span)
+        crate::trace::in_span(span, txn.commit())
             .await
             .map_err(|source| ShardError::Db {
                 group: G::NAME,
