@@ -10,9 +10,7 @@ use crate::topology::{ClusterConfig, DatabaseUrl, Located, PoolConfig, ShardId, 
 use crate::tx::ShardTx;
 use futures::future::join_all;
 use sea_orm::sea_query::{Alias, Expr, OnConflict, Query};
-use sea_orm::{
-    ConnectOptions, ConnectionTrait, Database, DatabaseConnection, ExprTrait, TransactionTrait,
-};
+use sea_orm::{ConnectOptions, ConnectionTrait, Database, DatabaseConnection, ExprTrait};
 use sea_orm_migration::MigratorTrait;
 use std::marker::PhantomData;
 use std::sync::Arc;
@@ -400,9 +398,7 @@ impl Cluster {
             span.record("bucket", bucket);
         }
         tracing::debug!(parent: &span, key = ?key, "begin");
-        let txn = self
-            .shard_conn(target.shard)
-            .begin()
+        let txn = crate::exec::begin_write(self.shard_conn(target.shard))
             .await
             .map_err(|source| ShardError::Db {
                 group: G::NAME,
@@ -624,6 +620,14 @@ async fn connect_one(
     }
     if let Some(lazy) = pool.connect_lazy {
         options.connect_lazy(lazy);
+    }
+    let raw = url.expose();
+    if raw.starts_with("sqlite:") && !raw.contains("journal_mode") && !raw.contains(":memory:") {
+        // WAL lets readers run beside the one writer; a URL that names its
+        // own journal mode keeps it.
+        options.map_sqlx_sqlite_opts(|opts| {
+            opts.journal_mode(sea_orm::sqlx::sqlite::SqliteJournalMode::Wal)
+        });
     }
     if let Some(sql) = mysql_session {
         // Session variables live per connection: set them on every connection

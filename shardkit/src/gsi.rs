@@ -610,7 +610,7 @@ impl<'c> Gsi<'c> {
             }
         }
         let grace = self.cluster.gsi_grace();
-        let txn = db.begin().await.map_err(err)?;
+        let txn = crate::exec::begin_write(db).await.map_err(err)?;
         let mut select = Query::select();
         select
             .columns(["shard_key", "owner_pk", "created_ms"].map(Alias::new))

@@ -88,6 +88,7 @@
 pub mod cluster;
 pub mod entity;
 pub mod error;
+mod exec;
 pub mod gsi;
 pub mod ids;
 pub mod read;

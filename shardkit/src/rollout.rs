@@ -1368,12 +1368,12 @@ where
         after: Option<&[Value]>,
         chunk: u64,
     ) -> Result<Vec<Old::Model>> {
-        use sea_orm::{QuerySelect, TransactionTrait};
+        use sea_orm::QuerySelect;
         let err = |e| {
             self.shared
                 .db_err(shard, format!("backfill {}", table_name::<New>()), e)
         };
-        let txn = db.begin().await.map_err(err)?;
+        let txn = crate::exec::begin_write(db).await.map_err(err)?;
         let rows = by_pk(Old::find().filter(after_condition::<Old>(after)))
             .limit(chunk)
             .lock_exclusive()

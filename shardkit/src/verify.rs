@@ -30,7 +30,7 @@ use sea_orm::sea_query::{Alias, Expr, Query};
 use sea_orm::{
     ConnectionTrait, DatabaseConnection, DbBackend, DbErr, EntityTrait, IdenStatic,
     IntoActiveModel, Iterable, PrimaryKeyToColumn, PrimaryKeyTrait, QueryFilter, QuerySelect,
-    TransactionTrait, TryIntoModel, Value, sea_query::IntoValueTuple,
+    TryIntoModel, Value, sea_query::IntoValueTuple,
 };
 use std::collections::HashMap;
 use std::hash::Hasher;
@@ -397,7 +397,7 @@ where
 {
     let serr = |e| verify_err(source.shard, format!("repair {}", table_name::<D>()), e);
     let terr = |e| verify_err(target.shard, format!("repair {}", table_name::<D>()), e);
-    let src_txn = source.db.begin().await.map_err(serr)?;
+    let src_txn = crate::exec::begin_write(source.db).await.map_err(serr)?;
     let row = S::find()
         .filter(pk_condition::<S>(pk))
         .lock_exclusive()
@@ -408,7 +408,7 @@ where
     let dst_txn = if shared {
         None
     } else {
-        Some(target.db.begin().await.map_err(terr)?)
+        Some(crate::exec::begin_write(target.db).await.map_err(terr)?)
     };
     {
         let conn: &sea_orm::DatabaseTransaction = dst_txn.as_ref().unwrap_or(&src_txn);

@@ -212,21 +212,6 @@ async fn cross_shard_write_is_refused(dbs: &mut TestDbs) {
     assert!(err.to_string().contains("customer_id = 2"), "{err}");
     assert!(tx.is_rollback_only());
 
-    // A model hook cannot move the row to another key after the first check.
-    let hooked = cluster.begin::<Customer>(1).await.unwrap();
-    let err = hooked
-        .insert(mover::ActiveModel {
-            id: Set(1),
-            customer_id: Set(1),
-            note: Set("move".into()),
-        })
-        .await
-        .unwrap_err();
-    assert!(
-        matches!(&err, ShardError::CrossShardWrite { found, .. } if found == "999"),
-        "{err:?}"
-    );
-    drop(hooked);
 
     // Same shard, other key: still refused (keys, not shards, are checked).
     let same_shard_other_key = (2..1000)
@@ -251,6 +236,23 @@ async fn cross_shard_write_is_refused(dbs: &mut TestDbs) {
         other => panic!("expected RollbackOnly, got {other:?}"),
     }
     assert_eq!(total_orders(&cluster).await, 0, "nothing may be written");
+
+    // A model hook cannot move the row to another key after the first check.
+    // (One write transaction at a time per SQLite shard: `tx` is over.)
+    let hooked = cluster.begin::<Customer>(1).await.unwrap();
+    let err = hooked
+        .insert(mover::ActiveModel {
+            id: Set(1),
+            customer_id: Set(1),
+            note: Set("move".into()),
+        })
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, ShardError::CrossShardWrite { found, .. } if found == "999"),
+        "{err:?}"
+    );
+    drop(hooked);
 
     // A fresh transaction on the same shard for the other key is refused too,
     // even though it would land on the same database.
