@@ -452,6 +452,17 @@ where
         insert_only: bool,
     ) -> Result<()> {
         let new = (self.to_new)(old);
+        // The converted row is a write like any other: it must stay on the
+        // old row's key, or it would land on a shard that key does not own.
+        let (expected, found) = (Old::shard_key(old), New::shard_key(&new));
+        if expected.to_directory_text() != found.to_directory_text() {
+            return Err(ShardError::CrossShardWrite {
+                entity: table_name::<New>(),
+                column: New::SHARD_KEY_FIELD,
+                expected: format!("{expected:?}"),
+                found: format!("{found:?}"),
+            });
+        }
         self.index_new(ctx, &new).await?;
         let op = format!("dual write {}", table_name::<New>());
         let res = if insert_only {

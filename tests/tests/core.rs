@@ -212,7 +212,6 @@ async fn cross_shard_write_is_refused(dbs: &mut TestDbs) {
     assert!(err.to_string().contains("customer_id = 2"), "{err}");
     assert!(tx.is_rollback_only());
 
-
     // Same shard, other key: still refused (keys, not shards, are checked).
     let same_shard_other_key = (2..1000)
         .find(|k| expected_customer_shard(*k) == expected_customer_shard(1))
