@@ -123,6 +123,25 @@ impl MigratorTrait for Migrator {
     }
 }
 
+/// The migrator `Cluster::migrate` runs on ticket servers: shardkit's
+/// ticket registry and nothing else (the application's own migrator never
+/// reaches them). It records its progress in `shardkit_ticket_migrations`,
+/// apart from the application's `seaql_migrations`, so a ticket database
+/// an older release migrated with the application's migrator is not refused
+/// for the application migrations it recorded there.
+pub struct TicketMigrator;
+
+#[async_trait::async_trait]
+impl MigratorTrait for TicketMigrator {
+    fn migrations() -> Vec<Box<dyn MigrationTrait>> {
+        vec![Box::new(m20261122_000002_create_ticket_registry::Migration)]
+    }
+
+    fn migration_table_name() -> DynIden {
+        Alias::new("shardkit_ticket_migrations").into_iden()
+    }
+}
+
 /// The table of one global secondary index, `gsi_<primary table>_<column>`:
 /// the secondary value, the owner's shard key and primary key (all as text),
 /// and when the row was written (Unix ms, so reconciliation can leave rows of

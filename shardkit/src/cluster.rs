@@ -514,40 +514,39 @@ impl Cluster {
         }
     }
 
-    /// Applies migrator `M` to every shard and every directory database, all
-    /// of them concurrently, then reports each one's status. Fails with
-    /// [`ShardError::Migration`] naming a shard whose migration failed, after
-    /// every other shard has had its turn.
+    /// Applies migrator `M` to every shard and every directory database, and
+    /// shardkit's own ticket-server migrations
+    /// ([`shardkit_migration::TicketMigrator`], never `M`) to every ticket
+    /// server, all of them concurrently, then reports each one's status.
+    /// Fails with [`ShardError::Migration`] naming a database whose migration
+    /// failed, after every other one has had its turn.
     pub async fn migrate<M: MigratorTrait>(&self) -> Result<MigrationReport> {
-        let results = join_all(self.databases().map(|(name, conn)| async move {
-            M::up(conn, None)
-                .await
-                .map_err(|source| ShardError::Migration {
-                    shard: name,
-                    source,
-                })
+        let results = join_all(self.databases().map(|(name, conn, role)| async move {
+            match role {
+                Role::Data => M::up(conn, None).await,
+                Role::Tickets => shardkit_migration::TicketMigrator::up(conn, None).await,
+            }
+            .map_err(|source| ShardError::Migration {
+                shard: name,
+                source,
+            })
         }))
         .await;
         results.into_iter().collect::<Result<Vec<()>>>()?;
         self.migration_status::<M>().await
     }
 
-    /// The migration status of every shard and directory database, without
-    /// changing anything (beyond creating SeaORM's migration table if missing).
+    /// The migration status of every shard and directory database (against
+    /// `M`) and of every ticket server (against shardkit's ticket-server
+    /// migrations), without changing anything (beyond creating SeaORM's
+    /// migration table if missing).
     pub async fn migration_status<M: MigratorTrait>(&self) -> Result<MigrationReport> {
-        let statuses = join_all(self.databases().map(|(name, conn)| async move {
-            let applied = M::get_applied_migrations(conn).await;
-            let pending = M::get_pending_migrations(conn).await;
-            match (applied, pending) {
-                (Ok(applied), Ok(pending)) => Ok(DatabaseMigrationStatus {
-                    name,
-                    applied: applied.iter().map(|m| m.name().to_owned()).collect(),
-                    pending: pending.iter().map(|m| m.name().to_owned()).collect(),
-                }),
-                (Err(source), _) | (_, Err(source)) => Err(ShardError::Migration {
-                    shard: name,
-                    source,
-                }),
+        let statuses = join_all(self.databases().map(|(name, conn, role)| async move {
+            match role {
+                Role::Data => migration_status_of::<M>(name, conn).await,
+                Role::Tickets => {
+                    migration_status_of::<shardkit_migration::TicketMigrator>(name, conn).await
+                }
             }
         }))
         .await;
@@ -556,31 +555,39 @@ impl Cluster {
         })
     }
 
-    /// Every database of the cluster with its report name, deduplicated by URL
-    /// (a directory may live in a shard's database): shards, directory
-    /// databases, ticket servers.
-    fn databases(&self) -> impl Iterator<Item = (String, &DatabaseConnection)> {
+    /// Every database of the cluster with its report name and role,
+    /// deduplicated by URL (a directory or a ticket server may live in a
+    /// shard's database, which then takes the application's migrations):
+    /// shards, directory databases, ticket servers.
+    fn databases(&self) -> impl Iterator<Item = (String, &DatabaseConnection, Role)> {
         let topology = &self.inner.topology;
         let shards = topology
             .shards()
             .iter()
             .zip(&self.inner.shards)
-            .map(|(spec, conn)| (spec.name.clone(), &spec.url, conn));
+            .map(|(spec, conn)| (spec.name.clone(), &spec.url, conn, Role::Data));
         let dirs = topology
             .directories()
             .iter()
             .zip(&self.inner.directories)
-            .map(|(spec, conn)| (format!("directory:{}", spec.group), &spec.url, conn));
+            .map(|(spec, conn)| {
+                (
+                    format!("directory:{}", spec.group),
+                    &spec.url,
+                    conn,
+                    Role::Data,
+                )
+            });
         let tickets = topology
             .ticket_servers()
             .iter()
-            .zip(&self.inner.ids.servers)
-            .map(|(spec, server)| (format!("ids:{}", spec.name), &spec.url, &server.conn));
+            .zip(self.inner.ids.server_connections())
+            .map(|(spec, conn)| (format!("ids:{}", spec.name), &spec.url, conn, Role::Tickets));
         let mut seen: Vec<&DatabaseUrl> = Vec::new();
         shards
             .chain(dirs)
             .chain(tickets)
-            .filter(move |(_, url, _)| {
+            .filter(move |(_, url, _, _)| {
                 if seen.contains(url) {
                     false
                 } else {
@@ -588,7 +595,35 @@ impl Cluster {
                     true
                 }
             })
-            .map(|(name, _, conn)| (name, conn))
+            .map(|(name, _, conn, role)| (name, conn, role))
+    }
+}
+
+/// What a database of the cluster holds, and so which migrations it takes.
+#[derive(Clone, Copy)]
+enum Role {
+    /// A shard or a directory database: the application's migrator.
+    Data,
+    /// A ticket server: shardkit's ticket tables only.
+    Tickets,
+}
+
+async fn migration_status_of<M: MigratorTrait>(
+    name: String,
+    conn: &DatabaseConnection,
+) -> Result<DatabaseMigrationStatus> {
+    let applied = M::get_applied_migrations(conn).await;
+    let pending = M::get_pending_migrations(conn).await;
+    match (applied, pending) {
+        (Ok(applied), Ok(pending)) => Ok(DatabaseMigrationStatus {
+            name,
+            applied: applied.iter().map(|m| m.name().to_owned()).collect(),
+            pending: pending.iter().map(|m| m.name().to_owned()).collect(),
+        }),
+        (Err(source), _) | (_, Err(source)) => Err(ShardError::Migration {
+            shard: name,
+            source,
+        }),
     }
 }
 
@@ -671,15 +706,15 @@ async fn connect_one(
 /// The result of [`Cluster::migrate`] / [`Cluster::migration_status`].
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct MigrationReport {
-    /// One entry per shard (by name) and per directory database
-    /// (`directory:<group>`).
+    /// One entry per shard (by name), per directory database
+    /// (`directory:<group>`) and per ticket server (`ids:<name>`).
     pub databases: Vec<DatabaseMigrationStatus>,
 }
 
 /// One database's migrations.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DatabaseMigrationStatus {
-    /// Shard name, or `directory:<group>`.
+    /// Shard name, `directory:<group>` or `ids:<server>`.
     pub name: String,
     /// Applied migrations, in order.
     pub applied: Vec<String>,

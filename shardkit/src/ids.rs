@@ -29,8 +29,6 @@ use crate::cluster::Cluster;
 use crate::entity::{EntityGroup, ShardKey};
 use crate::error::{Result, ShardError};
 use crate::topology::{IdsConfig, ShardId, SnowflakeConfig, Target};
-use futures::FutureExt;
-use futures::future::{BoxFuture, Shared};
 use sea_orm::{ConnectionTrait, DatabaseConnection, DbBackend, Statement};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -57,7 +55,7 @@ pub enum IdStrategy {
 
 impl Ids {
     /// A fresh id for `strategy`, as a SeaORM value.
-    pub async fn generate(self: &Arc<Self>, strategy: IdStrategy) -> Result<sea_orm::Value> {
+    pub async fn generate(&self, strategy: IdStrategy) -> Result<sea_orm::Value> {
         Ok(match strategy {
             IdStrategy::Ticket(sequence) => self.next(sequence).await?.into(),
             IdStrategy::UuidV7 => uuid_v7().into(),
@@ -100,13 +98,24 @@ pub(crate) fn mysql_session_sql(index: usize, count: usize) -> String {
 }
 
 /// The id service of a [`Cluster`]: `cluster.ids()`.
+///
+/// Ownership runs one way, so dropping the cluster closes the ticket pools:
+/// `Ids` → its [`Sequence`]s → the shared ticket servers. A sequence never
+/// points back at `Ids`, and a prefetch in flight holds its sequence only
+/// until its one request ends.
 pub struct Ids {
-    pub(crate) servers: Vec<TicketServer>,
-    next_server: AtomicUsize,
+    tickets: Arc<Tickets>,
     sequences: Mutex<HashMap<String, Arc<Sequence>>>,
+    snowflake: Snowflake,
+}
+
+/// The ticket servers and how requests are spread over them: what every
+/// [`Sequence`] of a cluster shares.
+struct Tickets {
+    servers: Vec<TicketServer>,
+    next_server: AtomicUsize,
     config: IdsConfig,
     requests: AtomicU64,
-    snowflake: Snowflake,
 }
 
 impl std::fmt::Debug for Ids {
@@ -114,7 +123,12 @@ impl std::fmt::Debug for Ids {
         f.debug_struct("Ids")
             .field(
                 "servers",
-                &self.servers.iter().map(|s| &s.name).collect::<Vec<_>>(),
+                &self
+                    .tickets
+                    .servers
+                    .iter()
+                    .map(|s| &s.name)
+                    .collect::<Vec<_>>(),
             )
             .finish_non_exhaustive()
     }
@@ -152,30 +166,37 @@ impl Ids {
         let snowflake =
             Snowflake::new(layout, config.worker_id.unwrap_or(0), Arc::new(SystemClock))?;
         Ok(Ids {
-            servers,
-            next_server: AtomicUsize::new(0),
+            tickets: Arc::new(Tickets {
+                servers,
+                next_server: AtomicUsize::new(0),
+                config,
+                requests: AtomicU64::new(0),
+            }),
             sequences: Mutex::new(HashMap::new()),
-            config,
-            requests: AtomicU64::new(0),
             snowflake,
         })
     }
 
     /// How many ticket requests have reached a server (successful or not).
     pub fn ticket_requests(&self) -> u64 {
-        self.requests.load(Ordering::Relaxed)
+        self.tickets.requests.load(Ordering::Relaxed)
     }
 
     /// The ticket servers, in order.
     pub fn servers(&self) -> impl Iterator<Item = &str> {
-        self.servers.iter().map(|s| s.name.as_str())
+        self.tickets.servers.iter().map(|s| s.name.as_str())
+    }
+
+    /// The ticket servers' connection pools, in order.
+    pub(crate) fn server_connections(&self) -> impl Iterator<Item = &DatabaseConnection> {
+        self.tickets.servers.iter().map(|s| &s.conn)
     }
 
     /// Creates sequence `name` on every ticket server (its `tickets_<name>`
     /// table and its registry row). Idempotent.
     pub async fn create_sequence(&self, name: &str) -> Result<()> {
         check_name(name)?;
-        for server in &self.servers {
+        for server in &self.tickets.servers {
             let backend = server.conn.get_database_backend();
             let err = |source| ShardError::Db {
                 group: "ids",
@@ -207,7 +228,7 @@ impl Ids {
     /// The sequences the first reachable ticket server holds.
     pub async fn sequences(&self) -> Result<Vec<String>> {
         let mut last = None;
-        for server in &self.servers {
+        for server in &self.tickets.servers {
             let stmt = Statement::from_string(
                 server.conn.get_database_backend(),
                 "SELECT name FROM shardkit_ticket_sequences ORDER BY name",
@@ -239,14 +260,16 @@ impl Ids {
     }
 
     /// The handle of sequence `name` (cheap to keep; [`Ids::next`] looks it up
-    /// on every call).
-    pub fn sequence(self: &Arc<Self>, name: &str) -> Result<Arc<Sequence>> {
+    /// on every call). A handle keeps the ticket servers' pools open while it
+    /// lives, even after the cluster is dropped.
+    pub fn sequence(&self, name: &str) -> Result<Arc<Sequence>> {
         check_name(name)?;
         let mut sequences = lock(&self.sequences);
         if let Some(seq) = sequences.get(name) {
             return Ok(Arc::clone(seq));
         }
         let block = self
+            .tickets
             .config
             .sequences
             .get(name)
@@ -255,15 +278,16 @@ impl Ids {
         let seq = Arc::new(Sequence {
             name: name.to_owned(),
             block,
-            ids: Arc::clone(self),
+            tickets: Arc::clone(&self.tickets),
             state: Mutex::new(Segment::default()),
+            fetched: tokio::sync::Notify::new(),
         });
         sequences.insert(name.to_owned(), Arc::clone(&seq));
         Ok(seq)
     }
 
     /// The next id of sequence `name`.
-    pub async fn next(self: &Arc<Self>, name: &str) -> Result<i64> {
+    pub async fn next(&self, name: &str) -> Result<i64> {
         self.sequence(name)?.next().await
     }
 
@@ -275,13 +299,14 @@ impl Ids {
     /// Makes sure sequence `name` never hands out `id` or anything below it
     /// again (for rows inserted with explicit ids). Discards this process's
     /// buffered blocks; other processes' buffers are theirs to drain.
-    pub async fn advance_past(self: &Arc<Self>, name: &str, id: i64) -> Result<()> {
+    pub async fn advance_past(&self, name: &str, id: i64) -> Result<()> {
         let seq = self.sequence(name)?;
         let id = u64::try_from(id).unwrap_or(0);
         // The first ticket whose block lies wholly above `id`.
         let min_ticket = id / seq.block + 1;
-        let n = self.servers.len();
-        for (i, server) in self.servers.iter().enumerate() {
+        let servers = &self.tickets.servers;
+        let n = servers.len();
+        for (i, server) in servers.iter().enumerate() {
             let backend = server.conn.get_database_backend();
             let sql = match backend {
                 DbBackend::MySql => {
@@ -314,13 +339,29 @@ impl Ids {
                     source,
                 })?;
         }
-        *lock(&seq.state) = Segment::default();
+        seq.discard_blocks();
         Ok(())
     }
+}
 
+impl Tickets {
     /// One ticket for sequence `name`: round-robin over the servers, skipping
     /// servers that failed recently.
     async fn ticket(&self, name: &str) -> Result<u64> {
+        // Tests: `return(<ms>)` on `shardkit::ids::ticket::<sequence>` holds
+        // that sequence's request for <ms> before it asks a server (it holds
+        // no connection meanwhile).
+        #[cfg(feature = "failpoints")]
+        if let Some(ms) = (|| {
+            fail::fail_point!(&format!("shardkit::ids::ticket::{name}"), |ms: Option<
+                String,
+            >| {
+                ms.and_then(|ms| ms.parse::<u64>().ok())
+            });
+            None
+        })() {
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+        }
         if self.servers.is_empty() {
             return Err(no_servers());
         }
@@ -350,7 +391,22 @@ impl Ids {
                     *lock(&server.down_until) = None;
                     return Ok(ticket);
                 }
-                Ok(Err(err)) => causes.push(format!("{}: {err}", server.name)),
+                // The server answered; the sequence is what is missing. Every
+                // server would say the same, and none of them is down.
+                Ok(Err(TicketFailure::NoSuchSequence)) => {
+                    return Err(ShardError::config(
+                        format!("ids.sequences.{name}"),
+                        format!(
+                            "ticket server `{}` has no table `tickets_{name}`: create the \
+                             sequence with `cluster.ids().create_sequence(\"{name}\")` (or \
+                             shardkit_migration::CreateTicketSequence) before drawing ids",
+                            server.name
+                        ),
+                    ));
+                }
+                Ok(Err(TicketFailure::Failed(err))) => {
+                    causes.push(format!("{}: {err}", server.name))
+                }
                 Err(_) => causes.push(format!("{}: no answer within {timeout:?}", server.name)),
             }
             tracing::warn!(server = %server.name, sequence = name, "ticket server failed; trying the next one");
@@ -367,14 +423,55 @@ fn no_servers() -> ShardError {
     ShardError::config("ids.servers", "no ticket servers are configured")
 }
 
+/// Why one server gave no ticket.
+enum TicketFailure {
+    /// The server has no `tickets_<sequence>` table: a configuration error,
+    /// not an outage.
+    NoSuchSequence,
+    /// Anything else: the next server is asked.
+    Failed(ShardError),
+}
+
+/// Whether the database said the statement's table does not exist.
+fn is_missing_table(err: &sea_orm::DbErr) -> bool {
+    use sea_orm::{DbErr, RuntimeErr, sqlx};
+    let (DbErr::Exec(RuntimeErr::SqlxError(err)) | DbErr::Query(RuntimeErr::SqlxError(err))) = err
+    else {
+        return false;
+    };
+    let sqlx::Error::Database(db) = &**err else {
+        return false;
+    };
+    if let Some(mysql) = db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>() {
+        // ER_NO_SUCH_TABLE
+        return mysql.number() == 1146;
+    }
+    if db.try_downcast_ref::<sqlx::sqlite::SqliteError>().is_some() {
+        // SQLite reports it as a plain SQLITE_ERROR; only the message tells.
+        return db.message().starts_with("no such table");
+    }
+    // PostgreSQL's undefined_table.
+    db.code().as_deref() == Some("42P01")
+}
+
 /// One round trip to server `index` of `count`.
-async fn ticket_from(server: &TicketServer, index: usize, count: usize, name: &str) -> Result<u64> {
+async fn ticket_from(
+    server: &TicketServer,
+    index: usize,
+    count: usize,
+    name: &str,
+) -> std::result::Result<u64, TicketFailure> {
     let backend = server.conn.get_database_backend();
-    let err = |source| ShardError::Db {
-        group: "ids",
-        shard: server.name.clone(),
-        operation: format!("ticket {name}"),
-        source,
+    let err = |source: sea_orm::DbErr| {
+        if is_missing_table(&source) {
+            return TicketFailure::NoSuchSequence;
+        }
+        TicketFailure::Failed(ShardError::Db {
+            group: "ids",
+            shard: server.name.clone(),
+            operation: format!("ticket {name}"),
+            source,
+        })
     };
     let ticket = match backend {
         DbBackend::MySql => {
@@ -401,16 +498,27 @@ async fn ticket_from(server: &TicketServer, index: usize, count: usize, name: &s
             id as u64
         }
     };
+    // Tickets start at 1. A 0 is MySQL's "nothing was generated" (a table
+    // whose `id` is not AUTO_INCREMENT), and would repeat on every request.
+    if ticket == 0 {
+        return Err(TicketFailure::Failed(ShardError::config(
+            format!("ids.servers[{index}] ({:?})", server.name),
+            format!(
+                "`tickets_{name}` generated no ticket: its `id` must be an AUTO_INCREMENT \
+                 BIGINT (see shardkit_migration::ticket_table)"
+            ),
+        )));
+    }
     // A session without the right increment/offset would hand out another
     // server's tickets: refuse rather than risk a duplicate.
     if count > 1 && ticket % count as u64 != (index as u64 + 1) % count as u64 {
-        return Err(ShardError::config(
+        return Err(TicketFailure::Failed(ShardError::config(
             format!("ids.servers[{index}] ({:?})", server.name),
             format!(
                 "ticket {ticket} is not ≡ {} (mod {count}): the server's session settings are wrong",
                 index + 1
             ),
-        ));
+        )));
     }
     Ok(ticket)
 }
@@ -419,8 +527,10 @@ async fn ticket_from(server: &TicketServer, index: usize, count: usize, name: &s
 pub struct Sequence {
     name: String,
     block: u64,
-    ids: Arc<Ids>,
+    tickets: Arc<Tickets>,
     state: Mutex<Segment>,
+    /// Wakes the callers waiting for a block when a fetch ends.
+    fetched: tokio::sync::Notify,
 }
 
 #[derive(Default)]
@@ -430,8 +540,16 @@ struct Segment {
     /// When `next` reaches this, the next block is fetched.
     prefetch_at: u64,
     ready: Option<(u64, u64)>,
-    fetching: Option<Shared<BoxFuture<'static, ()>>>,
-    error: Option<String>,
+    /// A ticket request for the next block is under way (a background
+    /// prefetch, or a caller's own request).
+    fetching: bool,
+    /// Bumped by [`Ids::advance_past`]: a fetch that started before it
+    /// throws its block away.
+    epoch: u64,
+    /// Failed fetches so far, and the last one's error: a caller that waited
+    /// on a fetch that failed reports it instead of asking again.
+    failures: u64,
+    last_error: Option<FetchError>,
 }
 
 impl std::fmt::Debug for Sequence {
@@ -443,6 +561,17 @@ impl std::fmt::Debug for Sequence {
     }
 }
 
+/// Ends a fetch however it ends (done, failed, or its caller went away), so
+/// a waiter can take over.
+struct FetchDone<'a>(&'a Sequence);
+
+impl Drop for FetchDone<'_> {
+    fn drop(&mut self) {
+        lock(&self.0.state).fetching = false;
+        self.0.fetched.notify_waiters();
+    }
+}
+
 impl Sequence {
     /// Ids per ticket.
     pub fn block(&self) -> u64 {
@@ -450,22 +579,30 @@ impl Sequence {
     }
 
     /// The next id: from memory when the current block has one left; the
-    /// database is only awaited when no block is buffered.
+    /// database is only awaited when no block is buffered. With a block of 1
+    /// (Flickr) every id is its own ticket request, and concurrent callers'
+    /// requests run side by side, up to the ticket pools' size.
     pub async fn next(self: &Arc<Self>) -> Result<i64> {
+        if self.block == 1 {
+            let ticket = self.tickets.ticket(&self.name).await?;
+            return self.block_of(ticket).map(|(start, _)| start as i64);
+        }
         loop {
-            let wait = {
+            let waiting = {
                 let mut st = lock(&self.state);
                 if st.next < st.end {
                     let id = st.next;
                     st.next += 1;
-                    if st.next >= st.prefetch_at
-                        && st.ready.is_none()
-                        && st.fetching.is_none()
-                        && self.block > 1
-                    {
-                        let fetch = self.fetch();
-                        st.fetching = Some(fetch.clone());
-                        tokio::spawn(fetch);
+                    if st.next >= st.prefetch_at && st.ready.is_none() && !st.fetching {
+                        st.fetching = true;
+                        let seq = Arc::clone(self);
+                        // The task holds the sequence only while its one
+                        // request lasts (at most `timeout_ms` per server).
+                        tokio::spawn(async move {
+                            if let Err(err) = seq.fetch().await {
+                                tracing::warn!(sequence = %seq.name, error = %err, "prefetching the next block failed; the next caller that needs it asks again");
+                            }
+                        });
                     }
                     return Ok(id as i64);
                 }
@@ -475,58 +612,120 @@ impl Sequence {
                     st.prefetch_at = start + (self.block / 10).max(1);
                     continue;
                 }
-                // A fetch this caller (or another) waited on failed: report it
-                // once; the next call tries the servers again.
-                if st.fetching.is_none()
-                    && let Some(error) = st.error.take()
-                {
-                    return Err(ShardError::IdsUnavailable {
-                        sequence: self.name.clone(),
-                        causes: error,
-                    });
-                }
-                match &st.fetching {
-                    Some(f) => f.clone(),
-                    None => {
-                        let fetch = self.fetch();
-                        st.fetching = Some(fetch.clone());
-                        fetch
-                    }
+                if st.fetching {
+                    // Registered before the lock is released, so the fetch's
+                    // wake-up cannot be missed.
+                    Some((self.fetched.notified(), st.failures))
+                } else {
+                    st.fetching = true;
+                    None
                 }
             };
-            wait.await;
-            // Surface a failed fetch the caller waited on.
-            let mut st = lock(&self.state);
-            if st.ready.is_none()
-                && st.next >= st.end
-                && let Some(error) = st.error.take()
-            {
-                return Err(ShardError::IdsUnavailable {
-                    sequence: self.name.clone(),
-                    causes: error,
-                });
+            match waiting {
+                None => self.fetch().await?,
+                Some((notified, failures)) => {
+                    notified.await;
+                    // The fetch this caller waited on failed: report it
+                    // rather than queue up behind the same dead servers.
+                    let st = lock(&self.state);
+                    if st.failures != failures
+                        && st.ready.is_none()
+                        && st.next >= st.end
+                        && let Some(error) = &st.last_error
+                    {
+                        return Err(self.replay_error(error));
+                    }
+                }
             }
         }
     }
 
-    /// A shared fetch of the next block. Whoever polls it first runs it; it
-    /// installs its block exactly once.
-    fn fetch(self: &Arc<Self>) -> Shared<BoxFuture<'static, ()>> {
-        let seq = Arc::clone(self);
-        async move {
-            let result = seq.ids.ticket(&seq.name).await;
-            let mut st = lock(&seq.state);
-            st.fetching = None;
-            match result {
-                Ok(ticket) => {
-                    let start = ticket.saturating_mul(seq.block);
-                    st.ready = Some((start, start.saturating_add(seq.block)));
+    /// Asks for a ticket and installs its block as the ready one. The caller
+    /// has set `fetching`.
+    async fn fetch(&self) -> Result<()> {
+        let _done = FetchDone(self);
+        let epoch = lock(&self.state).epoch;
+        let result = self
+            .tickets
+            .ticket(&self.name)
+            .await
+            .and_then(|ticket| self.block_of(ticket));
+        let mut st = lock(&self.state);
+        match result {
+            Ok(block) => {
+                if st.epoch == epoch {
+                    st.ready = Some(block);
                 }
-                Err(err) => st.error = Some(err.to_string()),
+                Ok(())
+            }
+            Err(err) => {
+                st.failures += 1;
+                st.last_error = Some(recordable(&err));
+                Err(err)
             }
         }
-        .boxed()
-        .shared()
+    }
+
+    /// The ids ticket `ticket` reserves, `[t·B, (t+1)·B)`; refused when they
+    /// would not fit in an `i64`.
+    fn block_of(&self, ticket: u64) -> Result<(u64, u64)> {
+        ticket
+            .checked_mul(self.block)
+            .and_then(|start| Some((start, start.checked_add(self.block)?)))
+            .filter(|&(_, end)| end - 1 <= i64::MAX as u64)
+            .ok_or_else(|| {
+                ShardError::config(
+                    format!("ids.sequences.{}", self.name),
+                    format!(
+                        "the sequence is exhausted: ticket {ticket} × block {} is past the largest id, {}",
+                        self.block,
+                        i64::MAX
+                    ),
+                )
+            })
+    }
+
+    /// Forgets the buffered blocks (and any block a fetch under way brings).
+    fn discard_blocks(&self) {
+        let mut st = lock(&self.state);
+        st.next = 0;
+        st.end = 0;
+        st.prefetch_at = 0;
+        st.ready = None;
+        st.epoch += 1;
+    }
+}
+
+/// A failed fetch, kept to be reported to every caller that waited on it.
+enum FetchError {
+    /// A [`ShardError::Config`] (no such sequence, an exhausted sequence).
+    Config { entry: String, message: String },
+    /// The causes of an [`ShardError::IdsUnavailable`].
+    Unavailable(String),
+}
+
+fn recordable(err: &ShardError) -> FetchError {
+    match err {
+        ShardError::Config { entry, message } => FetchError::Config {
+            entry: entry.clone(),
+            message: message.clone(),
+        },
+        ShardError::IdsUnavailable { causes, .. } => FetchError::Unavailable(causes.clone()),
+        other => FetchError::Unavailable(other.to_string()),
+    }
+}
+
+impl Sequence {
+    fn replay_error(&self, error: &FetchError) -> ShardError {
+        match error {
+            FetchError::Config { entry, message } => {
+                ShardError::config(entry.clone(), message.clone())
+            }
+            FetchError::Unavailable(causes) => ShardError::IdsUnavailable {
+                sequence: self.name.clone(),
+                causes: causes.clone(),
+            },
+        }
     }
 }
 

@@ -1,0 +1,297 @@
+//! Ticket sequences under the conditions that used to break them: a cluster
+//! dropped with ids drawn or a prefetch in flight (the ticket pools must
+//! close), a sequence whose table was never created (a configuration error,
+//! not an outage), servers that fail (one clear message), migrations (the
+//! application's tables never reach a ticket server) and Flickr mode under
+//! concurrency (requests run side by side).
+
+use sea_orm::{ConnectionTrait, Database, DatabaseConnection, Statement};
+use shardkit::prelude::*;
+use shardkit::{Cluster, ClusterConfig};
+use shardkit_tests::models::*;
+use shardkit_tests::{TestDbs, backend_tests};
+use std::collections::HashSet;
+use std::time::Duration;
+
+backend_tests!(2 =>
+    [Postgres, MySql] dropping_the_cluster_closes_the_ticket_pools,
+    a_missing_sequence_is_a_config_error_not_an_outage,
+    failed_servers_are_reported_once,
+    migrate_runs_only_shardkit_migrations_on_ticket_servers,
+    flickr_requests_run_concurrently,
+);
+
+/// Two ticket servers (databases of their own) with `ids` appended to
+/// `[ids]`; returns the config and the servers' URLs.
+async fn ticket_config(dbs: &mut TestDbs, ids: &str) -> (ClusterConfig, Vec<String>) {
+    let mut urls = Vec::new();
+    for name in ["tickets_a", "tickets_b"] {
+        urls.push(dbs.extra(name).await);
+    }
+    let servers: Vec<String> = ["tickets_a", "tickets_b"]
+        .iter()
+        .zip(&urls)
+        .map(|(name, url)| format!("{{ name = \"{name}\", url = \"{url}\" }}"))
+        .collect();
+    let toml = format!(
+        "{}\n[groups.Customer]\n[ids]\nservers = [{}]\n{ids}\n",
+        dbs.shards_toml(2),
+        servers.join(", ")
+    );
+    let config = ClusterConfig::from_toml(&toml).unwrap_or_else(|e| panic!("{e}\n{toml}"));
+    (config, urls)
+}
+
+async fn direct(url: &str) -> DatabaseConnection {
+    Database::connect(url)
+        .await
+        .expect("connect to a ticket database")
+}
+
+/// Dropping the cluster and every handle closes the ticket pools: after
+/// Flickr ids, after blocks, and while a prefetch is still in flight.
+async fn dropping_the_cluster_closes_the_ticket_pools(dbs: &mut TestDbs) {
+    let (config, _) = ticket_config(
+        dbs,
+        "[ids.sequences.flickr]\nblock = 1\n[ids.sequences.blocks]\nblock = 100\n",
+    )
+    .await;
+    {
+        let cluster = Cluster::connect(config.clone()).await.unwrap();
+        cluster.migrate::<Migrator>().await.unwrap();
+        cluster.ids().create_sequence("flickr").await.unwrap();
+        cluster.ids().create_sequence("blocks").await.unwrap();
+    }
+    let baseline = dbs.settle_connections(0, Duration::from_secs(10)).await;
+    assert_eq!(baseline, 0, "connections left by the setup cluster");
+
+    for case in ["flickr", "blocks", "prefetch in flight"] {
+        let cluster = Cluster::connect(config.clone()).await.unwrap();
+        match case {
+            "flickr" => {
+                for _ in 0..10 {
+                    cluster.ids().next("flickr").await.unwrap();
+                }
+            }
+            "blocks" => {
+                // 150 ids: the first block, the prefetched second one, and
+                // the prefetch of a third.
+                let seq = cluster.ids().sequence("blocks").unwrap();
+                for _ in 0..150 {
+                    seq.next().await.unwrap();
+                }
+            }
+            _ => {
+                // The next prefetch (the sequence's next ticket request) waits
+                // 1 s before it asks; the cluster is gone by then.
+                let seq = cluster.ids().sequence("blocks").unwrap();
+                seq.next().await.unwrap();
+                fail::cfg("shardkit::ids::ticket::blocks", "1*return(1000)").unwrap();
+                // Past 10% of the block: the prefetch starts.
+                for _ in 0..20 {
+                    seq.next().await.unwrap();
+                }
+            }
+        }
+        assert!(
+            dbs.server_connections().await > 0,
+            "{case}: the cluster holds connections"
+        );
+        drop(cluster);
+        let left = dbs.settle_connections(0, Duration::from_secs(15)).await;
+        fail::remove("shardkit::ids::ticket::blocks");
+        assert_eq!(left, 0, "{case}: connections still open after the drop");
+    }
+}
+
+/// A sequence whose `tickets_<name>` table does not exist is refused as a
+/// configuration error naming `create_sequence`, and no server is marked
+/// down for it: the next ids still come from both servers.
+async fn a_missing_sequence_is_a_config_error_not_an_outage(dbs: &mut TestDbs) {
+    let (config, _) = ticket_config(
+        dbs,
+        "retry_after_ms = 600000\n[ids.sequences.real]\nblock = 1\n[ids.sequences.ghost]\nblock = 1\n[ids.sequences.ghost_blocks]\nblock = 10\n",
+    )
+    .await;
+    let cluster = Cluster::connect(config).await.unwrap();
+    cluster.migrate::<Migrator>().await.unwrap();
+    cluster.ids().create_sequence("real").await.unwrap();
+
+    for ghost in ["ghost", "ghost_blocks"] {
+        match cluster.ids().next(ghost).await {
+            Err(ShardError::Config { entry, message }) => {
+                assert_eq!(entry, format!("ids.sequences.{ghost}"));
+                assert!(
+                    message.contains("create_sequence")
+                        && message.contains(&format!("tickets_{ghost}")),
+                    "{message}"
+                );
+            }
+            other => panic!("{ghost}: expected a config error, got {other:?}"),
+        }
+    }
+    // Had the servers been marked down (for ten minutes), every ticket would
+    // come from whichever one was asked first.
+    let mut ids = Vec::new();
+    for _ in 0..20 {
+        ids.push(cluster.ids().next("real").await.unwrap());
+    }
+    let odd = ids.iter().filter(|id| *id % 2 == 1).count();
+    assert_eq!(odd, 10, "round-robin over both servers: {ids:?}");
+}
+
+/// Every server failing gives one `IdsUnavailable` whose message states its
+/// prefix once and names each server's failure.
+async fn failed_servers_are_reported_once(dbs: &mut TestDbs) {
+    let (config, urls) = ticket_config(
+        dbs,
+        "retry_after_ms = 1\n[ids.sequences.flickr]\nblock = 1\n[ids.sequences.blocks]\nblock = 10\n",
+    )
+    .await;
+    let cluster = Cluster::connect(config).await.unwrap();
+    cluster.migrate::<Migrator>().await.unwrap();
+    for name in ["flickr", "blocks"] {
+        cluster.ids().create_sequence(name).await.unwrap();
+        cluster.ids().next(name).await.unwrap();
+    }
+    // Replace both servers' ticket tables with ones without an `id`: every
+    // request fails on every server (it is not a missing table).
+    for url in &urls {
+        let db = direct(url).await;
+        for name in ["flickr", "blocks"] {
+            db.execute_unprepared(&format!("DROP TABLE tickets_{name}"))
+                .await
+                .unwrap();
+            db.execute_unprepared(&format!("CREATE TABLE tickets_{name} (stub CHAR(1))"))
+                .await
+                .unwrap();
+        }
+    }
+    let seq = cluster.ids().sequence("blocks").unwrap();
+    // Drain the buffered blocks; then a caller needs a fresh one.
+    let mut failure = None;
+    for _ in 0..100 {
+        if let Err(err) = seq.next().await {
+            failure = Some(err);
+            break;
+        }
+    }
+    for (name, err) in [
+        ("blocks", failure.expect("the blocks ran out")),
+        ("flickr", cluster.ids().next("flickr").await.unwrap_err()),
+    ] {
+        let ShardError::IdsUnavailable { sequence, .. } = &err else {
+            panic!("{name}: expected IdsUnavailable, got {err:?}");
+        };
+        assert_eq!(sequence, name);
+        let message = err.to_string();
+        assert_eq!(
+            message.matches("no ticket server could serve").count(),
+            1,
+            "{message}"
+        );
+        assert!(
+            message.contains("tickets_a: ") && message.contains("tickets_b: "),
+            "{message}"
+        );
+    }
+}
+
+/// `Cluster::migrate` with the application's migrator creates the
+/// application's tables on the shards only; ticket servers get shardkit's
+/// ticket registry, reported as such.
+async fn migrate_runs_only_shardkit_migrations_on_ticket_servers(dbs: &mut TestDbs) {
+    let (config, urls) = ticket_config(dbs, "").await;
+    let cluster = Cluster::connect(config).await.unwrap();
+    let report = cluster.migrate::<Migrator>().await.unwrap();
+    assert!(report.is_current(), "{report}");
+    let shard = report.databases.iter().find(|d| d.name == "s0").unwrap();
+    assert!(
+        shard.applied.iter().any(|m| m.contains("orders")),
+        "{shard:?}"
+    );
+    for server in ["ids:tickets_a", "ids:tickets_b"] {
+        let status = report
+            .databases
+            .iter()
+            .find(|d| d.name == server)
+            .unwrap_or_else(|| panic!("{server} missing from {report}"));
+        assert_eq!(
+            status.applied,
+            vec!["m20261122_000002_create_ticket_registry".to_owned()],
+            "{server}"
+        );
+    }
+    for url in &urls {
+        let db = direct(url).await;
+        let count = |table: &str| {
+            db.query_one_raw(Statement::from_string(
+                db.get_database_backend(),
+                format!("SELECT COUNT(*) AS n FROM {table}"),
+            ))
+        };
+        assert!(
+            count("orders").await.is_err(),
+            "the application's table reached a ticket server"
+        );
+        assert!(count("customers").await.is_err());
+        assert!(count("shardkit_ticket_sequences").await.is_ok());
+    }
+    // Migrating again is a no-op, and sequences work.
+    assert!(cluster.migrate::<Migrator>().await.unwrap().is_current());
+    cluster.ids().create_sequence("after").await.unwrap();
+    assert!(cluster.ids().next("after").await.unwrap() > 0);
+}
+
+/// With `block = 1` each caller's ticket request runs on its own: one held
+/// request does not stop the others, and concurrent callers all get
+/// distinct ids.
+async fn flickr_requests_run_concurrently(dbs: &mut TestDbs) {
+    let (config, _) = ticket_config(dbs, "[ids.sequences.photos]\nblock = 1\n").await;
+    let cluster = Cluster::connect(config).await.unwrap();
+    cluster.migrate::<Migrator>().await.unwrap();
+    cluster.ids().create_sequence("photos").await.unwrap();
+
+    // One of eight concurrent requests (whichever comes first) waits a
+    // minute before it asks a server; the other seven must not wait behind it.
+    fail::cfg("shardkit::ids::ticket::photos", "1*return(60000)").unwrap();
+    let mut callers = tokio::task::JoinSet::new();
+    for _ in 0..8 {
+        let cluster = cluster.clone();
+        callers.spawn(async move { cluster.ids().next("photos").await });
+    }
+    let mut ids = HashSet::new();
+    for _ in 0..7 {
+        let id = tokio::time::timeout(Duration::from_secs(20), callers.join_next())
+            .await
+            .expect("the callers waited behind the held ticket request")
+            .expect("a caller")
+            .unwrap()
+            .unwrap();
+        ids.insert(id);
+    }
+    assert_eq!(callers.len(), 1, "the held request is still waiting");
+    callers.abort_all();
+    fail::remove("shardkit::ids::ticket::photos");
+    assert_eq!(ids.len(), 7);
+
+    // 8 callers × 50 ids at once on pools of 4: all distinct.
+    let tasks: Vec<_> = (0..8)
+        .map(|_| {
+            let cluster = cluster.clone();
+            tokio::spawn(async move {
+                let mut got = Vec::new();
+                for _ in 0..50 {
+                    got.push(cluster.ids().next("photos").await.unwrap());
+                }
+                got
+            })
+        })
+        .collect();
+    for task in tasks {
+        for id in task.await.unwrap() {
+            assert!(ids.insert(id), "{id} handed out twice");
+        }
+    }
+    assert_eq!(ids.len(), 7 + 400);
+}
