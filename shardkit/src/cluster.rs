@@ -634,7 +634,15 @@ async fn connect_one(
     observer: Option<&StatementObserver>,
     mysql_session: Option<String>,
 ) -> Result<DatabaseConnection> {
-    let mut options = ConnectOptions::new(url.expose().to_owned());
+    // The password travels in the driver's options, not in the URL: SeaORM
+    // records the URL in its connect span (TRACE).
+    let (driver_url, password) = url.for_driver();
+    let mut options = ConnectOptions::new(driver_url);
+    if let Some(password) = password {
+        let for_mysql = password.clone();
+        options.map_sqlx_postgres_opts(move |opts| opts.password(&password));
+        options.map_sqlx_mysql_opts(move |opts| opts.password(&for_mysql));
+    }
     // Statements are logged by shardkit's own spans; keep the driver's
     // per-statement log below info.
     options.sqlx_logging_level(log::LevelFilter::Debug);

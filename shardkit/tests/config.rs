@@ -259,6 +259,29 @@ fn passwords_never_appear() {
     assert!(!format!("{err:?}").contains("hunter2"), "{err:?}");
 }
 
+#[test]
+fn password_parameters_and_unencoded_passwords_never_appear() {
+    // A `password=` parameter, a percent-encoded key, a percent-encoded
+    // userinfo password: none of them in the Debug of the config or topology.
+    let toml = "[[shards]]\nname = \"s0\"\nurl = \"postgres://app@10.0.0.5/a?sslmode=disable&password=Qz7one\"\n\
+                [[shards]]\nname = \"s1\"\nurl = \"postgres://app@10.0.0.5/b?pass%77ord=Qz7two\"\n\
+                [[shards]]\nname = \"s2\"\nurl = \"mysql://app:Qz7three%2F%40x@10.0.0.6/c\"\n";
+    let config = ClusterConfig::from_toml(toml).unwrap();
+    let topology = Topology::build(&config).unwrap();
+    for debug in [format!("{config:?}"), format!("{topology:?}")] {
+        assert!(!debug.contains("Qz7"), "{debug}");
+        assert!(debug.contains("sslmode=disable&password=***"), "{debug}");
+    }
+    // The value of the wrong type is quoted by the parser, with a password
+    // holding an unencoded `/` (not even a valid URL).
+    let err = ClusterConfig::from_toml(&with(
+        "[pool]\nmax_connections = \"postgres://u:PwK/0o1@h/db\"\n",
+    ))
+    .unwrap_err();
+    let text = format!("{err} {err:?}");
+    assert!(!text.contains("PwK") && !text.contains("0o1"), "{text}");
+}
+
 #[tokio::test]
 async fn connect_errors_name_the_shard_without_the_password() {
     // Port 9 (discard) on loopback is closed: the connection is refused.

@@ -231,3 +231,206 @@ async fn scatter_concurrency_is_bounded_and_traced() {
     drop(cluster);
     dbs.cleanup().await;
 }
+
+/// Every form a password can take in a URL, as one of them would be written
+/// in a config and as a driver would decode it. All contain `Qz7`, which
+/// nothing else prints.
+const SECRET_MARK: &str = "Qz7";
+
+/// Connecting, reading, writing and failing at TRACE level, with passwords
+/// in the userinfo (percent-encoded), in a `password=` parameter and in a
+/// percent-encoded `pass%77ord=` parameter: no span or event of shardkit or
+/// of its dependencies (SeaORM, sqlx) records any of them, and neither do
+/// the errors or the `Debug` of the config, the topology and the cluster.
+async fn passwords_never_reach_trace_output(backend: Backend) {
+    use sea_orm::{ConnectionTrait, Database};
+    use shardkit::{Cluster, ClusterConfig};
+
+    let test = format!("tracing::passwords_{backend:?}");
+    let mut dbs = TestDbs::create(backend, &test, 2).await;
+    let server = backend.server_url().unwrap();
+    let host = server.rsplit('@').next().unwrap().to_owned();
+    let tickets = dbs.extra("tickets").await;
+    let ticket_db = tickets.rsplit('/').next().unwrap().to_owned();
+    // Decoded `Qz7/u@ser`; PostgreSQL (trust) accepts any password, MariaDB
+    // gets a user that has this one.
+    let userinfo = "Qz7%2Fu%40ser";
+    let (user, shard1, ticket_url) = match backend {
+        Backend::MySql => {
+            let admin = Database::connect(server.as_str()).await.unwrap();
+            for from in ["%", "localhost", "127.0.0.1"] {
+                let who = format!("'sk_trace'@'{from}'");
+                admin
+                    .execute_unprepared(&format!("DROP USER IF EXISTS {who}"))
+                    .await
+                    .unwrap();
+                admin
+                    .execute_unprepared(&format!("CREATE USER {who} IDENTIFIED BY 'Qz7/u@ser'"))
+                    .await
+                    .unwrap();
+                for db in &dbs.names {
+                    admin
+                        .execute_unprepared(&format!("GRANT ALL ON `{db}`.* TO {who}"))
+                        .await
+                        .unwrap();
+                }
+            }
+            // sqlx's MySQL driver reads no `password` parameter: every shard
+            // gives it in the userinfo.
+            (
+                "sk_trace",
+                format!("mysql://sk_trace:{userinfo}@{host}/{}", dbs.names[1]),
+                format!("mysql://sk_trace:{userinfo}@{host}/{ticket_db}"),
+            )
+        }
+        _ => (
+            "postgres",
+            format!(
+                "postgres://postgres@{host}/{}?password=Qz7query",
+                dbs.names[1]
+            ),
+            format!("postgres://postgres@{host}/{ticket_db}?sslmode=prefer&pass%77ord=Qz7key"),
+        ),
+    };
+    let scheme = if backend == Backend::MySql {
+        "mysql"
+    } else {
+        "postgres"
+    };
+    let toml = format!(
+        r#"
+[pool]
+max_connections = 2
+[[hosts]]
+name = "server"
+url = "{scheme}://{user}:{userinfo}@{host}"
+[[shards]]
+name = "s0"
+host = "server"
+database = "{db0}"
+[[shards]]
+name = "s1"
+url = "{shard1}"
+[groups.Customer]
+[ids]
+servers = [{{ name = "t", url = "{ticket_url}" }}]
+[ids.sequences.invoices]
+block = 1
+"#,
+        db0 = dbs.names[0],
+    );
+
+    let capture = Capture::default();
+    let subscriber = tracing_subscriber::registry().with(capture.clone());
+    let guard = tracing::subscriber::set_default(subscriber);
+    let mut printed = Vec::new();
+
+    let config = ClusterConfig::from_toml(&toml).unwrap();
+    printed.push(format!("{config:?}"));
+    let cluster = Cluster::connect(config.clone()).await.unwrap();
+    printed.push(format!("{:?}", cluster.topology()));
+    printed.push(format!("{cluster:?}"));
+    cluster.migrate::<Migrator>().await.unwrap();
+    cluster.ids().create_sequence("invoices").await.unwrap();
+    for key in [1_i64, 2, 3, 4] {
+        let tx = cluster.begin::<Customer>(key).await.unwrap();
+        tx.insert(order::ActiveModel {
+            id: Set(key),
+            customer_id: Set(key),
+            total_cents: Set(5),
+        })
+        .await
+        .unwrap();
+        tx.insert(invoice::ActiveModel {
+            id: sea_orm::ActiveValue::NotSet,
+            customer_id: Set(key),
+        })
+        .await
+        .unwrap();
+        tx.commit().await.unwrap();
+        let rows = cluster
+            .find::<order::Entity>()
+            .key(key)
+            .all()
+            .await
+            .unwrap();
+        assert_eq!(rows.len(), 1);
+    }
+    // Failing: a statement the database refuses, a shard that refuses
+    // connections, a password in a parameter the MySQL driver ignores
+    // (access denied), a config value of the wrong type.
+    let err = cluster
+        .find::<ghost::Entity>()
+        .key(1)
+        .all()
+        .await
+        .unwrap_err();
+    printed.push(format!("{err} {err:?}"));
+    let mut failing = vec![format!(
+        "{scheme}://{user}:Qz7closed@127.0.0.1:9/x?password=Qz7closedq"
+    )];
+    if backend == Backend::MySql {
+        failing.push(format!(
+            "mysql://sk_trace@{host}/{}?password=Qz7ignored",
+            dbs.names[0]
+        ));
+    }
+    for url in failing {
+        let toml = format!(
+            "[[shards]]\nname = \"down\"\nurl = \"{url}\"\n[pool]\nconnect_timeout_secs = 5\n"
+        );
+        let err = Cluster::connect(ClusterConfig::from_toml(&toml).unwrap())
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(err, shardkit::ShardError::Connect { .. }),
+            "{err:?}"
+        );
+        printed.push(format!("{err} {err:?}"));
+    }
+    let err = ClusterConfig::from_toml(&format!(
+        "[[shards]]\nname = \"s0\"\nurl = \"sqlite://x.db\"\n[pool]\nmax_connections = \"{scheme}://u:Qz7PwK/0o1@h/db?password=Qz7wrongtype\"\n"
+    ))
+    .unwrap_err();
+    printed.push(format!("{err} {err:?}"));
+    drop(cluster);
+    drop(guard);
+
+    let spans = capture.spans.lock().unwrap().clone();
+    let events = capture.events.lock().unwrap().clone();
+    // The capture sees the dependencies' TRACE spans: SeaORM's connect span
+    // records its options, URL included.
+    assert!(
+        spans
+            .iter()
+            .any(|s| s.name == "connect"
+                && s.fields.get("options").is_some_and(|o| o.contains(&host))),
+        "SeaORM's connect span was not captured: {:?}",
+        spans.iter().map(|s| &s.name).collect::<Vec<_>>()
+    );
+    assert!(spans.iter().any(|s| s.level == Level::TRACE));
+    for item in spans.iter().chain(events.iter()) {
+        for (field, value) in &item.fields {
+            assert!(
+                !value.contains(SECRET_MARK),
+                "a password in {:?} {} field {field}: {value}",
+                item.level,
+                item.name
+            );
+        }
+    }
+    for text in &printed {
+        assert!(!text.contains(SECRET_MARK), "a password printed: {text}");
+    }
+    dbs.cleanup().await;
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn passwords_never_reach_trace_output_postgres() {
+    passwords_never_reach_trace_output(Backend::Postgres).await;
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn passwords_never_reach_trace_output_mysql() {
+    passwords_never_reach_trace_output(Backend::MySql).await;
+}

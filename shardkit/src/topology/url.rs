@@ -1,5 +1,6 @@
 //! Database URLs that never show their password.
 
+use percent_encoding::percent_decode_str;
 use std::fmt;
 
 /// A database URL from the cluster config.
@@ -32,22 +33,111 @@ impl DatabaseUrl {
         self.0.split_once(':').map(|(scheme, _)| scheme)
     }
 
-    /// The password, if the URL has one (used to scrub driver messages).
-    pub(crate) fn password(&self) -> Option<String> {
-        url::Url::parse(&self.0)
-            .ok()
-            .and_then(|u| u.password().map(|p| p.to_owned()))
-            .filter(|p| !p.is_empty())
+    /// Every form of every secret the URL holds: the userinfo password and
+    /// the values of password-like query parameters, each as written and
+    /// percent-decoded (used to scrub driver messages).
+    pub(crate) fn secrets(&self) -> Vec<String> {
+        let Ok(parsed) = url::Url::parse(&self.0) else {
+            return Vec::new();
+        };
+        let mut secrets = Vec::new();
+        if let Some(password) = parsed.password() {
+            secrets.push(password.to_owned());
+            secrets.push(
+                percent_decode_str(password)
+                    .decode_utf8_lossy()
+                    .into_owned(),
+            );
+        }
+        if let Some(query) = parsed.query() {
+            for pair in query.split('&') {
+                if let Some((key, value)) = pair.split_once('=')
+                    && is_secret_key(key)
+                {
+                    secrets.push(value.to_owned());
+                    secrets.push(percent_decode_str(value).decode_utf8_lossy().into_owned());
+                    secrets.extend(
+                        url::form_urlencoded::parse(pair.as_bytes()).map(|(_, v)| v.into_owned()),
+                    );
+                }
+            }
+        }
+        secrets.retain(|s| !s.is_empty());
+        secrets.sort();
+        secrets.dedup();
+        // Longest first, so a secret that contains another is replaced whole.
+        secrets.sort_by_key(|s| std::cmp::Reverse(s.len()));
+        secrets
     }
 
-    /// Scrubs this URL's password out of a message produced by a driver.
+    /// Scrubs this URL's secrets out of a message produced by a driver.
     pub(crate) fn scrub(&self, message: &str) -> String {
-        let redacted = redact_urls(message);
-        match self.password() {
-            Some(password) => redacted.replace(&password, "***"),
-            None => redacted,
+        let mut out = redact_urls(message);
+        for secret in self.secrets() {
+            out = out.replace(&secret, "***");
         }
+        out
     }
+
+    /// The URL to hand SeaORM, without any password, and the password the
+    /// driver would have read from it (percent-decoded; for PostgreSQL a
+    /// `password=` query parameter overrides the userinfo one, as in sqlx),
+    /// to be set on the driver's connect options directly. SeaORM records
+    /// the URL in its connect span at TRACE level.
+    ///
+    /// Other password-like query parameters (`sslpassword=`, ...) are
+    /// dropped: the drivers ignore them (PostgreSQL's with a warning that
+    /// prints the value).
+    pub(crate) fn for_driver(&self) -> (String, Option<String>) {
+        let as_is = || (self.0.clone(), None);
+        let Ok(mut parsed) = url::Url::parse(&self.0) else {
+            return as_is();
+        };
+        let postgres = match parsed.scheme() {
+            "postgres" | "postgresql" => true,
+            "mysql" => false,
+            _ => return as_is(),
+        };
+        let mut password = match parsed.password() {
+            Some(raw) => match percent_decode_str(raw).decode_utf8() {
+                Ok(decoded) => Some(decoded.into_owned()),
+                // Let the driver refuse it (its message is scrubbed).
+                Err(_) => return as_is(),
+            },
+            None => None,
+        };
+        if parsed.set_password(None).is_err() {
+            return as_is();
+        }
+        let pairs: Vec<(String, String)> = parsed.query_pairs().into_owned().collect();
+        if pairs.iter().any(|(key, _)| is_secret_key(key)) {
+            for (key, value) in &pairs {
+                if postgres && key == "password" {
+                    password = Some(value.clone());
+                }
+            }
+            let kept: Vec<&(String, String)> = pairs
+                .iter()
+                .filter(|(key, _)| !is_secret_key(key))
+                .collect();
+            if kept.is_empty() {
+                parsed.set_query(None);
+            } else {
+                parsed.query_pairs_mut().clear().extend_pairs(kept);
+            }
+        }
+        (String::from(parsed), password.filter(|p| !p.is_empty()))
+    }
+}
+
+/// Whether a query parameter (percent-encoded or not) may hold a secret.
+fn is_secret_key(key: &str) -> bool {
+    let key = percent_decode_str(key)
+        .decode_utf8_lossy()
+        .to_ascii_lowercase();
+    ["pass", "pwd", "secret", "token"]
+        .iter()
+        .any(|word| key.contains(word))
 }
 
 impl fmt::Debug for DatabaseUrl {
@@ -64,38 +154,70 @@ impl fmt::Display for DatabaseUrl {
     }
 }
 
-/// Replaces the password of every `scheme://user:password@host` in `text` with
-/// `***`. Works on free text (driver and parser messages), not only on one URL,
-/// and on URLs too malformed for a URL parser.
+/// Replaces the secrets of every URL in `text` with `***`: the userinfo
+/// password of `scheme://user:password@host` and the values of
+/// password-like query parameters (`?password=...`, `&pass%77ord=...`).
+/// Works on free text (driver and parser messages), not only on one URL, and
+/// on URLs too malformed for a URL parser (a password with an unencoded `/`,
+/// `@` or `?`); when unsure it hides more, never less.
 pub(crate) fn redact_urls(text: &str) -> String {
+    let is_quote = |c: char| matches!(c, '"' | '\'' | '`');
     let mut out = String::with_capacity(text.len());
     let mut rest = text;
     while let Some(pos) = rest.find("://") {
+        // A URL in quotes ends at the closing quote (a password may hold
+        // spaces); otherwise at whitespace or a quote.
+        let scheme_start = rest[..pos]
+            .trim_end_matches(|c: char| c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.'));
+        let quote = scheme_start.chars().next_back().filter(|&c| is_quote(c));
         let (head, tail) = rest.split_at(pos + 3);
         out.push_str(head);
-        // The authority ends at the first '/', whitespace or quote; the userinfo
-        // at its last '@'.
-        let end = tail
-            .find(|c: char| c == '/' || c.is_whitespace() || c == '"' || c == '\'' || c == '?')
-            .unwrap_or(tail.len());
-        let authority = &tail[..end];
-        match authority.rfind('@') {
-            Some(at) => {
-                let userinfo = &authority[..at];
-                match userinfo.find(':') {
-                    Some(colon) => {
-                        out.push_str(&userinfo[..colon]);
-                        out.push_str(":***");
-                        out.push_str(&authority[at..]);
-                    }
-                    None => out.push_str(authority),
-                }
-            }
-            None => out.push_str(authority),
+        let end = match quote {
+            Some(q) => tail.find(q),
+            None => tail.find(|c: char| c.is_whitespace() || is_quote(c)),
         }
+        .unwrap_or(tail.len());
+        out.push_str(&redact_after_scheme(&tail[..end]));
         rest = &tail[end..];
     }
     out.push_str(rest);
+    out
+}
+
+/// One URL after its `scheme://`.
+fn redact_after_scheme(url: &str) -> String {
+    let mut out = String::with_capacity(url.len());
+    // The userinfo ends at the last `@`: a password may hold `@`, `/`, `?`
+    // and `#` unencoded. A path or query with an `@` after a `:` is hidden
+    // too, which is harmless.
+    let after_userinfo = match url.rfind('@') {
+        Some(at) if url[..at].contains(':') => {
+            let colon = url.find(':').unwrap_or(at);
+            out.push_str(&url[..colon]);
+            out.push_str(":***@");
+            &url[at + 1..]
+        }
+        _ => url,
+    };
+    let Some(q) = after_userinfo.find('?') else {
+        out.push_str(after_userinfo);
+        return out;
+    };
+    out.push_str(&after_userinfo[..=q]);
+    let query = &after_userinfo[q + 1..];
+    let (query, fragment) = match query.find('#') {
+        Some(h) => query.split_at(h),
+        None => (query, ""),
+    };
+    let pairs: Vec<String> = query
+        .split('&')
+        .map(|pair| match pair.split_once('=') {
+            Some((key, _)) if is_secret_key(key) => format!("{key}=***"),
+            _ => pair.to_owned(),
+        })
+        .collect();
+    out.push_str(&pairs.join("&"));
+    out.push_str(fragment);
     out
 }
 
@@ -137,11 +259,77 @@ mod tests {
     }
 
     #[test]
+    fn redacts_password_parameters_in_every_form() {
+        for (text, secret) in [
+            ("postgres://u@h/db?password=Qz7a", "Qz7a"),
+            (
+                "postgres://u@h/db?sslmode=disable&password=Qz7b&x=1",
+                "Qz7b",
+            ),
+            ("postgres://u@h/db?pass%77ord=Qz7c", "Qz7c"),
+            ("postgres://u@h/db?PASSWORD=Qz7d#frag", "Qz7d"),
+            ("postgres://u:Qz7e%2F%40x@h/db", "Qz7e"),
+            // Unencoded `/`, `@`, `?` and spaces in a password, as a TOML
+            // parse error quotes it.
+            (
+                r#"invalid type: string "postgres://u:PwK/0o1@h/db", expected u32"#,
+                "PwK",
+            ),
+            (r#"string "mysql://u:Qz7 f?g@h/db""#, "Qz7"),
+            ("mysql://u:Qz7h@x@h/db", "Qz7h"),
+        ] {
+            let out = redact_urls(text);
+            assert!(!out.contains(secret), "{text} -> {out}");
+            assert!(out.contains("***"), "{text} -> {out}");
+        }
+        assert_eq!(
+            redact_urls("postgres://u@h/db?sslmode=disable&password=x"),
+            "postgres://u@h/db?sslmode=disable&password=***"
+        );
+    }
+
+    #[test]
+    fn the_driver_url_has_no_password() {
+        let url = DatabaseUrl::new("postgres://u:p%40ss@h:5/db?sslmode=disable");
+        assert_eq!(
+            url.for_driver(),
+            (
+                "postgres://u@h:5/db?sslmode=disable".to_owned(),
+                Some("p@ss".to_owned())
+            )
+        );
+        let url = DatabaseUrl::new("postgres://u:a@h/db?password=b%2Fc&application_name=x");
+        assert_eq!(
+            url.for_driver(),
+            (
+                "postgres://u@h/db?application_name=x".to_owned(),
+                Some("b/c".to_owned())
+            )
+        );
+        // MySQL's driver ignores a `password` parameter: it is dropped, not used.
+        let url = DatabaseUrl::new("mysql://u:a@h/db?password=b");
+        assert_eq!(
+            url.for_driver(),
+            ("mysql://u@h/db".to_owned(), Some("a".to_owned()))
+        );
+        let url = DatabaseUrl::new("sqlite://data/s0.db?mode=rwc");
+        assert_eq!(
+            url.for_driver(),
+            ("sqlite://data/s0.db?mode=rwc".to_owned(), None)
+        );
+    }
+
+    #[test]
     fn scrub_removes_password_anywhere() {
         let url = DatabaseUrl::new("mysql://root:hunter2@localhost/db");
         assert_eq!(
             url.scrub("Access denied (password hunter2)"),
             "Access denied (password ***)"
+        );
+        let url = DatabaseUrl::new("postgres://u@h/db?password=p%2Fq");
+        assert_eq!(
+            url.scrub("bad password p/q or p%2Fq"),
+            "bad password *** or ***"
         );
     }
 }
