@@ -1,0 +1,790 @@
+//! README.md's code, compiled and run.
+//!
+//! Every `rust` block of README.md appears in this file verbatim, inside code
+//! that compiles: the entities and the migrator it assumes, and async
+//! functions around its statements that the tests below run on SQLite shards
+//! in a scratch directory, checking what a reader of the README relies on.
+//! `readme_rust_snippets_are_compiled_here` reads README.md and fails, naming
+//! the README line, when a snippet's lines do not occur here in order
+//! (leading indentation aside; a blank line in a snippet may stand for any
+//! code here, which is how one snippet spans module items and a function
+//! body). So a README edit means editing its copy here, where the compiler
+//! checks it; the snippet code is `#[rustfmt::skip]` so it stays as the README
+//! shows it. `toml` blocks are parsed with `ClusterConfig::from_toml`.
+
+use sea_orm::{ConnectionTrait, Statement};
+use shardkit::gsi::{IndexState, ReconcileReport};
+use shardkit::{Partial, Rollout, RolloutHandle, VerifyOptions, VerifyReport};
+use std::path::PathBuf;
+use std::time::Duration;
+
+// README.md, "What it looks like": the declarations.
+
+use shardkit::prelude::*;
+
+#[rustfmt::skip]
+#[derive(EntityGroup)]
+#[shardkit(key = i64)]                 // the shard key type of every member
+pub struct Customer;
+
+#[rustfmt::skip]
+pub mod order {
+    use sea_orm::entity::prelude::*;
+
+    #[sea_orm::model]
+    #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel, shardkit::Sharded)]
+    #[sea_orm(table_name = "orders")]
+    #[shardkit(group = crate::Customer)]
+    pub struct Model {
+        #[sea_orm(primary_key, auto_increment = false)]
+        pub id: i64,
+        #[shardkit(shard_key)]
+        pub customer_id: i64,
+        pub total_cents: i64,
+    }
+
+    impl ActiveModelBehavior for ActiveModel {}
+}
+
+/// What the statements of "What it looks like" read, and the cluster they
+/// wrote through, for the test to check.
+struct Looks {
+    cluster: Cluster,
+    mine: Vec<order::Model>,
+    totals: Vec<(i64, i64)>,
+    some: Vec<order::Model>,
+    top: Vec<order::Model>,
+    part: Partial<Vec<order::Model>>,
+    /// What the transaction closure returned.
+    id: i64,
+}
+
+/// README.md, "What it looks like": the statements, on the cluster `TOML`
+/// describes.
+#[rustfmt::skip]
+#[allow(non_snake_case)] // the README names the config the way a program's `const TOML` would be
+async fn what_it_looks_like(TOML: &str) -> shardkit::Result<Looks> {
+    let cluster = Cluster::connect(ClusterConfig::from_toml(TOML)?).await?;
+    cluster.migrate::<migration::Migrator>().await?;           // every shard, per-shard report
+
+    // Reads: a key is required before anything runs.
+    let mine = cluster.find::<order::Entity>().key(42)
+        .filter(order::Column::TotalCents.gt(1_000))
+        .all().await?;
+    let totals: Vec<(i64, i64)> = cluster.find::<order::Entity>().key(42)   // SeaORM projections
+        .select_only().column(order::Column::Id).column(order::Column::TotalCents)
+        .into_tuple().all().await?;
+    let some = cluster.find::<order::Entity>().keys([1, 2, 3]).all().await?;   // one IN list per shard
+    let top = cluster.find::<order::Entity>().scatter()                        // every shard, on purpose
+        .order_by_desc(order::Column::TotalCents).limit(10).all().await?;      // merged like one database
+    let part = cluster.find::<order::Entity>().scatter().partial().all().await?; // rows + failed shards
+
+    // Writes: one group, one key, one shard.
+    let tx = cluster.begin::<Customer>(42).await?;
+    tx.insert(order::ActiveModel { id: Set(1), customer_id: Set(42), total_cents: Set(1_999) }).await?;
+    tx.commit().await?;
+
+    // Or as a closure: commits on Ok, rolls back on Err, reruns a transaction the database
+    // aborted (deadlock, serialization failure) up to 3 times.
+    let id = cluster.transaction::<Customer, _, _>(42, |tx| async move {
+        let row = tx.insert(order::ActiveModel { id: Set(2), customer_id: Set(42), total_cents: Set(500) }).await?;
+        Ok(row.id)
+    }).await?;
+
+    Ok(Looks { cluster, mine, totals, some, top, part, id })
+}
+
+/// Contacts, with the two indexed fields of README.md's "Global secondary
+/// indexes".
+#[rustfmt::skip]
+pub mod contact {
+    use sea_orm::entity::prelude::*;
+
+    #[sea_orm::model]
+    #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel, shardkit::Sharded)]
+    #[sea_orm(table_name = "contacts")]
+    #[shardkit(group = crate::Customer)]
+    pub struct Model {
+        #[sea_orm(primary_key, auto_increment = false)]
+        pub id: i64,
+        #[shardkit(shard_key)]
+        pub customer_id: i64,
+        #[shardkit(global_index(unique))]      // on a field of a #[derive(Sharded)] model
+        pub email: String,
+        #[shardkit(global_index)]              // non-unique: a family's shared phone number
+        pub phone: String,
+    }
+
+    impl ActiveModelBehavior for ActiveModel {}
+}
+
+/// README.md, "Global secondary indexes": the statements.
+#[rustfmt::skip]
+async fn global_secondary_indexes(
+    cluster: &Cluster,
+) -> shardkit::Result<(Vec<contact::Model>, ReconcileReport)> {
+    cluster.gsi().create::<contact::Entity>().await?;                        // tables + catalog (write_only)
+    cluster.gsi().backfill::<contact::Entity>(contact::Column::Email).await?; // fill, then active
+    let rows = cluster.find::<contact::Entity>().by_index(contact::Column::Email, "a@x").all().await?;
+    let report = cluster.gsi().reconcile::<contact::Entity>().await?;        // scanned / removed / added
+    Ok((rows, report))
+}
+
+/// The old model of README.md's "Denormalisation rollouts": a person's name
+/// in two columns.
+pub mod person_v1 {
+    use sea_orm::entity::prelude::*;
+
+    #[sea_orm::model]
+    #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel, shardkit::Sharded)]
+    #[sea_orm(table_name = "people")]
+    #[shardkit(group = crate::Customer)]
+    pub struct Model {
+        #[sea_orm(primary_key, auto_increment = false)]
+        pub id: i64,
+        #[shardkit(shard_key)]
+        pub customer_id: i64,
+        pub first_name: String,
+        pub last_name: String,
+    }
+
+    impl ActiveModelBehavior for ActiveModel {}
+}
+
+/// The new model: the display name stored with the parts.
+pub mod person_v2 {
+    use sea_orm::entity::prelude::*;
+
+    #[sea_orm::model]
+    #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel, shardkit::Sharded)]
+    #[sea_orm(table_name = "people_v2")]
+    #[shardkit(group = crate::Customer)]
+    pub struct Model {
+        #[sea_orm(primary_key, auto_increment = false)]
+        pub id: i64,
+        #[shardkit(shard_key)]
+        pub customer_id: i64,
+        pub first_name: String,
+        pub last_name: String,
+        pub display_name: String,
+    }
+
+    impl ActiveModelBehavior for ActiveModel {}
+}
+
+fn to_v2(old: &person_v1::Model) -> person_v2::Model {
+    person_v2::Model {
+        id: old.id,
+        customer_id: old.customer_id,
+        first_name: old.first_name.clone(),
+        last_name: old.last_name.clone(),
+        display_name: format!("{} {}", old.first_name, old.last_name),
+    }
+}
+
+fn to_v1(new: &person_v2::Model) -> person_v1::Model {
+    person_v1::Model {
+        id: new.id,
+        customer_id: new.customer_id,
+        first_name: new.first_name.clone(),
+        last_name: new.last_name.clone(),
+    }
+}
+
+type People = RolloutHandle<person_v1::Entity, person_v2::Entity>;
+
+/// README.md, "Denormalisation rollouts": the statements, reading back person
+/// `id` of customer `customer_id`.
+#[rustfmt::skip]
+async fn rollouts(
+    cluster: &Cluster,
+    customer_id: i64,
+    id: i64,
+) -> shardkit::Result<(People, Option<person_v2::Model>, VerifyReport)> {
+    let people = cluster
+        .register_rollout(
+            Rollout::<person_v1::Entity, person_v2::Entity>::new("people_v2", to_v2)
+                .to_old(to_v1)                        // needed from read_new on
+                .cache_ttl(Duration::from_secs(60))
+                .refresh_every(Duration::from_secs(5)),
+        )
+        .await?;
+    people.advance().await?;                           // off → cache_both → dual_write → ...
+    people.backfill().await?;                          // in dual_write: copy old rows, resumable
+    let new = people.get_new(customer_id, id).await?;  // cached, phase-aware reads of either model
+    let report = people.verify(VerifyOptions::default().repair()).await?;
+    Ok((people, new, report))
+}
+
+/// What the statements of "Ids" returned.
+struct Issued {
+    id: i64,
+    seq: std::sync::Arc<shardkit::Sequence>,
+    sf: i64,
+    u: shardkit::sea_orm::prelude::Uuid,
+    enc: i64,
+    target: shardkit::Target,
+}
+
+/// README.md, "Ids": the statements.
+#[rustfmt::skip]
+async fn ids(cluster: &Cluster) -> shardkit::Result<Issued> {
+    let id = cluster.ids().next("orders").await?;                  // ticket sequence (blocks of B)
+    let seq = cluster.ids().sequence("orders")?;                   // keep the handle on hot paths
+    let sf = cluster.ids().snowflake()?;                           // 41/10/12 bits, epoch 2026-01-01 UTC
+    let u = shardkit::uuid_v7();                                   // time-ordered, monotonic in-process
+    let enc = cluster.next_encoded_id::<Customer>("orders", &42).await?;  // bucket in the low 13 bits
+    let target = cluster.route_id::<Customer>(enc)?;               // the shard, from the id alone
+    Ok(Issued { id, seq, sf, u, enc, target })
+}
+
+/// The application's migrations the README's `migration::Migrator` stands
+/// for: shardkit's tables, then one table per entity above.
+mod migration {
+    use sea_orm_migration::prelude::*;
+
+    /// Creates one entity's table.
+    struct CreateTable<E>(&'static str, E);
+
+    impl<E: sea_orm::EntityTrait> MigrationName for CreateTable<E> {
+        fn name(&self) -> &str {
+            self.0
+        }
+    }
+
+    #[async_trait::async_trait]
+    impl<E: sea_orm::EntityTrait + Sync> MigrationTrait for CreateTable<E> {
+        async fn up(&self, manager: &SchemaManager) -> Result<(), DbErr> {
+            let schema = sea_orm::Schema::new(manager.get_database_backend());
+            manager
+                .create_table(
+                    schema
+                        .create_table_from_entity(self.1)
+                        .if_not_exists()
+                        .to_owned(),
+                )
+                .await
+        }
+
+        async fn down(&self, manager: &SchemaManager) -> Result<(), DbErr> {
+            manager
+                .drop_table(Table::drop().table(self.1).to_owned())
+                .await
+        }
+    }
+
+    pub struct Migrator;
+
+    #[async_trait::async_trait]
+    impl MigratorTrait for Migrator {
+        fn migrations() -> Vec<Box<dyn MigrationTrait>> {
+            let mut all = shardkit_migration::migrations();
+            all.extend::<[Box<dyn MigrationTrait>; 4]>([
+                Box::new(CreateTable("m20261201_000001_orders", super::order::Entity)),
+                Box::new(CreateTable(
+                    "m20261201_000002_contacts",
+                    super::contact::Entity,
+                )),
+                Box::new(CreateTable(
+                    "m20261201_000003_people",
+                    super::person_v1::Entity,
+                )),
+                Box::new(CreateTable(
+                    "m20261201_000004_people_v2",
+                    super::person_v2::Entity,
+                )),
+            ]);
+            all
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Running the snippets.
+
+/// A directory of SQLite shard files, unique to this process and test,
+/// removed when dropped.
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new(test: &str) -> Scratch {
+        let dir =
+            std::env::temp_dir().join(format!("shardkit-readme-{}-{test}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("create the scratch directory");
+        Scratch(dir)
+    }
+
+    fn url(&self, db: &str) -> String {
+        format!(
+            "sqlite://{}?mode=rwc",
+            self.0.join(format!("{db}.db")).display()
+        )
+    }
+
+    /// `n` shards and the `Customer` group hashed over them.
+    fn cluster_toml(&self, n: usize) -> String {
+        let mut toml = String::new();
+        for i in 0..n {
+            toml.push_str(&format!(
+                "[[shards]]\nname = \"s{i}\"\nurl = \"{}\"\n\n",
+                self.url(&format!("s{i}"))
+            ));
+        }
+        toml.push_str("[groups.Customer]\nplacement = \"hash\"\nbuckets = 1024\n");
+        toml
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A migrated cluster on `toml` (another instance than the snippet's).
+async fn migrated(toml: &str) -> Cluster {
+    let cluster = Cluster::connect(ClusterConfig::from_toml(toml).unwrap())
+        .await
+        .unwrap();
+    cluster.migrate::<migration::Migrator>().await.unwrap();
+    cluster
+}
+
+/// The orders seeded before the README's reads: three per customer 1..=40
+/// and 42, with totals spread over 0..5000 cents.
+fn seeded_orders() -> Vec<order::Model> {
+    (1..=40)
+        .chain([42])
+        .flat_map(|customer: i64| {
+            (1..=3).map(move |n| order::Model {
+                id: customer * 10 + n,
+                customer_id: customer,
+                total_cents: (customer * 397 + n * 1_201) % 5_000,
+            })
+        })
+        .collect()
+}
+
+fn sorted(mut rows: Vec<order::Model>) -> Vec<order::Model> {
+    rows.sort_by_key(|o| o.id);
+    rows
+}
+
+#[tokio::test]
+async fn what_it_looks_like_reads_and_writes_as_described() {
+    let scratch = Scratch::new("looks");
+    let toml = scratch.cluster_toml(4);
+    let seeded = seeded_orders();
+    {
+        let cluster = migrated(&toml).await;
+        for customer in (1..=40).chain([42]) {
+            let tx = cluster.begin::<Customer>(customer).await.unwrap();
+            for o in seeded.iter().filter(|o| o.customer_id == customer) {
+                tx.insert(order::ActiveModel {
+                    id: Set(o.id),
+                    customer_id: Set(o.customer_id),
+                    total_cents: Set(o.total_cents),
+                })
+                .await
+                .unwrap();
+            }
+            tx.commit().await.unwrap();
+        }
+    }
+
+    let looks = what_it_looks_like(&toml).await.unwrap();
+
+    let of = |customers: &[i64]| -> Vec<order::Model> {
+        seeded
+            .iter()
+            .filter(|o| customers.contains(&o.customer_id))
+            .cloned()
+            .collect()
+    };
+    let mine: Vec<_> = of(&[42])
+        .into_iter()
+        .filter(|o| o.total_cents > 1_000)
+        .collect();
+    assert!(
+        !mine.is_empty(),
+        "the seed gives customer 42 an order over 1000"
+    );
+    assert_eq!(sorted(looks.mine), mine);
+    let mut totals = looks.totals;
+    totals.sort();
+    assert_eq!(
+        totals,
+        of(&[42])
+            .iter()
+            .map(|o| (o.id, o.total_cents))
+            .collect::<Vec<_>>()
+    );
+    assert_eq!(sorted(looks.some), of(&[1, 2, 3]));
+    let mut by_total: Vec<i64> = seeded.iter().map(|o| o.total_cents).collect();
+    by_total.sort_unstable_by(|a, b| b.cmp(a));
+    assert_eq!(
+        looks.top.iter().map(|o| o.total_cents).collect::<Vec<_>>(),
+        by_total[..10],
+        "scatter + order_by_desc + limit(10) is the top 10 of all shards"
+    );
+    assert!(looks.top.iter().all(|o| seeded.contains(o)));
+    assert!(looks.part.is_complete(), "{:?}", looks.part.failed_shards());
+    assert_eq!(sorted(looks.part.rows), sorted(seeded.clone()));
+
+    // The committed orders are on customer 42's shard and on no other.
+    assert_eq!(looks.id, 2, "the closure's value");
+    let cluster = &looks.cluster;
+    let home = cluster.shard_of::<Customer>(&42).await.unwrap().to_owned();
+    for (id, total_cents) in [(1, 1_999), (2, 500)] {
+        for name in cluster.topology().shard_names() {
+            let db = cluster.connection(name).unwrap();
+            let found = order::Entity::find_by_id(id).one(db).await.unwrap();
+            let expected = (name == home).then_some(order::Model {
+                id,
+                customer_id: 42,
+                total_cents,
+            });
+            assert_eq!(found, expected, "order {id} on shard {name} (home {home})");
+        }
+    }
+}
+
+#[tokio::test]
+async fn global_secondary_indexes_find_rows_by_email() {
+    let scratch = Scratch::new("gsi");
+    let toml = scratch.cluster_toml(4);
+    let cluster = migrated(&toml).await;
+    // Rows written before the index exists, straight to their shards.
+    let contacts: Vec<contact::Model> = (1..=20_i64)
+        .map(|id| contact::Model {
+            id,
+            customer_id: id * 7,
+            email: if id == 13 {
+                "a@x".to_owned()
+            } else {
+                format!("c{id}@example.com")
+            },
+            phone: format!("555-010{}", id % 3),
+        })
+        .collect();
+    for c in &contacts {
+        let shard = cluster.shard_of::<Customer>(&c.customer_id).await.unwrap();
+        let db = cluster.connection(shard).unwrap();
+        contact::Entity::insert(contact::ActiveModel::from(c.clone()))
+            .exec(db)
+            .await
+            .unwrap();
+    }
+
+    let (rows, report) = global_secondary_indexes(&cluster).await.unwrap();
+
+    assert_eq!(rows, vec![contacts[12].clone()]);
+    assert_eq!(
+        cluster
+            .gsi()
+            .state::<contact::Entity>(contact::Column::Email)
+            .await
+            .unwrap(),
+        IndexState::Active
+    );
+    assert_eq!(report.removed, 0, "nothing dangles: {report:?}");
+}
+
+#[tokio::test]
+async fn rollouts_advance_backfill_and_verify() {
+    let scratch = Scratch::new("rollouts");
+    let toml = scratch.cluster_toml(4);
+    let people: Vec<person_v1::Model> = (1..=30_i64)
+        .map(|id| person_v1::Model {
+            id,
+            customer_id: id % 9 + 1,
+            first_name: format!("first{id}"),
+            last_name: format!("last{id}"),
+        })
+        .collect();
+    {
+        // Another instance wrote the people, registered the rollout and moved
+        // it to cache_both an hour ago (the phase gap has long passed).
+        let cluster = migrated(&toml).await;
+        for p in &people {
+            let tx = cluster.begin::<Customer>(p.customer_id).await.unwrap();
+            tx.insert(person_v1::ActiveModel::from(p.clone()))
+                .await
+                .unwrap();
+            tx.commit().await.unwrap();
+        }
+        let other: People = cluster
+            .register_rollout(Rollout::new("people_v2", to_v2).to_old(to_v1))
+            .await
+            .unwrap();
+        assert_eq!(other.advance().await.unwrap(), shardkit::Phase::CacheBoth);
+        // The phase row is on the group's first shard; the others have none.
+        for name in cluster.topology().shard_names() {
+            let db = cluster.connection(name).unwrap();
+            db.execute_raw(Statement::from_string(
+                db.get_database_backend(),
+                "UPDATE shardkit_rollouts SET changed_ms = changed_ms - 3600000 WHERE name = 'people_v2'",
+            ))
+            .await
+            .unwrap();
+        }
+    }
+
+    let p = &people[16];
+    let cluster = Cluster::connect(ClusterConfig::from_toml(&toml).unwrap())
+        .await
+        .unwrap();
+    let (handle, new, report) = rollouts(&cluster, p.customer_id, p.id).await.unwrap();
+
+    assert_eq!(handle.phase(), shardkit::Phase::DualWrite);
+    assert_eq!(new, Some(to_v2(p)));
+    assert!(report.finished, "{report:?}");
+    assert_eq!(report.rows, people.len() as u64, "{report:?}");
+    assert!(
+        report.is_consistent(),
+        "the backfill copied every person: {report:?}"
+    );
+}
+
+#[tokio::test]
+async fn ids_are_unique_and_route_to_their_shard() {
+    let scratch = Scratch::new("ids");
+    let toml = format!(
+        "{}\n[ids]\nservers = [\n  {{ name = \"tickets_a\", url = \"{}\" }},\n  {{ name = \"tickets_b\", url = \"{}\" }},\n]\nworker_id = 3\n[ids.sequences.orders]\nblock = 1000\n",
+        scratch.cluster_toml(4),
+        scratch.url("tickets_a"),
+        scratch.url("tickets_b"),
+    );
+    let cluster = migrated(&toml).await;
+    cluster.ids().create_sequence("orders").await.unwrap();
+
+    let issued = ids(&cluster).await.unwrap();
+
+    assert!(issued.id > 0);
+    let next = issued.seq.next().await.unwrap();
+    assert!(next > issued.id, "{next} after {}", issued.id);
+    assert!(
+        issued.enc >> 13 > issued.id,
+        "the encoded id's sequence part comes from the same sequence"
+    );
+    assert_eq!(
+        (issued.sf >> 12) & 0x3ff,
+        3,
+        "worker_id in the snowflake's 10 worker bits"
+    );
+    assert!(cluster.ids().snowflake().unwrap() > issued.sf);
+    assert_eq!(issued.u.get_version_num(), 7);
+    assert_eq!(
+        issued.target,
+        cluster.route::<Customer>(&42).await.unwrap(),
+        "route_id finds key 42's shard from the id alone"
+    );
+}
+
+// ---------------------------------------------------------------------------
+// The check that README.md's snippets are the code above.
+
+const README: &str = include_str!("../../README.md");
+const THIS_FILE: &str = include_str!("readme.rs");
+const THIS_PATH: &str = "examples/tests/readme.rs";
+
+/// A fenced code block of README.md.
+struct Block {
+    /// The info string: `rust`, `toml`, ...
+    lang: String,
+    /// README.md's line number of each line of the block, with the line.
+    lines: Vec<(usize, &'static str)>,
+    /// README.md's line number of the opening fence.
+    fence: usize,
+}
+
+fn readme_blocks() -> Vec<Block> {
+    let mut blocks = Vec::new();
+    let mut open: Option<Block> = None;
+    for (i, line) in README.lines().enumerate() {
+        let number = i + 1;
+        let fence = line.trim_start().strip_prefix("```");
+        match (&mut open, fence) {
+            (None, Some(info)) => {
+                open = Some(Block {
+                    lang: info.trim().to_owned(),
+                    lines: Vec::new(),
+                    fence: number,
+                })
+            }
+            (Some(_), Some(rest)) if rest.trim().is_empty() => {
+                blocks.extend(open.take());
+            }
+            (Some(block), _) => block.lines.push((number, line)),
+            (None, None) => {}
+        }
+    }
+    if let Some(block) = open {
+        panic!("README.md:{}: code block never closed", block.fence);
+    }
+    blocks
+}
+
+fn blocks_of(lang: &str) -> Vec<Block> {
+    let blocks: Vec<Block> = readme_blocks()
+        .into_iter()
+        .filter(|b| b.lang.split(',').next() == Some(lang))
+        .collect();
+    assert!(!blocks.is_empty(), "README.md has no ```{lang} block");
+    blocks
+}
+
+/// Where `block`'s lines occur in `haystack` (trimmed lines): each run of
+/// non-blank lines contiguous, the runs in order. Otherwise a message naming
+/// the first README line that is not found.
+fn locate(block: &Block, haystack: &[&str]) -> Result<(), String> {
+    let mut from = 0;
+    for run in block.lines.split(|(_, line)| line.trim().is_empty()) {
+        if run.is_empty() {
+            continue;
+        }
+        let matching = |at: usize| {
+            run.iter()
+                .zip(&haystack[at..])
+                .take_while(|((_, want), have)| want.trim() == **have)
+                .count()
+        };
+        match (from..haystack.len()).find(|&at| matching(at) == run.len()) {
+            Some(at) => from = at + run.len(),
+            None => {
+                // Report the line after the longest prefix of this run found.
+                let (at, len) = (from..haystack.len())
+                    .map(|at| (at, matching(at)))
+                    .max_by_key(|&(at, len)| (len, std::cmp::Reverse(at)))
+                    .unwrap_or((from, 0));
+                let (number, line) = run[len];
+                let context = if len > 0 {
+                    format!(
+                        " ({THIS_PATH}:{} has `{}` in its place)",
+                        at + len + 1,
+                        haystack.get(at + len).unwrap_or(&"<end of file>")
+                    )
+                } else {
+                    String::new()
+                };
+                return Err(format!(
+                    "README.md:{number}: `{}` (```{} block at line {}) is not in {THIS_PATH}{context}",
+                    line.trim(),
+                    block.lang,
+                    block.fence
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn readme_rust_snippets_are_compiled_here() {
+    let haystack: Vec<&str> = THIS_FILE.lines().map(str::trim).collect();
+    let missing: Vec<String> = blocks_of("rust")
+        .iter()
+        .filter_map(|block| locate(block, &haystack).err())
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "README.md's rust snippets must be copied verbatim into {THIS_PATH}, where they compile and run:\n{}",
+        missing.join("\n")
+    );
+}
+
+/// The shard a config fragment (say, only `[ids]`) is parsed with, after
+/// its own lines so error line numbers stay the fragment's.
+const FRAGMENT_SHARDS: &str = "\n[[shards]]\nname = \"s0\"\nurl = \"sqlite://s0.db?mode=rwc\"\n";
+
+/// Whether a TOML text is a whole config: it has `[[shards]]` or a top-level
+/// `shards = ...`.
+fn declares_shards(text: &str) -> bool {
+    let mut top_level = true;
+    for line in text.lines().map(str::trim_start) {
+        if line.starts_with("[[shards]]") || (top_level && line.starts_with("shards")) {
+            return true;
+        }
+        top_level &= !line.starts_with('[');
+    }
+    false
+}
+
+#[test]
+fn readme_toml_snippets_are_valid_configs() {
+    let mut wrong = Vec::new();
+    for block in blocks_of("toml") {
+        let text: String = block.lines.iter().map(|(_, l)| format!("{l}\n")).collect();
+        let config = if declares_shards(&text) {
+            text.clone()
+        } else {
+            format!("{text}{FRAGMENT_SHARDS}")
+        };
+        match ClusterConfig::from_toml(&config) {
+            Err(e) => wrong.push(format!(
+                "README.md:{}: the ```toml block is not a valid shardkit config: {e} (its line 1 is README.md:{})",
+                block.fence,
+                block.fence + 1
+            )),
+            // The README says a password never shows in Debug.
+            Ok(parsed) => {
+                let debug = format!("{parsed:?}");
+                if passwords(&text).any(|pw| debug.contains(pw)) {
+                    wrong.push(format!(
+                        "README.md:{}: a URL's password shows in the config's Debug",
+                        block.fence
+                    ));
+                }
+            }
+        }
+    }
+    assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+}
+
+/// The passwords of the `scheme://user:password@host` URLs in `text`.
+fn passwords(text: &str) -> impl Iterator<Item = &str> {
+    text.split("://").skip(1).filter_map(|rest| {
+        let authority = rest.split(['/', '"', ' ']).next()?;
+        let userinfo = authority.rsplit_once('@')?.0;
+        Some(userinfo.split_once(':')?.1)
+    })
+}
+
+#[test]
+fn readme_commands_name_example_programs() {
+    let bins = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("src/bin");
+    let mut named = 0;
+    for (i, line) in README.lines().enumerate() {
+        for rest in line.split("--bin ").skip(1) {
+            let name: String = rest
+                .chars()
+                .take_while(|c| c.is_alphanumeric() || *c == '_' || *c == '-')
+                .collect();
+            named += 1;
+            assert!(
+                bins.join(format!("{name}.rs")).exists(),
+                "README.md:{}: `--bin {name}` is not a program of shardkit-examples",
+                i + 1
+            );
+        }
+    }
+    assert!(named > 0, "README.md names no example program");
+}
+
+#[test]
+fn whole_configs_are_told_from_fragments() {
+    assert!(declares_shards("[[shards]]\nname = \"s0\""));
+    assert!(declares_shards("shards = [{ name = \"s0\" }]"));
+    assert!(!declares_shards("[ids]\nworker_id = 3"));
+    assert!(!declares_shards("[groups.Meter]\nshards = [\"s0\"]"));
+}
+
+#[test]
+fn passwords_are_found_in_urls() {
+    assert_eq!(
+        passwords("url = \"postgres://app:secret@10.0.0.5:5432\" x = \"sqlite://a.db\"")
+            .collect::<Vec<_>>(),
+        vec!["secret"]
+    );
+}
