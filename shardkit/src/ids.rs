@@ -37,6 +37,8 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 /// Default ids per ticket.
 pub const DEFAULT_BLOCK: u64 = 1000;
+/// The most ids one ticket may reserve (`[ids.sequences.<name>] block`).
+pub const MAX_BLOCK: u64 = 1_000_000_000;
 /// Bits of a shard-encoded id that hold the bucket (up to 8,192 buckets).
 pub const BUCKET_BITS: u32 = 13;
 /// The snowflake epoch: 2026-01-01T00:00:00Z, in Unix milliseconds.
@@ -134,7 +136,8 @@ impl std::fmt::Debug for Ids {
     }
 }
 
-fn check_name(name: &str) -> Result<()> {
+/// A sequence name: it becomes part of a table name (`tickets_<name>`).
+pub(crate) fn check_name(name: &str) -> Result<()> {
     if name.is_empty()
         || name.len() > 48
         || !name
@@ -777,21 +780,47 @@ impl Default for SnowflakeLayout {
 }
 
 impl SnowflakeLayout {
-    fn new(c: SnowflakeConfig) -> Result<Self> {
-        let total = u32::from(c.time_bits) + u32::from(c.worker_bits) + u32::from(c.sequence_bits);
-        if total > 63 || c.time_bits < 30 || c.sequence_bits == 0 {
-            return Err(ShardError::config(
-                "ids.snowflake",
-                format!(
-                    "time_bits + worker_bits + sequence_bits must be at most 63 with time_bits ≥ 30 and sequence_bits ≥ 1 (got {total})"
-                ),
-            ));
-        }
-        Ok(SnowflakeLayout {
+    /// The layout `[ids.snowflake]` describes, checked.
+    pub(crate) fn new(c: SnowflakeConfig) -> Result<Self> {
+        let layout = SnowflakeLayout {
             time_bits: c.time_bits,
             worker_bits: c.worker_bits,
             sequence_bits: c.sequence_bits,
-        })
+        };
+        layout.check()?;
+        Ok(layout)
+    }
+
+    /// The bits fit under the sign bit, with at least 30 bits of time (12
+    /// days) and a sequence: anything else would shift ids out of range.
+    fn check(&self) -> Result<()> {
+        let total =
+            u32::from(self.time_bits) + u32::from(self.worker_bits) + u32::from(self.sequence_bits);
+        if total > 63 || self.time_bits < 30 || self.sequence_bits == 0 {
+            return Err(ShardError::config(
+                "ids.snowflake",
+                format!(
+                    "time_bits + worker_bits + sequence_bits must be at most 63 with time_bits ≥ 30 and sequence_bits ≥ 1 (got {} + {} + {} = {total})",
+                    self.time_bits, self.worker_bits, self.sequence_bits
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Whether `worker` fits in the worker bits.
+    pub(crate) fn check_worker(&self, worker: u64) -> Result<()> {
+        if worker >> self.worker_bits != 0 {
+            return Err(ShardError::config(
+                "ids.worker_id",
+                format!(
+                    "worker id {worker} does not fit in {} bits (at most {})",
+                    self.worker_bits,
+                    (1u64 << self.worker_bits) - 1
+                ),
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -821,15 +850,8 @@ impl std::fmt::Debug for Snowflake {
 impl Snowflake {
     /// A generator for `worker` with `clock`.
     pub fn new(layout: SnowflakeLayout, worker: u64, clock: Arc<dyn Clock>) -> Result<Self> {
-        if worker >> layout.worker_bits != 0 {
-            return Err(ShardError::config(
-                "ids.worker_id",
-                format!(
-                    "worker id {worker} does not fit in {} bits",
-                    layout.worker_bits
-                ),
-            ));
-        }
+        layout.check()?;
+        layout.check_worker(worker)?;
         Ok(Snowflake {
             layout,
             worker,

@@ -427,3 +427,124 @@ fn one_database_cannot_be_two_shards() {
     assert_eq!(entry, "shards[4] (\"s4\")");
     assert!(message.contains("same database as shards[2]"), "{message}");
 }
+
+/// Every setting outside the topology is checked by `validate()` against its
+/// documented bounds, with an error naming its key: none of these may reach
+/// `Cluster::connect` (where they panicked, or made ids wrap negative).
+#[test]
+fn every_setting_is_bounded_and_named() {
+    let cases: &[(&str, &str)] = &[
+        ("[pool]\nmax_connections = 0", "pool.max_connections"),
+        (
+            "[pool]\nmax_connections = 4000000000",
+            "pool.max_connections",
+        ),
+        (
+            "[pool]\nmax_connections = 4\nmin_connections = 5",
+            "pool.min_connections",
+        ),
+        ("[pool]\nmin_connections = 11", "pool.min_connections"),
+        (
+            "[pool]\nconnect_timeout_secs = 9223372036854775807",
+            "pool.connect_timeout_secs",
+        ),
+        (
+            "[pool]\nconnect_timeout_secs = 0",
+            "pool.connect_timeout_secs",
+        ),
+        (
+            "[pool]\nacquire_timeout_secs = 9223372036854775807",
+            "pool.acquire_timeout_secs",
+        ),
+        (
+            "[pool]\nacquire_timeout_secs = 0",
+            "pool.acquire_timeout_secs",
+        ),
+        ("[read]\ntimeout_ms = 0", "read.timeout_ms"),
+        (
+            "[read]\ntimeout_ms = 9223372036854775807",
+            "read.timeout_ms",
+        ),
+        ("[read]\nmax_concurrency = 0", "read.max_concurrency"),
+        ("[ids]\ntimeout_ms = 0", "ids.timeout_ms"),
+        (
+            "[ids]\nretry_after_ms = 18446744073709551615",
+            "ids.retry_after_ms",
+        ),
+        (
+            "[ids.sequences.orders]\nblock = 0",
+            "ids.sequences.orders.block",
+        ),
+        (
+            "[ids.sequences.orders]\nblock = 4611686018427387904",
+            "ids.sequences.orders.block",
+        ),
+        ("[ids.sequences.Orders]\nblock = 10", "ids.sequences.Orders"),
+        (
+            "[ids.sequences.\"drop table\"]\nblock = 10",
+            "ids.sequences.drop table",
+        ),
+        ("[ids]\nworker_id = 1024", "ids.worker_id"),
+        (
+            "[ids]\nworker_id = 3\nsnowflake = { time_bits = 41, worker_bits = 1, sequence_bits = 12 }",
+            "ids.worker_id",
+        ),
+        (
+            "[ids]\nsnowflake = { time_bits = 41, worker_bits = 20, sequence_bits = 12 }",
+            "ids.snowflake",
+        ),
+        (
+            "[ids]\nsnowflake = { time_bits = 20, worker_bits = 10, sequence_bits = 12 }",
+            "ids.snowflake",
+        ),
+        (
+            "[ids]\nsnowflake = { time_bits = 41, worker_bits = 10, sequence_bits = 0 }",
+            "ids.snowflake",
+        ),
+        (
+            "[ids]\nsnowflake = { time_bits = 255, worker_bits = 255, sequence_bits = 255 }",
+            "ids.snowflake",
+        ),
+    ];
+    for (settings, key) in cases {
+        let toml = format!("{FOUR}\n{settings}\n");
+        let config: ClusterConfig = toml::from_str(&toml).unwrap_or_else(|e| panic!("{e}"));
+        match config.validate() {
+            Err(ShardError::Config { entry, message }) => {
+                assert_eq!(&entry, key, "{settings}: {message}");
+            }
+            other => panic!("{settings}: expected a config error on {key}, got {other:?}"),
+        }
+        // `from_toml` validates too.
+        let (entry, _) = rejected(&toml);
+        assert_eq!(&entry, key);
+    }
+
+    // The bounds themselves are accepted.
+    ClusterConfig::from_toml(&format!(
+        "{FOUR}\n[pool]\nmax_connections = 10000\nmin_connections = 10000\nconnect_timeout_secs = 3600\nacquire_timeout_secs = 3600\n\
+         [read]\ntimeout_ms = 86400000\nmax_concurrency = 10000\n\
+         [ids]\ntimeout_ms = 600000\nretry_after_ms = 3600000\nworker_id = 1023\n\
+         [ids.sequences.big]\nblock = 1000000000\n[ids.sequences.flickr]\nblock = 1\n"
+    ))
+    .unwrap();
+}
+
+/// The largest settings connect (a cluster over SQLite files) instead of
+/// panicking on an `Instant` overflow.
+#[tokio::test]
+async fn the_largest_settings_connect() {
+    let dir = std::env::temp_dir().join(format!("shardkit-config-largest-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let toml = format!(
+        "[[shards]]\nname = \"s0\"\nurl = \"sqlite://{}/s0.db?mode=rwc\"\n\
+         [pool]\nmax_connections = 10000\nconnect_timeout_secs = 3600\nacquire_timeout_secs = 3600\n\
+         [read]\ntimeout_ms = 86400000\n[ids]\ntimeout_ms = 600000\nretry_after_ms = 3600000\n",
+        dir.display()
+    );
+    let cluster = shardkit::Cluster::connect(ClusterConfig::from_toml(&toml).unwrap())
+        .await
+        .unwrap();
+    drop(cluster);
+    let _ = std::fs::remove_dir_all(&dir);
+}

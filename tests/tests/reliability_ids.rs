@@ -19,6 +19,7 @@ backend_tests!(2 =>
     failed_servers_are_reported_once,
     migrate_runs_only_shardkit_migrations_on_ticket_servers,
     flickr_requests_run_concurrently,
+    an_exhausted_sequence_is_refused_never_negative,
 );
 
 /// Two ticket servers (databases of their own) with `ids` appended to
@@ -294,4 +295,25 @@ async fn flickr_requests_run_concurrently(dbs: &mut TestDbs) {
         }
     }
     assert_eq!(ids.len(), 7 + 400);
+}
+
+/// The largest block a config may give, on a sequence advanced to the top of
+/// the `i64` range: the next block would pass `i64::MAX`, so the sequence is
+/// refused as exhausted instead of handing out ids that wrapped negative.
+async fn an_exhausted_sequence_is_refused_never_negative(dbs: &mut TestDbs) {
+    let (config, _) = ticket_config(dbs, "[ids.sequences.big]\nblock = 1000000000\n").await;
+    let cluster = Cluster::connect(config).await.unwrap();
+    cluster.migrate::<Migrator>().await.unwrap();
+    let ids = cluster.ids();
+    ids.create_sequence("big").await.unwrap();
+    let first = ids.next("big").await.unwrap();
+    assert!(first >= 1_000_000_000, "{first}");
+    ids.advance_past("big", i64::MAX - 10).await.unwrap();
+    match ids.next("big").await {
+        Err(ShardError::Config { entry, message }) => {
+            assert_eq!(entry, "ids.sequences.big");
+            assert!(message.contains("exhausted"), "{message}");
+        }
+        other => panic!("expected an exhausted sequence, got {other:?}"),
+    }
 }

@@ -98,18 +98,21 @@ pub struct IdsConfig {
     /// so the servers never overlap and either can serve alone.
     #[serde(default)]
     pub servers: Vec<ShardConfig>,
-    /// Per-sequence settings; a sequence not listed uses the defaults.
+    /// Per-sequence settings, keyed by sequence name (1-48 ASCII lowercase
+    /// letters, digits and `_`); a sequence not listed uses the defaults.
     #[serde(default)]
     pub sequences: BTreeMap<String, SequenceConfig>,
     /// Milliseconds a failed ticket server is skipped before it is tried again
-    /// (default 1000).
+    /// (default 1000; at most 3,600,000, an hour).
     pub retry_after_ms: Option<u64>,
     /// Milliseconds one ticket request may take before the next server is
-    /// tried (default 2000).
+    /// tried (default 2000; 1 to 600,000).
     pub timeout_ms: Option<u64>,
-    /// This process's snowflake worker id (default 0).
+    /// This process's snowflake worker id (default 0); it must fit in the
+    /// layout's `worker_bits` (0 to 1023 with the default layout).
     pub worker_id: Option<u64>,
-    /// Snowflake bit layout (default 41/10/12).
+    /// Snowflake bit layout (default 41/10/12; the three sum to at most 63,
+    /// with `time_bits` ≥ 30 and `sequence_bits` ≥ 1).
     pub snowflake: Option<SnowflakeConfig>,
 }
 
@@ -118,7 +121,8 @@ pub struct IdsConfig {
 #[serde(deny_unknown_fields)]
 pub struct SequenceConfig {
     /// Ids per ticket (the block, B). Default 1000; 1 is Flickr's one ticket
-    /// per id.
+    /// per id; at most 1,000,000,000 (ticket × block must stay an `i64` for
+    /// billions of tickets).
     pub block: Option<u64>,
 }
 
@@ -139,10 +143,12 @@ pub struct SnowflakeConfig {
 #[serde(deny_unknown_fields)]
 pub struct ReadConfig {
     /// Milliseconds a shard may take to answer a read before it counts as
-    /// failed and its query is cancelled. No timeout when omitted.
+    /// failed and its query is cancelled (1 to 86,400,000, a day). No timeout
+    /// when omitted.
     pub timeout_ms: Option<u64>,
-    /// How many shards one read queries at once (default 16), so a fan-out
-    /// over hundreds of shards does not open hundreds of connections at once.
+    /// How many shards one read queries at once (default 16; 1 to 10,000),
+    /// so a fan-out over hundreds of shards does not open hundreds of
+    /// connections at once.
     pub max_concurrency: Option<usize>,
 }
 
@@ -271,13 +277,14 @@ pub struct DirectoryConfig {
 #[derive(Clone, Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct PoolConfig {
-    /// Maximum connections per shard (SeaORM's default when omitted).
+    /// Maximum connections per shard (sqlx's default, 10, when omitted;
+    /// 1 to 10,000).
     pub max_connections: Option<u32>,
-    /// Minimum idle connections per shard.
+    /// Minimum idle connections per shard (at most `max_connections`).
     pub min_connections: Option<u32>,
-    /// Seconds to wait for a new connection.
+    /// Seconds to wait for a new connection (1 to 3,600).
     pub connect_timeout_secs: Option<u64>,
-    /// Seconds to wait for a pooled connection.
+    /// Seconds to wait for a pooled connection (1 to 3,600).
     pub acquire_timeout_secs: Option<u64>,
     /// Ping a pooled connection before handing it out (SQLx's default: true).
     /// Turning it off saves a round trip per statement.
@@ -316,6 +323,110 @@ impl ClusterConfig {
     /// that parse. The first problem is returned, naming its entry.
     pub fn validate(&self) -> Result<()> {
         super::Topology::build(self).map(|_| ())
+    }
+
+    /// Checks every setting outside the topology against its documented
+    /// bounds, so none can panic later (an `Instant` or a shift overflowing)
+    /// or break a guarantee (ids wrapping negative).
+    pub(crate) fn check_settings(&self) -> Result<()> {
+        let pool = &self.pool;
+        let max_connections = pool.max_connections.unwrap_or(SQLX_MAX_CONNECTIONS);
+        within(
+            "pool.max_connections",
+            pool.max_connections,
+            1,
+            MAX_CONNECTIONS,
+        )?;
+        within(
+            "pool.min_connections",
+            pool.min_connections,
+            0,
+            max_connections,
+        )
+        .map_err(|_| {
+            ShardError::config(
+                "pool.min_connections",
+                format!(
+                    "must be at most pool.max_connections ({max_connections}{})",
+                    if pool.max_connections.is_none() {
+                        ", the default"
+                    } else {
+                        ""
+                    }
+                ),
+            )
+        })?;
+        within(
+            "pool.connect_timeout_secs",
+            pool.connect_timeout_secs,
+            1,
+            MAX_POOL_TIMEOUT_SECS,
+        )?;
+        within(
+            "pool.acquire_timeout_secs",
+            pool.acquire_timeout_secs,
+            1,
+            MAX_POOL_TIMEOUT_SECS,
+        )?;
+        within(
+            "read.timeout_ms",
+            self.read.timeout_ms,
+            1,
+            MAX_READ_TIMEOUT_MS,
+        )?;
+        within(
+            "read.max_concurrency",
+            self.read.max_concurrency,
+            1,
+            MAX_READ_CONCURRENCY,
+        )?;
+
+        let ids = &self.ids;
+        within("ids.timeout_ms", ids.timeout_ms, 1, MAX_TICKET_TIMEOUT_MS)?;
+        within(
+            "ids.retry_after_ms",
+            ids.retry_after_ms,
+            0,
+            MAX_RETRY_AFTER_MS,
+        )?;
+        for (name, sequence) in &ids.sequences {
+            crate::ids::check_name(name)?;
+            within(
+                &format!("ids.sequences.{name}.block"),
+                sequence.block,
+                1,
+                crate::ids::MAX_BLOCK,
+            )?;
+        }
+        let layout = match ids.snowflake {
+            Some(layout) => crate::ids::SnowflakeLayout::new(layout)?,
+            None => crate::ids::SnowflakeLayout::default(),
+        };
+        layout.check_worker(ids.worker_id.unwrap_or(0))?;
+        Ok(())
+    }
+}
+
+/// sqlx's pool size when `pool.max_connections` is omitted.
+const SQLX_MAX_CONNECTIONS: u32 = 10;
+const MAX_CONNECTIONS: u32 = 10_000;
+const MAX_POOL_TIMEOUT_SECS: u64 = 3_600;
+const MAX_READ_TIMEOUT_MS: u64 = 86_400_000;
+const MAX_READ_CONCURRENCY: usize = 10_000;
+const MAX_TICKET_TIMEOUT_MS: u64 = 600_000;
+const MAX_RETRY_AFTER_MS: u64 = 3_600_000;
+
+/// `value`, when given, lies in `min..=max`; the error names `key`.
+fn within<T>(key: &str, value: Option<T>, min: T, max: T) -> Result<()>
+where
+    T: PartialOrd + std::fmt::Display + Copy,
+{
+    match value {
+        Some(v) if v < min || v > max => Err(ShardError::config(
+            key,
+            format!("{v} is out of range: must be {min} to {max}"),
+        )),
+        _ => Ok(()),
     }
 }
 

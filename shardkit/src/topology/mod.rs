@@ -129,12 +129,7 @@ pub const DEFAULT_DIRECTORY_TABLE: &str = "shardkit_directory";
 impl Topology {
     /// Validates a config and builds the routing tables.
     pub fn build(config: &ClusterConfig) -> Result<Self> {
-        if config.read.max_concurrency == Some(0) {
-            return Err(ShardError::config(
-                "read.max_concurrency",
-                "must be at least 1 (it bounds how many shards one read queries at once)",
-            ));
-        }
+        config.check_settings()?;
         let mut hosts: HashMap<&str, &DatabaseUrl> = HashMap::new();
         for (i, host) in config.hosts.iter().enumerate() {
             let entry = format!("hosts[{i}] ({:?})", host.name);
