@@ -2,6 +2,7 @@
 //! connection pool per logical shard (and per directory database), routes keys,
 //! and hands out reads ([`Cluster::find`]) and transactions ([`Cluster::begin`]).
 
+use crate::clock::{Clock, SystemClock};
 use crate::entity::{EntityGroup, ShardKey, ShardedEntity};
 use crate::error::{Result, ShardError};
 use crate::ids::{Ids, TicketServer, mysql_session_sql};
@@ -16,10 +17,17 @@ use std::marker::PhantomData;
 use std::sync::Arc;
 use std::time::Duration;
 
-/// A sharded database cluster. Cheap to clone (one `Arc`); share it.
+/// A sharded database cluster. Cheap to clone (two `Arc`s); share it.
+///
+/// Dropping the last handle (and the reads, transactions and rollout handles
+/// made from it) stops the cluster's periodic tasks and closes its pools.
 #[derive(Clone)]
 pub struct Cluster {
     inner: Arc<Inner>,
+    /// Present on the handles users hold and everything made from them;
+    /// absent on the handles periodic tasks borrow for a pass, so a pass in
+    /// flight does not count as a user of the cluster.
+    _user: Option<Arc<crate::periodic::Users>>,
 }
 
 struct Inner {
@@ -37,6 +45,10 @@ struct Inner {
     servers: Vec<tokio::sync::OnceCell<Option<String>>>,
     /// For statements sent outside SeaORM's metered paths.
     observer: Option<StatementObserver>,
+    /// The time for snowflakes, GSI grace and rollout gaps and caches.
+    clock: Arc<dyn Clock>,
+    /// Closes when the last user handle drops: stops the periodic tasks.
+    stop: crate::periodic::Stop,
     /// Registered rollouts, by the old entity's type.
     rollouts: std::sync::RwLock<
         std::collections::HashMap<std::any::TypeId, Arc<dyn crate::rollout::OldWrites>>,
@@ -48,8 +60,11 @@ struct Inner {
 pub(crate) struct WeakCluster(std::sync::Weak<Inner>);
 
 impl WeakCluster {
+    /// A handle for one pass of a periodic task: it keeps the pools open
+    /// while the pass runs but is not a user of the cluster (see
+    /// [`crate::periodic`]).
     pub(crate) fn upgrade(&self) -> Option<Cluster> {
-        self.0.upgrade().map(|inner| Cluster { inner })
+        self.0.upgrade().map(|inner| Cluster { inner, _user: None })
     }
 }
 
@@ -81,6 +96,7 @@ pub struct StatementEvent<'a> {
 pub struct ClusterBuilder {
     config: ClusterConfig,
     observer: Option<StatementObserver>,
+    clock: Arc<dyn Clock>,
 }
 
 impl ClusterBuilder {
@@ -94,9 +110,23 @@ impl ClusterBuilder {
         self
     }
 
+    /// The clock the cluster reads for everything time-dependent: snowflake
+    /// ids, the GSI grace period, rollout phase gaps and rollout cache
+    /// lifetimes (default: [`SystemClock`](crate::clock::SystemClock)). Tests
+    /// pass a [`ManualClock`](crate::clock::ManualClock) to move time without
+    /// sleeping.
+    pub fn clock(mut self, clock: Arc<dyn Clock>) -> Self {
+        self.clock = clock;
+        self
+    }
+
     /// Validates the config and connects (see [`Cluster::connect`]).
     pub async fn connect(self) -> Result<Cluster> {
-        let ClusterBuilder { config, observer } = self;
+        let ClusterBuilder {
+            config,
+            observer,
+            clock,
+        } = self;
         let topology = Topology::build(&config)?;
         let pool = &config.pool;
         let kept_observer = observer.clone();
@@ -134,7 +164,7 @@ impl ClusterBuilder {
             .zip(tickets)
             .map(|(spec, conn)| TicketServer::new(spec.name.clone(), conn))
             .collect();
-        let ids = Arc::new(Ids::new(servers, config.ids.clone())?);
+        let ids = Arc::new(Ids::new(servers, config.ids.clone(), Arc::clone(&clock))?);
         let shards = shards.into_iter().collect::<Result<Vec<_>>>()?;
         let directories = directories.into_iter().collect::<Result<Vec<_>>>()?;
         let topology_ids: std::collections::HashMap<String, ShardId> = topology
@@ -151,7 +181,9 @@ impl ClusterBuilder {
             max_concurrency: config.read.max_concurrency.unwrap_or(16),
         };
         let servers = shards.iter().map(|_| Default::default()).collect();
+        let (users, stop) = crate::periodic::Users::new();
         Ok(Cluster {
+            _user: Some(Arc::new(users)),
             inner: Arc::new(Inner {
                 topology,
                 shards,
@@ -172,6 +204,8 @@ impl ClusterBuilder {
                 servers,
                 observer: kept_observer,
                 rollouts: Default::default(),
+                clock,
+                stop,
             }),
         })
     }
@@ -199,12 +233,28 @@ impl Cluster {
         ClusterBuilder {
             config,
             observer: None,
+            clock: Arc::new(SystemClock),
         }
     }
 
     /// The id service: ticket sequences, snowflakes.
     pub fn ids(&self) -> &Arc<Ids> {
         &self.inner.ids
+    }
+
+    /// The cluster's clock (see [`ClusterBuilder::clock`]).
+    pub fn clock(&self) -> &Arc<dyn Clock> {
+        &self.inner.clock
+    }
+
+    /// The clock's time in the milliseconds shardkit stores.
+    pub(crate) fn now_ms(&self) -> i64 {
+        crate::clock::now_ms(&*self.inner.clock)
+    }
+
+    /// The signal that stops the cluster's periodic tasks when it drops.
+    pub(crate) fn stop_signal(&self) -> &crate::periodic::Stop {
+        &self.inner.stop
     }
 
     pub(crate) fn downgrade(&self) -> WeakCluster {

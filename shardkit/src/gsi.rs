@@ -51,7 +51,7 @@ use sea_orm::{
 use std::collections::HashMap;
 use std::ops::ControlFlow;
 use std::sync::Mutex;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 /// Whether lookups may use an index.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -170,12 +170,6 @@ pub(crate) fn owner_pk<A: ActiveModelTrait>(model: &A) -> String {
         })
         .collect::<Vec<_>>()
         .join("\u{1f}")
-}
-
-fn now_ms() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as i64)
 }
 
 fn gsi_err(shard: &str, operation: String, source: DbErr) -> ShardError {
@@ -579,7 +573,7 @@ impl<'c> Gsi<'c> {
         let value = value.to_owned();
         let err = |e| gsi_err(shard, format!("write {}", index.table), e);
         if !index.unique {
-            let insert = entry_insert(index, &value, key, owner)
+            let insert = entry_insert(index, &value, key, owner, self.cluster.now_ms())
                 .on_conflict(
                     OnConflict::columns(["value", "shard_key", "owner_pk"].map(Alias::new))
                         .update_column(Alias::new("created_ms"))
@@ -595,7 +589,7 @@ impl<'c> Gsi<'c> {
         // and one autocommitted INSERT claims it. Only a conflict takes the
         // checked path below.
         if durability != Durability::OwnerTxn {
-            let insert = entry_insert(index, &value, key, owner);
+            let insert = entry_insert(index, &value, key, owner, self.cluster.now_ms());
             match self
                 .execute_index_write(db, shard, &insert, durability == Durability::Relaxed)
                 .await
@@ -622,15 +616,17 @@ impl<'c> Gsi<'c> {
         let existing = txn.query_one(&select).await.map_err(err)?;
         match existing {
             None => {
-                txn.execute(&entry_insert(index, &value, key, owner).to_owned())
-                    .await
-                    .map_err(|e| match e {
-                        DbErr::Exec(_) | DbErr::Query(_) => ShardError::UniqueViolation {
-                            index: index.table.clone(),
-                            value: value.clone(),
-                        },
-                        other => err(other),
-                    })?;
+                txn.execute(
+                    &entry_insert(index, &value, key, owner, self.cluster.now_ms()).to_owned(),
+                )
+                .await
+                .map_err(|e| match e {
+                    DbErr::Exec(_) | DbErr::Query(_) => ShardError::UniqueViolation {
+                        index: index.table.clone(),
+                        value: value.clone(),
+                    },
+                    other => err(other),
+                })?;
             }
             Some(row) => {
                 let other_key: String = row.try_get("", "shard_key").map_err(err)?;
@@ -638,7 +634,7 @@ impl<'c> Gsi<'c> {
                 let created: i64 = row.try_get("", "created_ms").map_err(err)?;
                 if other_key == key && other_owner == owner {
                     // A retry of this very write.
-                } else if now_ms() - created < grace.as_millis() as i64
+                } else if self.cluster.now_ms() - created < grace.as_millis() as i64
                     || self.owner_alive::<E>(index, &other_key, raw_value).await?
                 {
                     // A live owner, or a write still in flight: not ours to take.
@@ -651,7 +647,7 @@ impl<'c> Gsi<'c> {
                         .table(Alias::new(index.table.as_str()))
                         .value(Alias::new("shard_key"), key)
                         .value(Alias::new("owner_pk"), owner)
-                        .value(Alias::new("created_ms"), now_ms())
+                        .value(Alias::new("created_ms"), self.cluster.now_ms())
                         .and_where(Expr::col(Alias::new("value")).eq(value.as_str()))
                         .to_owned();
                     txn.execute(&take).await.map_err(err)?;
@@ -848,7 +844,7 @@ impl<'c> Gsi<'c> {
                         let key: String = row.try_get("", "shard_key").map_err(err)?;
                         let owner: String = row.try_get("", "owner_pk").map_err(err)?;
                         let created: i64 = row.try_get("", "created_ms").map_err(err)?;
-                        if now_ms() - created < grace {
+                        if self.cluster.now_ms() - created < grace {
                             continue; // an insert may still be in flight
                         }
                         let typed = typed_value::<E>(*column, &value);
@@ -928,17 +924,19 @@ impl<'c> Gsi<'c> {
             .is_some())
     }
 
-    /// Runs [`reconcile`](Self::reconcile) every `interval` until the handle
-    /// is aborted; each pass's report (or error) is logged.
+    /// Runs [`reconcile`](Self::reconcile) every `interval` (the first pass at
+    /// once) until the handle is aborted or the cluster is dropped (the task
+    /// does not keep the cluster alive); each pass's report (or error) is
+    /// logged.
     pub fn reconcile_every<E: ShardedEntity>(
         &self,
         interval: Duration,
     ) -> tokio::task::JoinHandle<()> {
-        let cluster = self.cluster.clone();
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(interval);
-            loop {
-                tick.tick().await;
+        crate::periodic::spawn(
+            self.cluster,
+            interval,
+            crate::periodic::FirstPass::Now,
+            |cluster| async move {
                 match cluster.gsi().reconcile::<E>().await {
                     Ok(report) => tracing::info!(
                         table = table_name::<E>(),
@@ -951,8 +949,9 @@ impl<'c> Gsi<'c> {
                         tracing::warn!(table = table_name::<E>(), error = %err, "gsi reconcile failed")
                     }
                 }
-            }
-        })
+                ControlFlow::Continue(())
+            },
+        )
     }
 }
 
@@ -961,11 +960,12 @@ fn entry_insert(
     value: &str,
     key: &str,
     owner: &str,
+    now_ms: i64,
 ) -> sea_orm::sea_query::InsertStatement {
     Query::insert()
         .into_table(Alias::new(index.table.as_str()))
         .columns(["value", "shard_key", "owner_pk", "created_ms"].map(Alias::new))
-        .values_panic([value.into(), key.into(), owner.into(), now_ms().into()])
+        .values_panic([value.into(), key.into(), owner.into(), now_ms.into()])
         .to_owned()
 }
 

@@ -33,7 +33,9 @@ use sea_orm::{ConnectionTrait, DatabaseConnection, DbBackend, Statement};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
+
+pub use crate::clock::{Clock, SystemClock};
 
 /// Default ids per ticket.
 pub const DEFAULT_BLOCK: u64 = 1000;
@@ -153,7 +155,11 @@ pub(crate) fn check_name(name: &str) -> Result<()> {
 }
 
 impl Ids {
-    pub(crate) fn new(servers: Vec<TicketServer>, config: IdsConfig) -> Result<Self> {
+    pub(crate) fn new(
+        servers: Vec<TicketServer>,
+        config: IdsConfig,
+        clock: Arc<dyn Clock>,
+    ) -> Result<Self> {
         for (name, seq) in &config.sequences {
             check_name(name)?;
             if seq.block == Some(0) {
@@ -166,8 +172,7 @@ impl Ids {
         let layout = config
             .snowflake
             .map_or(Ok(SnowflakeLayout::default()), SnowflakeLayout::new)?;
-        let snowflake =
-            Snowflake::new(layout, config.worker_id.unwrap_or(0), Arc::new(SystemClock))?;
+        let snowflake = Snowflake::new(layout, config.worker_id.unwrap_or(0), clock)?;
         Ok(Ids {
             tickets: Arc::new(Tickets {
                 servers,
@@ -737,24 +742,6 @@ impl Sequence {
 /// 16 bytes (`uuid` on PostgreSQL, `BINARY(16)`/`BLOB` elsewhere).
 pub fn uuid_v7() -> uuid::Uuid {
     uuid::Uuid::now_v7()
-}
-
-/// Where a snowflake generator reads the time (Unix milliseconds).
-pub trait Clock: Send + Sync {
-    /// Milliseconds since the Unix epoch.
-    fn now_millis(&self) -> u64;
-}
-
-/// The system clock.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct SystemClock;
-
-impl Clock for SystemClock {
-    fn now_millis(&self) -> u64 {
-        SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.as_millis() as u64)
-    }
 }
 
 /// Bit layout of a snowflake id: `time | worker | sequence`, most significant

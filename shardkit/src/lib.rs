@@ -85,12 +85,14 @@
 
 #![warn(missing_docs)]
 
+pub mod clock;
 pub mod cluster;
 pub mod entity;
 pub mod error;
 mod exec;
 pub mod gsi;
 pub mod ids;
+mod periodic;
 pub mod read;
 pub mod rollout;
 pub mod topology;
@@ -98,6 +100,7 @@ mod trace;
 pub mod tx;
 pub mod verify;
 
+pub use clock::{Clock, ManualClock, SystemClock};
 pub use cluster::{
     Cluster, ClusterBuilder, DatabaseMigrationStatus, Directory, MigrationReport, StatementEvent,
     StatementObserver,

@@ -33,7 +33,8 @@
 //!
 //! [moka]: https://docs.rs/moka
 
-use crate::cluster::{Cluster, WeakCluster};
+use crate::clock::Clock;
+use crate::cluster::Cluster;
 use crate::entity::{EntityGroup, ShardKey, ShardedEntity, table_name};
 use crate::error::{Result, ShardError};
 use crate::topology::ShardId;
@@ -49,7 +50,7 @@ use std::any::Any;
 use std::ops::ControlFlow;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Weak};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 /// Where a rollout is. See the [module docs](self) for what each phase does.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -218,10 +219,9 @@ pub(crate) struct Shared<Old: ShardedEntity, New: ShardedEntity> {
     phase: AtomicU8,
     to_new: Convert<ModelOf<Old>, ModelOf<New>>,
     to_old: Option<Convert<ModelOf<New>, ModelOf<Old>>>,
-    old_cache: moka::sync::Cache<String, ModelOf<Old>>,
-    new_cache: moka::sync::Cache<String, ModelOf<New>>,
+    old_cache: TimedCache<ModelOf<Old>>,
+    new_cache: TimedCache<ModelOf<New>>,
     gap: Duration,
-    refresh: Duration,
     me: Weak<Self>,
 }
 
@@ -292,21 +292,45 @@ pub(crate) trait OldWrites: Send + Sync {
     ) -> BoxFuture<'a, Result<(Box<dyn Any + Send>, AfterCommit)>>;
 }
 
-fn new_cache<V: Clone + Send + Sync + 'static>(
-    ttl: Duration,
-    capacity: u64,
-) -> moka::sync::Cache<String, V> {
-    moka::sync::Cache::builder()
-        .time_to_live(ttl)
-        .max_capacity(capacity)
-        .build()
+/// A cache of one model whose entries live `ttl` by the cluster's clock
+/// (so a [`ManualClock`](crate::clock::ManualClock) ages them in tests).
+/// Expired entries are dropped when next read; the capacity bounds memory.
+struct TimedCache<V> {
+    entries: moka::sync::Cache<String, (V, i64)>,
+    ttl_ms: i64,
+    clock: Arc<dyn Clock>,
 }
 
-fn now_ms() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or_default()
+impl<V: Clone + Send + Sync + 'static> TimedCache<V> {
+    fn new(ttl: Duration, capacity: u64, clock: Arc<dyn Clock>) -> Self {
+        TimedCache {
+            entries: moka::sync::Cache::builder().max_capacity(capacity).build(),
+            ttl_ms: i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX),
+            clock,
+        }
+    }
+
+    fn get(&self, key: &str) -> Option<V> {
+        let (value, at) = self.entries.get(key)?;
+        if crate::clock::now_ms(&*self.clock).saturating_sub(at) >= self.ttl_ms {
+            self.entries.invalidate(key);
+            return None;
+        }
+        Some(value)
+    }
+
+    fn insert(&self, key: String, value: V) {
+        self.entries
+            .insert(key, (value, crate::clock::now_ms(&*self.clock)));
+    }
+
+    fn invalidate(&self, key: &str) {
+        self.entries.invalidate(key);
+    }
+
+    fn invalidate_all(&self) {
+        self.entries.invalidate_all();
+    }
 }
 
 /// The cache key of a row: shard key and primary key, as text.
@@ -944,10 +968,17 @@ impl Cluster {
             phase: AtomicU8::new(state.phase as u8),
             to_new: rollout.to_new,
             to_old: rollout.to_old,
-            old_cache: new_cache(rollout.cache_ttl, rollout.cache_capacity),
-            new_cache: new_cache(rollout.cache_ttl, rollout.cache_capacity),
+            old_cache: TimedCache::new(
+                rollout.cache_ttl,
+                rollout.cache_capacity,
+                Arc::clone(self.clock()),
+            ),
+            new_cache: TimedCache::new(
+                rollout.cache_ttl,
+                rollout.cache_capacity,
+                Arc::clone(self.clock()),
+            ),
             gap,
-            refresh: rollout.refresh,
             me: me.clone(),
         });
         if !self.add_rollout(
@@ -962,11 +993,32 @@ impl Cluster {
                 ),
             ));
         }
-        spawn_refresh(Arc::downgrade(&shared), self.downgrade());
-        Ok(RolloutHandle {
+        let handle = RolloutHandle {
             shared,
             cluster: self.clone(),
-        })
+        };
+        handle.spawn_every(
+            rollout.refresh,
+            crate::periodic::FirstPass::AfterInterval,
+            |rollout| async move {
+                let (db, shard) = match state_db::<Old>(&rollout.cluster) {
+                    Ok(found) => found,
+                    Err(err) => {
+                        tracing::warn!(rollout = %rollout.shared.name, error = %err, "rollout phase refresh failed; keeping the last phase");
+                        return ControlFlow::Continue(());
+                    }
+                };
+                match read_state(db, shard, &rollout.shared.name).await {
+                    Ok(Some(state)) => rollout.shared.set_local_phase(state.phase),
+                    Ok(None) => {}
+                    Err(err) => {
+                        tracing::warn!(rollout = %rollout.shared.name, error = %err, "rollout phase refresh failed; keeping the last phase")
+                    }
+                }
+                ControlFlow::Continue(())
+            },
+        );
+        Ok(handle)
     }
 
     /// The rollout registered for `Old`, if it goes to `New`.
@@ -986,42 +1038,6 @@ impl Cluster {
     }
 }
 
-/// Re-reads the phase every `refresh` until the rollout or the cluster is gone.
-fn spawn_refresh<Old, New>(shared: Weak<Shared<Old, New>>, cluster: WeakCluster)
-where
-    Old: ShardedEntity,
-    New: ShardedEntity<Group = Old::Group>,
-    Old::Model: Sync,
-    New::Model: Sync + IntoActiveModel<New::ActiveModel>,
-    New::ActiveModel: Send,
-{
-    let Some(interval) = shared.upgrade().map(|s| s.refresh) else {
-        return;
-    };
-    tokio::spawn(async move {
-        let mut tick = tokio::time::interval(interval);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        tick.tick().await;
-        loop {
-            tick.tick().await;
-            let (Some(shared), Some(cluster)) = (shared.upgrade(), cluster.upgrade()) else {
-                return;
-            };
-            let result = match state_db::<Old>(&cluster) {
-                Ok((db, shard)) => read_state(db, shard, &shared.name).await,
-                Err(e) => Err(e),
-            };
-            match result {
-                Ok(Some(state)) => shared.set_local_phase(state.phase),
-                Ok(None) => {}
-                Err(err) => {
-                    tracing::warn!(rollout = %shared.name, error = %err, "rollout phase refresh failed; keeping the last phase")
-                }
-            }
-        }
-    });
-}
-
 impl<Old, New> RolloutHandle<Old, New>
 where
     Old: ShardedEntity,
@@ -1033,6 +1049,33 @@ where
 {
     pub(crate) fn shared(&self) -> &Shared<Old, New> {
         &self.shared
+    }
+
+    /// Runs `pass` every `interval` on this rollout (see [`crate::periodic`])
+    /// until the cluster is dropped or `pass` breaks. Between passes the task
+    /// holds neither the rollout nor the cluster.
+    pub(crate) fn spawn_every<F, Fut>(
+        &self,
+        interval: Duration,
+        first: crate::periodic::FirstPass,
+        mut pass: F,
+    ) -> tokio::task::JoinHandle<()>
+    where
+        F: FnMut(RolloutHandle<Old, New>) -> Fut + Send + 'static,
+        Fut: std::future::Future<Output = ControlFlow<()>> + Send + 'static,
+    {
+        let shared = Arc::downgrade(&self.shared);
+        crate::periodic::spawn(&self.cluster, interval, first, move |cluster| {
+            let run = shared
+                .upgrade()
+                .map(|shared| pass(RolloutHandle { shared, cluster }));
+            async move {
+                match run {
+                    Some(run) => run.await,
+                    None => ControlFlow::Break(()),
+                }
+            }
+        })
     }
 
     pub(crate) fn cluster(&self) -> &Cluster {
@@ -1118,7 +1161,7 @@ where
                     "the new table is not backfilled: run backfill() while dual writing, then advance",
                 ));
             }
-            let elapsed = std::cmp::max(now_ms() - state.changed_ms, 0);
+            let elapsed = std::cmp::max(self.cluster.now_ms() - state.changed_ms, 0);
             if elapsed < state.gap_ms {
                 return Err(ShardError::RolloutTooSoon {
                     rollout: self.shared.name.clone(),
@@ -1133,7 +1176,7 @@ where
         let mut stmt = Query::update();
         stmt.table(Alias::new(STATE_TABLE))
             .value(Alias::new("phase"), to.as_str())
-            .value(Alias::new("changed_ms"), now_ms())
+            .value(Alias::new("changed_ms"), self.cluster.now_ms())
             .and_where(Expr::col(Alias::new("name")).eq(self.shared.name.as_str()))
             .and_where(Expr::col(Alias::new("phase")).eq(from.as_str()))
             .and_where(Expr::col(Alias::new("changed_ms")).eq(state.changed_ms));

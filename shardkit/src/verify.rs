@@ -531,37 +531,41 @@ where
         Ok(report)
     }
 
-    /// Runs [`verify`](Self::verify) every `interval` until the handle is
-    /// aborted (PayPal's consistency daemon); each pass's counts are logged,
-    /// differences at `warn`.
+    /// Runs [`verify`](Self::verify) every `interval` (the first pass at
+    /// once) until the handle is aborted or the cluster is dropped (the task
+    /// does not keep the cluster alive; PayPal's consistency daemon); each
+    /// pass's counts are logged, differences at `warn`.
     pub fn verify_every(
         &self,
         interval: Duration,
         opts: VerifyOptions,
     ) -> tokio::task::JoinHandle<()> {
-        let this = self.clone();
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(interval);
-            loop {
-                tick.tick().await;
-                match this.verify(opts.clone()).await {
-                    Ok(r) if r.is_consistent() => {
-                        tracing::info!(rollout = %this.name(), rows = r.rows, chunks = r.chunks, "rollout verify: consistent")
+        self.spawn_every(
+            interval,
+            crate::periodic::FirstPass::Now,
+            move |this| {
+                let opts = opts.clone();
+                async move {
+                    match this.verify(opts).await {
+                        Ok(r) if r.is_consistent() => {
+                            tracing::info!(rollout = %this.name(), rows = r.rows, chunks = r.chunks, "rollout verify: consistent")
+                        }
+                        Ok(r) => tracing::warn!(
+                            rollout = %this.name(),
+                            missing = r.missing.len(),
+                            extra = r.extra.len(),
+                            different = r.different.len(),
+                            repaired = r.repaired,
+                            "rollout verify: differences"
+                        ),
+                        Err(err) => {
+                            tracing::warn!(rollout = %this.name(), error = %err, "rollout verify failed")
+                        }
                     }
-                    Ok(r) => tracing::warn!(
-                        rollout = %this.name(),
-                        missing = r.missing.len(),
-                        extra = r.extra.len(),
-                        different = r.different.len(),
-                        repaired = r.repaired,
-                        "rollout verify: differences"
-                    ),
-                    Err(err) => {
-                        tracing::warn!(rollout = %this.name(), error = %err, "rollout verify failed")
-                    }
+                    std::ops::ControlFlow::Continue(())
                 }
-            }
-        })
+            },
+        )
     }
 }
 

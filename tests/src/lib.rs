@@ -639,14 +639,24 @@ pub type Sent = std::sync::Arc<std::sync::Mutex<Vec<(String, sea_orm::Statement)
 /// A cluster over the test's first `shards` databases (with `groups`
 /// appended to the config) that records every statement it sends.
 pub async fn recording_cluster(dbs: &TestDbs, shards: usize, groups: &str) -> (Cluster, Sent) {
+    recording_cluster_with(dbs, shards, groups, |builder| builder).await
+}
+
+/// [`recording_cluster`] with more builder options (a clock, say).
+pub async fn recording_cluster_with(
+    dbs: &TestDbs,
+    shards: usize,
+    groups: &str,
+    options: impl FnOnce(shardkit::ClusterBuilder) -> shardkit::ClusterBuilder,
+) -> (Cluster, Sent) {
     let sent: Sent = Sent::default();
     let log = std::sync::Arc::clone(&sent);
-    let cluster = Cluster::builder(dbs.config(shards, groups))
-        .on_statement(move |event| {
-            log.lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .push((event.shard.to_owned(), event.statement.clone()))
-        })
+    let builder = Cluster::builder(dbs.config(shards, groups)).on_statement(move |event| {
+        log.lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push((event.shard.to_owned(), event.statement.clone()))
+    });
+    let cluster = options(builder)
         .connect()
         .await
         .expect("connect the test cluster");

@@ -7,9 +7,12 @@ use sea_orm::{
     ActiveValue::Unchanged, ColumnTrait, ConnectionTrait, EntityTrait, QueryFilter, Set, Statement,
 };
 use shardkit::gsi::IndexState;
-use shardkit::{Cluster, ShardError};
+use shardkit::{Cluster, ClusterBuilder, ManualClock, ShardError};
 use shardkit_tests::models::*;
-use shardkit_tests::{IndexWrite, Sent, TestDbs, backend_tests, index_writes, recording_cluster};
+use shardkit_tests::{
+    IndexWrite, Sent, TestDbs, backend_tests, index_writes, recording_cluster,
+    recording_cluster_with,
+};
 use std::collections::BTreeSet;
 
 backend_tests!(4 =>
@@ -23,7 +26,16 @@ backend_tests!(4 =>
 );
 
 async fn gsi_cluster(dbs: &TestDbs, extra: &str) -> (Cluster, Sent) {
-    let (cluster, sent) = recording_cluster(dbs, 4, &format!("[groups.Customer]\n{extra}")).await;
+    gsi_cluster_with(dbs, extra, |b| b).await
+}
+
+async fn gsi_cluster_with(
+    dbs: &TestDbs,
+    extra: &str,
+    options: impl FnOnce(ClusterBuilder) -> ClusterBuilder,
+) -> (Cluster, Sent) {
+    let groups = format!("[groups.Customer]\n{extra}");
+    let (cluster, sent) = recording_cluster_with(dbs, 4, &groups, options).await;
     cluster.migrate::<Migrator>().await.unwrap();
     cluster.gsi().create::<contact::Entity>().await.unwrap();
     (cluster, sent)
@@ -222,7 +234,11 @@ async fn lookups_follow_the_index(dbs: &mut TestDbs) {
 }
 
 async fn unique_violation_and_takeover(dbs: &mut TestDbs) {
-    let (cluster, _) = gsi_cluster(dbs, "[gsi]\ngrace_ms = 300\n").await;
+    let clock = std::sync::Arc::new(ManualClock::starting_now());
+    let grace = std::time::Duration::from_millis(300);
+    let shared = std::sync::Arc::clone(&clock);
+    let (cluster, _) =
+        gsi_cluster_with(dbs, "[gsi]\ngrace_ms = 300\n", move |b| b.clock(shared)).await;
     cluster
         .gsi()
         .backfill::<contact::Entity>(contact::Column::Email)
@@ -289,7 +305,14 @@ async fn unique_violation_and_takeover(dbs: &mut TestDbs) {
         add_contact(&cluster, 4, 4, "free@example.com", "4").await,
         Err(ShardError::UniqueViolation { .. })
     ));
-    tokio::time::sleep(std::time::Duration::from_millis(400)).await;
+    // Still within it one millisecond before it ends (the index row's write
+    // time is the cluster clock's, like the time it is compared with).
+    clock.advance(grace - std::time::Duration::from_millis(1));
+    assert!(matches!(
+        add_contact(&cluster, 4, 4, "free@example.com", "4").await,
+        Err(ShardError::UniqueViolation { .. })
+    ));
+    clock.advance(std::time::Duration::from_millis(1));
     // After it, the new row takes the dangling entry over.
     add_contact(&cluster, 4, 4, "free@example.com", "4")
         .await

@@ -3,9 +3,10 @@
 //! together, caches of both models, backfill, and the verifier.
 
 use sea_orm::{ActiveValue::Unchanged, ConnectionTrait, EntityTrait, QueryFilter, Set, Statement};
-use shardkit::{Cluster, Phase, Rollout, RolloutHandle, ShardError, VerifyOptions};
+use shardkit::{Cluster, ManualClock, Phase, Rollout, RolloutHandle, ShardError, VerifyOptions};
 use shardkit_tests::models::*;
-use shardkit_tests::{Sent, TestDbs, backend_tests, count_rows, recording_cluster};
+use shardkit_tests::{Sent, TestDbs, backend_tests, count_rows, recording_cluster_with};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 backend_tests!(4 =>
@@ -28,9 +29,21 @@ fn people_rollout(ttl: Duration) -> Rollout<person_v1::Entity, person_v2::Entity
         .refresh_every(REFRESH)
 }
 
+/// The time every instance of a test reads: phase gaps and cache lifetimes
+/// pass when the test advances it, not while it sleeps.
+fn test_clock() -> Arc<ManualClock> {
+    Arc::new(ManualClock::starting_now())
+}
+
+/// A cluster over the test's shards reading `clock`.
+async fn connect(dbs: &TestDbs, clock: &Arc<ManualClock>) -> (Cluster, Sent) {
+    let clock = Arc::clone(clock);
+    recording_cluster_with(dbs, 4, "[groups.Customer]", move |b| b.clock(clock)).await
+}
+
 /// One application instance: its own pools, caches and statement log.
-async fn instance(dbs: &TestDbs) -> (Cluster, Sent, People) {
-    let (cluster, sent) = recording_cluster(dbs, 4, "[groups.Customer]").await;
+async fn instance(dbs: &TestDbs, clock: &Arc<ManualClock>) -> (Cluster, Sent, People) {
+    let (cluster, sent) = connect(dbs, clock).await;
     cluster.migrate::<Migrator>().await.unwrap();
     let people = cluster.register_rollout(people_rollout(TTL)).await.unwrap();
     (cluster, sent, people)
@@ -94,14 +107,15 @@ async fn remove(cluster: &Cluster, id: i64, customer: i64) -> shardkit::Result<u
     Ok(n)
 }
 
-/// Advances as soon as the gap allows (asserting the refusal names a wait).
-async fn advance(people: &People) -> Phase {
+/// Advances as soon as the gap allows: a refusal names the wait, and the
+/// clock is moved by exactly that much.
+async fn advance(people: &People, clock: &ManualClock) -> Phase {
     loop {
         match people.advance().await {
             Ok(phase) => return phase,
             Err(ShardError::RolloutTooSoon { wait_ms, .. }) => {
                 assert!(wait_ms > 0);
-                tokio::time::sleep(Duration::from_millis(wait_ms + 5)).await;
+                clock.advance(Duration::from_millis(wait_ms));
             }
             Err(e) => panic!("advance: {e}"),
         }
@@ -109,12 +123,12 @@ async fn advance(people: &People) -> Phase {
 }
 
 /// Waits (without asking) until the instance acts on `phase`: phase
-/// changes reach it through its own refresh.
+/// changes reach it through its own refresh, every `REFRESH` of real time.
 async fn sees(people: &People, phase: Phase) {
     let start = Instant::now();
     while people.phase() != phase {
         assert!(
-            start.elapsed() < REFRESH * 10,
+            start.elapsed() < Duration::from_secs(10),
             "instance still on {} after {:?}, expected {phase}",
             people.phase(),
             start.elapsed()
@@ -123,8 +137,14 @@ async fn sees(people: &People, phase: Phase) {
     }
 }
 
+/// Statements sent other than the background phase refresh's reads of the
+/// state table (which run every `REFRESH` whatever the test does).
 fn statements(sent: &Sent) -> usize {
-    sent.lock().unwrap().len()
+    sent.lock()
+        .unwrap()
+        .iter()
+        .filter(|(_, s)| !s.sql.contains("shardkit_rollouts"))
+        .count()
 }
 
 /// The row of `table` with `id` on the shard its key routes to (raw SQL).
@@ -141,10 +161,11 @@ async fn raw_city(cluster: &Cluster, table: &str, customer: i64, id: i64) -> Opt
 }
 
 async fn full_rollout_walk(dbs: &mut TestDbs) {
+    let clock = test_clock();
     // Two instances: "old code" writes and reads the old model; "new code"
     // reads the new one. Both have the rollout registered.
-    let (old_app, old_sent, old_view) = instance(dbs).await;
-    let (new_app, new_sent, new_view) = instance(dbs).await;
+    let (old_app, old_sent, old_view) = instance(dbs, &clock).await;
+    let (new_app, new_sent, new_view) = instance(dbs, &clock).await;
     assert_eq!(old_view.phase(), Phase::Off);
 
     // Off: only the old table is written; the new path converts old rows.
@@ -161,7 +182,7 @@ async fn full_rollout_walk(dbs: &mut TestDbs) {
     assert_eq!(new_view.get_new(3, 3).await.unwrap(), Some(want.clone()));
 
     // CacheBoth: every write fills both caches; tables unchanged.
-    assert_eq!(advance(&old_view).await, Phase::CacheBoth);
+    assert_eq!(advance(&old_view, &clock).await, Phase::CacheBoth);
     sees(&new_view, Phase::CacheBoth).await;
     let ann = put(&old_app, &person(11, 1, "Ann", "Berg", "Rome"))
         .await
@@ -191,7 +212,7 @@ async fn full_rollout_walk(dbs: &mut TestDbs) {
 
     // DualWrite: writes of the old entity write the new table too, from
     // either instance.
-    assert_eq!(advance(&new_view).await, Phase::DualWrite);
+    assert_eq!(advance(&new_view, &clock).await, Phase::DualWrite);
     sees(&old_view, Phase::DualWrite).await;
     put(&old_app, &person(12, 2, "Bo", "Dahl", "Pisa"))
         .await
@@ -225,7 +246,7 @@ async fn full_rollout_walk(dbs: &mut TestDbs) {
         [3, 4, 5, 6, 7, 8, 9, 10].map(|i: i64| i.to_string()).into();
     assert_eq!(missing, expected);
     assert!(report.extra.is_empty() && report.different.is_empty());
-    tokio::time::sleep(TTL + REFRESH).await;
+    clock.advance(TTL + REFRESH);
     match old_view.advance().await {
         Err(ShardError::Rollout {
             phase: Phase::DualWrite,
@@ -268,14 +289,18 @@ async fn full_rollout_walk(dbs: &mut TestDbs) {
     assert_eq!(report.rows, 11);
 
     // ReadNew: reads come from the new table; old reads are converted back.
-    assert_eq!(advance(&old_view).await, Phase::ReadNew);
+    assert_eq!(advance(&old_view, &clock).await, Phase::ReadNew);
     sees(&new_view, Phase::ReadNew).await;
     set_city(&old_app, 12, 2, "Genoa").await.unwrap();
     new_view.clear_caches();
     let before = new_sent.lock().unwrap().len();
     let got = new_view.get_old(2, 12).await.unwrap().unwrap();
     assert_eq!(got.city, "Genoa");
-    let read = new_sent.lock().unwrap()[before..].to_vec();
+    let read: Vec<_> = new_sent.lock().unwrap()[before..]
+        .iter()
+        .filter(|(_, s)| !s.sql.contains("shardkit_rollouts"))
+        .cloned()
+        .collect();
     assert!(
         read.len() == 1 && read[0].1.sql.contains("people_v2"),
         "expected one read of people_v2: {read:?}"
@@ -284,7 +309,7 @@ async fn full_rollout_walk(dbs: &mut TestDbs) {
     assert!(report.is_consistent(), "{report:?}");
 
     // NewOnly: old-path writes land in the new table only.
-    assert_eq!(advance(&new_view).await, Phase::NewOnly);
+    assert_eq!(advance(&new_view, &clock).await, Phase::NewOnly);
     sees(&old_view, Phase::NewOnly).await;
     let old_rows = count_rows(&old_app, "people").await;
     let dee = put(&old_app, &person(14, 4, "Dee", "Holm", "Kyiv"))
@@ -324,7 +349,7 @@ async fn full_rollout_walk(dbs: &mut TestDbs) {
 
     // Done: the old table is retired; writes of the old entity are refused
     // before anything is written.
-    assert_eq!(advance(&old_view).await, Phase::Done);
+    assert_eq!(advance(&old_view, &clock).await, Phase::Done);
     sees(&new_view, Phase::Done).await;
     match put(&new_app, &person(15, 0, "Eve", "Lund", "Riga")).await {
         Err(ShardError::Rollout {
@@ -350,9 +375,10 @@ async fn full_rollout_walk(dbs: &mut TestDbs) {
 }
 
 async fn failed_new_write_rolls_back_old(dbs: &mut TestDbs) {
-    let (app, _, people) = instance(dbs).await;
-    advance(&people).await;
-    assert_eq!(advance(&people).await, Phase::DualWrite);
+    let clock = test_clock();
+    let (app, _, people) = instance(dbs, &clock).await;
+    advance(&people, &clock).await;
+    assert_eq!(advance(&people, &clock).await, Phase::DualWrite);
     put(&app, &person(1, 7, "Ann", "Lee", "Oslo"))
         .await
         .unwrap();
@@ -416,44 +442,47 @@ async fn failed_new_write_rolls_back_old(dbs: &mut TestDbs) {
 }
 
 async fn phase_gap_is_enforced(dbs: &mut TestDbs) {
-    let (app, _, people) = instance(dbs).await;
+    let clock = test_clock();
+    let (app, _, people) = instance(dbs, &clock).await;
     // The first step has no previous change to wait for.
     assert_eq!(people.advance().await.unwrap(), Phase::CacheBoth);
-    match people.advance().await {
+    let gap = TTL + REFRESH;
+    let too_soon = |result: shardkit::Result<Phase>| match result {
         Err(ShardError::RolloutTooSoon {
             from,
             to,
             gap_ms,
             wait_ms,
+            elapsed_ms,
             ..
         }) => {
             assert_eq!((from, to), (Phase::CacheBoth, Phase::DualWrite));
-            assert_eq!(gap_ms, (TTL + REFRESH).as_millis() as u64);
-            assert!(
-                wait_ms > 0 && wait_ms <= gap_ms,
-                "wait {wait_ms} of {gap_ms}"
-            );
+            (gap_ms, elapsed_ms, wait_ms)
         }
         other => panic!("advance inside the gap: {other:?}"),
-    }
+    };
+    let gap_ms = gap.as_millis() as u64;
+    assert_eq!(too_soon(people.advance().await), (gap_ms, 0, gap_ms));
+    // One millisecond short of the gap is still too soon.
+    clock.advance(gap - Duration::from_millis(1));
+    assert_eq!(too_soon(people.advance().await), (gap_ms, gap_ms - 1, 1));
     assert_eq!(people.refresh().await.unwrap(), Phase::CacheBoth);
     // An instance with a longer cache TTL lengthens the gap for everyone.
-    let (other, _) = recording_cluster(dbs, 4, "[groups.Customer]").await;
+    let (other, _) = connect(dbs, &clock).await;
     let slow = other
         .register_rollout(people_rollout(Duration::from_secs(30)))
         .await
         .unwrap();
     assert_eq!(slow.phase(), Phase::CacheBoth);
-    tokio::time::sleep(TTL + REFRESH).await;
-    match people.advance().await {
-        Err(ShardError::RolloutTooSoon { gap_ms, .. }) => {
-            assert_eq!(
-                gap_ms,
-                (Duration::from_secs(30) + REFRESH).as_millis() as u64
-            )
-        }
-        other => panic!("advance inside the longer gap: {other:?}"),
-    }
+    clock.advance(Duration::from_millis(1));
+    let long_ms = (Duration::from_secs(30) + REFRESH).as_millis() as u64;
+    assert_eq!(
+        too_soon(people.advance().await),
+        (long_ms, gap_ms, long_ms - gap_ms)
+    );
+    clock.advance(Duration::from_millis(long_ms - gap_ms));
+    assert_eq!(people.advance().await.unwrap(), Phase::DualWrite);
+    assert_eq!(people.retreat().await.unwrap(), Phase::CacheBoth);
     // Rolling back is allowed at once, and restarts the gap.
     assert_eq!(people.retreat().await.unwrap(), Phase::Off);
     assert!(matches!(
@@ -476,9 +505,10 @@ async fn exec_on(cluster: &Cluster, customer: i64, sql: &str) {
 }
 
 async fn verify_finds_injected_differences(dbs: &mut TestDbs) {
-    let (app, _, people) = instance(dbs).await;
-    advance(&people).await;
-    advance(&people).await;
+    let clock = test_clock();
+    let (app, _, people) = instance(dbs, &clock).await;
+    advance(&people, &clock).await;
+    advance(&people, &clock).await;
     // 60 rows of one customer (one shard), 20 of others.
     for id in 1..=80 {
         let customer = if id <= 60 { 5 } else { id % 4 };
@@ -548,7 +578,8 @@ async fn verify_finds_injected_differences(dbs: &mut TestDbs) {
 }
 
 async fn verify_shards_compares_copies(dbs: &mut TestDbs) {
-    let (app, _, _) = instance(dbs).await;
+    let clock = test_clock();
+    let (app, _, _) = instance(dbs, &clock).await;
     for id in 1..=120 {
         put(&app, &person(id, id % 9, "P", &format!("N{id}"), "C"))
             .await

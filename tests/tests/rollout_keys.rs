@@ -4,9 +4,10 @@
 
 use sea_orm::ConnectionTrait;
 use shardkit::prelude::*;
-use shardkit::{Phase, Rollout, RolloutHandle};
+use shardkit::{ManualClock, Phase, Rollout, RolloutHandle};
 use shardkit_tests::models::*;
 use shardkit_tests::{TestDbs, backend_tests, count_rows};
+use std::sync::Arc;
 use std::time::Duration;
 
 backend_tests!(4 => conversion_that_moves_the_key_is_refused);
@@ -22,12 +23,13 @@ fn moving(old: &person_v1::Model) -> person_v2::Model {
     new
 }
 
-async fn advance(rollout: &Moving) -> Phase {
+/// Advances, moving `clock` past the gap when it is too soon.
+async fn advance(rollout: &Moving, clock: &ManualClock) -> Phase {
     loop {
         match rollout.advance().await {
             Ok(phase) => return phase,
             Err(ShardError::RolloutTooSoon { wait_ms, .. }) => {
-                tokio::time::sleep(Duration::from_millis(wait_ms + 5)).await;
+                clock.advance(Duration::from_millis(wait_ms));
             }
             Err(e) => panic!("advance: {e}"),
         }
@@ -45,7 +47,12 @@ fn person(id: i64, customer: i64) -> person_v1::ActiveModel {
 }
 
 async fn conversion_that_moves_the_key_is_refused(dbs: &mut TestDbs) {
-    let cluster = dbs.cluster(4, "[groups.Customer]\n").await;
+    let clock = Arc::new(ManualClock::starting_now());
+    let cluster = Cluster::builder(dbs.config(4, "[groups.Customer]\n"))
+        .clock(clock.clone())
+        .connect()
+        .await
+        .unwrap();
     cluster.migrate::<Migrator>().await.unwrap();
     let rollout = cluster
         .register_rollout(
@@ -56,8 +63,8 @@ async fn conversion_that_moves_the_key_is_refused(dbs: &mut TestDbs) {
         )
         .await
         .unwrap();
-    assert_eq!(advance(&rollout).await, Phase::CacheBoth);
-    assert_eq!(advance(&rollout).await, Phase::DualWrite);
+    assert_eq!(advance(&rollout, &clock).await, Phase::CacheBoth);
+    assert_eq!(advance(&rollout, &clock).await, Phase::DualWrite);
 
     // Dual write: refused before the new row is written; the transaction
     // is rollback-only, so the old row does not commit either.

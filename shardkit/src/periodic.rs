@@ -1,0 +1,97 @@
+//! Periodic background tasks that live no longer than their cluster.
+//!
+//! A task holds only a weak reference to the cluster between passes, and
+//! for a pass it borrows a handle that keeps the pools open but is not a
+//! *user* of the cluster. User handles (the [`Cluster`]s a program holds, and
+//! the reads, transactions and rollout handles made from them) share one
+//! [`Users`] guard; when the last of them drops, the [`Stop`] signal closes
+//! and every task returns at once, a pass in flight included (its statements
+//! run in transactions, which roll back when dropped). Counting passes as
+//! users would let tasks whose passes overlap keep each other, and the
+//! pools, alive forever.
+
+use crate::cluster::{Cluster, WeakCluster};
+use std::future::Future;
+use std::ops::ControlFlow;
+use std::time::Duration;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+/// Shared by every user handle of a cluster; dropping the last one closes
+/// the cluster's [`Stop`] signal.
+#[derive(Debug)]
+pub(crate) struct Users {
+    _stop: watch::Sender<()>,
+}
+
+impl Users {
+    /// The guard for a new cluster's user handles, and its signal.
+    pub(crate) fn new() -> (Users, Stop) {
+        let (tx, rx) = watch::channel(());
+        (Users { _stop: tx }, Stop(rx))
+    }
+}
+
+/// Closed once the cluster has no user left.
+#[derive(Debug)]
+pub(crate) struct Stop(watch::Receiver<()>);
+
+impl Stop {
+    fn subscribe(&self) -> watch::Receiver<()> {
+        self.0.clone()
+    }
+}
+
+/// When a task's first pass runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum FirstPass {
+    /// As soon as the task starts.
+    Now,
+    /// One interval after the task starts.
+    AfterInterval,
+}
+
+/// Runs `pass` every `interval` (delayed, not bunched up, when a pass
+/// overruns) until the cluster's last user handle is dropped, `pass` returns
+/// [`ControlFlow::Break`], or the returned handle is aborted. Each pass gets
+/// a task handle of the cluster that it drops when it is done.
+pub(crate) fn spawn<F, Fut>(
+    cluster: &Cluster,
+    interval: Duration,
+    first: FirstPass,
+    mut pass: F,
+) -> JoinHandle<()>
+where
+    F: FnMut(Cluster) -> Fut + Send + 'static,
+    Fut: Future<Output = ControlFlow<()>> + Send,
+{
+    let weak: WeakCluster = cluster.downgrade();
+    let mut stopped = cluster.stop_signal().subscribe();
+    // A zero interval would make `interval` panic.
+    let interval = interval.max(Duration::from_millis(1));
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        if first == FirstPass::AfterInterval {
+            tick.tick().await;
+        }
+        loop {
+            // Nothing is ever sent: `changed` completes when the last user
+            // handle is gone.
+            tokio::select! {
+                _ = tick.tick() => {}
+                _ = stopped.changed() => return,
+            }
+            let Some(cluster) = weak.upgrade() else {
+                return;
+            };
+            if stopped.has_changed().is_err() {
+                return;
+            }
+            tokio::select! {
+                flow = pass(cluster) => if flow.is_break() { return },
+                _ = stopped.changed() => return,
+            }
+        }
+    })
+}
