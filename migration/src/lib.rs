@@ -148,29 +148,42 @@ impl MigratorTrait for TicketMigrator {
 /// inserts still in flight alone). A unique index's primary key is the value;
 /// a non-unique one's is (value, shard key, owner).
 pub fn gsi_table(name: &str, unique: bool) -> TableCreateStatement {
+    gsi_table_collated(name, unique, None)
+}
+
+/// [`gsi_table`] with its text columns in `collation` (`CHARACTER SET
+/// utf8mb4 COLLATE <collation>`; MySQL/MariaDB only). Index values compare
+/// byte for byte on every backend, so on MySQL/MariaDB the collation must be
+/// binary and NO PAD (`utf8mb4_nopad_bin` on MariaDB, `utf8mb4_0900_bin` on
+/// MySQL 8): a default collation would make `a@x`, `A@X` and `a@x ` one value.
+pub fn gsi_table_collated(
+    name: &str,
+    unique: bool,
+    collation: Option<&str>,
+) -> TableCreateStatement {
     let mut pk = Index::create();
     pk.col(Alias::new("value"));
     if !unique {
         pk.col(Alias::new("shard_key")).col(Alias::new("owner_pk"));
     }
+    let text = |column: &str| {
+        let mut def = ColumnDef::new(Alias::new(column));
+        match collation {
+            // The character set and collation belong right after the type.
+            Some(collation) => def.custom(Alias::new(format!(
+                "VARCHAR(255) CHARACTER SET utf8mb4 COLLATE {collation}"
+            ))),
+            None => def.string_len(255),
+        };
+        def.not_null();
+        def
+    };
     Table::create()
         .table(Alias::new(name))
         .if_not_exists()
-        .col(
-            ColumnDef::new(Alias::new("value"))
-                .string_len(255)
-                .not_null(),
-        )
-        .col(
-            ColumnDef::new(Alias::new("shard_key"))
-                .string_len(255)
-                .not_null(),
-        )
-        .col(
-            ColumnDef::new(Alias::new("owner_pk"))
-                .string_len(255)
-                .not_null(),
-        )
+        .col(text("value"))
+        .col(text("shard_key"))
+        .col(text("owner_pk"))
         .col(
             ColumnDef::new(Alias::new("created_ms"))
                 .big_integer()

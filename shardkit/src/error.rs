@@ -165,13 +165,37 @@ pub enum ShardError {
     },
 
     /// A unique global index already maps this value to another live row (or
-    /// to a write still in flight).
-    #[error("unique index `{index}` already holds value {value:?} for another row")]
+    /// to a write still in flight). Reported only on the database's
+    /// unique-violation code; a claim the database aborted (a deadlock) or
+    /// could not run is a [`ShardError::Db`]. The message quotes at most the
+    /// value's first 64 characters.
+    #[error(
+        "unique index `{index}` already holds value {} for another row",
+        Bounded(value)
+    )]
     UniqueViolation {
         /// The index table.
         index: String,
         /// The value.
         value: String,
+    },
+
+    /// A value is longer than a global index holds
+    /// ([`MAX_VALUE_CHARS`](crate::gsi::MAX_VALUE_CHARS)). Refused before any
+    /// I/O on every backend; nothing was written.
+    #[error(
+        "value for global index `{index}` is {chars} characters long; an index value holds at \
+         most {max} (value starts {prefix:?})"
+    )]
+    IndexValueTooLong {
+        /// The index table.
+        index: String,
+        /// The value's length in characters.
+        chars: usize,
+        /// The most an index value holds.
+        max: usize,
+        /// The value's first 64 characters.
+        prefix: String,
     },
 
     /// No ticket server could hand out a ticket for the sequence.
@@ -272,6 +296,7 @@ impl ShardError {
             | ShardError::RollbackOnly { .. }
             | ShardError::Unmergeable { .. }
             | ShardError::UniqueViolation { .. }
+            | ShardError::IndexValueTooLong { .. }
             | ShardError::RolloutTooSoon { .. }
             | ShardError::Rollout { .. } => ErrorKind::Refused,
             ShardError::Unroutable { .. } => ErrorKind::Routing,
@@ -318,6 +343,7 @@ impl ShardError {
             | ShardError::RollbackOnly { .. }
             | ShardError::Unmergeable { .. }
             | ShardError::UniqueViolation { .. }
+            | ShardError::IndexValueTooLong { .. }
             | ShardError::Rollout { .. }
             | ShardError::Unroutable { .. } => Retry::Never,
         }
@@ -393,6 +419,30 @@ pub(crate) fn db_retry(err: &DbErr) -> Retry {
             }
         }
         _ => Retry::Never,
+    }
+}
+
+/// How many characters of a user's value an error message quotes.
+pub(crate) const QUOTED_CHARS: usize = 64;
+
+/// A value quoted in a message: its first [`QUOTED_CHARS`] characters, and
+/// how long it is when that is not all of it.
+pub(crate) struct Bounded<'a>(pub(crate) &'a str);
+
+impl std::fmt::Display for Bounded<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let chars = self.0.chars().count();
+        if chars <= QUOTED_CHARS {
+            return write!(f, "{:?}", self.0);
+        }
+        let prefix: String = self.0.chars().take(QUOTED_CHARS).collect();
+        write!(f, "{prefix:?}... ({chars} characters)")
+    }
+}
+
+impl std::fmt::Debug for Bounded<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Display::fmt(self, f)
     }
 }
 

@@ -35,7 +35,8 @@
 
 use crate::cluster::Cluster;
 use crate::entity::{EntityGroup, ShardKey, ShardedEntity, table_name};
-use crate::error::{Result, ShardError};
+use crate::error::{Result, Retry, ShardError};
+use crate::keyset;
 use crate::read::{KeyOf, key_condition};
 use crate::topology::ShardId;
 use crate::topology::pghash::partition_hash_bytes;
@@ -45,8 +46,7 @@ use sea_orm::sea_query::{
 use sea_orm::{
     ActiveModelTrait, ActiveValue, ConnectionTrait, DatabaseConnection, DbBackend, DbErr,
     EntityTrait, ExprTrait, IdenStatic, Iterable, ModelTrait, PrimaryKeyToColumn, QueryFilter,
-    QueryOrder, QuerySelect, Statement, StatementBuilder, TransactionSession, TransactionTrait,
-    Value,
+    Statement, StatementBuilder, TransactionSession, TransactionTrait, Value,
 };
 use std::collections::HashMap;
 use std::ops::ControlFlow;
@@ -72,7 +72,7 @@ impl IndexState {
 }
 
 /// What [`Gsi::reconcile`] did.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ReconcileReport {
     /// Index rows examined.
     pub scanned: u64,
@@ -80,7 +80,42 @@ pub struct ReconcileReport {
     pub removed: u64,
     /// Index rows added for owners that had none.
     pub added: u64,
+    /// Owners without an index row whose value a unique index already lists
+    /// for another live row: two rows hold one unique value, which shardkit
+    /// cannot settle for the application. The pass goes on past them.
+    pub conflicts: Vec<ReconcileConflict>,
 }
+
+/// A row whose unique value another live row already holds in the index
+/// ([`ReconcileReport::conflicts`]).
+#[derive(Clone, PartialEq, Eq)]
+pub struct ReconcileConflict {
+    /// The index table.
+    pub index: String,
+    /// The value both rows hold.
+    pub value: String,
+    /// The shard key of the row left without an index row.
+    pub key: String,
+    /// Its primary key (as text).
+    pub owner: String,
+}
+
+impl std::fmt::Debug for ReconcileConflict {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ReconcileConflict")
+            .field("index", &self.index)
+            .field("value", &crate::error::Bounded(&self.value))
+            .field("key", &self.key)
+            .field("owner", &self.owner)
+            .finish()
+    }
+}
+
+/// Rows per chunk of a reconcile scan.
+const RECONCILE_CHUNK: u64 = 500;
+
+/// The prefix of a keyset backfill position in the catalog.
+const BACKFILL_CURSOR: &str = "pk/";
 
 /// Progress of a [`Gsi::backfill`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -189,6 +224,8 @@ pub(crate) struct Removal {
     pub(crate) value: String,
     pub(crate) key: String,
     pub(crate) owner: String,
+    /// The row's `created_ms` when the removal was decided: its version.
+    pub(crate) version: i64,
 }
 
 /// The GSI service of a cluster: `cluster.gsi()`.
@@ -252,6 +289,100 @@ impl Cluster {
     }
 }
 
+/// The binary NO PAD collation index tables use on a MySQL/MariaDB shard, so
+/// values compare byte for byte (`a@x`, `A@X` and `a@x ` are three values):
+/// `utf8mb4_nopad_bin` on MariaDB, `utf8mb4_0900_bin` on MySQL 8.
+async fn mysql_exact_collation(db: &DatabaseConnection, shard: &str) -> Result<&'static str> {
+    const CANDIDATES: [&str; 2] = ["utf8mb4_nopad_bin", "utf8mb4_0900_bin"];
+    let stmt = Statement::from_sql_and_values(
+        DbBackend::MySql,
+        "SELECT COLLATION_NAME AS name FROM information_schema.COLLATIONS \
+         WHERE COLLATION_NAME IN (?, ?)",
+        CANDIDATES.map(Value::from),
+    );
+    let rows = db
+        .query_all_raw(stmt)
+        .await
+        .map_err(|e| gsi_err(shard, "read collations".into(), e))?;
+    let names: Vec<String> = rows
+        .iter()
+        .filter_map(|r| r.try_get::<String>("", "name").ok())
+        .collect();
+    CANDIDATES
+        .into_iter()
+        .find(|c| names.iter().any(|n| n == c))
+        .ok_or_else(|| {
+            ShardError::config(
+                format!("shards ({shard})"),
+                "global indexes on MySQL/MariaDB need a binary NO PAD collation \
+                 (utf8mb4_nopad_bin on MariaDB 10.2+, utf8mb4_0900_bin on MySQL 8); \
+                 this server has neither",
+            )
+        })
+}
+
+/// Converts an index table made before index values compared exactly (its
+/// text columns in the server's default, case- and trailing-space-blind
+/// collation) to `collation`. Rows are kept; owners whose values such a table
+/// merged into one row get theirs back from [`Gsi::reconcile`].
+async fn convert_to_collation(
+    db: &DatabaseConnection,
+    shard: &str,
+    table: &str,
+    collation: &str,
+) -> Result<()> {
+    let err = |e| gsi_err(shard, format!("convert {table} to {collation}"), e);
+    let stmt = Statement::from_sql_and_values(
+        DbBackend::MySql,
+        "SELECT COUNT(*) AS n FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = DATABASE() \
+         AND TABLE_NAME = ? AND COLUMN_NAME IN ('value', 'shard_key', 'owner_pk') \
+         AND COLLATION_NAME <> ?",
+        [Value::from(table), Value::from(collation)],
+    );
+    let stale: i64 = db
+        .query_one_raw(stmt)
+        .await
+        .map_err(err)?
+        .map(|r| r.try_get("", "n"))
+        .transpose()
+        .map_err(err)?
+        .unwrap_or(0);
+    if stale == 0 {
+        return Ok(());
+    }
+    tracing::info!(
+        shard,
+        table,
+        collation,
+        "converting a global index table to exact comparison"
+    );
+    let column = |c: &str| {
+        format!("MODIFY `{c}` VARCHAR(255) CHARACTER SET utf8mb4 COLLATE {collation} NOT NULL")
+    };
+    let sql = format!(
+        "ALTER TABLE `{table}` {}, {}, {}",
+        column("value"),
+        column("shard_key"),
+        column("owner_pk")
+    );
+    db.execute_unprepared(&sql).await.map_err(err)?;
+    Ok(())
+}
+
+/// `column = value` as an index lookup's owner check: exact, byte for byte,
+/// as index values are. On MySQL/MariaDB a text column's collation usually
+/// ignores case and trailing spaces, so a text value is also compared as
+/// `CAST(column AS BINARY)`; the plain comparison stays first so the
+/// column's own index can still be used.
+pub(crate) fn exact_eq(column: Expr, value: &Value, backend: DbBackend) -> sea_orm::Condition {
+    let cond = sea_orm::Condition::all().add(column.clone().eq(value.clone()));
+    if backend == DbBackend::MySql && matches!(value, Value::String(_) | Value::Char(_)) {
+        cond.add(column.cast_as("BINARY").eq(value.clone()))
+    } else {
+        cond
+    }
+}
+
 /// Cached index states, so writes and lookups do not read the catalog each time.
 #[derive(Default)]
 pub(crate) struct StateCache(Mutex<HashMap<String, (IndexState, Instant)>>);
@@ -301,11 +432,22 @@ impl<'c> Gsi<'c> {
     pub async fn create<E: ShardedEntity>(&self) -> Result<()> {
         for id in self.group_shards::<E>()? {
             let (db, shard) = self.conn(id);
+            let collation = match db.get_database_backend() {
+                DbBackend::MySql => Some(mysql_exact_collation(db, shard).await?),
+                _ => None,
+            };
             for (column, unique) in E::GLOBAL_INDEXES {
                 let index = IndexDef::of::<E>(*column, *unique);
-                db.execute(&shardkit_migration::gsi_table(&index.table, index.unique))
-                    .await
-                    .map_err(|e| gsi_err(shard, format!("create {}", index.table), e))?;
+                db.execute(&shardkit_migration::gsi_table_collated(
+                    &index.table,
+                    index.unique,
+                    collation,
+                ))
+                .await
+                .map_err(|e| gsi_err(shard, format!("create {}", index.table), e))?;
+                if let Some(collation) = collation {
+                    convert_to_collation(db, shard, &index.table, collation).await?;
+                }
                 let insert = Query::insert()
                     .into_table(Alias::new("shardkit_gsi_catalog"))
                     .columns(
@@ -452,7 +594,11 @@ impl<'c> Gsi<'c> {
                 std::slice::from_ref(&key),
                 db.get_database_backend(),
             ))
-            .filter(Expr::col((E::default(), Alias::new(index.column))).eq(value.clone()))
+            .filter(exact_eq(
+                Expr::col((E::default(), Alias::new(index.column))),
+                value,
+                db.get_database_backend(),
+            ))
             .one(db)
             .await
             .map_err(|e| gsi_err(shard, format!("check owner in {}", table_name::<E>()), e))?;
@@ -490,6 +636,7 @@ impl<'c> Gsi<'c> {
         let Some(value) = value_text(raw_value) else {
             return Ok(());
         };
+        check_len(index, &value)?;
         let id = self.index_shard::<E>(index, &value)?;
         match local {
             Some((local_id, txn)) if local_id == id => {
@@ -570,13 +717,20 @@ impl<'c> Gsi<'c> {
         key: &str,
         owner: &str,
     ) -> Result<()> {
-        let value = value.to_owned();
         let err = |e| gsi_err(shard, format!("write {}", index.table), e);
         if !index.unique {
-            let insert = entry_insert(index, &value, key, owner, self.cluster.now_ms())
+            // Writing a row that exists bumps its version, so a removal
+            // queued before (which deletes only the version it read) leaves
+            // it in place.
+            let bump = version_bump(
+                db.get_database_backend(),
+                &index.table,
+                self.cluster.now_ms(),
+            );
+            let insert = entry_insert(index, value, key, owner, self.cluster.now_ms())
                 .on_conflict(
                     OnConflict::columns(["value", "shard_key", "owner_pk"].map(Alias::new))
-                        .update_column(Alias::new("created_ms"))
+                        .value(Alias::new("created_ms"), Expr::cust(bump))
                         .to_owned(),
                 )
                 .to_owned();
@@ -585,112 +739,231 @@ impl<'c> Gsi<'c> {
                 .map_err(err)?;
             return Ok(());
         }
-        // Fast path, outside a shard transaction: the value is usually free,
-        // and one autocommitted INSERT claims it. Only a conflict takes the
-        // checked path below.
-        if durability != Durability::OwnerTxn {
-            let insert = entry_insert(index, &value, key, owner, self.cluster.now_ms());
-            match self
-                .execute_index_write(db, shard, &insert, durability == Durability::Relaxed)
-                .await
-            {
-                Ok(_) => return Ok(()),
-                Err(e)
-                    if matches!(
-                        e.sql_err(),
-                        Some(sea_orm::SqlErr::UniqueConstraintViolation(_))
-                    ) => {}
-                Err(e) => return Err(err(e)),
+        if durability == Durability::OwnerTxn {
+            // In the owner's transaction itself, without a savepoint: the
+            // claim's statements never fail on a conflict (they upsert), and
+            // a deadlock rolls back the whole transaction on MySQL/MariaDB,
+            // savepoint included (sqlx would then fail the transaction's next
+            // statement with `SAVEPOINT _sqlx_savepoint_1 does not exist`).
+            // The caller makes the transaction rollback-only on such errors.
+            return self
+                .claim::<E, C>(db, shard, index, raw_value, value, key, owner)
+                .await;
+        }
+        // Fast path: the value is usually free, and one autocommitted INSERT
+        // claims it. Only a conflict takes the checked path below.
+        let insert = entry_insert(index, value, key, owner, self.cluster.now_ms());
+        match self
+            .execute_index_write(db, shard, &insert, durability == Durability::Relaxed)
+            .await
+        {
+            Ok(_) => return Ok(()),
+            Err(e) if is_unique_violation(&e) => {}
+            Err(e) => return Err(write_err(index, value, shard, e)),
+        }
+        // The checked claim in a transaction of its own, retried a few times
+        // when the database aborts it (a deadlock among racing claims): no
+        // one else's work is lost by running it again.
+        let mut attempt = 1;
+        loop {
+            let result = match crate::exec::begin_write(db).await {
+                Ok(txn) => match self
+                    .claim::<E, _>(&txn, shard, index, raw_value, value, key, owner)
+                    .await
+                {
+                    Ok(()) => txn.commit().await.map_err(err),
+                    Err(e) => {
+                        // The driver's rollback error adds nothing to the claim's.
+                        let _ = txn.rollback().await;
+                        Err(e)
+                    }
+                },
+                Err(e) => Err(err(e)),
+            };
+            match result {
+                Err(e) if attempt < CLAIM_ATTEMPTS && e.retry() == Retry::Transaction => {
+                    tracing::debug!(index = %index.table, attempt, error = %e, "unique claim aborted by the database; retrying");
+                    tokio::time::sleep(claim_backoff(attempt)).await;
+                    attempt += 1;
+                }
+                other => return other,
             }
         }
-        let grace = self.cluster.gsi_grace();
-        let txn = crate::exec::begin_write(db).await.map_err(err)?;
+    }
+
+    /// Claims unique `value` for `key`/`owner` through `conn` (the claim's
+    /// own transaction, or the owner's): an upsert that inserts the row, or
+    /// bumps its version when the row is already this owner's, and locks it
+    /// either way; a row of another owner is then taken over when it is
+    /// dangling (older than the grace period, its owner gone), or the claim
+    /// is a [`ShardError::UniqueViolation`]. No statement fails on a
+    /// conflict, so a PostgreSQL transaction stays usable after a refusal.
+    #[allow(clippy::too_many_arguments)]
+    async fn claim<E: ShardedEntity, C: ConnectionTrait>(
+        &self,
+        conn: &C,
+        shard: &str,
+        index: &IndexDef,
+        raw_value: &Value,
+        value: &str,
+        key: &str,
+        owner: &str,
+    ) -> Result<()> {
+        let err = |e| write_err(index, value, shard, e);
+        let backend = conn.get_database_backend();
+        let stamp = self.cluster.now_ms();
+        let bump = version_bump(backend, &index.table, stamp);
+        let table = quoted(backend, &index.table);
+        let mut on_conflict = OnConflict::column(Alias::new("value"));
+        if backend == DbBackend::MySql {
+            // MySQL has no conditional upsert: the update leaves another
+            // owner's row as it is (1 affected row, like an insert, since
+            // sqlx asks for found rows) and bumps this owner's (2).
+            on_conflict.value(
+                Alias::new("created_ms"),
+                Expr::cust(format!(
+                    "IF({table}.`shard_key` = VALUES(`shard_key`) AND {table}.`owner_pk` = VALUES(`owner_pk`), {bump}, {table}.`created_ms`)"
+                )),
+            );
+        } else {
+            // Updates (and counts) only this owner's row; another owner's
+            // row is locked all the same (PostgreSQL), or the transaction
+            // holds SQLite's write lock.
+            on_conflict
+                .value(Alias::new("created_ms"), Expr::cust(bump.clone()))
+                .action_and_where(Expr::cust(format!(
+                    "{table}.\"shard_key\" = excluded.\"shard_key\" AND {table}.\"owner_pk\" = excluded.\"owner_pk\""
+                )));
+        }
+        let mut upsert = Query::insert();
+        upsert
+            .into_table(Alias::new(index.table.as_str()))
+            .columns(["value", "shard_key", "owner_pk", "created_ms"].map(Alias::new))
+            .values_panic([value.into(), key.into(), owner.into(), stamp.into()])
+            .on_conflict(on_conflict);
+        // Tests: the claim's statement fails as a lost connection would.
+        fail::fail_point!("shardkit::gsi::claim", |_| Err(err(DbErr::Conn(
+            sea_orm::RuntimeErr::SqlxError(std::sync::Arc::new(sea_orm::sqlx::Error::Io(
+                std::io::Error::from(std::io::ErrorKind::ConnectionReset)
+            )))
+        ))));
+        let affected = conn.execute(&upsert).await.map_err(err)?.rows_affected();
+        let ours = match backend {
+            DbBackend::MySql => affected == 2,
+            _ => affected == 1,
+        };
+        if ours {
+            return Ok(());
+        }
         let mut select = Query::select();
         select
             .columns(["shard_key", "owner_pk", "created_ms"].map(Alias::new))
             .from(Alias::new(index.table.as_str()))
-            .and_where(Expr::col(Alias::new("value")).eq(value.as_str()));
-        if db.get_database_backend() != sea_orm::DbBackend::Sqlite {
+            .and_where(Expr::col(Alias::new("value")).eq(value));
+        if backend != DbBackend::Sqlite {
             select.lock_exclusive();
         }
-        let existing = txn.query_one(&select).await.map_err(err)?;
-        match existing {
-            None => {
-                txn.execute(
-                    &entry_insert(index, &value, key, owner, self.cluster.now_ms()).to_owned(),
-                )
-                .await
-                .map_err(|e| match e {
-                    DbErr::Exec(_) | DbErr::Query(_) => ShardError::UniqueViolation {
-                        index: index.table.clone(),
-                        value: value.clone(),
-                    },
-                    other => err(other),
-                })?;
-            }
-            Some(row) => {
-                let other_key: String = row.try_get("", "shard_key").map_err(err)?;
-                let other_owner: String = row.try_get("", "owner_pk").map_err(err)?;
-                let created: i64 = row.try_get("", "created_ms").map_err(err)?;
-                if other_key == key && other_owner == owner {
-                    // A retry of this very write.
-                } else if self.cluster.now_ms() - created < grace.as_millis() as i64
-                    || self.owner_alive::<E>(index, &other_key, raw_value).await?
-                {
-                    // A live owner, or a write still in flight: not ours to take.
-                    return Err(ShardError::UniqueViolation {
-                        index: index.table.clone(),
-                        value,
-                    });
-                } else {
-                    let take = Query::update()
-                        .table(Alias::new(index.table.as_str()))
-                        .value(Alias::new("shard_key"), key)
-                        .value(Alias::new("owner_pk"), owner)
-                        .value(Alias::new("created_ms"), self.cluster.now_ms())
-                        .and_where(Expr::col(Alias::new("value")).eq(value.as_str()))
-                        .to_owned();
-                    txn.execute(&take).await.map_err(err)?;
-                    tracing::debug!(index = %index.table, "took over a dangling unique index row");
-                }
-            }
+        let row = conn.query_one(&select).await.map_err(err)?.ok_or_else(|| {
+            err(DbErr::RecordNotFound(format!(
+                "the index row the claim just locked in {}",
+                index.table
+            )))
+        })?;
+        let other_key: String = row.try_get("", "shard_key").map_err(err)?;
+        let other_owner: String = row.try_get("", "owner_pk").map_err(err)?;
+        let created: i64 = row.try_get("", "created_ms").map_err(err)?;
+        if other_key == key && other_owner == owner {
+            // MySQL: the upsert inserted it.
+            return Ok(());
         }
-        txn.commit().await.map_err(err)?;
+        if self.cluster.now_ms() - created < self.cluster.gsi_grace().as_millis() as i64
+            || self.owner_alive::<E>(index, &other_key, raw_value).await?
+        {
+            // A live owner, or a write still in flight: not ours to take.
+            return Err(ShardError::UniqueViolation {
+                index: index.table.clone(),
+                value: value.to_owned(),
+            });
+        }
+        let take = Query::update()
+            .table(Alias::new(index.table.as_str()))
+            .value(Alias::new("shard_key"), key)
+            .value(Alias::new("owner_pk"), owner)
+            .value(Alias::new("created_ms"), Expr::cust(bump))
+            .and_where(Expr::col(Alias::new("value")).eq(value))
+            .to_owned();
+        conn.execute(&take).await.map_err(err)?;
+        tracing::debug!(index = %index.table, "took over a dangling unique index row");
         Ok(())
     }
 
-    /// The removal of index row `value → key/owner`, to run after the primary
-    /// commits.
-    pub(crate) fn removal<E: ShardedEntity>(
+    /// The removal of index row `value → key/owner` as it stands now (its
+    /// version), to run after the primary commits; `None` when there is no
+    /// such row. Read before the owner's commit, under the owner's row lock:
+    /// a later write of the same value by the same owner (which can only
+    /// follow this commit) bumps the version, and the removal then leaves
+    /// the row alone. An index row on the owner's own shard is read through
+    /// `local` (the owner's transaction), not a second connection. When the
+    /// row cannot be read the removal is skipped: a dangling row, which
+    /// lookups ignore and [`reconcile`](Self::reconcile) removes.
+    pub(crate) async fn removal<E: ShardedEntity>(
         &self,
         index: &IndexDef,
         value: &Value,
         key: &str,
         owner: &str,
+        local: Option<(ShardId, &sea_orm::DatabaseTransaction)>,
     ) -> Result<Option<Removal>> {
         let Some(value) = value_text(value) else {
             return Ok(None);
         };
+        if value.chars().count() > MAX_VALUE_CHARS {
+            return Ok(None); // never indexed
+        }
+        let id = self.index_shard::<E>(index, &value)?;
+        let stmt = Query::select()
+            .column(Alias::new("created_ms"))
+            .from(Alias::new(index.table.as_str()))
+            .and_where(Expr::col(Alias::new("value")).eq(value.as_str()))
+            .and_where(Expr::col(Alias::new("shard_key")).eq(key))
+            .and_where(Expr::col(Alias::new("owner_pk")).eq(owner))
+            .to_owned();
+        let (db, shard) = self.conn(id);
+        let found = match local {
+            Some((local_id, txn)) if local_id == id => txn.query_one(&stmt).await,
+            _ => db.query_one(&stmt).await,
+        };
+        let version = match found
+            .and_then(|row| row.map(|r| r.try_get::<i64>("", "created_ms")).transpose())
+        {
+            Ok(Some(version)) => version,
+            Ok(None) => return Ok(None),
+            Err(e) => {
+                tracing::warn!(index = %index.table, shard, error = %e, "index row version unknown: left for reconciliation");
+                return Ok(None);
+            }
+        };
         Ok(Some(Removal {
-            shard: self.index_shard::<E>(index, &value)?,
+            shard: id,
             index: index.clone(),
             value,
             key: key.to_owned(),
             owner: owner.to_owned(),
+            version,
         }))
     }
 
-    /// Removes an index row (idempotent).
+    /// Removes an index row if it is still the version the removal read
+    /// (compare-and-delete; idempotent).
     pub(crate) async fn remove_entry(&self, removal: &Removal) -> Result<u64> {
         let (db, shard) = self.conn(removal.shard);
-        let mut delete = Query::delete();
-        delete
+        let delete = Query::delete()
             .from_table(Alias::new(removal.index.table.as_str()))
             .and_where(Expr::col(Alias::new("value")).eq(removal.value.as_str()))
-            .and_where(Expr::col(Alias::new("shard_key")).eq(removal.key.as_str()));
-        if !removal.index.unique {
-            delete.and_where(Expr::col(Alias::new("owner_pk")).eq(removal.owner.as_str()));
-        }
+            .and_where(Expr::col(Alias::new("shard_key")).eq(removal.key.as_str()))
+            .and_where(Expr::col(Alias::new("owner_pk")).eq(removal.owner.as_str()))
+            .and_where(Expr::col(Alias::new("created_ms")).eq(removal.version))
+            .to_owned();
         // After the owner's commit: losing a removal in a crash leaves a
         // dangling row, so it need not wait for a flush.
         let relaxed =
@@ -713,6 +986,9 @@ impl<'c> Gsi<'c> {
         let Some(text) = value_text(value) else {
             return Ok(Some(Vec::new()));
         };
+        if text.chars().count() > MAX_VALUE_CHARS {
+            return Ok(Some(Vec::new())); // never indexed, so no row holds it
+        }
         let id = self.index_shard::<E>(index, &text)?;
         let (db, shard) = self.conn(id);
         let stmt = Query::select()
@@ -759,13 +1035,21 @@ impl<'c> Gsi<'c> {
     ) -> Result<BackfillProgress> {
         let index = IndexDef::find::<E>(column)?;
         let shards = self.group_shards::<E>()?;
-        // Progress: "<shard index>:<rows done on it>".
-        let (start_shard, start_row) = match self.progress::<E>(&index).await? {
-            Some(p) => p
-                .split_once(':')
-                .and_then(|(a, b)| Some((a.parse::<usize>().ok()?, b.parse::<u64>().ok()?)))
-                .unwrap_or((0, 0)),
-            None => (0, 0),
+        let chunk = Ord::max(chunk, 1);
+        // Progress: "pk/<shard index>:<last primary key done on it>", a
+        // keyset position (see `crate::keyset`). An older "<shard>:<offset>"
+        // restarts that shard from its start (index writes are idempotent).
+        let (start_shard, mut after) = match self.progress::<E>(&index).await? {
+            Some(p) => match p.strip_prefix(BACKFILL_CURSOR) {
+                Some(cursor) => keyset::parse_cursor::<E>(Some(cursor)),
+                None => (
+                    p.split_once(':')
+                        .and_then(|(a, _)| a.parse::<usize>().ok())
+                        .unwrap_or(0),
+                    None,
+                ),
+            },
+            None => (0, None),
         };
         let mut progress = BackfillProgress {
             shards: shards.len(),
@@ -774,28 +1058,33 @@ impl<'c> Gsi<'c> {
         };
         for (i, id) in shards.iter().enumerate().skip(start_shard) {
             let (db, shard) = self.conn(*id);
-            let mut offset = if i == start_shard { start_row } else { 0 };
+            if i != start_shard {
+                after = None;
+            }
             loop {
-                let mut select = E::find().offset(offset).limit(chunk);
-                for pk in <E::PrimaryKey as Iterable>::iter() {
-                    select = select.order_by_asc(pk.into_column());
-                }
-                let rows = select
+                let rows = keyset::chunk::<E>(after.as_deref(), chunk)
                     .all(db)
                     .await
                     .map_err(|e| gsi_err(shard, format!("backfill {}", index.table), e))?;
                 let read = rows.len() as u64;
-                for row in rows {
+                for row in &rows {
                     let value = row.get(column);
-                    let key = E::shard_key(&row).to_directory_text();
-                    let owner = model_pk::<E>(&row);
+                    let key = E::shard_key(row).to_directory_text();
+                    let owner = model_pk::<E>(row);
                     self.write_entry::<E>(&index, &value, &key, &owner).await?;
                     progress.written += u64::from(value_text(&value).is_some());
                 }
                 progress.rows += read;
-                offset += read;
-                self.set_state::<E>(&index, IndexState::WriteOnly, Some(format!("{i}:{offset}")))
-                    .await?;
+                if let Some(last) = rows.last() {
+                    after = Some(keyset::model_pk_values::<E>(last));
+                }
+                let cursor = keyset::format_cursor(i, after.as_deref());
+                self.set_state::<E>(
+                    &index,
+                    IndexState::WriteOnly,
+                    Some(format!("{BACKFILL_CURSOR}{cursor}")),
+                )
+                .await?;
                 if on_progress(progress).is_break() {
                     return Ok(progress);
                 }
@@ -825,17 +1114,18 @@ impl<'c> Gsi<'c> {
             for id in self.group_shards::<E>()? {
                 let (db, shard) = self.conn(id);
                 let err = |e| gsi_err(shard, format!("reconcile {}", index.table), e);
-                let mut offset = 0u64;
+                let mut after: Vec<Value> = Vec::new();
                 let mut dangling = Vec::new();
+                const COLUMNS: [&str; 3] = ["value", "shard_key", "owner_pk"];
                 loop {
                     let stmt = Query::select()
                         .columns(["value", "shard_key", "owner_pk", "created_ms"].map(Alias::new))
                         .from(Alias::new(index.table.as_str()))
+                        .cond_where(keyset::after_columns(&COLUMNS, &after))
                         .order_by(Alias::new("value"), sea_orm::Order::Asc)
                         .order_by(Alias::new("shard_key"), sea_orm::Order::Asc)
                         .order_by(Alias::new("owner_pk"), sea_orm::Order::Asc)
-                        .limit(500)
-                        .offset(offset)
+                        .limit(RECONCILE_CHUNK)
                         .to_owned();
                     let rows = db.query_all(&stmt).await.map_err(err)?;
                     for row in &rows {
@@ -844,6 +1134,11 @@ impl<'c> Gsi<'c> {
                         let key: String = row.try_get("", "shard_key").map_err(err)?;
                         let owner: String = row.try_get("", "owner_pk").map_err(err)?;
                         let created: i64 = row.try_get("", "created_ms").map_err(err)?;
+                        after = vec![
+                            value.clone().into(),
+                            key.clone().into(),
+                            owner.clone().into(),
+                        ];
                         if self.cluster.now_ms() - created < grace {
                             continue; // an insert may still be in flight
                         }
@@ -855,11 +1150,11 @@ impl<'c> Gsi<'c> {
                                 value,
                                 key,
                                 owner,
+                                version: created,
                             });
                         }
                     }
-                    offset += rows.len() as u64;
-                    if rows.len() < 500 {
+                    if (rows.len() as u64) < RECONCILE_CHUNK {
                         break;
                     }
                 }
@@ -870,17 +1165,16 @@ impl<'c> Gsi<'c> {
             // Owners without an index row.
             for id in self.group_shards::<E>()? {
                 let (db, shard) = self.conn(id);
-                let mut offset = 0u64;
+                let mut after: Option<Vec<Value>> = None;
                 loop {
-                    let mut select = E::find().offset(offset).limit(500);
-                    for pk in <E::PrimaryKey as Iterable>::iter() {
-                        select = select.order_by_asc(pk.into_column());
-                    }
-                    let rows = select
+                    let rows = keyset::chunk::<E>(after.as_deref(), RECONCILE_CHUNK)
                         .all(db)
                         .await
                         .map_err(|e| gsi_err(shard, format!("reconcile {}", index.table), e))?;
-                    let read = rows.len();
+                    if let Some(last) = rows.last() {
+                        after = Some(keyset::model_pk_values::<E>(last));
+                    }
+                    let read = rows.len() as u64;
                     for row in rows {
                         let value = row.get(*column);
                         let Some(text) = value_text(&value) else {
@@ -888,13 +1182,24 @@ impl<'c> Gsi<'c> {
                         };
                         let key = E::shard_key(&row).to_directory_text();
                         if !self.entry_exists::<E>(&index, &text, &key).await? {
-                            self.write_entry::<E>(&index, &value, &key, &model_pk::<E>(&row))
-                                .await?;
-                            report.added += 1;
+                            let owner = model_pk::<E>(&row);
+                            match self.write_entry::<E>(&index, &value, &key, &owner).await {
+                                Ok(()) => report.added += 1,
+                                // Another live owner holds the value: two rows
+                                // claim one unique value. Report it and go on.
+                                Err(ShardError::UniqueViolation { .. }) => {
+                                    report.conflicts.push(ReconcileConflict {
+                                        index: index.table.clone(),
+                                        value: text,
+                                        key,
+                                        owner,
+                                    });
+                                }
+                                Err(e) => return Err(e),
+                            }
                         }
                     }
-                    offset += read as u64;
-                    if read < 500 {
+                    if read < RECONCILE_CHUNK {
                         break;
                     }
                 }
@@ -943,6 +1248,7 @@ impl<'c> Gsi<'c> {
                         scanned = report.scanned,
                         removed = report.removed,
                         added = report.added,
+                        conflicts = report.conflicts.len(),
                         "gsi reconcile"
                     ),
                     Err(err) => {
@@ -967,6 +1273,79 @@ fn entry_insert(
         .columns(["value", "shard_key", "owner_pk", "created_ms"].map(Alias::new))
         .values_panic([value.into(), key.into(), owner.into(), now_ms.into()])
         .to_owned()
+}
+
+/// The longest value a global index holds, in characters (the index
+/// tables' `value` column; checked before any I/O on every backend).
+pub const MAX_VALUE_CHARS: usize = 255;
+
+/// Refuses, before any I/O, a value longer than an index holds (a database
+/// would refuse it too, or on MySQL without strict mode cut it short, and
+/// SQLite would store it whole), quoting only its start.
+fn check_len(index: &IndexDef, value: &str) -> Result<()> {
+    let chars = value.chars().count();
+    if chars > MAX_VALUE_CHARS {
+        return Err(ShardError::IndexValueTooLong {
+            index: index.table.clone(),
+            chars,
+            max: MAX_VALUE_CHARS,
+            prefix: value.chars().take(crate::error::QUOTED_CHARS).collect(),
+        });
+    }
+    Ok(())
+}
+
+/// How many times a unique claim runs when the database aborts it.
+const CLAIM_ATTEMPTS: u32 = 5;
+
+/// A short, growing, jittered pause between claim attempts, so racing
+/// claims do not collide again in lockstep.
+fn claim_backoff(attempt: u32) -> Duration {
+    use std::hash::{BuildHasher, Hasher};
+    // A fresh random seed per call: jitter without a clock or an RNG crate.
+    let jitter = std::hash::RandomState::new().build_hasher().finish() % 4_000_000;
+    Duration::from_millis(2u64 << Ord::min(attempt, 6)) + Duration::from_nanos(jitter)
+}
+
+fn is_unique_violation(e: &DbErr) -> bool {
+    matches!(
+        e.sql_err(),
+        Some(sea_orm::SqlErr::UniqueConstraintViolation(_))
+    )
+}
+
+/// An index write's failure: a duplicate only when the database says so by
+/// its unique-violation code; anything else (a deadlock, a lost connection)
+/// is the database error, which [`ShardError::retry`] classifies.
+fn write_err(index: &IndexDef, value: &str, shard: &str, e: DbErr) -> ShardError {
+    if is_unique_violation(&e) {
+        ShardError::UniqueViolation {
+            index: index.table.clone(),
+            value: value.to_owned(),
+        }
+    } else {
+        gsi_err(shard, format!("write {}", index.table), e)
+    }
+}
+
+/// An identifier quoted for `backend`.
+fn quoted(backend: DbBackend, name: &str) -> String {
+    match backend {
+        DbBackend::MySql => format!("`{}`", name.replace('`', "``")),
+        _ => format!("\"{}\"", name.replace('"', "\"\"")),
+    }
+}
+
+/// The SQL of an index row's next version when it is written again: later
+/// than any version it had (so a removal that read an earlier one misses
+/// it), and `stamp` (now) when that is later still.
+fn version_bump(backend: DbBackend, table: &str, stamp: i64) -> String {
+    let created = format!(
+        "{}.{}",
+        quoted(backend, table),
+        quoted(backend, "created_ms")
+    );
+    format!("CASE WHEN {created} >= {stamp} THEN {created} + 1 ELSE {stamp} END")
 }
 
 pub(crate) fn model_pk<E: ShardedEntity>(row: &E::Model) -> String {

@@ -92,6 +92,7 @@ pub mod error;
 mod exec;
 pub mod gsi;
 pub mod ids;
+mod keyset;
 mod periodic;
 pub mod read;
 pub mod rollout;

@@ -860,8 +860,19 @@ impl<E: ShardedEntity> Read<E> {
                         )
                     })?;
                 let index = crate::gsi::IndexDef::of::<E>(*col, *unique);
-                QueryTrait::query(&mut *select)
-                    .and_where(Expr::col((E::default(), *col)).eq(value.clone()));
+                let backend = self
+                    .cluster
+                    .topology()
+                    .shards_of(Self::group())?
+                    .first()
+                    .map_or(DbBackend::Postgres, |id| {
+                        self.cluster.shard_conn(*id).get_database_backend()
+                    });
+                QueryTrait::query(&mut *select).cond_where(crate::gsi::exact_eq(
+                    Expr::col((E::default(), *col)),
+                    &value,
+                    backend,
+                ));
                 let (spec, found) = match self.cluster.gsi().lookup::<E>(&index, &value).await? {
                     Some(mut keys) if keys.len() == 1 => (RouteSpec::One(keys.remove(0)), Some(1)),
                     Some(keys) => {

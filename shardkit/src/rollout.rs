@@ -37,6 +37,9 @@ use crate::clock::Clock;
 use crate::cluster::Cluster;
 use crate::entity::{EntityGroup, ShardKey, ShardedEntity, table_name};
 use crate::error::{Result, ShardError};
+pub(crate) use crate::keyset::{
+    after_condition, by_pk, format_cursor, model_pk_values, parse_cursor, tuple_text,
+};
 use crate::topology::ShardId;
 use futures::future::BoxFuture;
 use sea_orm::sea_query::{Alias, Expr, ExprTrait, OnConflict, Query};
@@ -338,16 +341,6 @@ fn cache_key(key: &str, pk: &str) -> String {
     format!("{key}\u{1f}{pk}")
 }
 
-/// Primary key values as text (columns joined by U+001F), as reports and
-/// cache keys name rows.
-pub(crate) fn tuple_text(values: &[Value]) -> String {
-    values
-        .iter()
-        .map(|v| crate::gsi::value_text(v).unwrap_or_default())
-        .collect::<Vec<_>>()
-        .join("\u{1f}")
-}
-
 /// `E`'s primary key columns equal to `values`, in order.
 pub(crate) fn pk_condition<E: EntityTrait>(values: &[Value]) -> Condition {
     <E::PrimaryKey as Iterable>::iter()
@@ -355,13 +348,6 @@ pub(crate) fn pk_condition<E: EntityTrait>(values: &[Value]) -> Condition {
         .fold(Condition::all(), |cond, (pk, v)| {
             cond.add(pk.into_column().eq(v.clone()))
         })
-}
-
-/// The primary key values of a model, in key order.
-pub(crate) fn model_pk_values<E: EntityTrait>(row: &E::Model) -> Vec<Value> {
-    <E::PrimaryKey as Iterable>::iter()
-        .map(|pk| row.get(pk.into_column()))
-        .collect()
 }
 
 fn pk_arity<E: EntityTrait>() -> usize {
@@ -817,72 +803,6 @@ pub(crate) async fn save_progress(
         .await
         .map(drop)
         .map_err(|e| state_err(shard, "update", e))
-}
-
-/// A resumable position: `<shard index>:<primary key text>` (an empty key is
-/// the start of that shard).
-pub(crate) fn parse_cursor<E: ShardedEntity>(text: Option<&str>) -> (usize, Option<Vec<Value>>) {
-    let Some((shard, pk)) = text.and_then(|t| t.split_once(':')) else {
-        return (0, None);
-    };
-    let Ok(shard) = shard.parse() else {
-        return (0, None);
-    };
-    if pk.is_empty() {
-        return (shard, None);
-    }
-    let values = <E::PrimaryKey as Iterable>::iter()
-        .zip(pk.split('\u{1f}'))
-        .map(|(col, text)| crate::gsi::typed_value::<E>(col.into_column(), text))
-        .collect();
-    (shard, Some(values))
-}
-
-pub(crate) fn format_cursor(shard: usize, after: Option<&[Value]>) -> String {
-    format!("{shard}:{}", after.map(tuple_text).unwrap_or_default())
-}
-
-/// Rows of `E` whose primary key comes after `after`, in key order.
-pub(crate) fn after_condition<E: EntityTrait>(after: Option<&[Value]>) -> Condition {
-    pk_bound::<E>(after, true)
-}
-
-/// Rows of `E` whose primary key is at most `upto`.
-pub(crate) fn upto_condition<E: EntityTrait>(upto: Option<&[Value]>) -> Condition {
-    pk_bound::<E>(upto, false)
-}
-
-/// `pk > bound` (`after`) or `pk <= bound`, comparing composite keys as
-/// row values; no bound is no condition.
-fn pk_bound<E: EntityTrait>(bound: Option<&[Value]>, after: bool) -> Condition {
-    let Some(bound) = bound else {
-        return Condition::all();
-    };
-    let cols: Vec<E::Column> = <E::PrimaryKey as Iterable>::iter()
-        .map(PrimaryKeyToColumn::into_column)
-        .collect();
-    let expr = match (cols.as_slice(), bound) {
-        ([col], [v]) if after => col.gt(v.clone()),
-        ([col], [v]) => col.lte(v.clone()),
-        _ => {
-            let left = Expr::tuple(cols.iter().map(|c| Expr::col((E::default(), *c))));
-            let right = Expr::tuple(bound.iter().map(|v| Expr::val(v.clone())));
-            if after {
-                left.gt(right)
-            } else {
-                left.lte(right)
-            }
-        }
-    };
-    Condition::all().add(expr)
-}
-
-/// `select` ordered by `E`'s primary key.
-pub(crate) fn by_pk<E: EntityTrait>(mut select: sea_orm::Select<E>) -> sea_orm::Select<E> {
-    for pk in <E::PrimaryKey as Iterable>::iter() {
-        select = sea_orm::QueryOrder::order_by_asc(select, pk.into_column());
-    }
-    select
 }
 
 impl Cluster {

@@ -196,7 +196,8 @@ impl<G: EntityGroup> ShardTx<G> {
                 &owner,
                 Some((self.target.shard, &self.txn)),
             )
-            .await?;
+            .await
+            .map_err(|e| self.poison_if_aborted(e))?;
         }
         fail::fail_point!("shardkit::gsi::after_index_write", |_| Err(self
             .write_err::<E>(
@@ -204,17 +205,34 @@ impl<G: EntityGroup> ShardTx<G> {
                 DbErr::Custom("failpoint shardkit::gsi::after_index_write".into())
             )));
         if let Some(current) = current {
-            self.queue_removals::<E>(current, &changed)?;
+            self.queue_removals::<E>(current, &changed).await?;
         }
         Ok(())
     }
 
-    /// Queues removal of `row`'s index rows for `columns`, after the commit.
-    fn queue_removals<E: InGroup<G>>(&self, row: &E::Model, columns: &[E::Column]) -> Result<()> {
+    /// A database that aborted the transaction (a deadlock, a serialization
+    /// failure: [`Retry::Transaction`](crate::error::Retry::Transaction))
+    /// has rolled back everything it did, on MySQL/MariaDB at once: later
+    /// statements would run outside it. It becomes rollback-only, and the
+    /// error (which says to run the transaction again) goes to the caller.
+    fn poison_if_aborted(&self, err: ShardError) -> ShardError {
+        if err.retry() == crate::error::Retry::Transaction {
+            self.poison(err)
+        } else {
+            err
+        }
+    }
+
+    /// Queues removal of `row`'s index rows for `columns`, after the commit,
+    /// each as the version it has now (see [`crate::gsi`]'s removals).
+    async fn queue_removals<E: InGroup<G>>(
+        &self,
+        row: &E::Model,
+        columns: &[E::Column],
+    ) -> Result<()> {
         let key = self.key.to_directory_text();
         let owner = crate::gsi::model_pk::<E>(row);
         let gsi = self.cluster.gsi();
-        let mut queue = self.removals.lock().unwrap_or_else(|p| p.into_inner());
         for (column, unique) in E::GLOBAL_INDEXES {
             if !columns
                 .iter()
@@ -223,11 +241,43 @@ impl<G: EntityGroup> ShardTx<G> {
                 continue;
             }
             let index = crate::gsi::IndexDef::of::<E>(*column, *unique);
-            if let Some(removal) = gsi.removal::<E>(&index, &row.get(*column), &key, &owner)? {
-                queue.push(removal);
+            let removal = gsi
+                .removal::<E>(
+                    &index,
+                    &row.get(*column),
+                    &key,
+                    &owner,
+                    Some((self.target.shard, &self.txn)),
+                )
+                .await?;
+            if let Some(removal) = removal {
+                self.removals
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .push(removal);
             }
         }
         Ok(())
+    }
+
+    /// The current row `model` names, read under the row lock the write will
+    /// take (`FOR UPDATE` on PostgreSQL and MySQL; SQLite's write lock is
+    /// held from `BEGIN IMMEDIATE`): a concurrent write of the same row
+    /// waits for this transaction instead of deciding its index rows from a
+    /// value this one is about to change.
+    async fn current_row<E: InGroup<G>>(
+        &self,
+        model: &E::ActiveModel,
+        op: &str,
+    ) -> Result<Option<E::Model>> {
+        let mut select = self.row_select::<E>(model, op)?;
+        if sea_orm::ConnectionTrait::get_database_backend(&self.txn) != sea_orm::DbBackend::Sqlite {
+            select = sea_orm::QuerySelect::lock_exclusive(select);
+        }
+        select
+            .one(&self.txn)
+            .await
+            .map_err(|e| self.write_err::<E>(op, e))
     }
 
     /// The transaction's key as a predicate on `E` (see [`crate::read`]).
@@ -420,11 +470,7 @@ impl<G: EntityGroup> ShardTx<G> {
                     .map_err(|e| self.write_err::<A::Entity>("update", e));
             }
             if !<A::Entity as ShardedEntity>::GLOBAL_INDEXES.is_empty() {
-                let current = self
-                    .row_select::<A::Entity>(&model, "update")?
-                    .one(&self.txn)
-                    .await
-                    .map_err(|e| self.write_err::<A::Entity>("update", e))?;
+                let current = self.current_row::<A::Entity>(&model, "update").await?;
                 if let Some(current) = current {
                     self.index_first::<A::Entity>(&model, Some(&current))
                         .await?;
@@ -471,10 +517,7 @@ impl<G: EntityGroup> ShardTx<G> {
             let current = if <A::Entity as ShardedEntity>::GLOBAL_INDEXES.is_empty() {
                 None
             } else {
-                self.row_select::<A::Entity>(&model, "delete")?
-                    .one(&self.txn)
-                    .await
-                    .map_err(|e| self.write_err::<A::Entity>("delete", e))?
+                self.current_row::<A::Entity>(&model, "delete").await?
             };
             let res = <A::Entity as EntityTrait>::delete(model.clone())
                 .validate()
@@ -489,7 +532,7 @@ impl<G: EntityGroup> ShardTx<G> {
                     .iter()
                     .map(|(c, _)| *c)
                     .collect();
-                self.queue_removals::<A::Entity>(&current, &all)?;
+                self.queue_removals::<A::Entity>(&current, &all).await?;
             }
             if let Some(r) = &rollout {
                 self.rollout_after_delete(r, &model).await?;

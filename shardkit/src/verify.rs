@@ -22,10 +22,10 @@
 
 use crate::entity::{ShardedEntity, table_name};
 use crate::error::{Result, ShardError};
-use crate::rollout::{
-    RolloutHandle, after_condition, by_pk, format_cursor, model_pk_values, parse_cursor,
-    pk_condition, upto_condition,
+use crate::keyset::{
+    after_condition, by_pk, format_cursor, model_pk_values, parse_cursor, upto_condition,
 };
+use crate::rollout::{RolloutHandle, pk_condition};
 use sea_orm::sea_query::{Alias, Expr, Query};
 use sea_orm::{
     ConnectionTrait, DatabaseConnection, DbBackend, DbErr, EntityTrait, IdenStatic,
@@ -350,7 +350,7 @@ where
         .filter(|m| keep(m))
         .map(|m| {
             let pk = model_pk_values::<D>(m);
-            (crate::rollout::tuple_text(&pk), (pk, row_hash(m)))
+            (crate::keyset::tuple_text(&pk), (pk, row_hash(m)))
         })
         .collect();
     let diff = |pk: String| RowDiff {
@@ -360,7 +360,7 @@ where
     let mut fixes: Vec<Vec<Value>> = Vec::new();
     for m in src.iter().filter(|m| keep(m)) {
         let pk = model_pk_values::<D>(m);
-        let text = crate::rollout::tuple_text(&pk);
+        let text = crate::keyset::tuple_text(&pk);
         match theirs.remove(&text) {
             None => report.missing.push(diff(text)),
             Some((_, h)) if h != row_hash(m) => report.different.push(diff(text)),
