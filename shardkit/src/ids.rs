@@ -392,8 +392,22 @@ impl Tickets {
         let mut causes = Vec::new();
         for i in order {
             let server = &self.servers[i];
-            self.requests.fetch_add(1, Ordering::Relaxed);
-            let result = tokio::time::timeout(timeout, ticket_from(server, i, n, name)).await;
+            let deadline = tokio::time::Instant::now() + timeout;
+            let mut attempts = 0;
+            let result = loop {
+                self.requests.fetch_add(1, Ordering::Relaxed);
+                attempts += 1;
+                match tokio::time::timeout_at(deadline, ticket_from(server, i, n, name)).await {
+                    // Concurrent `REPLACE INTO`s of one stub deadlock on
+                    // MySQL/MariaDB (the server rolls one back): the server
+                    // is fine, and the statement, its own transaction, is
+                    // simply run again.
+                    Ok(Err(TicketFailure::Failed(err)))
+                        if err.retry() == crate::error::Retry::Transaction
+                            && attempts < MAX_TICKET_ATTEMPTS => {}
+                    result => break result,
+                }
+            };
             match result {
                 Ok(Ok(ticket)) => {
                     *lock(&server.down_until) = None;
@@ -430,6 +444,11 @@ impl Tickets {
 fn no_servers() -> ShardError {
     ShardError::config("ids.servers", "no ticket servers are configured")
 }
+
+/// How many times one server is asked in a row when the database aborts the
+/// ticket statement (deadlock, serialization failure) before the next server
+/// is tried.
+const MAX_TICKET_ATTEMPTS: u32 = 20;
 
 /// Why one server gave no ticket.
 enum TicketFailure {

@@ -10,7 +10,8 @@
 //!   key, and by its indexed email.
 //!
 //! - `gsi/<backend>/paired`: the inserts and the reads again, interleaved
-//!   round by round, medians and ratios printed (see `interleaved`).
+//!   round by round, medians and ratios printed (see
+//!   `shardkit_tests::interleaved`).
 //!
 //! `cargo bench -p shardkit-tests --bench gsi` (PostgreSQL skips with a
 //! printed line when unreachable).
@@ -18,7 +19,7 @@
 use criterion::{Criterion, criterion_group, criterion_main};
 use sea_orm::{ConnectionTrait, EntityTrait, Set};
 use shardkit::EntityGroup;
-use shardkit_tests::{Backend, TestDbs};
+use shardkit_tests::{Backend, TestDbs, interleaved};
 use std::hint::black_box;
 use std::sync::atomic::{AtomicI64, Ordering};
 
@@ -202,35 +203,6 @@ async fn insert_with_gsi(cluster: &shardkit::Cluster, id: i64) {
     .await
     .unwrap();
     tx.commit().await.unwrap();
-}
-
-type Job<'a> = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + 'a>>;
-
-/// Medians of `kinds` jobs run interleaved round by round (order rotating),
-/// so all of them see the same machine: on a VM whose commit flush time
-/// drifts by 2–3 × over minutes, criterion's one-after-another runs can
-/// compare a fast minute with a slow one.
-async fn interleaved<'a>(
-    rounds: usize,
-    kinds: usize,
-    job: impl Fn(usize) -> Job<'a>,
-) -> Vec<std::time::Duration> {
-    let mut times = vec![Vec::with_capacity(rounds); kinds];
-    for round in 0..rounds {
-        for k in 0..kinds {
-            let kind = (round + k) % kinds;
-            let started = std::time::Instant::now();
-            job(kind).await;
-            times[kind].push(started.elapsed());
-        }
-    }
-    times
-        .into_iter()
-        .map(|mut t| {
-            t.sort();
-            t[t.len() / 2]
-        })
-        .collect()
 }
 
 /// `gsi/<backend>/paired`: the benchmark's pairs again, interleaved.

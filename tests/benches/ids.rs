@@ -5,6 +5,11 @@
 //!   calls timed one by one (that timing includes `Instant::now()` itself).
 //! - `ids/flickr/*`: B = 1 (one ticket per id) against a hand-written
 //!   `REPLACE INTO ...; SELECT LAST_INSERT_ID()` loop on the same MariaDB.
+//! - `ids/flickr_concurrent/{postgres,mariadb}`: B = 1 drawn by 8 tasks at
+//!   once on one ticket server with a pool of 8, against a plain loop of the
+//!   same upsert (`INSERT ... ON CONFLICT ... RETURNING` / `REPLACE INTO`)
+//!   by 8 tasks on a pool of 8 of its own; the two run interleaved round by
+//!   round and the medians and their ratio are printed.
 //! - `ids/snowflake`, `ids/uuid_v7` vs `ids/uuid_now_v7`.
 //!
 //! `cargo bench -p shardkit-tests --bench ids` (MariaDB cases skip with a
@@ -14,7 +19,7 @@ use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use sea_orm::{ConnectionTrait, Database, Statement};
 use shardkit::{Cluster, ClusterConfig};
 use shardkit_tests::models::Migrator;
-use shardkit_tests::{Backend, TestDbs};
+use shardkit_tests::{Backend, TestDbs, interleaved};
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
@@ -147,6 +152,115 @@ fn flickr(c: &mut Criterion) {
     rt.block_on(dbs.cleanup());
 }
 
+/// Callers and pool size of `ids/flickr_concurrent`.
+const CALLERS: usize = 8;
+/// Ids (or upserts) per caller per round.
+const PER_CALLER: usize = 50;
+const ROUNDS: usize = 40;
+
+/// `ids/flickr_concurrent/<backend>`: concurrent B = 1 callers against the
+/// same number of tasks running the bare upsert, interleaved.
+fn flickr_concurrent(_: &mut Criterion) {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    for (backend, label) in [(Backend::Postgres, "postgres"), (Backend::MySql, "mariadb")] {
+        rt.block_on(async {
+            let name = format!("bench::ids_flickr_concurrent_{label}");
+            let Some(mut dbs) = TestDbs::create_if_reachable(backend, &name, 1).await else {
+                println!("ids/flickr_concurrent/{label} skipped: server unreachable");
+                return;
+            };
+            let url = dbs.extra("tickets").await;
+            let toml = format!(
+                "{}\n[ids]\nservers = [{{ name = \"t\", url = \"{url}\" }}]\n\
+                 [ids.sequences.flickr]\nblock = 1\n",
+                // The harness's small pools, at the callers' count.
+                dbs.shards_toml(1)
+                    .replace("max_connections = 4", &format!("max_connections = {CALLERS}"))
+            );
+            let cluster = Cluster::connect(ClusterConfig::from_toml(&toml).unwrap())
+                .await
+                .unwrap();
+            cluster.migrate::<Migrator>().await.unwrap();
+            cluster.ids().create_sequence("flickr").await.unwrap();
+            // The plain loop: a pool of the same size on the same table,
+            // one statement per id, the ticket read from its answer.
+            let mut opts = sea_orm::ConnectOptions::new(url);
+            opts.max_connections(CALLERS as u32);
+            let plain = Database::connect(opts).await.unwrap();
+            let upsert = match backend {
+                Backend::MySql => "REPLACE INTO tickets_flickr (stub) VALUES ('a')",
+                _ => {
+                    "INSERT INTO tickets_flickr (stub, id) VALUES ('a', 1) ON CONFLICT (stub) \
+                     DO UPDATE SET id = tickets_flickr.id + 1 RETURNING id"
+                }
+            };
+            let draw_plain = |plain: sea_orm::DatabaseConnection| async move {
+                for _ in 0..PER_CALLER {
+                    let id = if backend == Backend::MySql {
+                        // Concurrent REPLACEs of one stub deadlock now and
+                        // then; run the statement again, as shardkit does.
+                        loop {
+                            match plain.execute_unprepared(upsert).await {
+                                Ok(done) => break done.last_insert_id(),
+                                Err(err) if err.to_string().contains("1213") => continue,
+                                Err(err) => panic!("{err}"),
+                            }
+                        }
+                    } else {
+                        let row = plain
+                            .query_one_raw(Statement::from_string(plain.get_database_backend(), upsert))
+                            .await
+                            .unwrap()
+                            .unwrap();
+                        row.try_get::<i64>("", "id").unwrap() as u64
+                    };
+                    black_box(id);
+                }
+            };
+            let medians = interleaved(ROUNDS, 2, |kind| {
+                let cluster = cluster.clone();
+                let plain = plain.clone();
+                Box::pin(async move {
+                    let mut tasks = tokio::task::JoinSet::new();
+                    for _ in 0..CALLERS {
+                        if kind == 0 {
+                            let ids = cluster.ids().clone();
+                            tasks.spawn(async move {
+                                for _ in 0..PER_CALLER {
+                                    black_box(ids.next("flickr").await.unwrap());
+                                }
+                            });
+                        } else {
+                            tasks.spawn(draw_plain(plain.clone()));
+                        }
+                    }
+                    tasks.join_all().await;
+                })
+            })
+            .await;
+            let per_round = (CALLERS * PER_CALLER) as f64;
+            let rate = |d: Duration| per_round / d.as_secs_f64();
+            println!(
+                "ids/flickr_concurrent/{label} ({CALLERS} tasks x {PER_CALLER}, pool {CALLERS}, medians of \
+                 {ROUNDS} interleaved rounds): shardkit_block_1 {:.2?} = {:.0} ids/s, plain_upsert {:.2?} \
+                 = {:.0} upserts/s: {:.2} x",
+                medians[0],
+                rate(medians[0]),
+                medians[1],
+                rate(medians[1]),
+                rate(medians[0]) / rate(medians[1]),
+            );
+            drop(plain);
+            drop(cluster);
+            dbs.cleanup().await;
+        });
+    }
+}
+
 fn generators(c: &mut Criterion) {
     let snowflake = shardkit::Snowflake::new(
         shardkit::SnowflakeLayout::default(),
@@ -166,5 +280,5 @@ fn generators(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, segment, flickr, generators);
+criterion_group!(benches, segment, flickr, flickr_concurrent, generators);
 criterion_main!(benches);

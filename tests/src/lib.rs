@@ -717,3 +717,33 @@ pub async fn count_rows(cluster: &Cluster, table: &str) -> u64 {
     }
     n
 }
+
+/// One benchmark job of [`interleaved`].
+pub type Job<'a> = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + 'a>>;
+
+/// Medians of `kinds` jobs run interleaved round by round (order rotating),
+/// so all of them see the same machine: on a VM whose commit flush time
+/// drifts by 2–3 × over minutes, criterion's one-after-another runs can
+/// compare a fast minute with a slow one.
+pub async fn interleaved<'a>(
+    rounds: usize,
+    kinds: usize,
+    job: impl Fn(usize) -> Job<'a>,
+) -> Vec<std::time::Duration> {
+    let mut times = vec![Vec::with_capacity(rounds); kinds];
+    for round in 0..rounds {
+        for k in 0..kinds {
+            let kind = (round + k) % kinds;
+            let started = std::time::Instant::now();
+            job(kind).await;
+            times[kind].push(started.elapsed());
+        }
+    }
+    times
+        .into_iter()
+        .map(|mut t| {
+            t.sort();
+            t[t.len() / 2]
+        })
+        .collect()
+}
