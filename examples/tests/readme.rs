@@ -209,8 +209,8 @@ async fn rollouts(
                 .refresh_every(Duration::from_secs(5)),
         )
         .await?;
-    people.advance().await?;                           // off → cache_both → dual_write → ...
-    people.backfill().await?;                          // in dual_write: copy old rows, resumable
+    people.backfill().await?;                          // in dual_write, a gap after it: copy old rows
+    people.advance().await?;                           // off → cache_both → dual_write → read_new → ...
     let new = people.get_new(customer_id, id).await?;  // cached, phase-aware reads of either model
     let report = people.verify(VerifyOptions::default().repair()).await?;
     Ok((people, new, report))
@@ -505,7 +505,8 @@ async fn rollouts_advance_backfill_and_verify() {
         .collect();
     {
         // Another instance wrote the people, registered the rollout and moved
-        // it to cache_both an hour ago (the phase gap has long passed).
+        // it to cache_both, then to dual_write, an hour apart and an hour ago
+        // (the phase gaps have long passed).
         let cluster = migrated(&toml).await;
         for p in &people {
             let tx = cluster.begin::<Customer>(p.customer_id).await.unwrap();
@@ -518,16 +519,18 @@ async fn rollouts_advance_backfill_and_verify() {
             .register_rollout(Rollout::new("people_v2", to_v2).to_old(to_v1))
             .await
             .unwrap();
-        assert_eq!(other.advance().await.unwrap(), shardkit::Phase::CacheBoth);
-        // The phase row is on the group's first shard; the others have none.
-        for name in cluster.topology().shard_names() {
-            let db = cluster.connection(name).unwrap();
-            db.execute_raw(Statement::from_string(
-                db.get_database_backend(),
-                "UPDATE shardkit_rollouts SET changed_ms = changed_ms - 3600000 WHERE name = 'people_v2'",
-            ))
-            .await
-            .unwrap();
+        for phase in [shardkit::Phase::CacheBoth, shardkit::Phase::DualWrite] {
+            assert_eq!(other.advance().await.unwrap(), phase);
+            // The phase row is on the group's first shard; the others have none.
+            for name in cluster.topology().shard_names() {
+                let db = cluster.connection(name).unwrap();
+                db.execute_raw(Statement::from_string(
+                    db.get_database_backend(),
+                    "UPDATE shardkit_rollouts SET changed_ms = changed_ms - 3600000 WHERE name = 'people_v2'",
+                ))
+                .await
+                .unwrap();
+            }
         }
     }
 
@@ -537,7 +540,7 @@ async fn rollouts_advance_backfill_and_verify() {
         .unwrap();
     let (handle, new, report) = rollouts(&cluster, p.customer_id, p.id).await.unwrap();
 
-    assert_eq!(handle.phase(), shardkit::Phase::DualWrite);
+    assert_eq!(handle.phase(), shardkit::Phase::ReadNew);
     assert_eq!(new, Some(to_v2(p)));
     assert!(report.finished, "{report:?}");
     assert_eq!(report.rows, people.len() as u64, "{report:?}");

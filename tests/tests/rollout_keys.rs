@@ -106,6 +106,8 @@ async fn conversion_that_moves_the_key_is_refused(dbs: &mut TestDbs) {
     )
     .await
     .unwrap();
+    // (A backfill starts once every instance must be dual-writing.)
+    clock.advance(rollout.gap());
     let err = rollout.backfill().await.unwrap_err();
     assert!(
         matches!(&err, ShardError::CrossShardWrite { expected, found, .. } if expected == "200" && found == "201"),
