@@ -350,6 +350,17 @@ pub(crate) fn pk_condition<E: EntityTrait>(values: &[Value]) -> Condition {
         })
 }
 
+/// `E`'s primary key column names, as a tuple when there are several.
+fn pk_names<E: EntityTrait>() -> String {
+    let names: Vec<&str> = <E::PrimaryKey as Iterable>::iter()
+        .map(|pk| sea_orm::IdenStatic::as_str(&pk.into_column()))
+        .collect();
+    match names.as_slice() {
+        [one] => (*one).to_owned(),
+        many => format!("({})", many.join(", ")),
+    }
+}
+
 fn pk_arity<E: EntityTrait>() -> usize {
     <E::PrimaryKey as Iterable>::iter().count()
 }
@@ -1445,7 +1456,21 @@ where
             shard_id: id,
         };
         for row in &rows {
-            self.shared.write_new(&ctx, row, false).await?;
+            // Dropping the transaction rolls the whole chunk back.
+            self.shared
+                .write_new(&ctx, row, false)
+                .await
+                .map_err(|e| match e {
+                    ShardError::CrossShardWrite { .. } => self.shared.refused_err(format!(
+                        "backfill stopped at `{}` row {} = {} on shard {shard}: {e}; nothing of \
+                         its chunk was copied. The conversion must keep the shard key; fix it \
+                         and run the backfill again",
+                        table_name::<Old>(),
+                        pk_names::<Old>(),
+                        crate::gsi::model_pk::<Old>(row),
+                    )),
+                    other => other,
+                })?;
         }
         txn.commit().await.map_err(err)?;
         Ok(rows)

@@ -14,6 +14,7 @@ backend_tests!(4 =>
     dropping_the_cluster_stops_its_tasks_and_closes_its_pools,
     retreat_during_backfill_stops_it_and_voids_its_progress,
     backfill_waits_until_every_instance_dual_writes,
+    new_only_write_that_moves_the_key_is_refused,
 );
 
 type People = RolloutHandle<person_v1::Entity, person_v2::Entity>;
@@ -335,4 +336,81 @@ async fn backfill_waits_until_every_instance_dual_writes(dbs: &mut TestDbs) {
     for (id, city) in &want {
         assert_eq!(&a.get_new(*id, *id).await.unwrap().unwrap().city, city);
     }
+}
+
+/// In new_only an old-entity write goes to the new table only, through the
+/// conversion; a conversion that moves the row to another shard key is
+/// refused there too (insert and update alike): `CrossShardWrite`, the
+/// transaction rollback-only, nothing written.
+async fn new_only_write_that_moves_the_key_is_refused(dbs: &mut TestDbs) {
+    fn moving(old: &person_v1::Model) -> person_v2::Model {
+        let mut new = person_to_v2(old);
+        if old.customer_id >= 100 {
+            new.customer_id += 1;
+        }
+        new
+    }
+    let clock = Arc::new(ManualClock::starting_now());
+    let shared = Arc::clone(&clock);
+    let (cluster, _) =
+        recording_cluster_with(dbs, 4, "[groups.Customer]\n", move |b| b.clock(shared)).await;
+    cluster.migrate::<Migrator>().await.unwrap();
+    let rollout: People = cluster
+        .register_rollout(
+            Rollout::new("moving", moving)
+                .to_old(person_to_v1)
+                .cache_ttl(TTL)
+                .refresh_every(REFRESH),
+        )
+        .await
+        .unwrap();
+    assert_eq!(advance(&rollout, &clock).await, Phase::CacheBoth);
+    assert_eq!(advance(&rollout, &clock).await, Phase::DualWrite);
+    clock.advance(rollout.gap());
+    assert!(rollout.backfill().await.unwrap().finished);
+    assert_eq!(advance(&rollout, &clock).await, Phase::ReadNew);
+    assert_eq!(advance(&rollout, &clock).await, Phase::NewOnly);
+    let cross = |err: &ShardError| {
+        matches!(err, ShardError::CrossShardWrite { entity, expected, found, .. }
+            if *entity == "people_v2" && expected == "100" && found == "101")
+    };
+
+    let tx = cluster.begin::<Customer>(100).await.unwrap();
+    let err = tx.insert(person(1, 100, "Oslo")).await.unwrap_err();
+    assert!(cross(&err), "{err:?}");
+    assert!(tx.is_rollback_only());
+    assert!(matches!(
+        tx.commit().await.unwrap_err(),
+        ShardError::RollbackOnly { .. }
+    ));
+    assert_eq!(shardkit_tests::count_rows(&cluster, "people").await, 0);
+    assert_eq!(shardkit_tests::count_rows(&cluster, "people_v2").await, 0);
+
+    // A new row of key 100 written behind shardkit's back, then updated
+    // through the old entity: the converted row would move; refused.
+    let shard = cluster.shard_of::<Customer>(&100).await.unwrap().to_owned();
+    let db = cluster.connection(&shard).unwrap();
+    db.execute_unprepared(
+        "INSERT INTO people_v2 (id, customer_id, first_name, last_name, display_name, city) \
+         VALUES (2, 100, 'Bo', 'Dahl', 'Bo Dahl', 'Rome')",
+    )
+    .await
+    .unwrap();
+    let tx = cluster.begin::<Customer>(100).await.unwrap();
+    let err = tx
+        .update(person_v1::ActiveModel {
+            id: Unchanged(2),
+            customer_id: Unchanged(100),
+            city: Set("Pisa".into()),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert!(cross(&err), "{err:?}");
+    assert!(tx.is_rollback_only());
+    drop(tx);
+    assert_eq!(
+        cities(&cluster, "people_v2").await,
+        vec![(2, "Rome".to_owned())]
+    );
 }
