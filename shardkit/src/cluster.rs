@@ -33,6 +33,14 @@ pub struct Cluster {
 struct Inner {
     topology: Topology,
     shards: Vec<DatabaseConnection>,
+    /// Per shard, a small pool for autocommitted index writes and owner
+    /// checks (see [`Cluster::side_conn`]).
+    side: Vec<DatabaseConnection>,
+    /// With two or more SQLite shards: one write transaction at a time
+    /// across them (see [`Cluster::begin`]).
+    sqlite_writer: Option<Arc<tokio::sync::Semaphore>>,
+    /// How long `begin` waits for `sqlite_writer`.
+    sqlite_writer_wait: Duration,
     directories: Vec<DatabaseConnection>,
     read: ReadSettings,
     ids: Arc<Ids>,
@@ -135,8 +143,19 @@ impl ClusterBuilder {
             topology
                 .shards()
                 .iter()
-                .map(|s| connect_one(s.name.clone(), &s.url, pool, observer, None)),
+                .map(|s| connect_one(s.name.clone(), &s.url, pool, observer, None, false)),
         );
+        let side_pool = side_pool_config(pool);
+        let side_conns = join_all(topology.shards().iter().map(|s| {
+            connect_one(
+                s.name.clone(),
+                &s.url,
+                &side_pool,
+                observer,
+                Some(SIDE_MYSQL_SESSION.to_owned()),
+                true,
+            )
+        }));
         let count = topology.ticket_servers().len();
         let ticket_conns = join_all(topology.ticket_servers().iter().enumerate().map(|(i, s)| {
             connect_one(
@@ -145,6 +164,7 @@ impl ClusterBuilder {
                 pool,
                 observer,
                 Some(mysql_session_sql(i, count)),
+                false,
             )
         }));
         let dir_conns = join_all(topology.directories().iter().map(|d| {
@@ -154,9 +174,13 @@ impl ClusterBuilder {
                 pool,
                 observer,
                 None,
+                false,
             )
         }));
         let (shards, directories, tickets) = futures::join!(shard_conns, dir_conns, ticket_conns);
+        // After the main pools: opening a SQLite file while another
+        // connection switches it to WAL fails with `database is locked`.
+        let side = side_conns.await;
         let tickets = tickets.into_iter().collect::<Result<Vec<_>>>()?;
         let servers = topology
             .ticket_servers()
@@ -166,6 +190,25 @@ impl ClusterBuilder {
             .collect();
         let ids = Arc::new(Ids::new(servers, config.ids.clone(), Arc::clone(&clock))?);
         let shards = shards.into_iter().collect::<Result<Vec<_>>>()?;
+        let side = side
+            .into_iter()
+            .zip(&shards)
+            .zip(topology.shards())
+            .map(|((side, main), spec)| {
+                // Each connection to an in-memory SQLite database is a
+                // database of its own: index rows must use the main pool.
+                let raw = spec.url.expose();
+                if raw.contains(":memory:") || raw.contains("mode=memory") {
+                    Ok(main.clone())
+                } else {
+                    side
+                }
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let sqlite_shards = shards
+            .iter()
+            .filter(|c| c.get_database_backend() == sea_orm::DbBackend::Sqlite)
+            .count();
         let directories = directories.into_iter().collect::<Result<Vec<_>>>()?;
         let topology_ids: std::collections::HashMap<String, ShardId> = topology
             .shard_names()
@@ -187,6 +230,10 @@ impl ClusterBuilder {
             inner: Arc::new(Inner {
                 topology,
                 shards,
+                side,
+                sqlite_writer: (sqlite_shards > 1)
+                    .then(|| Arc::new(tokio::sync::Semaphore::new(1))),
+                sqlite_writer_wait: Duration::from_secs(pool.acquire_timeout_secs.unwrap_or(30)),
                 directories,
                 read,
                 ids,
@@ -316,7 +363,7 @@ impl Cluster {
     pub(crate) async fn server_identity(&self, id: ShardId) -> Option<&str> {
         self.inner.servers[id.index()]
             .get_or_init(|| {
-                crate::gsi::read_server_identity(self.shard_conn(id), self.shard_name(id))
+                crate::gsi::read_server_identity(self.side_conn(id), self.shard_name(id))
             })
             .await
             .as_deref()
@@ -359,6 +406,20 @@ impl Cluster {
 
     pub(crate) fn shard_conn(&self, id: ShardId) -> &DatabaseConnection {
         &self.inner.shards[id.index()]
+    }
+
+    /// Shard `id`'s side pool: small, separate from the pool transactions
+    /// take their connections from, and used only for single autocommitted
+    /// statements (index claims and removals, owner checks) by callers that
+    /// hold no side connection already. A transaction holding a main
+    /// connection may wait for a side connection, never the reverse, and a
+    /// side connection never waits for any connection, so waits for
+    /// connections cannot form a cycle however small the pools are. Its
+    /// lock waits are bounded (`lock_timeout`, `innodb_lock_wait_timeout`,
+    /// SQLite's busy timeout): a claim can wait on an index row locked by a
+    /// transaction that in turn waits for a connection.
+    pub(crate) fn side_conn(&self, id: ShardId) -> &DatabaseConnection {
+        &self.inner.side[id.index()]
     }
 
     pub(crate) fn shard_name(&self, id: ShardId) -> &str {
@@ -448,7 +509,30 @@ impl Cluster {
             span.record("bucket", bucket);
         }
         tracing::debug!(parent: &span, key = ?key, "begin");
-        let txn = crate::exec::begin_write(self.shard_conn(target.shard))
+        let conn = self.shard_conn(target.shard);
+        let writer = match &self.inner.sqlite_writer {
+            Some(gate) if conn.get_database_backend() == sea_orm::DbBackend::Sqlite => {
+                // A SQLite transaction holds its file's write lock from
+                // `begin`, and its index rows may need another file's: two
+                // such transactions on two files would each wait for the
+                // other's lock. One SQLite write transaction at a time
+                // across the cluster's files makes that wait impossible.
+                let wait = self.inner.sqlite_writer_wait;
+                let permit = tokio::time::timeout(wait, Arc::clone(gate).acquire_owned())
+                    .await
+                    .ok()
+                    .and_then(|p| p.ok())
+                    .ok_or_else(|| ShardError::Db {
+                        group: G::NAME,
+                        shard: shard.clone(),
+                        operation: "begin".to_owned(),
+                        source: sea_orm::DbErr::ConnectionAcquire(sea_orm::ConnAcquireErr::Timeout),
+                    })?;
+                Some(permit)
+            }
+            _ => None,
+        };
+        let txn = crate::exec::begin_write(conn)
             .await
             .map_err(|source| ShardError::Db {
                 group: G::NAME,
@@ -456,7 +540,7 @@ impl Cluster {
                 operation: "begin".to_owned(),
                 source,
             })?;
-        Ok(ShardTx::new(txn, self.clone(), key, shard, target, span))
+        Ok(ShardTx::new(txn, self.clone(), key, shard, target, span).holding(writer))
     }
 
     /// Runs `work` in a transaction for group `G` pinned to `key`: commits
@@ -677,21 +761,55 @@ async fn migration_status_of<M: MigratorTrait>(
     }
 }
 
+/// Connections per shard in the side pool ([`Cluster::side_conn`]).
+const SIDE_POOL_SIZE: u32 = 2;
+
+/// How long a side-pool statement waits for a row lock, in seconds.
+const SIDE_LOCK_WAIT_SECS: u64 = 5;
+
+/// The MySQL session setting of side-pool connections.
+const SIDE_MYSQL_SESSION: &str = "SET SESSION innodb_lock_wait_timeout = 5";
+
+/// The side pool's settings: the shards' timeouts, a few connections opened
+/// on first use.
+fn side_pool_config(pool: &PoolConfig) -> PoolConfig {
+    PoolConfig {
+        max_connections: Some(SIDE_POOL_SIZE),
+        min_connections: None,
+        connect_lazy: Some(true),
+        ..pool.clone()
+    }
+}
+
 async fn connect_one(
     name: String,
     url: &DatabaseUrl,
     pool: &PoolConfig,
     observer: Option<&StatementObserver>,
     mysql_session: Option<String>,
+    side: bool,
 ) -> Result<DatabaseConnection> {
     // The password travels in the driver's options, not in the URL: SeaORM
     // records the URL in its connect span (TRACE).
     let (driver_url, password) = url.for_driver();
     let mut options = ConnectOptions::new(driver_url);
-    if let Some(password) = password {
+    // A side pool's statements wait at most this long for a row lock.
+    let lock_timeout = side.then(|| format!("{SIDE_LOCK_WAIT_SECS}s"));
+    if password.is_some() || lock_timeout.is_some() {
+        // One closure per driver: SeaORM keeps only the last one set.
         let for_mysql = password.clone();
-        options.map_sqlx_postgres_opts(move |opts| opts.password(&password));
-        options.map_sqlx_mysql_opts(move |opts| opts.password(&for_mysql));
+        options.map_sqlx_postgres_opts(move |mut opts| {
+            if let Some(password) = &password {
+                opts = opts.password(password);
+            }
+            if let Some(timeout) = &lock_timeout {
+                opts = opts.options([("lock_timeout", timeout)]);
+            }
+            opts
+        });
+        if let Some(password) = for_mysql {
+            options.map_sqlx_mysql_opts(move |opts| opts.password(&password));
+        }
     }
     // Statements are logged by shardkit's own spans; keep the driver's
     // per-statement log below info.

@@ -588,7 +588,11 @@ impl<'c> Gsi<'c> {
             return Ok(false);
         };
         let target = self.cluster.route::<E::Group>(&key).await?;
-        let (db, shard) = self.conn(target.shard);
+        // The side pool: claims check owners from inside a transaction.
+        let (db, shard) = (
+            self.cluster.side_conn(target.shard),
+            self.cluster.shard_name(target.shard),
+        );
         let owner = E::find()
             .filter(key_condition::<E>(
                 std::slice::from_ref(&key),
@@ -664,7 +668,9 @@ impl<'c> Gsi<'c> {
                     }
                     _ => Durability::Flushed,
                 };
-                let (db, shard) = self.conn(id);
+                // The side pool: the caller may hold a connection of the
+                // main pools (see `Cluster::side_conn`).
+                let (db, shard) = (self.cluster.side_conn(id), self.cluster.shard_name(id));
                 self.write_on::<E, _>(db, durability, shard, index, raw_value, &value, key, owner)
                     .await
             }
@@ -747,7 +753,16 @@ impl<'c> Gsi<'c> {
             // statement with `SAVEPOINT _sqlx_savepoint_1 does not exist`).
             // The caller makes the transaction rollback-only on such errors.
             return self
-                .claim::<E, C>(db, shard, index, raw_value, value, key, owner)
+                .claim::<E, C>(
+                    db,
+                    shard,
+                    index,
+                    raw_value,
+                    value,
+                    key,
+                    owner,
+                    OwnerCheck::Inline,
+                )
                 .await;
         }
         // Fast path: the value is usually free, and one autocommitted INSERT
@@ -766,9 +781,21 @@ impl<'c> Gsi<'c> {
         // one else's work is lost by running it again.
         let mut attempt = 1;
         loop {
+            let holder = self
+                .check_holder::<E, _>(db, shard, index, raw_value, value)
+                .await?;
             let result = match crate::exec::begin_write(db).await {
                 Ok(txn) => match self
-                    .claim::<E, _>(&txn, shard, index, raw_value, value, key, owner)
+                    .claim::<E, _>(
+                        &txn,
+                        shard,
+                        index,
+                        raw_value,
+                        value,
+                        key,
+                        owner,
+                        OwnerCheck::Before(holder.as_ref()),
+                    )
                     .await
                 {
                     Ok(()) => txn.commit().await.map_err(err),
@@ -791,6 +818,43 @@ impl<'c> Gsi<'c> {
         }
     }
 
+    /// The holder of unique `value`'s index row, read without a lock, and
+    /// whether its owner row is alive: checked before a claim transaction
+    /// takes a side connection, because checking the owner reads the owner's
+    /// shard, and a side connection must never wait for another connection
+    /// (see `Cluster::side_conn`).
+    async fn check_holder<E: ShardedEntity, C: ConnectionTrait>(
+        &self,
+        db: &C,
+        shard: &str,
+        index: &IndexDef,
+        raw_value: &Value,
+        value: &str,
+    ) -> Result<Option<Holder>> {
+        let err = |e| write_err(index, value, shard, e);
+        let select = Query::select()
+            .columns(["shard_key", "owner_pk", "created_ms"].map(Alias::new))
+            .from(Alias::new(index.table.as_str()))
+            .and_where(Expr::col(Alias::new("value")).eq(value))
+            .to_owned();
+        let Some(row) = db.query_one(&select).await.map_err(err)? else {
+            return Ok(None);
+        };
+        let key: String = row.try_get("", "shard_key").map_err(err)?;
+        let owner: String = row.try_get("", "owner_pk").map_err(err)?;
+        let created: i64 = row.try_get("", "created_ms").map_err(err)?;
+        // Only a row past the grace period can be taken over.
+        let settled =
+            self.cluster.now_ms() - created >= self.cluster.gsi_grace().as_millis() as i64;
+        let alive = !settled || self.owner_alive::<E>(index, &key, raw_value).await?;
+        Ok(Some(Holder {
+            key,
+            owner,
+            created,
+            alive,
+        }))
+    }
+
     /// Claims unique `value` for `key`/`owner` through `conn` (the claim's
     /// own transaction, or the owner's): an upsert that inserts the row, or
     /// bumps its version when the row is already this owner's, and locks it
@@ -808,6 +872,7 @@ impl<'c> Gsi<'c> {
         value: &str,
         key: &str,
         owner: &str,
+        check: OwnerCheck<'_>,
     ) -> Result<()> {
         let err = |e| write_err(index, value, shard, e);
         let backend = conn.get_database_backend();
@@ -876,8 +941,21 @@ impl<'c> Gsi<'c> {
             // MySQL: the upsert inserted it.
             return Ok(());
         }
+        let alive = || async {
+            match check {
+                OwnerCheck::Inline => self.owner_alive::<E>(index, &other_key, raw_value).await,
+                OwnerCheck::Before(Some(h))
+                    if h.key == other_key && h.owner == other_owner && h.created == created =>
+                {
+                    Ok(h.alive)
+                }
+                // Changed since it was checked, so written within the grace
+                // period: a claim in flight.
+                OwnerCheck::Before(_) => Ok(true),
+            }
+        };
         if self.cluster.now_ms() - created < self.cluster.gsi_grace().as_millis() as i64
-            || self.owner_alive::<E>(index, &other_key, raw_value).await?
+            || alive().await?
         {
             // A live owner, or a write still in flight: not ours to take.
             return Err(ShardError::UniqueViolation {
@@ -928,7 +1006,8 @@ impl<'c> Gsi<'c> {
             .and_where(Expr::col(Alias::new("shard_key")).eq(key))
             .and_where(Expr::col(Alias::new("owner_pk")).eq(owner))
             .to_owned();
-        let (db, shard) = self.conn(id);
+        // The side pool: the owner's transaction holds a main connection.
+        let (db, shard) = (self.cluster.side_conn(id), self.cluster.shard_name(id));
         let found = match local {
             Some((local_id, txn)) if local_id == id => txn.query_one(&stmt).await,
             _ => db.query_one(&stmt).await,
@@ -956,7 +1035,10 @@ impl<'c> Gsi<'c> {
     /// Removes an index row if it is still the version the removal read
     /// (compare-and-delete; idempotent).
     pub(crate) async fn remove_entry(&self, removal: &Removal) -> Result<u64> {
-        let (db, shard) = self.conn(removal.shard);
+        let (db, shard) = (
+            self.cluster.side_conn(removal.shard),
+            self.cluster.shard_name(removal.shard),
+        );
         let delete = Query::delete()
             .from_table(Alias::new(removal.index.table.as_str()))
             .and_where(Expr::col(Alias::new("value")).eq(removal.value.as_str()))
@@ -1259,6 +1341,25 @@ impl<'c> Gsi<'c> {
             },
         )
     }
+}
+
+/// How a claim learns whether the owner of the index row it found is alive.
+#[derive(Clone, Copy)]
+enum OwnerCheck<'a> {
+    /// Read the owner's shard now (the claim runs in the owner's own
+    /// transaction, which may wait for a side connection).
+    Inline,
+    /// Checked before the claim's side connection was taken; `None` when
+    /// there was no row then.
+    Before(Option<&'a Holder>),
+}
+
+/// An index row's holder and whether its owner row was alive.
+struct Holder {
+    key: String,
+    owner: String,
+    created: i64,
+    alive: bool,
 }
 
 fn entry_insert(

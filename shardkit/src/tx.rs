@@ -38,6 +38,10 @@ pub struct ShardTx<G: EntityGroup> {
     target: Target,
     poisoned: std::sync::OnceLock<String>,
     span: tracing::Span,
+    /// The cluster's SQLite write slot, held until the transaction ends
+    /// (see [`Cluster::begin`](crate::Cluster::begin)). Declared after `txn`
+    /// so the transaction rolls back before the slot is released.
+    _writer: Option<tokio::sync::OwnedSemaphorePermit>,
 }
 
 impl<G: EntityGroup> std::fmt::Debug for ShardTx<G> {
@@ -69,7 +73,14 @@ impl<G: EntityGroup> ShardTx<G> {
             target,
             poisoned: std::sync::OnceLock::new(),
             span,
+            _writer: None,
         }
+    }
+
+    /// Keeps `writer` (the cluster's SQLite write slot) until it ends.
+    pub(crate) fn holding(mut self, writer: Option<tokio::sync::OwnedSemaphorePermit>) -> Self {
+        self._writer = writer;
+        self
     }
 
     /// The key the transaction is pinned to.
@@ -578,6 +589,7 @@ impl<G: EntityGroup> ShardTx<G> {
             cluster,
             removals,
             after_commit,
+            _writer: writer,
             ..
         } = self;
         crate::trace::in_span(span, txn.commit())
@@ -588,6 +600,8 @@ impl<G: EntityGroup> ShardTx<G> {
                 operation: "commit".to_owned(),
                 source,
             })?;
+        // The SQLite write lock is released; so is the cluster's slot.
+        drop(writer);
         for after in after_commit.into_inner().unwrap_or_else(|p| p.into_inner()) {
             after();
         }

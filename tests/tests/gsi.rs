@@ -235,10 +235,10 @@ async fn lookups_follow_the_index(dbs: &mut TestDbs) {
 
 async fn unique_violation_and_takeover(dbs: &mut TestDbs) {
     let clock = std::sync::Arc::new(ManualClock::starting_now());
-    let grace = std::time::Duration::from_millis(1000);
+    let grace = std::time::Duration::from_millis(300);
     let shared = std::sync::Arc::clone(&clock);
     let (cluster, _) =
-        gsi_cluster_with(dbs, "[gsi]\ngrace_ms = 1000\n", move |b| b.clock(shared)).await;
+        gsi_cluster_with(dbs, "[gsi]\ngrace_ms = 300\n", move |b| b.clock(shared)).await;
     cluster
         .gsi()
         .backfill::<contact::Entity>(contact::Column::Email)
@@ -438,9 +438,7 @@ async fn write_only_scatters_until_backfilled(dbs: &mut TestDbs) {
 }
 
 async fn reconcile_removes_dangling_and_adds_missing(dbs: &mut TestDbs) {
-    let clock = std::sync::Arc::new(ManualClock::starting_now());
-    let shared = std::sync::Arc::clone(&clock);
-    let (cluster, _) = gsi_cluster_with(dbs, "", move |b| b.clock(shared)).await;
+    let (cluster, _) = gsi_cluster(dbs, "[gsi]\ngrace_ms = 0\n").await;
     cluster
         .gsi()
         .backfill::<contact::Entity>(contact::Column::Email)
@@ -491,8 +489,6 @@ async fn reconcile_removes_dangling_and_adds_missing(dbs: &mut TestDbs) {
     assert!(dangling > 0, "with 4 shards some index rows live elsewhere");
     let scanned = (emails.len() + phones.len()) as u64;
 
-    // Past the (default) grace period: no insert is in flight any more.
-    clock.advance(std::time::Duration::from_secs(31));
     let report = cluster.gsi().reconcile::<contact::Entity>().await.unwrap();
     assert_eq!(report.removed, dangling, "{report:?}");
     assert_eq!(report.added, 2, "{report:?}");
@@ -516,12 +512,9 @@ async fn reconcile_removes_dangling_and_adds_missing(dbs: &mut TestDbs) {
 }
 
 async fn pinned_index_lives_on_one_shard(dbs: &mut TestDbs) {
-    let clock = std::sync::Arc::new(ManualClock::starting_now());
-    let shared = std::sync::Arc::clone(&clock);
-    let (cluster, _) = gsi_cluster_with(
+    let (cluster, _) = gsi_cluster(
         dbs,
-        "[gsi]\npin = { gsi_contacts_email = \"s2\" }\n",
-        move |b| b.clock(shared),
+        "[gsi]\ngrace_ms = 0\npin = { gsi_contacts_email = \"s2\" }\n",
     )
     .await;
     cluster
@@ -578,8 +571,9 @@ async fn pinned_index_lives_on_one_shard(dbs: &mut TestDbs) {
             .any(|(v, _)| v == "gone@x"),
         "dangling first"
     );
-    // Past the grace period, the row is dangling, not an insert in flight.
-    clock.advance(std::time::Duration::from_secs(31));
+    // Started only now: with `grace_ms = 0` a reconciler running during the
+    // insert could take its index row for dangling (the grace period is what
+    // protects inserts in flight).
     let reconciler = cluster
         .gsi()
         .reconcile_every::<contact::Entity>(std::time::Duration::from_millis(50));
