@@ -41,6 +41,8 @@ struct Inner {
     sqlite_writer: Option<Arc<tokio::sync::Semaphore>>,
     /// How long `begin` waits for `sqlite_writer`.
     sqlite_writer_wait: Duration,
+    /// Per shard, its circuit breaker.
+    health: Vec<Arc<crate::health::ShardHealth>>,
     directories: Vec<DatabaseConnection>,
     read: ReadSettings,
     ids: Arc<Ids>,
@@ -137,6 +139,28 @@ impl ClusterBuilder {
         } = self;
         let topology = Topology::build(&config)?;
         let pool = &config.pool;
+        let probe_timeout = Duration::from_secs(pool.connect_timeout_secs.unwrap_or(5));
+        let health: Vec<_> = topology
+            .shards()
+            .iter()
+            .map(|s| Arc::new(crate::health::ShardHealth::new(&s.url, probe_timeout)))
+            .collect();
+        if !pool.connect_lazy.unwrap_or(false) {
+            // One direct connection per shard first: it fails within the
+            // connect timeout with the driver's cause, where the pool would
+            // retry a refused connection until its acquire timeout and then
+            // say only "pool timed out".
+            let probes = join_all(health.iter().map(|h| h.probe_once())).await;
+            for (spec, probe) in topology.shards().iter().zip(probes) {
+                if let Err(cause) = probe {
+                    return Err(ShardError::Connect {
+                        shard: spec.name.clone(),
+                        url: spec.url.redacted(),
+                        cause,
+                    });
+                }
+            }
+        }
         let kept_observer = observer.clone();
         let observer = observer.as_ref();
         let shard_conns = join_all(
@@ -234,6 +258,7 @@ impl ClusterBuilder {
                 sqlite_writer: (sqlite_shards > 1)
                     .then(|| Arc::new(tokio::sync::Semaphore::new(1))),
                 sqlite_writer_wait: Duration::from_secs(pool.acquire_timeout_secs.unwrap_or(30)),
+                health,
                 directories,
                 read,
                 ids,
@@ -422,6 +447,11 @@ impl Cluster {
         &self.inner.side[id.index()]
     }
 
+    /// Shard `id`'s circuit breaker.
+    pub(crate) fn health(&self, id: ShardId) -> &Arc<crate::health::ShardHealth> {
+        &self.inner.health[id.index()]
+    }
+
     pub(crate) fn shard_name(&self, id: ShardId) -> &str {
         &self.inner.topology.shard(id).name
     }
@@ -532,14 +562,19 @@ impl Cluster {
             }
             _ => None,
         };
-        let txn = crate::exec::begin_write(conn)
-            .await
-            .map_err(|source| ShardError::Db {
-                group: G::NAME,
-                shard: shard.clone(),
-                operation: "begin".to_owned(),
-                source,
-            })?;
+        // Under the shard's breaker: a shard that refuses or hangs fails the
+        // begin with its cause instead of after the pool's acquire timeout.
+        let begin = async {
+            crate::exec::begin_write(conn)
+                .await
+                .map_err(|source| ShardError::Db {
+                    group: G::NAME,
+                    shard: shard.clone(),
+                    operation: "begin".to_owned(),
+                    source,
+                })
+        };
+        let txn = self.bounded(target.shard, G::NAME, None, begin).await?;
         Ok(ShardTx::new(txn, self.clone(), key, shard, target, span).holding(writer))
     }
 

@@ -154,6 +154,18 @@ pub enum ShardError {
         after: std::time::Duration,
     },
 
+    /// The shard is marked down: a connection attempt failed (refused, or
+    /// no answer within the connect timeout). Requests of that shard fail
+    /// with this at once, without I/O, until a background probe reaches it
+    /// again.
+    #[error("shard `{shard}` is unavailable ({cause}); requests fail fast until it answers again")]
+    Unavailable {
+        /// The shard.
+        shard: String,
+        /// Why the last connection attempt failed (driver message, password scrubbed).
+        cause: String,
+    },
+
     /// A multi-shard read asked for something that cannot be merged correctly
     /// from per-shard results.
     #[error("cannot merge a multi-shard read of `{table}`: {reason}")]
@@ -280,6 +292,16 @@ pub enum ErrorKind {
 }
 
 impl ShardError {
+    /// The shard this error happened on, when it names one.
+    pub(crate) fn shard(&self) -> Option<&str> {
+        match self {
+            ShardError::Db { shard, .. }
+            | ShardError::Timeout { shard, .. }
+            | ShardError::Unavailable { shard, .. } => Some(shard),
+            _ => None,
+        }
+    }
+
     /// Which kind of error this is.
     pub fn kind(&self) -> ErrorKind {
         match self {
@@ -289,6 +311,7 @@ impl ShardError {
             | ShardError::Migration { .. }
             | ShardError::ShardsFailed { .. }
             | ShardError::Timeout { .. }
+            | ShardError::Unavailable { .. }
             | ShardError::IdsUnavailable { .. }
             | ShardError::ClockMovedBackwards { .. } => ErrorKind::Database,
             ShardError::CrossShardWrite { .. }
@@ -311,7 +334,8 @@ impl ShardError {
     /// `40P01` (deadlock), MySQL/MariaDB errors 1213 (deadlock) and 1205
     /// (lock wait timeout) abort the transaction ([`Retry::Transaction`]);
     /// SQLite's `SQLITE_BUSY`/`SQLITE_LOCKED`, a lost connection and a pool
-    /// timeout are transient ([`Retry::Now`]); a unique or foreign-key
+    /// timeout are transient ([`Retry::Now`]); a shard marked down
+    /// ([`ShardError::Unavailable`]) is [`Retry::After`] its next probe; a unique or foreign-key
     /// violation and every other statement error are [`Retry::Never`].
     pub fn retry(&self) -> Retry {
         match self {
@@ -329,6 +353,7 @@ impl ShardError {
                     Retry::Never => 4,
                 })
                 .unwrap_or(Retry::Never),
+            ShardError::Unavailable { .. } => Retry::After(crate::health::REPROBE),
             ShardError::ClockMovedBackwards { millis } => {
                 Retry::After(std::time::Duration::from_millis(*millis))
             }

@@ -91,6 +91,7 @@ pub mod entity;
 pub mod error;
 mod exec;
 pub mod gsi;
+mod health;
 pub mod ids;
 mod keyset;
 mod periodic;

@@ -417,9 +417,11 @@ impl<E: ShardedEntity, R> Find<E, R> {
                 .await;
         }
         let asked = plan.asked;
-        let (ok, failed, span) = read
+        let (ok, mut failed, span) = read
             .gather(plan.parts, asked, "count", |s, conn| s.count(conn))
             .await;
+        let asked = asked + usize::from(plan.lookup_failed.is_some());
+        failed.extend(plan.lookup_failed);
         let n: u64 = ok.into_iter().map(|(_, n)| n).sum();
         span.record("rows", n);
         R::finish(n, read.gathered(asked, failed))
@@ -486,6 +488,9 @@ struct Plan<E: ShardedEntity> {
     /// The merged result's limit and offset.
     limit: Option<u64>,
     offset: u64,
+    /// The index lookup's failure, when the read scatters without the
+    /// index (reported beside the shards' own failures).
+    lookup_failed: Option<ShardFailure>,
 }
 
 /// What a read will do, computed before any of its statements runs
@@ -650,9 +655,9 @@ impl<E: ShardedEntity> Read<E> {
         spec: RouteSpec<KeyOf<E>>,
         op: ReadOp,
     ) -> Result<Plan<E>> {
-        let (mut select, spec, index) = match spec {
+        let (mut select, spec, index, lookup_failed) = match spec {
             RouteSpec::Index(..) => self.resolve_index(select, spec).await?,
-            spec => (select, spec, None),
+            spec => (select, spec, None, None),
         };
         let indexed = index.is_some();
         let described = |route: PlannedRoute| match &index {
@@ -686,6 +691,7 @@ impl<E: ShardedEntity> Read<E> {
                 indexed,
                 limit: self.limit,
                 offset,
+                lookup_failed: None,
             });
         }
         self.check_mergeable()?;
@@ -694,6 +700,10 @@ impl<E: ShardedEntity> Read<E> {
             _ => PlannedRoute::Scatter,
         });
         let mut parts = self.fan_out(*select, spec).await?;
+        if let Some(failed) = &lookup_failed {
+            // The shard whose index lookup failed is not asked again.
+            parts.retain(|(id, _)| self.cluster.shard_name(*id) != failed.shard);
+        }
         let limit = match op {
             ReadOp::One => Some(1),
             _ => self.limit,
@@ -711,6 +721,7 @@ impl<E: ShardedEntity> Read<E> {
             indexed,
             limit,
             offset,
+            lookup_failed,
         })
     }
 
@@ -780,9 +791,11 @@ impl<E: ShardedEntity> Read<E> {
         let span = read_span::<E>(shard, target.bucket, op);
         let conn = self.cluster.shard_conn(target.shard);
         let fut = crate::trace::in_span(span, run(*select, conn));
-        match with_timeout(Self::group(), shard, self.timeout, fut)
+        let fut = async { fut.await.map_err(|e| read_err::<E>(shard, e)) };
+        match self
+            .cluster
+            .bounded(target.shard, Self::group(), self.timeout, fut)
             .await
-            .map_err(|e| e.into_shard_error::<E>(shard))
         {
             Ok(value) => R::finish(value, self.gathered(1, Vec::new())),
             Err(error) if plan.indexed => {
@@ -799,9 +812,11 @@ impl<E: ShardedEntity> Read<E> {
     /// Runs a multi-shard plan of rows: gather, merge.
     async fn rows(&self, plan: Plan<E>, op: &'static str) -> (Result<Vec<E::Model>>, Gathered) {
         let asked = plan.asked;
-        let (ok, failed, span) = self
+        let (ok, mut failed, span) = self
             .gather(plan.parts, asked, op, |s, conn| s.all(conn))
             .await;
+        let asked = asked + usize::from(plan.lookup_failed.is_some());
+        failed.extend(plan.lookup_failed);
         let rows = self.merge(ok, plan.limit, plan.offset);
         if let Ok(rows) = &rows {
             span.record("rows", rows.len());
@@ -845,6 +860,7 @@ impl<E: ShardedEntity> Read<E> {
         Box<Select<E>>,
         RouteSpec<KeyOf<E>>,
         Option<(String, Option<usize>)>,
+        Option<ShardFailure>,
     )> {
         Ok(match spec {
             RouteSpec::Index(column, value) => {
@@ -873,17 +889,52 @@ impl<E: ShardedEntity> Read<E> {
                     &value,
                     backend,
                 ));
-                let (spec, found) = match self.cluster.gsi().lookup::<E>(&index, &value).await? {
-                    Some(mut keys) if keys.len() == 1 => (RouteSpec::One(keys.remove(0)), Some(1)),
-                    Some(keys) => {
+                // The lookup runs under the read's timeout and the index
+                // shard's breaker. When it fails, the read asks every other
+                // shard (the statement filters on the value) and reports the
+                // failed one: strict reads fail with it, `.partial()` returns
+                // the healthy shards' rows.
+                let shards = self.cluster.topology().shards_of(Self::group())?;
+                let lookup_shard = match crate::gsi::value_text(&value) {
+                    Some(text) => self.cluster.gsi().index_shard::<E>(&index, &text)?,
+                    None => shards[0],
+                };
+                let gsi = self.cluster.gsi();
+                let lookup = gsi.lookup::<E>(&index, &value);
+                let looked = self
+                    .cluster
+                    .bounded(lookup_shard, Self::group(), self.timeout, lookup)
+                    .await;
+                let mut lookup_failed = None;
+                let (spec, found) = match looked {
+                    Ok(Some(mut keys)) if keys.len() == 1 => {
+                        (RouteSpec::One(keys.remove(0)), Some(1))
+                    }
+                    Ok(Some(keys)) => {
                         let n = keys.len();
                         (RouteSpec::Many(keys), Some(n))
                     }
-                    None => (RouteSpec::All, None),
+                    Ok(None) => (RouteSpec::All, None),
+                    Err(error) => {
+                        let shard = error
+                            .shard()
+                            .unwrap_or_else(|| self.cluster.shard_name(lookup_shard))
+                            .to_owned();
+                        lookup_failed = Some(ShardFailure {
+                            shard,
+                            error: Box::new(error),
+                        });
+                        (RouteSpec::All, None)
+                    }
                 };
-                (select, spec, Some((index.table.clone(), found)))
+                (
+                    select,
+                    spec,
+                    Some((index.table.clone(), found)),
+                    lookup_failed,
+                )
             }
-            other => (select, other, None),
+            other => (select, other, None, None),
         })
     }
 
@@ -1018,9 +1069,8 @@ impl<E: ShardedEntity> Read<E> {
                 let fut =
                     run(select, cluster.shard_conn(id)).instrument(read_span::<E>(shard, None, op));
                 async move {
-                    let result = with_timeout(Self::group(), shard, timeout, fut)
-                        .await
-                        .map_err(|e| e.into_shard_error::<E>(shard));
+                    let fut = async { fut.await.map_err(|e| read_err::<E>(shard, e)) };
+                    let result = cluster.bounded(id, Self::group(), timeout, fut).await;
                     in_flight.fetch_sub(1, AtomicOrdering::Relaxed);
                     (id, result)
                 }
@@ -1124,43 +1174,6 @@ fn count_shards<T>(parts: &[(ShardId, T)]) -> usize {
     ids.len()
 }
 
-/// A shard's statement failed or timed out.
-enum RunError {
-    Db(DbErr),
-    Timeout(ShardError),
-}
-
-impl RunError {
-    fn into_shard_error<E: ShardedEntity>(self, shard: &str) -> ShardError {
-        match self {
-            RunError::Db(source) => read_err::<E>(shard, source),
-            RunError::Timeout(err) => err,
-        }
-    }
-}
-
-async fn with_timeout<T>(
-    group: &'static str,
-    shard: &str,
-    timeout: Option<Duration>,
-    fut: impl Future<Output = std::result::Result<T, DbErr>>,
-) -> std::result::Result<T, RunError> {
-    match timeout {
-        None => fut.await.map_err(RunError::Db),
-        // Dropping the statement's future on timeout cancels it.
-        Some(after) => match tokio::time::timeout(after, fut).await {
-            Ok(result) => result.map_err(RunError::Db),
-            Err(_) => Err(RunError::Timeout(ShardError::Timeout {
-                group,
-                shard: shard.to_owned(),
-                after,
-            })),
-        },
-    }
-}
-
-/// Orders two column values the way the database would (numbers by value,
-/// text by bytes, NULL per backend); `None` for values shardkit cannot order.
 fn compare_values(a: &Value, b: &Value, nulls_high: bool) -> Option<Ordering> {
     fn int(v: &Value) -> Option<Option<i128>> {
         Some(match v {

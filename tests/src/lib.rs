@@ -469,7 +469,13 @@ pub struct Proxy {
 impl Proxy {
     /// Listens on a free loopback port and forwards to `target` (`host:port`).
     pub async fn start(target: String) -> Proxy {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        Proxy::start_on(0, target).await
+    }
+
+    /// Listens on loopback `port` (0: a free one) and forwards to `target`:
+    /// with the port of a killed proxy, the server is reachable again.
+    pub async fn start_on(port: u16, target: String) -> Proxy {
+        let listener = tokio::net::TcpListener::bind(("127.0.0.1", port))
             .await
             .expect("bind proxy");
         let port = listener.local_addr().expect("proxy address").port();

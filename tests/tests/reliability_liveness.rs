@@ -5,13 +5,18 @@
 
 use sea_orm::{ActiveValue::Unchanged, Set};
 use shardkit::topology::pghash::partition_hash_bytes;
-use shardkit::{Cluster, ClusterConfig};
+use shardkit::{Cluster, ClusterConfig, ShardError};
 use shardkit_tests::models::*;
-use shardkit_tests::{Backend, TestDbs, backend_tests, count_rows};
+use shardkit_tests::{Backend, Hung, Proxy, TestDbs, backend_tests, count_rows};
 use std::time::Duration;
+use std::time::Instant;
 
 backend_tests!(2 =>
     index_first_writes_on_small_pools_all_complete,
+    [Postgres, MySql] refused_shard_fails_fast_with_its_cause,
+    [Postgres, MySql] hung_shard_fails_fast_with_its_cause,
+    [Postgres, MySql] down_shard_comes_back_once_reachable,
+    index_read_partial_reports_a_down_index_shard,
 );
 
 /// The shard (by name) that index rows of `value` live on.
@@ -164,4 +169,342 @@ async fn index_first_writes_on_small_pools_all_complete(dbs: &mut TestDbs) {
         left, 0,
         "server connections left after dropping the cluster"
     );
+}
+
+/// A key of `Customer` that lives on `shard`.
+async fn key_on(cluster: &Cluster, shard: &str) -> i64 {
+    let mut key = 0_i64;
+    loop {
+        key += 1;
+        if cluster.shard_of::<Customer>(&key).await.unwrap() == shard {
+            return key;
+        }
+    }
+}
+
+/// Asserts `err` is `Unavailable` for `shard` with a cause containing one
+/// of `causes`.
+fn assert_unavailable(err: &ShardError, shard: &str, causes: &[&str]) {
+    match err {
+        ShardError::Unavailable { shard: s, cause } => {
+            assert_eq!(s, shard);
+            let lower = cause.to_lowercase();
+            assert!(
+                causes.iter().any(|c| lower.contains(c)),
+                "cause {cause:?} names none of {causes:?}"
+            );
+        }
+        other => panic!("expected Unavailable for {shard}, got {other:?}"),
+    }
+}
+
+/// A config whose shard s1 is at `url` (s0 is the test's first database).
+fn config_with_s1(dbs: &TestDbs, pool: &str, url: &str, extra: &str) -> ClusterConfig {
+    let healthy = dbs.shards_toml_with(1, pool, &[]);
+    let toml = format!(
+        "{healthy}\n[[shards]]\nname = \"s1\"\nurl = \"{url}\"\n\n{extra}\n[groups.Customer]\n"
+    );
+    ClusterConfig::from_toml(&toml).unwrap_or_else(|e| panic!("config: {e}\n{toml}"))
+}
+
+fn closed_port_url(backend: Backend) -> &'static str {
+    match backend {
+        Backend::MySql => "mysql://root@127.0.0.1:9/down",
+        _ => "postgres://postgres@127.0.0.1:9/down",
+    }
+}
+
+/// A shard on a closed port: `Cluster::connect` fails within the connect
+/// timeout with "connection refused" (not the pool's 30 s "timed out"); a
+/// lazily connected cluster fails the first keyed read, `begin` and
+/// `.partial()` read with the cause, and every later one at once.
+async fn refused_shard_fails_fast_with_its_cause(dbs: &mut TestDbs) {
+    let refused = ["refused"];
+    let url = closed_port_url(dbs.backend);
+    let started = Instant::now();
+    let err = Cluster::connect(config_with_s1(dbs, "", url, ""))
+        .await
+        .unwrap_err();
+    let connect_took = started.elapsed();
+    match &err {
+        ShardError::Connect { shard, cause, .. } => {
+            assert_eq!(shard, "s1");
+            assert!(cause.to_lowercase().contains("refused"), "{cause}");
+        }
+        other => panic!("expected Connect, got {other:?}"),
+    }
+    assert!(
+        connect_took < Duration::from_secs(5),
+        "connect took {connect_took:?}"
+    );
+
+    let cluster = Cluster::connect(config_with_s1(dbs, "connect_lazy = true\n", url, ""))
+        .await
+        .unwrap();
+    cluster.migrate::<Migrator>().await.unwrap_err(); // s1 cannot be migrated
+    let down = key_on(&cluster, "s1").await;
+    let up = key_on(&cluster, "s0").await;
+
+    let started = Instant::now();
+    let err = cluster
+        .find::<customer::Entity>()
+        .key(down)
+        .all()
+        .await
+        .unwrap_err();
+    let first = started.elapsed();
+    assert_unavailable(&err, "s1", &refused);
+    assert!(first < Duration::from_secs(5), "first read took {first:?}");
+
+    // Marked down: later requests fail at once, with the same cause.
+    let started = Instant::now();
+    let err = cluster.begin::<Customer>(down).await.unwrap_err();
+    let second = started.elapsed();
+    assert_unavailable(&err, "s1", &refused);
+    let started = Instant::now();
+    let partial = cluster
+        .find::<customer::Entity>()
+        .scatter()
+        .partial()
+        .all()
+        .await
+        .unwrap();
+    let scatter = started.elapsed();
+    assert_eq!(partial.failed_shards(), vec!["s1"]);
+    assert_unavailable(&partial.failed[0].error, "s1", &refused);
+    println!(
+        "{:?}: connect {connect_took:?}, first read {first:?}, begin once down {second:?}, \
+         partial scatter {scatter:?}",
+        dbs.backend
+    );
+    assert!(second < Duration::from_millis(200), "begin took {second:?}");
+    // The healthy shard is unaffected (its table is missing: migrate
+    // stopped at s1, so only the routing is checked here).
+    assert_eq!(cluster.shard_of::<Customer>(&up).await.unwrap(), "s0");
+}
+
+/// A shard that accepts connections and never answers: the first request
+/// fails after the connect timeout (1 s here) instead of the acquire
+/// timeout, later ones at once and without opening a connection.
+async fn hung_shard_fails_fast_with_its_cause(dbs: &mut TestDbs) {
+    let hung = Hung::start().await;
+    let url = hung.url(dbs.backend);
+    let pool = "connect_timeout_secs = 1\n";
+    let started = Instant::now();
+    let err = Cluster::connect(config_with_s1(dbs, pool, &url, ""))
+        .await
+        .unwrap_err();
+    let connect_took = started.elapsed();
+    assert!(
+        matches!(&err, ShardError::Connect { shard, cause, .. } if shard == "s1" && cause.contains("within 1000 ms")),
+        "{err:?}"
+    );
+    assert!(
+        connect_took < Duration::from_secs(5),
+        "connect took {connect_took:?}"
+    );
+
+    let pool = "connect_timeout_secs = 1\nconnect_lazy = true\n";
+    let cluster = Cluster::connect(config_with_s1(dbs, pool, &url, ""))
+        .await
+        .unwrap();
+    let down = key_on(&cluster, "s1").await;
+    let started = Instant::now();
+    let err = cluster.begin::<Customer>(down).await.unwrap_err();
+    let first = started.elapsed();
+    assert_unavailable(&err, "s1", &["within 1000 ms"]);
+    assert!(first < Duration::from_secs(5), "first begin took {first:?}");
+
+    let accepted = hung.accepted();
+    let started = Instant::now();
+    let err = cluster
+        .find::<customer::Entity>()
+        .key(down)
+        .one()
+        .await
+        .unwrap_err();
+    let second = started.elapsed();
+    assert_unavailable(&err, "s1", &["within 1000 ms"]);
+    println!(
+        "{:?}: hung connect {connect_took:?}, first begin {first:?}, read once down {second:?}",
+        dbs.backend
+    );
+    assert!(second < Duration::from_millis(200), "read took {second:?}");
+    // Failing fast opened nothing (the background probe may, later).
+    assert!(hung.accepted() <= accepted + 1);
+}
+
+/// A shard cut off (its proxy killed) is marked down; once the proxy
+/// listens again, the background probe brings it back and requests succeed.
+async fn down_shard_comes_back_once_reachable(dbs: &mut TestDbs) {
+    let server = dbs
+        .backend
+        .server_url()
+        .unwrap()
+        .rsplit('@')
+        .next()
+        .unwrap()
+        .to_owned();
+    let proxy = Proxy::start(server.clone()).await;
+    let port = proxy.port;
+    let url = match dbs.backend {
+        Backend::MySql => format!("mysql://root@127.0.0.1:{port}/{}", dbs.names[1]),
+        _ => format!("postgres://postgres@127.0.0.1:{port}/{}", dbs.names[1]),
+    };
+    let cluster = Cluster::connect(config_with_s1(dbs, "", &url, ""))
+        .await
+        .unwrap();
+    cluster.migrate::<Migrator>().await.unwrap();
+    let key = key_on(&cluster, "s1").await;
+    let tx = cluster.begin::<Customer>(key).await.unwrap();
+    tx.insert(customer::ActiveModel {
+        id: Set(key),
+        name: Set("back".into()),
+    })
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+
+    proxy.kill();
+    // Pooled connections die with the proxy; the shard is marked down once
+    // a request finds no way to connect.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let cause = loop {
+        match cluster.find::<customer::Entity>().key(key).one().await {
+            Err(ShardError::Unavailable { cause, .. }) => break cause,
+            _ if Instant::now() < deadline => {}
+            other => panic!("the shard was never marked down: {other:?}"),
+        }
+    };
+    assert!(cause.to_lowercase().contains("refused"), "{cause}");
+
+    let _proxy = Proxy::start_on(port, server).await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let row = loop {
+        match cluster.find::<customer::Entity>().key(key).one().await {
+            Ok(row) => break row,
+            Err(ShardError::Unavailable { .. }) if Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            other => panic!("the shard did not come back: {other:?}"),
+        }
+    };
+    assert_eq!(row.map(|r| r.name), Some("back".to_owned()));
+}
+
+/// `by_index(..).partial()` when the shard holding the index row is down
+/// (refused, an empty SQLite file) or hung: the healthy owners' rows come
+/// back with that shard in `failed`, within the read's timeout; a strict
+/// read fails naming it.
+async fn index_read_partial_reports_a_down_index_shard(dbs: &mut TestDbs) {
+    let cluster = dbs.cluster(2, "[groups.Customer]\n").await;
+    cluster.migrate::<Migrator>().await.unwrap();
+    cluster.gsi().create::<contact::Entity>().await.unwrap();
+    for column in [contact::Column::Email, contact::Column::Phone] {
+        cluster
+            .gsi()
+            .backfill::<contact::Entity>(column)
+            .await
+            .unwrap();
+    }
+    // Three customers on s0 share a phone number indexed on s1.
+    let mut n = 0;
+    let phone = value_elsewhere(&cluster, "phone", "s0", &mut n);
+    let mut owners = Vec::new();
+    let mut key = 0_i64;
+    while owners.len() < 3 {
+        key += 1;
+        if cluster.shard_of::<Customer>(&key).await.unwrap() != "s0" {
+            continue;
+        }
+        let tx = cluster.begin::<Customer>(key).await.unwrap();
+        tx.insert(contact::ActiveModel {
+            id: Set(key),
+            customer_id: Set(key),
+            email: Set(format!("c{key}@x")),
+            phone: Set(phone.clone()),
+        })
+        .await
+        .unwrap();
+        tx.commit().await.unwrap();
+        owners.push(key);
+    }
+    drop(cluster);
+
+    let read = |cluster: Cluster, timeout: Option<Duration>| {
+        let phone = phone.clone();
+        async move {
+            let mut find = cluster
+                .find::<contact::Entity>()
+                .by_index(contact::Column::Phone, phone.as_str());
+            if let Some(t) = timeout {
+                find = find.timeout(t);
+            }
+            let started = Instant::now();
+            let partial = find.partial().all().await.unwrap();
+            (partial, started.elapsed())
+        }
+    };
+    let check = |partial: &shardkit::read::Partial<Vec<contact::Model>>| {
+        let mut ids: Vec<i64> = partial.rows.iter().map(|r| r.id).collect();
+        ids.sort();
+        assert_eq!(ids, owners);
+        assert_eq!(partial.failed_shards(), vec!["s1"]);
+    };
+
+    // Refused (an empty database on SQLite): no timeout needed.
+    let down = Cluster::connect(
+        ClusterConfig::from_toml(&format!(
+            "{}\n[groups.Customer]\n",
+            dbs.shards_toml_with(2, "connect_lazy = true\n", &[1])
+        ))
+        .unwrap(),
+    )
+    .await
+    .unwrap();
+    let (partial, took) = read(down.clone(), None).await;
+    check(&partial);
+    println!(
+        "{:?}: by_index partial, index shard down: {took:?}",
+        dbs.backend
+    );
+    assert!(took < Duration::from_secs(5), "took {took:?}");
+    let strict = down
+        .find::<contact::Entity>()
+        .by_index(contact::Column::Phone, phone.as_str())
+        .all()
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&strict, ShardError::ShardsFailed { failures, .. } if failures.iter().any(|f| f.shard == "s1")),
+        "{strict:?}"
+    );
+
+    if dbs.backend == Backend::Sqlite {
+        return;
+    }
+    // Hung: bounded by `.timeout`, and by `read.timeout_ms` without one.
+    let hung = Hung::start().await;
+    let pool = "connect_lazy = true\n";
+    let by_call = Cluster::connect(config_with_s1(dbs, pool, &hung.url(dbs.backend), ""))
+        .await
+        .unwrap();
+    let (partial, took) = read(by_call, Some(Duration::from_millis(300))).await;
+    check(&partial);
+    assert!(took < Duration::from_secs(5), "took {took:?}");
+    let by_config = Cluster::connect(config_with_s1(
+        dbs,
+        pool,
+        &hung.url(dbs.backend),
+        "[read]\ntimeout_ms = 300\n",
+    ))
+    .await
+    .unwrap();
+    let (partial, took2) = read(by_config, None).await;
+    check(&partial);
+    println!(
+        "{:?}: by_index partial, index shard hung: .timeout {took:?}, read.timeout_ms {took2:?}",
+        dbs.backend
+    );
+    assert!(took2 < Duration::from_secs(5), "took {took2:?}");
 }
