@@ -332,6 +332,21 @@ async fn hung_shard_fails_fast_with_its_cause(dbs: &mut TestDbs) {
     assert!(second < Duration::from_millis(200), "read took {second:?}");
     // Failing fast opened nothing (the background probe may, later).
     assert!(hung.accepted() <= accepted + 1);
+
+    // The background probe keeps trying (each try is a connection the hung
+    // server accepts) while the cluster lives, and stops once it is dropped.
+    let before = hung.accepted();
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert!(hung.accepted() > before, "no background probe ran");
+    drop(cluster);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let after_drop = hung.accepted();
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert_eq!(
+        hung.accepted(),
+        after_drop,
+        "a probe ran after the cluster was dropped"
+    );
 }
 
 /// A shard cut off (its proxy killed) is marked down; once the proxy
