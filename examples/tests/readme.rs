@@ -12,10 +12,11 @@
 //! checks it; the snippet code is `#[rustfmt::skip]` so it stays as the README
 //! shows it. `toml` blocks are parsed with `ClusterConfig::from_toml`.
 
-use sea_orm::{ConnectionTrait, Statement};
+use shardkit::clock::{Clock, ManualClock};
 use shardkit::gsi::{IndexState, ReconcileReport};
 use shardkit::{Partial, Rollout, RolloutHandle, VerifyOptions, VerifyReport};
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 // README.md, "What it looks like": the declarations.
@@ -209,8 +210,8 @@ async fn rollouts(
                 .refresh_every(Duration::from_secs(5)),
         )
         .await?;
-    people.advance().await?;                           // off → cache_both → dual_write → ...
-    people.backfill().await?;                          // in dual_write: copy old rows, resumable
+    people.backfill().await?;                          // in dual_write, a gap after it: copy old rows
+    people.advance().await?;                           // off → cache_both → dual_write → read_new → ...
     let new = people.get_new(customer_id, id).await?;  // cached, phase-aware reads of either model
     let report = people.verify(VerifyOptions::default().repair()).await?;
     Ok((people, new, report))
@@ -219,7 +220,7 @@ async fn rollouts(
 /// What the statements of "Ids" returned.
 struct Issued {
     id: i64,
-    seq: std::sync::Arc<shardkit::Sequence>,
+    seq: Arc<shardkit::Sequence>,
     sf: i64,
     u: shardkit::sea_orm::prelude::Uuid,
     enc: i64,
@@ -503,10 +504,19 @@ async fn rollouts_advance_backfill_and_verify() {
             last_name: format!("last{id}"),
         })
         .collect();
+    // Both instances read one clock, so the test can let the phase gaps pass.
+    let clock = Arc::new(ManualClock::starting_now());
+    let on_clock = || {
+        Cluster::builder(ClusterConfig::from_toml(&toml).unwrap())
+            .clock(Arc::clone(&clock) as Arc<dyn Clock>)
+            .connect()
+    };
+    let hour = Duration::from_secs(3_600);
     {
         // Another instance wrote the people, registered the rollout and moved
-        // it to cache_both an hour ago (the phase gap has long passed).
-        let cluster = migrated(&toml).await;
+        // it to cache_both, then to dual_write, an hour apart.
+        let cluster = on_clock().await.unwrap();
+        cluster.migrate::<migration::Migrator>().await.unwrap();
         for p in &people {
             let tx = cluster.begin::<Customer>(p.customer_id).await.unwrap();
             tx.insert(person_v1::ActiveModel::from(p.clone()))
@@ -518,26 +528,18 @@ async fn rollouts_advance_backfill_and_verify() {
             .register_rollout(Rollout::new("people_v2", to_v2).to_old(to_v1))
             .await
             .unwrap();
-        assert_eq!(other.advance().await.unwrap(), shardkit::Phase::CacheBoth);
-        // The phase row is on the group's first shard; the others have none.
-        for name in cluster.topology().shard_names() {
-            let db = cluster.connection(name).unwrap();
-            db.execute_raw(Statement::from_string(
-                db.get_database_backend(),
-                "UPDATE shardkit_rollouts SET changed_ms = changed_ms - 3600000 WHERE name = 'people_v2'",
-            ))
-            .await
-            .unwrap();
+        for phase in [shardkit::Phase::CacheBoth, shardkit::Phase::DualWrite] {
+            assert_eq!(other.advance().await.unwrap(), phase);
+            clock.advance(hour);
         }
     }
 
+    // An hour later the gap (the README's TTL + refresh, 65 s) is over.
     let p = &people[16];
-    let cluster = Cluster::connect(ClusterConfig::from_toml(&toml).unwrap())
-        .await
-        .unwrap();
+    let cluster = on_clock().await.unwrap();
     let (handle, new, report) = rollouts(&cluster, p.customer_id, p.id).await.unwrap();
 
-    assert_eq!(handle.phase(), shardkit::Phase::DualWrite);
+    assert_eq!(handle.phase(), shardkit::Phase::ReadNew);
     assert_eq!(new, Some(to_v2(p)));
     assert!(report.finished, "{report:?}");
     assert_eq!(report.rows, people.len() as u64, "{report:?}");

@@ -231,11 +231,11 @@ pub enum ShardError {
     /// rollout's gap (the longest cache TTL plus refresh interval of any
     /// instance that registered it): cache objects of the previous phase may
     /// still be served somewhere. Nothing was changed.
-    #[error(
-        "rollout `{rollout}` cannot move from {from} to {to} yet: the previous phase change was \
-         {elapsed_ms} ms ago and caches may hold objects of that phase for {gap_ms} ms; wait \
-         {wait_ms} ms"
-    )]
+    ///
+    /// A backfill asked for too soon after the move to `dual_write` has
+    /// `from == to == dual_write`: instances may still act on `cache_both`
+    /// and write rows the copy would miss.
+    #[error("{}", too_soon_message(.rollout, *.from, *.to, *.elapsed_ms, *.gap_ms, *.wait_ms))]
     RolloutTooSoon {
         /// The rollout.
         rollout: String,
@@ -492,4 +492,27 @@ fn list_failures(failures: &[ShardFailure]) -> String {
         .map(ToString::to_string)
         .collect::<Vec<_>>()
         .join("; ")
+}
+
+fn too_soon_message(
+    rollout: &str,
+    from: crate::rollout::Phase,
+    to: crate::rollout::Phase,
+    elapsed_ms: u64,
+    gap_ms: u64,
+    wait_ms: u64,
+) -> String {
+    if from == to {
+        format!(
+            "rollout `{rollout}` cannot backfill yet: it moved to {from} {elapsed_ms} ms ago and \
+             instances may act on the previous phase (writing rows a copy would miss) for \
+             {gap_ms} ms; wait {wait_ms} ms"
+        )
+    } else {
+        format!(
+            "rollout `{rollout}` cannot move from {from} to {to} yet: the previous phase change \
+             was {elapsed_ms} ms ago and caches may hold objects of that phase for {gap_ms} ms; \
+             wait {wait_ms} ms"
+        )
+    }
 }

@@ -350,6 +350,17 @@ pub(crate) fn pk_condition<E: EntityTrait>(values: &[Value]) -> Condition {
         })
 }
 
+/// `E`'s primary key column names, as a tuple when there are several.
+fn pk_names<E: EntityTrait>() -> String {
+    let names: Vec<&str> = <E::PrimaryKey as Iterable>::iter()
+        .map(|pk| sea_orm::IdenStatic::as_str(&pk.into_column()))
+        .collect();
+    match names.as_slice() {
+        [one] => (*one).to_owned(),
+        many => format!("({})", many.join(", ")),
+    }
+}
+
 fn pk_arity<E: EntityTrait>() -> usize {
     <E::PrimaryKey as Iterable>::iter().count()
 }
@@ -1056,6 +1067,24 @@ where
         self.step(false).await
     }
 
+    /// Refuses ([`ShardError::RolloutTooSoon`]) what needs every instance
+    /// to act on `state`'s phase (a move to `to`, or a backfill when `to` is
+    /// the phase itself) until the gap has passed since the phase changed.
+    fn check_gap(&self, state: &StateRow, to: Phase) -> Result<()> {
+        let elapsed = std::cmp::max(self.cluster.now_ms() - state.changed_ms, 0);
+        if elapsed < state.gap_ms {
+            return Err(ShardError::RolloutTooSoon {
+                rollout: self.shared.name.clone(),
+                from: state.phase,
+                to,
+                elapsed_ms: elapsed as u64,
+                gap_ms: state.gap_ms as u64,
+                wait_ms: (state.gap_ms - elapsed) as u64,
+            });
+        }
+        Ok(())
+    }
+
     async fn step(&self, forward: bool) -> Result<Phase> {
         let state = self.state().await?;
         let from = state.phase;
@@ -1081,17 +1110,7 @@ where
                     "the new table is not backfilled: run backfill() while dual writing, then advance",
                 ));
             }
-            let elapsed = std::cmp::max(self.cluster.now_ms() - state.changed_ms, 0);
-            if elapsed < state.gap_ms {
-                return Err(ShardError::RolloutTooSoon {
-                    rollout: self.shared.name.clone(),
-                    from,
-                    to,
-                    elapsed_ms: elapsed as u64,
-                    gap_ms: state.gap_ms as u64,
-                    wait_ms: (state.gap_ms - elapsed) as u64,
-                });
-            }
+            self.check_gap(&state, to)?;
         }
         let mut stmt = Query::update();
         stmt.table(Alias::new(STATE_TABLE))
@@ -1255,13 +1274,23 @@ where
     /// chunk and a rerun resumes there; `on_progress` is called after every
     /// chunk and can stop the run. Only in `dual_write` and `read_new`: earlier,
     /// writes after the copy would be missing; later, the old table is stale.
+    ///
+    /// In `dual_write` it starts only once the rollout's gap has passed since
+    /// the phase changed ([`ShardError::RolloutTooSoon`] with the wait,
+    /// `from == to == dual_write`): until then an instance may still act on
+    /// `cache_both` and update old rows after the copy took them. It reads
+    /// the shared phase before every chunk and stops
+    /// ([`ShardError::Rollout`]) once the phase has changed on any instance;
+    /// its progress (and `done`) is recorded only while the phase is still
+    /// the one it began in, so a retreat below `dual_write` (which voids the
+    /// progress) can never be followed by a record of this run's.
     pub async fn backfill_with(
         &self,
         chunk: u64,
         mut on_progress: impl FnMut(RolloutBackfill) -> ControlFlow<()>,
     ) -> Result<RolloutBackfill> {
-        let state = self.state().await?;
-        if !matches!(state.phase, Phase::DualWrite | Phase::ReadNew) {
+        let start_state = self.state().await?;
+        if !matches!(start_state.phase, Phase::DualWrite | Phase::ReadNew) {
             return Err(self.shared.refused_err(
                 "backfill runs in dual_write or read_new: before, later writes would be missed; after, the old table is stale",
             ));
@@ -1275,19 +1304,28 @@ where
             shards: shards.len(),
             ..Default::default()
         };
-        if state.backfill.as_deref() == Some(BACKFILL_DONE) {
+        if start_state.backfill.as_deref() == Some(BACKFILL_DONE) {
             progress.shards_done = shards.len();
             progress.finished = true;
             return Ok(progress);
         }
-        let (start, mut after) = parse_cursor::<Old>(state.backfill.as_deref());
+        // Until every instance must have seen dual_write, one may still act
+        // on cache_both and write old rows only, after the copy took them.
+        if start_state.phase == Phase::DualWrite {
+            self.check_gap(&start_state, Phase::DualWrite)?;
+        }
+        let (start, mut after) = parse_cursor::<Old>(start_state.backfill.as_deref());
         progress.shards_done = start;
-        let (state_conn, state_shard) = state_db::<Old>(&self.cluster)?;
+        let mut saved = start_state.backfill.clone();
         let chunk = std::cmp::max(chunk, 1);
         for (i, id) in shards.iter().enumerate().skip(start) {
             let db = self.cluster.shard_conn(*id);
             let shard = self.cluster.shard_name(*id);
             loop {
+                // The phase may have moved on any instance since the last
+                // chunk: copying on after a retreat below dual_write would
+                // miss the writes made meanwhile.
+                self.backfill_still_valid(&start_state).await?;
                 let copied = self
                     .backfill_chunk(*id, db, shard, after.as_deref(), chunk)
                     .await?;
@@ -1301,14 +1339,9 @@ where
                 } else {
                     format_cursor(i, after.as_deref())
                 };
-                save_progress(
-                    state_conn,
-                    state_shard,
-                    &self.shared.name,
-                    "backfill",
-                    Some(cursor),
-                )
-                .await?;
+                self.save_backfill(&start_state, saved.as_deref(), &cursor)
+                    .await?;
+                saved = Some(cursor);
                 if done {
                     break;
                 }
@@ -1322,16 +1355,78 @@ where
                 return Ok(progress);
             }
         }
-        save_progress(
-            state_conn,
-            state_shard,
-            &self.shared.name,
-            "backfill",
-            Some(BACKFILL_DONE.to_owned()),
-        )
-        .await?;
+        self.save_backfill(&start_state, saved.as_deref(), BACKFILL_DONE)
+            .await?;
         progress.finished = true;
         Ok(progress)
+    }
+
+    /// The refusal of a backfill that began in `start`'s phase when the
+    /// shared phase has changed since.
+    async fn backfill_overtaken(&self, start: &StateRow) -> ShardError {
+        let (now, next) = match self.state().await {
+            Ok(state) if state.phase < Phase::DualWrite => (
+                state.phase.to_string(),
+                "its progress is void (the new table missed the writes made since): advance to \
+                 dual_write and back-fill from the start",
+            ),
+            Ok(state) => (
+                state.phase.to_string(),
+                "run it again in dual_write or read_new; it resumes where it stopped",
+            ),
+            Err(_) => (
+                "an unreadable phase".to_owned(),
+                "run it again in dual_write or read_new",
+            ),
+        };
+        self.shared.refused_err(format!(
+            "the phase changed from {} to {now} while the backfill ran, so it stopped; {next}",
+            start.phase
+        ))
+    }
+
+    /// Errors when the shared phase is no longer the one the backfill
+    /// began in.
+    async fn backfill_still_valid(&self, start: &StateRow) -> Result<()> {
+        let (db, shard) = state_db::<Old>(&self.cluster)?;
+        let now = read_state(db, shard, &self.shared.name).await?;
+        match now {
+            Some(now) if now.phase == start.phase && now.changed_ms == start.changed_ms => Ok(()),
+            _ => Err(self.backfill_overtaken(start).await),
+        }
+    }
+
+    /// Records backfill progress `value` only if the phase is still the one
+    /// the backfill began in and nothing else changed the progress since it
+    /// last wrote `previous` (a compare-and-set: a retreat between the
+    /// check and this write voids it).
+    async fn save_backfill(
+        &self,
+        start: &StateRow,
+        previous: Option<&str>,
+        value: &str,
+    ) -> Result<()> {
+        let (db, shard) = state_db::<Old>(&self.cluster)?;
+        let progress = match previous {
+            Some(previous) => Expr::col(Alias::new("backfill")).eq(previous),
+            None => Expr::col(Alias::new("backfill")).is_null(),
+        };
+        let stmt = Query::update()
+            .table(Alias::new(STATE_TABLE))
+            .value(Alias::new("backfill"), value)
+            .and_where(Expr::col(Alias::new("name")).eq(self.shared.name.as_str()))
+            .and_where(Expr::col(Alias::new("phase")).eq(start.phase.as_str()))
+            .and_where(Expr::col(Alias::new("changed_ms")).eq(start.changed_ms))
+            .and_where(progress)
+            .to_owned();
+        let res = db
+            .execute(&stmt)
+            .await
+            .map_err(|e| state_err(shard, "update", e))?;
+        if res.rows_affected() == 0 {
+            return Err(self.backfill_overtaken(start).await);
+        }
+        Ok(())
     }
 
     async fn backfill_chunk(
@@ -1361,7 +1456,21 @@ where
             shard_id: id,
         };
         for row in &rows {
-            self.shared.write_new(&ctx, row, false).await?;
+            // Dropping the transaction rolls the whole chunk back.
+            self.shared
+                .write_new(&ctx, row, false)
+                .await
+                .map_err(|e| match e {
+                    ShardError::CrossShardWrite { .. } => self.shared.refused_err(format!(
+                        "backfill stopped at `{}` row {} = {} on shard {shard}: {e}; nothing of \
+                         its chunk was copied. The conversion must keep the shard key; fix it \
+                         and run the backfill again",
+                        table_name::<Old>(),
+                        pk_names::<Old>(),
+                        crate::gsi::model_pk::<Old>(row),
+                    )),
+                    other => other,
+                })?;
         }
         txn.commit().await.map_err(err)?;
         Ok(rows)

@@ -467,6 +467,9 @@ fn every_setting_is_bounded_and_named() {
         ),
         ("[read]\nmax_concurrency = 0", "read.max_concurrency"),
         ("[ids]\ntimeout_ms = 0", "ids.timeout_ms"),
+        ("[gsi]\ngrace_ms = 0", "gsi.grace_ms"),
+        ("[gsi]\ngrace_ms = 999", "gsi.grace_ms"),
+        ("[gsi]\ngrace_ms = 18446744073709551615", "gsi.grace_ms"),
         (
             "[ids]\nretry_after_ms = 18446744073709551615",
             "ids.retry_after_ms",
@@ -523,7 +526,7 @@ fn every_setting_is_bounded_and_named() {
     // The bounds themselves are accepted.
     ClusterConfig::from_toml(&format!(
         "{FOUR}\n[pool]\nmax_connections = 10000\nmin_connections = 10000\nconnect_timeout_secs = 3600\nacquire_timeout_secs = 3600\n\
-         [read]\ntimeout_ms = 86400000\nmax_concurrency = 10000\n\
+         [read]\ntimeout_ms = 86400000\nmax_concurrency = 10000\n[gsi]\ngrace_ms = 1000\n\
          [ids]\ntimeout_ms = 600000\nretry_after_ms = 3600000\nworker_id = 1023\n\
          [ids.sequences.big]\nblock = 1000000000\n[ids.sequences.flickr]\nblock = 1\n"
     ))

@@ -235,10 +235,10 @@ async fn lookups_follow_the_index(dbs: &mut TestDbs) {
 
 async fn unique_violation_and_takeover(dbs: &mut TestDbs) {
     let clock = std::sync::Arc::new(ManualClock::starting_now());
-    let grace = std::time::Duration::from_millis(300);
+    let grace = std::time::Duration::from_millis(1000);
     let shared = std::sync::Arc::clone(&clock);
     let (cluster, _) =
-        gsi_cluster_with(dbs, "[gsi]\ngrace_ms = 300\n", move |b| b.clock(shared)).await;
+        gsi_cluster_with(dbs, "[gsi]\ngrace_ms = 1000\n", move |b| b.clock(shared)).await;
     cluster
         .gsi()
         .backfill::<contact::Entity>(contact::Column::Email)
@@ -438,7 +438,9 @@ async fn write_only_scatters_until_backfilled(dbs: &mut TestDbs) {
 }
 
 async fn reconcile_removes_dangling_and_adds_missing(dbs: &mut TestDbs) {
-    let (cluster, _) = gsi_cluster(dbs, "[gsi]\ngrace_ms = 0\n").await;
+    let clock = std::sync::Arc::new(ManualClock::starting_now());
+    let shared = std::sync::Arc::clone(&clock);
+    let (cluster, _) = gsi_cluster_with(dbs, "", move |b| b.clock(shared)).await;
     cluster
         .gsi()
         .backfill::<contact::Entity>(contact::Column::Email)
@@ -489,6 +491,8 @@ async fn reconcile_removes_dangling_and_adds_missing(dbs: &mut TestDbs) {
     assert!(dangling > 0, "with 4 shards some index rows live elsewhere");
     let scanned = (emails.len() + phones.len()) as u64;
 
+    // Past the (default) grace period: no insert is in flight any more.
+    clock.advance(std::time::Duration::from_secs(31));
     let report = cluster.gsi().reconcile::<contact::Entity>().await.unwrap();
     assert_eq!(report.removed, dangling, "{report:?}");
     assert_eq!(report.added, 2, "{report:?}");
@@ -512,9 +516,12 @@ async fn reconcile_removes_dangling_and_adds_missing(dbs: &mut TestDbs) {
 }
 
 async fn pinned_index_lives_on_one_shard(dbs: &mut TestDbs) {
-    let (cluster, _) = gsi_cluster(
+    let clock = std::sync::Arc::new(ManualClock::starting_now());
+    let shared = std::sync::Arc::clone(&clock);
+    let (cluster, _) = gsi_cluster_with(
         dbs,
-        "[gsi]\ngrace_ms = 0\npin = { gsi_contacts_email = \"s2\" }\n",
+        "[gsi]\npin = { gsi_contacts_email = \"s2\" }\n",
+        move |b| b.clock(shared),
     )
     .await;
     cluster
@@ -571,9 +578,8 @@ async fn pinned_index_lives_on_one_shard(dbs: &mut TestDbs) {
             .any(|(v, _)| v == "gone@x"),
         "dangling first"
     );
-    // Started only now: with `grace_ms = 0` a reconciler running during the
-    // insert could take its index row for dangling (the grace period is what
-    // protects inserts in flight).
+    // Past the grace period, the row is dangling, not an insert in flight.
+    clock.advance(std::time::Duration::from_secs(31));
     let reconciler = cluster
         .gsi()
         .reconcile_every::<contact::Entity>(std::time::Duration::from_millis(50));

@@ -16,9 +16,12 @@ use std::collections::{BTreeSet, HashMap};
 backend_tests!(4 => injected_failures_leave_only_dangling_index_rows);
 
 async fn injected_failures_leave_only_dangling_index_rows(dbs: &mut TestDbs) {
-    let cluster = dbs
-        .cluster(4, "[groups.Customer]\n[gsi]\ngrace_ms = 0\n")
-        .await;
+    let clock = std::sync::Arc::new(shardkit::ManualClock::starting_now());
+    let cluster = shardkit::Cluster::builder(dbs.config(4, "[groups.Customer]\n"))
+        .clock(clock.clone())
+        .connect()
+        .await
+        .unwrap();
     cluster.migrate::<Migrator>().await.unwrap();
     cluster.gsi().create::<contact::Entity>().await.unwrap();
     cluster
@@ -121,7 +124,9 @@ async fn injected_failures_leave_only_dangling_index_rows(dbs: &mut TestDbs) {
         assert!(rows.is_empty(), "{email} never committed");
     }
 
-    // One reconcile pass removes every dangling row and nothing else.
+    // Past the grace period, one reconcile pass removes every dangling row
+    // and nothing else.
+    clock.advance(std::time::Duration::from_secs(31));
     let report = cluster.gsi().reconcile::<contact::Entity>().await.unwrap();
     assert_eq!(report.removed, dangling, "{report:?}");
     assert_eq!(report.added, 0, "{report:?}");

@@ -182,7 +182,7 @@ async fn update_race_keeps_the_unique_index_row(dbs: &mut TestDbs) {
 /// reconcile reports the one left without an index row and still adds the
 /// index rows other owners miss.
 async fn reconcile_reports_unique_conflicts_and_goes_on(dbs: &mut TestDbs) {
-    let cluster = gsi_cluster(dbs, "[gsi]\ngrace_ms = 0\n").await;
+    let cluster = gsi_cluster(dbs, "").await;
     activate(&cluster).await;
     add(&cluster, 1, 1, "dup@x", "p1").await.unwrap();
     // Behind shardkit's back: a second holder of dup@x, and owners with no
@@ -273,9 +273,7 @@ async fn index_values_compare_byte_for_byte(dbs: &mut TestDbs) {
 /// in the server's default collation) is converted by `gsi().create`, rows
 /// kept; reconcile then adds the rows such a table had merged.
 async fn index_tables_of_an_older_release_are_converted(dbs: &mut TestDbs) {
-    let cluster = dbs
-        .cluster(4, "[groups.Customer]\n[gsi]\ngrace_ms = 0\n")
-        .await;
+    let cluster = dbs.cluster(4, "[groups.Customer]\n").await;
     cluster.migrate::<Migrator>().await.unwrap();
     for shard in cluster.topology().shard_names() {
         let db = cluster.connection(shard).unwrap();

@@ -97,7 +97,7 @@ async fn conversion_that_moves_the_key_is_refused(dbs: &mut TestDbs) {
     assert_eq!(count_rows(&cluster, "people_v2").await, 1);
 
     // Backfill of an old row written behind shardkit's back: refused,
-    // naming the key, and nothing of it copied.
+    // naming the row, and nothing of it copied.
     let shard = cluster.shard_of::<Customer>(&200).await.unwrap().to_owned();
     let db = cluster.connection(&shard).unwrap();
     db.execute_unprepared(
@@ -106,11 +106,18 @@ async fn conversion_that_moves_the_key_is_refused(dbs: &mut TestDbs) {
     )
     .await
     .unwrap();
+    // (A backfill starts once every instance must be dual-writing.)
+    clock.advance(rollout.gap());
     let err = rollout.backfill().await.unwrap_err();
-    assert!(
-        matches!(&err, ShardError::CrossShardWrite { expected, found, .. } if expected == "200" && found == "201"),
-        "{err:?}"
-    );
+    match &err {
+        ShardError::Rollout { reason, .. } => assert!(
+            reason.contains("`people` row id = 3")
+                && reason.contains("customer_id = 201")
+                && reason.contains("pinned to customer_id = 200"),
+            "{reason}"
+        ),
+        other => panic!("expected the backfill to name the row: {other:?}"),
+    }
     assert_eq!(
         count_rows(&cluster, "people_v2").await,
         1,

@@ -330,6 +330,11 @@ block = 1
     let cluster = Cluster::connect(config.clone()).await.unwrap();
     printed.push(format!("{:?}", cluster.topology()));
     printed.push(format!("{cluster:?}"));
+    printed.push(format!(
+        "{:?} {:?}",
+        cluster.connection("s1"),
+        cluster.ids()
+    ));
     cluster.migrate::<Migrator>().await.unwrap();
     cluster.ids().create_sequence("invoices").await.unwrap();
     for key in [1_i64, 2, 3, 4] {

@@ -36,7 +36,9 @@ const ROWS: i64 = 2_000;
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let (_, mut toml) = shardkit_examples::sqlite_shards("gsi_backfill", SHARDS)?;
-    toml.push_str("[groups.Customer]\n[gsi]\ngrace_ms = 0\n");
+    // The shortest grace shardkit accepts, so the demo can wait it out; keep
+    // the default (30 s) in production: it protects inserts in flight.
+    toml.push_str("[groups.Customer]\n[gsi]\ngrace_ms = 1000\n");
     let cluster = Cluster::connect(ClusterConfig::from_toml(&toml)?).await?;
     cluster.migrate::<shardkit_migration::Migrator>().await?;
     for name in cluster.topology().shard_names() {
@@ -121,7 +123,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     drop(tx);
 
-    println!("\n== reconcile");
+    println!("\n== reconcile (after the 1 s grace period)");
+    tokio::time::sleep(std::time::Duration::from_millis(1_100)).await;
     let report = gsi.reconcile::<member::Entity>().await?;
     println!(
         "scanned {} index rows, removed {}, added {}",

@@ -62,8 +62,11 @@ pub struct ClusterConfig {
 #[serde(deny_unknown_fields)]
 pub struct GsiConfig {
     /// Milliseconds an index row without an owner is left alone, because the
-    /// insert that wrote it may still be in flight (default 30,000). Applies
-    /// to reconciliation and to unique-index takeover.
+    /// insert that wrote it may still be in flight (default 30,000; 1,000 to
+    /// 86,400,000). Applies to reconciliation and to unique-index takeover,
+    /// so it must exceed the longest write transaction: a shorter grace lets
+    /// a second row take a unique value whose first owner has not committed
+    /// yet.
     pub grace_ms: Option<u64>,
     /// Indexes kept on one shard instead of spread by value hash, keyed by
     /// index table (`gsi_<table>_<column>`), e.g.
@@ -381,6 +384,13 @@ impl ClusterConfig {
             MAX_READ_CONCURRENCY,
         )?;
 
+        within(
+            "gsi.grace_ms",
+            self.gsi.grace_ms,
+            MIN_GRACE_MS,
+            MAX_GRACE_MS,
+        )?;
+
         let ids = &self.ids;
         within("ids.timeout_ms", ids.timeout_ms, 1, MAX_TICKET_TIMEOUT_MS)?;
         within(
@@ -415,6 +425,8 @@ const MAX_READ_TIMEOUT_MS: u64 = 86_400_000;
 const MAX_READ_CONCURRENCY: usize = 10_000;
 const MAX_TICKET_TIMEOUT_MS: u64 = 600_000;
 const MAX_RETRY_AFTER_MS: u64 = 3_600_000;
+const MIN_GRACE_MS: u64 = 1_000;
+const MAX_GRACE_MS: u64 = 86_400_000;
 
 /// `value`, when given, lies in `min..=max`; the error names `key`.
 fn within<T>(key: &str, value: Option<T>, min: T, max: T) -> Result<()>
