@@ -136,6 +136,13 @@ pub fn sharded(input: &DeriveInput) -> Result<TokenStream, TokenStream> {
                 fn active_shard_key(model: &ActiveModel) -> ::core::option::Option<#key> {
                     ::shardkit::__private::active_value(&model.#field).map(__shardkit_key)
                 }
+
+                #[inline]
+                fn __try_into_model(
+                    model: ActiveModel,
+                ) -> ::core::result::Result<#model, ::shardkit::sea_orm::DbErr> {
+                    ::shardkit::sea_orm::TryIntoModel::try_into_model(model)
+                }
             }
 
             impl ::shardkit::InGroup<#group> for Entity {

@@ -1,7 +1,7 @@
 //! What the derives implement: [`EntityGroup`], [`ShardedEntity`], and the
 //! [`ShardKey`] types a group can be keyed by.
 
-use crate::topology::pghash;
+use crate::key::pghash;
 use sea_orm::{EntityTrait, Value};
 use std::fmt::Debug;
 use std::hash::Hash;
@@ -161,7 +161,7 @@ pub trait ShardedEntity: EntityTrait {
     const SHARD_KEY_FIELD: &'static str;
     /// The primary key column shardkit fills on insert when it is unset, and
     /// how (`#[shardkit(id = "...")]`).
-    const ID: Option<(Self::Column, crate::ids::IdStrategy)> = None;
+    const ID: Option<(Self::Column, crate::id_spec::IdStrategy)> = None;
     /// Columns with a global secondary index (`#[shardkit(global_index)]`),
     /// and whether each is unique.
     const GLOBAL_INDEXES: &'static [(Self::Column, bool)] = &[];
@@ -173,6 +173,12 @@ pub trait ShardedEntity: EntityTrait {
     fn active_shard_key(
         model: &<Self as EntityTrait>::ActiveModel,
     ) -> Option<<Self::Group as EntityGroup>::Key>;
+    /// `model` as a `Model` when every column is set (SeaORM's
+    /// `TryIntoModel`, which the derive knows the entity implements).
+    #[doc(hidden)]
+    fn __try_into_model(
+        model: <Self as EntityTrait>::ActiveModel,
+    ) -> Result<Self::Model, sea_orm::DbErr>;
 }
 
 /// "`Self` is an entity of group `G`": the bound [`ShardTx<G>`](crate::ShardTx)

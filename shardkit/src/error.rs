@@ -9,6 +9,10 @@ use sea_orm::DbErr;
 /// `Result` with [`ShardError`] as the default error.
 pub type Result<T, E = ShardError> = std::result::Result<T, E>;
 
+/// How often the breaker probes a down shard, and so how long
+/// [`ShardError::Unavailable`] tells a caller to wait before retrying.
+pub(crate) const REPROBE: std::time::Duration = std::time::Duration::from_millis(500);
+
 /// Everything that can go wrong in shardkit.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -240,9 +244,9 @@ pub enum ShardError {
         /// The rollout.
         rollout: String,
         /// Its phase.
-        from: crate::rollout::Phase,
+        from: crate::phase::Phase,
         /// The phase asked for.
-        to: crate::rollout::Phase,
+        to: crate::phase::Phase,
         /// Time since the previous change.
         elapsed_ms: u64,
         /// The required gap.
@@ -259,7 +263,7 @@ pub enum ShardError {
         /// The rollout.
         rollout: String,
         /// Its phase when it refused.
-        phase: crate::rollout::Phase,
+        phase: crate::phase::Phase,
         /// Why, and what to do instead.
         reason: String,
     },
@@ -353,7 +357,7 @@ impl ShardError {
                     Retry::Never => 4,
                 })
                 .unwrap_or(Retry::Never),
-            ShardError::Unavailable { .. } => Retry::After(crate::health::REPROBE),
+            ShardError::Unavailable { .. } => Retry::After(REPROBE),
             ShardError::ClockMovedBackwards { millis } => {
                 Retry::After(std::time::Duration::from_millis(*millis))
             }
@@ -496,8 +500,8 @@ fn list_failures(failures: &[ShardFailure]) -> String {
 
 fn too_soon_message(
     rollout: &str,
-    from: crate::rollout::Phase,
-    to: crate::rollout::Phase,
+    from: crate::phase::Phase,
+    to: crate::phase::Phase,
     elapsed_ms: u64,
     gap_ms: u64,
     wait_ms: u64,

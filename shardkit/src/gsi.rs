@@ -33,11 +33,13 @@
 //! index and its state: `write_only` while [`Gsi::backfill`] fills it
 //! (lookups fall back to a scatter read), `active` after.
 
-use crate::cluster::Cluster;
 use crate::entity::{EntityGroup, ShardKey, ShardedEntity, table_name};
 use crate::error::{Result, Retry, ShardError};
-use crate::keyset;
-use crate::read::{KeyOf, key_condition};
+use crate::exec::Shards;
+use crate::exec::keyset;
+pub(crate) use crate::key::{active_pk as owner_pk, model_pk, typed_value, value_text};
+use crate::pipeline::{WriteCtx, WriteOp, WriteStage, Written};
+use crate::read::{IndexLookup, IndexQuery, KeyOf, exact_eq, key_condition};
 use crate::topology::ShardId;
 use crate::topology::pghash::partition_hash_bytes;
 use sea_orm::sea_query::{
@@ -45,12 +47,12 @@ use sea_orm::sea_query::{
 };
 use sea_orm::{
     ActiveModelTrait, ActiveValue, ConnectionTrait, DatabaseConnection, DbBackend, DbErr,
-    EntityTrait, ExprTrait, IdenStatic, Iterable, ModelTrait, PrimaryKeyToColumn, QueryFilter,
-    Statement, StatementBuilder, TransactionSession, TransactionTrait, Value,
+    ExprTrait, IdenStatic, ModelTrait, QueryFilter, Statement, StatementBuilder,
+    TransactionSession, TransactionTrait, Value,
 };
 use std::collections::HashMap;
 use std::ops::ControlFlow;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// Whether lookups may use an index.
@@ -144,11 +146,12 @@ pub(crate) struct IndexDef {
 impl IndexDef {
     pub(crate) fn of<E: ShardedEntity>(column: E::Column, unique: bool) -> Self {
         let column = column.as_str();
-        IndexDef {
-            table: format!("gsi_{}_{}", table_name::<E>(), column),
+        index_of(&IndexQuery {
+            group: <E::Group as EntityGroup>::NAME,
+            entity: table_name::<E>(),
             column,
             unique,
-        }
+        })
     }
 
     /// The index of `column`, if `E` declares one.
@@ -164,47 +167,6 @@ impl IndexDef {
                 )
             })
     }
-}
-
-/// The text an index stores for a value; `None` for NULL (not indexed).
-pub(crate) fn value_text(value: &Value) -> Option<String> {
-    Some(match value {
-        Value::Bool(v) => v.map(|v| v.to_string())?,
-        Value::TinyInt(v) => v.map(|v| v.to_string())?,
-        Value::SmallInt(v) => v.map(|v| v.to_string())?,
-        Value::Int(v) => v.map(|v| v.to_string())?,
-        Value::BigInt(v) => v.map(|v| v.to_string())?,
-        Value::TinyUnsigned(v) => v.map(|v| v.to_string())?,
-        Value::SmallUnsigned(v) => v.map(|v| v.to_string())?,
-        Value::Unsigned(v) => v.map(|v| v.to_string())?,
-        Value::BigUnsigned(v) => v.map(|v| v.to_string())?,
-        Value::String(v) => v.clone()?,
-        Value::Char(v) => v.map(|v| v.to_string())?,
-        Value::Uuid(v) => v.map(|v| v.hyphenated().to_string())?,
-        Value::ChronoDate(v) => v.map(|v| v.to_string())?,
-        Value::ChronoDateTime(v) => v.map(|v| v.to_string())?,
-        Value::ChronoDateTimeUtc(v) => v.map(|v| v.to_rfc3339())?,
-        other => format!("{other:?}"),
-    })
-}
-
-fn active_value(value: ActiveValue<Value>) -> Option<Value> {
-    match value {
-        ActiveValue::Set(v) | ActiveValue::Unchanged(v) => Some(v),
-        ActiveValue::NotSet => None,
-    }
-}
-
-/// The owner's primary key as text (`\u{1f}`-joined for composite keys).
-pub(crate) fn owner_pk<A: ActiveModelTrait>(model: &A) -> String {
-    <<A::Entity as EntityTrait>::PrimaryKey as Iterable>::iter()
-        .map(|pk| {
-            active_value(model.get(pk.into_column()))
-                .and_then(|v| value_text(&v))
-                .unwrap_or_default()
-        })
-        .collect::<Vec<_>>()
-        .join("\u{1f}")
 }
 
 fn gsi_err(shard: &str, operation: String, source: DbErr) -> ShardError {
@@ -230,7 +192,36 @@ pub(crate) struct Removal {
 
 /// The GSI service of a cluster: `cluster.gsi()`.
 pub struct Gsi<'c> {
-    cluster: &'c Cluster,
+    shards: &'c Shards,
+    state: &'c Arc<GsiState>,
+}
+
+/// A cluster's global-index settings (`[gsi]`) and cached index states.
+pub(crate) struct GsiState {
+    states: StateCache,
+    grace: Duration,
+    pins: HashMap<String, ShardId>,
+    /// `[gsi] relaxed_commit`.
+    relaxed: bool,
+}
+
+impl GsiState {
+    pub(crate) fn new(
+        config: &crate::topology::ClusterConfig,
+        topology: &crate::topology::Topology,
+    ) -> Self {
+        GsiState {
+            states: StateCache::default(),
+            grace: Duration::from_millis(config.gsi.grace_ms.unwrap_or(30_000)),
+            pins: config
+                .gsi
+                .pin
+                .iter()
+                .filter_map(|(index, shard)| Some((index.clone(), topology.shard_id(shard)?)))
+                .collect(),
+            relaxed: config.gsi.relaxed_commit.unwrap_or(true),
+        }
+    }
 }
 
 /// How an index row is made durable.
@@ -243,50 +234,6 @@ enum Durability {
     /// Its own commit, not waiting for the WAL flush (PostgreSQL
     /// `synchronous_commit = off`); see the module docs for when it is safe.
     Relaxed,
-}
-
-/// A PostgreSQL server's identity: its system identifier (shared by every
-/// database of one server, and by its physical replicas) and its postmaster's
-/// start time (which a replica promoted into a server of its own does not
-/// share). `None` for other backends and when the server will not say; two
-/// shards share a WAL only when both identities are known and equal.
-pub(crate) async fn read_server_identity(db: &DatabaseConnection, shard: &str) -> Option<String> {
-    if db.get_database_backend() != DbBackend::Postgres {
-        return None;
-    }
-    // Tests: the shard named by the failpoint's argument reports a server of
-    // its own, the others one shared server.
-    fail::fail_point!("shardkit::gsi::server_identity", |elsewhere: Option<
-        String,
-    >| {
-        Some(if elsewhere.as_deref() == Some(shard) {
-            format!("elsewhere:{shard}")
-        } else {
-            "shared".to_owned()
-        })
-    });
-    let sql = "SELECT system_identifier::text || '@' || pg_postmaster_start_time()::text AS id \
-               FROM pg_control_system()";
-    match db
-        .query_one_raw(Statement::from_string(DbBackend::Postgres, sql))
-        .await
-    {
-        Ok(row) => row.and_then(|r| r.try_get::<String>("", "id").ok()),
-        Err(err) => {
-            tracing::warn!(shard, error = %err, "server identity unknown: index rows there commit flushed");
-            None
-        }
-    }
-}
-
-impl Cluster {
-    /// Whether shards `a` and `b` are databases of one PostgreSQL server.
-    async fn same_pg_server(&self, a: ShardId, b: ShardId) -> bool {
-        match (self.server_identity(a).await, self.server_identity(b).await) {
-            (Some(x), Some(y)) => x == y,
-            _ => false,
-        }
-    }
 }
 
 /// The binary NO PAD collation index tables use on a MySQL/MariaDB shard, so
@@ -369,68 +316,45 @@ async fn convert_to_collation(
     Ok(())
 }
 
-/// `column = value` as an index lookup's owner check: exact, byte for byte,
-/// as index values are. On MySQL/MariaDB a text column's collation usually
-/// ignores case and trailing spaces, so a text value is also compared as
-/// `CAST(column AS BINARY)`; the plain comparison stays first so the
-/// column's own index can still be used.
-pub(crate) fn exact_eq(column: Expr, value: &Value, backend: DbBackend) -> sea_orm::Condition {
-    let cond = sea_orm::Condition::all().add(column.clone().eq(value.clone()));
-    if backend == DbBackend::MySql && matches!(value, Value::String(_) | Value::Char(_)) {
-        cond.add(column.cast_as("BINARY").eq(value.clone()))
-    } else {
-        cond
-    }
-}
-
 /// Cached index states, so writes and lookups do not read the catalog each time.
 #[derive(Default)]
 pub(crate) struct StateCache(Mutex<HashMap<String, (IndexState, Instant)>>);
 
 const STATE_TTL: Duration = Duration::from_secs(1);
 
-impl Cluster {
-    /// Global secondary indexes: create, backfill, reconcile.
-    pub fn gsi(&self) -> Gsi<'_> {
-        Gsi { cluster: self }
-    }
-}
-
 impl<'c> Gsi<'c> {
+    pub(crate) fn new(shards: &'c Shards, state: &'c Arc<GsiState>) -> Self {
+        Gsi { shards, state }
+    }
+
     /// The shard an index row for `value` lives on: the value's hash over the
     /// group's shards, or the shard the config pins the index to.
-    pub(crate) fn index_shard<E: ShardedEntity>(
+    pub(crate) fn index_shard(
         &self,
+        group: &'static str,
         index: &IndexDef,
         value: &str,
     ) -> Result<ShardId> {
-        if let Some(pinned) = self.cluster.gsi_pin(&index.table) {
+        if let Some(pinned) = self.state.pins.get(&index.table).copied() {
             return Ok(pinned);
         }
-        let shards = self
-            .cluster
-            .topology()
-            .shards_of(<E::Group as EntityGroup>::NAME)?;
+        let shards = self.shards.topology().shards_of(group)?;
         let hash = partition_hash_bytes(value.as_bytes());
         Ok(shards[(hash % shards.len() as u64) as usize])
     }
 
     fn conn(&self, id: ShardId) -> (&'c DatabaseConnection, &'c str) {
-        (self.cluster.shard_conn(id), self.cluster.shard_name(id))
+        (self.shards.shard_conn(id), self.shards.shard_name(id))
     }
 
-    fn group_shards<E: ShardedEntity>(&self) -> Result<Vec<ShardId>> {
-        Ok(self
-            .cluster
-            .topology()
-            .shards_of(<E::Group as EntityGroup>::NAME)?
-            .to_vec())
+    fn group_shards(&self, group: &'static str) -> Result<Vec<ShardId>> {
+        Ok(self.shards.topology().shards_of(group)?.to_vec())
     }
 
     /// Creates the index tables of `E` on every shard of its group and
     /// registers them in the catalog as `write_only` (unless already there).
     pub async fn create<E: ShardedEntity>(&self) -> Result<()> {
-        for id in self.group_shards::<E>()? {
+        for id in self.group_shards(<E::Group as EntityGroup>::NAME)? {
             let (db, shard) = self.conn(id);
             let collation = match db.get_database_backend() {
                 DbBackend::MySql => Some(mysql_exact_collation(db, shard).await?),
@@ -488,13 +412,17 @@ impl<'c> Gsi<'c> {
     /// The state of `E`'s index on `column`.
     pub async fn state<E: ShardedEntity>(&self, column: E::Column) -> Result<IndexState> {
         let index = IndexDef::find::<E>(column)?;
-        self.state_of::<E>(&index).await
+        self.state_of(<E::Group as EntityGroup>::NAME, &index).await
     }
 
-    pub(crate) async fn state_of<E: ShardedEntity>(&self, index: &IndexDef) -> Result<IndexState> {
+    pub(crate) async fn state_of(
+        &self,
+        group: &'static str,
+        index: &IndexDef,
+    ) -> Result<IndexState> {
         if let Some((state, at)) = self
-            .cluster
-            .gsi_states()
+            .state
+            .states
             .0
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -503,7 +431,7 @@ impl<'c> Gsi<'c> {
         {
             return Ok(*state);
         }
-        let state = match self.catalog::<E>(index, "state").await? {
+        let state = match self.catalog(group, index, "state").await? {
             Some(Some(s)) if s == "active" => IndexState::Active,
             Some(_) => IndexState::WriteOnly,
             None => {
@@ -513,8 +441,8 @@ impl<'c> Gsi<'c> {
                 ));
             }
         };
-        self.cluster
-            .gsi_states()
+        self.state
+            .states
             .0
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -528,7 +456,7 @@ impl<'c> Gsi<'c> {
         state: IndexState,
         progress: Option<String>,
     ) -> Result<()> {
-        for id in self.group_shards::<E>()? {
+        for id in self.group_shards(<E::Group as EntityGroup>::NAME)? {
             let (db, shard) = self.conn(id);
             let stmt = Query::update()
                 .table(Alias::new("shardkit_gsi_catalog"))
@@ -540,8 +468,8 @@ impl<'c> Gsi<'c> {
                 .await
                 .map_err(|e| gsi_err(shard, "update gsi catalog".into(), e))?;
         }
-        self.cluster
-            .gsi_states()
+        self.state
+            .states
             .0
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -550,17 +478,21 @@ impl<'c> Gsi<'c> {
     }
 
     async fn progress<E: ShardedEntity>(&self, index: &IndexDef) -> Result<Option<String>> {
-        Ok(self.catalog::<E>(index, "progress").await?.flatten())
+        Ok(self
+            .catalog(<E::Group as EntityGroup>::NAME, index, "progress")
+            .await?
+            .flatten())
     }
 
     /// One column of an index's catalog row: `None` when the index is not
     /// registered, `Some(None)` when the column is NULL.
-    async fn catalog<E: ShardedEntity>(
+    async fn catalog(
         &self,
+        group: &'static str,
         index: &IndexDef,
         column: &str,
     ) -> Result<Option<Option<String>>> {
-        let id = self.group_shards::<E>()?[0];
+        let id = self.group_shards(group)?[0];
         let (db, shard) = self.conn(id);
         let stmt = Query::select()
             .column(Alias::new(column))
@@ -587,11 +519,11 @@ impl<'c> Gsi<'c> {
         let Some(key) = KeyOf::<E>::from_directory_text(key) else {
             return Ok(false);
         };
-        let target = self.cluster.route::<E::Group>(&key).await?;
+        let target = self.shards.route::<E::Group>(&key).await?;
         // The side pool: claims check owners from inside a transaction.
         let (db, shard) = (
-            self.cluster.side_conn(target.shard),
-            self.cluster.shard_name(target.shard),
+            self.shards.side_conn(target.shard),
+            self.shards.shard_name(target.shard),
         );
         let owner = E::find()
             .filter(key_condition::<E>(
@@ -641,13 +573,13 @@ impl<'c> Gsi<'c> {
             return Ok(());
         };
         check_len(index, &value)?;
-        let id = self.index_shard::<E>(index, &value)?;
+        let id = self.index_shard(<E::Group as EntityGroup>::NAME, index, &value)?;
         match local {
             Some((local_id, txn)) if local_id == id => {
                 self.write_on::<E, _>(
                     txn,
                     Durability::OwnerTxn,
-                    self.cluster.shard_name(id),
+                    self.shards.shard_name(id),
                     index,
                     raw_value,
                     &value,
@@ -661,8 +593,8 @@ impl<'c> Gsi<'c> {
                 // backfill and reconcile (no owner transaction) flush.
                 let durability = match local {
                     Some((owner_shard, _))
-                        if self.cluster.gsi_relaxed()
-                            && self.cluster.same_pg_server(owner_shard, id).await =>
+                        if self.state.relaxed
+                            && self.shards.same_pg_server(owner_shard, id).await =>
                     {
                         Durability::Relaxed
                     }
@@ -670,7 +602,7 @@ impl<'c> Gsi<'c> {
                 };
                 // The side pool: the caller may hold a connection of the
                 // main pools (see `Cluster::side_conn`).
-                let (db, shard) = (self.cluster.side_conn(id), self.cluster.shard_name(id));
+                let (db, shard) = (self.shards.side_conn(id), self.shards.shard_name(id));
                 self.write_on::<E, _>(db, durability, shard, index, raw_value, &value, key, owner)
                     .await
             }
@@ -702,7 +634,7 @@ impl<'c> Gsi<'c> {
         );
         let started = Instant::now();
         let res = db.execute_unprepared(&sql).await;
-        self.cluster.observe(
+        self.shards.observe(
             shard,
             &Statement::from_string(DbBackend::Postgres, sql),
             started.elapsed(),
@@ -731,9 +663,9 @@ impl<'c> Gsi<'c> {
             let bump = version_bump(
                 db.get_database_backend(),
                 &index.table,
-                self.cluster.now_ms(),
+                self.shards.now_ms(),
             );
-            let insert = entry_insert(index, value, key, owner, self.cluster.now_ms())
+            let insert = entry_insert(index, value, key, owner, self.shards.now_ms())
                 .on_conflict(
                     OnConflict::columns(["value", "shard_key", "owner_pk"].map(Alias::new))
                         .value(Alias::new("created_ms"), Expr::cust(bump))
@@ -767,7 +699,7 @@ impl<'c> Gsi<'c> {
         }
         // Fast path: the value is usually free, and one autocommitted INSERT
         // claims it. Only a conflict takes the checked path below.
-        let insert = entry_insert(index, value, key, owner, self.cluster.now_ms());
+        let insert = entry_insert(index, value, key, owner, self.shards.now_ms());
         match self
             .execute_index_write(db, shard, &insert, durability == Durability::Relaxed)
             .await
@@ -844,8 +776,7 @@ impl<'c> Gsi<'c> {
         let owner: String = row.try_get("", "owner_pk").map_err(err)?;
         let created: i64 = row.try_get("", "created_ms").map_err(err)?;
         // Only a row past the grace period can be taken over.
-        let settled =
-            self.cluster.now_ms() - created >= self.cluster.gsi_grace().as_millis() as i64;
+        let settled = self.shards.now_ms() - created >= self.state.grace.as_millis() as i64;
         let alive = !settled || self.owner_alive::<E>(index, &key, raw_value).await?;
         Ok(Some(Holder {
             key,
@@ -876,7 +807,7 @@ impl<'c> Gsi<'c> {
     ) -> Result<()> {
         let err = |e| write_err(index, value, shard, e);
         let backend = conn.get_database_backend();
-        let stamp = self.cluster.now_ms();
+        let stamp = self.shards.now_ms();
         let bump = version_bump(backend, &index.table, stamp);
         let table = quoted(backend, &index.table);
         let mut on_conflict = OnConflict::column(Alias::new("value"));
@@ -954,9 +885,7 @@ impl<'c> Gsi<'c> {
                 OwnerCheck::Before(_) => Ok(true),
             }
         };
-        if self.cluster.now_ms() - created < self.cluster.gsi_grace().as_millis() as i64
-            || alive().await?
-        {
+        if self.shards.now_ms() - created < self.state.grace.as_millis() as i64 || alive().await? {
             // A live owner, or a write still in flight: not ours to take.
             return Err(ShardError::UniqueViolation {
                 index: index.table.clone(),
@@ -998,7 +927,7 @@ impl<'c> Gsi<'c> {
         if value.chars().count() > MAX_VALUE_CHARS {
             return Ok(None); // never indexed
         }
-        let id = self.index_shard::<E>(index, &value)?;
+        let id = self.index_shard(<E::Group as EntityGroup>::NAME, index, &value)?;
         let stmt = Query::select()
             .column(Alias::new("created_ms"))
             .from(Alias::new(index.table.as_str()))
@@ -1007,7 +936,7 @@ impl<'c> Gsi<'c> {
             .and_where(Expr::col(Alias::new("owner_pk")).eq(owner))
             .to_owned();
         // The side pool: the owner's transaction holds a main connection.
-        let (db, shard) = (self.cluster.side_conn(id), self.cluster.shard_name(id));
+        let (db, shard) = (self.shards.side_conn(id), self.shards.shard_name(id));
         let found = match local {
             Some((local_id, txn)) if local_id == id => txn.query_one(&stmt).await,
             _ => db.query_one(&stmt).await,
@@ -1036,8 +965,8 @@ impl<'c> Gsi<'c> {
     /// (compare-and-delete; idempotent).
     pub(crate) async fn remove_entry(&self, removal: &Removal) -> Result<u64> {
         let (db, shard) = (
-            self.cluster.side_conn(removal.shard),
-            self.cluster.shard_name(removal.shard),
+            self.shards.side_conn(removal.shard),
+            self.shards.shard_name(removal.shard),
         );
         let delete = Query::delete()
             .from_table(Alias::new(removal.index.table.as_str()))
@@ -1048,8 +977,7 @@ impl<'c> Gsi<'c> {
             .to_owned();
         // After the owner's commit: losing a removal in a crash leaves a
         // dangling row, so it need not wait for a flush.
-        let relaxed =
-            self.cluster.gsi_relaxed() && db.get_database_backend() == DbBackend::Postgres;
+        let relaxed = self.state.relaxed && db.get_database_backend() == DbBackend::Postgres;
         self.execute_index_write(db, shard, &delete, relaxed)
             .await
             .map_err(|e| gsi_err(shard, format!("remove from {}", removal.index.table), e))
@@ -1057,12 +985,13 @@ impl<'c> Gsi<'c> {
 
     /// The shard keys an active index lists for `value`, or `None` while the
     /// index is `write_only` (the caller scatters).
-    pub(crate) async fn lookup<E: ShardedEntity>(
+    pub(crate) async fn lookup_texts(
         &self,
+        group: &'static str,
         index: &IndexDef,
         value: &Value,
-    ) -> Result<Option<Vec<KeyOf<E>>>> {
-        if self.state_of::<E>(index).await? != IndexState::Active {
+    ) -> Result<Option<Vec<String>>> {
+        if self.state_of(group, index).await? != IndexState::Active {
             return Ok(None);
         }
         let Some(text) = value_text(value) else {
@@ -1071,7 +1000,7 @@ impl<'c> Gsi<'c> {
         if text.chars().count() > MAX_VALUE_CHARS {
             return Ok(Some(Vec::new())); // never indexed, so no row holds it
         }
-        let id = self.index_shard::<E>(index, &text)?;
+        let id = self.index_shard(group, index, &text)?;
         let (db, shard) = self.conn(id);
         let stmt = Query::select()
             .column(Alias::new("shard_key"))
@@ -1087,11 +1016,7 @@ impl<'c> Gsi<'c> {
             let text: String = row
                 .try_get("", "shard_key")
                 .map_err(|e| gsi_err(shard, format!("lookup in {}", index.table), e))?;
-            if let Some(key) = KeyOf::<E>::from_directory_text(&text)
-                && !keys.contains(&key)
-            {
-                keys.push(key);
-            }
+            keys.push(text);
         }
         Ok(Some(keys))
     }
@@ -1116,10 +1041,10 @@ impl<'c> Gsi<'c> {
         mut on_progress: impl FnMut(BackfillProgress) -> ControlFlow<()>,
     ) -> Result<BackfillProgress> {
         let index = IndexDef::find::<E>(column)?;
-        let shards = self.group_shards::<E>()?;
+        let shards = self.group_shards(<E::Group as EntityGroup>::NAME)?;
         let chunk = Ord::max(chunk, 1);
         // Progress: "pk/<shard index>:<last primary key done on it>", a
-        // keyset position (see `crate::keyset`). An older "<shard>:<offset>"
+        // keyset position (see `crate::exec::keyset`). An older "<shard>:<offset>"
         // restarts that shard from its start (index writes are idempotent).
         let (start_shard, mut after) = match self.progress::<E>(&index).await? {
             Some(p) => match p.strip_prefix(BACKFILL_CURSOR) {
@@ -1189,11 +1114,11 @@ impl<'c> Gsi<'c> {
     /// index rows for owners that have none. Run it periodically
     /// ([`reconcile_every`](Self::reconcile_every)).
     pub async fn reconcile<E: ShardedEntity>(&self) -> Result<ReconcileReport> {
-        let grace = self.cluster.gsi_grace().as_millis() as i64;
+        let grace = self.state.grace.as_millis() as i64;
         let mut report = ReconcileReport::default();
         for (column, unique) in E::GLOBAL_INDEXES {
             let index = IndexDef::of::<E>(*column, *unique);
-            for id in self.group_shards::<E>()? {
+            for id in self.group_shards(<E::Group as EntityGroup>::NAME)? {
                 let (db, shard) = self.conn(id);
                 let err = |e| gsi_err(shard, format!("reconcile {}", index.table), e);
                 let mut after: Vec<Value> = Vec::new();
@@ -1221,7 +1146,7 @@ impl<'c> Gsi<'c> {
                             key.clone().into(),
                             owner.clone().into(),
                         ];
-                        if self.cluster.now_ms() - created < grace {
+                        if self.shards.now_ms() - created < grace {
                             continue; // an insert may still be in flight
                         }
                         let typed = typed_value::<E>(*column, &value);
@@ -1245,7 +1170,7 @@ impl<'c> Gsi<'c> {
                 }
             }
             // Owners without an index row.
-            for id in self.group_shards::<E>()? {
+            for id in self.group_shards(<E::Group as EntityGroup>::NAME)? {
                 let (db, shard) = self.conn(id);
                 let mut after: Option<Vec<Value>> = None;
                 loop {
@@ -1296,7 +1221,7 @@ impl<'c> Gsi<'c> {
         value: &str,
         key: &str,
     ) -> Result<bool> {
-        let id = self.index_shard::<E>(index, value)?;
+        let id = self.index_shard(<E::Group as EntityGroup>::NAME, index, value)?;
         let (db, shard) = self.conn(id);
         let stmt = Query::select()
             .expr(Expr::val(1))
@@ -1319,25 +1244,29 @@ impl<'c> Gsi<'c> {
         &self,
         interval: Duration,
     ) -> tokio::task::JoinHandle<()> {
-        crate::periodic::spawn(
-            self.cluster,
+        let state = Arc::clone(self.state);
+        crate::exec::periodic::spawn(
+            self.shards,
             interval,
-            crate::periodic::FirstPass::Now,
-            |cluster| async move {
-                match cluster.gsi().reconcile::<E>().await {
-                    Ok(report) => tracing::info!(
-                        table = table_name::<E>(),
-                        scanned = report.scanned,
-                        removed = report.removed,
-                        added = report.added,
-                        conflicts = report.conflicts.len(),
-                        "gsi reconcile"
-                    ),
-                    Err(err) => {
-                        tracing::warn!(table = table_name::<E>(), error = %err, "gsi reconcile failed")
+            crate::exec::periodic::FirstPass::Now,
+            move |shards: Shards| {
+                let state = Arc::clone(&state);
+                async move {
+                    match Gsi::new(&shards, &state).reconcile::<E>().await {
+                        Ok(report) => tracing::info!(
+                            table = table_name::<E>(),
+                            scanned = report.scanned,
+                            removed = report.removed,
+                            added = report.added,
+                            conflicts = report.conflicts.len(),
+                            "gsi reconcile"
+                        ),
+                        Err(err) => {
+                            tracing::warn!(table = table_name::<E>(), error = %err, "gsi reconcile failed")
+                        }
                     }
+                    ControlFlow::Continue(())
                 }
-                ControlFlow::Continue(())
             },
         )
     }
@@ -1449,29 +1378,170 @@ fn version_bump(backend: DbBackend, table: &str, stamp: i64) -> String {
     format!("CASE WHEN {created} >= {stamp} THEN {created} + 1 ELSE {stamp} END")
 }
 
-pub(crate) fn model_pk<E: ShardedEntity>(row: &E::Model) -> String {
-    <E::PrimaryKey as Iterable>::iter()
-        .map(|pk| value_text(&row.get(pk.into_column())).unwrap_or_default())
-        .collect::<Vec<_>>()
-        .join("\u{1f}")
+/// The write stage of global indexes (see [`crate::pipeline`]): an insert's
+/// or update's index rows are written before the row (index-first), and an
+/// update's or delete's replaced index rows are removed after the commit.
+#[doc(hidden)]
+pub struct IndexFirst {
+    state: Arc<GsiState>,
 }
 
-/// The indexed column's value for `text`, typed like the column (so the
-/// owner check compares like with like).
-pub(crate) fn typed_value<E: ShardedEntity>(column: E::Column, text: &str) -> Value {
-    use sea_orm::ColumnTrait;
-    use sea_orm::sea_query::ColumnType;
-    match column.def().get_column_type() {
-        ColumnType::BigInteger | ColumnType::BigUnsigned => text
-            .parse::<i64>()
-            .map_or_else(|_| text.into(), Value::from),
-        ColumnType::Integer
-        | ColumnType::Unsigned
-        | ColumnType::SmallInteger
-        | ColumnType::TinyInteger => text
-            .parse::<i32>()
-            .map_or_else(|_| text.into(), Value::from),
-        ColumnType::Uuid => uuid::Uuid::parse_str(text).map_or_else(|_| text.into(), Value::from),
-        _ => text.into(),
+impl IndexFirst {
+    pub(crate) fn new(state: Arc<GsiState>) -> Self {
+        IndexFirst { state }
+    }
+
+    /// Queues removal of `row`'s index rows for the indexes `changed`
+    /// selects, after the commit, each as the version it has now.
+    async fn queue_removals<E: ShardedEntity>(
+        &self,
+        ctx: &WriteCtx<'_>,
+        row: &E::Model,
+        changed: impl Fn(&str) -> bool,
+    ) -> Result<()> {
+        let gsi = Gsi::new(ctx.shards, &self.state);
+        let owner = model_pk::<E>(row);
+        for (column, unique) in E::GLOBAL_INDEXES {
+            if !changed(column.as_str()) {
+                continue;
+            }
+            let index = IndexDef::of::<E>(*column, *unique);
+            let removal = gsi
+                .removal::<E>(
+                    &index,
+                    &row.get(*column),
+                    ctx.key,
+                    &owner,
+                    Some((ctx.shard, ctx.txn)),
+                )
+                .await?;
+            if let Some(removal) = removal {
+                let shards = ctx.shards.for_task();
+                let state = Arc::clone(&self.state);
+                // Old index rows go only once the row's commit made them
+                // stale; a failure leaves a dangling row, which lookups
+                // ignore and reconciliation removes.
+                ctx.defer(Box::pin(async move {
+                    if let Err(err) = Gsi::new(&shards, &state).remove_entry(&removal).await {
+                        tracing::warn!(index = %removal.index.table, error = %err, "index row left for reconciliation");
+                    }
+                }));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl WriteStage for IndexFirst {
+    fn needs_current<E: ShardedEntity>(&self, op: WriteOp) -> bool {
+        op != WriteOp::Insert && !E::GLOBAL_INDEXES.is_empty()
+    }
+
+    /// Writes the index rows of `model`'s indexed values, each committed on
+    /// its own before the primary write. For an update (`current` is the row
+    /// as it is), only changed values are written, and the replaced rows are
+    /// queued for removal after the commit.
+    async fn before_write<E: ShardedEntity>(
+        &self,
+        ctx: &WriteCtx<'_>,
+        op: WriteOp,
+        model: &E::ActiveModel,
+        current: Option<&E::Model>,
+    ) -> Result<()> {
+        if E::GLOBAL_INDEXES.is_empty() || (op == WriteOp::Update && current.is_none()) {
+            return Ok(());
+        }
+        let owner = owner_pk(model);
+        let gsi = Gsi::new(ctx.shards, &self.state);
+        let mut changed = Vec::new();
+        for (column, unique) in E::GLOBAL_INDEXES {
+            let value = match (model.get(*column), current) {
+                (ActiveValue::Set(v), _) | (ActiveValue::Unchanged(v), None) => v,
+                _ => continue,
+            };
+            if let Some(current) = current {
+                if value_text(&current.get(*column)) == value_text(&value) {
+                    continue;
+                }
+                changed.push(column.as_str());
+            }
+            let index = IndexDef::of::<E>(*column, *unique);
+            gsi.write_entry_from::<E>(&index, &value, ctx.key, &owner, Some((ctx.shard, ctx.txn)))
+                .await?;
+        }
+        fail::fail_point!("shardkit::gsi::after_index_write", |_| Err(
+            ShardError::Db {
+                group: <E::Group as EntityGroup>::NAME,
+                shard: ctx.shard_name.to_owned(),
+                operation: format!("{} {}", op.as_str(), table_name::<E>()),
+                source: DbErr::Custom("failpoint shardkit::gsi::after_index_write".into()),
+            }
+        ));
+        if let Some(current) = current {
+            self.queue_removals::<E>(ctx, current, |c| changed.contains(&c))
+                .await?;
+        }
+        Ok(())
+    }
+
+    /// A deleted row's index rows go after the commit.
+    async fn after_write<E: ShardedEntity>(
+        &self,
+        ctx: &WriteCtx<'_>,
+        _op: WriteOp,
+        written: Written<'_, E>,
+    ) -> Result<()> {
+        if let Written::Deleted {
+            current: Some(current),
+            rows: 1..,
+            ..
+        } = written
+        {
+            self.queue_removals::<E>(ctx, current, |_| true).await?;
+        }
+        Ok(())
+    }
+}
+
+/// Planning's index step for reads ([`IndexLookup`]): the cluster hands it
+/// to the reads it starts.
+pub(crate) struct GsiLookup {
+    state: Arc<GsiState>,
+}
+
+impl GsiLookup {
+    pub(crate) fn new(state: Arc<GsiState>) -> Self {
+        GsiLookup { state }
+    }
+}
+
+fn index_of(query: &IndexQuery) -> IndexDef {
+    IndexDef {
+        table: format!("gsi_{}_{}", query.entity, query.column),
+        column: query.column,
+        unique: query.unique,
+    }
+}
+
+impl IndexLookup for GsiLookup {
+    fn table(&self, query: &IndexQuery) -> String {
+        index_of(query).table
+    }
+
+    fn index_shard(&self, shards: &Shards, query: &IndexQuery, text: &str) -> Result<ShardId> {
+        Gsi::new(shards, &self.state).index_shard(query.group, &index_of(query), text)
+    }
+
+    fn lookup<'a>(
+        &'a self,
+        shards: &'a Shards,
+        query: &'a IndexQuery,
+        value: &'a Value,
+    ) -> futures::future::BoxFuture<'a, Result<Option<Vec<String>>>> {
+        Box::pin(async move {
+            Gsi::new(shards, &self.state)
+                .lookup_texts(query.group, &index_of(query), value)
+                .await
+        })
     }
 }

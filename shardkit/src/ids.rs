@@ -25,10 +25,10 @@
 //!   sequence id with the row's bucket in its low 13 bits (Instagram), so the
 //!   shard is known from the id alone ([`Cluster::next_encoded_id`]).
 
-use crate::cluster::Cluster;
-use crate::entity::{EntityGroup, ShardKey};
+use crate::entity::{EntityGroup, ShardKey, ShardedEntity, table_name};
 use crate::error::{Result, ShardError};
-use crate::topology::{IdsConfig, ShardId, SnowflakeConfig, Target};
+use crate::pipeline::{WriteCtx, WriteOp, WriteStage};
+use crate::topology::{IdsConfig, ShardId, Target, Topology};
 use sea_orm::{ConnectionTrait, DatabaseConnection, DbBackend, Statement};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -36,26 +36,10 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 pub use crate::clock::{Clock, SystemClock};
-
-/// Default ids per ticket.
-pub const DEFAULT_BLOCK: u64 = 1000;
-/// The most ids one ticket may reserve (`[ids.sequences.<name>] block`).
-pub const MAX_BLOCK: u64 = 1_000_000_000;
-/// Bits of a shard-encoded id that hold the bucket (up to 8,192 buckets).
-pub const BUCKET_BITS: u32 = 13;
-/// The snowflake epoch: 2026-01-01T00:00:00Z, in Unix milliseconds.
-pub const SNOWFLAKE_EPOCH_MS: u64 = 1_767_225_600_000;
-
-/// How `#[shardkit(id = "...")]` fills a primary key.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum IdStrategy {
-    /// `ticket:<sequence>`: the next id of a ticket sequence.
-    Ticket(&'static str),
-    /// `uuid_v7`: [`uuid_v7`].
-    UuidV7,
-    /// `snowflake`: this process's snowflake worker.
-    Snowflake,
-}
+pub(crate) use crate::id_spec::check_name;
+pub use crate::id_spec::{
+    BUCKET_BITS, DEFAULT_BLOCK, IdStrategy, MAX_BLOCK, SNOWFLAKE_EPOCH_MS, SnowflakeLayout,
+};
 
 impl Ids {
     /// A fresh id for `strategy`, as a SeaORM value.
@@ -91,14 +75,6 @@ impl TicketServer {
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-/// The SQL that sets a MySQL session up for server `index` of `count`.
-pub(crate) fn mysql_session_sql(index: usize, count: usize) -> String {
-    format!(
-        "SET SESSION auto_increment_increment = {count}, auto_increment_offset = {}",
-        index + 1
-    )
 }
 
 /// The id service of a [`Cluster`]: `cluster.ids()`.
@@ -138,22 +114,6 @@ impl std::fmt::Debug for Ids {
     }
 }
 
-/// A sequence name: it becomes part of a table name (`tickets_<name>`).
-pub(crate) fn check_name(name: &str) -> Result<()> {
-    if name.is_empty()
-        || name.len() > 48
-        || !name
-            .chars()
-            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
-    {
-        return Err(ShardError::config(
-            format!("ids.sequences.{name}"),
-            "a sequence name is 1-48 ASCII lowercase letters, digits and `_`",
-        ));
-    }
-    Ok(())
-}
-
 impl Ids {
     pub(crate) fn new(
         servers: Vec<TicketServer>,
@@ -171,7 +131,7 @@ impl Ids {
         }
         let layout = config
             .snowflake
-            .map_or(Ok(SnowflakeLayout::default()), SnowflakeLayout::new)?;
+            .map_or(Ok(SnowflakeLayout::default()), |c| c.layout())?;
         let snowflake = Snowflake::new(layout, config.worker_id.unwrap_or(0), clock)?;
         Ok(Ids {
             tickets: Arc::new(Tickets {
@@ -193,11 +153,6 @@ impl Ids {
     /// The ticket servers, in order.
     pub fn servers(&self) -> impl Iterator<Item = &str> {
         self.tickets.servers.iter().map(|s| s.name.as_str())
-    }
-
-    /// The ticket servers' connection pools, in order.
-    pub(crate) fn server_connections(&self) -> impl Iterator<Item = &DatabaseConnection> {
-        self.tickets.servers.iter().map(|s| &s.conn)
     }
 
     /// Creates sequence `name` on every ticket server (its `tickets_<name>`
@@ -763,73 +718,6 @@ pub fn uuid_v7() -> uuid::Uuid {
     uuid::Uuid::now_v7()
 }
 
-/// Bit layout of a snowflake id: `time | worker | sequence`, most significant
-/// first, under a zero sign bit.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct SnowflakeLayout {
-    /// Milliseconds since [`SNOWFLAKE_EPOCH_MS`].
-    pub time_bits: u8,
-    /// Worker id.
-    pub worker_bits: u8,
-    /// Per-millisecond counter.
-    pub sequence_bits: u8,
-}
-
-impl Default for SnowflakeLayout {
-    fn default() -> Self {
-        SnowflakeLayout {
-            time_bits: 41,
-            worker_bits: 10,
-            sequence_bits: 12,
-        }
-    }
-}
-
-impl SnowflakeLayout {
-    /// The layout `[ids.snowflake]` describes, checked.
-    pub(crate) fn new(c: SnowflakeConfig) -> Result<Self> {
-        let layout = SnowflakeLayout {
-            time_bits: c.time_bits,
-            worker_bits: c.worker_bits,
-            sequence_bits: c.sequence_bits,
-        };
-        layout.check()?;
-        Ok(layout)
-    }
-
-    /// The bits fit under the sign bit, with at least 30 bits of time (12
-    /// days) and a sequence: anything else would shift ids out of range.
-    fn check(&self) -> Result<()> {
-        let total =
-            u32::from(self.time_bits) + u32::from(self.worker_bits) + u32::from(self.sequence_bits);
-        if total > 63 || self.time_bits < 30 || self.sequence_bits == 0 {
-            return Err(ShardError::config(
-                "ids.snowflake",
-                format!(
-                    "time_bits + worker_bits + sequence_bits must be at most 63 with time_bits ≥ 30 and sequence_bits ≥ 1 (got {} + {} + {} = {total})",
-                    self.time_bits, self.worker_bits, self.sequence_bits
-                ),
-            ));
-        }
-        Ok(())
-    }
-
-    /// Whether `worker` fits in the worker bits.
-    pub(crate) fn check_worker(&self, worker: u64) -> Result<()> {
-        if worker >> self.worker_bits != 0 {
-            return Err(ShardError::config(
-                "ids.worker_id",
-                format!(
-                    "worker id {worker} does not fit in {} bits (at most {})",
-                    self.worker_bits,
-                    (1u64 << self.worker_bits) - 1
-                ),
-            ));
-        }
-        Ok(())
-    }
-}
-
 /// Snowflake ids: `(ms since 2026-01-01 UTC) << (worker_bits + sequence_bits)
 /// | worker << sequence_bits | sequence`.
 ///
@@ -932,8 +820,8 @@ impl Snowflake {
     }
 }
 
-fn encoded_bucket<G: EntityGroup>(cluster: &Cluster, key: &G::Key) -> Result<u32> {
-    match cluster.topology().placement(G::NAME)? {
+fn encoded_bucket<G: EntityGroup>(topology: &Topology, key: &G::Key) -> Result<u32> {
+    match topology.placement(G::NAME)? {
         crate::topology::Placement::Hash { buckets, .. } if *buckets <= 1 << BUCKET_BITS => {
             Ok((key.partition_hash() % u64::from(*buckets)) as u32)
         }
@@ -944,15 +832,16 @@ fn encoded_bucket<G: EntityGroup>(cluster: &Cluster, key: &G::Key) -> Result<u32
     }
 }
 
-impl Cluster {
-    /// The next id of sequence `name` with `key`'s bucket in its low
-    /// [`BUCKET_BITS`] bits, so [`Cluster::route_id`] finds the shard from the
-    /// id alone (Instagram's layout, with a ticket sequence where Instagram
-    /// used time, so ids stay unique across processes). The group must use a
-    /// hash placement with at most 8,192 buckets.
-    pub async fn next_encoded_id<G: EntityGroup>(&self, name: &str, key: &G::Key) -> Result<i64> {
-        let bucket = encoded_bucket::<G>(self, key)?;
-        let id = self.ids().next(name).await?;
+impl Ids {
+    /// See [`Cluster::next_encoded_id`](crate::Cluster::next_encoded_id).
+    pub(crate) async fn next_encoded<G: EntityGroup>(
+        &self,
+        topology: &Topology,
+        name: &str,
+        key: &G::Key,
+    ) -> Result<i64> {
+        let bucket = encoded_bucket::<G>(topology, key)?;
+        let id = self.next(name).await?;
         let id = u64::try_from(id).unwrap_or_default();
         if id >> (63 - BUCKET_BITS) != 0 {
             return Err(ShardError::config(
@@ -962,27 +851,63 @@ impl Cluster {
         }
         Ok(((id << BUCKET_BITS) | u64::from(bucket)) as i64)
     }
+}
 
-    /// The shard a shard-encoded id ([`Cluster::next_encoded_id`]) belongs to, from
-    /// the id alone.
-    pub fn route_id<G: EntityGroup>(&self, id: i64) -> Result<Target> {
-        match self.topology().placement(G::NAME)? {
-            crate::topology::Placement::Hash { buckets, owner } if *buckets <= 1 << BUCKET_BITS => {
-                let bucket = (id as u64 & ((1 << BUCKET_BITS) - 1)) as u32;
-                let shard: ShardId = *owner.get(bucket as usize).ok_or_else(|| ShardError::Unroutable {
+/// See [`Cluster::route_id`](crate::Cluster::route_id).
+pub(crate) fn route_id<G: EntityGroup>(topology: &Topology, id: i64) -> Result<Target> {
+    match topology.placement(G::NAME)? {
+        crate::topology::Placement::Hash { buckets, owner } if *buckets <= 1 << BUCKET_BITS => {
+            let bucket = (id as u64 & ((1 << BUCKET_BITS) - 1)) as u32;
+            let shard: ShardId = *owner.get(bucket as usize).ok_or_else(|| ShardError::Unroutable {
                     group: G::NAME,
                     key: format!("id {id}"),
                     reason: format!("bucket {bucket} is outside the group's {buckets} buckets: not a shard-encoded id of this group"),
                 })?;
-                Ok(Target {
-                    shard,
-                    bucket: Some(bucket),
-                })
-            }
-            _ => Err(ShardError::config(
-                format!("groups.{}", G::NAME),
-                "shard-encoded ids need a hash placement with at most 8192 buckets",
-            )),
+            Ok(Target {
+                shard,
+                bucket: Some(bucket),
+            })
         }
+        _ => Err(ShardError::config(
+            format!("groups.{}", G::NAME),
+            "shard-encoded ids need a hash placement with at most 8192 buckets",
+        )),
+    }
+}
+
+/// The write stage of ids (see [`crate::pipeline`]): an insert whose
+/// `#[shardkit(id = "...")]` primary key is unset gets a fresh id.
+#[doc(hidden)]
+pub struct FillIds {
+    ids: Arc<Ids>,
+}
+
+impl FillIds {
+    pub(crate) fn new(ids: Arc<Ids>) -> Self {
+        FillIds { ids }
+    }
+}
+
+impl WriteStage for FillIds {
+    async fn prepare<E: ShardedEntity>(
+        &self,
+        ctx: &WriteCtx<'_>,
+        op: WriteOp,
+        model: &mut E::ActiveModel,
+    ) -> Result<()> {
+        use sea_orm::ActiveModelTrait;
+        let Some((column, strategy)) = E::ID else {
+            return Ok(());
+        };
+        if op != WriteOp::Insert || !model.get(column).is_not_set() {
+            return Ok(());
+        }
+        let id = self.ids.generate(strategy).await?;
+        model.try_set(column, id).map_err(|source| ShardError::Db {
+            group: <E::Group as EntityGroup>::NAME,
+            shard: ctx.shard_name.to_owned(),
+            operation: format!("insert {}", table_name::<E>()),
+            source,
+        })
     }
 }

@@ -91,10 +91,11 @@ pub mod entity;
 pub mod error;
 mod exec;
 pub mod gsi;
-mod health;
+mod id_spec;
 pub mod ids;
-mod keyset;
-mod periodic;
+mod key;
+mod phase;
+pub mod pipeline;
 pub mod read;
 pub mod rollout;
 pub mod topology;
@@ -104,8 +105,8 @@ pub mod verify;
 
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use cluster::{
-    Cluster, ClusterBuilder, DatabaseMigrationStatus, Directory, MigrationReport, StatementEvent,
-    StatementObserver,
+    Cluster, ClusterBuilder, DatabaseMigrationStatus, Directory, MigrationReport, ShardTx,
+    StatementEvent, StatementObserver,
 };
 pub use entity::{EntityGroup, GroupKey, InGroup, KeyRef, ShardKey, ShardedEntity};
 pub use error::{ErrorKind, Result, Retry, ShardError, ShardFailure};
@@ -117,7 +118,6 @@ pub use read::{
 pub use rollout::{Phase, Rollout, RolloutBackfill, RolloutHandle};
 pub use shardkit_derive::{EntityGroup, Sharded};
 pub use topology::{ClusterConfig, DatabaseUrl, ShardId, Target, Topology};
-pub use tx::ShardTx;
 pub use verify::{RowDiff, VerifyOptions, VerifyReport};
 
 /// The SeaORM this version of shardkit is built on.

@@ -14,9 +14,9 @@
 //! read ([`ShardError::ShardsFailed`] names every failed shard and why), unless
 //! the caller asked for partial results with [`Find::partial`].
 
-use crate::cluster::Cluster;
 use crate::entity::{EntityGroup, KeyRef, ShardKey, ShardedEntity, table_name};
 use crate::error::{Result, ShardError, ShardFailure};
+use crate::exec::Shards;
 use crate::topology::{ShardId, Target};
 use futures::StreamExt;
 use sea_orm::sea_query::{Expr, SelectStatement};
@@ -29,9 +29,51 @@ use sea_orm::{
 use std::cmp::Ordering;
 use std::collections::{BTreeMap, HashSet};
 use std::future::Future;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering as AtomicOrdering};
 use std::time::Duration;
 use tracing::Instrument;
+
+/// An index read's question (see [`IndexLookup`]).
+pub(crate) struct IndexQuery {
+    pub(crate) group: &'static str,
+    /// The indexed entity's table.
+    pub(crate) entity: &'static str,
+    pub(crate) column: &'static str,
+    pub(crate) unique: bool,
+}
+
+/// How a read finds the keys an indexed value lives under: planning's
+/// index step. The global-index feature ([`crate::gsi`]) implements it, and
+/// the cluster hands it to the reads it starts.
+pub(crate) trait IndexLookup: Send + Sync {
+    /// The index table the read consults (for its plan).
+    fn table(&self, query: &IndexQuery) -> String;
+    /// The shard holding the index rows of `text`.
+    fn index_shard(&self, shards: &Shards, query: &IndexQuery, text: &str) -> Result<ShardId>;
+    /// The shard keys (as [`ShardKey::to_directory_text`]) listed for
+    /// `value`; `None` while the index is not active (the read scatters).
+    fn lookup<'a>(
+        &'a self,
+        shards: &'a Shards,
+        query: &'a IndexQuery,
+        value: &'a Value,
+    ) -> futures::future::BoxFuture<'a, Result<Option<Vec<String>>>>;
+}
+
+/// `column = value` as an index lookup's owner check: exact, byte for byte,
+/// as index values are. On MySQL/MariaDB a text column's collation usually
+/// ignores case and trailing spaces, so a text value is also compared as
+/// `CAST(column AS BINARY)`; the plain comparison stays first so the
+/// column's own index can still be used.
+pub(crate) fn exact_eq(column: Expr, value: &Value, backend: DbBackend) -> Condition {
+    let cond = Condition::all().add(column.clone().eq(value.clone()));
+    if backend == DbBackend::MySql && matches!(value, Value::String(_) | Value::Char(_)) {
+        cond.add(column.cast_as("BINARY").eq(value.clone()))
+    } else {
+        cond
+    }
+}
 
 /// The shard key type of entity `E`.
 pub type KeyOf<E> = <<E as ShardedEntity>::Group as EntityGroup>::Key;
@@ -218,7 +260,9 @@ impl<E: ShardedEntity, R: Routed<E>> Routed<E> for AllowPartial<R> {
 /// `all()` decodes whole `E::Model`s.
 #[must_use = "a read does nothing until `.all()`, `.one()` or `.count()` runs it"]
 pub struct Find<E: ShardedEntity, R = Unkeyed> {
-    cluster: Cluster,
+    shards: Shards,
+    /// How `by_index` reads find keys (the global-index feature).
+    index: Option<Arc<dyn IndexLookup>>,
     select: Select<E>,
     route: R,
     order: Vec<(E::Column, Order)>,
@@ -229,9 +273,14 @@ pub struct Find<E: ShardedEntity, R = Unkeyed> {
 }
 
 impl<E: ShardedEntity> Find<E, Unkeyed> {
-    pub(crate) fn new(cluster: Cluster, select: Select<E>) -> Self {
+    pub(crate) fn new(
+        shards: Shards,
+        index: Option<Arc<dyn IndexLookup>>,
+        select: Select<E>,
+    ) -> Self {
         Find {
-            cluster,
+            shards,
+            index,
             select,
             route: Unkeyed,
             order: Vec::new(),
@@ -244,7 +293,8 @@ impl<E: ShardedEntity> Find<E, Unkeyed> {
 
     fn reroute<R>(self, route: R) -> Find<E, R> {
         Find {
-            cluster: self.cluster,
+            shards: self.shards,
+            index: self.index,
             select: self.select,
             route,
             order: self.order,
@@ -313,7 +363,8 @@ impl<E: ShardedEntity> Find<E, Scatter> {
 impl<E: ShardedEntity, R> Find<E, R> {
     fn partial_inner(self) -> Find<E, AllowPartial<R>> {
         Find {
-            cluster: self.cluster,
+            shards: self.shards,
+            index: self.index,
             select: self.select,
             route: AllowPartial(self.route),
             order: self.order,
@@ -447,11 +498,12 @@ impl<E: ShardedEntity, R> Find<E, R> {
     where
         R: Routed<E>,
     {
-        let settings = self.cluster.read_settings();
+        let settings = self.shards.read_settings();
         let read = Read {
             timeout: self.timeout.or(settings.timeout),
             concurrency: self.concurrency.unwrap_or(settings.max_concurrency),
-            cluster: self.cluster,
+            shards: self.shards,
+            index: self.index,
             order: self.order,
             limit: self.limit,
             offset: self.offset,
@@ -623,7 +675,8 @@ impl std::fmt::Display for ReadPlan {
 
 /// A read with its routing taken out: what every execution path shares.
 struct Read<E: ShardedEntity> {
-    cluster: Cluster,
+    shards: Shards,
+    index: Option<Arc<dyn IndexLookup>>,
     order: Vec<(E::Column, Order)>,
     limit: Option<u64>,
     offset: Option<u64>,
@@ -670,12 +723,12 @@ impl<E: ShardedEntity> Read<E> {
         let offset = self.offset.unwrap_or(0);
         if let RouteSpec::One(key) = &spec {
             // Hash, range and modulo placements route without I/O.
-            let target = match self.cluster.route_now::<E::Group>(key)? {
+            let target = match self.shards.route_now::<E::Group>(key)? {
                 Some(target) => target,
-                None => self.cluster.route::<E::Group>(key).await?,
+                None => self.shards.route::<E::Group>(key).await?,
             };
-            tracing::debug!(key = ?key, shard = self.cluster.shard_name(target.shard), "routed read");
-            let backend = self.cluster.shard_conn(target.shard).get_database_backend();
+            tracing::debug!(key = ?key, shard = self.shards.shard_name(target.shard), "routed read");
+            let backend = self.shards.shard_conn(target.shard).get_database_backend();
             add_key::<E>(&mut select, key, backend);
             // One key's shard answers the statement as written.
             if op != ReadOp::Count {
@@ -702,7 +755,7 @@ impl<E: ShardedEntity> Read<E> {
         let mut parts = self.fan_out(*select, spec).await?;
         if let Some(failed) = &lookup_failed {
             // The shard whose index lookup failed is not asked again.
-            parts.retain(|(id, _)| self.cluster.shard_name(*id) != failed.shard);
+            parts.retain(|(id, _)| self.shards.shard_name(*id) != failed.shard);
         }
         let limit = match op {
             ReadOp::One => Some(1),
@@ -735,9 +788,9 @@ impl<E: ShardedEntity> Read<E> {
             .into_iter()
             .chain(plan.parts.iter().map(|(id, select)| (*id, select)))
             .map(|(id, select)| PlannedStatement {
-                shard: self.cluster.shard_name(id).to_owned(),
+                shard: self.shards.shard_name(id).to_owned(),
                 sql: self
-                    .cluster
+                    .shards
                     .shard_conn(id)
                     .get_database_backend()
                     .build(QueryTrait::as_query(select))
@@ -787,13 +840,13 @@ impl<E: ShardedEntity> Read<E> {
                 reason: "internal: a multi-shard plan run as a single-shard one".to_owned(),
             });
         };
-        let shard = self.cluster.shard_name(target.shard);
+        let shard = self.shards.shard_name(target.shard);
         let span = read_span::<E>(shard, target.bucket, op);
-        let conn = self.cluster.shard_conn(target.shard);
+        let conn = self.shards.shard_conn(target.shard);
         let fut = crate::trace::in_span(span, run(*select, conn));
         let fut = async { fut.await.map_err(|e| read_err::<E>(shard, e)) };
         match self
-            .cluster
+            .shards
             .bounded(target.shard, Self::group(), self.timeout, fut)
             .await
         {
@@ -875,16 +928,28 @@ impl<E: ShardedEntity> Read<E> {
                             "no global index on this column: add `#[shardkit(global_index)]` to the field",
                         )
                     })?;
-                let index = crate::gsi::IndexDef::of::<E>(*col, *unique);
+                let lookup = self.index.as_ref().ok_or_else(|| {
+                    ShardError::config(
+                        format!("{}.{column}", table_name::<E>()),
+                        "index reads need the cluster's global-index service: start them with `cluster.find()`",
+                    )
+                })?;
+                let query = IndexQuery {
+                    group: Self::group(),
+                    entity: table_name::<E>(),
+                    column: col.as_str(),
+                    unique: *unique,
+                };
+                let index_table = lookup.table(&query);
                 let backend = self
-                    .cluster
+                    .shards
                     .topology()
                     .shards_of(Self::group())?
                     .first()
                     .map_or(DbBackend::Postgres, |id| {
-                        self.cluster.shard_conn(*id).get_database_backend()
+                        self.shards.shard_conn(*id).get_database_backend()
                     });
-                QueryTrait::query(&mut *select).cond_where(crate::gsi::exact_eq(
+                QueryTrait::query(&mut *select).cond_where(exact_eq(
                     Expr::col((E::default(), *col)),
                     &value,
                     backend,
@@ -894,17 +959,30 @@ impl<E: ShardedEntity> Read<E> {
                 // shard (the statement filters on the value) and reports the
                 // failed one: strict reads fail with it, `.partial()` returns
                 // the healthy shards' rows.
-                let shards = self.cluster.topology().shards_of(Self::group())?;
-                let lookup_shard = match crate::gsi::value_text(&value) {
-                    Some(text) => self.cluster.gsi().index_shard::<E>(&index, &text)?,
+                let shards = self.shards.topology().shards_of(Self::group())?;
+                let lookup_shard = match crate::key::value_text(&value) {
+                    Some(text) => lookup.index_shard(&self.shards, &query, &text)?,
                     None => shards[0],
                 };
-                let gsi = self.cluster.gsi();
-                let lookup = gsi.lookup::<E>(&index, &value);
+                let found = lookup.lookup(&self.shards, &query, &value);
                 let looked = self
-                    .cluster
-                    .bounded(lookup_shard, Self::group(), self.timeout, lookup)
-                    .await;
+                    .shards
+                    .bounded(lookup_shard, Self::group(), self.timeout, found)
+                    .await
+                    .map(|keys| {
+                        keys.map(|texts| {
+                            let mut keys: Vec<KeyOf<E>> = Vec::with_capacity(texts.len());
+                            for key in texts
+                                .iter()
+                                .filter_map(|t| KeyOf::<E>::from_directory_text(t))
+                            {
+                                if !keys.contains(&key) {
+                                    keys.push(key);
+                                }
+                            }
+                            keys
+                        })
+                    });
                 let mut lookup_failed = None;
                 let (spec, found) = match looked {
                     Ok(Some(mut keys)) if keys.len() == 1 => {
@@ -918,7 +996,7 @@ impl<E: ShardedEntity> Read<E> {
                     Err(error) => {
                         let shard = error
                             .shard()
-                            .unwrap_or_else(|| self.cluster.shard_name(lookup_shard))
+                            .unwrap_or_else(|| self.shards.shard_name(lookup_shard))
                             .to_owned();
                         lookup_failed = Some(ShardFailure {
                             shard,
@@ -927,12 +1005,7 @@ impl<E: ShardedEntity> Read<E> {
                         (RouteSpec::All, None)
                     }
                 };
-                (
-                    select,
-                    spec,
-                    Some((index.table.clone(), found)),
-                    lookup_failed,
-                )
+                (select, spec, Some((index_table, found)), lookup_failed)
             }
             other => (select, other, None, None),
         })
@@ -964,12 +1037,12 @@ impl<E: ShardedEntity> Read<E> {
     ) -> Result<Vec<(ShardId, Select<E>)>> {
         match spec {
             RouteSpec::One(key) => {
-                let shard = self.cluster.route::<E::Group>(&key).await?.shard;
-                let backend = self.cluster.shard_conn(shard).get_database_backend();
+                let shard = self.shards.route::<E::Group>(&key).await?.shard;
+                let backend = self.shards.shard_conn(shard).get_database_backend();
                 Ok(vec![(shard, keyed_select::<E>(base, &key, backend))])
             }
             RouteSpec::All => Ok(self
-                .cluster
+                .shards
                 .topology()
                 .shards_of(Self::group())?
                 .iter()
@@ -986,13 +1059,13 @@ impl<E: ShardedEntity> Read<E> {
                     if seen.contains(&key) {
                         continue;
                     }
-                    let target = self.cluster.route::<E::Group>(&key).await?;
+                    let target = self.shards.route::<E::Group>(&key).await?;
                     seen.insert(key.clone());
                     by_shard.entry(target.shard).or_default().push(key);
                 }
                 let mut parts = Vec::new();
                 for (id, keys) in by_shard {
-                    let backend = self.cluster.shard_conn(id).get_database_backend();
+                    let backend = self.shards.shard_conn(id).get_database_backend();
                     let mut chunk = self.key_chunk(&base, backend)?;
                     if binary_text_keys::<E>(&keys, backend) {
                         // Each key is bound twice (see `key_condition`).
@@ -1054,7 +1127,7 @@ impl<E: ShardedEntity> Read<E> {
             rows = tracing::field::Empty,
             peak_in_flight = tracing::field::Empty,
         );
-        let cluster = &self.cluster;
+        let cluster = &self.shards;
         let timeout = self.timeout;
         // Statements in flight, counted where they start and end, so the
         // bound is observable (`peak_in_flight` on the span).
@@ -1125,7 +1198,7 @@ impl<E: ShardedEntity> Read<E> {
         }
         // PostgreSQL sorts NULL above every value; MySQL and SQLite below.
         let nulls_high = first_shard.is_some_and(|id| {
-            self.cluster.shard_conn(id).get_database_backend() == DbBackend::Postgres
+            self.shards.shard_conn(id).get_database_backend() == DbBackend::Postgres
         });
         let mut keyed: Vec<(Vec<Value>, E::Model)> = rows
             .map(|row| (self.order.iter().map(|(c, _)| row.get(*c)).collect(), row))

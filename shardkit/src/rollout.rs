@@ -34,109 +34,30 @@
 //! [moka]: https://docs.rs/moka
 
 use crate::clock::Clock;
-use crate::cluster::Cluster;
 use crate::entity::{EntityGroup, ShardKey, ShardedEntity, table_name};
 use crate::error::{Result, ShardError};
-pub(crate) use crate::keyset::{
+use crate::exec::Shards;
+pub(crate) use crate::exec::keyset::{
     after_condition, by_pk, format_cursor, model_pk_values, parse_cursor, tuple_text,
 };
+use crate::gsi::GsiState;
+pub use crate::phase::Phase;
+use crate::pipeline::{Replaced, WriteOp, WriteStage, Written};
 use crate::topology::ShardId;
 use futures::future::BoxFuture;
 use sea_orm::sea_query::{Alias, Expr, ExprTrait, OnConflict, Query};
 use sea_orm::{
-    ActiveModelTrait, ColumnTrait, Condition, ConnectionTrait, DatabaseConnection,
+    ActiveModelTrait, ActiveValue, ColumnTrait, Condition, ConnectionTrait, DatabaseConnection,
     DatabaseTransaction, DbErr, EntityTrait, IntoActiveModel, Iterable, ModelTrait,
     PrimaryKeyToColumn, PrimaryKeyTrait, QueryFilter, TryIntoModel, Value,
     sea_query::IntoValueTuple,
 };
-use std::any::Any;
+use std::any::{Any, TypeId};
+use std::collections::HashMap;
 use std::ops::ControlFlow;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
-
-/// Where a rollout is. See the [module docs](self) for what each phase does.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum Phase {
-    /// Registered; nothing changes yet.
-    Off,
-    /// Every write fills the caches of both models; tables unchanged.
-    CacheBoth,
-    /// Writes of the old entity also write the new one, in the same
-    /// transaction; reads come from the old table.
-    DualWrite,
-    /// Still dual-writing; reads come from the new table.
-    ReadNew,
-    /// Only the new table is written (old-entity writes are translated).
-    NewOnly,
-    /// Finished: writes of the old entity are refused.
-    Done,
-}
-
-impl Phase {
-    /// Every phase, in order.
-    pub const ALL: [Phase; 6] = [
-        Phase::Off,
-        Phase::CacheBoth,
-        Phase::DualWrite,
-        Phase::ReadNew,
-        Phase::NewOnly,
-        Phase::Done,
-    ];
-
-    /// The name stored in the state table.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Phase::Off => "off",
-            Phase::CacheBoth => "cache_both",
-            Phase::DualWrite => "dual_write",
-            Phase::ReadNew => "read_new",
-            Phase::NewOnly => "new_only",
-            Phase::Done => "done",
-        }
-    }
-
-    /// Parses [`as_str`](Self::as_str)'s output.
-    pub fn parse(text: &str) -> Option<Phase> {
-        Phase::ALL.into_iter().find(|p| p.as_str() == text)
-    }
-
-    /// The phase after this one.
-    pub fn next(self) -> Option<Phase> {
-        Phase::ALL.get(self as usize + 1).copied()
-    }
-
-    /// The phase before this one.
-    pub fn previous(self) -> Option<Phase> {
-        (self as usize).checked_sub(1).map(|i| Phase::ALL[i])
-    }
-
-    fn from_u8(v: u8) -> Phase {
-        Phase::ALL[usize::from(v).min(Phase::ALL.len() - 1)]
-    }
-
-    fn caches(self) -> bool {
-        self >= Phase::CacheBoth
-    }
-
-    fn writes_old(self) -> bool {
-        self <= Phase::ReadNew
-    }
-
-    fn writes_new(self) -> bool {
-        self >= Phase::DualWrite
-    }
-
-    fn reads_new(self) -> bool {
-        self >= Phase::ReadNew
-    }
-}
-
-impl std::fmt::Display for Phase {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
 
 /// A user-supplied conversion between the two models.
 pub(crate) type ConvertFn<A, B> = dyn Fn(&A) -> B + Send + Sync;
@@ -232,14 +153,16 @@ pub(crate) struct Shared<Old: ShardedEntity, New: ShardedEntity> {
 /// verification. Cheap to clone.
 pub struct RolloutHandle<Old: ShardedEntity, New: ShardedEntity> {
     shared: Arc<Shared<Old, New>>,
-    cluster: Cluster,
+    shards: Shards,
+    gsi: Arc<GsiState>,
 }
 
 impl<Old: ShardedEntity, New: ShardedEntity> Clone for RolloutHandle<Old, New> {
     fn clone(&self) -> Self {
         RolloutHandle {
             shared: self.shared.clone(),
-            cluster: self.cluster.clone(),
+            shards: self.shards.clone(),
+            gsi: Arc::clone(&self.gsi),
         }
     }
 }
@@ -259,40 +182,53 @@ impl<Old: ShardedEntity, New: ShardedEntity> std::fmt::Debug for RolloutHandle<O
 /// (fill or invalidate caches).
 pub(crate) type AfterCommit = Box<dyn FnOnce() + Send>;
 
-/// Where a transaction's write runs, for the rollout's own statements.
+/// Where a dual write runs: the old row's transaction and shard.
 pub(crate) struct WriteCtx<'a> {
-    pub(crate) cluster: &'a Cluster,
+    pub(crate) shards: &'a Shards,
+    pub(crate) gsi: &'a Arc<GsiState>,
     pub(crate) txn: &'a DatabaseTransaction,
     pub(crate) shard: &'a str,
     pub(crate) shard_id: ShardId,
 }
 
-/// The type-erased write side of a rollout, keyed in the cluster by the old
-/// entity's type. `ShardTx` calls it for every write of that entity.
+/// A row of the old entity as the write pipeline hands it over, whatever
+/// the entity's type: its columns' values in `Column::iter()` order. The
+/// registry finds a rollout by the entity's type, so the rollout reads the
+/// values back as its own `Old` (see [`Shared::old_model`]).
+pub(crate) type RowValues = Vec<Value>;
+
+/// An active model of the old entity, the same way (see [`RowValues`]).
+pub(crate) type ActiveValues = Vec<ActiveValue<Value>>;
+
+/// The write side of a rollout, keyed in the registry by the old entity's
+/// type. The write stage ([`DualWrite`]) calls it for every write of that
+/// entity.
 pub(crate) trait OldWrites: Send + Sync {
     fn name(&self) -> &str;
     fn phase(&self) -> Phase;
+    /// The typed rollout, for [`Cluster::rollout`](crate::Cluster::rollout).
     fn as_any(self: Arc<Self>) -> Arc<dyn Any + Send + Sync>;
-    /// After the old row `row` (an `Old::Model`) was inserted or updated.
+    /// After the old row `row` was inserted or updated.
     fn after_write<'a>(
         &'a self,
         ctx: WriteCtx<'a>,
-        row: Box<dyn Any + Send>,
+        row: RowValues,
     ) -> BoxFuture<'a, Result<Option<AfterCommit>>>;
-    /// After the old row named by `model` (an `Old::ActiveModel`) was deleted.
+    /// After the old row named by `model` was deleted (or, from `new_only`
+    /// on, instead of deleting it).
     fn after_delete<'a>(
         &'a self,
         ctx: WriteCtx<'a>,
-        model: Box<dyn Any + Send>,
+        model: ActiveValues,
     ) -> BoxFuture<'a, Result<(u64, Option<AfterCommit>)>>;
     /// `NewOnly`: an insert (`update == false`) or update of the old entity,
-    /// applied to the new table only. Returns the old model as written.
+    /// applied to the new table only. Returns the old row as written.
     fn write_new_only<'a>(
         &'a self,
         ctx: WriteCtx<'a>,
-        model: Box<dyn Any + Send>,
+        model: ActiveValues,
         update: bool,
-    ) -> BoxFuture<'a, Result<(Box<dyn Any + Send>, AfterCommit)>>;
+    ) -> BoxFuture<'a, Result<(RowValues, AfterCommit)>>;
 }
 
 /// A cache of one model whose entries live `ttl` by the cluster's clock
@@ -334,6 +270,13 @@ impl<V: Clone + Send + Sync + 'static> TimedCache<V> {
     fn invalidate_all(&self) {
         self.entries.invalidate_all();
     }
+}
+
+/// The model [`crate::key::model_values`] took apart.
+fn model_from_values<E: ShardedEntity>(values: RowValues) -> std::result::Result<E::Model, DbErr> {
+    let values = values.into_iter().map(ActiveValue::Set).collect();
+    let (model, _) = crate::key::active_from_values::<E>(values)?;
+    E::__try_into_model(model)
 }
 
 /// The cache key of a row: shard key and primary key, as text.
@@ -438,10 +381,31 @@ where
         }
     }
 
+    /// The old row the pipeline handed over (see [`RowValues`]).
+    fn old_model(&self, values: RowValues) -> Result<Old::Model> {
+        model_from_values::<Old>(values).map_err(|e| {
+            self.refused_err(format!(
+                "internal: not a row of `{}`: {e}",
+                table_name::<Old>()
+            ))
+        })
+    }
+
+    /// The old active model the pipeline handed over, and which of its
+    /// columns were `Set` (see [`ActiveValues`]).
+    fn old_active(&self, values: ActiveValues) -> Result<(Old::ActiveModel, Vec<bool>)> {
+        crate::key::active_from_values::<Old>(values).map_err(|e| {
+            self.refused_err(format!(
+                "internal: not a row of `{}`: {e}",
+                table_name::<Old>()
+            ))
+        })
+    }
+
     fn old_key(row: &Old::Model) -> String {
         cache_key(
             &Old::shard_key(row).to_directory_text(),
-            &crate::gsi::model_pk::<Old>(row),
+            &crate::key::model_pk::<Old>(row),
         )
     }
 
@@ -502,11 +466,10 @@ where
             return Ok(());
         }
         let key = New::shard_key(new).to_directory_text();
-        let owner = crate::gsi::model_pk::<New>(new);
+        let owner = crate::key::model_pk::<New>(new);
         for (column, unique) in New::GLOBAL_INDEXES {
             let index = crate::gsi::IndexDef::of::<New>(*column, *unique);
-            ctx.cluster
-                .gsi()
+            crate::gsi::Gsi::new(ctx.shards, ctx.gsi)
                 .write_entry_from::<New>(
                     &index,
                     &new.get(*column),
@@ -563,13 +526,11 @@ where
     fn after_write<'a>(
         &'a self,
         ctx: WriteCtx<'a>,
-        row: Box<dyn Any + Send>,
+        row: RowValues,
     ) -> BoxFuture<'a, Result<Option<AfterCommit>>> {
         Box::pin(async move {
             let phase = self.phase();
-            let Ok(row) = row.downcast::<Old::Model>() else {
-                return Ok(None);
-            };
+            let row = self.old_model(row)?;
             if phase == Phase::Done {
                 return Err(self.refused_err(format!(
                     "the old table `{}` is retired; write `{}` instead",
@@ -584,20 +545,18 @@ where
                 return Ok(None);
             }
             let this = self.self_arc();
-            Ok(Some(this.fill_both(*row)))
+            Ok(Some(this.fill_both(row)))
         })
     }
 
     fn after_delete<'a>(
         &'a self,
         ctx: WriteCtx<'a>,
-        model: Box<dyn Any + Send>,
+        model: ActiveValues,
     ) -> BoxFuture<'a, Result<(u64, Option<AfterCommit>)>> {
         Box::pin(async move {
             let phase = self.phase();
-            let Ok(model) = model.downcast::<Old::ActiveModel>() else {
-                return Ok((0, None));
-            };
+            let (model, _) = self.old_active(model)?;
             if phase == Phase::Done {
                 return Err(self.refused_err(format!(
                     "the old table `{}` is retired; delete from `{}` instead",
@@ -638,14 +597,12 @@ where
     fn write_new_only<'a>(
         &'a self,
         ctx: WriteCtx<'a>,
-        model: Box<dyn Any + Send>,
+        model: ActiveValues,
         update: bool,
-    ) -> BoxFuture<'a, Result<(Box<dyn Any + Send>, AfterCommit)>> {
+    ) -> BoxFuture<'a, Result<(RowValues, AfterCommit)>> {
         Box::pin(async move {
             let phase = self.phase();
-            let Ok(model) = model.downcast::<Old::ActiveModel>() else {
-                return Err(self.refused_err("internal: not the rollout's old entity"));
-            };
+            let (model, set) = self.old_active(model)?;
             if phase == Phase::Done {
                 return Err(self.refused_err(format!(
                     "the old table `{}` is retired; write `{}` instead",
@@ -681,23 +638,23 @@ where
                     return Err(self.refused_err("no new → old conversion was registered"));
                 };
                 let mut merged = to_old(&current).into_active_model();
-                for column in <Old::Column as Iterable>::iter() {
-                    if let sea_orm::ActiveValue::Set(v) = model.get(column) {
-                        merged.set(column, v);
+                for (column, set) in <Old::Column as Iterable>::iter().zip(set) {
+                    if set {
+                        merged.set(
+                            column,
+                            model.get(column).into_value().unwrap_or(Value::Bool(None)),
+                        );
                     }
                 }
-                merged
-                    .try_into_model()
+                Old::__try_into_model(merged)
                     .map_err(|e| self.db_err(ctx.shard, op("update"), e))?
             } else {
-                model
-                    .try_into_model()
-                    .map_err(|e| self.db_err(ctx.shard, op("insert"), e))?
+                Old::__try_into_model(model).map_err(|e| self.db_err(ctx.shard, op("insert"), e))?
             };
             self.write_new(&ctx, &old, !update).await?;
             let this = self.self_arc();
             let after = this.fill_both(old.clone());
-            Ok((Box::new(old) as Box<dyn Any + Send>, after))
+            Ok((crate::key::model_values::<Old>(&old), after))
         })
     }
 }
@@ -750,11 +707,11 @@ pub(crate) struct StateRow {
 }
 
 /// The database holding the state of group `E::Group`'s rollouts, and its name.
-pub(crate) fn state_db<E: ShardedEntity>(cluster: &Cluster) -> Result<(&DatabaseConnection, &str)> {
-    let id = cluster
+pub(crate) fn state_db<E: ShardedEntity>(shards: &Shards) -> Result<(&DatabaseConnection, &str)> {
+    let id = shards
         .topology()
         .shards_of(<E::Group as EntityGroup>::NAME)?[0];
-    Ok((cluster.shard_conn(id), cluster.shard_name(id)))
+    Ok((shards.shard_conn(id), shards.shard_name(id)))
 }
 
 fn state_err(shard: &str, operation: &str, source: DbErr) -> ShardError {
@@ -816,7 +773,39 @@ pub(crate) async fn save_progress(
         .map_err(|e| state_err(shard, "update", e))
 }
 
-impl Cluster {
+/// The rollouts registered on a cluster, by the old entity's type.
+#[derive(Default)]
+pub(crate) struct Registry(std::sync::RwLock<HashMap<TypeId, Arc<dyn OldWrites>>>);
+
+impl Registry {
+    /// The rollout registered for the entity with type id `entity`.
+    fn get(&self, entity: TypeId) -> Option<Arc<dyn OldWrites>> {
+        let map = self.0.read().unwrap_or_else(|p| p.into_inner());
+        if map.is_empty() {
+            return None;
+        }
+        map.get(&entity).cloned()
+    }
+
+    /// Registers a rollout's write side; `false` if the entity has one.
+    fn add(&self, entity: TypeId, writes: Arc<dyn OldWrites>) -> bool {
+        let mut map = self.0.write().unwrap_or_else(|p| p.into_inner());
+        if map.contains_key(&entity) {
+            return false;
+        }
+        map.insert(entity, writes);
+        true
+    }
+}
+
+/// What [`Cluster::register_rollout`] and [`Cluster::rollout`] act on.
+pub(crate) struct Rollouts<'c> {
+    pub(crate) registry: &'c Registry,
+    pub(crate) shards: &'c Shards,
+    pub(crate) gsi: &'c Arc<GsiState>,
+}
+
+impl Rollouts<'_> {
     /// Registers a rollout from `Old` to `New`. From now on every
     /// [`ShardTx`](crate::ShardTx) write of `Old` follows the rollout's phase;
     /// the code that writes `Old` does not change.
@@ -826,7 +815,7 @@ impl Cluster {
     /// this instance's cache TTL + refresh interval when that is longer.
     /// Refused when `Old` already has a rollout on this cluster, or when the
     /// two entities' primary keys have different numbers of columns.
-    pub async fn register_rollout<Old, New>(
+    pub(crate) async fn register<Old, New>(
         &self,
         rollout: Rollout<Old, New>,
     ) -> Result<RolloutHandle<Old, New>>
@@ -856,7 +845,7 @@ impl Cluster {
                 ),
             ));
         }
-        let (db, shard) = state_db::<Old>(self)?;
+        let (db, shard) = state_db::<Old>(self.shards)?;
         let gap = rollout.cache_ttl + rollout.refresh;
         let gap_ms = gap.as_millis() as i64;
         let mut state = read_state(db, shard, &rollout.name).await?;
@@ -902,20 +891,20 @@ impl Cluster {
             old_cache: TimedCache::new(
                 rollout.cache_ttl,
                 rollout.cache_capacity,
-                Arc::clone(self.clock()),
+                Arc::clone(self.shards.clock()),
             ),
             new_cache: TimedCache::new(
                 rollout.cache_ttl,
                 rollout.cache_capacity,
-                Arc::clone(self.clock()),
+                Arc::clone(self.shards.clock()),
             ),
             gap,
             me: me.clone(),
         });
-        if !self.add_rollout(
-            std::any::TypeId::of::<Old>(),
-            shared.clone() as Arc<dyn OldWrites>,
-        ) {
+        if !self
+            .registry
+            .add(TypeId::of::<Old>(), shared.clone() as Arc<dyn OldWrites>)
+        {
             return Err(ShardError::config(
                 entry,
                 format!(
@@ -926,13 +915,14 @@ impl Cluster {
         }
         let handle = RolloutHandle {
             shared,
-            cluster: self.clone(),
+            shards: self.shards.clone(),
+            gsi: Arc::clone(self.gsi),
         };
         handle.spawn_every(
             rollout.refresh,
-            crate::periodic::FirstPass::AfterInterval,
+            crate::exec::periodic::FirstPass::AfterInterval,
             |rollout| async move {
-                let (db, shard) = match state_db::<Old>(&rollout.cluster) {
+                let (db, shard) = match state_db::<Old>(&rollout.shards) {
                     Ok(found) => found,
                     Err(err) => {
                         tracing::warn!(rollout = %rollout.shared.name, error = %err, "rollout phase refresh failed; keeping the last phase");
@@ -953,18 +943,19 @@ impl Cluster {
     }
 
     /// The rollout registered for `Old`, if it goes to `New`.
-    pub fn rollout<Old, New>(&self) -> Option<RolloutHandle<Old, New>>
+    pub(crate) fn handle<Old, New>(&self) -> Option<RolloutHandle<Old, New>>
     where
         Old: ShardedEntity,
         New: ShardedEntity<Group = Old::Group>,
         Old::Model: Sync,
         New::Model: Sync,
     {
-        let any = self.rollout_writes(std::any::TypeId::of::<Old>())?.as_any();
+        let any = self.registry.get(TypeId::of::<Old>())?.as_any();
         let shared = any.downcast::<Shared<Old, New>>().ok()?;
         Some(RolloutHandle {
             shared,
-            cluster: self.clone(),
+            shards: self.shards.clone(),
+            gsi: Arc::clone(self.gsi),
         })
     }
 }
@@ -982,13 +973,13 @@ where
         &self.shared
     }
 
-    /// Runs `pass` every `interval` on this rollout (see [`crate::periodic`])
+    /// Runs `pass` every `interval` on this rollout (see [`crate::exec::periodic`])
     /// until the cluster is dropped or `pass` breaks. Between passes the task
     /// holds neither the rollout nor the cluster.
     pub(crate) fn spawn_every<F, Fut>(
         &self,
         interval: Duration,
-        first: crate::periodic::FirstPass,
+        first: crate::exec::periodic::FirstPass,
         mut pass: F,
     ) -> tokio::task::JoinHandle<()>
     where
@@ -996,10 +987,15 @@ where
         Fut: std::future::Future<Output = ControlFlow<()>> + Send + 'static,
     {
         let shared = Arc::downgrade(&self.shared);
-        crate::periodic::spawn(&self.cluster, interval, first, move |cluster| {
-            let run = shared
-                .upgrade()
-                .map(|shared| pass(RolloutHandle { shared, cluster }));
+        let gsi = Arc::clone(&self.gsi);
+        crate::exec::periodic::spawn(&self.shards, interval, first, move |shards| {
+            let run = shared.upgrade().map(|shared| {
+                pass(RolloutHandle {
+                    shared,
+                    shards,
+                    gsi: Arc::clone(&gsi),
+                })
+            });
             async move {
                 match run {
                     Some(run) => run.await,
@@ -1009,8 +1005,8 @@ where
         })
     }
 
-    pub(crate) fn cluster(&self) -> &Cluster {
-        &self.cluster
+    pub(crate) fn shards(&self) -> &Shards {
+        &self.shards
     }
 
     /// The rollout's name.
@@ -1036,7 +1032,7 @@ where
     }
 
     async fn state(&self) -> Result<StateRow> {
-        let (db, shard) = state_db::<Old>(&self.cluster)?;
+        let (db, shard) = state_db::<Old>(&self.shards)?;
         let state = read_state(db, shard, &self.shared.name)
             .await?
             .ok_or_else(|| {
@@ -1071,7 +1067,7 @@ where
     /// to act on `state`'s phase (a move to `to`, or a backfill when `to` is
     /// the phase itself) until the gap has passed since the phase changed.
     fn check_gap(&self, state: &StateRow, to: Phase) -> Result<()> {
-        let elapsed = std::cmp::max(self.cluster.now_ms() - state.changed_ms, 0);
+        let elapsed = std::cmp::max(self.shards.now_ms() - state.changed_ms, 0);
         if elapsed < state.gap_ms {
             return Err(ShardError::RolloutTooSoon {
                 rollout: self.shared.name.clone(),
@@ -1115,14 +1111,14 @@ where
         let mut stmt = Query::update();
         stmt.table(Alias::new(STATE_TABLE))
             .value(Alias::new("phase"), to.as_str())
-            .value(Alias::new("changed_ms"), self.cluster.now_ms())
+            .value(Alias::new("changed_ms"), self.shards.now_ms())
             .and_where(Expr::col(Alias::new("name")).eq(self.shared.name.as_str()))
             .and_where(Expr::col(Alias::new("phase")).eq(from.as_str()))
             .and_where(Expr::col(Alias::new("changed_ms")).eq(state.changed_ms));
         if to < Phase::DualWrite {
             stmt.value(Alias::new("backfill"), Option::<String>::None);
         }
-        let (db, shard) = state_db::<Old>(&self.cluster)?;
+        let (db, shard) = state_db::<Old>(&self.shards)?;
         let res = db
             .execute(&stmt)
             .await
@@ -1149,8 +1145,7 @@ where
     }
 
     async fn read_old_table(&self, key: &KeyOf<Old>, pk: &[Value]) -> Result<Option<Old::Model>> {
-        self.cluster
-            .find::<Old>()
+        crate::read::Find::new(self.shards.clone(), None, Old::find())
             .key(key.clone())
             .filter(pk_condition::<Old>(pk))
             .one()
@@ -1158,8 +1153,7 @@ where
     }
 
     async fn read_new_table(&self, key: &KeyOf<Old>, pk: &[Value]) -> Result<Option<New::Model>> {
-        self.cluster
-            .find::<New>()
+        crate::read::Find::new(self.shards.clone(), None, New::find())
             .key(key.clone())
             .filter(pk_condition::<New>(pk))
             .one()
@@ -1296,7 +1290,7 @@ where
             ));
         }
         let shards = self
-            .cluster
+            .shards
             .topology()
             .shards_of(<Old::Group as EntityGroup>::NAME)?
             .to_vec();
@@ -1319,8 +1313,8 @@ where
         let mut saved = start_state.backfill.clone();
         let chunk = std::cmp::max(chunk, 1);
         for (i, id) in shards.iter().enumerate().skip(start) {
-            let db = self.cluster.shard_conn(*id);
-            let shard = self.cluster.shard_name(*id);
+            let db = self.shards.shard_conn(*id);
+            let shard = self.shards.shard_name(*id);
             loop {
                 // The phase may have moved on any instance since the last
                 // chunk: copying on after a retreat below dual_write would
@@ -1388,7 +1382,7 @@ where
     /// Errors when the shared phase is no longer the one the backfill
     /// began in.
     async fn backfill_still_valid(&self, start: &StateRow) -> Result<()> {
-        let (db, shard) = state_db::<Old>(&self.cluster)?;
+        let (db, shard) = state_db::<Old>(&self.shards)?;
         let now = read_state(db, shard, &self.shared.name).await?;
         match now {
             Some(now) if now.phase == start.phase && now.changed_ms == start.changed_ms => Ok(()),
@@ -1406,7 +1400,7 @@ where
         previous: Option<&str>,
         value: &str,
     ) -> Result<()> {
-        let (db, shard) = state_db::<Old>(&self.cluster)?;
+        let (db, shard) = state_db::<Old>(&self.shards)?;
         let progress = match previous {
             Some(previous) => Expr::col(Alias::new("backfill")).eq(previous),
             None => Expr::col(Alias::new("backfill")).is_null(),
@@ -1450,7 +1444,8 @@ where
             .await
             .map_err(err)?;
         let ctx = WriteCtx {
-            cluster: &self.cluster,
+            shards: &self.shards,
+            gsi: &self.gsi,
             txn: &txn,
             shard,
             shard_id: id,
@@ -1467,12 +1462,100 @@ where
                          and run the backfill again",
                         table_name::<Old>(),
                         pk_names::<Old>(),
-                        crate::gsi::model_pk::<Old>(row),
+                        crate::key::model_pk::<Old>(row),
                     )),
                     other => other,
                 })?;
         }
         txn.commit().await.map_err(err)?;
         Ok(rows)
+    }
+}
+
+/// The write stage of rollouts (see [`crate::pipeline`]): a write of an
+/// entity with a registered rollout follows the rollout's phase — caches
+/// filled after the commit, the new row written in the same transaction,
+/// and from `new_only` on the new table written instead of the old.
+#[doc(hidden)]
+pub struct DualWrite {
+    registry: Arc<Registry>,
+    gsi: Arc<GsiState>,
+}
+
+impl DualWrite {
+    pub(crate) fn new(registry: Arc<Registry>, gsi: Arc<GsiState>) -> Self {
+        DualWrite { registry, gsi }
+    }
+
+    fn ctx<'a>(&'a self, ctx: &'a crate::pipeline::WriteCtx<'a>) -> WriteCtx<'a> {
+        WriteCtx {
+            shards: ctx.shards,
+            gsi: &self.gsi,
+            txn: ctx.txn,
+            shard: ctx.shard_name,
+            shard_id: ctx.shard,
+        }
+    }
+}
+
+/// Runs the rollout's cache work once the transaction commits.
+fn defer(ctx: &crate::pipeline::WriteCtx<'_>, after: Option<AfterCommit>) {
+    if let Some(after) = after {
+        ctx.defer(Box::pin(async move { after() }));
+    }
+}
+
+impl WriteStage for DualWrite {
+    async fn replace<E: ShardedEntity>(
+        &self,
+        ctx: &crate::pipeline::WriteCtx<'_>,
+        op: WriteOp,
+        model: &E::ActiveModel,
+    ) -> Result<Option<Replaced<E::Model>>> {
+        let Some(rollout) = self.registry.get(TypeId::of::<E>()) else {
+            return Ok(None);
+        };
+        if rollout.phase() < Phase::NewOnly {
+            return Ok(None);
+        }
+        let values = crate::key::active_values::<E>(model);
+        if op == WriteOp::Delete {
+            let (deleted, after) = rollout.after_delete(self.ctx(ctx), values).await?;
+            defer(ctx, after);
+            return Ok(Some(Replaced::Deleted(deleted)));
+        }
+        let (row, after) = rollout
+            .write_new_only(self.ctx(ctx), values, op == WriteOp::Update)
+            .await?;
+        defer(ctx, Some(after));
+        let row = model_from_values::<E>(row).map_err(|e| ShardError::Rollout {
+            rollout: rollout.name().to_owned(),
+            phase: rollout.phase(),
+            reason: format!("internal: not a row of `{}`: {e}", table_name::<E>()),
+        })?;
+        Ok(Some(Replaced::Saved(row)))
+    }
+
+    async fn after_write<E: ShardedEntity>(
+        &self,
+        ctx: &crate::pipeline::WriteCtx<'_>,
+        _op: WriteOp,
+        written: Written<'_, E>,
+    ) -> Result<()> {
+        let Some(rollout) = self.registry.get(TypeId::of::<E>()) else {
+            return Ok(());
+        };
+        let after = match written {
+            Written::Saved(row) => {
+                let values = crate::key::model_values::<E>(row);
+                rollout.after_write(self.ctx(ctx), values).await?
+            }
+            Written::Deleted { model, .. } => {
+                let values = crate::key::active_values::<E>(model);
+                rollout.after_delete(self.ctx(ctx), values).await?.1
+            }
+        };
+        defer(ctx, after);
+        Ok(())
     }
 }

@@ -5,19 +5,21 @@
 //! key is refused even when it would land on the same database. Rows of other
 //! groups are refused at compile time (the [`InGroup`] bound).
 
-use crate::entity::{EntityGroup, InGroup, ShardKey, ShardedEntity, table_name};
+use crate::entity::{EntityGroup, InGroup, ShardKey, table_name};
 use crate::error::{Result, ShardError};
+use crate::exec::{Begun, Shards};
+use crate::pipeline::{AfterCommit, Replaced, WriteCtx, WriteOp, WriteStage, Written};
 use crate::read::TxFind;
-use crate::rollout::{OldWrites, Phase, WriteCtx};
 use crate::topology::Target;
-use sea_orm::ModelTrait;
 use sea_orm::{
     ActiveModelBehavior, ActiveModelTrait, ColumnTrait, DatabaseTransaction, DbErr, EntityTrait,
     IntoActiveModel, QueryFilter,
 };
 use std::sync::{Arc, Mutex};
 
-/// A transaction on the shard of one key of group `G`.
+/// A transaction on the shard of one key of group `G`, whose writes pass
+/// through the write pipeline `P` (see [`crate::pipeline`]). Programs name
+/// it [`shardkit::ShardTx<G>`](crate::ShardTx): `P` is the cluster's stages.
 ///
 /// Open it with [`Cluster::begin`](crate::Cluster::begin). Writes take SeaORM
 /// ActiveModels of `G`'s entities. Before any SQL runs, each write's shard key
@@ -26,14 +28,15 @@ use std::sync::{Arc, Mutex};
 /// transaction rollback-only: later writes and [`commit`](Self::commit) return
 /// [`ShardError::RollbackOnly`] and nothing is written. Dropping it without
 /// committing rolls it back.
-pub struct ShardTx<G: EntityGroup> {
+pub struct ShardTx<G: EntityGroup, P> {
     txn: DatabaseTransaction,
-    cluster: crate::Cluster,
-    /// Index rows to remove once the primary transaction has committed.
-    removals: Mutex<Vec<crate::gsi::Removal>>,
-    /// Rollout cache fills and invalidations, applied once committed.
-    after_commit: Mutex<Vec<crate::rollout::AfterCommit>>,
+    shards: Shards,
+    stages: Arc<P>,
+    /// Work the stages queued for after the commit, in order.
+    after_commit: Mutex<Vec<AfterCommit>>,
     key: G::Key,
+    /// `key` as the text stages store.
+    key_text: String,
     shard: String,
     target: Target,
     poisoned: std::sync::OnceLock<String>,
@@ -44,7 +47,7 @@ pub struct ShardTx<G: EntityGroup> {
     _writer: Option<tokio::sync::OwnedSemaphorePermit>,
 }
 
-impl<G: EntityGroup> std::fmt::Debug for ShardTx<G> {
+impl<G: EntityGroup, P> std::fmt::Debug for ShardTx<G, P> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ShardTx")
             .field("group", &G::NAME)
@@ -54,33 +57,28 @@ impl<G: EntityGroup> std::fmt::Debug for ShardTx<G> {
     }
 }
 
-impl<G: EntityGroup> ShardTx<G> {
-    pub(crate) fn new(
-        txn: DatabaseTransaction,
-        cluster: crate::Cluster,
-        key: G::Key,
-        shard: String,
-        target: Target,
-        span: tracing::Span,
-    ) -> Self {
+impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
+    pub(crate) fn new(begun: Begun, shards: Shards, stages: Arc<P>, key: G::Key) -> Self {
+        let Begun {
+            txn,
+            shard,
+            target,
+            span,
+            writer,
+        } = begun;
         ShardTx {
             txn,
-            cluster,
-            removals: Mutex::new(Vec::new()),
+            shards,
+            stages,
             after_commit: Mutex::new(Vec::new()),
+            key_text: key.to_directory_text(),
             key,
             shard,
             target,
             poisoned: std::sync::OnceLock::new(),
             span,
-            _writer: None,
+            _writer: writer,
         }
-    }
-
-    /// Keeps `writer` (the cluster's SQLite write slot) until it ends.
-    pub(crate) fn holding(mut self, writer: Option<tokio::sync::OwnedSemaphorePermit>) -> Self {
-        self._writer = writer;
-        self
     }
 
     /// The key the transaction is pinned to.
@@ -171,106 +169,6 @@ impl<G: EntityGroup> ShardTx<G> {
         Ok(select)
     }
 
-    /// Writes the index rows of `model`'s indexed values, each committed on
-    /// its own before the primary write. With `current` (an update), only
-    /// changed values are written, and the old rows are queued for removal
-    /// after the commit.
-    async fn index_first<E: InGroup<G>>(
-        &self,
-        model: &E::ActiveModel,
-        current: Option<&E::Model>,
-    ) -> Result<()> {
-        if E::GLOBAL_INDEXES.is_empty() {
-            return Ok(());
-        }
-        let key = self.key.to_directory_text();
-        let owner = crate::gsi::owner_pk(model);
-        let gsi = self.cluster.gsi();
-        let mut changed = Vec::new();
-        for (column, unique) in E::GLOBAL_INDEXES {
-            let value = match (model.get(*column), current) {
-                (sea_orm::ActiveValue::Set(v), _) | (sea_orm::ActiveValue::Unchanged(v), None) => v,
-                _ => continue,
-            };
-            if let Some(current) = current {
-                let old = current.get(*column);
-                if crate::gsi::value_text(&old) == crate::gsi::value_text(&value) {
-                    continue;
-                }
-                changed.push(*column);
-            }
-            let index = crate::gsi::IndexDef::of::<E>(*column, *unique);
-            gsi.write_entry_from::<E>(
-                &index,
-                &value,
-                &key,
-                &owner,
-                Some((self.target.shard, &self.txn)),
-            )
-            .await
-            .map_err(|e| self.poison_if_aborted(e))?;
-        }
-        fail::fail_point!("shardkit::gsi::after_index_write", |_| Err(self
-            .write_err::<E>(
-                "insert",
-                DbErr::Custom("failpoint shardkit::gsi::after_index_write".into())
-            )));
-        if let Some(current) = current {
-            self.queue_removals::<E>(current, &changed).await?;
-        }
-        Ok(())
-    }
-
-    /// A database that aborted the transaction (a deadlock, a serialization
-    /// failure: [`Retry::Transaction`](crate::error::Retry::Transaction))
-    /// has rolled back everything it did, on MySQL/MariaDB at once: later
-    /// statements would run outside it. It becomes rollback-only, and the
-    /// error (which says to run the transaction again) goes to the caller.
-    fn poison_if_aborted(&self, err: ShardError) -> ShardError {
-        if err.retry() == crate::error::Retry::Transaction {
-            self.poison(err)
-        } else {
-            err
-        }
-    }
-
-    /// Queues removal of `row`'s index rows for `columns`, after the commit,
-    /// each as the version it has now (see [`crate::gsi`]'s removals).
-    async fn queue_removals<E: InGroup<G>>(
-        &self,
-        row: &E::Model,
-        columns: &[E::Column],
-    ) -> Result<()> {
-        let key = self.key.to_directory_text();
-        let owner = crate::gsi::model_pk::<E>(row);
-        let gsi = self.cluster.gsi();
-        for (column, unique) in E::GLOBAL_INDEXES {
-            if !columns
-                .iter()
-                .any(|c| sea_orm::IdenStatic::as_str(c) == sea_orm::IdenStatic::as_str(column))
-            {
-                continue;
-            }
-            let index = crate::gsi::IndexDef::of::<E>(*column, *unique);
-            let removal = gsi
-                .removal::<E>(
-                    &index,
-                    &row.get(*column),
-                    &key,
-                    &owner,
-                    Some((self.target.shard, &self.txn)),
-                )
-                .await?;
-            if let Some(removal) = removal {
-                self.removals
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .push(removal);
-            }
-        }
-        Ok(())
-    }
-
     /// The current row `model` names, read under the row lock the write will
     /// take (`FOR UPDATE` on PostgreSQL and MySQL; SQLite's write lock is
     /// held from `BEGIN IMMEDIATE`): a concurrent write of the same row
@@ -291,6 +189,19 @@ impl<G: EntityGroup> ShardTx<G> {
             .map_err(|e| self.write_err::<E>(op, e))
     }
 
+    /// A database that aborted the transaction (a deadlock, a serialization
+    /// failure: [`Retry::Transaction`](crate::error::Retry::Transaction))
+    /// has rolled back everything it did, on MySQL/MariaDB at once: later
+    /// statements would run outside it. It becomes rollback-only, and the
+    /// error (which says to run the transaction again) goes to the caller.
+    fn poison_if_aborted(&self, err: ShardError) -> ShardError {
+        if err.retry() == crate::error::Retry::Transaction {
+            self.poison(err)
+        } else {
+            err
+        }
+    }
+
     /// The transaction's key as a predicate on `E` (see [`crate::read`]).
     fn key_condition<E: InGroup<G>>(&self) -> sea_orm::Condition {
         crate::read::key_condition::<E>(
@@ -299,85 +210,15 @@ impl<G: EntityGroup> ShardTx<G> {
         )
     }
 
-    /// The rollout registered for `E`, if any (see [`crate::rollout`]).
-    fn rollout_of<E: EntityTrait>(&self) -> Option<Arc<dyn OldWrites>> {
-        self.cluster.rollout_writes(std::any::TypeId::of::<E>())
-    }
-
-    fn rollout_ctx(&self) -> WriteCtx<'_> {
+    fn ctx(&self) -> WriteCtx<'_> {
         WriteCtx {
-            cluster: &self.cluster,
+            shards: &self.shards,
             txn: &self.txn,
-            shard: &self.shard,
-            shard_id: self.target.shard,
+            shard: self.target.shard,
+            shard_name: &self.shard,
+            key: &self.key_text,
+            after_commit: &self.after_commit,
         }
-    }
-
-    fn defer(&self, after: Option<crate::rollout::AfterCommit>) {
-        if let Some(after) = after {
-            self.after_commit
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .push(after);
-        }
-    }
-
-    /// Lets the rollout of the written old row dual-write it; a failure
-    /// makes the transaction rollback-only (neither table commits).
-    async fn rollout_after_write<E: EntityTrait>(
-        &self,
-        rollout: Option<&Arc<dyn OldWrites>>,
-        row: &E::Model,
-    ) -> Result<()> {
-        if let Some(rollout) = rollout {
-            let after = rollout
-                .after_write(self.rollout_ctx(), Box::new(row.clone()))
-                .await
-                .map_err(|e| self.poison(e))?;
-            self.defer(after);
-        }
-        Ok(())
-    }
-
-    /// Lets the rollout of a deleted old row delete the new row (when it
-    /// dual-writes) and drop both cache entries after the commit; returns
-    /// the new rows deleted.
-    async fn rollout_after_delete<A: Clone + Send + 'static>(
-        &self,
-        rollout: &Arc<dyn OldWrites>,
-        model: &A,
-    ) -> Result<u64> {
-        let (deleted, after) = rollout
-            .after_delete(self.rollout_ctx(), Box::new(model.clone()))
-            .await
-            .map_err(|e| self.poison(e))?;
-        self.defer(after);
-        Ok(deleted)
-    }
-
-    /// In `new_only` and later, a write of the old entity goes to the new
-    /// table only; returns the old model as written.
-    async fn rollout_new_only<E: EntityTrait>(
-        &self,
-        rollout: &Arc<dyn OldWrites>,
-        model: E::ActiveModel,
-        update: bool,
-    ) -> Result<E::Model>
-    where
-        E::ActiveModel: Send + 'static,
-    {
-        let (row, after) = rollout
-            .write_new_only(self.rollout_ctx(), Box::new(model), update)
-            .await
-            .map_err(|e| self.poison(e))?;
-        self.defer(Some(after));
-        row.downcast::<E::Model>().map(|b| *b).map_err(|_| {
-            self.poison(ShardError::Rollout {
-                rollout: rollout.name().to_owned(),
-                phase: rollout.phase(),
-                reason: "internal: the rollout returned another model type".into(),
-            })
-        })
     }
 
     fn write_err<E: EntityTrait>(&self, op: &str, source: DbErr) -> ShardError {
@@ -398,47 +239,13 @@ impl<G: EntityGroup> ShardTx<G> {
     /// The shard key is checked before anything runs, and again after
     /// `ActiveModelBehavior::before_save`, so a hook cannot move the row. An
     /// unset primary key with `#[shardkit(id = "...")]` is filled first.
-    pub async fn insert<A>(&self, mut model: A) -> Result<<A::Entity as EntityTrait>::Model>
+    pub async fn insert<A>(&self, model: A) -> Result<<A::Entity as EntityTrait>::Model>
     where
         A: ActiveModelTrait + ActiveModelBehavior + Send + 'static,
         A::Entity: InGroup<G> + EntityTrait<ActiveModel = A>,
         <A::Entity as EntityTrait>::Model: IntoActiveModel<A>,
     {
-        self.check::<A::Entity>(&model)?;
-        if let Some((column, strategy)) = <A::Entity as ShardedEntity>::ID
-            && model.get(column).is_not_set()
-        {
-            let id = self.cluster.ids().generate(strategy).await?;
-            model
-                .try_set(column, id)
-                .map_err(|e| self.write_err::<A::Entity>("insert", e))?;
-        }
-        let span = self.write_span::<A::Entity>("insert");
-        crate::trace::in_span(span, async {
-            let model = A::before_save(model, &self.txn, true)
-                .await
-                .map_err(|e| self.write_err::<A::Entity>("insert", e))?;
-            self.check::<A::Entity>(&model)?;
-            let rollout = self.rollout_of::<A::Entity>();
-            if let Some(r) = rollout.as_ref().filter(|r| r.phase() >= Phase::NewOnly) {
-                let row = self.rollout_new_only::<A::Entity>(r, model, false).await?;
-                return A::after_save(row, &self.txn, true)
-                    .await
-                    .map_err(|e| self.write_err::<A::Entity>("insert", e));
-            }
-            // Index rows commit before the primary row is even written.
-            self.index_first::<A::Entity>(&model, None).await?;
-            let row = <A::Entity as EntityTrait>::insert(model)
-                .exec_with_returning(&self.txn)
-                .await
-                .map_err(|e| self.write_err::<A::Entity>("insert", e))?;
-            self.rollout_after_write::<A::Entity>(rollout.as_ref(), &row)
-                .await?;
-            A::after_save(row, &self.txn, true)
-                .await
-                .map_err(|e| self.write_err::<A::Entity>("insert", e))
-        })
-        .await
+        self.save::<A::Entity>(WriteOp::Insert, model).await
     }
 
     /// Updates a row of the transaction's key by primary key; returns it as
@@ -451,56 +258,99 @@ impl<G: EntityGroup> ShardTx<G> {
         A::Entity: InGroup<G> + EntityTrait<ActiveModel = A>,
         <A::Entity as EntityTrait>::Model: IntoActiveModel<A>,
     {
-        self.check::<A::Entity>(&model)?;
-        let span = self.write_span::<A::Entity>("update");
-        crate::trace::in_span(span, async {
-            let model = A::before_save(model, &self.txn, false)
+        self.save::<A::Entity>(WriteOp::Update, model).await
+    }
+
+    /// An insert or an update, through the write pipeline (see
+    /// [`crate::pipeline`] for the steps).
+    async fn save<E: InGroup<G>>(&self, op: WriteOp, mut model: E::ActiveModel) -> Result<E::Model>
+    where
+        E::Model: IntoActiveModel<E::ActiveModel>,
+        E::ActiveModel: Send + 'static,
+    {
+        let name = op.as_str();
+        self.check::<E>(&model)?;
+        let ctx = self.ctx();
+        self.stages.prepare::<E>(&ctx, op, &mut model).await?;
+        crate::trace::in_span(self.write_span::<E>(name), async {
+            let insert = op == WriteOp::Insert;
+            let model =
+                <E::ActiveModel as ActiveModelBehavior>::before_save(model, &self.txn, insert)
+                    .await
+                    .map_err(|e| self.write_err::<E>(name, e))?;
+            self.check::<E>(&model)?;
+            let row = match self
+                .stages
+                .replace::<E>(&ctx, op, &model)
                 .await
-                .map_err(|e| self.write_err::<A::Entity>("update", e))?;
-            self.check::<A::Entity>(&model)?;
-            let rollout = self.rollout_of::<A::Entity>();
-            if let Some(r) = rollout.as_ref().filter(|r| r.phase() >= Phase::NewOnly) {
-                let row = self.rollout_new_only::<A::Entity>(r, model, true).await?;
-                return A::after_save(row, &self.txn, false)
-                    .await
-                    .map_err(|e| self.write_err::<A::Entity>("update", e));
-            }
-            if !model.is_changed() {
-                // Nothing to set: SeaORM would answer with a primary-key read
-                // that ignores the shard key. Read within the key instead.
-                let select = self.row_select::<A::Entity>(&model, "update")?;
-                let row = select
-                    .one(&self.txn)
-                    .await
-                    .map_err(|e| self.write_err::<A::Entity>("update", e))?
-                    .ok_or_else(|| {
-                        self.write_err::<A::Entity>("update", DbErr::RecordNotUpdated)
-                    })?;
-                return A::after_save(row, &self.txn, false)
-                    .await
-                    .map_err(|e| self.write_err::<A::Entity>("update", e));
-            }
-            if !<A::Entity as ShardedEntity>::GLOBAL_INDEXES.is_empty() {
-                let current = self.current_row::<A::Entity>(&model, "update").await?;
-                if let Some(current) = current {
-                    self.index_first::<A::Entity>(&model, Some(&current))
-                        .await?;
+                .map_err(|e| self.poison(e))?
+            {
+                Some(Replaced::Saved(row)) => row,
+                Some(Replaced::Deleted(_)) => {
+                    return Err(self.poison(ShardError::config(
+                        table_name::<E>(),
+                        "internal: a write stage answered a save with a delete",
+                    )));
                 }
-            }
-            let row = <A::Entity as EntityTrait>::update(model)
-                .validate()
-                .map_err(|e| self.write_err::<A::Entity>("update", e))?
-                .filter(self.key_condition::<A::Entity>())
-                .exec(&self.txn)
+                None if insert => {
+                    self.stages
+                        .before_write::<E>(&ctx, op, &model, None)
+                        .await
+                        .map_err(|e| self.poison_if_aborted(e))?;
+                    let row = E::insert(model)
+                        .exec_with_returning(&self.txn)
+                        .await
+                        .map_err(|e| self.write_err::<E>(name, e))?;
+                    self.saved::<E>(&ctx, op, &row).await?;
+                    row
+                }
+                None if !model.is_changed() => {
+                    // Nothing to set: SeaORM would answer with a primary-key
+                    // read that ignores the shard key. Read within the key.
+                    self.row_select::<E>(&model, name)?
+                        .one(&self.txn)
+                        .await
+                        .map_err(|e| self.write_err::<E>(name, e))?
+                        .ok_or_else(|| self.write_err::<E>(name, DbErr::RecordNotUpdated))?
+                }
+                None => {
+                    let current = if self.stages.needs_current::<E>(op) {
+                        self.current_row::<E>(&model, name).await?
+                    } else {
+                        None
+                    };
+                    self.stages
+                        .before_write::<E>(&ctx, op, &model, current.as_ref())
+                        .await
+                        .map_err(|e| self.poison_if_aborted(e))?;
+                    let row = E::update(model)
+                        .validate()
+                        .map_err(|e| self.write_err::<E>(name, e))?
+                        .filter(self.key_condition::<E>())
+                        .exec(&self.txn)
+                        .await
+                        .map_err(|e| self.write_err::<E>(name, e))?;
+                    self.saved::<E>(&ctx, op, &row).await?;
+                    row
+                }
+            };
+            <E::ActiveModel as ActiveModelBehavior>::after_save(row, &self.txn, insert)
                 .await
-                .map_err(|e| self.write_err::<A::Entity>("update", e))?;
-            self.rollout_after_write::<A::Entity>(rollout.as_ref(), &row)
-                .await?;
-            A::after_save(row, &self.txn, false)
-                .await
-                .map_err(|e| self.write_err::<A::Entity>("update", e))
+                .map_err(|e| self.write_err::<E>(name, e))
         })
         .await
+    }
+
+    async fn saved<E: InGroup<G>>(
+        &self,
+        ctx: &WriteCtx<'_>,
+        op: WriteOp,
+        row: &E::Model,
+    ) -> Result<()> {
+        self.stages
+            .after_write::<E>(ctx, op, Written::Saved(row))
+            .await
+            .map_err(|e| self.poison(e))
     }
 
     /// Deletes a row of the transaction's key by primary key; returns the
@@ -510,48 +360,58 @@ impl<G: EntityGroup> ShardTx<G> {
         A: ActiveModelTrait + ActiveModelBehavior + Send + 'static,
         A::Entity: InGroup<G> + EntityTrait<ActiveModel = A>,
     {
+        let op = WriteOp::Delete;
+        let name = op.as_str();
         self.check::<A::Entity>(&model)?;
-        let span = self.write_span::<A::Entity>("delete");
-        crate::trace::in_span(span, async {
+        let ctx = self.ctx();
+        crate::trace::in_span(self.write_span::<A::Entity>(name), async {
             let model = A::before_delete(model, &self.txn)
                 .await
-                .map_err(|e| self.write_err::<A::Entity>("delete", e))?;
+                .map_err(|e| self.write_err::<A::Entity>(name, e))?;
             self.check::<A::Entity>(&model)?;
-            let rollout = self.rollout_of::<A::Entity>();
-            if let Some(r) = rollout.as_ref().filter(|r| r.phase() >= Phase::NewOnly) {
-                let deleted = self.rollout_after_delete(r, &model).await?;
-                A::after_delete(model, &self.txn)
-                    .await
-                    .map_err(|e| self.write_err::<A::Entity>("delete", e))?;
-                return Ok(deleted);
-            }
-            let current = if <A::Entity as ShardedEntity>::GLOBAL_INDEXES.is_empty() {
-                None
-            } else {
-                self.current_row::<A::Entity>(&model, "delete").await?
-            };
-            let res = <A::Entity as EntityTrait>::delete(model.clone())
-                .validate()
-                .map_err(|e| self.write_err::<A::Entity>("delete", e))?
-                .filter(self.key_condition::<A::Entity>())
-                .exec(&self.txn)
+            let replaced = self
+                .stages
+                .replace::<A::Entity>(&ctx, op, &model)
                 .await
-                .map_err(|e| self.write_err::<A::Entity>("delete", e))?;
-            if let Some(current) = current.filter(|_| res.rows_affected > 0) {
-                // The primary row goes first; its index rows after it commits.
-                let all: Vec<_> = <A::Entity as ShardedEntity>::GLOBAL_INDEXES
-                    .iter()
-                    .map(|(c, _)| *c)
-                    .collect();
-                self.queue_removals::<A::Entity>(&current, &all).await?;
-            }
-            if let Some(r) = &rollout {
-                self.rollout_after_delete(r, &model).await?;
-            }
+                .map_err(|e| self.poison(e))?;
+            let deleted = match replaced {
+                Some(Replaced::Deleted(rows)) => rows,
+                Some(Replaced::Saved(_)) => {
+                    return Err(self.poison(ShardError::config(
+                        table_name::<A::Entity>(),
+                        "internal: a write stage answered a delete with a saved row",
+                    )));
+                }
+                None => {
+                    let current = if self.stages.needs_current::<A::Entity>(op) {
+                        self.current_row::<A::Entity>(&model, name).await?
+                    } else {
+                        None
+                    };
+                    let rows = <A::Entity as EntityTrait>::delete(model.clone())
+                        .validate()
+                        .map_err(|e| self.write_err::<A::Entity>(name, e))?
+                        .filter(self.key_condition::<A::Entity>())
+                        .exec(&self.txn)
+                        .await
+                        .map_err(|e| self.write_err::<A::Entity>(name, e))?
+                        .rows_affected;
+                    let written = Written::Deleted {
+                        model: &model,
+                        current: current.as_ref(),
+                        rows,
+                    };
+                    self.stages
+                        .after_write::<A::Entity>(&ctx, op, written)
+                        .await
+                        .map_err(|e| self.poison(e))?;
+                    rows
+                }
+            };
             A::after_delete(model, &self.txn)
                 .await
-                .map_err(|e| self.write_err::<A::Entity>("delete", e))?;
-            Ok(res.rows_affected)
+                .map_err(|e| self.write_err::<A::Entity>(name, e))?;
+            Ok(deleted)
         })
         .await
     }
@@ -566,7 +426,8 @@ impl<G: EntityGroup> ShardTx<G> {
     }
 
     /// Commits. If a write was refused, rolls back instead and returns
-    /// [`ShardError::RollbackOnly`].
+    /// [`ShardError::RollbackOnly`]. Once committed, runs the work the
+    /// write stages queued (cache fills, removal of replaced index rows).
     pub async fn commit(self) -> Result<()> {
         if let Some(reason) = self.poison_reason() {
             let ShardTx { txn, shard, .. } = self;
@@ -586,8 +447,6 @@ impl<G: EntityGroup> ShardTx<G> {
             txn,
             shard,
             span,
-            cluster,
-            removals,
             after_commit,
             _writer: writer,
             ..
@@ -602,16 +461,8 @@ impl<G: EntityGroup> ShardTx<G> {
             })?;
         // The SQLite write lock is released; so is the cluster's slot.
         drop(writer);
-        for after in after_commit.into_inner().unwrap_or_else(|p| p.into_inner()) {
-            after();
-        }
-        // Old index rows go only now; a failure here leaves a dangling row,
-        // which lookups ignore and reconciliation removes.
-        let removals = removals.into_inner().unwrap_or_else(|p| p.into_inner());
-        for removal in &removals {
-            if let Err(err) = cluster.gsi().remove_entry(removal).await {
-                tracing::warn!(index = %removal.index.table, error = %err, "index row left for reconciliation");
-            }
+        for work in after_commit.into_inner().unwrap_or_else(|p| p.into_inner()) {
+            work.await;
         }
         Ok(())
     }

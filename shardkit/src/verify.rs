@@ -22,7 +22,7 @@
 
 use crate::entity::{ShardedEntity, table_name};
 use crate::error::{Result, ShardError};
-use crate::keyset::{
+use crate::exec::keyset::{
     after_condition, by_pk, format_cursor, model_pk_values, parse_cursor, upto_condition,
 };
 use crate::rollout::{RolloutHandle, pk_condition};
@@ -350,7 +350,7 @@ where
         .filter(|m| keep(m))
         .map(|m| {
             let pk = model_pk_values::<D>(m);
-            (crate::keyset::tuple_text(&pk), (pk, row_hash(m)))
+            (crate::exec::keyset::tuple_text(&pk), (pk, row_hash(m)))
         })
         .collect();
     let diff = |pk: String| RowDiff {
@@ -360,7 +360,7 @@ where
     let mut fixes: Vec<Vec<Value>> = Vec::new();
     for m in src.iter().filter(|m| keep(m)) {
         let pk = model_pk_values::<D>(m);
-        let text = crate::keyset::tuple_text(&pk);
+        let text = crate::exec::keyset::tuple_text(&pk);
         match theirs.remove(&text) {
             None => report.missing.push(diff(text)),
             Some((_, h)) if h != row_hash(m) => report.different.push(diff(text)),
@@ -448,7 +448,7 @@ where
     /// [`VerifyOptions::resume`] continues from there.
     pub async fn verify(&self, opts: VerifyOptions) -> Result<VerifyReport> {
         let shared = self.shared();
-        let (state_conn, state_shard) = crate::rollout::state_db::<Old>(self.cluster())?;
+        let (state_conn, state_shard) = crate::rollout::state_db::<Old>(self.shards())?;
         let saved = if opts.resume {
             crate::rollout::read_state(state_conn, state_shard, self.name())
                 .await?
@@ -457,7 +457,7 @@ where
             opts.start_at.clone()
         };
         let shards = self
-            .cluster()
+            .shards()
             .topology()
             .shards_of(<Old::Group as crate::EntityGroup>::NAME)?
             .to_vec();
@@ -472,8 +472,8 @@ where
             return Err(shared.refused_err("verifying from the new table needs Rollout::to_old"));
         }
         for (i, id) in shards.iter().enumerate().skip(start) {
-            let db = self.cluster().shard_conn(*id);
-            let shard = self.cluster().shard_name(*id);
+            let db = self.shards().shard_conn(*id);
+            let shard = self.shards().shard_name(*id);
             let target = Target { db, shard };
             loop {
                 if opts.max_chunks.is_some_and(|m| report.chunks >= m) {
@@ -542,7 +542,7 @@ where
     ) -> tokio::task::JoinHandle<()> {
         self.spawn_every(
             interval,
-            crate::periodic::FirstPass::Now,
+            crate::exec::periodic::FirstPass::Now,
             move |this| {
                 let opts = opts.clone();
                 async move {
@@ -569,63 +569,56 @@ where
     }
 }
 
-impl crate::Cluster {
-    /// Compares `E`'s rows on shard `source` with those on shard `target`
-    /// (for a bucket move: only rows whose shard key falls in `bucket`, when
-    /// given), chunk by chunk, reporting rows missing from, extra on or
-    /// different on the target; [`VerifyOptions::repair`] makes the target
-    /// match. Without a bucket, and with both shards on PostgreSQL or both on
-    /// MySQL/MariaDB, chunk digests are computed in the databases.
-    pub async fn verify_shards<E>(
-        &self,
-        source: &str,
-        target: &str,
-        bucket: Option<u32>,
-        opts: VerifyOptions,
-    ) -> Result<VerifyReport>
-    where
-        E: ShardedEntity,
-        E::Model: IntoActiveModel<E::ActiveModel> + Sync,
-    {
-        let shard = |name: &str| {
-            self.topology().shard_id(name).ok_or_else(|| {
-                ShardError::config(format!("verify_shards({name:?})"), "no shard has this name")
-            })
-        };
-        let (a, b) = (shard(source)?, shard(target)?);
-        let group = <E::Group as crate::EntityGroup>::NAME;
-        let in_bucket = move |m: &E::Model| {
-            let key = E::shard_key(m);
-            matches!(self.topology().locate(group, &key), Ok(crate::topology::Located::Target(t)) if t.bucket == bucket)
-        };
-        let filter: RowFilter<'_, E::Model> = match bucket {
-            Some(_) => Some(&in_bucket),
-            None => None,
-        };
-        let identity = |m: &E::Model| m.clone();
-        let src = Source::<E, E> {
-            db: self.shard_conn(a),
-            shard: self.shard_name(a),
-            convert: &identity,
-            same_table: true,
-        };
-        let dst = Target {
-            db: self.shard_conn(b),
-            shard: self.shard_name(b),
-        };
-        let mut report = VerifyReport::default();
-        let (_, mut after) = parse_cursor::<E>(opts.start_at.as_deref());
-        loop {
-            if opts.max_chunks.is_some_and(|m| report.chunks >= m) {
-                report.cursor = Some(format_cursor(0, after.as_deref()));
-                return Ok(report);
-            }
-            after = verify_chunk(&src, &dst, filter, after.as_deref(), &opts, &mut report).await?;
-            if after.is_none() {
-                break;
-            }
+/// See [`Cluster::verify_shards`](crate::Cluster::verify_shards).
+pub(crate) async fn verify_shards<E>(
+    shards: &crate::exec::Shards,
+    source: &str,
+    target: &str,
+    bucket: Option<u32>,
+    opts: VerifyOptions,
+) -> Result<VerifyReport>
+where
+    E: ShardedEntity,
+    E::Model: IntoActiveModel<E::ActiveModel> + Sync,
+{
+    let shard = |name: &str| {
+        shards.topology().shard_id(name).ok_or_else(|| {
+            ShardError::config(format!("verify_shards({name:?})"), "no shard has this name")
+        })
+    };
+    let (a, b) = (shard(source)?, shard(target)?);
+    let group = <E::Group as crate::EntityGroup>::NAME;
+    let in_bucket = move |m: &E::Model| {
+        let key = E::shard_key(m);
+        matches!(shards.topology().locate(group, &key), Ok(crate::topology::Located::Target(t)) if t.bucket == bucket)
+    };
+    let filter: RowFilter<'_, E::Model> = match bucket {
+        Some(_) => Some(&in_bucket),
+        None => None,
+    };
+    let identity = |m: &E::Model| m.clone();
+    let src = Source::<E, E> {
+        db: shards.shard_conn(a),
+        shard: shards.shard_name(a),
+        convert: &identity,
+        same_table: true,
+    };
+    let dst = Target {
+        db: shards.shard_conn(b),
+        shard: shards.shard_name(b),
+    };
+    let mut report = VerifyReport::default();
+    let (_, mut after) = parse_cursor::<E>(opts.start_at.as_deref());
+    loop {
+        if opts.max_chunks.is_some_and(|m| report.chunks >= m) {
+            report.cursor = Some(format_cursor(0, after.as_deref()));
+            return Ok(report);
         }
-        report.finished = true;
-        Ok(report)
+        after = verify_chunk(&src, &dst, filter, after.as_deref(), &opts, &mut report).await?;
+        if after.is_none() {
+            break;
+        }
     }
+    report.finished = true;
+    Ok(report)
 }

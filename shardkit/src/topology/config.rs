@@ -141,6 +141,17 @@ pub struct SnowflakeConfig {
     pub sequence_bits: u8,
 }
 
+impl SnowflakeConfig {
+    /// The layout it describes, checked.
+    pub(crate) fn layout(&self) -> Result<crate::id_spec::SnowflakeLayout> {
+        crate::id_spec::SnowflakeLayout::from_bits(
+            self.time_bits,
+            self.worker_bits,
+            self.sequence_bits,
+        )
+    }
+}
+
 /// Defaults for multi-shard reads; each can be overridden per query.
 #[derive(Clone, Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -400,17 +411,17 @@ impl ClusterConfig {
             MAX_RETRY_AFTER_MS,
         )?;
         for (name, sequence) in &ids.sequences {
-            crate::ids::check_name(name)?;
+            crate::id_spec::check_name(name)?;
             within(
                 &format!("ids.sequences.{name}.block"),
                 sequence.block,
                 1,
-                crate::ids::MAX_BLOCK,
+                crate::id_spec::MAX_BLOCK,
             )?;
         }
         let layout = match ids.snowflake {
-            Some(layout) => crate::ids::SnowflakeLayout::new(layout)?,
-            None => crate::ids::SnowflakeLayout::default(),
+            Some(layout) => layout.layout()?,
+            None => crate::id_spec::SnowflakeLayout::default(),
         };
         layout.check_worker(ids.worker_id.unwrap_or(0))?;
         Ok(())

@@ -9,7 +9,7 @@
 //! reads.
 
 mod config;
-pub mod pghash;
+pub use crate::key::pghash;
 mod url;
 
 pub use config::{

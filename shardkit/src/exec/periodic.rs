@@ -1,6 +1,6 @@
 //! Periodic background tasks that live no longer than their cluster.
 //!
-//! A task holds only a weak reference to the cluster between passes, and
+//! A task holds only a weak reference (a [`Handle`]'s `Weak`) between passes, and
 //! for a pass it borrows a handle that keeps the pools open but is not a
 //! *user* of the cluster. User handles (the [`Cluster`]s a program holds, and
 //! the reads, transactions and rollout handles made from them) share one
@@ -10,7 +10,6 @@
 //! users would let tasks whose passes overlap keep each other, and the
 //! pools, alive forever.
 
-use crate::cluster::{Cluster, WeakCluster};
 use std::future::Future;
 use std::ops::ControlFlow;
 use std::time::Duration;
@@ -42,6 +41,22 @@ impl Stop {
     }
 }
 
+/// What a periodic task runs on: the execution layer's [`Shards`] or a
+/// feature's handle built on it. Its weak form keeps nothing alive.
+///
+/// [`Shards`]: crate::exec::Shards
+pub(crate) trait Handle: Sized + Send + 'static {
+    /// The reference a task keeps between passes.
+    type Weak: Send + Sync + 'static;
+    /// The reference a task keeps between passes.
+    fn downgrade(&self) -> Self::Weak;
+    /// A handle for one pass: it keeps the pools open while the pass runs
+    /// but is not a user of the cluster.
+    fn upgrade(weak: &Self::Weak) -> Option<Self>;
+    /// Closed once the cluster has no user left.
+    fn stop_signal(&self) -> &Stop;
+}
+
 /// When a task's first pass runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum FirstPass {
@@ -54,19 +69,20 @@ pub(crate) enum FirstPass {
 /// Runs `pass` every `interval` (delayed, not bunched up, when a pass
 /// overruns) until the cluster's last user handle is dropped, `pass` returns
 /// [`ControlFlow::Break`], or the returned handle is aborted. Each pass gets
-/// a task handle of the cluster that it drops when it is done.
-pub(crate) fn spawn<F, Fut>(
-    cluster: &Cluster,
+/// a task handle (see [`Handle::upgrade`]) that it drops when it is done.
+pub(crate) fn spawn<H, F, Fut>(
+    handle: &H,
     interval: Duration,
     first: FirstPass,
     mut pass: F,
 ) -> JoinHandle<()>
 where
-    F: FnMut(Cluster) -> Fut + Send + 'static,
+    H: Handle,
+    F: FnMut(H) -> Fut + Send + 'static,
     Fut: Future<Output = ControlFlow<()>> + Send,
 {
-    let weak: WeakCluster = cluster.downgrade();
-    let mut stopped = cluster.stop_signal().subscribe();
+    let weak = handle.downgrade();
+    let mut stopped = handle.stop_signal().subscribe();
     // A zero interval would make `interval` panic.
     let interval = interval.max(Duration::from_millis(1));
     tokio::spawn(async move {
@@ -82,14 +98,14 @@ where
                 _ = tick.tick() => {}
                 _ = stopped.changed() => return,
             }
-            let Some(cluster) = weak.upgrade() else {
+            let Some(handle) = H::upgrade(&weak) else {
                 return;
             };
             if stopped.has_changed().is_err() {
                 return;
             }
             tokio::select! {
-                flow = pass(cluster) => if flow.is_break() { return },
+                flow = pass(handle) => if flow.is_break() { return },
                 _ = stopped.changed() => return,
             }
         }

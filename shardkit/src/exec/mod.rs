@@ -1,4 +1,14 @@
-//! How shardkit talks to one shard's pool.
+//! The execution layer: the connected databases ([`Shards`]), how a write
+//! transaction begins, and (in sibling modules) each shard's breaker
+//! ([`crate::exec::health`]), periodic tasks ([`crate::exec::periodic`]) and keyset
+//! scans ([`crate::exec::keyset`]).
+
+pub(crate) mod health;
+pub(crate) mod keyset;
+pub(crate) mod periodic;
+pub(crate) mod shards;
+
+pub(crate) use shards::{Begun, Shards};
 
 use sea_orm::{DbErr, SqliteTransactionMode, TransactionOptions, TransactionTrait};
 

@@ -7,26 +7,22 @@
 //! connection opened directly, bounded by the connect timeout, shared by
 //! every waiter of the shard). A failed probe marks the shard down with the
 //! driver's own cause ("connection refused", "no answer within 1 s"): the
-//! waiting requests fail with [`ShardError::Unavailable`], and so does every
+//! waiting requests fail with [`ShardError::Unavailable`](crate::ShardError::Unavailable), and so does every
 //! later request of that shard, at once and without I/O, until a background
 //! probe (every [`REPROBE`], stopped when the cluster is dropped) reaches
 //! the server again.
 
-use crate::cluster::Cluster;
-use crate::error::{Result, ShardError};
-use crate::topology::{DatabaseUrl, ShardId};
-use std::future::Future;
+use crate::topology::DatabaseUrl;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// How long a request waits on a shard before its health is checked.
 pub(crate) const SUSPECT_AFTER: Duration = Duration::from_millis(150);
 
-/// How often a down shard is probed.
-pub(crate) const REPROBE: Duration = Duration::from_millis(500);
+pub(crate) use crate::error::REPROBE;
 
 /// How long a successful probe vouches for a shard.
-const HEALTHY_FOR: Duration = Duration::from_secs(1);
+pub(crate) const HEALTHY_FOR: Duration = Duration::from_secs(1);
 
 /// How one shard is probed.
 enum Probe {
@@ -50,6 +46,12 @@ pub(crate) struct ShardHealth {
 }
 
 impl ShardHealth {
+    /// Whether the shard can be probed at all (a probe connection exists
+    /// for its backend).
+    pub(crate) fn can_probe(&self) -> bool {
+        !matches!(self.probe, Probe::None)
+    }
+
     /// The breaker of a shard at `url`; probes wait at most `timeout`.
     pub(crate) fn new(url: &DatabaseUrl, timeout: Duration) -> Self {
         use std::str::FromStr;
@@ -117,7 +119,7 @@ impl ShardHealth {
 
     /// The shard's state as of a probe at most [`HEALTHY_FOR`] old (running
     /// one when there is none); a failure marks it down.
-    async fn check(self: &Arc<Self>) -> std::result::Result<(), String> {
+    pub(crate) async fn check(self: &Arc<Self>) -> std::result::Result<(), String> {
         let _one = self.probing.lock().await;
         if let Some((at, result)) = &*self.last.lock().unwrap_or_else(|p| p.into_inner())
             && at.elapsed() < HEALTHY_FOR
@@ -131,14 +133,14 @@ impl ShardHealth {
     }
 
     /// Marks the shard down; `true` if it was up.
-    fn mark_down(&self, cause: &str) -> bool {
+    pub(crate) fn mark_down(&self, cause: &str) -> bool {
         let mut down = self.down.lock().unwrap_or_else(|p| p.into_inner());
         let was_up = down.is_none();
         *down = Some(cause.to_owned());
         was_up
     }
 
-    fn mark_up(&self) {
+    pub(crate) fn mark_up(&self) {
         *self.down.lock().unwrap_or_else(|p| p.into_inner()) = None;
         *self.last.lock().unwrap_or_else(|p| p.into_inner()) = None;
     }
@@ -149,126 +151,4 @@ fn no_answer(timeout: Duration) -> String {
         "the server accepted no connection within {} ms (connect timeout): it is down or hung",
         timeout.as_millis()
     )
-}
-
-impl Cluster {
-    /// Runs `fut`, a request that needs a connection of shard `id`, under
-    /// the shard's breaker and `timeout`: fails at once with
-    /// [`ShardError::Unavailable`] while the shard is down, and as soon as a
-    /// probe started while `fut` waits finds it down; otherwise `fut`
-    /// decides (or the timeout, [`ShardError::Timeout`]).
-    pub(crate) async fn bounded<T>(
-        &self,
-        id: ShardId,
-        group: &'static str,
-        timeout: Option<Duration>,
-        fut: impl Future<Output = Result<T>>,
-    ) -> Result<T> {
-        let health = self.health(id);
-        let shard = self.shard_name(id);
-        if let Some(cause) = health.down_cause() {
-            return Err(ShardError::Unavailable {
-                shard: shard.to_owned(),
-                cause,
-            });
-        }
-        let watched = async {
-            tokio::select! {
-                biased;
-                result = fut => match result {
-                    // The pool gave up connecting (its own timeout may be
-                    // shorter than the probe's): ask the probe why.
-                    Err(ShardError::Db {
-                        source: sea_orm::DbErr::ConnectionAcquire(_) | sea_orm::DbErr::Conn(_),
-                        ..
-                    }) if !matches!(health.probe, Probe::None) => {
-                        match self.probe_shared(id).await {
-                            Err(cause) => Err(ShardError::Unavailable {
-                                shard: shard.to_owned(),
-                                cause,
-                            }),
-                            Ok(()) => result,
-                        }
-                    }
-                    other => other,
-                },
-                cause = self.watch(id) => Err(ShardError::Unavailable {
-                    shard: shard.to_owned(),
-                    cause,
-                }),
-            }
-        };
-        match timeout {
-            None => watched.await,
-            Some(after) => tokio::time::timeout(after, watched)
-                .await
-                .unwrap_or_else(|_| {
-                    Err(ShardError::Timeout {
-                        group,
-                        shard: shard.to_owned(),
-                        after,
-                    })
-                }),
-        }
-    }
-
-    /// Completes (with the cause) only once shard `id` is found down.
-    async fn watch(&self, id: ShardId) -> String {
-        tokio::time::sleep(SUSPECT_AFTER).await;
-        loop {
-            match self.probe_shared(id).await {
-                Err(cause) => return cause,
-                Ok(()) => tokio::time::sleep(HEALTHY_FOR).await,
-            }
-        }
-    }
-
-    /// Shard `id`'s state from a recent or new probe, marking it down when
-    /// the probe fails.
-    async fn probe_shared(&self, id: ShardId) -> std::result::Result<(), String> {
-        let health = Arc::clone(self.health(id));
-        // In a task of its own: a request that gives up (its timeout) must
-        // not cancel the probe that would mark the shard down.
-        let probe = tokio::spawn(async move { health.check().await });
-        match probe.await {
-            Ok(Err(cause)) => {
-                self.shard_down(id, &cause);
-                Err(cause)
-            }
-            Ok(Ok(())) | Err(_) => Ok(()),
-        }
-    }
-
-    /// Marks shard `id` down and, if it was up, starts the probe that
-    /// brings it back.
-    pub(crate) fn shard_down(&self, id: ShardId, cause: &str) {
-        let health = self.health(id);
-        if !health.mark_down(cause) {
-            return;
-        }
-        tracing::warn!(
-            shard = self.shard_name(id),
-            cause,
-            "shard down: requests fail fast until a probe reaches it"
-        );
-        crate::periodic::spawn(
-            self,
-            REPROBE,
-            crate::periodic::FirstPass::AfterInterval,
-            move |cluster| async move {
-                let health = Arc::clone(cluster.health(id));
-                match health.probe_once().await {
-                    Ok(()) => {
-                        health.mark_up();
-                        tracing::info!(shard = cluster.shard_name(id), "shard back up");
-                        std::ops::ControlFlow::Break(())
-                    }
-                    Err(cause) => {
-                        health.mark_down(&cause);
-                        std::ops::ControlFlow::Continue(())
-                    }
-                }
-            },
-        );
-    }
 }

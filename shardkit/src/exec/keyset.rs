@@ -7,28 +7,12 @@
 //! if it is deleted before the scan reaches it.
 
 use crate::entity::ShardedEntity;
+pub(crate) use crate::key::{model_pk_values, tuple_text};
 use sea_orm::sea_query::{Alias, Expr, ExprTrait, SimpleExpr};
 use sea_orm::{
-    ColumnTrait, Condition, EntityTrait, Iterable, ModelTrait, PrimaryKeyToColumn, QueryFilter,
-    QuerySelect, Value,
+    ColumnTrait, Condition, EntityTrait, Iterable, PrimaryKeyToColumn, QueryFilter, QuerySelect,
+    Value,
 };
-
-/// Primary key values as text (columns joined by U+001F), as reports and
-/// cache keys name rows.
-pub(crate) fn tuple_text(values: &[Value]) -> String {
-    values
-        .iter()
-        .map(|v| crate::gsi::value_text(v).unwrap_or_default())
-        .collect::<Vec<_>>()
-        .join("\u{1f}")
-}
-
-/// The primary key values of a model, in key order.
-pub(crate) fn model_pk_values<E: EntityTrait>(row: &E::Model) -> Vec<Value> {
-    <E::PrimaryKey as Iterable>::iter()
-        .map(|pk| row.get(pk.into_column()))
-        .collect()
-}
 
 /// A resumable position: `<shard index>:<primary key text>` (an empty key is
 /// the start of that shard).
@@ -44,7 +28,7 @@ pub(crate) fn parse_cursor<E: ShardedEntity>(text: Option<&str>) -> (usize, Opti
     }
     let values = <E::PrimaryKey as Iterable>::iter()
         .zip(pk.split('\u{1f}'))
-        .map(|(col, text)| crate::gsi::typed_value::<E>(col.into_column(), text))
+        .map(|(col, text)| crate::key::typed_value::<E>(col.into_column(), text))
         .collect();
     (shard, Some(values))
 }

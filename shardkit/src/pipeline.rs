@@ -1,0 +1,240 @@
+//! The write pipeline: the one path every [`ShardTx`](crate::ShardTx) write
+//! takes, and the stages features attach to it.
+//!
+//! A write passes, in order:
+//!
+//! 1. **check**: the row's shard key must be the transaction's
+//!    (`ShardTx`'s own, before anything else runs);
+//! 2. [`prepare`](WriteStage::prepare): fill what the row lacks (ids);
+//! 3. SeaORM's `before_save` / `before_delete`, then the check again, so a
+//!    hook cannot move the row;
+//! 4. [`replace`](WriteStage::replace): a stage may write the row elsewhere
+//!    instead (a rollout in `new_only` writes the new table); the first stage
+//!    that does ends the write;
+//! 5. the current row, read under the row lock, when a stage
+//!    [needs it](WriteStage::needs_current);
+//! 6. [`before_write`](WriteStage::before_write): work that must commit
+//!    before the row (index rows, index-first);
+//! 7. the write itself, with the shard key in its `WHERE` clause;
+//! 8. [`after_write`](WriteStage::after_write): work inside the same
+//!    transaction (dual writes), and work queued for after the commit
+//!    ([`WriteCtx::defer`]: cache fills, removal of replaced index rows);
+//! 9. SeaORM's `after_save` / `after_delete`.
+//!
+//! Stages are typed by the entity they see (`E`), so they are composed
+//! statically: a tuple of stages is a stage that runs its members in order.
+//! The cluster's stages are [`crate::cluster::Stages`]; a feature that must see
+//! every write (a fence, a change log, a metric) is one implementation of
+//! [`WriteStage`] in its own module and one more member of that tuple.
+//! Every method has a default that does nothing, so a stage implements
+//! only the steps it takes part in.
+
+use crate::entity::ShardedEntity;
+use crate::error::Result;
+use crate::exec::Shards;
+use crate::topology::ShardId;
+use futures::future::BoxFuture;
+use sea_orm::DatabaseTransaction;
+use std::future::Future;
+use std::sync::Mutex;
+
+/// Which write a stage sees.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WriteOp {
+    /// [`ShardTx::insert`](crate::ShardTx::insert).
+    Insert,
+    /// [`ShardTx::update`](crate::ShardTx::update).
+    Update,
+    /// [`ShardTx::delete`](crate::ShardTx::delete).
+    Delete,
+}
+
+impl WriteOp {
+    /// `insert`, `update` or `delete`: how errors name the operation.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WriteOp::Insert => "insert",
+            WriteOp::Update => "update",
+            WriteOp::Delete => "delete",
+        }
+    }
+}
+
+/// Work to run once the transaction has committed (never when it rolls
+/// back). It must not fail the commit: it logs what it could not do.
+pub(crate) type AfterCommit = BoxFuture<'static, ()>;
+
+/// Where a write runs, as its stages see it.
+pub struct WriteCtx<'a> {
+    pub(crate) shards: &'a Shards,
+    pub(crate) txn: &'a DatabaseTransaction,
+    pub(crate) shard: ShardId,
+    pub(crate) shard_name: &'a str,
+    /// The transaction's key as [`ShardKey::to_directory_text`](crate::ShardKey::to_directory_text).
+    pub(crate) key: &'a str,
+    pub(crate) after_commit: &'a Mutex<Vec<AfterCommit>>,
+}
+
+impl WriteCtx<'_> {
+    /// Queues `work` for after the commit, in the order queued.
+    pub(crate) fn defer(&self, work: AfterCommit) {
+        self.after_commit
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(work);
+    }
+}
+
+/// A stage's write in place of the transaction's own (see
+/// [`WriteStage::replace`]).
+pub enum Replaced<M> {
+    /// An insert or update, written elsewhere: the row as it now reads.
+    Saved(M),
+    /// A delete: the rows it deleted.
+    Deleted(u64),
+}
+
+/// What the write did, for [`WriteStage::after_write`].
+pub enum Written<'a, E: ShardedEntity> {
+    /// An insert or update: the row as stored.
+    Saved(&'a E::Model),
+    /// A delete of the row `model` names.
+    Deleted {
+        /// The active model the caller passed (after `before_delete`).
+        model: &'a E::ActiveModel,
+        /// The row as it was, when a stage asked for it.
+        current: Option<&'a E::Model>,
+        /// How many rows the `DELETE` removed (0 or 1).
+        rows: u64,
+    },
+}
+
+/// One stage of the write pipeline (see the [module docs](self)).
+///
+/// An error from [`replace`](Self::replace) or
+/// [`after_write`](Self::after_write) makes the transaction rollback-only;
+/// one from [`before_write`](Self::before_write) does when the database
+/// aborted the transaction.
+pub trait WriteStage: Send + Sync + 'static {
+    /// Fills what the row lacks, before `before_save` (an insert's id).
+    fn prepare<E: ShardedEntity>(
+        &self,
+        _ctx: &WriteCtx<'_>,
+        _op: WriteOp,
+        _model: &mut E::ActiveModel,
+    ) -> impl Future<Output = Result<()>> {
+        async { Ok(()) }
+    }
+
+    /// Writes the row somewhere else instead of the transaction's own
+    /// write; `None` lets the write go on.
+    fn replace<E: ShardedEntity>(
+        &self,
+        _ctx: &WriteCtx<'_>,
+        _op: WriteOp,
+        _model: &E::ActiveModel,
+    ) -> impl Future<Output = Result<Option<Replaced<E::Model>>>> {
+        async { Ok(None) }
+    }
+
+    /// Whether an update or delete of `E` needs the row as it is now (read
+    /// under the row lock before [`before_write`](Self::before_write)).
+    fn needs_current<E: ShardedEntity>(&self, _op: WriteOp) -> bool {
+        false
+    }
+
+    /// Work before the write: an insert's or update's index rows.
+    /// `current` is the row as it is, when [`needs_current`](Self::needs_current)
+    /// asked for it (and it exists).
+    fn before_write<E: ShardedEntity>(
+        &self,
+        _ctx: &WriteCtx<'_>,
+        _op: WriteOp,
+        _model: &E::ActiveModel,
+        _current: Option<&E::Model>,
+    ) -> impl Future<Output = Result<()>> {
+        async { Ok(()) }
+    }
+
+    /// Work after the write, in the same transaction (and, through
+    /// [`WriteCtx::defer`], after its commit).
+    fn after_write<E: ShardedEntity>(
+        &self,
+        _ctx: &WriteCtx<'_>,
+        _op: WriteOp,
+        _written: Written<'_, E>,
+    ) -> impl Future<Output = Result<()>> {
+        async { Ok(()) }
+    }
+}
+
+/// No stage.
+impl WriteStage for () {}
+
+/// Stages run in order: `A` first, then `B` (for `replace`, the first that
+/// replaces the write ends it).
+impl<A: WriteStage, B: WriteStage> WriteStage for (A, B) {
+    async fn prepare<E: ShardedEntity>(
+        &self,
+        ctx: &WriteCtx<'_>,
+        op: WriteOp,
+        model: &mut E::ActiveModel,
+    ) -> Result<()> {
+        self.0.prepare::<E>(ctx, op, model).await?;
+        self.1.prepare::<E>(ctx, op, model).await
+    }
+
+    async fn replace<E: ShardedEntity>(
+        &self,
+        ctx: &WriteCtx<'_>,
+        op: WriteOp,
+        model: &E::ActiveModel,
+    ) -> Result<Option<Replaced<E::Model>>> {
+        match self.0.replace::<E>(ctx, op, model).await? {
+            Some(replaced) => Ok(Some(replaced)),
+            None => self.1.replace::<E>(ctx, op, model).await,
+        }
+    }
+
+    fn needs_current<E: ShardedEntity>(&self, op: WriteOp) -> bool {
+        self.0.needs_current::<E>(op) || self.1.needs_current::<E>(op)
+    }
+
+    async fn before_write<E: ShardedEntity>(
+        &self,
+        ctx: &WriteCtx<'_>,
+        op: WriteOp,
+        model: &E::ActiveModel,
+        current: Option<&E::Model>,
+    ) -> Result<()> {
+        self.0.before_write::<E>(ctx, op, model, current).await?;
+        self.1.before_write::<E>(ctx, op, model, current).await
+    }
+
+    async fn after_write<E: ShardedEntity>(
+        &self,
+        ctx: &WriteCtx<'_>,
+        op: WriteOp,
+        written: Written<'_, E>,
+    ) -> Result<()> {
+        self.0.after_write::<E>(ctx, op, written.reborrow()).await?;
+        self.1.after_write::<E>(ctx, op, written).await
+    }
+}
+
+impl<'a, E: ShardedEntity> Written<'a, E> {
+    fn reborrow(&self) -> Written<'a, E> {
+        match *self {
+            Written::Saved(row) => Written::Saved(row),
+            Written::Deleted {
+                model,
+                current,
+                rows,
+            } => Written::Deleted {
+                model,
+                current,
+                rows,
+            },
+        }
+    }
+}
