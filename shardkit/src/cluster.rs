@@ -21,9 +21,8 @@ use sea_orm::{DatabaseConnection, IntoActiveModel, TryIntoModel};
 use sea_orm_migration::MigratorTrait;
 use std::sync::Arc;
 
-pub use crate::exec::shards::{
-    DatabaseMigrationStatus, Directory, MigrationReport, StatementEvent, StatementObserver,
-};
+pub use crate::exec::shards::{StatementEvent, StatementObserver};
+pub use crate::exec::{DatabaseMigrationStatus, Directory, MigrationReport};
 
 /// A transaction pinned to one key of group `G` (see [`crate::tx::ShardTx`]),
 /// whose writes run through the cluster's [`Stages`].

@@ -10,7 +10,9 @@ use std::path::{Path, PathBuf};
 const LAYERS: &[(&str, &[&str])] = &[
     (
         "core",
-        &["entity", "error", "key", "clock", "phase", "id_spec", "trace"],
+        &[
+            "entity", "error", "key", "clock", "phase", "id_spec", "trace",
+        ],
     ),
     ("topology", &["topology"]),
     ("execution", &["exec"]),
@@ -38,7 +40,10 @@ fn modules(src: &Path) -> BTreeMap<String, PathBuf> {
             if path.extension().is_none_or(|e| e != "rs") {
                 continue;
             }
-            let rel = path.strip_prefix(src).expect("under src").with_extension("");
+            let rel = path
+                .strip_prefix(src)
+                .expect("under src")
+                .with_extension("");
             let mut parts: Vec<String> = rel
                 .components()
                 .map(|c| c.as_os_str().to_string_lossy().into_owned())
@@ -164,7 +169,13 @@ fn the_parser_finds_grouped_and_plain_imports() {
     );
     assert_eq!(
         found,
-        ["exec::Begun", "exec::Shards", "key::value_text", "a", "b::c"]
+        [
+            "exec::Begun",
+            "exec::Shards",
+            "key::value_text",
+            "a",
+            "b::c"
+        ]
     );
 }
 

@@ -3,10 +3,17 @@
 //! ([`crate::exec::health`]), periodic tasks ([`crate::exec::periodic`]) and keyset
 //! scans ([`crate::exec::keyset`]).
 
+mod breaker;
+mod connect;
+mod directory;
 pub(crate) mod health;
 pub(crate) mod keyset;
+mod migrate;
 pub(crate) mod periodic;
 pub(crate) mod shards;
+
+pub use directory::Directory;
+pub use migrate::{DatabaseMigrationStatus, MigrationReport};
 
 pub(crate) use shards::{Begun, Shards};
 

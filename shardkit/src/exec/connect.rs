@@ -1,0 +1,255 @@
+//! Connecting a cluster's databases: validated config → one pool per
+//! shard, a side pool per shard, directory and ticket-server pools.
+
+use super::shards::{Inner, ReadSettings, Shards, StatementEvent, StatementObserver};
+use crate::clock::Clock;
+use crate::error::{Result, ShardError};
+use crate::topology::{ClusterConfig, DatabaseUrl, PoolConfig, Topology};
+use futures::future::join_all;
+use sea_orm::{ConnectOptions, Database, DatabaseConnection};
+use std::sync::Arc;
+use std::time::Duration;
+
+impl Shards {
+    /// Validates `config` and connects every database it names (see
+    /// [`Cluster::connect`](crate::Cluster::connect)).
+    pub(crate) async fn connect(
+        config: &ClusterConfig,
+        observer: Option<StatementObserver>,
+        clock: Arc<dyn Clock>,
+    ) -> Result<Shards> {
+        let topology = Topology::build(config)?;
+        let pool = &config.pool;
+        let probe_timeout = Duration::from_secs(pool.connect_timeout_secs.unwrap_or(5));
+        let health: Vec<_> = topology
+            .shards()
+            .iter()
+            .map(|s| Arc::new(crate::exec::health::ShardHealth::new(&s.url, probe_timeout)))
+            .collect();
+        if !pool.connect_lazy.unwrap_or(false) {
+            // One direct connection per shard first: it fails within the
+            // connect timeout with the driver's cause, where the pool would
+            // retry a refused connection until its acquire timeout and then
+            // say only "pool timed out".
+            let probes = join_all(health.iter().map(|h| h.probe_once())).await;
+            for (spec, probe) in topology.shards().iter().zip(probes) {
+                if let Err(cause) = probe {
+                    return Err(ShardError::Connect {
+                        shard: spec.name.clone(),
+                        url: spec.url.redacted(),
+                        cause,
+                    });
+                }
+            }
+        }
+        let kept_observer = observer.clone();
+        let observer = observer.as_ref();
+        let shard_conns = join_all(
+            topology
+                .shards()
+                .iter()
+                .map(|s| connect_one(s.name.clone(), &s.url, pool, observer, None, false)),
+        );
+        let side_pool = side_pool_config(pool);
+        let side_conns = join_all(topology.shards().iter().map(|s| {
+            connect_one(
+                s.name.clone(),
+                &s.url,
+                &side_pool,
+                observer,
+                Some(SIDE_MYSQL_SESSION.to_owned()),
+                true,
+            )
+        }));
+        let count = topology.ticket_servers().len();
+        let ticket_conns = join_all(topology.ticket_servers().iter().enumerate().map(|(i, s)| {
+            connect_one(
+                s.name.clone(),
+                &s.url,
+                pool,
+                observer,
+                Some(crate::id_spec::mysql_session_sql(i, count)),
+                false,
+            )
+        }));
+        let dir_conns = join_all(topology.directories().iter().map(|d| {
+            connect_one(
+                format!("directory:{}", d.group),
+                &d.url,
+                pool,
+                observer,
+                None,
+                false,
+            )
+        }));
+        let (shards, directories, tickets) = futures::join!(shard_conns, dir_conns, ticket_conns);
+        // After the main pools: opening a SQLite file while another
+        // connection switches it to WAL fails with `database is locked`.
+        let side = side_conns.await;
+        let tickets = tickets.into_iter().collect::<Result<Vec<_>>>()?;
+        let shards = shards.into_iter().collect::<Result<Vec<_>>>()?;
+        let side = side
+            .into_iter()
+            .zip(&shards)
+            .zip(topology.shards())
+            .map(|((side, main), spec)| {
+                // Each connection to an in-memory SQLite database is a
+                // database of its own: index rows must use the main pool.
+                let raw = spec.url.expose();
+                if raw.contains(":memory:") || raw.contains("mode=memory") {
+                    Ok(main.clone())
+                } else {
+                    side
+                }
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let sqlite_shards = shards
+            .iter()
+            .filter(|c| c.get_database_backend() == sea_orm::DbBackend::Sqlite)
+            .count();
+        let directories = directories.into_iter().collect::<Result<Vec<_>>>()?;
+        let read = ReadSettings {
+            timeout: config.read.timeout_ms.map(Duration::from_millis),
+            max_concurrency: config.read.max_concurrency.unwrap_or(16),
+        };
+        let servers = shards.iter().map(|_| Default::default()).collect();
+        let (users, stop) = crate::exec::periodic::Users::new();
+        Ok(Shards {
+            _user: Some(Arc::new(users)),
+            inner: Arc::new(Inner {
+                topology,
+                shards,
+                side,
+                sqlite_writer: (sqlite_shards > 1)
+                    .then(|| Arc::new(tokio::sync::Semaphore::new(1))),
+                sqlite_writer_wait: Duration::from_secs(pool.acquire_timeout_secs.unwrap_or(30)),
+                health,
+                directories,
+                read,
+                tickets,
+                servers,
+                observer: kept_observer,
+                clock,
+                stop,
+            }),
+        })
+    }
+}
+
+/// Connections per shard in the side pool ([`Cluster::side_conn`]).
+pub(super) const SIDE_POOL_SIZE: u32 = 2;
+
+/// How long a side-pool statement waits for a row lock, in seconds.
+pub(super) const SIDE_LOCK_WAIT_SECS: u64 = 5;
+
+/// The MySQL session setting of side-pool connections.
+pub(super) const SIDE_MYSQL_SESSION: &str = "SET SESSION innodb_lock_wait_timeout = 5";
+
+/// The side pool's settings: the shards' timeouts, a few connections opened
+/// on first use.
+pub(super) fn side_pool_config(pool: &PoolConfig) -> PoolConfig {
+    PoolConfig {
+        max_connections: Some(SIDE_POOL_SIZE),
+        min_connections: None,
+        connect_lazy: Some(true),
+        ..pool.clone()
+    }
+}
+
+pub(super) async fn connect_one(
+    name: String,
+    url: &DatabaseUrl,
+    pool: &PoolConfig,
+    observer: Option<&StatementObserver>,
+    mysql_session: Option<String>,
+    side: bool,
+) -> Result<DatabaseConnection> {
+    // The password travels in the driver's options, not in the URL: SeaORM
+    // records the URL in its connect span (TRACE).
+    let (driver_url, password) = url.for_driver();
+    let mut options = ConnectOptions::new(driver_url);
+    // A side pool's statements wait at most this long for a row lock.
+    let lock_timeout = side.then(|| format!("{SIDE_LOCK_WAIT_SECS}s"));
+    if password.is_some() || lock_timeout.is_some() {
+        // One closure per driver: SeaORM keeps only the last one set.
+        let for_mysql = password.clone();
+        options.map_sqlx_postgres_opts(move |mut opts| {
+            if let Some(password) = &password {
+                opts = opts.password(password);
+            }
+            if let Some(timeout) = &lock_timeout {
+                opts = opts.options([("lock_timeout", timeout)]);
+            }
+            opts
+        });
+        if let Some(password) = for_mysql {
+            options.map_sqlx_mysql_opts(move |opts| opts.password(&password));
+        }
+    }
+    // Statements are logged by shardkit's own spans; keep the driver's
+    // per-statement log below info.
+    options.sqlx_logging_level(log::LevelFilter::Debug);
+    if let Some(n) = pool.max_connections {
+        options.max_connections(n);
+    }
+    if let Some(n) = pool.min_connections {
+        options.min_connections(n);
+    }
+    if let Some(secs) = pool.connect_timeout_secs {
+        options.connect_timeout(Duration::from_secs(secs));
+    }
+    if let Some(secs) = pool.acquire_timeout_secs {
+        options.acquire_timeout(Duration::from_secs(secs));
+    }
+    if let Some(test) = pool.test_before_acquire {
+        options.test_before_acquire(test);
+    }
+    if let Some(lazy) = pool.connect_lazy {
+        options.connect_lazy(lazy);
+    }
+    let raw = url.expose();
+    if raw.starts_with("sqlite:") && !raw.contains("journal_mode") && !raw.contains(":memory:") {
+        // WAL lets readers run beside the one writer; a URL that names its
+        // own journal mode keeps it.
+        options.map_sqlx_sqlite_opts(|opts| {
+            opts.journal_mode(sea_orm::sqlx::sqlite::SqliteJournalMode::Wal)
+        });
+    }
+    if let Some(sql) = mysql_session {
+        // Session variables live per connection: set them on every connection
+        // the pool opens, not once.
+        let sql = Arc::new(sql);
+        options.map_sqlx_mysql_pool_opts(move |opts| {
+            let sql = Arc::clone(&sql);
+            opts.after_connect(move |conn, _meta| {
+                let sql = Arc::clone(&sql);
+                Box::pin(async move {
+                    use sea_orm::sqlx::{AssertSqlSafe, Executor, raw_sql};
+                    // The statement is built from two integers, not user input.
+                    conn.execute(raw_sql(AssertSqlSafe(sql.to_string())))
+                        .await
+                        .map(|_| ())
+                })
+            })
+        });
+    }
+    let mut conn = Database::connect(options)
+        .await
+        .map_err(|err| ShardError::Connect {
+            shard: name.clone(),
+            url: url.redacted(),
+            cause: url.scrub(&err.to_string()),
+        })?;
+    if let Some(observer) = observer {
+        let observer = Arc::clone(observer);
+        conn.set_metric_callback(move |info| {
+            observer(&StatementEvent {
+                shard: &name,
+                statement: info.statement,
+                elapsed: info.elapsed,
+                failed: info.failed,
+            })
+        });
+    }
+    Ok(conn)
+}

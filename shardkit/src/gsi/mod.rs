@@ -1,0 +1,373 @@
+//! Global secondary indexes (PayPal's GSI, Vitess's `consistent_lookup`).
+//!
+//! A field marked `#[shardkit(global_index)]` (or `global_index(unique)`) gets
+//! an index table `gsi_<table>_<column>` on every shard of its group: the
+//! secondary value, the owner's shard key and primary key (as text), and when
+//! the row was written. An index row lives on the shard its *value* hashes to
+//! (PostgreSQL's text hash over the group's shards), so there is no single
+//! index database to lose.
+//!
+//! **Index first.** On insert the index row commits before the primary row's
+//! transaction (or, when it lives on the owner's own shard, atomically with
+//! it, in the same transaction); on an update of an indexed column the new index row commits
+//! first and the old one is removed after the primary commits; on delete the
+//! index row is removed after the primary commits. A failure in between leaves
+//! a *dangling* index row, never a primary row without one. Lookups verify the
+//! owner (the read filters on the indexed column), so a dangling or stale row
+//! never yields a wrong row, and [`Gsi::reconcile`] removes dangling rows older
+//! than a grace period.
+//!
+//! **Durability.** An index row on another shard commits on its own, so an
+//! insert pays two durable commits. When that shard is a database of the same
+//! PostgreSQL server as the owner's (one WAL), the index row commits with
+//! `synchronous_commit = off`: its commit record precedes the owner's in the
+//! WAL, and the owner's flushed commit flushes everything before it, so a
+//! committed owner never loses its index row in a crash; what a crash can lose
+//! is an index row whose owner did not commit — a dangling row, as after any
+//! failed insert. Across servers, and on SQLite and MySQL/MariaDB, every index
+//! row commits flushed. `[gsi] relaxed_commit = false` turns this off. Removals
+//! (after the owner's commit) are relaxed on any PostgreSQL shard: losing one
+//! leaves a dangling row.
+//!
+//! A catalog (`shardkit_gsi_catalog`, on every shard of the group) records each
+//! index and its state: `write_only` while [`Gsi::backfill`] fills it
+//! (lookups fall back to a scatter read), `active` after.
+
+use crate::entity::{EntityGroup, ShardKey, ShardedEntity, table_name};
+use crate::error::{Result, Retry, ShardError};
+use crate::exec::Shards;
+use crate::exec::keyset;
+pub(crate) use crate::key::{active_pk as owner_pk, model_pk, typed_value, value_text};
+use crate::pipeline::{WriteCtx, WriteOp, WriteStage, Written};
+use crate::read::{IndexLookup, IndexQuery, KeyOf, exact_eq, key_condition};
+use crate::topology::ShardId;
+use crate::topology::pghash::partition_hash_bytes;
+use sea_orm::sea_query::{
+    Alias, Expr, OnConflict, PostgresQueryBuilder, Query, QueryStatementWriter,
+};
+use sea_orm::{
+    ActiveModelTrait, ActiveValue, ConnectionTrait, DatabaseConnection, DbBackend, DbErr,
+    ExprTrait, IdenStatic, ModelTrait, QueryFilter, Statement, StatementBuilder,
+    TransactionSession, TransactionTrait, Value,
+};
+use std::collections::HashMap;
+use std::ops::ControlFlow;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// Whether lookups may use an index.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IndexState {
+    /// Written on every write, not yet complete: lookups scatter.
+    WriteOnly,
+    /// Complete: lookups use it.
+    Active,
+}
+
+impl IndexState {
+    fn as_str(self) -> &'static str {
+        match self {
+            IndexState::WriteOnly => "write_only",
+            IndexState::Active => "active",
+        }
+    }
+}
+
+/// What [`Gsi::reconcile`] did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ReconcileReport {
+    /// Index rows examined.
+    pub scanned: u64,
+    /// Dangling index rows removed.
+    pub removed: u64,
+    /// Index rows added for owners that had none.
+    pub added: u64,
+    /// Owners without an index row whose value a unique index already lists
+    /// for another live row: two rows hold one unique value, which shardkit
+    /// cannot settle for the application. The pass goes on past them.
+    pub conflicts: Vec<ReconcileConflict>,
+}
+
+/// A row whose unique value another live row already holds in the index
+/// ([`ReconcileReport::conflicts`]).
+#[derive(Clone, PartialEq, Eq)]
+pub struct ReconcileConflict {
+    /// The index table.
+    pub index: String,
+    /// The value both rows hold.
+    pub value: String,
+    /// The shard key of the row left without an index row.
+    pub key: String,
+    /// Its primary key (as text).
+    pub owner: String,
+}
+
+impl std::fmt::Debug for ReconcileConflict {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ReconcileConflict")
+            .field("index", &self.index)
+            .field("value", &crate::error::Bounded(&self.value))
+            .field("key", &self.key)
+            .field("owner", &self.owner)
+            .finish()
+    }
+}
+
+/// Rows per chunk of a reconcile scan.
+const RECONCILE_CHUNK: u64 = 500;
+
+/// The prefix of a keyset backfill position in the catalog.
+const BACKFILL_CURSOR: &str = "pk/";
+
+/// Progress of a [`Gsi::backfill`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BackfillProgress {
+    /// Primary rows read so far.
+    pub rows: u64,
+    /// Index rows written so far.
+    pub written: u64,
+    /// Shards finished.
+    pub shards_done: usize,
+    /// Shards in all.
+    pub shards: usize,
+    /// Whether the index is complete and now `active` (false when the
+    /// callback stopped the run; call again to resume).
+    pub finished: bool,
+}
+
+/// One index of one entity.
+#[derive(Clone, Debug)]
+pub(crate) struct IndexDef {
+    pub(crate) table: String,
+    pub(crate) column: &'static str,
+    pub(crate) unique: bool,
+}
+
+impl IndexDef {
+    pub(crate) fn of<E: ShardedEntity>(column: E::Column, unique: bool) -> Self {
+        let column = column.as_str();
+        index_of(&IndexQuery {
+            group: <E::Group as EntityGroup>::NAME,
+            entity: table_name::<E>(),
+            column,
+            unique,
+        })
+    }
+
+    /// The index of `column`, if `E` declares one.
+    pub(crate) fn find<E: ShardedEntity>(column: E::Column) -> Result<Self> {
+        E::GLOBAL_INDEXES
+            .iter()
+            .find(|(c, _)| c.as_str() == column.as_str())
+            .map(|(c, unique)| IndexDef::of::<E>(*c, *unique))
+            .ok_or_else(|| {
+                ShardError::config(
+                    format!("{}.{}", table_name::<E>(), column.as_str()),
+                    "no global index on this column: add `#[shardkit(global_index)]` to the field",
+                )
+            })
+    }
+}
+
+fn gsi_err(shard: &str, operation: String, source: DbErr) -> ShardError {
+    ShardError::Db {
+        group: "gsi",
+        shard: shard.to_owned(),
+        operation,
+        source,
+    }
+}
+
+/// The index a read or write of `query` uses.
+fn index_of(query: &IndexQuery) -> IndexDef {
+    IndexDef {
+        table: format!("gsi_{}_{}", query.entity, query.column),
+        column: query.column,
+        unique: query.unique,
+    }
+}
+
+/// An index row to remove after the primary transaction commits.
+#[derive(Clone, Debug)]
+pub(crate) struct Removal {
+    pub(crate) shard: ShardId,
+    pub(crate) index: IndexDef,
+    pub(crate) value: String,
+    pub(crate) key: String,
+    pub(crate) owner: String,
+    /// The row's `created_ms` when the removal was decided: its version.
+    pub(crate) version: i64,
+}
+
+/// The GSI service of a cluster: `cluster.gsi()`.
+pub struct Gsi<'c> {
+    shards: &'c Shards,
+    state: &'c Arc<GsiState>,
+}
+
+/// A cluster's global-index settings (`[gsi]`) and cached index states.
+pub(crate) struct GsiState {
+    states: StateCache,
+    grace: Duration,
+    pins: HashMap<String, ShardId>,
+    /// `[gsi] relaxed_commit`.
+    relaxed: bool,
+}
+
+impl GsiState {
+    pub(crate) fn new(
+        config: &crate::topology::ClusterConfig,
+        topology: &crate::topology::Topology,
+    ) -> Self {
+        GsiState {
+            states: StateCache::default(),
+            grace: Duration::from_millis(config.gsi.grace_ms.unwrap_or(30_000)),
+            pins: config
+                .gsi
+                .pin
+                .iter()
+                .filter_map(|(index, shard)| Some((index.clone(), topology.shard_id(shard)?)))
+                .collect(),
+            relaxed: config.gsi.relaxed_commit.unwrap_or(true),
+        }
+    }
+}
+
+/// How an index row is made durable.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Durability {
+    /// Written in the owner's own transaction (same shard): commits with it.
+    OwnerTxn,
+    /// Its own commit, flushed before it returns.
+    Flushed,
+    /// Its own commit, not waiting for the WAL flush (PostgreSQL
+    /// `synchronous_commit = off`); see the module docs for when it is safe.
+    Relaxed,
+}
+
+/// The binary NO PAD collation index tables use on a MySQL/MariaDB shard, so
+/// values compare byte for byte (`a@x`, `A@X` and `a@x ` are three values):
+/// `utf8mb4_nopad_bin` on MariaDB, `utf8mb4_0900_bin` on MySQL 8.
+async fn mysql_exact_collation(db: &DatabaseConnection, shard: &str) -> Result<&'static str> {
+    const CANDIDATES: [&str; 2] = ["utf8mb4_nopad_bin", "utf8mb4_0900_bin"];
+    let stmt = Statement::from_sql_and_values(
+        DbBackend::MySql,
+        "SELECT COLLATION_NAME AS name FROM information_schema.COLLATIONS \
+         WHERE COLLATION_NAME IN (?, ?)",
+        CANDIDATES.map(Value::from),
+    );
+    let rows = db
+        .query_all_raw(stmt)
+        .await
+        .map_err(|e| gsi_err(shard, "read collations".into(), e))?;
+    let names: Vec<String> = rows
+        .iter()
+        .filter_map(|r| r.try_get::<String>("", "name").ok())
+        .collect();
+    CANDIDATES
+        .into_iter()
+        .find(|c| names.iter().any(|n| n == c))
+        .ok_or_else(|| {
+            ShardError::config(
+                format!("shards ({shard})"),
+                "global indexes on MySQL/MariaDB need a binary NO PAD collation \
+                 (utf8mb4_nopad_bin on MariaDB 10.2+, utf8mb4_0900_bin on MySQL 8); \
+                 this server has neither",
+            )
+        })
+}
+
+/// Converts an index table made before index values compared exactly (its
+/// text columns in the server's default, case- and trailing-space-blind
+/// collation) to `collation`. Rows are kept; owners whose values such a table
+/// merged into one row get theirs back from [`Gsi::reconcile`].
+async fn convert_to_collation(
+    db: &DatabaseConnection,
+    shard: &str,
+    table: &str,
+    collation: &str,
+) -> Result<()> {
+    let err = |e| gsi_err(shard, format!("convert {table} to {collation}"), e);
+    let stmt = Statement::from_sql_and_values(
+        DbBackend::MySql,
+        "SELECT COUNT(*) AS n FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = DATABASE() \
+         AND TABLE_NAME = ? AND COLUMN_NAME IN ('value', 'shard_key', 'owner_pk') \
+         AND COLLATION_NAME <> ?",
+        [Value::from(table), Value::from(collation)],
+    );
+    let stale: i64 = db
+        .query_one_raw(stmt)
+        .await
+        .map_err(err)?
+        .map(|r| r.try_get("", "n"))
+        .transpose()
+        .map_err(err)?
+        .unwrap_or(0);
+    if stale == 0 {
+        return Ok(());
+    }
+    tracing::info!(
+        shard,
+        table,
+        collation,
+        "converting a global index table to exact comparison"
+    );
+    let column = |c: &str| {
+        format!("MODIFY `{c}` VARCHAR(255) CHARACTER SET utf8mb4 COLLATE {collation} NOT NULL")
+    };
+    let sql = format!(
+        "ALTER TABLE `{table}` {}, {}, {}",
+        column("value"),
+        column("shard_key"),
+        column("owner_pk")
+    );
+    db.execute_unprepared(&sql).await.map_err(err)?;
+    Ok(())
+}
+
+/// Cached index states, so writes and lookups do not read the catalog each time.
+#[derive(Default)]
+pub(crate) struct StateCache(Mutex<HashMap<String, (IndexState, Instant)>>);
+
+const STATE_TTL: Duration = Duration::from_secs(1);
+
+impl<'c> Gsi<'c> {
+    pub(crate) fn new(shards: &'c Shards, state: &'c Arc<GsiState>) -> Self {
+        Gsi { shards, state }
+    }
+
+    /// The shard an index row for `value` lives on: the value's hash over the
+    /// group's shards, or the shard the config pins the index to.
+    pub(crate) fn index_shard(
+        &self,
+        group: &'static str,
+        index: &IndexDef,
+        value: &str,
+    ) -> Result<ShardId> {
+        if let Some(pinned) = self.state.pins.get(&index.table).copied() {
+            return Ok(pinned);
+        }
+        let shards = self.shards.topology().shards_of(group)?;
+        let hash = partition_hash_bytes(value.as_bytes());
+        Ok(shards[(hash % shards.len() as u64) as usize])
+    }
+
+    fn conn(&self, id: ShardId) -> (&'c DatabaseConnection, &'c str) {
+        (self.shards.shard_conn(id), self.shards.shard_name(id))
+    }
+
+    fn group_shards(&self, group: &'static str) -> Result<Vec<ShardId>> {
+        Ok(self.shards.topology().shards_of(group)?.to_vec())
+    }
+}
+
+mod backfill;
+mod catalog;
+mod lookup;
+mod reconcile;
+mod stage;
+mod write;
+
+pub(crate) use lookup::GsiLookup;
+pub use stage::IndexFirst;
+pub use write::MAX_VALUE_CHARS;

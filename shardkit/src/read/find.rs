@@ -1,0 +1,328 @@
+//! [`Find`], the read a user builds, and the single-key SeaORM selects.
+
+use super::*;
+
+/// A read of entity `E` through the cluster: a SeaORM [`Select`] plus routing.
+///
+/// `filter` works as on a `Select<E>` (it is pushed to every shard).
+/// `order_by_asc`, `order_by_desc`, `order_by`, `limit` and `offset` are
+/// shardkit's own, so a multi-shard read can merge them correctly. A
+/// single-key read also takes every other [`QueryOrder`] and [`QuerySelect`]
+/// method; a read that selects only some columns (`select_only().column(..)`)
+/// decodes with [`into_tuple`](Find::into_tuple),
+/// [`into_model`](Find::into_model) or [`into_json`](Find::into_json), since
+/// `all()` decodes whole `E::Model`s.
+#[must_use = "a read does nothing until `.all()`, `.one()` or `.count()` runs it"]
+pub struct Find<E: ShardedEntity, R = Unkeyed> {
+    pub(super) shards: Shards,
+    /// How `by_index` reads find keys (the global-index feature).
+    pub(super) index: Option<Arc<dyn IndexLookup>>,
+    pub(super) select: Select<E>,
+    pub(super) route: R,
+    pub(super) order: Vec<(E::Column, Order)>,
+    pub(super) limit: Option<u64>,
+    pub(super) offset: Option<u64>,
+    pub(super) timeout: Option<Duration>,
+    pub(super) concurrency: Option<usize>,
+}
+
+impl<E: ShardedEntity> Find<E, Unkeyed> {
+    pub(crate) fn new(
+        shards: Shards,
+        index: Option<Arc<dyn IndexLookup>>,
+        select: Select<E>,
+    ) -> Self {
+        Find {
+            shards,
+            index,
+            select,
+            route: Unkeyed,
+            order: Vec::new(),
+            limit: None,
+            offset: None,
+            timeout: None,
+            concurrency: None,
+        }
+    }
+
+    fn reroute<R>(self, route: R) -> Find<E, R> {
+        Find {
+            shards: self.shards,
+            index: self.index,
+            select: self.select,
+            route,
+            order: self.order,
+            limit: self.limit,
+            offset: self.offset,
+            timeout: self.timeout,
+            concurrency: self.concurrency,
+        }
+    }
+
+    /// Pins the read to one shard key: it runs on that key's shard only, with
+    /// `shard_key = key` added to its `WHERE` clause.
+    pub fn key(self, key: KeyOf<E>) -> Find<E, Keyed<KeyOf<E>>> {
+        self.reroute(Keyed(key))
+    }
+
+    /// Reads several shard keys: each shard that holds some of them gets one
+    /// query with only its own keys (`shard_key IN (...)`, chunked under the
+    /// backend's parameter limit); the shards run concurrently.
+    pub fn keys(self, keys: impl IntoIterator<Item = KeyOf<E>>) -> Find<E, Keys<KeyOf<E>>> {
+        self.reroute(Keys(keys.into_iter().collect()))
+    }
+
+    /// Reads every shard of the group, on purpose.
+    pub fn scatter(self) -> Find<E, Scatter> {
+        self.reroute(Scatter)
+    }
+
+    /// Reads the rows whose `column` equals `value` through the column's
+    /// global secondary index: the index names the shard keys, only their
+    /// shards are asked, and each row is checked to hold the value (a
+    /// dangling or stale index row never yields a wrong row). While the index
+    /// is `write_only` this is a scatter read filtered by the column.
+    pub fn by_index(self, column: E::Column, value: impl Into<Value>) -> Find<E, ByIndex> {
+        self.reroute(ByIndex {
+            column: column.as_str(),
+            value: value.into(),
+        })
+    }
+}
+
+impl<E: ShardedEntity> Find<E, ByIndex> {
+    /// Returns the rows of every healthy shard plus the failed shards
+    /// ([`Partial`]) instead of failing the read.
+    pub fn partial(self) -> Find<E, AllowPartial<ByIndex>> {
+        self.partial_inner()
+    }
+}
+
+impl<E: ShardedEntity> Find<E, Keys<KeyOf<E>>> {
+    /// Returns the rows of every healthy shard plus the failed shards
+    /// ([`Partial`]) instead of failing the read.
+    pub fn partial(self) -> Find<E, AllowPartial<Keys<KeyOf<E>>>> {
+        self.partial_inner()
+    }
+}
+
+impl<E: ShardedEntity> Find<E, Scatter> {
+    /// Returns the rows of every healthy shard plus the failed shards
+    /// ([`Partial`]) instead of failing the read.
+    pub fn partial(self) -> Find<E, AllowPartial<Scatter>> {
+        self.partial_inner()
+    }
+}
+
+impl<E: ShardedEntity, R> Find<E, R> {
+    fn partial_inner(self) -> Find<E, AllowPartial<R>> {
+        Find {
+            shards: self.shards,
+            index: self.index,
+            select: self.select,
+            route: AllowPartial(self.route),
+            order: self.order,
+            limit: self.limit,
+            offset: self.offset,
+            timeout: self.timeout,
+            concurrency: self.concurrency,
+        }
+    }
+
+    /// Orders by a column, ascending. Merged across shards.
+    pub fn order_by_asc(self, column: E::Column) -> Self {
+        self.order_by(column, Order::Asc)
+    }
+
+    /// Orders by a column, descending. Merged across shards.
+    pub fn order_by_desc(self, column: E::Column) -> Self {
+        self.order_by(column, Order::Desc)
+    }
+
+    /// Orders by a column. Merged across shards.
+    pub fn order_by(mut self, column: E::Column, order: Order) -> Self {
+        self.order.push((column, order));
+        self
+    }
+
+    /// At most `limit` rows in all (each shard returns at most `limit +
+    /// offset`; the merge keeps the global order).
+    pub fn limit(mut self, limit: u64) -> Self {
+        self.limit = Some(limit);
+        self
+    }
+
+    /// Skips the first `offset` rows of the merged result.
+    pub fn offset(mut self, offset: u64) -> Self {
+        self.offset = Some(offset);
+        self
+    }
+
+    /// How long each shard may take before it counts as failed and its query is
+    /// cancelled (overrides `read.timeout_ms`).
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = Some(timeout);
+        self
+    }
+
+    /// How many shards this read queries at once (overrides
+    /// `read.max_concurrency`; at least 1).
+    pub fn max_concurrency(mut self, shards: usize) -> Self {
+        self.concurrency = Some(shards.max(1));
+        self
+    }
+
+    /// All matching rows.
+    ///
+    /// The `Routed` bound sits on each method rather than on the impl so that
+    /// an unkeyed read reports the bound's own message, not "method not found".
+    pub async fn all(self) -> Result<R::Output<Vec<E::Model>>>
+    where
+        R: Routed<E>,
+    {
+        let (read, select, spec) = self.split();
+        let plan = read.plan(select, spec, ReadOp::All).await?;
+        if plan.single.is_some() {
+            return read
+                .single::<R, _, _, _>(plan, "all", |s, conn| s.all(conn))
+                .await;
+        }
+        let (rows, gathered) = read.rows(plan, "all").await;
+        R::finish(rows?, gathered)
+    }
+
+    /// The first matching row (in `order_by` order across shards).
+    pub async fn one(self) -> Result<R::Output<Option<E::Model>>>
+    where
+        R: Routed<E>,
+    {
+        let (read, select, spec) = self.split();
+        let plan = read.plan(select, spec, ReadOp::One).await?;
+        if plan.single.is_some() {
+            return read
+                .single::<R, _, _, _>(plan, "one", |s, conn| s.one(conn))
+                .await;
+        }
+        let (rows, gathered) = read.rows(plan, "one").await;
+        R::finish(rows?.into_iter().next(), gathered)
+    }
+
+    /// The number of matching rows (summed over shards; `limit`/`offset` and
+    /// ordering do not apply).
+    pub async fn count(self) -> Result<R::Output<u64>>
+    where
+        R: Routed<E>,
+        E::Model: Sync,
+    {
+        let (read, select, spec) = self.split();
+        let plan = read.plan(select, spec, ReadOp::Count).await?;
+        if plan.single.is_some() {
+            return read
+                .single::<R, _, _, _>(plan, "count", |s, conn| s.count(conn))
+                .await;
+        }
+        let asked = plan.asked;
+        let (ok, mut failed, span) = read
+            .gather(plan.parts, asked, "count", |s, conn| s.count(conn))
+            .await;
+        let asked = asked + usize::from(plan.lookup_failed.is_some());
+        failed.extend(plan.lookup_failed);
+        let n: u64 = ok.into_iter().map(|(_, n)| n).sum();
+        span.record("rows", n);
+        R::finish(n, read.gathered(asked, failed))
+    }
+
+    /// What [`all`](Self::all) would do, without reading any row: the
+    /// shards, the statement each would get, how their rows would merge,
+    /// the failure policy and the timeout (like Vitess's `VEXPLAIN`). Routing
+    /// lookups the read needs (a directory placement, a global index) do run:
+    /// they are how the shards are chosen. Print it with `{}`.
+    pub async fn explain(self) -> Result<ReadPlan>
+    where
+        R: Routed<E>,
+    {
+        let (read, select, spec) = self.split();
+        let plan = read.plan(select, spec, ReadOp::All).await?;
+        Ok(read.describe(plan, R::PARTIAL))
+    }
+
+    /// The read's settings, its statement (moved, not copied: a keyed read
+    /// sends it as is) and its route.
+    fn split(self) -> (Read<E>, Box<Select<E>>, RouteSpec<KeyOf<E>>)
+    where
+        R: Routed<E>,
+    {
+        let settings = self.shards.read_settings();
+        let read = Read {
+            timeout: self.timeout.or(settings.timeout),
+            concurrency: self.concurrency.unwrap_or(settings.max_concurrency),
+            shards: self.shards,
+            index: self.index,
+            order: self.order,
+            limit: self.limit,
+            offset: self.offset,
+        };
+        // Boxed once: the statement then moves through planning as a
+        // pointer and is changed in place.
+        (read, Box::new(self.select), self.route.spec())
+    }
+}
+
+impl<E: ShardedEntity> Find<E, Keyed<KeyOf<E>>> {
+    /// Decodes each row into `M` instead of `E::Model`, as SeaORM's
+    /// [`Select::into_model`] does: for `select_only().column(..)` reads and
+    /// partial models. The read stays on the key's shard, scoped to the key.
+    pub fn into_model<M: FromQueryResult>(self) -> KeyedSelect<E, SelectModel<M>> {
+        KeyedSelect {
+            find: self,
+            into: |select| select.into_model::<M>(),
+        }
+    }
+
+    /// Decodes each row into a tuple of its selected columns, as SeaORM's
+    /// [`Select::into_tuple`] does (`select_only().column(a).column(b)` →
+    /// `(A, B)`).
+    pub fn into_tuple<T: TryGetableMany>(self) -> KeyedSelect<E, SelectGetableTuple<T>> {
+        KeyedSelect {
+            find: self,
+            into: |select| select.into_tuple::<T>(),
+        }
+    }
+
+    /// Decodes each row into a JSON object, as SeaORM's [`Select::into_json`].
+    pub fn into_json(self) -> KeyedSelect<E, SelectModel<sea_orm::JsonValue>> {
+        KeyedSelect {
+            find: self,
+            into: |select| select.into_json(),
+        }
+    }
+}
+
+/// A keyed read decoded into another shape ([`Find::into_model`],
+/// [`Find::into_tuple`], [`Find::into_json`]). Runs like the keyed read it
+/// came from: the key's shard, the key's predicate, the read's timeout.
+#[must_use = "a read does nothing until `.all()` or `.one()` runs it"]
+pub struct KeyedSelect<E: ShardedEntity, S: SelectorTrait> {
+    pub(super) find: Find<E, Keyed<KeyOf<E>>>,
+    pub(super) into: fn(Select<E>) -> Selector<S>,
+}
+
+impl<E: ShardedEntity, S: SelectorTrait> KeyedSelect<E, S> {
+    /// All matching rows of the key.
+    pub async fn all(self) -> Result<Vec<S::Item>> {
+        let into = self.into;
+        let (read, select, spec) = self.find.split();
+        let plan = read.plan(select, spec, ReadOp::All).await?;
+        read.single::<Keyed<KeyOf<E>>, _, _, _>(plan, "all", |s, conn| into(s).all(conn))
+            .await
+    }
+
+    /// The first matching row of the key.
+    pub async fn one(self) -> Result<Option<S::Item>> {
+        let into = self.into;
+        let (read, select, spec) = self.find.split();
+        let plan = read.plan(select, spec, ReadOp::One).await?;
+        read.single::<Keyed<KeyOf<E>>, _, _, _>(plan, "one", |s, conn| into(s).one(conn))
+            .await
+    }
+}

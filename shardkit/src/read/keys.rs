@@ -1,0 +1,97 @@
+//! The shard key as a predicate, and the errors and spans of reads.
+
+use super::*;
+
+/// The shard-key predicate of a read or write: `key = ?` or `key IN (...)`.
+///
+/// MySQL/MariaDB's default collations compare text case- and
+/// trailing-space-insensitively (`'acme' = 'Acme '`), which would let one key
+/// reach another key's rows on a shared shard; for text keys there the
+/// predicate adds the same comparison on `CAST(key AS BINARY)`. The plain
+/// comparison stays first so the key's index is still used.
+pub(crate) fn key_condition<E: ShardedEntity>(keys: &[KeyOf<E>], backend: DbBackend) -> Condition {
+    let column = E::shard_key_column();
+    let compare = |cond: Condition, expr: Expr| match keys {
+        [key] => cond.add(expr.eq(key.clone())),
+        _ => cond.add(expr.is_in(keys.iter().cloned())),
+    };
+    let cond = compare(Condition::all(), Expr::col((E::default(), column)));
+    if binary_text_keys::<E>(keys, backend) {
+        compare(cond, Expr::col((E::default(), column)).cast_as("BINARY"))
+    } else {
+        cond
+    }
+}
+
+pub(super) fn binary_text_keys<E: ShardedEntity>(keys: &[KeyOf<E>], backend: DbBackend) -> bool {
+    backend == DbBackend::MySql
+        && keys
+            .first()
+            .is_some_and(|k| matches!(k.key_ref(), KeyRef::Text(_)))
+}
+
+pub(super) fn keyed_select<E: ShardedEntity>(
+    mut select: Select<E>,
+    key: &KeyOf<E>,
+    backend: DbBackend,
+) -> Select<E> {
+    add_key::<E>(&mut select, key, backend);
+    select
+}
+
+/// Adds the one-key predicate to a statement in place.
+pub(super) fn add_key<E: ShardedEntity>(
+    select: &mut Select<E>,
+    key: &KeyOf<E>,
+    backend: DbBackend,
+) {
+    let keys = std::slice::from_ref(key);
+    let query = QueryTrait::query(select);
+    if binary_text_keys::<E>(keys, backend) {
+        query.cond_where(key_condition::<E>(keys, backend));
+    } else {
+        query.and_where(Expr::col((E::default(), E::shard_key_column())).eq(key.clone()));
+    }
+}
+
+pub(super) fn read_span<E: ShardedEntity>(
+    shard: &str,
+    bucket: Option<u32>,
+    op: &'static str,
+) -> tracing::Span {
+    let span = tracing::info_span!(
+        "shardkit.read",
+        group = <E::Group as EntityGroup>::NAME,
+        table = table_name::<E>(),
+        shard = shard,
+        bucket = tracing::field::Empty,
+        op = op,
+    );
+    if let Some(bucket) = bucket.filter(|_| !span.is_disabled()) {
+        span.record("bucket", bucket);
+    }
+    span
+}
+
+pub(super) fn read_err<E: ShardedEntity>(shard: &str, source: DbErr) -> ShardError {
+    select_err(
+        <E::Group as EntityGroup>::NAME,
+        table_name::<E>(),
+        shard,
+        source,
+    )
+}
+
+pub(super) fn select_err(
+    group: &'static str,
+    table: &str,
+    shard: &str,
+    source: DbErr,
+) -> ShardError {
+    ShardError::Db {
+        group,
+        shard: shard.to_owned(),
+        operation: format!("select {table}"),
+        source,
+    }
+}

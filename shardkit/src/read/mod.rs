@@ -1,0 +1,60 @@
+//! Reads. A read names what it reads before it can run: one shard key
+//! ([`Find::key`]), several ([`Find::keys`]), or every shard on purpose
+//! ([`Find::scatter`]).
+//!
+//! A keyed read runs on its key's shard with `shard_key = key` added to its
+//! `WHERE` clause, so it never returns another key's rows even when two keys
+//! share a shard. A multi-shard read asks only the shards that can hold its
+//! keys, each with only its own keys (an `IN` list split per shard and chunked
+//! under the backend's parameter limit), runs the shards concurrently (at most
+//! `read.max_concurrency` at once) and merges: `order_by_*` + `limit` /
+//! `offset` give the same rows as one database would, `count()` sums.
+//!
+//! A shard that fails or does not answer within the timeout fails the whole
+//! read ([`ShardError::ShardsFailed`] names every failed shard and why), unless
+//! the caller asked for partial results with [`Find::partial`].
+
+use crate::entity::{EntityGroup, KeyRef, ShardKey, ShardedEntity, table_name};
+use crate::error::{Result, ShardError, ShardFailure};
+use crate::exec::Shards;
+use crate::topology::{ShardId, Target};
+use futures::StreamExt;
+use sea_orm::sea_query::{Expr, SelectStatement};
+use sea_orm::{Condition, ExprTrait, IntoSimpleExpr};
+use sea_orm::{
+    ConnectionTrait, DatabaseConnection, DbBackend, DbErr, FromQueryResult, IdenStatic, ModelTrait,
+    Order, PaginatorTrait, QueryFilter, QueryOrder, QuerySelect, QueryTrait, Select,
+    SelectGetableTuple, SelectModel, Selector, SelectorTrait, TryGetableMany, Value,
+};
+use std::cmp::Ordering;
+use std::collections::{BTreeMap, HashSet};
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering as AtomicOrdering};
+use std::time::Duration;
+use tracing::Instrument;
+
+/// The shard key type of entity `E`.
+pub type KeyOf<E> = <<E as ShardedEntity>::Group as EntityGroup>::Key;
+
+mod execute;
+mod find;
+mod in_tx;
+mod index;
+mod keys;
+mod plan;
+mod route;
+mod traits;
+
+// The parts share their helpers through this module.
+#[allow(unused_imports)]
+use {execute::*, keys::*, plan::*};
+
+pub use find::{Find, KeyedSelect};
+pub use in_tx::{TxFind, TxSelect};
+pub(crate) use index::{IndexLookup, IndexQuery, exact_eq};
+pub(crate) use keys::key_condition;
+pub use plan::{MergePlan, PlannedRoute, PlannedStatement, ReadPlan};
+#[allow(unused_imports)]
+use route::*;
+pub use route::{AllowPartial, ByIndex, Keyed, Keys, Partial, Scatter, Unkeyed};

@@ -1,0 +1,162 @@
+//! Reads planned as data: [`ReadPlan`], what `.explain()` prints.
+
+use super::*;
+
+/// Which statement shape a read runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum ReadOp {
+    All,
+    One,
+    Count,
+}
+
+/// A read planned before any of its statements runs: the shards, each
+/// one's statement (already shaped), and what the merge applies.
+pub(super) struct Plan<E: ShardedEntity> {
+    /// One key's shard and its statement, when it answers as is (no merge).
+    pub(super) single: Option<(Target, Box<Select<E>>)>,
+    /// The statements of a multi-shard read, per shard (several per shard
+    /// when a key list is chunked under the parameter limit).
+    pub(super) parts: Vec<(ShardId, Select<E>)>,
+    /// Distinct shards asked.
+    pub(super) asked: usize,
+    /// How the route was chosen, for [`ReadPlan`].
+    pub(super) route: PlannedRoute,
+    /// Whether the route came from a global index (a failure of the one
+    /// owner shard is then reported like a multi-shard read's).
+    pub(super) indexed: bool,
+    /// The merged result's limit and offset.
+    pub(super) limit: Option<u64>,
+    pub(super) offset: u64,
+    /// The index lookup's failure, when the read scatters without the
+    /// index (reported beside the shards' own failures).
+    pub(super) lookup_failed: Option<ShardFailure>,
+}
+
+/// What a read will do, computed before any of its statements runs
+/// ([`Find::explain`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ReadPlan {
+    /// The entity group.
+    pub group: &'static str,
+    /// The table read.
+    pub table: &'static str,
+    /// How the shards were chosen.
+    pub route: PlannedRoute,
+    /// Every statement, with the shard it runs on, in shard order.
+    pub statements: Vec<PlannedStatement>,
+    /// How the shards' rows combine; `None` when one key's shard answers
+    /// with the statement as written.
+    pub merge: Option<MergePlan>,
+    /// Whether a failed shard is reported beside the rows (`.partial()`)
+    /// instead of failing the read.
+    pub partial: bool,
+    /// How long each shard may take.
+    pub timeout: Option<Duration>,
+    /// How many shards are asked at once.
+    pub max_concurrency: usize,
+}
+
+/// How a [`ReadPlan`] chose its shards.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum PlannedRoute {
+    /// One shard key (`.key(k)`), in `bucket` when the placement hashes.
+    Key {
+        /// The key's bucket.
+        bucket: Option<u32>,
+    },
+    /// Several shard keys (`.keys(..)`), distinct ones counted.
+    Keys {
+        /// Distinct keys.
+        keys: usize,
+    },
+    /// Every shard of the group (`.scatter()`).
+    Scatter,
+    /// A global index (`.by_index(..)`).
+    Index {
+        /// The index table consulted.
+        index: String,
+        /// The shard keys it listed; `None` while the index is `write_only`
+        /// (the read scatters).
+        keys: Option<usize>,
+    },
+}
+
+/// One statement of a [`ReadPlan`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PlannedStatement {
+    /// The shard it runs on.
+    pub shard: String,
+    /// The SQL, with its values inlined for reading (it is sent with bound
+    /// parameters).
+    pub sql: String,
+}
+
+/// How a multi-shard [`ReadPlan`] merges.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MergePlan {
+    /// Columns the rows are merged by, and whether descending.
+    pub order: Vec<(&'static str, bool)>,
+    /// Rows kept after the offset.
+    pub limit: Option<u64>,
+    /// Rows skipped from the merged order.
+    pub offset: u64,
+}
+
+impl std::fmt::Display for ReadPlan {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "read {} (group {}) ", self.table, self.group)?;
+        match &self.route {
+            PlannedRoute::Key { bucket: Some(b) } => write!(f, "by key, bucket {b}")?,
+            PlannedRoute::Key { bucket: None } => write!(f, "by key")?,
+            PlannedRoute::Keys { keys } => write!(f, "by {keys} keys")?,
+            PlannedRoute::Scatter => write!(f, "on every shard")?,
+            PlannedRoute::Index {
+                index,
+                keys: Some(n),
+            } => write!(f, "through index {index} ({n} keys)")?,
+            PlannedRoute::Index { index, keys: None } => {
+                write!(f, "through index {index} (write_only: every shard)")?
+            }
+        }
+        let shards: std::collections::BTreeSet<&str> =
+            self.statements.iter().map(|s| s.shard.as_str()).collect();
+        write!(f, "; {} shard(s)", shards.len())?;
+        match self.timeout {
+            Some(t) => write!(f, ", timeout {} ms", t.as_millis())?,
+            None => write!(f, ", no timeout")?,
+        }
+        write!(
+            f,
+            ", {} at once, {}",
+            self.max_concurrency,
+            if self.partial {
+                "failed shards reported"
+            } else {
+                "any failed shard fails the read"
+            }
+        )?;
+        for statement in &self.statements {
+            write!(f, "\n  {}: {}", statement.shard, statement.sql)?;
+        }
+        if let Some(merge) = &self.merge {
+            write!(f, "\n  merge")?;
+            if merge.order.is_empty() {
+                write!(f, " in shard order")?;
+            }
+            for (i, (column, desc)) in merge.order.iter().enumerate() {
+                let sep = if i == 0 { " by" } else { "," };
+                write!(f, "{sep} {column} {}", if *desc { "DESC" } else { "ASC" })?;
+            }
+            if merge.offset > 0 {
+                write!(f, ", skip {}", merge.offset)?;
+            }
+            if let Some(limit) = merge.limit {
+                write!(f, ", keep {limit}")?;
+            }
+        }
+        Ok(())
+    }
+}

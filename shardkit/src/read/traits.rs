@@ -1,0 +1,39 @@
+//! SeaORM's query traits on shardkit's reads.
+
+use super::*;
+
+macro_rules! select_traits {
+    ($ty:ty, [$($generics:tt)*]) => {
+        impl<$($generics)*> QueryOrder for $ty {
+            type QueryStatement = SelectStatement;
+            fn query(&mut self) -> &mut SelectStatement {
+                QueryTrait::query(&mut self.select)
+            }
+        }
+        impl<$($generics)*> QuerySelect for $ty {
+            type QueryStatement = SelectStatement;
+            fn query(&mut self) -> &mut SelectStatement {
+                QueryTrait::query(&mut self.select)
+            }
+        }
+    };
+}
+
+impl<E: ShardedEntity, R> QueryFilter for Find<E, R> {
+    type QueryStatement = SelectStatement;
+    fn query(&mut self) -> &mut SelectStatement {
+        QueryTrait::query(&mut self.select)
+    }
+}
+
+// A single-key read runs as written, so every SeaORM ordering and selection
+// method is safe on it; multi-shard reads take only what they can merge.
+select_traits!(Find<E, Keyed<K>>, [E: ShardedEntity, K]);
+select_traits!(TxFind<'t, E, C>, ['t, E: ShardedEntity, C]);
+
+impl<E: ShardedEntity, C> QueryFilter for TxFind<'_, E, C> {
+    type QueryStatement = SelectStatement;
+    fn query(&mut self) -> &mut SelectStatement {
+        QueryTrait::query(&mut self.select)
+    }
+}

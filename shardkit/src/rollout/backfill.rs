@@ -1,0 +1,228 @@
+//! Copying old rows into the new table in keyset chunks, resumably.
+
+use super::*;
+
+impl<Old, New> RolloutHandle<Old, New>
+where
+    Old: ShardedEntity,
+    New: ShardedEntity<Group = Old::Group>,
+    Old::Model: Sync + IntoActiveModel<Old::ActiveModel>,
+    Old::ActiveModel: TryIntoModel<Old::Model> + Send + Sync,
+    New::Model: Sync + IntoActiveModel<New::ActiveModel>,
+    New::ActiveModel: Send,
+{
+    /// Copies every old row to the new table (see [`backfill_with`](Self::backfill_with)).
+    pub async fn backfill(&self) -> Result<RolloutBackfill> {
+        self.backfill_with(500, |_| ControlFlow::Continue(())).await
+    }
+
+    /// Copies old rows to the new table, shard by shard, `chunk` rows per
+    /// transaction, in primary-key order. Each chunk's old rows are read
+    /// `FOR UPDATE` (PostgreSQL, MySQL) so a dual write to them waits for the
+    /// copy instead of being overwritten by it. Progress is saved after every
+    /// chunk and a rerun resumes there; `on_progress` is called after every
+    /// chunk and can stop the run. Only in `dual_write` and `read_new`: earlier,
+    /// writes after the copy would be missing; later, the old table is stale.
+    ///
+    /// In `dual_write` it starts only once the rollout's gap has passed since
+    /// the phase changed ([`ShardError::RolloutTooSoon`] with the wait,
+    /// `from == to == dual_write`): until then an instance may still act on
+    /// `cache_both` and update old rows after the copy took them. It reads
+    /// the shared phase before every chunk and stops
+    /// ([`ShardError::Rollout`]) once the phase has changed on any instance;
+    /// its progress (and `done`) is recorded only while the phase is still
+    /// the one it began in, so a retreat below `dual_write` (which voids the
+    /// progress) can never be followed by a record of this run's.
+    pub async fn backfill_with(
+        &self,
+        chunk: u64,
+        mut on_progress: impl FnMut(RolloutBackfill) -> ControlFlow<()>,
+    ) -> Result<RolloutBackfill> {
+        let start_state = self.state().await?;
+        if !matches!(start_state.phase, Phase::DualWrite | Phase::ReadNew) {
+            return Err(self.shared.refused_err(
+                "backfill runs in dual_write or read_new: before, later writes would be missed; after, the old table is stale",
+            ));
+        }
+        let shards = self
+            .shards
+            .topology()
+            .shards_of(<Old::Group as EntityGroup>::NAME)?
+            .to_vec();
+        let mut progress = RolloutBackfill {
+            shards: shards.len(),
+            ..Default::default()
+        };
+        if start_state.backfill.as_deref() == Some(BACKFILL_DONE) {
+            progress.shards_done = shards.len();
+            progress.finished = true;
+            return Ok(progress);
+        }
+        // Until every instance must have seen dual_write, one may still act
+        // on cache_both and write old rows only, after the copy took them.
+        if start_state.phase == Phase::DualWrite {
+            self.check_gap(&start_state, Phase::DualWrite)?;
+        }
+        let (start, mut after) = parse_cursor::<Old>(start_state.backfill.as_deref());
+        progress.shards_done = start;
+        let mut saved = start_state.backfill.clone();
+        let chunk = std::cmp::max(chunk, 1);
+        for (i, id) in shards.iter().enumerate().skip(start) {
+            let db = self.shards.shard_conn(*id);
+            let shard = self.shards.shard_name(*id);
+            loop {
+                // The phase may have moved on any instance since the last
+                // chunk: copying on after a retreat below dual_write would
+                // miss the writes made meanwhile.
+                self.backfill_still_valid(&start_state).await?;
+                let copied = self
+                    .backfill_chunk(*id, db, shard, after.as_deref(), chunk)
+                    .await?;
+                let done = (copied.len() as u64) < chunk;
+                progress.rows += copied.len() as u64;
+                if let Some(last) = copied.last() {
+                    after = Some(model_pk_values::<Old>(last));
+                }
+                let cursor = if done {
+                    format_cursor(i + 1, None)
+                } else {
+                    format_cursor(i, after.as_deref())
+                };
+                self.save_backfill(&start_state, saved.as_deref(), &cursor)
+                    .await?;
+                saved = Some(cursor);
+                if done {
+                    break;
+                }
+                if on_progress(progress).is_break() {
+                    return Ok(progress);
+                }
+            }
+            after = None;
+            progress.shards_done = i + 1;
+            if on_progress(progress).is_break() && i + 1 < shards.len() {
+                return Ok(progress);
+            }
+        }
+        self.save_backfill(&start_state, saved.as_deref(), BACKFILL_DONE)
+            .await?;
+        progress.finished = true;
+        Ok(progress)
+    }
+
+    /// The refusal of a backfill that began in `start`'s phase when the
+    /// shared phase has changed since.
+    pub(super) async fn backfill_overtaken(&self, start: &StateRow) -> ShardError {
+        let (now, next) = match self.state().await {
+            Ok(state) if state.phase < Phase::DualWrite => (
+                state.phase.to_string(),
+                "its progress is void (the new table missed the writes made since): advance to \
+                 dual_write and back-fill from the start",
+            ),
+            Ok(state) => (
+                state.phase.to_string(),
+                "run it again in dual_write or read_new; it resumes where it stopped",
+            ),
+            Err(_) => (
+                "an unreadable phase".to_owned(),
+                "run it again in dual_write or read_new",
+            ),
+        };
+        self.shared.refused_err(format!(
+            "the phase changed from {} to {now} while the backfill ran, so it stopped; {next}",
+            start.phase
+        ))
+    }
+
+    /// Errors when the shared phase is no longer the one the backfill
+    /// began in.
+    pub(super) async fn backfill_still_valid(&self, start: &StateRow) -> Result<()> {
+        let (db, shard) = state_db::<Old>(&self.shards)?;
+        let now = read_state(db, shard, &self.shared.name).await?;
+        match now {
+            Some(now) if now.phase == start.phase && now.changed_ms == start.changed_ms => Ok(()),
+            _ => Err(self.backfill_overtaken(start).await),
+        }
+    }
+
+    /// Records backfill progress `value` only if the phase is still the one
+    /// the backfill began in and nothing else changed the progress since it
+    /// last wrote `previous` (a compare-and-set: a retreat between the
+    /// check and this write voids it).
+    pub(super) async fn save_backfill(
+        &self,
+        start: &StateRow,
+        previous: Option<&str>,
+        value: &str,
+    ) -> Result<()> {
+        let (db, shard) = state_db::<Old>(&self.shards)?;
+        let progress = match previous {
+            Some(previous) => Expr::col(Alias::new("backfill")).eq(previous),
+            None => Expr::col(Alias::new("backfill")).is_null(),
+        };
+        let stmt = Query::update()
+            .table(Alias::new(STATE_TABLE))
+            .value(Alias::new("backfill"), value)
+            .and_where(Expr::col(Alias::new("name")).eq(self.shared.name.as_str()))
+            .and_where(Expr::col(Alias::new("phase")).eq(start.phase.as_str()))
+            .and_where(Expr::col(Alias::new("changed_ms")).eq(start.changed_ms))
+            .and_where(progress)
+            .to_owned();
+        let res = db
+            .execute(&stmt)
+            .await
+            .map_err(|e| state_err(shard, "update", e))?;
+        if res.rows_affected() == 0 {
+            return Err(self.backfill_overtaken(start).await);
+        }
+        Ok(())
+    }
+
+    pub(super) async fn backfill_chunk(
+        &self,
+        id: ShardId,
+        db: &DatabaseConnection,
+        shard: &str,
+        after: Option<&[Value]>,
+        chunk: u64,
+    ) -> Result<Vec<Old::Model>> {
+        use sea_orm::QuerySelect;
+        let err = |e| {
+            self.shared
+                .db_err(shard, format!("backfill {}", table_name::<New>()), e)
+        };
+        let txn = crate::exec::begin_write(db).await.map_err(err)?;
+        let rows = by_pk(Old::find().filter(after_condition::<Old>(after)))
+            .limit(chunk)
+            .lock_exclusive()
+            .all(&txn)
+            .await
+            .map_err(err)?;
+        let ctx = WriteCtx {
+            shards: &self.shards,
+            gsi: &self.gsi,
+            txn: &txn,
+            shard,
+            shard_id: id,
+        };
+        for row in &rows {
+            // Dropping the transaction rolls the whole chunk back.
+            self.shared
+                .write_new(&ctx, row, false)
+                .await
+                .map_err(|e| match e {
+                    ShardError::CrossShardWrite { .. } => self.shared.refused_err(format!(
+                        "backfill stopped at `{}` row {} = {} on shard {shard}: {e}; nothing of \
+                         its chunk was copied. The conversion must keep the shard key; fix it \
+                         and run the backfill again",
+                        table_name::<Old>(),
+                        pk_names::<Old>(),
+                        crate::key::model_pk::<Old>(row),
+                    )),
+                    other => other,
+                })?;
+        }
+        txn.commit().await.map_err(err)?;
+        Ok(rows)
+    }
+}

@@ -1,0 +1,380 @@
+//! Denormalisation rollouts: an old entity and its new (denormalised) form,
+//! written side by side while a mixed fleet moves from one to the other.
+//!
+//! This is PayPal's recipe, in Stripe's phases:
+//!
+//! | phase | old table | new table | caches | reads (`get_old` / `get_new`) |
+//! |---|---|---|---|---|
+//! | [`Off`](Phase::Off) | written | — | — | old table (converted for `get_new`) |
+//! | [`CacheBoth`](Phase::CacheBoth) | written | — | every write fills both | caches, then old table |
+//! | [`DualWrite`](Phase::DualWrite) | written | written in the same transaction | both | caches, then old table |
+//! | [`ReadNew`](Phase::ReadNew) | written | written in the same transaction | both | caches, then new table |
+//! | [`NewOnly`](Phase::NewOnly) | not written | written | both | caches, then new table |
+//! | [`Done`](Phase::Done) | writes refused | written | both | caches, then new table |
+//!
+//! Registering a rollout ([`Cluster::register_rollout`]) changes nothing in the
+//! code that writes the old entity: every [`ShardTx`](crate::ShardTx) write of
+//! it consults the rollout's phase. The phase lives in `shardkit_rollouts` on
+//! the first shard of the group (a migration in `shardkit-migration`), so every
+//! instance agrees; each instance re-reads it every `refresh_every`.
+//!
+//! A phase can move one step at a time, and forward only once the previous
+//! change is older than the rollout's *gap*: the longest cache TTL plus refresh
+//! interval of any instance that registered it. By then no instance can still
+//! serve a cache object, or act on a phase, from before the previous change
+//! (PayPal's wait between "cache both" and "dual write").
+//!
+//! Caches ([moka]) are per instance: a write fills the caches of the instance
+//! that made it, after its transaction commits; other instances' entries
+//! expire within the TTL. A new-path read that misses the new cache derives
+//! the object from the old cache before it goes to a database; this is what
+//! keeps "insert through the old path, read through the new path" from
+//! seeing two different objects.
+//!
+//! [moka]: https://docs.rs/moka
+
+use crate::clock::Clock;
+use crate::entity::{EntityGroup, ShardKey, ShardedEntity, table_name};
+use crate::error::{Result, ShardError};
+use crate::exec::Shards;
+pub(crate) use crate::exec::keyset::{
+    after_condition, by_pk, format_cursor, model_pk_values, parse_cursor, tuple_text,
+};
+use crate::gsi::GsiState;
+pub use crate::phase::Phase;
+use crate::pipeline::{Replaced, WriteOp, WriteStage, Written};
+use crate::topology::ShardId;
+use futures::future::BoxFuture;
+use sea_orm::sea_query::{Alias, Expr, ExprTrait, OnConflict, Query};
+use sea_orm::{
+    ActiveModelTrait, ActiveValue, ColumnTrait, Condition, ConnectionTrait, DatabaseConnection,
+    DatabaseTransaction, DbErr, EntityTrait, IntoActiveModel, Iterable, ModelTrait,
+    PrimaryKeyToColumn, PrimaryKeyTrait, QueryFilter, TryIntoModel, Value,
+    sea_query::IntoValueTuple,
+};
+use std::any::{Any, TypeId};
+use std::collections::HashMap;
+use std::ops::ControlFlow;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+/// A user-supplied conversion between the two models.
+pub(crate) type ConvertFn<A, B> = dyn Fn(&A) -> B + Send + Sync;
+type Convert<A, B> = Arc<ConvertFn<A, B>>;
+type ModelOf<E> = <E as EntityTrait>::Model;
+type KeyOf<E> = <<E as ShardedEntity>::Group as EntityGroup>::Key;
+
+/// The declaration of a rollout from entity `Old` to entity `New` (same group,
+/// same primary key values). Register it with [`Cluster::register_rollout`].
+pub struct Rollout<Old: ShardedEntity, New: ShardedEntity> {
+    name: String,
+    to_new: Convert<ModelOf<Old>, ModelOf<New>>,
+    to_old: Option<Convert<ModelOf<New>, ModelOf<Old>>>,
+    cache_ttl: Duration,
+    cache_capacity: u64,
+    refresh: Duration,
+}
+
+impl<Old: ShardedEntity, New: ShardedEntity> Rollout<Old, New> {
+    /// A rollout named `name` (the key of its row in `shardkit_rollouts`)
+    /// converting old rows with `to_new`. The conversion must keep the shard
+    /// key and the primary key.
+    pub fn new(
+        name: impl Into<String>,
+        to_new: impl Fn(&Old::Model) -> New::Model + Send + Sync + 'static,
+    ) -> Self {
+        Rollout {
+            name: name.into(),
+            to_new: Arc::new(to_new),
+            to_old: None,
+            cache_ttl: Duration::from_secs(60),
+            cache_capacity: 100_000,
+            refresh: Duration::from_secs(5),
+        }
+    }
+
+    /// The conversion back, new → old. Needed from [`Phase::ReadNew`] on:
+    /// reads of the old model are then served from the new table, and old
+    /// writes in [`Phase::NewOnly`] are applied to the new row.
+    pub fn to_old(
+        mut self,
+        to_old: impl Fn(&New::Model) -> Old::Model + Send + Sync + 'static,
+    ) -> Self {
+        self.to_old = Some(Arc::new(to_old));
+        self
+    }
+
+    /// How long a cache object lives (default 60 s).
+    pub fn cache_ttl(mut self, ttl: Duration) -> Self {
+        self.cache_ttl = ttl;
+        self
+    }
+
+    /// How many objects each of the two caches holds at most (default 100,000).
+    pub fn cache_capacity(mut self, objects: u64) -> Self {
+        self.cache_capacity = objects;
+        self
+    }
+
+    /// How often this instance re-reads the shared phase (default 5 s).
+    pub fn refresh_every(mut self, interval: Duration) -> Self {
+        self.refresh = interval;
+        self
+    }
+}
+
+/// Counts of a [`RolloutHandle::backfill_with`] run.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RolloutBackfill {
+    /// Old rows copied to the new table in this run.
+    pub rows: u64,
+    /// Shards of the group finished so far (including earlier runs).
+    pub shards_done: usize,
+    /// Shards of the group.
+    pub shards: usize,
+    /// Whether every shard is done.
+    pub finished: bool,
+}
+
+/// The shared part of a registered rollout: phase, caches, conversions.
+pub(crate) struct Shared<Old: ShardedEntity, New: ShardedEntity> {
+    name: String,
+    phase: AtomicU8,
+    to_new: Convert<ModelOf<Old>, ModelOf<New>>,
+    to_old: Option<Convert<ModelOf<New>, ModelOf<Old>>>,
+    old_cache: TimedCache<ModelOf<Old>>,
+    new_cache: TimedCache<ModelOf<New>>,
+    gap: Duration,
+    me: Weak<Self>,
+}
+
+/// A registered rollout: phase changes, phase-aware cached reads, backfill and
+/// verification. Cheap to clone.
+pub struct RolloutHandle<Old: ShardedEntity, New: ShardedEntity> {
+    shared: Arc<Shared<Old, New>>,
+    shards: Shards,
+    gsi: Arc<GsiState>,
+}
+
+impl<Old: ShardedEntity, New: ShardedEntity> Clone for RolloutHandle<Old, New> {
+    fn clone(&self) -> Self {
+        RolloutHandle {
+            shared: self.shared.clone(),
+            shards: self.shards.clone(),
+            gsi: Arc::clone(&self.gsi),
+        }
+    }
+}
+
+impl<Old: ShardedEntity, New: ShardedEntity> std::fmt::Debug for RolloutHandle<Old, New> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RolloutHandle")
+            .field("name", &self.shared.name)
+            .field("old", &table_name::<Old>())
+            .field("new", &table_name::<New>())
+            .field("phase", &self.shared.phase())
+            .finish()
+    }
+}
+
+/// What a write of the old entity leaves to do once its transaction commits
+/// (fill or invalidate caches).
+pub(crate) type AfterCommit = Box<dyn FnOnce() + Send>;
+
+/// Where a dual write runs: the old row's transaction and shard.
+pub(crate) struct WriteCtx<'a> {
+    pub(crate) shards: &'a Shards,
+    pub(crate) gsi: &'a Arc<GsiState>,
+    pub(crate) txn: &'a DatabaseTransaction,
+    pub(crate) shard: &'a str,
+    pub(crate) shard_id: ShardId,
+}
+
+/// A row of the old entity as the write pipeline hands it over, whatever
+/// the entity's type: its columns' values in `Column::iter()` order. The
+/// registry finds a rollout by the entity's type, so the rollout reads the
+/// values back as its own `Old` (see [`Shared::old_model`]).
+pub(crate) type RowValues = Vec<Value>;
+
+/// An active model of the old entity, the same way (see [`RowValues`]).
+pub(crate) type ActiveValues = Vec<ActiveValue<Value>>;
+
+/// The write side of a rollout, keyed in the registry by the old entity's
+/// type. The write stage ([`DualWrite`]) calls it for every write of that
+/// entity.
+pub(crate) trait OldWrites: Send + Sync {
+    fn name(&self) -> &str;
+    fn phase(&self) -> Phase;
+    /// The typed rollout, for [`Cluster::rollout`](crate::Cluster::rollout).
+    fn as_any(self: Arc<Self>) -> Arc<dyn Any + Send + Sync>;
+    /// After the old row `row` was inserted or updated.
+    fn after_write<'a>(
+        &'a self,
+        ctx: WriteCtx<'a>,
+        row: RowValues,
+    ) -> BoxFuture<'a, Result<Option<AfterCommit>>>;
+    /// After the old row named by `model` was deleted (or, from `new_only`
+    /// on, instead of deleting it).
+    fn after_delete<'a>(
+        &'a self,
+        ctx: WriteCtx<'a>,
+        model: ActiveValues,
+    ) -> BoxFuture<'a, Result<(u64, Option<AfterCommit>)>>;
+    /// `NewOnly`: an insert (`update == false`) or update of the old entity,
+    /// applied to the new table only. Returns the old row as written.
+    fn write_new_only<'a>(
+        &'a self,
+        ctx: WriteCtx<'a>,
+        model: ActiveValues,
+        update: bool,
+    ) -> BoxFuture<'a, Result<(RowValues, AfterCommit)>>;
+}
+
+/// A cache of one model whose entries live `ttl` by the cluster's clock
+/// (so a [`ManualClock`](crate::clock::ManualClock) ages them in tests).
+/// Expired entries are dropped when next read; the capacity bounds memory.
+struct TimedCache<V> {
+    entries: moka::sync::Cache<String, (V, i64)>,
+    ttl_ms: i64,
+    clock: Arc<dyn Clock>,
+}
+
+impl<V: Clone + Send + Sync + 'static> TimedCache<V> {
+    fn new(ttl: Duration, capacity: u64, clock: Arc<dyn Clock>) -> Self {
+        TimedCache {
+            entries: moka::sync::Cache::builder().max_capacity(capacity).build(),
+            ttl_ms: i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX),
+            clock,
+        }
+    }
+
+    fn get(&self, key: &str) -> Option<V> {
+        let (value, at) = self.entries.get(key)?;
+        if crate::clock::now_ms(&*self.clock).saturating_sub(at) >= self.ttl_ms {
+            self.entries.invalidate(key);
+            return None;
+        }
+        Some(value)
+    }
+
+    fn insert(&self, key: String, value: V) {
+        self.entries
+            .insert(key, (value, crate::clock::now_ms(&*self.clock)));
+    }
+
+    fn invalidate(&self, key: &str) {
+        self.entries.invalidate(key);
+    }
+
+    fn invalidate_all(&self) {
+        self.entries.invalidate_all();
+    }
+}
+
+/// The model [`crate::key::model_values`] took apart.
+fn model_from_values<E: ShardedEntity>(values: RowValues) -> std::result::Result<E::Model, DbErr> {
+    let values = values.into_iter().map(ActiveValue::Set).collect();
+    let (model, _) = crate::key::active_from_values::<E>(values)?;
+    E::__try_into_model(model)
+}
+
+/// The cache key of a row: shard key and primary key, as text.
+fn cache_key(key: &str, pk: &str) -> String {
+    format!("{key}\u{1f}{pk}")
+}
+
+/// `E`'s primary key columns equal to `values`, in order.
+pub(crate) fn pk_condition<E: EntityTrait>(values: &[Value]) -> Condition {
+    <E::PrimaryKey as Iterable>::iter()
+        .zip(values)
+        .fold(Condition::all(), |cond, (pk, v)| {
+            cond.add(pk.into_column().eq(v.clone()))
+        })
+}
+
+/// `E`'s primary key column names, as a tuple when there are several.
+fn pk_names<E: EntityTrait>() -> String {
+    let names: Vec<&str> = <E::PrimaryKey as Iterable>::iter()
+        .map(|pk| sea_orm::IdenStatic::as_str(&pk.into_column()))
+        .collect();
+    match names.as_slice() {
+        [one] => (*one).to_owned(),
+        many => format!("({})", many.join(", ")),
+    }
+}
+
+fn pk_arity<E: EntityTrait>() -> usize {
+    <E::PrimaryKey as Iterable>::iter().count()
+}
+
+/// Inserts `model`, or overwrites the row with its primary key.
+///
+/// PostgreSQL and SQLite use `ON CONFLICT (<primary key>) DO UPDATE`, which
+/// fires on the primary key only. MySQL's `ON DUPLICATE KEY UPDATE` fires on
+/// *any* unique key and would overwrite another row that merely shares a
+/// unique value, so there it is an `UPDATE` by primary key (SQLx reports
+/// matched rows) and, when none matched, an `INSERT`.
+pub(crate) async fn upsert<E, C>(db: &C, model: E::Model) -> std::result::Result<(), DbErr>
+where
+    E: EntityTrait,
+    E::Model: IntoActiveModel<E::ActiveModel>,
+    C: ConnectionTrait,
+{
+    let active = model.into_active_model().reset_all();
+    if db.get_database_backend() == sea_orm::DbBackend::MySql {
+        let pk: Vec<Value> = <E::PrimaryKey as Iterable>::iter()
+            .map(|c| {
+                active
+                    .get(c.into_column())
+                    .into_value()
+                    .unwrap_or(Value::Bool(None))
+            })
+            .collect();
+        let matched = E::update_many()
+            .set(active.clone())
+            .filter(pk_condition::<E>(&pk))
+            .exec(db)
+            .await?
+            .rows_affected;
+        if matched > 0 {
+            return Ok(());
+        }
+        return E::insert(active).exec_without_returning(db).await.map(drop);
+    }
+    let pks: Vec<E::Column> = <E::PrimaryKey as Iterable>::iter()
+        .map(PrimaryKeyToColumn::into_column)
+        .collect();
+    let others: Vec<E::Column> = <E::Column as Iterable>::iter()
+        .filter(|c| {
+            !pks.iter()
+                .any(|p| sea_orm::IdenStatic::as_str(p) == sea_orm::IdenStatic::as_str(c))
+        })
+        .collect();
+    let mut on_conflict = OnConflict::columns(pks);
+    if others.is_empty() {
+        on_conflict.do_nothing();
+    } else {
+        on_conflict.update_columns(others);
+    }
+    E::insert(active)
+        .on_conflict(on_conflict)
+        .exec_without_returning(db)
+        .await
+        .map(drop)
+}
+
+mod backfill;
+mod dual;
+mod phases;
+mod reads;
+mod registry;
+mod state;
+
+// The parts share their helpers through this module.
+#[allow(unused_imports)]
+use {dual::*, registry::*, state::*};
+
+pub use dual::DualWrite;
+pub(crate) use registry::{Registry, Rollouts};
+pub(crate) use state::{read_state, save_progress, state_db};

@@ -1,0 +1,177 @@
+//! Moving a rollout between phases, one step at a time, after the gap.
+
+use super::*;
+
+impl<Old, New> RolloutHandle<Old, New>
+where
+    Old: ShardedEntity,
+    New: ShardedEntity<Group = Old::Group>,
+    Old::Model: Sync + IntoActiveModel<Old::ActiveModel>,
+    Old::ActiveModel: TryIntoModel<Old::Model> + Send + Sync,
+    New::Model: Sync + IntoActiveModel<New::ActiveModel>,
+    New::ActiveModel: Send,
+{
+    pub(crate) fn shared(&self) -> &Shared<Old, New> {
+        &self.shared
+    }
+
+    /// Runs `pass` every `interval` on this rollout (see [`crate::exec::periodic`])
+    /// until the cluster is dropped or `pass` breaks. Between passes the task
+    /// holds neither the rollout nor the cluster.
+    pub(crate) fn spawn_every<F, Fut>(
+        &self,
+        interval: Duration,
+        first: crate::exec::periodic::FirstPass,
+        mut pass: F,
+    ) -> tokio::task::JoinHandle<()>
+    where
+        F: FnMut(RolloutHandle<Old, New>) -> Fut + Send + 'static,
+        Fut: std::future::Future<Output = ControlFlow<()>> + Send + 'static,
+    {
+        let shared = Arc::downgrade(&self.shared);
+        let gsi = Arc::clone(&self.gsi);
+        crate::exec::periodic::spawn(&self.shards, interval, first, move |shards| {
+            let run = shared.upgrade().map(|shared| {
+                pass(RolloutHandle {
+                    shared,
+                    shards,
+                    gsi: Arc::clone(&gsi),
+                })
+            });
+            async move {
+                match run {
+                    Some(run) => run.await,
+                    None => ControlFlow::Break(()),
+                }
+            }
+        })
+    }
+
+    pub(crate) fn shards(&self) -> &Shards {
+        &self.shards
+    }
+
+    /// The rollout's name.
+    pub fn name(&self) -> &str {
+        &self.shared.name
+    }
+
+    /// The phase this instance acts on (re-read every `refresh_every`).
+    pub fn phase(&self) -> Phase {
+        self.shared.phase()
+    }
+
+    /// The least time between two phase changes this instance asks for
+    /// (cache TTL + refresh interval); the stored gap is the longest of all
+    /// instances'.
+    pub fn gap(&self) -> Duration {
+        self.shared.gap
+    }
+
+    /// Re-reads the shared phase now.
+    pub async fn refresh(&self) -> Result<Phase> {
+        Ok(self.state().await?.phase)
+    }
+
+    pub(super) async fn state(&self) -> Result<StateRow> {
+        let (db, shard) = state_db::<Old>(&self.shards)?;
+        let state = read_state(db, shard, &self.shared.name)
+            .await?
+            .ok_or_else(|| {
+                self.shared
+                    .refused_err(format!("its row in {STATE_TABLE} is gone"))
+            })?;
+        self.shared.set_local_phase(state.phase);
+        Ok(state)
+    }
+
+    /// Moves to the next phase, for every instance. Refused
+    /// ([`ShardError::RolloutTooSoon`]) until the gap has passed since the
+    /// previous change; refused ([`ShardError::Rollout`]) into `read_new`
+    /// without a new → old conversion or before a finished
+    /// [`backfill`](Self::backfill), and when another instance changed the
+    /// phase in between.
+    pub async fn advance(&self) -> Result<Phase> {
+        self.step(true).await
+    }
+
+    /// Moves back one phase, at once (no gap: rolling back is what one does
+    /// when something is wrong). Going back below `dual_write` forgets the
+    /// backfill, since the new table stops being written. Going back from
+    /// `new_only` leaves the old table without the writes made in
+    /// `new_only`: repair it first with
+    /// [`verify`](Self::verify) and [`VerifyOptions::from_new`](crate::verify::VerifyOptions::from_new).
+    pub async fn retreat(&self) -> Result<Phase> {
+        self.step(false).await
+    }
+
+    /// Refuses ([`ShardError::RolloutTooSoon`]) what needs every instance
+    /// to act on `state`'s phase (a move to `to`, or a backfill when `to` is
+    /// the phase itself) until the gap has passed since the phase changed.
+    pub(super) fn check_gap(&self, state: &StateRow, to: Phase) -> Result<()> {
+        let elapsed = std::cmp::max(self.shards.now_ms() - state.changed_ms, 0);
+        if elapsed < state.gap_ms {
+            return Err(ShardError::RolloutTooSoon {
+                rollout: self.shared.name.clone(),
+                from: state.phase,
+                to,
+                elapsed_ms: elapsed as u64,
+                gap_ms: state.gap_ms as u64,
+                wait_ms: (state.gap_ms - elapsed) as u64,
+            });
+        }
+        Ok(())
+    }
+
+    pub(super) async fn step(&self, forward: bool) -> Result<Phase> {
+        let state = self.state().await?;
+        let from = state.phase;
+        let to = if forward {
+            from.next()
+        } else {
+            from.previous()
+        }
+        .ok_or_else(|| {
+            self.shared.refused_err(format!(
+                "there is no phase {} {from}",
+                if forward { "after" } else { "before" }
+            ))
+        })?;
+        if forward {
+            if to >= Phase::ReadNew && self.shared.to_old.is_none() {
+                return Err(self.shared.refused_err(format!(
+                    "{to} serves old-model reads from the new table: register a new → old conversion (Rollout::to_old)"
+                )));
+            }
+            if to == Phase::ReadNew && state.backfill.as_deref() != Some(BACKFILL_DONE) {
+                return Err(self.shared.refused_err(
+                    "the new table is not backfilled: run backfill() while dual writing, then advance",
+                ));
+            }
+            self.check_gap(&state, to)?;
+        }
+        let mut stmt = Query::update();
+        stmt.table(Alias::new(STATE_TABLE))
+            .value(Alias::new("phase"), to.as_str())
+            .value(Alias::new("changed_ms"), self.shards.now_ms())
+            .and_where(Expr::col(Alias::new("name")).eq(self.shared.name.as_str()))
+            .and_where(Expr::col(Alias::new("phase")).eq(from.as_str()))
+            .and_where(Expr::col(Alias::new("changed_ms")).eq(state.changed_ms));
+        if to < Phase::DualWrite {
+            stmt.value(Alias::new("backfill"), Option::<String>::None);
+        }
+        let (db, shard) = state_db::<Old>(&self.shards)?;
+        let res = db
+            .execute(&stmt)
+            .await
+            .map_err(|e| state_err(shard, "update", e))?;
+        if res.rows_affected() == 0 {
+            return Err(self.shared.refused_err(
+                "another instance changed the phase first; refresh and decide again",
+            ));
+        }
+        tracing::info!(rollout = %self.shared.name, %from, %to, "rollout phase changed");
+        self.shared.set_local_phase(to);
+        Ok(to)
+    }
+}

@@ -1,0 +1,190 @@
+//! Registering rollouts and finding them by the old entity's type.
+
+use super::*;
+
+/// The rollouts registered on a cluster, by the old entity's type.
+#[derive(Default)]
+pub(crate) struct Registry(std::sync::RwLock<HashMap<TypeId, Arc<dyn OldWrites>>>);
+
+impl Registry {
+    /// The rollout registered for the entity with type id `entity`.
+    pub(super) fn get(&self, entity: TypeId) -> Option<Arc<dyn OldWrites>> {
+        let map = self.0.read().unwrap_or_else(|p| p.into_inner());
+        if map.is_empty() {
+            return None;
+        }
+        map.get(&entity).cloned()
+    }
+
+    /// Registers a rollout's write side; `false` if the entity has one.
+    fn add(&self, entity: TypeId, writes: Arc<dyn OldWrites>) -> bool {
+        let mut map = self.0.write().unwrap_or_else(|p| p.into_inner());
+        if map.contains_key(&entity) {
+            return false;
+        }
+        map.insert(entity, writes);
+        true
+    }
+}
+
+/// What [`Cluster::register_rollout`] and [`Cluster::rollout`] act on.
+pub(crate) struct Rollouts<'c> {
+    pub(crate) registry: &'c Registry,
+    pub(crate) shards: &'c Shards,
+    pub(crate) gsi: &'c Arc<GsiState>,
+}
+
+impl Rollouts<'_> {
+    /// Registers a rollout from `Old` to `New`. From now on every
+    /// [`ShardTx`](crate::ShardTx) write of `Old` follows the rollout's phase;
+    /// the code that writes `Old` does not change.
+    ///
+    /// Creates the rollout's row in `shardkit_rollouts` (phase `off`) when it
+    /// is the first instance to register it, and raises the stored gap to
+    /// this instance's cache TTL + refresh interval when that is longer.
+    /// Refused when `Old` already has a rollout on this cluster, or when the
+    /// two entities' primary keys have different numbers of columns.
+    pub(crate) async fn register<Old, New>(
+        &self,
+        rollout: Rollout<Old, New>,
+    ) -> Result<RolloutHandle<Old, New>>
+    where
+        Old: ShardedEntity,
+        New: ShardedEntity<Group = Old::Group>,
+        Old::Model: Sync + IntoActiveModel<Old::ActiveModel>,
+        Old::ActiveModel: TryIntoModel<Old::Model> + Send + Sync,
+        New::Model: Sync + IntoActiveModel<New::ActiveModel>,
+        New::ActiveModel: Send,
+        New::ActiveModel: Send,
+    {
+        let entry = format!("rollout {:?}", rollout.name);
+        if rollout.name.is_empty() || rollout.name.len() > 128 {
+            return Err(ShardError::config(
+                entry,
+                "a rollout name has 1 to 128 characters",
+            ));
+        }
+        if pk_arity::<Old>() != pk_arity::<New>() {
+            return Err(ShardError::config(
+                entry,
+                format!(
+                    "`{}` and `{}` have primary keys of different widths; a rollout keeps the primary key",
+                    table_name::<Old>(),
+                    table_name::<New>()
+                ),
+            ));
+        }
+        let (db, shard) = state_db::<Old>(self.shards)?;
+        let gap = rollout.cache_ttl + rollout.refresh;
+        let gap_ms = gap.as_millis() as i64;
+        let mut state = read_state(db, shard, &rollout.name).await?;
+        if state.is_none() {
+            let insert = Query::insert()
+                .into_table(Alias::new(STATE_TABLE))
+                .columns(["name", "phase", "changed_ms", "gap_ms"].map(Alias::new))
+                .values_panic([
+                    rollout.name.as_str().into(),
+                    Phase::Off.as_str().into(),
+                    0i64.into(),
+                    gap_ms.into(),
+                ])
+                .to_owned();
+            // Another instance may insert first; its row wins.
+            let inserted = db.execute(&insert).await;
+            state = read_state(db, shard, &rollout.name).await?;
+            if state.is_none() {
+                return Err(state_err(
+                    shard,
+                    "insert",
+                    inserted.err().unwrap_or(DbErr::RecordNotInserted),
+                ));
+            }
+        }
+        let state = state.expect("checked above");
+        if state.gap_ms < gap_ms {
+            let stmt = Query::update()
+                .table(Alias::new(STATE_TABLE))
+                .value(Alias::new("gap_ms"), gap_ms)
+                .and_where(Expr::col(Alias::new("name")).eq(rollout.name.as_str()))
+                .and_where(Expr::col(Alias::new("gap_ms")).lt(gap_ms))
+                .to_owned();
+            db.execute(&stmt)
+                .await
+                .map_err(|e| state_err(shard, "update", e))?;
+        }
+        let shared = Arc::new_cyclic(|me| Shared::<Old, New> {
+            name: rollout.name.clone(),
+            phase: AtomicU8::new(state.phase as u8),
+            to_new: rollout.to_new,
+            to_old: rollout.to_old,
+            old_cache: TimedCache::new(
+                rollout.cache_ttl,
+                rollout.cache_capacity,
+                Arc::clone(self.shards.clock()),
+            ),
+            new_cache: TimedCache::new(
+                rollout.cache_ttl,
+                rollout.cache_capacity,
+                Arc::clone(self.shards.clock()),
+            ),
+            gap,
+            me: me.clone(),
+        });
+        if !self
+            .registry
+            .add(TypeId::of::<Old>(), shared.clone() as Arc<dyn OldWrites>)
+        {
+            return Err(ShardError::config(
+                entry,
+                format!(
+                    "`{}` already has a rollout registered on this cluster",
+                    table_name::<Old>()
+                ),
+            ));
+        }
+        let handle = RolloutHandle {
+            shared,
+            shards: self.shards.clone(),
+            gsi: Arc::clone(self.gsi),
+        };
+        handle.spawn_every(
+            rollout.refresh,
+            crate::exec::periodic::FirstPass::AfterInterval,
+            |rollout| async move {
+                let (db, shard) = match state_db::<Old>(&rollout.shards) {
+                    Ok(found) => found,
+                    Err(err) => {
+                        tracing::warn!(rollout = %rollout.shared.name, error = %err, "rollout phase refresh failed; keeping the last phase");
+                        return ControlFlow::Continue(());
+                    }
+                };
+                match read_state(db, shard, &rollout.shared.name).await {
+                    Ok(Some(state)) => rollout.shared.set_local_phase(state.phase),
+                    Ok(None) => {}
+                    Err(err) => {
+                        tracing::warn!(rollout = %rollout.shared.name, error = %err, "rollout phase refresh failed; keeping the last phase")
+                    }
+                }
+                ControlFlow::Continue(())
+            },
+        );
+        Ok(handle)
+    }
+
+    /// The rollout registered for `Old`, if it goes to `New`.
+    pub(crate) fn handle<Old, New>(&self) -> Option<RolloutHandle<Old, New>>
+    where
+        Old: ShardedEntity,
+        New: ShardedEntity<Group = Old::Group>,
+        Old::Model: Sync,
+        New::Model: Sync,
+    {
+        let any = self.registry.get(TypeId::of::<Old>())?.as_any();
+        let shared = any.downcast::<Shared<Old, New>>().ok()?;
+        Some(RolloutHandle {
+            shared,
+            shards: self.shards.clone(),
+            gsi: Arc::clone(self.gsi),
+        })
+    }
+}
