@@ -292,7 +292,7 @@ impl Cluster {
             };
             match result {
                 Err(err) if attempt < attempts && err.retry() == crate::Retry::Transaction => {
-                    tracing::debug!(group = G::NAME, attempt, error = %err, "transaction retried");
+                    tracing::debug!(group = G::NAME, attempt, error = %err.report(), "transaction retried");
                     attempt += 1;
                 }
                 result => return result,

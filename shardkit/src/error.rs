@@ -38,11 +38,15 @@ pub enum ShardError {
         cause: String,
     },
 
-    /// A statement failed on a shard.
-    #[error("{operation} on shard `{shard}` (group `{group}`) failed: {source}")]
+    /// A statement failed on a shard (or a directory database or ticket
+    /// server). The driver's error is the [`source`](std::error::Error::source),
+    /// not part of this message, so a chain printer (`{:#}`, `anyhow`) shows
+    /// it once.
+    #[error("{operation} on `{shard}` ({origin}) failed")]
     Db {
-        /// The entity group the statement was routed for.
-        group: &'static str,
+        /// Whose statement it was: an entity group's rows, or which
+        /// subsystem's table.
+        origin: Box<Origin>,
         /// The shard it ran on.
         shard: String,
         /// What shardkit was doing (`select orders`, `insert orders`, `commit`, ...).
@@ -378,10 +382,110 @@ impl ShardError {
         }
     }
 
+    /// The message followed by every cause (`a: b: c`), for logs and
+    /// reports: [`ShardError::Db`]'s own message leaves the driver's error to
+    /// [`source`](std::error::Error::source), so `{}` alone does not show it.
+    pub fn report(&self) -> Report<'_> {
+        Report(self)
+    }
+
     pub(crate) fn config(entry: impl Into<String>, message: impl Into<String>) -> Self {
         ShardError::Config {
             entry: entry.into(),
             message: message.into(),
+        }
+    }
+}
+
+/// An error and its causes, joined by `: ` ([`ShardError::report`]).
+pub struct Report<'a>(&'a (dyn std::error::Error + 'static));
+
+impl std::fmt::Display for Report<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.0)?;
+        let mut cause = self.0.source();
+        while let Some(err) = cause {
+            write!(f, ": {err}")?;
+            cause = err.source();
+        }
+        Ok(())
+    }
+}
+
+impl std::fmt::Debug for Report<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Display::fmt(self, f)
+    }
+}
+
+/// Whose statement a [`ShardError::Db`] was.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Origin {
+    /// A read or write of an entity group's rows, or its transaction
+    /// (`begin`, `commit`), or its directory.
+    Group(&'static str),
+    /// One of shardkit's own tables.
+    Table {
+        /// Which part of shardkit.
+        subsystem: Subsystem,
+        /// The table (`gsi_users_email`, `tickets_photos`,
+        /// `shardkit_rollouts`, or the entity table a check read).
+        table: String,
+    },
+}
+
+impl Origin {
+    /// [`Origin::Table`] of `subsystem` on `table`.
+    pub fn table(subsystem: Subsystem, table: impl Into<String>) -> Self {
+        Origin::Table {
+            subsystem,
+            table: table.into(),
+        }
+    }
+
+    /// The entity group, for [`Origin::Group`].
+    pub fn group(&self) -> Option<&'static str> {
+        match self {
+            Origin::Group(group) => Some(group),
+            Origin::Table { .. } => None,
+        }
+    }
+}
+
+impl std::fmt::Display for Origin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Origin::Group(group) => write!(f, "group `{group}`"),
+            Origin::Table { subsystem, table } => {
+                write!(f, "{} table `{table}`", subsystem.as_str())
+            }
+        }
+    }
+}
+
+/// The parts of shardkit that keep tables of their own.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Subsystem {
+    /// Global secondary indexes: index tables and their catalog.
+    Gsi,
+    /// Ticket sequences on the ticket servers.
+    Ids,
+    /// Denormalisation rollouts: their state table.
+    Rollout,
+    /// Verification of rows between tables or shards.
+    Verify,
+}
+
+impl Subsystem {
+    /// `gsi`, `ids`, `rollout` or `verify`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Subsystem::Gsi => "gsi",
+            Subsystem::Ids => "ids",
+            Subsystem::Rollout => "rollout",
+            Subsystem::Verify => "verify",
         }
     }
 }
@@ -486,7 +590,7 @@ pub struct ShardFailure {
 
 impl std::fmt::Display for ShardFailure {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}: {}", self.shard, self.error)
+        write!(f, "{}: {}", self.shard, self.error.report())
     }
 }
 

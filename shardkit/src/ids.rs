@@ -26,7 +26,10 @@
 //!   shard is known from the id alone ([`Cluster::next_encoded_id`]).
 
 use crate::entity::{EntityGroup, ShardKey, ShardedEntity, table_name};
-use crate::error::{Result, ShardError};
+use crate::error::{Result, ShardError, Subsystem};
+
+/// The registry of sequences on every ticket server.
+const SEQUENCES_TABLE: &str = "shardkit_ticket_sequences";
 use crate::pipeline::{WriteCtx, WriteOp, WriteStage};
 use crate::topology::{IdsConfig, ShardId, Target, Topology};
 use sea_orm::{ConnectionTrait, DatabaseConnection, DbBackend, Statement};
@@ -162,7 +165,10 @@ impl Ids {
         for server in &self.tickets.servers {
             let backend = server.conn.get_database_backend();
             let err = |source| ShardError::Db {
-                group: "ids",
+                origin: Box::new(crate::error::Origin::table(
+                    Subsystem::Ids,
+                    format!("tickets_{name}"),
+                )),
                 shard: server.name.clone(),
                 operation: format!("create sequence {name}"),
                 source,
@@ -203,7 +209,10 @@ impl Ids {
                         .map(|r| r.try_get::<String>("", "name"))
                         .collect::<std::result::Result<_, _>>()
                         .map_err(|source| ShardError::Db {
-                            group: "ids",
+                            origin: Box::new(crate::error::Origin::table(
+                                Subsystem::Ids,
+                                SEQUENCES_TABLE,
+                            )),
                             shard: server.name.clone(),
                             operation: "list sequences".into(),
                             source,
@@ -211,7 +220,10 @@ impl Ids {
                 }
                 Err(source) => {
                     last = Some(ShardError::Db {
-                        group: "ids",
+                        origin: Box::new(crate::error::Origin::table(
+                            Subsystem::Ids,
+                            SEQUENCES_TABLE,
+                        )),
                         shard: server.name.clone(),
                         operation: "list sequences".into(),
                         source,
@@ -296,7 +308,10 @@ impl Ids {
                 .execute_unprepared(&sql)
                 .await
                 .map_err(|source| ShardError::Db {
-                    group: "ids",
+                    origin: Box::new(crate::error::Origin::table(
+                        Subsystem::Ids,
+                        format!("tickets_{name}"),
+                    )),
                     shard: server.name.clone(),
                     operation: format!("advance sequence {name}"),
                     source,
@@ -449,7 +464,10 @@ async fn ticket_from(
             return TicketFailure::NoSuchSequence;
         }
         TicketFailure::Failed(ShardError::Db {
-            group: "ids",
+            origin: Box::new(crate::error::Origin::table(
+                Subsystem::Ids,
+                format!("tickets_{name}"),
+            )),
             shard: server.name.clone(),
             operation: format!("ticket {name}"),
             source,
@@ -582,7 +600,7 @@ impl Sequence {
                         // request lasts (at most `timeout_ms` per server).
                         tokio::spawn(async move {
                             if let Err(err) = seq.fetch().await {
-                                tracing::warn!(sequence = %seq.name, error = %err, "prefetching the next block failed; the next caller that needs it asks again");
+                                tracing::warn!(sequence = %seq.name, error = %err.report(), "prefetching the next block failed; the next caller that needs it asks again");
                             }
                         });
                     }
@@ -902,9 +920,10 @@ impl WriteStage for FillIds {
         if op != WriteOp::Insert || !model.get(column).is_not_set() {
             return Ok(());
         }
-        let id = self.ids.generate(strategy).await?;
+        // Boxed, so writes of entities without ids do not carry its state.
+        let id = Box::pin(self.ids.generate(strategy)).await?;
         model.try_set(column, id).map_err(|source| ShardError::Db {
-            group: <E::Group as EntityGroup>::NAME,
+            origin: Box::new(crate::error::Origin::Group(<E::Group as EntityGroup>::NAME)),
             shard: ctx.shard_name.to_owned(),
             operation: format!("insert {}", table_name::<E>()),
             source,

@@ -71,11 +71,16 @@
 //! - [`topology`]: buckets → logical shards → hosts; hash (PostgreSQL
 //!   partition-compatible), range, modulo and directory placements; the TOML
 //!   config ([`ClusterConfig`]) and its validation.
-//! - [`cluster`]: [`Cluster`], the entry point: connections, routing,
-//!   migrations, directory tables.
-//! - [`read`]: keyed reads ([`Find`]).
-//! - [`tx`]: [`ShardTx`], a transaction pinned to one key.
+//! - [`cluster`]: [`Cluster`], the entry point and facade: connections,
+//!   routing, migrations, directory tables, and the features below.
+//! - [`read`]: reads, planned before any I/O ([`Find`], `.explain()`).
+//! - [`tx`]: [`ShardTx`], a transaction pinned to one key, whose writes all
+//!   pass through the write [`pipeline`].
+//! - [`ids`], [`gsi`], [`rollout`], [`verify`]: unique ids, global secondary
+//!   indexes, denormalisation rollouts, verification.
 //! - [`error`]: [`ShardError`], the one error type.
+//!
+//! `ARCHITECTURE.md` in the repository maps the modules and their layers.
 //!
 //! ## Compile-time guarantees
 //!
@@ -109,7 +114,7 @@ pub use cluster::{
     StatementEvent, StatementObserver,
 };
 pub use entity::{EntityGroup, GroupKey, InGroup, KeyRef, ShardKey, ShardedEntity};
-pub use error::{ErrorKind, Result, Retry, ShardError, ShardFailure};
+pub use error::{ErrorKind, Origin, Result, Retry, ShardError, ShardFailure, Subsystem};
 pub use ids::{Ids, Sequence, Snowflake, SnowflakeLayout, uuid_v7};
 pub use read::{
     AllowPartial, ByIndex, Find, KeyOf, Keyed, KeyedSelect, Keys, MergePlan, Partial, PlannedRoute,

@@ -29,14 +29,14 @@
 //! Every method has a default that does nothing, so a stage implements
 //! only the steps it takes part in.
 
-use crate::entity::ShardedEntity;
+use crate::entity::{ShardKey, ShardedEntity};
 use crate::error::Result;
 use crate::exec::Shards;
 use crate::topology::ShardId;
 use futures::future::BoxFuture;
 use sea_orm::DatabaseTransaction;
 use std::future::Future;
-use std::sync::Mutex;
+use std::sync::{Mutex, OnceLock};
 
 /// Which write a stage sees.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -70,12 +70,31 @@ pub struct WriteCtx<'a> {
     pub(crate) txn: &'a DatabaseTransaction,
     pub(crate) shard: ShardId,
     pub(crate) shard_name: &'a str,
-    /// The transaction's key as [`ShardKey::to_directory_text`](crate::ShardKey::to_directory_text).
-    pub(crate) key: &'a str,
+    /// The transaction's key.
+    pub(crate) key: &'a dyn KeyText,
+    /// Its text, made on first use (most writes never need it).
+    pub(crate) key_text: &'a OnceLock<String>,
     pub(crate) after_commit: &'a Mutex<Vec<AfterCommit>>,
 }
 
+/// A shard key as text ([`ShardKey::to_directory_text`]), whatever its type.
+pub(crate) trait KeyText: Send + Sync {
+    fn key_text(&self) -> String;
+}
+
+impl<K: ShardKey> KeyText for K {
+    fn key_text(&self) -> String {
+        self.to_directory_text()
+    }
+}
+
 impl WriteCtx<'_> {
+    /// The transaction's key as [`ShardKey::to_directory_text`], as stages
+    /// store it.
+    pub(crate) fn key(&self) -> &str {
+        self.key_text.get_or_init(|| self.key.key_text())
+    }
+
     /// Queues `work` for after the commit, in the order queued.
     pub(crate) fn defer(&self, work: AfterCommit) {
         self.after_commit

@@ -5,7 +5,7 @@
 //! key is refused even when it would land on the same database. Rows of other
 //! groups are refused at compile time (the [`InGroup`] bound).
 
-use crate::entity::{EntityGroup, InGroup, ShardKey, table_name};
+use crate::entity::{EntityGroup, InGroup, table_name};
 use crate::error::{Result, ShardError};
 use crate::exec::{Begun, Shards};
 use crate::pipeline::{AfterCommit, Replaced, WriteCtx, WriteOp, WriteStage, Written};
@@ -15,6 +15,7 @@ use sea_orm::{
     ActiveModelBehavior, ActiveModelTrait, ColumnTrait, DatabaseTransaction, DbErr, EntityTrait,
     IntoActiveModel, QueryFilter,
 };
+use std::future::Future;
 use std::sync::{Arc, Mutex};
 
 /// A transaction on the shard of one key of group `G`, whose writes pass
@@ -35,9 +36,8 @@ pub struct ShardTx<G: EntityGroup, P> {
     /// Work the stages queued for after the commit, in order.
     after_commit: Mutex<Vec<AfterCommit>>,
     key: G::Key,
-    /// `key` as the text stages store.
-    key_text: String,
-    shard: String,
+    /// `key` as the text stages store, made when first needed.
+    key_text: std::sync::OnceLock<String>,
     target: Target,
     poisoned: std::sync::OnceLock<String>,
     span: tracing::Span,
@@ -51,7 +51,7 @@ impl<G: EntityGroup, P> std::fmt::Debug for ShardTx<G, P> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ShardTx")
             .field("group", &G::NAME)
-            .field("shard", &self.shard)
+            .field("shard", &self.shards.shard_name(self.target.shard))
             .field("target", &self.target)
             .finish_non_exhaustive()
     }
@@ -61,7 +61,6 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
     pub(crate) fn new(begun: Begun, shards: Shards, stages: Arc<P>, key: G::Key) -> Self {
         let Begun {
             txn,
-            shard,
             target,
             span,
             writer,
@@ -71,9 +70,8 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
             shards,
             stages,
             after_commit: Mutex::new(Vec::new()),
-            key_text: key.to_directory_text(),
+            key_text: std::sync::OnceLock::new(),
             key,
-            shard,
             target,
             poisoned: std::sync::OnceLock::new(),
             span,
@@ -88,7 +86,7 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
 
     /// The name of the shard it runs on.
     pub fn shard(&self) -> &str {
-        &self.shard
+        self.shards.shard_name(self.target.shard)
     }
 
     /// Where its key was routed.
@@ -123,7 +121,7 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
         match self.poisoned.get() {
             Some(reason) => Err(ShardError::RollbackOnly {
                 group: G::NAME,
-                shard: self.shard.clone(),
+                shard: self.shard().to_owned(),
                 reason: reason.clone(),
             }),
             None => Ok(()),
@@ -215,16 +213,17 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
             shards: &self.shards,
             txn: &self.txn,
             shard: self.target.shard,
-            shard_name: &self.shard,
-            key: &self.key_text,
+            shard_name: self.shard(),
+            key: &self.key,
+            key_text: &self.key_text,
             after_commit: &self.after_commit,
         }
     }
 
     fn write_err<E: EntityTrait>(&self, op: &str, source: DbErr) -> ShardError {
         ShardError::Db {
-            group: G::NAME,
-            shard: self.shard.clone(),
+            origin: Box::new(crate::error::Origin::Group(G::NAME)),
+            shard: self.shard().to_owned(),
             operation: format!("{op} {}", table_name::<E>()),
             source,
         }
@@ -239,26 +238,34 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
     /// The shard key is checked before anything runs, and again after
     /// `ActiveModelBehavior::before_save`, so a hook cannot move the row. An
     /// unset primary key with `#[shardkit(id = "...")]` is filled first.
-    pub async fn insert<A>(&self, model: A) -> Result<<A::Entity as EntityTrait>::Model>
+    pub fn insert<A>(
+        &self,
+        model: A,
+    ) -> impl Future<Output = Result<<A::Entity as EntityTrait>::Model>> + '_
     where
         A: ActiveModelTrait + ActiveModelBehavior + Send + 'static,
         A::Entity: InGroup<G> + EntityTrait<ActiveModel = A>,
         <A::Entity as EntityTrait>::Model: IntoActiveModel<A>,
     {
-        self.save::<A::Entity>(WriteOp::Insert, model).await
+        // The pipeline's future itself, not one wrapped around it: every
+        // wrapping layer is one more copy of the whole write's state.
+        self.save::<A::Entity>(WriteOp::Insert, model)
     }
 
     /// Updates a row of the transaction's key by primary key; returns it as
     /// stored. The `UPDATE` also matches the shard key, so a row of another key
     /// with the same primary key is never touched (SeaORM's
     /// `RecordNotUpdated` is returned instead).
-    pub async fn update<A>(&self, model: A) -> Result<<A::Entity as EntityTrait>::Model>
+    pub fn update<A>(
+        &self,
+        model: A,
+    ) -> impl Future<Output = Result<<A::Entity as EntityTrait>::Model>> + '_
     where
         A: ActiveModelTrait + ActiveModelBehavior + Send + 'static,
         A::Entity: InGroup<G> + EntityTrait<ActiveModel = A>,
         <A::Entity as EntityTrait>::Model: IntoActiveModel<A>,
     {
-        self.save::<A::Entity>(WriteOp::Update, model).await
+        self.save::<A::Entity>(WriteOp::Update, model)
     }
 
     /// An insert or an update, through the write pipeline (see
@@ -301,7 +308,10 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
                         .exec_with_returning(&self.txn)
                         .await
                         .map_err(|e| self.write_err::<E>(name, e))?;
-                    self.saved::<E>(&ctx, op, &row).await?;
+                    self.stages
+                        .after_write::<E>(&ctx, op, Written::Saved(&row))
+                        .await
+                        .map_err(|e| self.poison(e))?;
                     row
                 }
                 None if !model.is_changed() => {
@@ -323,14 +333,18 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
                         .before_write::<E>(&ctx, op, &model, current.as_ref())
                         .await
                         .map_err(|e| self.poison_if_aborted(e))?;
-                    let row = E::update(model)
+                    let update = E::update(model)
                         .validate()
                         .map_err(|e| self.write_err::<E>(name, e))?
-                        .filter(self.key_condition::<E>())
+                        .filter(self.key_condition::<E>());
+                    let row = update
                         .exec(&self.txn)
                         .await
                         .map_err(|e| self.write_err::<E>(name, e))?;
-                    self.saved::<E>(&ctx, op, &row).await?;
+                    self.stages
+                        .after_write::<E>(&ctx, op, Written::Saved(&row))
+                        .await
+                        .map_err(|e| self.poison(e))?;
                     row
                 }
             };
@@ -339,18 +353,6 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
                 .map_err(|e| self.write_err::<E>(name, e))
         })
         .await
-    }
-
-    async fn saved<E: InGroup<G>>(
-        &self,
-        ctx: &WriteCtx<'_>,
-        op: WriteOp,
-        row: &E::Model,
-    ) -> Result<()> {
-        self.stages
-            .after_write::<E>(ctx, op, Written::Saved(row))
-            .await
-            .map_err(|e| self.poison(e))
     }
 
     /// Deletes a row of the transaction's key by primary key; returns the
@@ -388,10 +390,11 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
                     } else {
                         None
                     };
-                    let rows = <A::Entity as EntityTrait>::delete(model.clone())
+                    let delete = <A::Entity as EntityTrait>::delete(model.clone())
                         .validate()
                         .map_err(|e| self.write_err::<A::Entity>(name, e))?
-                        .filter(self.key_condition::<A::Entity>())
+                        .filter(self.key_condition::<A::Entity>());
+                    let rows = delete
                         .exec(&self.txn)
                         .await
                         .map_err(|e| self.write_err::<A::Entity>(name, e))?
@@ -420,7 +423,7 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
     pub fn find<E: InGroup<G>>(&self) -> TxFind<'_, E, DatabaseTransaction> {
         TxFind::new(
             &self.txn,
-            &self.shard,
+            self.shard(),
             &E::group_key_as_entity_key(&self.key),
         )
     }
@@ -430,9 +433,10 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
     /// write stages queued (cache fills, removal of replaced index rows).
     pub async fn commit(self) -> Result<()> {
         if let Some(reason) = self.poison_reason() {
-            let ShardTx { txn, shard, .. } = self;
+            let shard = self.shard().to_owned();
+            let ShardTx { txn, .. } = self;
             txn.rollback().await.map_err(|source| ShardError::Db {
-                group: G::NAME,
+                origin: Box::new(crate::error::Origin::Group(G::NAME)),
                 shard: shard.clone(),
                 operation: "rollback".to_owned(),
                 source,
@@ -445,7 +449,8 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
         }
         let ShardTx {
             txn,
-            shard,
+            shards,
+            target,
             span,
             after_commit,
             _writer: writer,
@@ -454,8 +459,8 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
         crate::trace::in_span(span, txn.commit())
             .await
             .map_err(|source| ShardError::Db {
-                group: G::NAME,
-                shard,
+                origin: Box::new(crate::error::Origin::Group(G::NAME)),
+                shard: shards.shard_name(target.shard).to_owned(),
                 operation: "commit".to_owned(),
                 source,
             })?;
@@ -469,9 +474,10 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
 
     /// Rolls back.
     pub async fn rollback(self) -> Result<()> {
-        let ShardTx { txn, shard, .. } = self;
+        let shard = self.shard().to_owned();
+        let ShardTx { txn, .. } = self;
         txn.rollback().await.map_err(|source| ShardError::Db {
-            group: G::NAME,
+            origin: Box::new(crate::error::Origin::Group(G::NAME)),
             shard,
             operation: "rollback".to_owned(),
             source,

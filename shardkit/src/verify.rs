@@ -188,9 +188,12 @@ pub(crate) struct Target<'a> {
 
 type RowFilter<'a, M> = Option<&'a (dyn Fn(&M) -> bool + Send + Sync)>;
 
-fn verify_err(shard: &str, what: String, source: DbErr) -> ShardError {
+fn verify_err(shard: &str, table: &str, what: String, source: DbErr) -> ShardError {
     ShardError::Db {
-        group: "verify",
+        origin: Box::new(crate::error::Origin::table(
+            crate::error::Subsystem::Verify,
+            table,
+        )),
         shard: shard.to_owned(),
         operation: what,
         source,
@@ -233,7 +236,7 @@ async fn db_digest<E: EntityTrait>(
         .cond_where(after_condition::<E>(after))
         .cond_where(upto_condition::<E>(upto))
         .to_owned();
-    let err = |e| verify_err(shard, format!("digest {table}"), e);
+    let err = |e| verify_err(shard, table, format!("digest {table}"), e);
     let row = db.query_one(&stmt).await.map_err(err)?;
     let Some(row) = row else { return Ok(None) };
     let n: i64 = row.try_get("", "n").map_err(err)?;
@@ -275,7 +278,14 @@ where
         .into_tuple()
         .all(source.db)
         .await
-        .map_err(|e| verify_err(source.shard, format!("select {}", table_name::<S>()), e))?;
+        .map_err(|e| {
+            verify_err(
+                source.shard,
+                table_name::<S>(),
+                format!("select {}", table_name::<S>()),
+                e,
+            )
+        })?;
         let full = pks.len() as u64 == opts.chunk;
         let upto = pks
             .into_iter()
@@ -297,7 +307,14 @@ where
             .limit(opts.chunk)
             .all(source.db)
             .await
-            .map_err(|e| verify_err(source.shard, format!("select {}", table_name::<S>()), e))?;
+            .map_err(|e| {
+                verify_err(
+                    source.shard,
+                    table_name::<S>(),
+                    format!("select {}", table_name::<S>()),
+                    e,
+                )
+            })?;
         let full = rows.len() as u64 == opts.chunk;
         let upto = rows
             .last()
@@ -316,7 +333,14 @@ where
         )
         .all(source.db)
         .await
-        .map_err(|e| verify_err(source.shard, format!("select {}", table_name::<S>()), e))?
+        .map_err(|e| {
+            verify_err(
+                source.shard,
+                table_name::<S>(),
+                format!("select {}", table_name::<S>()),
+                e,
+            )
+        })?
         .iter()
         .map(|r| (source.convert)(r))
         .collect(),
@@ -328,7 +352,14 @@ where
     )
     .all(target.db)
     .await
-    .map_err(|e| verify_err(target.shard, format!("select {}", table_name::<D>()), e))?;
+    .map_err(|e| {
+        verify_err(
+            target.shard,
+            table_name::<D>(),
+            format!("select {}", table_name::<D>()),
+            e,
+        )
+    })?;
     let keep = |m: &D::Model| filter.is_none_or(|f| f(m));
     let digest = |rows: &[D::Model]| {
         rows.iter()
@@ -395,8 +426,22 @@ where
     D: EntityTrait,
     D::Model: IntoActiveModel<D::ActiveModel>,
 {
-    let serr = |e| verify_err(source.shard, format!("repair {}", table_name::<D>()), e);
-    let terr = |e| verify_err(target.shard, format!("repair {}", table_name::<D>()), e);
+    let serr = |e| {
+        verify_err(
+            source.shard,
+            table_name::<D>(),
+            format!("repair {}", table_name::<D>()),
+            e,
+        )
+    };
+    let terr = |e| {
+        verify_err(
+            target.shard,
+            table_name::<D>(),
+            format!("repair {}", table_name::<D>()),
+            e,
+        )
+    };
     let src_txn = crate::exec::begin_write(source.db).await.map_err(serr)?;
     let row = S::find()
         .filter(pk_condition::<S>(pk))
@@ -559,7 +604,7 @@ where
                             "rollout verify: differences"
                         ),
                         Err(err) => {
-                            tracing::warn!(rollout = %this.name(), error = %err, "rollout verify failed")
+                            tracing::warn!(rollout = %this.name(), error = %err.report(), "rollout verify failed")
                         }
                     }
                     std::ops::ControlFlow::Continue(())

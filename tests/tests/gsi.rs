@@ -23,6 +23,7 @@ backend_tests!(4 =>
     pinned_index_lives_on_one_shard,
     index_rows_beside_their_owner_commit_relaxed,
     by_index_reports_a_failed_owner_shard,
+    a_failed_index_write_names_its_table,
 );
 
 async fn gsi_cluster(dbs: &TestDbs, extra: &str) -> (Cluster, Sent) {
@@ -842,4 +843,53 @@ async fn by_index_reports_a_failed_owner_shard(dbs: &mut TestDbs) {
         .await
         .unwrap();
     assert_eq!(live.map(|r| r.id), Some(2000));
+}
+
+/// A statement that fails on an index table says so: `origin` names the
+/// subsystem and the table, the driver's error is the typed `source()` and
+/// appears once in `report()`, not in the message; the row is not written.
+async fn a_failed_index_write_names_its_table(dbs: &mut TestDbs) {
+    let (cluster, _) = gsi_cluster(dbs, "").await;
+    for shard in cluster.topology().shard_names() {
+        cluster
+            .connection(shard)
+            .unwrap()
+            .execute_unprepared("DROP TABLE gsi_contacts_email")
+            .await
+            .unwrap();
+    }
+    let err = add_contact(&cluster, 1, 7, "a@example.com", "555")
+        .await
+        .unwrap_err();
+    let ShardError::Db { origin, source, .. } = &err else {
+        panic!("expected a database error, got {err:?}");
+    };
+    assert_eq!(
+        **origin,
+        shardkit::Origin::Table {
+            subsystem: shardkit::Subsystem::Gsi,
+            table: "gsi_contacts_email".to_owned(),
+        },
+        "{err:?}"
+    );
+    let driver = source.to_string();
+    assert!(!err.to_string().contains(&driver), "{err}");
+    let report = err.report().to_string();
+    assert_eq!(report.matches(&driver).count(), 1, "{report}");
+    assert!(
+        report.contains("gsi table `gsi_contacts_email`"),
+        "{report}"
+    );
+    let typed = std::error::Error::source(&err).and_then(|s| s.downcast_ref::<sea_orm::DbErr>());
+    assert!(typed.is_some(), "{err:?}");
+    let rows = cluster
+        .find::<contact::Entity>()
+        .key(7)
+        .all()
+        .await
+        .unwrap();
+    assert!(
+        rows.is_empty(),
+        "index-first: no row without its index row: {rows:?}"
+    );
 }

@@ -55,7 +55,11 @@ async fn injected_failures_leave_only_dangling_index_rows(dbs: &mut TestDbs) {
                 committed.insert(email, i);
             }
             Err(err) => {
-                assert!(err.to_string().contains("failpoint"), "{err}");
+                assert!(
+                    err.report().to_string().contains("failpoint"),
+                    "{}",
+                    err.report()
+                );
                 drop(tx);
                 failed.push(email);
             }

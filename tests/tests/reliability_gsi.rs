@@ -471,7 +471,11 @@ async fn race(cluster: &Cluster, phase: &'static str, writers: &[i64]) {
                     let _ = w;
                     match add(&cluster, id, customer, &email, "p").await {
                         Err(e) if e.retry() != Retry::Never && retried < 20 => {
-                            assert!(!e.to_string().contains("SAVEPOINT"), "{e}");
+                            assert!(
+                                !e.report().to_string().contains("SAVEPOINT"),
+                                "{}",
+                                e.report()
+                            );
                             retried += 1;
                         }
                         other => break other,

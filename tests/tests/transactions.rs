@@ -92,7 +92,7 @@ async fn abort_like_a_deadlock(tx: &ShardTx<Customer>) -> shardkit::Result<()> {
     conn.execute_unprepared(sql)
         .await
         .map_err(|source| ShardError::Db {
-            group: "Customer",
+            origin: Box::new(shardkit::Origin::Group("Customer")),
             shard: tx.shard().to_owned(),
             operation: "deadlock".to_owned(),
             source,

@@ -55,7 +55,7 @@ impl<G: EntityGroup> Directory<G> {
 
     fn db_err(&self, operation: &str, source: sea_orm::DbErr) -> ShardError {
         ShardError::Db {
-            group: G::NAME,
+            origin: Box::new(crate::error::Origin::Group(G::NAME)),
             shard: format!("directory:{}", G::NAME),
             operation: operation.to_owned(),
             source,

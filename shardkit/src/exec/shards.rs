@@ -273,7 +273,7 @@ impl Shards {
             Some(target) => target,
             None => self.route::<G>(key).await?,
         };
-        let shard = self.shard_name(target.shard).to_owned();
+        let shard = self.shard_name(target.shard);
         let span = tracing::info_span!(
             "shardkit.tx",
             group = G::NAME,
@@ -298,8 +298,8 @@ impl Shards {
                     .ok()
                     .and_then(|p| p.ok())
                     .ok_or_else(|| ShardError::Db {
-                        group: G::NAME,
-                        shard: shard.clone(),
+                        origin: Box::new(crate::error::Origin::Group(G::NAME)),
+                        shard: shard.to_owned(),
                         operation: "begin".to_owned(),
                         source: sea_orm::DbErr::ConnectionAcquire(sea_orm::ConnAcquireErr::Timeout),
                     })?;
@@ -310,11 +310,13 @@ impl Shards {
         // Under the shard's breaker: a shard that refuses or hangs fails the
         // begin with its cause instead of after the pool's acquire timeout.
         let begin = async {
-            crate::exec::begin_write(conn)
+            // Boxed where it is made: the breaker and its timeout around it
+            // would otherwise copy the driver's large future.
+            Box::pin(crate::exec::begin_write(conn))
                 .await
                 .map_err(|source| ShardError::Db {
-                    group: G::NAME,
-                    shard: shard.clone(),
+                    origin: Box::new(crate::error::Origin::Group(G::NAME)),
+                    shard: shard.to_owned(),
                     operation: "begin".to_owned(),
                     source,
                 })
@@ -322,7 +324,6 @@ impl Shards {
         let txn = self.bounded(target.shard, G::NAME, None, begin).await?;
         Ok(Begun {
             txn,
-            shard,
             target,
             span,
             writer,
@@ -333,7 +334,6 @@ impl Shards {
 /// A write transaction [`Shards::begin`] opened.
 pub(crate) struct Begun {
     pub(crate) txn: sea_orm::DatabaseTransaction,
-    pub(crate) shard: String,
     pub(crate) target: Target,
     pub(crate) span: tracing::Span,
     /// The cluster's SQLite write slot, to hold until the transaction ends.

@@ -54,7 +54,9 @@ impl<'c> Gsi<'c> {
                 let rows = keyset::chunk::<E>(after.as_deref(), chunk)
                     .all(db)
                     .await
-                    .map_err(|e| gsi_err(shard, format!("backfill {}", index.table), e))?;
+                    .map_err(|e| {
+                        gsi_err(shard, &index.table, format!("backfill {}", index.table), e)
+                    })?;
                 let read = rows.len() as u64;
                 for row in &rows {
                     let value = row.get(column);

@@ -21,7 +21,7 @@ impl<'c> Gsi<'c> {
                     collation,
                 ))
                 .await
-                .map_err(|e| gsi_err(shard, format!("create {}", index.table), e))?;
+                .map_err(|e| gsi_err(shard, &index.table, format!("create {}", index.table), e))?;
                 if let Some(collation) = collation {
                     convert_to_collation(db, shard, &index.table, collation).await?;
                 }
@@ -54,9 +54,9 @@ impl<'c> Gsi<'c> {
                             .to_owned(),
                     )
                     .to_owned();
-                db.execute(&insert)
-                    .await
-                    .map_err(|e| gsi_err(shard, format!("register {}", index.table), e))?;
+                db.execute(&insert).await.map_err(|e| {
+                    gsi_err(shard, &index.table, format!("register {}", index.table), e)
+                })?;
             }
         }
         Ok(())
@@ -119,7 +119,7 @@ impl<'c> Gsi<'c> {
                 .to_owned();
             db.execute(&stmt)
                 .await
-                .map_err(|e| gsi_err(shard, "update gsi catalog".into(), e))?;
+                .map_err(|e| gsi_err(shard, CATALOG_TABLE, "update gsi catalog".into(), e))?;
         }
         self.state
             .states
@@ -158,9 +158,9 @@ impl<'c> Gsi<'c> {
         let row = db
             .query_one(&stmt)
             .await
-            .map_err(|e| gsi_err(shard, "read gsi catalog".into(), e))?;
+            .map_err(|e| gsi_err(shard, CATALOG_TABLE, "read gsi catalog".into(), e))?;
         row.map(|r| r.try_get::<Option<String>>("", column))
             .transpose()
-            .map_err(|e| gsi_err(shard, "read gsi catalog".into(), e))
+            .map_err(|e| gsi_err(shard, CATALOG_TABLE, "read gsi catalog".into(), e))
     }
 }

@@ -31,12 +31,12 @@ impl<'c> Gsi<'c> {
         let rows = db
             .query_all(&stmt)
             .await
-            .map_err(|e| gsi_err(shard, format!("lookup in {}", index.table), e))?;
+            .map_err(|e| gsi_err(shard, &index.table, format!("lookup in {}", index.table), e))?;
         let mut keys = Vec::with_capacity(rows.len());
         for row in rows {
-            let text: String = row
-                .try_get("", "shard_key")
-                .map_err(|e| gsi_err(shard, format!("lookup in {}", index.table), e))?;
+            let text: String = row.try_get("", "shard_key").map_err(|e| {
+                gsi_err(shard, &index.table, format!("lookup in {}", index.table), e)
+            })?;
             keys.push(text);
         }
         Ok(Some(keys))

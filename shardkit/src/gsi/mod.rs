@@ -169,9 +169,15 @@ impl IndexDef {
     }
 }
 
-fn gsi_err(shard: &str, operation: String, source: DbErr) -> ShardError {
+/// The table of every index's state.
+const CATALOG_TABLE: &str = "shardkit_gsi_catalog";
+
+fn gsi_err(shard: &str, table: &str, operation: String, source: DbErr) -> ShardError {
     ShardError::Db {
-        group: "gsi",
+        origin: Box::new(crate::error::Origin::table(
+            crate::error::Subsystem::Gsi,
+            table,
+        )),
         shard: shard.to_owned(),
         operation,
         source,
@@ -256,10 +262,14 @@ async fn mysql_exact_collation(db: &DatabaseConnection, shard: &str) -> Result<&
          WHERE COLLATION_NAME IN (?, ?)",
         CANDIDATES.map(Value::from),
     );
-    let rows = db
-        .query_all_raw(stmt)
-        .await
-        .map_err(|e| gsi_err(shard, "read collations".into(), e))?;
+    let rows = db.query_all_raw(stmt).await.map_err(|e| {
+        gsi_err(
+            shard,
+            "information_schema.COLLATIONS",
+            "read collations".into(),
+            e,
+        )
+    })?;
     let names: Vec<String> = rows
         .iter()
         .filter_map(|r| r.try_get::<String>("", "name").ok())
@@ -287,7 +297,7 @@ async fn convert_to_collation(
     table: &str,
     collation: &str,
 ) -> Result<()> {
-    let err = |e| gsi_err(shard, format!("convert {table} to {collation}"), e);
+    let err = |e| gsi_err(shard, table, format!("convert {table} to {collation}"), e);
     let stmt = Statement::from_sql_and_values(
         DbBackend::MySql,
         "SELECT COUNT(*) AS n FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = DATABASE() \

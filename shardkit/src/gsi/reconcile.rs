@@ -14,7 +14,7 @@ impl<'c> Gsi<'c> {
             let index = IndexDef::of::<E>(*column, *unique);
             for id in self.group_shards(<E::Group as EntityGroup>::NAME)? {
                 let (db, shard) = self.conn(id);
-                let err = |e| gsi_err(shard, format!("reconcile {}", index.table), e);
+                let err = |e| gsi_err(shard, &index.table, format!("reconcile {}", index.table), e);
                 let mut after: Vec<Value> = Vec::new();
                 let mut dangling = Vec::new();
                 const COLUMNS: [&str; 3] = ["value", "shard_key", "owner_pk"];
@@ -71,7 +71,9 @@ impl<'c> Gsi<'c> {
                     let rows = keyset::chunk::<E>(after.as_deref(), RECONCILE_CHUNK)
                         .all(db)
                         .await
-                        .map_err(|e| gsi_err(shard, format!("reconcile {}", index.table), e))?;
+                        .map_err(|e| {
+                            gsi_err(shard, &index.table, format!("reconcile {}", index.table), e)
+                        })?;
                     if let Some(last) = rows.last() {
                         after = Some(keyset::model_pk_values::<E>(last));
                     }
@@ -126,7 +128,7 @@ impl<'c> Gsi<'c> {
         Ok(db
             .query_one(&stmt)
             .await
-            .map_err(|e| gsi_err(shard, format!("check {}", index.table), e))?
+            .map_err(|e| gsi_err(shard, &index.table, format!("check {}", index.table), e))?
             .is_some())
     }
 
@@ -156,7 +158,7 @@ impl<'c> Gsi<'c> {
                             "gsi reconcile"
                         ),
                         Err(err) => {
-                            tracing::warn!(table = table_name::<E>(), error = %err, "gsi reconcile failed")
+                            tracing::warn!(table = table_name::<E>(), error = %err.report(), "gsi reconcile failed")
                         }
                     }
                     ControlFlow::Continue(())

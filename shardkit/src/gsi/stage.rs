@@ -34,7 +34,7 @@ impl IndexFirst {
                 .removal::<E>(
                     &index,
                     &row.get(*column),
-                    ctx.key,
+                    ctx.key(),
                     &owner,
                     Some((ctx.shard, ctx.txn)),
                 )
@@ -47,10 +47,58 @@ impl IndexFirst {
                 // ignore and reconciliation removes.
                 ctx.defer(Box::pin(async move {
                     if let Err(err) = Gsi::new(&shards, &state).remove_entry(&removal).await {
-                        tracing::warn!(index = %removal.index.table, error = %err, "index row left for reconciliation");
+                        tracing::warn!(index = %removal.index.table, error = %err.report(), "index row left for reconciliation");
                     }
                 }));
             }
+        }
+        Ok(())
+    }
+
+    // `op` names the operation in the failpoint's error only.
+    #[cfg_attr(not(feature = "failpoints"), allow(unused_variables))]
+    async fn index_rows<E: ShardedEntity>(
+        &self,
+        ctx: &WriteCtx<'_>,
+        op: WriteOp,
+        model: &E::ActiveModel,
+        current: Option<&E::Model>,
+    ) -> Result<()> {
+        let owner = owner_pk(model);
+        let gsi = Gsi::new(ctx.shards, &self.state);
+        let mut changed = Vec::new();
+        for (column, unique) in E::GLOBAL_INDEXES {
+            let value = match (model.get(*column), current) {
+                (ActiveValue::Set(v), _) | (ActiveValue::Unchanged(v), None) => v,
+                _ => continue,
+            };
+            if let Some(current) = current {
+                if value_text(&current.get(*column)) == value_text(&value) {
+                    continue;
+                }
+                changed.push(column.as_str());
+            }
+            let index = IndexDef::of::<E>(*column, *unique);
+            gsi.write_entry_from::<E>(
+                &index,
+                &value,
+                ctx.key(),
+                &owner,
+                Some((ctx.shard, ctx.txn)),
+            )
+            .await?;
+        }
+        fail::fail_point!("shardkit::gsi::after_index_write", |_| Err(
+            ShardError::Db {
+                origin: Box::new(crate::error::Origin::Group(<E::Group as EntityGroup>::NAME)),
+                shard: ctx.shard_name.to_owned(),
+                operation: format!("{} {}", op.as_str(), table_name::<E>()),
+                source: DbErr::Custom("failpoint shardkit::gsi::after_index_write".into()),
+            }
+        ));
+        if let Some(current) = current {
+            self.queue_removals::<E>(ctx, current, |c| changed.contains(&c))
+                .await?;
         }
         Ok(())
     }
@@ -75,37 +123,9 @@ impl WriteStage for IndexFirst {
         if E::GLOBAL_INDEXES.is_empty() || (op == WriteOp::Update && current.is_none()) {
             return Ok(());
         }
-        let owner = owner_pk(model);
-        let gsi = Gsi::new(ctx.shards, &self.state);
-        let mut changed = Vec::new();
-        for (column, unique) in E::GLOBAL_INDEXES {
-            let value = match (model.get(*column), current) {
-                (ActiveValue::Set(v), _) | (ActiveValue::Unchanged(v), None) => v,
-                _ => continue,
-            };
-            if let Some(current) = current {
-                if value_text(&current.get(*column)) == value_text(&value) {
-                    continue;
-                }
-                changed.push(column.as_str());
-            }
-            let index = IndexDef::of::<E>(*column, *unique);
-            gsi.write_entry_from::<E>(&index, &value, ctx.key, &owner, Some((ctx.shard, ctx.txn)))
-                .await?;
-        }
-        fail::fail_point!("shardkit::gsi::after_index_write", |_| Err(
-            ShardError::Db {
-                group: <E::Group as EntityGroup>::NAME,
-                shard: ctx.shard_name.to_owned(),
-                operation: format!("{} {}", op.as_str(), table_name::<E>()),
-                source: DbErr::Custom("failpoint shardkit::gsi::after_index_write".into()),
-            }
-        ));
-        if let Some(current) = current {
-            self.queue_removals::<E>(ctx, current, |c| changed.contains(&c))
-                .await?;
-        }
-        Ok(())
+        // Boxed: the index writes' state would otherwise sit inside every
+        // write's future, whether its entity has indexes or not.
+        Box::pin(self.index_rows::<E>(ctx, op, model, current)).await
     }
 
     /// A deleted row's index rows go after the commit.
@@ -121,7 +141,7 @@ impl WriteStage for IndexFirst {
             ..
         } = written
         {
-            self.queue_removals::<E>(ctx, current, |_| true).await?;
+            Box::pin(self.queue_removals::<E>(ctx, current, |_| true)).await?;
         }
         Ok(())
     }

@@ -34,7 +34,14 @@ impl<'c> Gsi<'c> {
             ))
             .one(db)
             .await
-            .map_err(|e| gsi_err(shard, format!("check owner in {}", table_name::<E>()), e))?;
+            .map_err(|e| {
+                gsi_err(
+                    shard,
+                    table_name::<E>(),
+                    format!("check owner in {}", table_name::<E>()),
+                    e,
+                )
+            })?;
         Ok(owner.is_some())
     }
 
@@ -152,7 +159,7 @@ impl<'c> Gsi<'c> {
         key: &str,
         owner: &str,
     ) -> Result<()> {
-        let err = |e| gsi_err(shard, format!("write {}", index.table), e);
+        let err = |e| gsi_err(shard, &index.table, format!("write {}", index.table), e);
         if !index.unique {
             // Writing a row that exists bumps its version, so a removal
             // queued before (which deletes only the version it read) leaves
@@ -477,7 +484,14 @@ impl<'c> Gsi<'c> {
         let relaxed = self.state.relaxed && db.get_database_backend() == DbBackend::Postgres;
         self.execute_index_write(db, shard, &delete, relaxed)
             .await
-            .map_err(|e| gsi_err(shard, format!("remove from {}", removal.index.table), e))
+            .map_err(|e| {
+                gsi_err(
+                    shard,
+                    &removal.index.table,
+                    format!("remove from {}", removal.index.table),
+                    e,
+                )
+            })
     }
 }
 
@@ -563,7 +577,7 @@ pub(super) fn write_err(index: &IndexDef, value: &str, shard: &str, e: DbErr) ->
             value: value.to_owned(),
         }
     } else {
-        gsi_err(shard, format!("write {}", index.table), e)
+        gsi_err(shard, &index.table, format!("write {}", index.table), e)
     }
 }
 

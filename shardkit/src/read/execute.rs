@@ -173,7 +173,9 @@ impl<E: ShardedEntity> Read<E> {
         let shard = self.shards.shard_name(target.shard);
         let span = read_span::<E>(shard, target.bucket, op);
         let conn = self.shards.shard_conn(target.shard);
-        let fut = crate::trace::in_span(span, run(*select, conn));
+        // Boxed once where it is made: SeaORM's future is large, and every
+        // layer around it (span, breaker, timeout) would otherwise copy it.
+        let fut = crate::trace::in_span(span, Box::pin(run(*select, conn)));
         let fut = async { fut.await.map_err(|e| read_err::<E>(shard, e)) };
         match self
             .shards
@@ -473,8 +475,8 @@ impl<E: ShardedEntity> Read<E> {
                 let shard = cluster.shard_name(id);
                 let now = in_flight.fetch_add(1, AtomicOrdering::Relaxed) + 1;
                 peak.fetch_max(now, AtomicOrdering::Relaxed);
-                let fut =
-                    run(select, cluster.shard_conn(id)).instrument(read_span::<E>(shard, None, op));
+                let fut = Box::pin(run(select, cluster.shard_conn(id)))
+                    .instrument(read_span::<E>(shard, None, op));
                 async move {
                     let fut = async { fut.await.map_err(|e| read_err::<E>(shard, e)) };
                     let result = cluster.bounded(id, Self::group(), timeout, fut).await;

@@ -89,7 +89,7 @@ pub(super) fn select_err(
     source: DbErr,
 ) -> ShardError {
     ShardError::Db {
-        group,
+        origin: Box::new(crate::error::Origin::Group(group)),
         shard: shard.to_owned(),
         operation: format!("select {table}"),
         source,

@@ -14,7 +14,9 @@ where
 {
     pub(super) fn db_err(&self, shard: &str, operation: String, source: DbErr) -> ShardError {
         ShardError::Db {
-            group: <Old::Group as EntityGroup>::NAME,
+            origin: Box::new(crate::error::Origin::Group(
+                <Old::Group as EntityGroup>::NAME,
+            )),
             shard: shard.to_owned(),
             operation,
             source,

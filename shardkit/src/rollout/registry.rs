@@ -4,25 +4,31 @@ use super::*;
 
 /// The rollouts registered on a cluster, by the old entity's type.
 #[derive(Default)]
-pub(crate) struct Registry(std::sync::RwLock<HashMap<TypeId, Arc<dyn OldWrites>>>);
+pub(crate) struct Registry {
+    map: std::sync::RwLock<HashMap<TypeId, Arc<dyn OldWrites>>>,
+    /// Whether any rollout is registered: most clusters have none, and every
+    /// write asks.
+    any: std::sync::atomic::AtomicBool,
+}
 
 impl Registry {
     /// The rollout registered for the entity with type id `entity`.
     pub(super) fn get(&self, entity: TypeId) -> Option<Arc<dyn OldWrites>> {
-        let map = self.0.read().unwrap_or_else(|p| p.into_inner());
-        if map.is_empty() {
+        if !self.any.load(std::sync::atomic::Ordering::Acquire) {
             return None;
         }
+        let map = self.map.read().unwrap_or_else(|p| p.into_inner());
         map.get(&entity).cloned()
     }
 
     /// Registers a rollout's write side; `false` if the entity has one.
     fn add(&self, entity: TypeId, writes: Arc<dyn OldWrites>) -> bool {
-        let mut map = self.0.write().unwrap_or_else(|p| p.into_inner());
+        let mut map = self.map.write().unwrap_or_else(|p| p.into_inner());
         if map.contains_key(&entity) {
             return false;
         }
         map.insert(entity, writes);
+        self.any.store(true, std::sync::atomic::Ordering::Release);
         true
     }
 }
@@ -154,7 +160,7 @@ impl Rollouts<'_> {
                 let (db, shard) = match state_db::<Old>(&rollout.shards) {
                     Ok(found) => found,
                     Err(err) => {
-                        tracing::warn!(rollout = %rollout.shared.name, error = %err, "rollout phase refresh failed; keeping the last phase");
+                        tracing::warn!(rollout = %rollout.shared.name, error = %err.report(), "rollout phase refresh failed; keeping the last phase");
                         return ControlFlow::Continue(());
                     }
                 };
@@ -162,7 +168,7 @@ impl Rollouts<'_> {
                     Ok(Some(state)) => rollout.shared.set_local_phase(state.phase),
                     Ok(None) => {}
                     Err(err) => {
-                        tracing::warn!(rollout = %rollout.shared.name, error = %err, "rollout phase refresh failed; keeping the last phase")
+                        tracing::warn!(rollout = %rollout.shared.name, error = %err.report(), "rollout phase refresh failed; keeping the last phase")
                     }
                 }
                 ControlFlow::Continue(())

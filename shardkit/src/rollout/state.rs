@@ -25,7 +25,10 @@ pub(crate) fn state_db<E: ShardedEntity>(shards: &Shards) -> Result<(&DatabaseCo
 
 pub(super) fn state_err(shard: &str, operation: &str, source: DbErr) -> ShardError {
     ShardError::Db {
-        group: "rollout",
+        origin: Box::new(crate::error::Origin::table(
+            crate::error::Subsystem::Rollout,
+            STATE_TABLE,
+        )),
         shard: shard.to_owned(),
         operation: format!("{operation} {STATE_TABLE}"),
         source,

@@ -111,7 +111,10 @@ pub struct Topology {
     shards: Vec<ShardSpec>,
     ticket_servers: Vec<ShardSpec>,
     by_name: HashMap<String, ShardId>,
-    groups: HashMap<String, Placement>,
+    /// By group name. A `BTreeMap`: a cluster has a few groups, and every
+    /// routed request looks its group up, where a couple of string
+    /// comparisons cost less than hashing the name.
+    groups: BTreeMap<String, Placement>,
     /// Every shard each group can have rows on (what a scatter asks).
     group_shards: HashMap<String, Vec<ShardId>>,
     directories: Vec<DirectorySpec>,
@@ -235,7 +238,7 @@ impl Topology {
             shards,
             ticket_servers,
             by_name,
-            groups: HashMap::new(),
+            groups: BTreeMap::new(),
             group_shards: HashMap::new(),
             directories: Vec::new(),
         };
