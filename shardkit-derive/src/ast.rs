@@ -30,6 +30,7 @@ pub enum IdStrategy {
     Ticket(String),
     UuidV7,
     Snowflake,
+    Encoded(String),
 }
 
 pub struct ShardKeyField<'a> {
@@ -40,7 +41,7 @@ pub struct ShardKeyField<'a> {
 
 const GROUP_KEYS: &str = "`key = Type`, `name = \"...\"`";
 const ENTITY_KEYS: &str = "`group = path::To::Group`";
-const FIELD_KEYS: &str = "`shard_key`, `global_index`, `global_index(unique)`, `id = \"ticket:<sequence>\" | \"uuid_v7\" | \"snowflake\"`";
+const FIELD_KEYS: &str = "`shard_key`, `global_index`, `global_index(unique)`, `id = \"ticket:<sequence>\" | \"encoded:<sequence>\" | \"uuid_v7\" | \"snowflake\"`";
 
 impl<'a> Group<'a> {
     pub fn from_syn(cx: &mut Ctxt, input: &'a DeriveInput) -> Option<Self> {
@@ -193,7 +194,11 @@ impl<'a> Sharded<'a> {
                     } else if meta.path.is_ident("id") {
                         let lit: LitStr = meta.value()?.parse()?;
                         let value = lit.value();
-                        let strategy = if let Some(seq) = value.strip_prefix("ticket:") {
+                        let sequence = value
+                            .strip_prefix("ticket:")
+                            .map(|s| (s, false))
+                            .or_else(|| value.strip_prefix("encoded:").map(|s| (s, true)));
+                        let strategy = if let Some((seq, encoded)) = sequence {
                             if seq.is_empty()
                                 || seq.len() > 48
                                 || !seq.chars().all(|c| {
@@ -205,7 +210,11 @@ impl<'a> Sharded<'a> {
                                     "a sequence name is 1-48 ASCII lowercase letters, digits and `_`",
                                 );
                             }
-                            Some(IdStrategy::Ticket(seq.to_owned()))
+                            Some(if encoded {
+                                IdStrategy::Encoded(seq.to_owned())
+                            } else {
+                                IdStrategy::Ticket(seq.to_owned())
+                            })
                         } else if value == "uuid_v7" {
                             Some(IdStrategy::UuidV7)
                         } else if value == "snowflake" {
@@ -213,7 +222,7 @@ impl<'a> Sharded<'a> {
                         } else {
                             cx.error_spanned_by(
                                 &lit,
-                                "unknown id generator; expected \"ticket:<sequence>\", \"uuid_v7\" or \"snowflake\"",
+                                "unknown id generator; expected \"ticket:<sequence>\", \"encoded:<sequence>\", \"uuid_v7\" or \"snowflake\"",
                             );
                             None
                         };

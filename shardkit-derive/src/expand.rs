@@ -87,6 +87,9 @@ pub fn sharded(input: &DeriveInput) -> Result<TokenStream, TokenStream> {
         (Some(id), Some(id_variant)) => {
             let strategy = match &id.strategy {
                 ast::IdStrategy::Ticket(seq) => quote!(::shardkit::ids::IdStrategy::Ticket(#seq)),
+                ast::IdStrategy::Encoded(seq) => {
+                    quote!(::shardkit::ids::IdStrategy::Encoded(#seq))
+                }
                 ast::IdStrategy::UuidV7 => quote!(::shardkit::ids::IdStrategy::UuidV7),
                 ast::IdStrategy::Snowflake => quote!(::shardkit::ids::IdStrategy::Snowflake),
             };

@@ -48,6 +48,35 @@ pub fn derive_entity_group(input: TokenStream) -> TokenStream {
 /// }
 /// ```
 ///
+/// Attributes:
+///
+/// | attribute | on | what it does |
+/// |---|---|---|
+/// | `#[shardkit(group = path::To::Group)]` | the struct | the entity group (a `#[derive(EntityGroup)]` type) the entity belongs to; required |
+/// | `#[shardkit(shard_key)]` | exactly one field | the shard key column; its type must be the group's key type (or convert into it), never `Option<_>` |
+/// | `#[shardkit(global_index)]` | any field | a global secondary index on the column (`cluster.gsi().create::<Entity>()` makes its table) |
+/// | `#[shardkit(global_index(unique))]` | any field | a unique global index |
+/// | `#[shardkit(id = "ticket:<sequence>")]` | the primary key | an insert with the key unset takes the next id of the ticket sequence |
+/// | `#[shardkit(id = "encoded:<sequence>")]` | the primary key | the same, with the row's bucket in the id's low 13 bits: `cluster.route_id::<Group>(id)` finds the row's shard from the id alone |
+/// | `#[shardkit(id = "uuid_v7")]` | the primary key | a UUIDv7 |
+/// | `#[shardkit(id = "snowflake")]` | the primary key | this process's next snowflake id |
+///
+/// ```text
+/// #[sea_orm::model]
+/// #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel, shardkit::Sharded)]
+/// #[sea_orm(table_name = "receipts")]
+/// #[shardkit(group = crate::Customer)]
+/// pub struct Model {
+///     #[sea_orm(primary_key, auto_increment = false)]
+///     #[shardkit(id = "encoded:receipts")]
+///     pub id: i64,
+///     #[shardkit(shard_key)]
+///     pub customer_id: i64,
+///     #[shardkit(global_index(unique))]
+///     pub number: String,
+/// }
+/// ```
+///
 /// Works on the dense (`#[sea_orm::model]`) and the compact
 /// (`#[derive(DeriveEntityModel)]`) entity formats. `#[sea_orm::model]` applies
 /// every derive to the generated `ModelEx` as well; the impls are generated once,

@@ -19,6 +19,13 @@ pub const SNOWFLAKE_EPOCH_MS: u64 = 1_767_225_600_000;
 pub enum IdStrategy {
     /// `ticket:<sequence>`: the next id of a ticket sequence.
     Ticket(&'static str),
+    /// `encoded:<sequence>`: the next id of a ticket sequence with the
+    /// row's bucket in its low [`BUCKET_BITS`] bits, so
+    /// [`Cluster::route_id`](crate::Cluster::route_id) finds the row's shard
+    /// from the id alone (see
+    /// [`Cluster::next_encoded_id`](crate::Cluster::next_encoded_id); the
+    /// group needs a hash placement with at most 8,192 buckets).
+    Encoded(&'static str),
     /// `uuid_v7`: [`uuid_v7`].
     UuidV7,
     /// `snowflake`: this process's snowflake worker.

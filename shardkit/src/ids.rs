@@ -45,12 +45,22 @@ pub use crate::id_spec::{
 };
 
 impl Ids {
-    /// A fresh id for `strategy`, as a SeaORM value.
+    /// A fresh id for `strategy`, as a SeaORM value. A shard-encoded id
+    /// needs the row's key: [`IdStrategy::Encoded`] is refused here (use
+    /// [`Cluster::next_encoded_id`](crate::Cluster::next_encoded_id); a
+    /// `ShardTx` insert fills it itself).
     pub async fn generate(&self, strategy: IdStrategy) -> Result<sea_orm::Value> {
         Ok(match strategy {
             IdStrategy::Ticket(sequence) => self.next(sequence).await?.into(),
             IdStrategy::UuidV7 => uuid_v7().into(),
             IdStrategy::Snowflake => self.snowflake()?.into(),
+            IdStrategy::Encoded(sequence) => {
+                return Err(ShardError::config(
+                    format!("ids.sequences.{sequence}"),
+                    "a shard-encoded id carries the row's bucket: call \
+                     `cluster.next_encoded_id::<Group>(sequence, &key)`",
+                ));
+            }
         })
     }
 }
@@ -921,7 +931,20 @@ impl WriteStage for FillIds {
             return Ok(());
         }
         // Boxed, so writes of entities without ids do not carry its state.
-        let id = Box::pin(self.ids.generate(strategy)).await?;
+        let id = match strategy {
+            IdStrategy::Encoded(sequence) => {
+                // The pipeline checked the row's key is the transaction's.
+                let key = E::active_shard_key(model).ok_or(ShardError::MissingShardKey {
+                    entity: table_name::<E>(),
+                    column: E::SHARD_KEY_FIELD,
+                })?;
+                let topology = ctx.shards.topology();
+                Box::pin(self.ids.next_encoded::<E::Group>(topology, sequence, &key))
+                    .await?
+                    .into()
+            }
+            strategy => Box::pin(self.ids.generate(strategy)).await?,
+        };
         model.try_set(column, id).map_err(|source| ShardError::Db {
             origin: Box::new(crate::error::Origin::Group(<E::Group as EntityGroup>::NAME)),
             shard: ctx.shard_name.to_owned(),

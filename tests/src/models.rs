@@ -240,6 +240,26 @@ pub mod invoice {
     impl ActiveModelBehavior for ActiveModel {}
 }
 
+/// Receipts: shard-encoded primary keys (the `receipts` sequence with the
+/// row's bucket in the low bits), so a receipt is found from its id alone.
+pub mod receipt {
+    use sea_orm::entity::prelude::*;
+
+    #[sea_orm::model]
+    #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel, shardkit::Sharded)]
+    #[sea_orm(table_name = "receipts")]
+    #[shardkit(group = crate::models::Customer)]
+    pub struct Model {
+        #[sea_orm(primary_key, auto_increment = false)]
+        #[shardkit(id = "encoded:receipts")]
+        pub id: i64,
+        #[shardkit(shard_key)]
+        pub customer_id: i64,
+    }
+
+    impl ActiveModelBehavior for ActiveModel {}
+}
+
 /// Audit events: UUIDv7 primary keys.
 pub mod event {
     use sea_orm::entity::prelude::*;
@@ -406,7 +426,7 @@ pub struct Migrator;
 impl MigratorTrait for Migrator {
     fn migrations() -> Vec<Box<dyn MigrationTrait>> {
         let mut all = OldMigrator::migrations();
-        all.extend::<[Box<dyn MigrationTrait>; 12]>([
+        all.extend::<[Box<dyn MigrationTrait>; 13]>([
             Box::new(CreateTable("m20261122_000102_orders", order::Entity)),
             Box::new(CreateTable("m20261122_000103_notes", note::Entity)),
             Box::new(CreateTable("m20261122_000104_readings", reading::Entity)),
@@ -419,6 +439,7 @@ impl MigratorTrait for Migrator {
             Box::new(CreateTable("m20261122_000111_contacts", contact::Entity)),
             Box::new(CreateTable("m20261122_000112_people", person_v1::Entity)),
             Box::new(CreateTable("m20261122_000113_people_v2", person_v2::Entity)),
+            Box::new(CreateTable("m20261123_000114_receipts", receipt::Entity)),
         ]);
         all
     }

@@ -246,6 +246,42 @@ async fn generated_primary_keys_and_shard_encoded_ids(dbs: &mut TestDbs) {
     assert_eq!(invoice::Entity::find().all(db).await.unwrap().len(), 3);
     assert_eq!(event::Entity::find().all(db).await.unwrap().len(), 2);
 
+    // `id = "encoded:receipts"`: an insert fills a shard-encoded id, and
+    // the id alone finds the shard the row is on.
+    cluster.ids().create_sequence("receipts").await.unwrap();
+    for key in 1..=20_i64 {
+        let tx = cluster.begin::<Customer>(key).await.unwrap();
+        let row = tx
+            .insert(receipt::ActiveModel {
+                id: NotSet,
+                customer_id: Set(key),
+            })
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+        let from_id = cluster.route_id::<Customer>(row.id).unwrap();
+        assert_eq!(
+            from_id,
+            cluster.route::<Customer>(&key).await.unwrap(),
+            "{row:?}"
+        );
+        let shard = cluster.topology().shard(from_id.shard).name.clone();
+        let stored = receipt::Entity::find_by_id(row.id)
+            .one(cluster.connection(&shard).unwrap())
+            .await
+            .unwrap();
+        assert_eq!(stored, Some(row), "on the shard its id names");
+    }
+    let refused = cluster
+        .ids()
+        .generate(shardkit::ids::IdStrategy::Encoded("receipts"))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&refused, ShardError::Config { message, .. } if message.contains("next_encoded_id")),
+        "{refused:?}"
+    );
+
     // Shard-encoded ids name their shard.
     for key in 1..=50_i64 {
         let id = cluster
