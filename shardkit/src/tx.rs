@@ -252,6 +252,35 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
         self.save::<A::Entity>(WriteOp::Insert, model)
     }
 
+    /// Inserts rows of the transaction's key, in order; returns them as
+    /// stored. Every row's shard key is checked before anything runs: one
+    /// row of another key (or with none) refuses the whole batch with
+    /// [`ShardError::CrossShardWrite`] (or
+    /// [`ShardError::MissingShardKey`]), nothing is written and the
+    /// transaction becomes rollback-only. Each row then takes the write
+    /// pipeline like [`insert`](Self::insert) (ids, hooks, index rows,
+    /// rollouts): one `INSERT` per row, inside this transaction.
+    pub async fn insert_many<A, I>(
+        &self,
+        models: I,
+    ) -> Result<Vec<<A::Entity as EntityTrait>::Model>>
+    where
+        A: ActiveModelTrait + ActiveModelBehavior + Send + 'static,
+        A::Entity: InGroup<G> + EntityTrait<ActiveModel = A>,
+        <A::Entity as EntityTrait>::Model: IntoActiveModel<A>,
+        I: IntoIterator<Item = A>,
+    {
+        let models: Vec<A> = models.into_iter().collect();
+        for model in &models {
+            self.check::<A::Entity>(model)?;
+        }
+        let mut rows = Vec::with_capacity(models.len());
+        for model in models {
+            rows.push(self.save::<A::Entity>(WriteOp::Insert, model).await?);
+        }
+        Ok(rows)
+    }
+
     /// Updates a row of the transaction's key by primary key; returns it as
     /// stored. The `UPDATE` also matches the shard key, so a row of another key
     /// with the same primary key is never touched (SeaORM's

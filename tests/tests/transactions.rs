@@ -14,6 +14,7 @@ backend_tests!(2 =>
     closure_commits_on_ok_and_rolls_back_on_err,
     aborted_transactions_run_again_within_the_bound,
     driver_errors_are_classified_by_code,
+    insert_many_checks_every_row_first,
 );
 
 fn order_row(id: i64, customer: i64) -> order::ActiveModel {
@@ -192,4 +193,68 @@ async fn driver_errors_are_classified_by_code(dbs: &mut TestDbs) {
     let err = lazy.begin::<Customer>(5).await.unwrap_err();
     assert!(matches!(err, ShardError::Unavailable { .. }), "{err:?}");
     assert!(matches!(err.retry(), Retry::After(_)), "{err}");
+}
+
+/// `insert_many` refuses a batch with one row of another key before any
+/// row is written, and otherwise writes every row on the key's shard
+/// through the pipeline (index rows included).
+async fn insert_many_checks_every_row_first(dbs: &mut TestDbs) {
+    let cluster = dbs.cluster(2, "[groups.Customer]\n").await;
+    cluster.migrate::<Migrator>().await.unwrap();
+    cluster.gsi().create::<contact::Entity>().await.unwrap();
+    cluster
+        .gsi()
+        .backfill::<contact::Entity>(contact::Column::Email)
+        .await
+        .unwrap();
+    let contact_row = |id: i64, customer: i64| contact::ActiveModel {
+        id: Set(id),
+        customer_id: Set(customer),
+        email: Set(format!("c{id}@example.com")),
+        phone: Set(format!("555-{id}")),
+    };
+
+    // One row of customer 8 in a batch for customer 7: nothing is written.
+    let tx = cluster.begin::<Customer>(7).await.unwrap();
+    let err = tx
+        .insert_many([contact_row(1, 7), contact_row(2, 8), contact_row(3, 7)])
+        .await
+        .unwrap_err();
+    assert!(matches!(err, ShardError::CrossShardWrite { .. }), "{err:?}");
+    assert!(tx.is_rollback_only());
+    assert!(matches!(
+        tx.commit().await.unwrap_err(),
+        ShardError::RollbackOnly { .. }
+    ));
+    for shard in cluster.topology().shard_names() {
+        let db = cluster.connection(shard).unwrap();
+        assert!(contact::Entity::find().all(db).await.unwrap().is_empty());
+    }
+
+    // A batch of the key's rows: all on its shard, each found by its index.
+    let tx = cluster.begin::<Customer>(7).await.unwrap();
+    let rows = tx
+        .insert_many((1..=5).map(|id| contact_row(id, 7)))
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(
+        rows.iter().map(|r| r.id).collect::<Vec<_>>(),
+        [1, 2, 3, 4, 5]
+    );
+    let home = cluster.shard_of::<Customer>(&7).await.unwrap().to_owned();
+    for shard in cluster.topology().shard_names() {
+        let db = cluster.connection(shard).unwrap();
+        let stored = contact::Entity::find().all(db).await.unwrap().len();
+        assert_eq!(stored, if shard == home { 5 } else { 0 }, "{shard}");
+    }
+    for id in 1..=5 {
+        let found = cluster
+            .find::<contact::Entity>()
+            .by_index(contact::Column::Email, format!("c{id}@example.com"))
+            .all()
+            .await
+            .unwrap();
+        assert_eq!(found.len(), 1, "c{id}");
+    }
 }
