@@ -308,11 +308,19 @@ impl Cluster {
     /// Applies migrator `M` to every shard and every directory database, and
     /// shardkit's own ticket-server migrations
     /// ([`shardkit_migration::TicketMigrator`], never `M`) to every ticket
-    /// server, all of them concurrently, then reports each one's status.
-    /// Fails with [`ShardError::Migration`] naming a database whose migration
-    /// failed, after every other one has had its turn.
+    /// server, all of them concurrently, then creates the ticket sequences
+    /// `[ids.sequences]` names ([`Ids::create_configured_sequences`]) and
+    /// reports each database's status. Fails with [`ShardError::Migration`]
+    /// naming a database whose migration failed, after every other one has
+    /// had its turn.
+    ///
+    /// Global indexes are per entity: create them with
+    /// `cluster.gsi().create::<Entity>()` (a write to an entity whose index
+    /// is missing fails with an error that names that call).
     pub async fn migrate<M: MigratorTrait>(&self) -> Result<MigrationReport> {
-        self.shards.migrate::<M>().await
+        let report = self.shards.migrate::<M>().await?;
+        self.features.ids.create_configured_sequences().await?;
+        Ok(report)
     }
 
     /// The migration status of every shard and directory database (against

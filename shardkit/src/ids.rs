@@ -168,6 +168,19 @@ impl Ids {
         self.tickets.servers.iter().map(|s| s.name.as_str())
     }
 
+    /// Creates every sequence `[ids.sequences]` names on every ticket
+    /// server ([`create_sequence`](Self::create_sequence)); nothing without
+    /// ticket servers. [`Cluster::migrate`](crate::Cluster::migrate) calls it.
+    pub async fn create_configured_sequences(&self) -> Result<()> {
+        if self.tickets.servers.is_empty() {
+            return Ok(());
+        }
+        for name in self.tickets.config.sequences.keys() {
+            self.create_sequence(name).await?;
+        }
+        Ok(())
+    }
+
     /// Creates sequence `name` on every ticket server (its `tickets_<name>`
     /// table and its registry row). Idempotent.
     pub async fn create_sequence(&self, name: &str) -> Result<()> {

@@ -119,14 +119,31 @@ async fn dropping_the_cluster_closes_the_ticket_pools(dbs: &mut TestDbs) {
 /// configuration error naming `create_sequence`, and no server is marked
 /// down for it: the next ids still come from both servers.
 async fn a_missing_sequence_is_a_config_error_not_an_outage(dbs: &mut TestDbs) {
-    let (config, _) = ticket_config(
+    let (config, urls) = ticket_config(
         dbs,
         "retry_after_ms = 600000\n[ids.sequences.real]\nblock = 1\n[ids.sequences.ghost]\nblock = 1\n[ids.sequences.ghost_blocks]\nblock = 10\n",
     )
     .await;
     let cluster = Cluster::connect(config).await.unwrap();
+    // `migrate` creates every configured sequence...
     cluster.migrate::<Migrator>().await.unwrap();
-    cluster.ids().create_sequence("real").await.unwrap();
+    for url in &urls {
+        let db = direct(url).await;
+        for name in ["real", "ghost", "ghost_blocks"] {
+            let table = format!("tickets_{name}");
+            let probe = Statement::from_string(
+                db.get_database_backend(),
+                format!("SELECT COUNT(*) AS n FROM {table}"),
+            );
+            assert!(db.query_one_raw(probe).await.is_ok(), "{url}: {table}");
+        }
+        // ...so the ghosts' tables are dropped behind the cluster's back.
+        for ghost in ["ghost", "ghost_blocks"] {
+            db.execute_unprepared(&format!("DROP TABLE tickets_{ghost}"))
+                .await
+                .unwrap();
+        }
+    }
 
     for ghost in ["ghost", "ghost_blocks"] {
         match cluster.ids().next(ghost).await {
