@@ -198,10 +198,22 @@ fn malformed_urls() {
 }
 
 #[test]
+fn a_value_of_the_wrong_type_names_its_key() {
+    let (entry, message) = rejected(&with("[groups.Customer]\nbuckets = \"many\"\n"));
+    assert!(
+        entry.starts_with("groups.Customer.buckets (line "),
+        "{entry}: {message}"
+    );
+    assert!(message.contains("invalid type"), "{message}");
+    let (entry, _) = rejected(&with("[pool]\nmax_connections = -1\n"));
+    assert!(entry.starts_with("pool.max_connections (line "), "{entry}");
+}
+
+#[test]
 fn unknown_fields_are_rejected() {
     let (entry, message) =
         rejected("[[shards]]\nname = \"s0\"\nurl = \"sqlite://a.db\"\nweight = 3\n");
-    assert_eq!(entry, "line 4");
+    assert_eq!(entry, "shards[0].weight (line 4)");
     assert!(message.contains("unknown field `weight`"), "{message}");
 
     let (_, message) = rejected(&with("[groups.C]\nplacment = \"hash\"\n"));

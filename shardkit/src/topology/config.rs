@@ -318,16 +318,28 @@ impl ClusterConfig {
     /// Parse errors name the line and say what is wrong, without echoing the
     /// source line (it may hold a password).
     pub fn from_toml(text: &str) -> Result<Self> {
-        let config: ClusterConfig = toml::from_str(text).map_err(|err| {
-            let entry = match err.span() {
-                Some(span) => {
-                    let line = text[..span.start.min(text.len())].matches('\n').count() + 1;
-                    format!("line {line}")
-                }
-                None => "the document".to_owned(),
-            };
+        let line = |err: &toml::de::Error| {
+            err.span()
+                .map(|span| text[..span.start.min(text.len())].matches('\n').count() + 1)
+        };
+        let deserializer = toml::de::Deserializer::parse(text).map_err(|err| {
+            let entry = line(&err).map_or("the document".to_owned(), |n| format!("line {n}"));
             ShardError::config(entry, redact_urls(err.message()))
         })?;
+        // The path of the value that failed (`groups.Customer.buckets`), not
+        // only its line.
+        let config: ClusterConfig =
+            serde_path_to_error::deserialize(deserializer).map_err(|err| {
+                let path = err.path().to_string();
+                let err = err.into_inner();
+                let entry = match (path.as_str(), line(&err)) {
+                    ("." | "", Some(n)) => format!("line {n}"),
+                    ("." | "", None) => "the document".to_owned(),
+                    (path, Some(n)) => format!("{path} (line {n})"),
+                    (path, None) => path.to_owned(),
+                };
+                ShardError::config(entry, redact_urls(err.message()))
+            })?;
         config.validate()?;
         Ok(config)
     }
