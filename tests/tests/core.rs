@@ -22,6 +22,7 @@ backend_tests!(4 =>
     range_modulo_and_directory_placements,
     text_and_uuid_keys,
     text_keys_match_exactly,
+    [Postgres, MySql] missing_databases_are_created_when_asked,
 );
 
 const CUSTOMER_HASH: &str = r#"
@@ -796,4 +797,62 @@ async fn text_keys_match_exactly(dbs: &mut TestDbs) {
         .await
         .unwrap();
     assert_eq!(all.len(), 3);
+}
+
+/// `[pool] create_databases = true` creates a shard database that does not
+/// exist yet (PostgreSQL, MySQL/MariaDB); without it, connecting fails
+/// naming the shard.
+async fn missing_databases_are_created_when_asked(dbs: &mut TestDbs) {
+    let url = dbs.extra("fresh").await;
+    let name = url.rsplit('/').next().unwrap().to_owned();
+    let server = dbs.backend.server_url().unwrap();
+    let (admin, drop_sql) = match dbs.backend {
+        shardkit_tests::Backend::Postgres => (
+            format!("{server}/postgres"),
+            format!("DROP DATABASE IF EXISTS \"{name}\" WITH (FORCE)"),
+        ),
+        _ => (server.clone(), format!("DROP DATABASE IF EXISTS `{name}`")),
+    };
+    let admin = sea_orm::Database::connect(admin.as_str()).await.unwrap();
+    sea_orm::ConnectionTrait::execute_unprepared(&admin, &drop_sql)
+        .await
+        .unwrap();
+
+    let toml = |create: bool| {
+        format!(
+            "[[shards]]\nname = \"s0\"\nurl = \"{url}\"\n[pool]\nmax_connections = 2\nconnect_timeout_secs = 5\ncreate_databases = {create}\n[groups.Customer]\n"
+        )
+    };
+    let refused = Cluster::connect(shardkit::ClusterConfig::from_toml(&toml(false)).unwrap())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&refused, ShardError::Connect { shard, .. } if shard == "s0"),
+        "{refused:?}"
+    );
+
+    let cluster = Cluster::connect(shardkit::ClusterConfig::from_toml(&toml(true)).unwrap())
+        .await
+        .unwrap();
+    cluster.migrate::<Migrator>().await.unwrap();
+    let tx = cluster.begin::<Customer>(3).await.unwrap();
+    tx.insert(order::ActiveModel {
+        id: Set(1),
+        customer_id: Set(3),
+        total_cents: Set(10),
+    })
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    let rows = cluster.find::<order::Entity>().key(3).all().await.unwrap();
+    assert_eq!(rows.len(), 1);
+    drop(cluster);
+    // A second cluster finds it there and creates nothing.
+    let again = Cluster::connect(shardkit::ClusterConfig::from_toml(&toml(true)).unwrap())
+        .await
+        .unwrap();
+    assert_eq!(
+        again.find::<order::Entity>().key(3).count().await.unwrap(),
+        1
+    );
 }

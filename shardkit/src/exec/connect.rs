@@ -26,6 +26,9 @@ impl Shards {
             .iter()
             .map(|s| Arc::new(crate::exec::health::ShardHealth::new(&s.url, probe_timeout)))
             .collect();
+        if pool.create_databases.unwrap_or(false) {
+            create_databases(&topology, pool).await?;
+        }
         if !pool.connect_lazy.unwrap_or(false) {
             // One direct connection per shard first: it fails within the
             // connect timeout with the driver's cause, where the pool would
@@ -154,6 +157,98 @@ pub(super) fn side_pool_config(pool: &PoolConfig) -> PoolConfig {
         connect_lazy: Some(true),
         ..pool.clone()
     }
+}
+
+/// `[pool] create_databases`: every PostgreSQL and MySQL/MariaDB database
+/// of the topology (shards, directories, ticket servers) that does not
+/// exist yet is created, through the server's maintenance database.
+async fn create_databases(topology: &Topology, pool: &PoolConfig) -> Result<()> {
+    let shards = topology.shards().iter().map(|s| (s.name.clone(), &s.url));
+    let directories = topology
+        .directories()
+        .iter()
+        .map(|d| (format!("directory:{}", d.group), &d.url));
+    let tickets = topology
+        .ticket_servers()
+        .iter()
+        .map(|t| (format!("ids:{}", t.name), &t.url));
+    let mut done: Vec<&DatabaseUrl> = Vec::new();
+    for (name, url) in shards.chain(directories).chain(tickets) {
+        if done.contains(&url) {
+            continue;
+        }
+        done.push(url);
+        let Some((server, database)) = url.server_and_database() else {
+            continue;
+        };
+        let conn = connect_one(name.clone(), &server, pool, None, None, false)
+            .await
+            .map_err(|err| match err {
+                ShardError::Db { source, .. } => ShardError::Connect {
+                    shard: name.clone(),
+                    url: server.redacted(),
+                    cause: server.scrub(&source.to_string()),
+                },
+                other => other,
+            })?;
+        let created = create_database(&conn, &database).await;
+        let _ = conn.close().await;
+        created.map_err(|source| ShardError::Connect {
+            shard: name.clone(),
+            url: url.redacted(),
+            cause: format!(
+                "database does not exist and could not be created: {}",
+                server.scrub(&source.to_string())
+            ),
+        })?;
+    }
+    Ok(())
+}
+
+/// Creates `database` unless it exists (another instance may create it at
+/// the same moment: that is not an error).
+async fn create_database(
+    conn: &DatabaseConnection,
+    database: &str,
+) -> std::result::Result<(), sea_orm::DbErr> {
+    use sea_orm::{ConnectionTrait, DbBackend};
+    match conn.get_database_backend() {
+        DbBackend::Postgres => {
+            if pg_database_exists(conn, database).await? {
+                return Ok(());
+            }
+            let quoted = format!("\"{}\"", database.replace('"', "\"\""));
+            match conn
+                .execute_unprepared(&format!("CREATE DATABASE {quoted}"))
+                .await
+            {
+                Ok(_) => Ok(()),
+                // Created meanwhile by another instance.
+                Err(_) if pg_database_exists(conn, database).await? => Ok(()),
+                Err(err) => Err(err),
+            }
+        }
+        DbBackend::MySql => {
+            let quoted = format!("`{}`", database.replace('`', "``"));
+            conn.execute_unprepared(&format!("CREATE DATABASE IF NOT EXISTS {quoted}"))
+                .await
+                .map(drop)
+        }
+        _ => Ok(()),
+    }
+}
+
+async fn pg_database_exists(
+    conn: &DatabaseConnection,
+    database: &str,
+) -> std::result::Result<bool, sea_orm::DbErr> {
+    use sea_orm::{ConnectionTrait, DbBackend, Statement};
+    let stmt = Statement::from_sql_and_values(
+        DbBackend::Postgres,
+        "SELECT 1 AS one FROM pg_database WHERE datname = $1",
+        [database.into()],
+    );
+    Ok(conn.query_one_raw(stmt).await?.is_some())
 }
 
 pub(super) async fn connect_one(

@@ -310,6 +310,13 @@ pub struct PoolConfig {
     ///
     /// [`Cluster::connect`]: crate::Cluster::connect
     pub connect_lazy: Option<bool>,
+    /// Create a PostgreSQL or MySQL/MariaDB database (shard, directory or
+    /// ticket server) that does not exist yet, when connecting (default
+    /// false). shardkit connects to the server's `postgres` database
+    /// (PostgreSQL) or to no database (MySQL) with the same credentials and
+    /// runs `CREATE DATABASE`; the user needs that privilege. SQLite files
+    /// are created by the URL's `mode=rwc`.
+    pub create_databases: Option<bool>,
 }
 
 impl ClusterConfig {

@@ -88,6 +88,28 @@ impl DatabaseUrl {
     /// Other password-like query parameters (`sslpassword=`, ...) are
     /// dropped: the drivers ignore them (PostgreSQL's with a warning that
     /// prints the value).
+    /// For a PostgreSQL or MySQL URL naming a database: the URL of the
+    /// server's maintenance database (`postgres` on PostgreSQL, none on
+    /// MySQL) with the same credentials and options, and the database's
+    /// name. `None` for other URLs.
+    pub(crate) fn server_and_database(&self) -> Option<(DatabaseUrl, String)> {
+        let mut parsed = url::Url::parse(&self.0).ok()?;
+        let maintenance = match parsed.scheme() {
+            "postgres" | "postgresql" => "/postgres",
+            "mysql" => "",
+            _ => return None,
+        };
+        let name = percent_decode_str(parsed.path().trim_start_matches('/'))
+            .decode_utf8()
+            .ok()?
+            .into_owned();
+        if name.is_empty() {
+            return None;
+        }
+        parsed.set_path(maintenance);
+        Some((DatabaseUrl(parsed.into()), name))
+    }
+
     pub(crate) fn for_driver(&self) -> (String, Option<String>) {
         let as_is = || (self.0.clone(), None);
         let Ok(mut parsed) = url::Url::parse(&self.0) else {
