@@ -11,6 +11,7 @@ use shardkit_tests::{Backend, TestDbs, backend_tests};
 backend_tests!(2 =>
     keyed_partial_selects_decode_projections,
     u64_keys_above_i64_max,
+    keyed_reads_paginate_within_their_key,
 );
 
 #[derive(Debug, PartialEq, Eq, FromQueryResult)]
@@ -248,4 +249,38 @@ async fn u64_keys_above_i64_max(dbs: &mut TestDbs) {
             .unwrap();
         assert_eq!(n, 0, "nothing written on {shard}");
     }
+}
+
+/// `find().key(k).paginate(n)`: pages of the key's rows only (another key's
+/// rows on the same shard never appear), in the read's order.
+async fn keyed_reads_paginate_within_their_key(dbs: &mut TestDbs) {
+    // One shard: both keys' rows share it, so the key filter is what keeps
+    // key 8's rows out of key 7's pages.
+    let cluster = dbs.cluster(1, "[groups.Customer]\n").await;
+    cluster.migrate::<Migrator>().await.unwrap();
+    for (customer, ids) in [(7_i64, 1..=7_i64), (8, 100..=104)] {
+        let tx = cluster.begin::<Customer>(customer).await.unwrap();
+        tx.insert_many(ids.map(|id| order::ActiveModel {
+            id: Set(id),
+            customer_id: Set(customer),
+            total_cents: Set(id),
+        }))
+        .await
+        .unwrap();
+        tx.commit().await.unwrap();
+    }
+    let pages = cluster
+        .find::<order::Entity>()
+        .key(7)
+        .order_by_desc(order::Column::Id)
+        .paginate(3);
+    assert_eq!(pages.num_items().await.unwrap(), 7);
+    assert_eq!(pages.num_pages().await.unwrap(), 3);
+    let mut seen = Vec::new();
+    for page in 0..4 {
+        let rows = pages.fetch_page(page).await.unwrap();
+        assert!(rows.len() <= 3, "page {page}: {rows:?}");
+        seen.extend(rows.into_iter().map(|r| (r.customer_id, r.id)));
+    }
+    assert_eq!(seen, (1..=7).rev().map(|id| (7, id)).collect::<Vec<_>>());
 }

@@ -268,7 +268,34 @@ impl<E: ShardedEntity, R> Find<E, R> {
     }
 }
 
+impl<E: ShardedEntity, R: Clone> Clone for Find<E, R> {
+    fn clone(&self) -> Self {
+        Find {
+            shards: self.shards.clone(),
+            index: self.index.clone(),
+            select: self.select.clone(),
+            route: self.route.clone(),
+            order: self.order.clone(),
+            limit: self.limit,
+            offset: self.offset,
+            timeout: self.timeout,
+            concurrency: self.concurrency,
+        }
+    }
+}
+
 impl<E: ShardedEntity> Find<E, Keyed<KeyOf<E>>> {
+    /// Pages of `page_size` rows (at least 1), like SeaORM's
+    /// [`PaginatorTrait::paginate`]: each page is a keyed read on the key's
+    /// shard (`LIMIT`/`OFFSET` after this read's ordering), so order the read
+    /// for pages to be stable.
+    pub fn paginate(self, page_size: u64) -> KeyedPages<E> {
+        KeyedPages {
+            find: self,
+            page_size: Ord::max(page_size, 1),
+        }
+    }
+
     /// Decodes each row into `M` instead of `E::Model`, as SeaORM's
     /// [`Select::into_model`] does: for `select_only().column(..)` reads and
     /// partial models. The read stays on the key's shard, scoped to the key.
@@ -295,6 +322,47 @@ impl<E: ShardedEntity> Find<E, Keyed<KeyOf<E>>> {
             find: self,
             into: |select| select.into_json(),
         }
+    }
+}
+
+/// The pages of a keyed read ([`Find::paginate`]).
+#[must_use = "pages are read by `fetch_page`, `num_items` or `num_pages`"]
+pub struct KeyedPages<E: ShardedEntity> {
+    find: Find<E, Keyed<KeyOf<E>>>,
+    page_size: u64,
+}
+
+impl<E: ShardedEntity> KeyedPages<E> {
+    /// Page `page` (from 0): at most `page_size` rows.
+    pub async fn fetch_page(&self, page: u64) -> Result<Vec<E::Model>> {
+        let mut find = self.find.clone();
+        find.limit = Some(self.page_size);
+        find.offset = Some(page.saturating_mul(self.page_size));
+        find.all().await
+    }
+
+    /// How many rows the read has (within its key).
+    pub async fn num_items(&self) -> Result<u64>
+    where
+        E::Model: Sync,
+    {
+        let mut find = self.find.clone();
+        find.limit = None;
+        find.offset = None;
+        find.count().await
+    }
+
+    /// How many pages those rows fill.
+    pub async fn num_pages(&self) -> Result<u64>
+    where
+        E::Model: Sync,
+    {
+        Ok(self.num_items().await?.div_ceil(self.page_size))
+    }
+
+    /// The rows per page.
+    pub fn page_size(&self) -> u64 {
+        self.page_size
     }
 }
 

@@ -50,7 +50,7 @@ mod traits;
 #[allow(unused_imports)]
 use {execute::*, keys::*, plan::*};
 
-pub use find::{Find, KeyedSelect};
+pub use find::{Find, KeyedPages, KeyedSelect};
 pub use in_tx::{TxFind, TxSelect};
 pub(crate) use index::{IndexLookup, IndexQuery, exact_eq};
 pub(crate) use keys::key_condition;
