@@ -13,7 +13,7 @@ use crate::error::{Result, ShardError};
 use crate::exec::Shards;
 use crate::gsi::{Gsi, GsiLookup, GsiState, IndexFirst};
 use crate::ids::{FillIds, Ids, TicketServer};
-use crate::read::{Find, IndexLookup, Unkeyed};
+use crate::read::{Find, IndexLookup, KeyOf, Keyed, Unkeyed};
 use crate::rollout::{DualWrite, Registry, Rollout, RolloutHandle, Rollouts};
 use crate::topology::{ClusterConfig, Target, Topology};
 use crate::verify::{VerifyOptions, VerifyReport};
@@ -202,6 +202,26 @@ impl Cluster {
             Some(Arc::clone(&self.features.index)),
             E::find(),
         )
+    }
+
+    /// The rows of `R` related to `model`, like SeaORM's
+    /// [`ModelTrait::find_related`](sea_orm::ModelTrait::find_related): a
+    /// keyed read of `R` on `model`'s shard key (its shard, its key's rows),
+    /// joined to `model`'s row by the relation. Filter, order, page or
+    /// project it like any keyed read.
+    pub fn find_related<M, R>(&self, model: &M, related: R) -> Find<R, Keyed<KeyOf<R>>>
+    where
+        M: sea_orm::ModelTrait,
+        M::Entity: ShardedEntity<Model = M> + sea_orm::Related<R>,
+        R: ShardedEntity<Group = <M::Entity as ShardedEntity>::Group>,
+    {
+        let key = <M::Entity as ShardedEntity>::shard_key(model);
+        Find::new(
+            self.shards.clone(),
+            Some(Arc::clone(&self.features.index)),
+            model.find_related(related),
+        )
+        .key(key)
     }
 
     /// Opens a transaction for group `G` pinned to `key`, on the key's shard.

@@ -118,7 +118,7 @@ pub use error::{ErrorKind, Origin, Result, Retry, ShardError, ShardFailure, Subs
 pub use ids::{Ids, Sequence, Snowflake, SnowflakeLayout, uuid_v7};
 pub use read::{
     AllowPartial, ByIndex, Find, KeyOf, Keyed, KeyedPages, KeyedSelect, Keys, MergePlan, Partial,
-    PlannedRoute, PlannedStatement, ReadPlan, Scatter, TxFind, TxSelect, Unkeyed,
+    PlannedRoute, PlannedStatement, ReadPlan, RowStream, Scatter, TxFind, TxSelect, Unkeyed,
 };
 pub use rollout::{Phase, Rollout, RolloutBackfill, RolloutHandle};
 pub use shardkit_derive::{EntityGroup, Sharded};

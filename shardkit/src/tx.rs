@@ -457,6 +457,24 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
         )
     }
 
+    /// The rows of `R` related to `model` (SeaORM's
+    /// [`ModelTrait::find_related`](sea_orm::ModelTrait::find_related)),
+    /// inside the transaction: `R`'s rows of the transaction's key only,
+    /// whatever key `model` carries.
+    pub fn find_related<M, R>(&self, model: &M, related: R) -> TxFind<'_, R, DatabaseTransaction>
+    where
+        M: sea_orm::ModelTrait,
+        M::Entity: sea_orm::Related<R>,
+        R: InGroup<G>,
+    {
+        TxFind::of(
+            &self.txn,
+            self.shard(),
+            &R::group_key_as_entity_key(&self.key),
+            model.find_related(related),
+        )
+    }
+
     /// Commits. If a write was refused, rolls back instead and returns
     /// [`ShardError::RollbackOnly`]. Once committed, runs the work the
     /// write stages queued (cache fills, removal of replaced index rows).

@@ -459,11 +459,14 @@ pub mod harness {
 
 /// A TCP proxy in front of a database server that a test can cut, to make a
 /// server unreachable mid-test: [`kill`](Proxy::kill) closes the listener and
-/// every connection through it.
+/// every connection through it; [`freeze`](Proxy::freeze) keeps every
+/// connection open and stops forwarding (a server that hangs mid-statement).
+/// Dropping it kills it.
 pub struct Proxy {
     /// The port clients connect to.
     pub port: u16,
     kill: tokio::sync::watch::Sender<bool>,
+    frozen: tokio::sync::watch::Sender<bool>,
 }
 
 impl Proxy {
@@ -480,6 +483,7 @@ impl Proxy {
             .expect("bind proxy");
         let port = listener.local_addr().expect("proxy address").port();
         let (kill, mut killed) = tokio::sync::watch::channel(false);
+        let (frozen, freezes) = tokio::sync::watch::channel(false);
         tokio::spawn(async move {
             loop {
                 let accepted = tokio::select! {
@@ -491,23 +495,41 @@ impl Proxy {
                 };
                 let target = target.clone();
                 let mut killed = killed.clone();
+                let mut freezes = freezes.clone();
                 tokio::spawn(async move {
                     let Ok(mut server) = tokio::net::TcpStream::connect(&target).await else {
                         return;
                     };
                     tokio::select! {
                         _ = tokio::io::copy_bidirectional(&mut client, &mut server) => {}
-                        _ = killed.changed() => {}
+                        _ = killed.changed() => return,
+                        _ = freezes.wait_for(|f| *f) => {}
                     }
+                    // Frozen: both sockets stay open, nothing moves, until
+                    // the proxy is killed.
+                    let _ = killed.changed().await;
+                    drop((client, server));
                 });
             }
         });
-        Proxy { port, kill }
+        Proxy { port, kill, frozen }
     }
 
     /// Cuts every connection and refuses new ones.
     pub fn kill(&self) {
         let _ = self.kill.send(true);
+    }
+
+    /// Stops forwarding on every connection (open ones and new ones) while
+    /// keeping them open: the server looks hung mid-statement.
+    pub fn freeze(&self) {
+        let _ = self.frozen.send(true);
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.kill();
     }
 }
 

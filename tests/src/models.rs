@@ -366,6 +366,52 @@ pub mod person_v2 {
     impl ActiveModelBehavior for ActiveModel {}
 }
 
+/// Carts (dense format, with a relation): each has many items, of the
+/// same customer.
+pub mod cart {
+    use sea_orm::entity::prelude::*;
+
+    #[sea_orm::model]
+    #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel, shardkit::Sharded)]
+    #[sea_orm(table_name = "carts")]
+    #[shardkit(group = crate::models::Customer)]
+    pub struct Model {
+        #[sea_orm(primary_key, auto_increment = false)]
+        pub id: i64,
+        #[shardkit(shard_key)]
+        pub customer_id: i64,
+        #[sea_orm(column_type = "Text")]
+        pub label: String,
+        #[sea_orm(has_many)]
+        pub items: HasMany<super::cart_item::Entity>,
+    }
+
+    impl ActiveModelBehavior for ActiveModel {}
+}
+
+/// Cart items (dense format): belong to a cart.
+pub mod cart_item {
+    use sea_orm::entity::prelude::*;
+
+    #[sea_orm::model]
+    #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel, shardkit::Sharded)]
+    #[sea_orm(table_name = "cart_items")]
+    #[shardkit(group = crate::models::Customer)]
+    pub struct Model {
+        #[sea_orm(primary_key, auto_increment = false)]
+        pub id: i64,
+        #[shardkit(shard_key)]
+        pub customer_id: i64,
+        pub cart_id: i64,
+        pub sku: String,
+        pub quantity: i32,
+        #[sea_orm(belongs_to, from = "cart_id", to = "id")]
+        pub cart: BelongsTo<super::cart::Entity>,
+    }
+
+    impl ActiveModelBehavior for ActiveModel {}
+}
+
 /// old → new for the `people` rollout.
 pub fn person_to_v2(old: &person_v1::Model) -> person_v2::Model {
     person_v2::Model {
@@ -426,7 +472,7 @@ pub struct Migrator;
 impl MigratorTrait for Migrator {
     fn migrations() -> Vec<Box<dyn MigrationTrait>> {
         let mut all = OldMigrator::migrations();
-        all.extend::<[Box<dyn MigrationTrait>; 13]>([
+        all.extend::<[Box<dyn MigrationTrait>; 15]>([
             Box::new(CreateTable("m20261122_000102_orders", order::Entity)),
             Box::new(CreateTable("m20261122_000103_notes", note::Entity)),
             Box::new(CreateTable("m20261122_000104_readings", reading::Entity)),
@@ -440,6 +486,11 @@ impl MigratorTrait for Migrator {
             Box::new(CreateTable("m20261122_000112_people", person_v1::Entity)),
             Box::new(CreateTable("m20261122_000113_people_v2", person_v2::Entity)),
             Box::new(CreateTable("m20261123_000114_receipts", receipt::Entity)),
+            Box::new(CreateTable("m20261123_000115_carts", cart::Entity)),
+            Box::new(CreateTable(
+                "m20261123_000116_cart_items",
+                cart_item::Entity,
+            )),
         ]);
         all
     }

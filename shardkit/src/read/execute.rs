@@ -194,6 +194,74 @@ impl<E: ShardedEntity> Read<E> {
         }
     }
 
+    /// Runs a plan whose one key's shard answers as a stream of rows
+    /// ([`Find::stream`]). The stream owns what it needs (a handle on the
+    /// shards and the shard's pool), so it outlives the read that made it;
+    /// opening it and every later row run under the shard's breaker and the
+    /// read's timeout, and the first row (or the error) has arrived when this
+    /// returns.
+    pub(super) async fn stream<S>(
+        self,
+        mut plan: Plan<E>,
+        into: fn(Select<E>) -> Selector<S>,
+    ) -> Result<RowStream<'static, S::Item>>
+    where
+        S: SelectorTrait + Send + 'static,
+        S::Item: Send + 'static,
+    {
+        let Some((target, select)) = plan.single.take() else {
+            return Err(ShardError::Unmergeable {
+                table: table_name::<E>(),
+                reason: "internal: a multi-shard plan run as a stream".to_owned(),
+            });
+        };
+        let Read {
+            shards, timeout, ..
+        } = self;
+        let group = Self::group();
+        let rows = async_stream::stream! {
+            let shard = shards.shard_name(target.shard);
+            let conn = shards.shard_conn(target.shard).clone();
+            let span = read_span::<E>(shard, target.bucket, "stream");
+            let open = async {
+                into(*select)
+                    .stream(&conn)
+                    .await
+                    .map_err(|e| read_err::<E>(shard, e))
+            };
+            let opened = shards
+                .bounded(target.shard, group, timeout, crate::trace::in_span(span, open))
+                .await;
+            let mut rows = match opened {
+                Ok(rows) => rows,
+                Err(err) => {
+                    yield Err(err);
+                    return;
+                }
+            };
+            loop {
+                let next = async { Ok(rows.next().await) };
+                match shards.bounded(target.shard, group, timeout, next).await {
+                    Ok(Some(Ok(row))) => yield Ok(row),
+                    Ok(Some(Err(err))) => {
+                        yield Err(read_err::<E>(shard, err));
+                        return;
+                    }
+                    Ok(None) => return,
+                    Err(err) => {
+                        yield Err(err);
+                        return;
+                    }
+                }
+            }
+        };
+        let mut rows = Box::pin(rows.peekable());
+        if let Some(Err(err)) = rows.as_mut().next_if(|row| row.is_err()).await {
+            return Err(err);
+        }
+        Ok(rows)
+    }
+
     /// Runs a multi-shard plan of rows: gather, merge.
     pub(super) async fn rows(
         &self,

@@ -296,6 +296,62 @@ impl<E: ShardedEntity> Find<E, Keyed<KeyOf<E>>> {
         }
     }
 
+    /// Each row of the key with its related rows of `R`, as SeaORM's
+    /// [`Select::find_with_related`]: `R` is an entity of the same group,
+    /// joined along `E`'s relation with its side scoped to the key in the
+    /// join's `ON` clause, so another key's rows on the same shard are never
+    /// related (and never hide a row of this key). One statement on the key's
+    /// shard; rows come back in `E`'s primary-key order, as SeaORM's do.
+    pub async fn find_with_related<R>(self, _related: R) -> Result<Vec<(E::Model, Vec<R::Model>)>>
+    where
+        R: ShardedEntity<Group = E::Group>,
+        E: Related<R>,
+    {
+        let key = self.route.0.clone();
+        let (read, select, spec) = self.split();
+        let plan = read.plan(select, spec, ReadOp::All).await?;
+        read.single::<Keyed<KeyOf<E>>, _, _, _>(plan, "all", move |s, conn| {
+            let backend = conn.get_database_backend();
+            join_related::<E, R>(s, JoinType::LeftJoin, &key, backend)
+                .select_with(R::default())
+                .all(conn)
+        })
+        .await
+    }
+
+    /// Each row of the key with its related row of `R`, if any, as SeaORM's
+    /// [`Select::find_also_related`]; the related side scoped to the key in
+    /// the join, as in [`find_with_related`](Self::find_with_related).
+    pub async fn find_also_related<R>(
+        self,
+        _related: R,
+    ) -> Result<Vec<(E::Model, Option<R::Model>)>>
+    where
+        R: ShardedEntity<Group = E::Group>,
+        E: Related<R>,
+    {
+        let key = self.route.0.clone();
+        let (read, select, spec) = self.split();
+        let plan = read.plan(select, spec, ReadOp::All).await?;
+        read.single::<Keyed<KeyOf<E>>, _, _, _>(plan, "all", move |s, conn| {
+            let backend = conn.get_database_backend();
+            join_related::<E, R>(s, JoinType::LeftJoin, &key, backend)
+                .select_also(R::default())
+                .all(conn)
+        })
+        .await
+    }
+
+    /// The rows of the key as a stream, like SeaORM's [`Select::stream`]:
+    /// rows are decoded as the shard sends them, so a large key's rows need
+    /// not fit in memory. The statement has started (and its first row
+    /// arrived, or its error) when this returns; each later row is awaited
+    /// under the read's timeout and the shard's breaker. The stream holds one
+    /// of the shard's pooled connections until it ends or is dropped.
+    pub async fn stream(self) -> Result<RowStream<'static, E::Model>> {
+        self.into_stream(|s| s.into_model::<E::Model>()).await
+    }
+
     /// Decodes each row into `M` instead of `E::Model`, as SeaORM's
     /// [`Select::into_model`] does: for `select_only().column(..)` reads and
     /// partial models. The read stays on the key's shard, scoped to the key.
@@ -324,6 +380,25 @@ impl<E: ShardedEntity> Find<E, Keyed<KeyOf<E>>> {
         }
     }
 }
+
+impl<E: ShardedEntity> Find<E, Keyed<KeyOf<E>>> {
+    async fn into_stream<S>(
+        self,
+        into: fn(Select<E>) -> Selector<S>,
+    ) -> Result<RowStream<'static, S::Item>>
+    where
+        S: SelectorTrait + Send + 'static,
+        S::Item: Send + 'static,
+    {
+        let (read, select, spec) = self.split();
+        let plan = read.plan(select, spec, ReadOp::All).await?;
+        read.stream(plan, into).await
+    }
+}
+
+/// The rows of a streamed read ([`Find::stream`], [`KeyedSelect::stream`],
+/// [`TxFind::stream`]): SeaORM's `PinBoxStream` with shardkit's errors.
+pub type RowStream<'a, T> = std::pin::Pin<Box<dyn futures::Stream<Item = Result<T>> + Send + 'a>>;
 
 /// The pages of a keyed read ([`Find::paginate`]).
 #[must_use = "pages are read by `fetch_page`, `num_items` or `num_pages`"]
@@ -383,6 +458,15 @@ impl<E: ShardedEntity, S: SelectorTrait> KeyedSelect<E, S> {
         let plan = read.plan(select, spec, ReadOp::All).await?;
         read.single::<Keyed<KeyOf<E>>, _, _, _>(plan, "all", |s, conn| into(s).all(conn))
             .await
+    }
+
+    /// The rows of the key as a stream (see [`Find::stream`]).
+    pub async fn stream(self) -> Result<RowStream<'static, S::Item>>
+    where
+        S: Send + 'static,
+        S::Item: Send + 'static,
+    {
+        self.find.into_stream(self.into).await
     }
 
     /// The first matching row of the key.

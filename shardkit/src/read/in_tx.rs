@@ -9,16 +9,58 @@ use super::*;
 pub struct TxFind<'t, E: ShardedEntity, C> {
     pub(super) conn: &'t C,
     pub(super) shard: &'t str,
+    pub(super) key: KeyOf<E>,
     pub(super) select: Select<E>,
 }
 
 impl<'t, E: ShardedEntity, C: ConnectionTrait> TxFind<'t, E, C> {
     pub(crate) fn new(conn: &'t C, shard: &'t str, key: &KeyOf<E>) -> Self {
+        Self::of(conn, shard, key, E::find())
+    }
+
+    /// `select` scoped to `key`.
+    pub(crate) fn of(conn: &'t C, shard: &'t str, key: &KeyOf<E>, select: Select<E>) -> Self {
         TxFind {
             conn,
             shard,
-            select: keyed_select::<E>(E::find(), key, conn.get_database_backend()),
+            key: key.clone(),
+            select: keyed_select::<E>(select, key, conn.get_database_backend()),
         }
+    }
+
+    /// Each row of the transaction's key with its related rows of `R`
+    /// (SeaORM's [`Select::find_with_related`]), the related side scoped to
+    /// the key as in [`Find::find_with_related`].
+    pub async fn find_with_related<R>(self, _related: R) -> Result<Vec<(E::Model, Vec<R::Model>)>>
+    where
+        R: ShardedEntity<Group = E::Group>,
+        E: Related<R>,
+    {
+        let backend = self.conn.get_database_backend();
+        join_related::<E, R>(self.select, JoinType::LeftJoin, &self.key, backend)
+            .select_with(R::default())
+            .all(self.conn)
+            .await
+            .map_err(|e| read_err::<E>(self.shard, e))
+    }
+
+    /// Each row of the transaction's key with its related row of `R`, if
+    /// any (SeaORM's [`Select::find_also_related`]), the related side scoped
+    /// to the key.
+    pub async fn find_also_related<R>(
+        self,
+        _related: R,
+    ) -> Result<Vec<(E::Model, Option<R::Model>)>>
+    where
+        R: ShardedEntity<Group = E::Group>,
+        E: Related<R>,
+    {
+        let backend = self.conn.get_database_backend();
+        join_related::<E, R>(self.select, JoinType::LeftJoin, &self.key, backend)
+            .select_also(R::default())
+            .all(self.conn)
+            .await
+            .map_err(|e| read_err::<E>(self.shard, e))
     }
 
     /// All matching rows of the transaction's key.
@@ -35,6 +77,23 @@ impl<'t, E: ShardedEntity, C: ConnectionTrait> TxFind<'t, E, C> {
             .one(self.conn)
             .await
             .map_err(|e| read_err::<E>(self.shard, e))
+    }
+
+    /// The matching rows of the transaction's key as a stream (SeaORM's
+    /// [`Select::stream`]), read on the transaction's connection.
+    pub async fn stream(self) -> Result<RowStream<'t, E::Model>>
+    where
+        C: sea_orm::StreamTrait + Send + Sync,
+    {
+        let shard = self.shard;
+        let rows = self
+            .select
+            .stream(self.conn)
+            .await
+            .map_err(|e| read_err::<E>(shard, e))?;
+        Ok(Box::pin(
+            rows.map(move |row| row.map_err(|e| read_err::<E>(shard, e))),
+        ))
     }
 
     /// The number of matching rows of the transaction's key.
@@ -57,6 +116,7 @@ impl<'t, E: ShardedEntity, C: ConnectionTrait> TxFind<'t, E, C> {
             conn,
             shard,
             select,
+            ..
         } = self;
         TxSelect::new::<E>(conn, shard, select.into_model::<M>())
     }
@@ -68,6 +128,7 @@ impl<'t, E: ShardedEntity, C: ConnectionTrait> TxFind<'t, E, C> {
             conn,
             shard,
             select,
+            ..
         } = self;
         TxSelect::new::<E>(conn, shard, select.into_tuple::<T>())
     }
@@ -78,6 +139,7 @@ impl<'t, E: ShardedEntity, C: ConnectionTrait> TxFind<'t, E, C> {
             conn,
             shard,
             select,
+            ..
         } = self;
         TxSelect::new::<E>(conn, shard, select.into_json())
     }

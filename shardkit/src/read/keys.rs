@@ -95,3 +95,32 @@ pub(super) fn select_err(
         source,
     }
 }
+
+/// Joins `R` to a read of `E` along `E`'s relation (through its junction
+/// table, when the relation has one), with `R`'s side scoped to `key` in the
+/// join's `ON` clause: a row of another key on the same shard is no match,
+/// and with a left join it leaves the `E` row in place (with no related row)
+/// instead of filtering the `E` row out as a `WHERE` clause would.
+pub(super) fn join_related<E, R>(
+    mut select: Select<E>,
+    join: JoinType,
+    key: &KeyOf<E>,
+    backend: DbBackend,
+) -> Select<E>
+where
+    E: ShardedEntity + Related<R>,
+    R: ShardedEntity<Group = E::Group>,
+{
+    if let Some(via) = <E as Related<R>>::via() {
+        select = QuerySelect::join(select, join, via);
+    }
+    let rel = <E as Related<R>>::to();
+    let to = rel.to_tbl.clone();
+    // The relation's own condition (columns, and its `on_condition` however
+    // it combines them), and the key.
+    let on = Condition::all()
+        .add(Condition::from(rel))
+        .add(key_condition::<R>(std::slice::from_ref(key), backend));
+    QueryTrait::query(&mut select).join(join, to, on);
+    select
+}

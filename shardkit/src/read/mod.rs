@@ -19,11 +19,12 @@ use crate::error::{Result, ShardError, ShardFailure};
 use crate::exec::Shards;
 use crate::topology::{ShardId, Target};
 use futures::StreamExt;
+use sea_orm::sea_query::JoinType;
 use sea_orm::sea_query::{Expr, SelectStatement};
 use sea_orm::{Condition, ExprTrait, IntoSimpleExpr};
 use sea_orm::{
     ConnectionTrait, DatabaseConnection, DbBackend, DbErr, FromQueryResult, IdenStatic, ModelTrait,
-    Order, PaginatorTrait, QueryFilter, QueryOrder, QuerySelect, QueryTrait, Select,
+    Order, PaginatorTrait, QueryFilter, QueryOrder, QuerySelect, QueryTrait, Related, Select,
     SelectGetableTuple, SelectModel, Selector, SelectorTrait, TryGetableMany, Value,
 };
 use std::cmp::Ordering;
@@ -50,7 +51,7 @@ mod traits;
 #[allow(unused_imports)]
 use {execute::*, keys::*, plan::*};
 
-pub use find::{Find, KeyedPages, KeyedSelect};
+pub use find::{Find, KeyedPages, KeyedSelect, RowStream};
 pub use in_tx::{TxFind, TxSelect};
 pub(crate) use index::{IndexLookup, IndexQuery, exact_eq};
 pub(crate) use keys::key_condition;
