@@ -184,6 +184,18 @@ pub enum ShardError {
         reason: String,
     },
 
+    /// A write asked for something shardkit cannot do safely for this
+    /// entity; nothing was written. The reason says what to do instead.
+    #[error("{operation} of `{table}` is refused: {reason}")]
+    Unsupported {
+        /// The table written.
+        table: &'static str,
+        /// The operation (`update_many`, ...).
+        operation: &'static str,
+        /// Why, and what to do instead.
+        reason: String,
+    },
+
     /// A unique global index already maps this value to another live row (or
     /// to a write still in flight). Reported only on the database's
     /// unique-violation code; a claim the database aborted (a deadlock) or
@@ -326,6 +338,7 @@ impl ShardError {
             | ShardError::MissingShardKey { .. }
             | ShardError::RollbackOnly { .. }
             | ShardError::Unmergeable { .. }
+            | ShardError::Unsupported { .. }
             | ShardError::UniqueViolation { .. }
             | ShardError::IndexValueTooLong { .. }
             | ShardError::RolloutTooSoon { .. }
@@ -375,6 +388,7 @@ impl ShardError {
             | ShardError::MissingShardKey { .. }
             | ShardError::RollbackOnly { .. }
             | ShardError::Unmergeable { .. }
+            | ShardError::Unsupported { .. }
             | ShardError::UniqueViolation { .. }
             | ShardError::IndexValueTooLong { .. }
             | ShardError::Rollout { .. }

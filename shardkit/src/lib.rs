@@ -123,6 +123,7 @@ pub use read::{
 pub use rollout::{Phase, Rollout, RolloutBackfill, RolloutHandle};
 pub use shardkit_derive::{EntityGroup, Sharded};
 pub use topology::{ClusterConfig, DatabaseUrl, ShardId, Target, Topology};
+pub use tx::{TxDeleteMany, TxUpdateMany};
 pub use verify::{RowDiff, VerifyOptions, VerifyReport};
 
 /// The SeaORM this version of shardkit is built on.

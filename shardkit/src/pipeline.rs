@@ -162,6 +162,17 @@ pub trait WriteStage: Send + Sync + 'static {
         false
     }
 
+    /// Whether a batch write of `E` ([`ShardTx::update_many`],
+    /// [`ShardTx::delete_many`](crate::tx::ShardTx::delete_many)) must pass
+    /// each row through this stage. When any stage says so, the batch reads
+    /// the rows it matches under the row lock and writes them one by one
+    /// through the whole pipeline; otherwise it is one statement.
+    ///
+    /// [`ShardTx::update_many`]: crate::tx::ShardTx::update_many
+    fn per_row<E: ShardedEntity>(&self, _op: WriteOp) -> bool {
+        false
+    }
+
     /// Work before the write: an insert's or update's index rows.
     /// `current` is the row as it is, when [`needs_current`](Self::needs_current)
     /// asked for it (and it exists).
@@ -217,6 +228,10 @@ impl<A: WriteStage, B: WriteStage> WriteStage for (A, B) {
 
     fn needs_current<E: ShardedEntity>(&self, op: WriteOp) -> bool {
         self.0.needs_current::<E>(op) || self.1.needs_current::<E>(op)
+    }
+
+    fn per_row<E: ShardedEntity>(&self, op: WriteOp) -> bool {
+        self.0.per_row::<E>(op) || self.1.per_row::<E>(op)
     }
 
     async fn before_write<E: ShardedEntity>(

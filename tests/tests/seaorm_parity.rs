@@ -3,6 +3,7 @@
 //! share the shard and the join; each write must touch only the key's rows.
 
 use futures::TryStreamExt;
+use sea_orm::ExprTrait;
 use shardkit::prelude::*;
 use shardkit_tests::models::*;
 use shardkit_tests::{Backend, Proxy, TestDbs, backend_tests};
@@ -12,6 +13,10 @@ backend_tests!(2 =>
     related_reads_stay_within_the_key,
     keyed_streams_return_the_keys_rows,
     [Postgres, MySql] a_stream_from_a_shard_that_hangs_mid_statement_fails,
+    batch_writes_touch_only_the_key,
+    batch_writes_keep_global_indexes,
+    save_inserts_or_updates,
+    batch_writes_on_a_small_pool_all_complete,
 );
 
 /// Two customers whose rows share a shard.
@@ -359,4 +364,357 @@ async fn a_stream_from_a_shard_that_hangs_mid_statement_fails(dbs: &mut TestDbs)
         left, before,
         "server connections left after the cluster was dropped"
     );
+}
+
+async fn batch_writes_touch_only_the_key(dbs: &mut TestDbs) {
+    let cluster = dbs.cluster(2, "[groups.Customer]\n").await;
+    cluster.migrate::<Migrator>().await.unwrap();
+    let (a, b) = neighbours(&cluster).await;
+    seed_carts(&cluster, a, b).await;
+
+    // update_many: one statement, only a's rows, whatever the filter says.
+    let tx = cluster.begin::<Customer>(a).await.unwrap();
+    let changed = tx
+        .update_many::<cart_item::Entity>()
+        .set(cart_item::ActiveModel {
+            sku: Set("renamed".into()),
+            ..Default::default()
+        })
+        .col_expr(
+            cart_item::Column::Quantity,
+            sea_orm::sea_query::Expr::col(cart_item::Column::Quantity).add(4),
+        )
+        .filter(cart_item::Column::CartId.eq(1))
+        .exec()
+        .await
+        .unwrap();
+    assert_eq!(changed, 2, "a's two items in cart 1, not b's item in it");
+    tx.commit().await.unwrap();
+    let mine = cluster
+        .find::<cart_item::Entity>()
+        .key(a)
+        .all()
+        .await
+        .unwrap();
+    assert!(
+        mine.iter().all(|i| i.sku == "renamed" && i.quantity == 5),
+        "{mine:?}"
+    );
+    let theirs = cluster
+        .find::<cart_item::Entity>()
+        .key(b)
+        .all()
+        .await
+        .unwrap();
+    assert_eq!(skus(&theirs), vec!["b-in-a1", "b-in-a2"]);
+    assert!(theirs.iter().all(|i| i.quantity == 1), "{theirs:?}");
+
+    // Moving rows to another key is refused before any I/O; the transaction
+    // becomes rollback-only and nothing is written.
+    let tx = cluster.begin::<Customer>(a).await.unwrap();
+    let err = tx
+        .update_many::<cart_item::Entity>()
+        .set(cart_item::ActiveModel {
+            customer_id: Set(b),
+            ..Default::default()
+        })
+        .exec()
+        .await
+        .unwrap_err();
+    assert!(matches!(err, ShardError::CrossShardWrite { .. }), "{err:?}");
+    assert!(tx.is_rollback_only());
+    let err = tx
+        .update_many::<cart_item::Entity>()
+        .col_expr(
+            cart_item::Column::CustomerId,
+            sea_orm::sea_query::Expr::value(b),
+        )
+        .exec()
+        .await
+        .unwrap_err();
+    assert!(matches!(err, ShardError::RollbackOnly { .. }), "{err:?}");
+    drop(tx);
+    let tx = cluster.begin::<Customer>(a).await.unwrap();
+    let err = tx
+        .update_many::<cart_item::Entity>()
+        .col_expr(
+            cart_item::Column::CustomerId,
+            sea_orm::sea_query::Expr::value(b),
+        )
+        .exec()
+        .await
+        .unwrap_err();
+    assert!(matches!(err, ShardError::CrossShardWrite { .. }), "{err:?}");
+    drop(tx);
+    assert_eq!(
+        cluster
+            .find::<cart_item::Entity>()
+            .key(a)
+            .count()
+            .await
+            .unwrap(),
+        2
+    );
+
+    // delete_many: a's rows only.
+    let tx = cluster.begin::<Customer>(a).await.unwrap();
+    let deleted = tx.delete_many::<cart_item::Entity>().exec().await.unwrap();
+    assert_eq!(deleted, 2);
+    tx.commit().await.unwrap();
+    assert_eq!(
+        cluster
+            .find::<cart_item::Entity>()
+            .key(a)
+            .count()
+            .await
+            .unwrap(),
+        0
+    );
+    assert_eq!(
+        cluster
+            .find::<cart_item::Entity>()
+            .key(b)
+            .count()
+            .await
+            .unwrap(),
+        2
+    );
+}
+
+fn contact(id: i64, customer: i64, email: &str, phone: &str) -> contact::ActiveModel {
+    contact::ActiveModel {
+        id: Set(id),
+        customer_id: Set(customer),
+        email: Set(email.to_owned()),
+        phone: Set(phone.to_owned()),
+    }
+}
+
+async fn indexed_contacts(cluster: &Cluster) {
+    cluster.migrate::<Migrator>().await.unwrap();
+    cluster.gsi().create::<contact::Entity>().await.unwrap();
+    for column in [contact::Column::Email, contact::Column::Phone] {
+        cluster
+            .gsi()
+            .backfill::<contact::Entity>(column)
+            .await
+            .unwrap();
+    }
+}
+
+async fn phone_owners(cluster: &Cluster, phone: &str) -> Vec<i64> {
+    let mut ids: Vec<i64> = cluster
+        .find::<contact::Entity>()
+        .by_index(contact::Column::Phone, phone)
+        .all()
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|c| c.id)
+        .collect();
+    ids.sort_unstable();
+    ids
+}
+
+/// On an entity with global indexes, batch writes go row by row through the
+/// pipeline: index rows follow every change and every delete.
+async fn batch_writes_keep_global_indexes(dbs: &mut TestDbs) {
+    let cluster = dbs.cluster(2, "[groups.Customer]\n").await;
+    indexed_contacts(&cluster).await;
+    let (a, b) = neighbours(&cluster).await;
+    let tx = cluster.begin::<Customer>(a).await.unwrap();
+    tx.insert_many([
+        contact(1, a, "a1@x", "555-1"),
+        contact(2, a, "a2@x", "555-1"),
+        contact(3, a, "a3@x", "555-3"),
+    ])
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    let tx = cluster.begin::<Customer>(b).await.unwrap();
+    tx.insert(contact(4, b, "b4@x", "555-1")).await.unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(phone_owners(&cluster, "555-1").await, vec![1, 2, 4]);
+
+    let tx = cluster.begin::<Customer>(a).await.unwrap();
+    let changed = tx
+        .update_many::<contact::Entity>()
+        .set(contact::ActiveModel {
+            phone: Set("555-9".into()),
+            ..Default::default()
+        })
+        .filter(contact::Column::Phone.eq("555-1"))
+        .exec()
+        .await
+        .unwrap();
+    assert_eq!(changed, 2);
+    // An expression cannot be indexed before it is written: refused, before
+    // any I/O, and the transaction goes on.
+    let err = tx
+        .update_many::<contact::Entity>()
+        .col_expr(
+            contact::Column::Phone,
+            sea_orm::sea_query::Expr::value("555-0"),
+        )
+        .exec()
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            ShardError::Unsupported {
+                operation: "update_many",
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert!(!tx.is_rollback_only());
+    tx.commit().await.unwrap();
+    assert_eq!(phone_owners(&cluster, "555-9").await, vec![1, 2]);
+    assert_eq!(
+        phone_owners(&cluster, "555-1").await,
+        vec![4],
+        "b's contact kept its number"
+    );
+
+    // A unique value taken by another key's row: the batch fails and
+    // rolls back as a whole.
+    let tx = cluster.begin::<Customer>(a).await.unwrap();
+    let err = tx
+        .update_many::<contact::Entity>()
+        .set(contact::ActiveModel {
+            email: Set("b4@x".into()),
+            ..Default::default()
+        })
+        .filter(contact::Column::Id.eq(3))
+        .exec()
+        .await
+        .unwrap_err();
+    assert!(matches!(err, ShardError::UniqueViolation { .. }), "{err:?}");
+    drop(tx);
+
+    let tx = cluster.begin::<Customer>(a).await.unwrap();
+    let deleted = tx
+        .delete_many::<contact::Entity>()
+        .filter(contact::Column::Phone.eq("555-9"))
+        .exec()
+        .await
+        .unwrap();
+    assert_eq!(deleted, 2);
+    tx.commit().await.unwrap();
+    assert_eq!(phone_owners(&cluster, "555-9").await, Vec::<i64>::new());
+    let left = cluster
+        .find::<contact::Entity>()
+        .key(a)
+        .all()
+        .await
+        .unwrap();
+    assert_eq!(left.iter().map(|c| c.id).collect::<Vec<_>>(), vec![3]);
+    // The deleted rows' unique emails are free again.
+    let tx = cluster.begin::<Customer>(b).await.unwrap();
+    tx.insert(contact(5, b, "a1@x", "555-5")).await.unwrap();
+    tx.commit().await.unwrap();
+}
+
+async fn save_inserts_or_updates(dbs: &mut TestDbs) {
+    let cluster = dbs.cluster(2, "[groups.Customer]\n").await;
+    cluster.migrate::<Migrator>().await.unwrap();
+    let tx = cluster.begin::<Customer>(9).await.unwrap();
+    // No id: inserted, with its `#[shardkit(id = "uuid_v7")]` id filled in.
+    let saved = tx
+        .save(event::ActiveModel {
+            customer_id: Set(9),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let id = saved.id.clone().unwrap();
+    assert_eq!(id.get_version_num(), 7);
+    // With its id: updated in place.
+    tx.insert(cart(1, 9, "old")).await.unwrap();
+    let saved = tx.save(cart(1, 9, "new")).await.unwrap();
+    assert_eq!(saved.label.clone().unwrap(), "new");
+    // Of another key: refused, and the transaction with it.
+    let err = tx.save(cart(2, 10, "theirs")).await.unwrap_err();
+    assert!(matches!(err, ShardError::CrossShardWrite { .. }), "{err:?}");
+    assert!(matches!(
+        tx.commit().await,
+        Err(ShardError::RollbackOnly { .. })
+    ));
+    assert_eq!(
+        cluster
+            .find::<event::Entity>()
+            .key(9)
+            .count()
+            .await
+            .unwrap(),
+        0,
+        "rolled back"
+    );
+
+    let tx = cluster.begin::<Customer>(9).await.unwrap();
+    tx.insert(cart(1, 9, "old")).await.unwrap();
+    tx.save(cart(1, 9, "new")).await.unwrap();
+    tx.commit().await.unwrap();
+    let carts = cluster.find::<cart::Entity>().key(9).all().await.unwrap();
+    assert_eq!(
+        carts.iter().map(|c| c.label.as_str()).collect::<Vec<_>>(),
+        vec!["new"]
+    );
+}
+
+/// 8 writers on a pool of 2 per shard, each batch-updating and deleting
+/// its own key's indexed rows (index rows on both shards): every batch
+/// completes, and only its own rows change.
+async fn batch_writes_on_a_small_pool_all_complete(dbs: &mut TestDbs) {
+    let toml = format!(
+        "{}\n[groups.Customer]\n",
+        dbs.shards_toml(2)
+            .replace("max_connections = 4", "max_connections = 2")
+    );
+    let cluster = Cluster::connect(ClusterConfig::from_toml(&toml).unwrap())
+        .await
+        .unwrap();
+    indexed_contacts(&cluster).await;
+    for key in 1..=8_i64 {
+        let tx = cluster.begin::<Customer>(key).await.unwrap();
+        tx.insert_many(
+            (0..4).map(|n| contact(key * 100 + n, key, &format!("{key}-{n}@x"), "555-0")),
+        )
+        .await
+        .unwrap();
+        tx.commit().await.unwrap();
+    }
+    let writers = (1..=8_i64).map(|key| {
+        let cluster = cluster.clone();
+        tokio::spawn(async move {
+            cluster
+                .transaction::<Customer, _, _>(key, |tx| async move {
+                    tx.update_many::<contact::Entity>()
+                        .set(contact::ActiveModel {
+                            phone: Set(format!("555-{key}")),
+                            ..Default::default()
+                        })
+                        .exec()
+                        .await?;
+                    tx.delete_many::<contact::Entity>()
+                        .filter(contact::Column::Id.eq(key * 100))
+                        .exec()
+                        .await
+                })
+                .await
+        })
+    });
+    for writer in futures::future::join_all(writers).await {
+        assert_eq!(writer.unwrap().unwrap(), 1);
+    }
+    assert_eq!(phone_owners(&cluster, "555-0").await, Vec::<i64>::new());
+    for key in 1..=8_i64 {
+        let expected: Vec<i64> = (1..4).map(|n| key * 100 + n).collect();
+        assert_eq!(
+            phone_owners(&cluster, &format!("555-{key}")).await,
+            expected
+        );
+    }
 }

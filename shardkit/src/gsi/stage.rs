@@ -105,6 +105,10 @@ impl IndexFirst {
 }
 
 impl WriteStage for IndexFirst {
+    fn per_row<E: ShardedEntity>(&self, _op: WriteOp) -> bool {
+        !E::GLOBAL_INDEXES.is_empty()
+    }
+
     fn needs_current<E: ShardedEntity>(&self, op: WriteOp) -> bool {
         op != WriteOp::Insert && !E::GLOBAL_INDEXES.is_empty()
     }

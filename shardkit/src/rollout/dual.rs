@@ -369,6 +369,10 @@ fn defer(ctx: &crate::pipeline::WriteCtx<'_>, after: Option<AfterCommit>) {
 }
 
 impl WriteStage for DualWrite {
+    fn per_row<E: ShardedEntity>(&self, _op: WriteOp) -> bool {
+        self.registry.get(TypeId::of::<E>()).is_some()
+    }
+
     async fn replace<E: ShardedEntity>(
         &self,
         ctx: &crate::pipeline::WriteCtx<'_>,

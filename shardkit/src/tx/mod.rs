@@ -18,6 +18,10 @@ use sea_orm::{
 use std::future::Future;
 use std::sync::{Arc, Mutex};
 
+mod batch;
+
+pub use batch::{TxDeleteMany, TxUpdateMany};
+
 /// A transaction on the shard of one key of group `G`, whose writes pass
 /// through the write pipeline `P` (see [`crate::pipeline`]). Programs name
 /// it [`shardkit::ShardTx<G>`](crate::ShardTx): `P` is the cluster's stages.
@@ -249,7 +253,7 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
     {
         // The pipeline's future itself, not one wrapped around it: every
         // wrapping layer is one more copy of the whole write's state.
-        self.save::<A::Entity>(WriteOp::Insert, model)
+        self.write::<A::Entity>(WriteOp::Insert, model)
     }
 
     /// Inserts rows of the transaction's key, in order; returns them as
@@ -276,7 +280,7 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
         }
         let mut rows = Vec::with_capacity(models.len());
         for model in models {
-            rows.push(self.save::<A::Entity>(WriteOp::Insert, model).await?);
+            rows.push(self.write::<A::Entity>(WriteOp::Insert, model).await?);
         }
         Ok(rows)
     }
@@ -294,12 +298,16 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
         A::Entity: InGroup<G> + EntityTrait<ActiveModel = A>,
         <A::Entity as EntityTrait>::Model: IntoActiveModel<A>,
     {
-        self.save::<A::Entity>(WriteOp::Update, model)
+        self.write::<A::Entity>(WriteOp::Update, model)
     }
 
     /// An insert or an update, through the write pipeline (see
     /// [`crate::pipeline`] for the steps).
-    async fn save<E: InGroup<G>>(&self, op: WriteOp, mut model: E::ActiveModel) -> Result<E::Model>
+    pub(crate) async fn write<E: InGroup<G>>(
+        &self,
+        op: WriteOp,
+        mut model: E::ActiveModel,
+    ) -> Result<E::Model>
     where
         E::Model: IntoActiveModel<E::ActiveModel>,
         E::ActiveModel: Send + 'static,

@@ -1,0 +1,243 @@
+//! Writes of several rows of the transaction's key at once:
+//! [`ShardTx::save`], [`ShardTx::update_many`], [`ShardTx::delete_many`].
+//!
+//! A batch is one statement when no write stage has work for each of its
+//! rows ([`WriteStage::per_row`]: no global index, no rollout of the
+//! entity). Otherwise it reads the rows it matches under the row lock and
+//! writes each through the whole pipeline, so every index row and dual
+//! write stays right; the result is the same either way.
+
+use super::*;
+use sea_orm::sea_query::{IntoCondition, SimpleExpr};
+use sea_orm::{ActiveValue, Condition, IdenStatic, Iterable, QuerySelect};
+
+impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
+    /// Inserts the row when its primary key is not fully set, updates it
+    /// otherwise, and returns it as stored, as SeaORM's
+    /// [`ActiveModelTrait::save`] does; both through the write pipeline
+    /// (with `#[shardkit(id = "...")]`, an unset id is filled and the row
+    /// inserted).
+    pub async fn save<A>(&self, model: A) -> Result<A>
+    where
+        A: ActiveModelTrait + ActiveModelBehavior + Send + 'static,
+        A::Entity: InGroup<G> + EntityTrait<ActiveModel = A>,
+        <A::Entity as EntityTrait>::Model: IntoActiveModel<A>,
+    {
+        let update = <<A::Entity as EntityTrait>::PrimaryKey as Iterable>::iter()
+            .all(|key| !model.is_not_set(sea_orm::PrimaryKeyToColumn::into_column(key)));
+        let op = if update {
+            WriteOp::Update
+        } else {
+            WriteOp::Insert
+        };
+        let row = self.write::<A::Entity>(op, model).await?;
+        Ok(row.into_active_model())
+    }
+
+    /// Updates every row of `E` of the transaction's key that the filters
+    /// match, like SeaORM's [`EntityTrait::update_many`]: the shard-key
+    /// predicate is always added, so no other key's row is touched.
+    ///
+    /// ```text
+    /// tx.update_many::<order::Entity>()
+    ///     .set(order::ActiveModel { status: Set("shipped".into()), ..Default::default() })
+    ///     .filter(order::Column::Status.eq("paid"))
+    ///     .exec().await?;
+    /// ```
+    pub fn update_many<E: InGroup<G>>(&self) -> TxUpdateMany<'_, G, P, E> {
+        TxUpdateMany {
+            tx: self,
+            set: E::ActiveModel::default(),
+            exprs: Vec::new(),
+            filter: Condition::all(),
+        }
+    }
+
+    /// Deletes every row of `E` of the transaction's key that the filters
+    /// match, like SeaORM's [`EntityTrait::delete_many`]: the shard-key
+    /// predicate is always added.
+    pub fn delete_many<E: InGroup<G>>(&self) -> TxDeleteMany<'_, G, P, E> {
+        TxDeleteMany {
+            tx: self,
+            filter: Condition::all(),
+            entity: std::marker::PhantomData,
+        }
+    }
+
+    /// The rows of `E` of the key that `filter` matches, read under the row
+    /// lock the batch's writes will take.
+    async fn rows_for_batch<E: InGroup<G>>(
+        &self,
+        filter: Condition,
+        op: &str,
+    ) -> Result<Vec<E::Model>> {
+        let mut select = E::find().filter(self.key_condition::<E>()).filter(filter);
+        if sea_orm::ConnectionTrait::get_database_backend(&self.txn) != sea_orm::DbBackend::Sqlite {
+            select = select.lock_exclusive();
+        }
+        select
+            .all(&self.txn)
+            .await
+            .map_err(|e| self.write_err::<E>(op, e))
+    }
+}
+
+/// An update of the rows of one key that match its filters
+/// ([`ShardTx::update_many`]). Runs on [`exec`](Self::exec).
+#[must_use = "an update does nothing until `.exec()` runs it"]
+pub struct TxUpdateMany<'t, G: EntityGroup, P, E: InGroup<G>> {
+    tx: &'t ShardTx<G, P>,
+    set: E::ActiveModel,
+    exprs: Vec<(E::Column, SimpleExpr)>,
+    filter: Condition,
+}
+
+impl<G: EntityGroup, P: WriteStage, E: InGroup<G>> TxUpdateMany<'_, G, P, E>
+where
+    E::Model: IntoActiveModel<E::ActiveModel>,
+    E::ActiveModel: ActiveModelBehavior + Send + 'static,
+{
+    /// The values to set: every column `model` has `Set` (SeaORM's
+    /// `UpdateMany::set`). Setting the shard key to another key is refused
+    /// as a [`ShardError::CrossShardWrite`].
+    pub fn set(mut self, model: E::ActiveModel) -> Self {
+        for column in <E::Column as Iterable>::iter() {
+            if let ActiveValue::Set(value) = model.get(column) {
+                // The value came out of an ActiveModel of the same entity,
+                // so its type fits the column.
+                let _ = self.set.try_set(column, value);
+            }
+        }
+        self
+    }
+
+    /// Sets `column` to a SQL expression (SeaORM's `UpdateMany::col_expr`),
+    /// e.g. `Expr::col(order::Column::Total).add(1)`. Only for entities
+    /// whose rows need no per-row work (no global index, no rollout): an
+    /// index row needs the new value before the write. Elsewhere `exec`
+    /// refuses it with [`ShardError::Unsupported`] before any I/O.
+    pub fn col_expr(mut self, column: E::Column, expr: impl Into<SimpleExpr>) -> Self {
+        self.exprs.push((column, expr.into()));
+        self
+    }
+
+    /// Adds a condition (SeaORM's `QueryFilter::filter`); conditions are
+    /// combined with `AND`, and always with the shard key's.
+    pub fn filter(mut self, condition: impl IntoCondition) -> Self {
+        self.filter = self.filter.add(condition.into_condition());
+        self
+    }
+
+    /// Runs the update; returns how many rows it matched (SeaORM's
+    /// `UpdateResult::rows_affected`).
+    pub async fn exec(self) -> Result<u64> {
+        let TxUpdateMany {
+            tx,
+            set,
+            exprs,
+            filter,
+        } = self;
+        let op = "update_many";
+        tx.ensure_open()?;
+        if let Some(found) = E::group_key_of(&set).filter(|k| *k != tx.key) {
+            return Err(tx.poison(ShardError::CrossShardWrite {
+                entity: table_name::<E>(),
+                column: E::SHARD_KEY_FIELD,
+                expected: format!("{:?}", tx.key),
+                found: format!("{found:?}"),
+            }));
+        }
+        let key_column = E::shard_key_column();
+        if exprs.iter().any(|(c, _)| c.as_str() == key_column.as_str()) {
+            return Err(tx.poison(ShardError::CrossShardWrite {
+                entity: table_name::<E>(),
+                column: E::SHARD_KEY_FIELD,
+                expected: format!("{:?}", tx.key),
+                found: "an expression".to_owned(),
+            }));
+        }
+        if !tx.stages.per_row::<E>(WriteOp::Update) {
+            let mut update = E::update_many().set(set);
+            for (column, expr) in exprs {
+                update = update.col_expr(column, expr);
+            }
+            return update
+                .filter(tx.key_condition::<E>())
+                .filter(filter)
+                .exec(&tx.txn)
+                .await
+                .map(|done| done.rows_affected)
+                .map_err(|e| tx.write_err::<E>(op, e));
+        }
+        if !exprs.is_empty() {
+            return Err(ShardError::Unsupported {
+                table: table_name::<E>(),
+                operation: op,
+                reason: "`col_expr` on an entity with a global index or a rollout: their rows \
+                         need each row's new value before it is written; set values with \
+                         `.set(..)` instead, or read the rows and update each"
+                    .to_owned(),
+            });
+        }
+        let rows = tx.rows_for_batch::<E>(filter, op).await?;
+        let mut changed = 0;
+        for row in rows {
+            let mut model = row.into_active_model();
+            for column in <E::Column as Iterable>::iter() {
+                if let ActiveValue::Set(value) = set.get(column) {
+                    model
+                        .try_set(column, value)
+                        .map_err(|e| tx.write_err::<E>(op, e))?;
+                }
+            }
+            tx.write::<E>(WriteOp::Update, model).await?;
+            changed += 1;
+        }
+        Ok(changed)
+    }
+}
+
+/// A delete of the rows of one key that match its filters
+/// ([`ShardTx::delete_many`]). Runs on [`exec`](Self::exec).
+#[must_use = "a delete does nothing until `.exec()` runs it"]
+pub struct TxDeleteMany<'t, G: EntityGroup, P, E: InGroup<G>> {
+    tx: &'t ShardTx<G, P>,
+    filter: Condition,
+    entity: std::marker::PhantomData<fn() -> E>,
+}
+
+impl<G: EntityGroup, P: WriteStage, E: InGroup<G>> TxDeleteMany<'_, G, P, E>
+where
+    E::Model: IntoActiveModel<E::ActiveModel>,
+    E::ActiveModel: ActiveModelBehavior + Send + 'static,
+{
+    /// Adds a condition (SeaORM's `QueryFilter::filter`); conditions are
+    /// combined with `AND`, and always with the shard key's.
+    pub fn filter(mut self, condition: impl IntoCondition) -> Self {
+        self.filter = self.filter.add(condition.into_condition());
+        self
+    }
+
+    /// Runs the delete; returns how many rows it removed (SeaORM's
+    /// `DeleteResult::rows_affected`).
+    pub async fn exec(self) -> Result<u64> {
+        let TxDeleteMany { tx, filter, .. } = self;
+        let op = "delete_many";
+        tx.ensure_open()?;
+        if !tx.stages.per_row::<E>(WriteOp::Delete) {
+            return E::delete_many()
+                .filter(tx.key_condition::<E>())
+                .filter(filter)
+                .exec(&tx.txn)
+                .await
+                .map(|done| done.rows_affected)
+                .map_err(|e| tx.write_err::<E>(op, e));
+        }
+        let rows = tx.rows_for_batch::<E>(filter, op).await?;
+        let mut deleted = 0;
+        for row in rows {
+            deleted += tx.delete(row.into_active_model()).await?;
+        }
+        Ok(deleted)
+    }
+}
