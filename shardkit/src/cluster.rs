@@ -11,7 +11,8 @@ use crate::clock::{Clock, SystemClock};
 use crate::entity::{EntityGroup, ShardedEntity};
 use crate::error::{Result, ShardError};
 use crate::exec::Shards;
-use crate::gsi::{Gsi, GsiLookup, GsiState, IndexFirst};
+use crate::gsi::{Gsi, GsiLookup, GsiState, IndexFirst, IndexState};
+use crate::id_spec::IdStrategy;
 use crate::ids::{FillIds, Ids, TicketServer};
 use crate::read::{Find, IndexLookup, KeyOf, Keyed, Unkeyed};
 use crate::rollout::{DualWrite, Registry, Rollout, RolloutHandle, Rollouts};
@@ -325,6 +326,48 @@ impl Cluster {
         self.shards.directory::<G>()
     }
 
+    /// Creates what shardkit keeps for the entities `S` (one entity, or a
+    /// tuple of up to 12), after [`migrate`](Self::migrate) has created their
+    /// tables; safe to run again at every start:
+    ///
+    /// - for every `#[shardkit(global_index)]`: the index table on every
+    ///   shard of the entity's group and its catalog row
+    ///   ([`Gsi::create`]). A new index starts `write_only` (written by
+    ///   every write, lookups scatter); [`Gsi::backfill`] indexes the rows
+    ///   already there and activates it (at once on an empty table);
+    /// - for every `#[shardkit(id = "ticket:<seq>")]` or
+    ///   `"encoded:<seq>"`: the sequence's table on every ticket server
+    ///   ([`Ids::create_sequence`]).
+    ///
+    /// ```text
+    /// cluster.migrate::<migration::Migrator>().await?;
+    /// cluster.setup::<(user::Entity, photo::Entity, comment::Entity)>().await?;
+    /// ```
+    pub async fn setup<S: EntitySet>(&self) -> Result<SetupReport> {
+        let mut report = SetupReport::default();
+        S::setup(self, &mut report).await?;
+        Ok(report)
+    }
+
+    /// [`setup`](Self::setup) of one entity.
+    async fn setup_entity<E: ShardedEntity>(&self, report: &mut SetupReport) -> Result<()> {
+        if !E::GLOBAL_INDEXES.is_empty() {
+            self.gsi().create::<E>().await?;
+            for (column, unique) in E::GLOBAL_INDEXES {
+                let state = self.gsi().state::<E>(*column).await?;
+                let table = crate::gsi::IndexDef::of::<E>(*column, *unique).table;
+                report.indexes.push((table, state));
+            }
+        }
+        if let Some((_, IdStrategy::Ticket(name) | IdStrategy::Encoded(name))) = E::ID {
+            if !report.sequences.iter().any(|s| s == name) {
+                self.features.ids.create_sequence(name).await?;
+                report.sequences.push(name.to_owned());
+            }
+        }
+        Ok(())
+    }
+
     /// Applies migrator `M` to every shard and every directory database, and
     /// shardkit's own ticket-server migrations
     /// ([`shardkit_migration::TicketMigrator`], never `M`) to every ticket
@@ -334,9 +377,10 @@ impl Cluster {
     /// naming a database whose migration failed, after every other one has
     /// had its turn.
     ///
-    /// Global indexes are per entity: create them with
-    /// `cluster.gsi().create::<Entity>()` (a write to an entity whose index
-    /// is missing fails with an error that names that call).
+    /// What shardkit keeps beside an entity's own table (index tables, the
+    /// ticket sequences its ids draw from) is created per entity by
+    /// [`setup`](Self::setup); a write that finds such a table missing fails
+    /// with an error that names that call.
     pub async fn migrate<M: MigratorTrait>(&self) -> Result<MigrationReport> {
         let report = self.shards.migrate::<M>().await?;
         self.features.ids.create_configured_sequences().await?;
@@ -436,5 +480,69 @@ impl Cluster {
         E::Model: IntoActiveModel<E::ActiveModel> + Sync,
     {
         crate::verify::verify_shards::<E>(&self.shards, source, target, bucket, opts).await
+    }
+}
+
+/// The entities [`Cluster::setup`] prepares: one entity, or a tuple of up to
+/// 12 (`(user::Entity, photo::Entity)`).
+pub trait EntitySet {
+    /// Prepares each entity in order.
+    #[doc(hidden)]
+    fn setup(
+        cluster: &Cluster,
+        report: &mut SetupReport,
+    ) -> impl std::future::Future<Output = Result<()>> + Send;
+}
+
+impl<E: ShardedEntity> EntitySet for E {
+    async fn setup(cluster: &Cluster, report: &mut SetupReport) -> Result<()> {
+        cluster.setup_entity::<E>(report).await
+    }
+}
+
+macro_rules! entity_set {
+    ($($e:ident),+) => {
+        impl<$($e: ShardedEntity),+> EntitySet for ($($e,)+) {
+            async fn setup(cluster: &Cluster, report: &mut SetupReport) -> Result<()> {
+                $(cluster.setup_entity::<$e>(report).await?;)+
+                Ok(())
+            }
+        }
+    };
+}
+
+entity_set!(A);
+entity_set!(A, B);
+entity_set!(A, B, C);
+entity_set!(A, B, C, D);
+entity_set!(A, B, C, D, E);
+entity_set!(A, B, C, D, E, F);
+entity_set!(A, B, C, D, E, F, G);
+entity_set!(A, B, C, D, E, F, G, H);
+entity_set!(A, B, C, D, E, F, G, H, I);
+entity_set!(A, B, C, D, E, F, G, H, I, J);
+entity_set!(A, B, C, D, E, F, G, H, I, J, K);
+entity_set!(A, B, C, D, E, F, G, H, I, J, K, L);
+
+/// What [`Cluster::setup`] created or found.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct SetupReport {
+    /// Each global index's table and its state (`WriteOnly` until a
+    /// backfill activates it).
+    pub indexes: Vec<(String, IndexState)>,
+    /// The ticket sequences the entities' ids draw from.
+    pub sequences: Vec<String>,
+}
+
+impl std::fmt::Display for SetupReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for (table, state) in &self.indexes {
+            writeln!(f, "index {table}: {state:?}")?;
+        }
+        for name in &self.sequences {
+            writeln!(f, "sequence {name}: tickets_{name}")?;
+        }
+        Ok(())
     }
 }

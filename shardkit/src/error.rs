@@ -638,3 +638,25 @@ fn too_soon_message(
         )
     }
 }
+
+/// Whether the database said the statement's table does not exist.
+pub(crate) fn is_missing_table(err: &sea_orm::DbErr) -> bool {
+    use sea_orm::{DbErr, RuntimeErr, sqlx};
+    let (DbErr::Exec(RuntimeErr::SqlxError(err)) | DbErr::Query(RuntimeErr::SqlxError(err))) = err
+    else {
+        return false;
+    };
+    let sqlx::Error::Database(db) = &**err else {
+        return false;
+    };
+    if let Some(mysql) = db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>() {
+        // ER_NO_SUCH_TABLE
+        return mysql.number() == 1146;
+    }
+    if db.try_downcast_ref::<sqlx::sqlite::SqliteError>().is_some() {
+        // SQLite reports it as a plain SQLITE_ERROR; only the message tells.
+        return db.message().starts_with("no such table");
+    }
+    // PostgreSQL's undefined_table.
+    db.code().as_deref() == Some("42P01")
+}

@@ -413,8 +413,9 @@ impl Tickets {
                         format!("ids.sequences.{name}"),
                         format!(
                             "ticket server `{}` has no table `tickets_{name}`: create the \
-                             sequence with `cluster.ids().create_sequence(\"{name}\")` (or \
-                             shardkit_migration::CreateTicketSequence) before drawing ids",
+                             sequence with `cluster.setup::<YourEntity>()` for the entities \
+                             whose ids draw from it, `cluster.ids().create_sequence(\"{name}\")` \
+                             or shardkit_migration::CreateTicketSequence before drawing ids",
                             server.name
                         ),
                     ));
@@ -452,28 +453,6 @@ enum TicketFailure {
     Failed(ShardError),
 }
 
-/// Whether the database said the statement's table does not exist.
-fn is_missing_table(err: &sea_orm::DbErr) -> bool {
-    use sea_orm::{DbErr, RuntimeErr, sqlx};
-    let (DbErr::Exec(RuntimeErr::SqlxError(err)) | DbErr::Query(RuntimeErr::SqlxError(err))) = err
-    else {
-        return false;
-    };
-    let sqlx::Error::Database(db) = &**err else {
-        return false;
-    };
-    if let Some(mysql) = db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>() {
-        // ER_NO_SUCH_TABLE
-        return mysql.number() == 1146;
-    }
-    if db.try_downcast_ref::<sqlx::sqlite::SqliteError>().is_some() {
-        // SQLite reports it as a plain SQLITE_ERROR; only the message tells.
-        return db.message().starts_with("no such table");
-    }
-    // PostgreSQL's undefined_table.
-    db.code().as_deref() == Some("42P01")
-}
-
 /// One round trip to server `index` of `count`.
 async fn ticket_from(
     server: &TicketServer,
@@ -483,7 +462,7 @@ async fn ticket_from(
 ) -> std::result::Result<u64, TicketFailure> {
     let backend = server.conn.get_database_backend();
     let err = |source: sea_orm::DbErr| {
-        if is_missing_table(&source) {
+        if crate::error::is_missing_table(&source) {
             return TicketFailure::NoSuchSequence;
         }
         TicketFailure::Failed(ShardError::Db {

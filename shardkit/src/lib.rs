@@ -110,8 +110,8 @@ pub mod verify;
 
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use cluster::{
-    Cluster, ClusterBuilder, DatabaseMigrationStatus, Directory, MigrationReport, ShardTx,
-    StatementEvent, StatementObserver,
+    Cluster, ClusterBuilder, DatabaseMigrationStatus, Directory, EntitySet, MigrationReport,
+    SetupReport, ShardTx, StatementEvent, StatementObserver,
 };
 pub use entity::{EntityGroup, GroupKey, InGroup, KeyRef, ShardKey, ShardedEntity};
 pub use error::{ErrorKind, Origin, Result, Retry, ShardError, ShardFailure, Subsystem};

@@ -173,6 +173,16 @@ impl IndexDef {
 const CATALOG_TABLE: &str = "shardkit_gsi_catalog";
 
 fn gsi_err(shard: &str, table: &str, operation: String, source: DbErr) -> ShardError {
+    // A deployment step was skipped: say which call makes the table.
+    let operation = if crate::error::is_missing_table(&source) {
+        format!(
+            "{operation} (the index table is missing: create the entity's global indexes once, \
+             after `cluster.migrate`, with `cluster.setup::<YourEntity>()` or \
+             `cluster.gsi().create::<YourEntity>()`)"
+        )
+    } else {
+        operation
+    };
     ShardError::Db {
         origin: Box::new(crate::error::Origin::table(
             crate::error::Subsystem::Gsi,
