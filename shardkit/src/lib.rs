@@ -103,6 +103,8 @@ mod phase;
 pub mod pipeline;
 pub mod read;
 pub mod rollout;
+#[cfg(feature = "testing")]
+pub mod testing;
 pub mod topology;
 mod trace;
 pub mod tx;

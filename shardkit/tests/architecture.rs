@@ -18,7 +18,7 @@ const LAYERS: &[(&str, &[&str])] = &[
     ("execution", &["exec"]),
     ("reads and writes", &["read", "pipeline", "tx"]),
     ("features", &["ids", "gsi", "rollout", "verify"]),
-    ("facade", &["cluster"]),
+    ("facade", &["cluster", "testing"]),
 ];
 
 fn layer_of(module: &str) -> Option<usize> {
