@@ -172,11 +172,7 @@ impl<E: ShardedEntity, R> Find<E, R> {
         self
     }
 
-    /// All matching rows.
-    ///
-    /// The `Routed` bound sits on each method rather than on the impl so that
-    /// an unkeyed read reports the bound's own message, not "method not found".
-    pub async fn all(self) -> Result<R::Output<Vec<E::Model>>>
+    async fn run_all(self) -> Result<R::Output<Vec<E::Model>>>
     where
         R: Routed<E>,
     {
@@ -191,8 +187,7 @@ impl<E: ShardedEntity, R> Find<E, R> {
         R::finish(rows?, gathered)
     }
 
-    /// The first matching row (in `order_by` order across shards).
-    pub async fn one(self) -> Result<R::Output<Option<E::Model>>>
+    async fn run_one(self) -> Result<R::Output<Option<E::Model>>>
     where
         R: Routed<E>,
     {
@@ -207,9 +202,7 @@ impl<E: ShardedEntity, R> Find<E, R> {
         R::finish(rows?.into_iter().next(), gathered)
     }
 
-    /// The number of matching rows (summed over shards; `limit`/`offset` and
-    /// ordering do not apply).
-    pub async fn count(self) -> Result<R::Output<u64>>
+    async fn run_count(self) -> Result<R::Output<u64>>
     where
         R: Routed<E>,
         E::Model: Sync,
@@ -232,12 +225,7 @@ impl<E: ShardedEntity, R> Find<E, R> {
         R::finish(n, read.gathered(asked, failed))
     }
 
-    /// What [`all`](Self::all) would do, without reading any row: the
-    /// shards, the statement each would get, how their rows would merge,
-    /// the failure policy and the timeout (like Vitess's `VEXPLAIN`). Routing
-    /// lookups the read needs (a directory placement, a global index) do run:
-    /// they are how the shards are chosen. Print it with `{}`.
-    pub async fn explain(self) -> Result<ReadPlan>
+    async fn run_explain(self) -> Result<ReadPlan>
     where
         R: Routed<E>,
     {
@@ -265,6 +253,99 @@ impl<E: ShardedEntity, R> Find<E, R> {
         // Boxed once: the statement then moves through planning as a
         // pointer and is changed in place.
         (read, Box::new(self.select), self.route.spec())
+    }
+}
+
+/// The methods that run a read, on every route that names its shards.
+///
+/// They sit on one impl per route rather than on one generic impl with a
+/// `Routed` bound, so that the unkeyed read's own methods (below) can say why
+/// it does not run, in one error at the call instead of three (the call, its
+/// future, and its `.await`). Each returns the executor's future itself: no
+/// wrapping layer copies it.
+macro_rules! routed_reads {
+    ($($route:ty => [$($generics:tt)*]),* $(,)?) => {$(
+        impl<E: ShardedEntity, $($generics)*> Find<E, $route>
+        where
+            $route: Routed<E>,
+        {
+            /// All matching rows.
+            pub fn all(
+                self,
+            ) -> impl Future<Output = Result<<$route as Routed<E>>::Output<Vec<E::Model>>>> {
+                self.run_all()
+            }
+
+            /// The first matching row (in `order_by` order across shards).
+            pub fn one(
+                self,
+            ) -> impl Future<Output = Result<<$route as Routed<E>>::Output<Option<E::Model>>>> {
+                self.run_one()
+            }
+
+            /// The number of matching rows (summed over shards;
+            /// `limit`/`offset` and ordering do not apply).
+            pub fn count(self) -> impl Future<Output = Result<<$route as Routed<E>>::Output<u64>>>
+            where
+                E::Model: Sync,
+            {
+                self.run_count()
+            }
+
+            /// What [`all`](Self::all) would do, without reading any row:
+            /// the shards, the statement each would get, how their rows
+            /// would merge, the failure policy and the timeout (like
+            /// Vitess's `VEXPLAIN`). Routing lookups the read needs (a
+            /// directory placement, a global index) do run: they are how the
+            /// shards are chosen. Print it with `{}`.
+            pub fn explain(self) -> impl Future<Output = Result<ReadPlan>> {
+                self.run_explain()
+            }
+        }
+    )*};
+}
+
+routed_reads! {
+    Keyed<KeyOf<E>> => [],
+    Keys<KeyOf<E>> => [],
+    Scatter => [],
+    ByIndex => [],
+    AllowPartial<R> => [R],
+}
+
+/// An unkeyed read does not run: these exist only so that calling them is
+/// one compile error saying what to add (the `Routed` bound cannot hold).
+impl<E: ShardedEntity> Find<E, Unkeyed> {
+    #[doc(hidden)]
+    pub fn all(self) -> std::future::Pending<Result<Vec<E::Model>>>
+    where
+        Unkeyed: Routed<E>,
+    {
+        std::future::pending()
+    }
+
+    #[doc(hidden)]
+    pub fn one(self) -> std::future::Pending<Result<Option<E::Model>>>
+    where
+        Unkeyed: Routed<E>,
+    {
+        std::future::pending()
+    }
+
+    #[doc(hidden)]
+    pub fn count(self) -> std::future::Pending<Result<u64>>
+    where
+        Unkeyed: Routed<E>,
+    {
+        std::future::pending()
+    }
+
+    #[doc(hidden)]
+    pub fn explain(self) -> std::future::Pending<Result<ReadPlan>>
+    where
+        Unkeyed: Routed<E>,
+    {
+        std::future::pending()
     }
 }
 
