@@ -244,17 +244,22 @@ impl Cluster {
     /// failure, [`Retry::Transaction`](crate::Retry::Transaction) — in the
     /// work or in the commit. Any other error is returned at once.
     ///
-    /// ```no_run
+    /// ```
     /// # use shardkit::prelude::*;
     /// # #[derive(EntityGroup)] #[shardkit(key = i64)] pub struct Customer;
-    /// # async fn run(cluster: Cluster) -> shardkit::Result<()> {
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> shardkit::Result<()> {
+    /// # let cluster = Cluster::connect(ClusterConfig::from_toml(
+    /// #     "shards = [{ name = \"s0\", url = \"sqlite::memory:\" }]\n[groups.Customer]\n",
+    /// # )?).await?;
     /// let n = cluster
     ///     .transaction::<Customer, _, _>(42, |tx| async move {
     ///         // tx.insert(..).await?; tx.update(..).await?;
     ///         Ok(tx.key() * 2)
     ///     })
     ///     .await?;
-    /// # let _ = n; Ok(()) }
+    /// assert_eq!(n, 84);
+    /// # Ok(()) }
     /// ```
     ///
     /// `work` gets the transaction behind an `Arc` so the future it returns
@@ -339,9 +344,41 @@ impl Cluster {
     ///   `"encoded:<seq>"`: the sequence's table on every ticket server
     ///   ([`Ids::create_sequence`]).
     ///
-    /// ```text
-    /// cluster.migrate::<migration::Migrator>().await?;
-    /// cluster.setup::<(user::Entity, photo::Entity, comment::Entity)>().await?;
+    /// ```
+    /// # use shardkit::prelude::*;
+    /// # #[derive(EntityGroup)] #[shardkit(key = i64)] pub struct User;
+    /// pub mod photo {
+    ///     use sea_orm::entity::prelude::*;
+    ///
+    ///     #[sea_orm::model]
+    ///     #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel, shardkit::Sharded)]
+    ///     #[sea_orm(table_name = "photos")]
+    ///     #[shardkit(group = crate::User)]
+    ///     pub struct Model {
+    ///         #[sea_orm(primary_key, auto_increment = false)]
+    ///         #[shardkit(id = "ticket:photos")]
+    ///         pub id: i64,
+    ///         #[shardkit(shard_key)]
+    ///         pub user_id: i64,
+    ///         #[shardkit(global_index(unique))]
+    ///         pub slug: String,
+    ///     }
+    ///
+    ///     impl ActiveModelBehavior for ActiveModel {}
+    /// }
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let cluster = Cluster::connect(ClusterConfig::from_toml(r#"
+    ///     shards = [{ name = "s0", url = "sqlite::memory:" }, { name = "s1", url = "sqlite::memory:" }]
+    ///     [groups.User]
+    ///     [ids]
+    ///     servers = [{ name = "t0", url = "sqlite::memory:" }]
+    /// "#)?).await?;
+    /// cluster.migrate::<shardkit_migration::Migrator>().await?; // your Migrator, in an application
+    /// let report = cluster.setup::<photo::Entity>().await?;     // or a tuple: (photo::Entity, ..)
+    /// assert_eq!(report.sequences, ["photos"]);
+    /// assert_eq!(report.indexes[0].0, "gsi_photos_slug");
+    /// # Ok(()) }
     /// ```
     pub async fn setup<S: EntitySet>(&self) -> Result<SetupReport> {
         let mut report = SetupReport::default();

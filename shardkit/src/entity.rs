@@ -126,7 +126,7 @@ impl ShardKey for uuid::Uuid {
 /// A transactional entity group: tables sharded by the same key and written
 /// together (PayPal's "entity group"). Derive it:
 ///
-/// ```text
+/// ```
 /// #[derive(shardkit::EntityGroup)]
 /// #[shardkit(key = i64)]
 /// pub struct Customer;

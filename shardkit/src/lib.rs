@@ -6,11 +6,11 @@
 //! reads are routed by key; writes that would cross shards are refused before
 //! any SQL runs.
 //!
-//! ```no_run
+//! ```
 //! use shardkit::prelude::*;
 //!
 //! #[derive(EntityGroup)]
-//! #[shardkit(key = i64)]
+//! #[shardkit(key = i64)]                   // every member is sharded by an i64
 //! pub struct Customer;
 //!
 //! pub mod order {
@@ -22,63 +22,145 @@
 //!     #[shardkit(group = crate::Customer)]
 //!     pub struct Model {
 //!         #[sea_orm(primary_key, auto_increment = false)]
+//!         #[shardkit(id = "snowflake")]     // filled on insert when unset
 //!         pub id: i64,
 //!         #[shardkit(shard_key)]
 //!         pub customer_id: i64,
+//!         #[shardkit(global_index(unique))] // findable without the shard key
+//!         pub reference: String,
 //!         pub total_cents: i64,
+//!         #[sea_orm(has_many)]
+//!         pub lines: HasMany<super::line::Entity>,
 //!     }
 //!
 //!     impl ActiveModelBehavior for ActiveModel {}
 //! }
 //!
-//! # async fn run() -> shardkit::Result<()> {
+//! pub mod line {
+//!     use sea_orm::entity::prelude::*;
+//!
+//!     #[sea_orm::model]
+//!     #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel, shardkit::Sharded)]
+//!     #[sea_orm(table_name = "order_lines")]
+//!     #[shardkit(group = crate::Customer)]
+//!     pub struct Model {
+//!         #[sea_orm(primary_key, auto_increment = false)]
+//!         #[shardkit(id = "uuid_v7")]
+//!         pub id: Uuid,
+//!         #[shardkit(shard_key)]            // lines live with their order
+//!         pub customer_id: i64,
+//!         pub order_id: i64,
+//!         pub sku: String,
+//!         #[sea_orm(belongs_to, from = "order_id", to = "id")]
+//!         pub order: BelongsTo<super::order::Entity>,
+//!     }
+//!
+//!     impl ActiveModelBehavior for ActiveModel {}
+//! }
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! // Four shards, here in-memory SQLite databases.
 //! let cluster = Cluster::connect(ClusterConfig::from_toml(r#"
 //!     shards = [
-//!         { name = "s0", url = "sqlite://data/s0.db?mode=rwc" },
-//!         { name = "s1", url = "sqlite://data/s1.db?mode=rwc" },
+//!         { name = "s0", url = "sqlite::memory:" }, { name = "s1", url = "sqlite::memory:" },
+//!         { name = "s2", url = "sqlite::memory:" }, { name = "s3", url = "sqlite::memory:" },
 //!     ]
 //!     [groups.Customer]
-//!     placement = "hash"
 //! "#)?).await?;
+//! cluster.migrate::<shardkit_migration::Migrator>().await?;   // shardkit's tables; yours too
+//! # for shard in ["s0", "s1", "s2", "s3"] {
+//! #     use sea_orm::ConnectionTrait;
+//! #     let db = cluster.connection(shard).unwrap();
+//! #     let schema = sea_orm::Schema::new(db.get_database_backend());
+//! #     db.execute(&schema.create_table_from_entity(order::Entity)).await?;
+//! #     db.execute(&schema.create_table_from_entity(line::Entity)).await?;
+//! # }
+//! cluster.setup::<(order::Entity, line::Entity)>().await?;    // index tables, sequences
 //!
-//! // A write: one group, one key, one shard.
+//! // Writes: a transaction is pinned to one group and one key.
+//! let placed = cluster.transaction::<Customer, _, _>(42, |tx| async move {
+//!     let order = tx.insert(order::ActiveModel {
+//!         customer_id: Set(42),
+//!         reference: Set("A-1001".into()),
+//!         total_cents: Set(1_999),
+//!         ..Default::default()                 // the id: a snowflake
+//!     }).await?;
+//!     tx.insert_many(["pen", "ink"].map(|sku| line::ActiveModel {
+//!         customer_id: Set(42),
+//!         order_id: Set(order.id),
+//!         sku: Set(sku.into()),
+//!         ..Default::default()
+//!     })).await?;
+//!     Ok(order)                                 // Ok commits, Err rolls back
+//! }).await?;
+//!
+//! // A row of another key is refused before any SQL runs.
 //! let tx = cluster.begin::<Customer>(42).await?;
-//! tx.insert(order::ActiveModel {
-//!     id: Set(1),
-//!     customer_id: Set(42),
-//!     total_cents: Set(1_999),
-//! })
-//! .await?;
-//! tx.commit().await?;
+//! let err = tx.insert(order::ActiveModel { customer_id: Set(7), ..Default::default() }).await;
+//! assert!(matches!(err, Err(ShardError::CrossShardWrite { .. })));
+//! drop(tx);                                     // rolled back
 //!
-//! // A read: the key picks the shard (and is added to the WHERE clause).
-//! let mine = cluster
-//!     .find::<order::Entity>()
-//!     .key(42)
+//! // Reads: the key picks the shard and is added to the WHERE clause;
+//! // SeaORM's select API works inside it.
+//! let orders = cluster.find::<order::Entity>().key(42)
 //!     .filter(order::Column::TotalCents.gt(1_000))
-//!     .all()
-//!     .await?;
-//! # let _ = mine;
+//!     .all().await?;
+//! assert_eq!(orders, vec![placed.clone()]);
+//! let with_lines = cluster.find::<order::Entity>().key(42)
+//!     .find_with_related(line::Entity).await?;
+//! assert_eq!(with_lines[0].1.len(), 2);
+//! let skus: Vec<String> = cluster.find::<line::Entity>().key(42)
+//!     .select_only().column(line::Column::Sku).order_by_asc(line::Column::Sku)
+//!     .into_tuple().all().await?;
+//! assert_eq!(skus, ["ink", "pen"]);
+//!
+//! // Several keys, or every shard on purpose: merged like one database.
+//! let top = cluster.find::<order::Entity>().scatter()
+//!     .order_by_desc(order::Column::TotalCents).limit(10).all().await?;
+//! assert_eq!(top.len(), 1);
+//! println!("{}", cluster.find::<order::Entity>().keys([1, 2, 42]).explain().await?);
+//!
+//! // Global secondary index: found without the shard key.
+//! cluster.gsi().backfill::<order::Entity>(order::Column::Reference).await?; // activates it
+//! let found = cluster.find::<order::Entity>()
+//!     .by_index(order::Column::Reference, "A-1001").all().await?;
+//! assert_eq!(found, vec![placed]);
+//!
+//! // Ids unique across every shard, without a ticket server.
+//! let id = cluster.ids().snowflake()?;
+//! assert!(id > 0);
 //! # Ok(())
 //! # }
-//! # fn main() {}
 //! ```
 //!
 //! ## Tour
 //!
 //! - [`entity`]: [`EntityGroup`] and [`ShardedEntity`], implemented by
-//!   `#[derive(EntityGroup)]` and `#[derive(Sharded)]`.
+//!   `#[derive(EntityGroup)]` and `#[derive(Sharded)]` (every attribute is
+//!   listed, with an example, on the derives).
 //! - [`topology`]: buckets → logical shards → hosts; hash (PostgreSQL
 //!   partition-compatible), range, modulo and directory placements; the TOML
 //!   config ([`ClusterConfig`]) and its validation.
 //! - [`cluster`]: [`Cluster`], the entry point and facade: connections,
-//!   routing, migrations, directory tables, and the features below.
-//! - [`read`]: reads, planned before any I/O ([`Find`], `.explain()`).
-//! - [`tx`]: [`ShardTx`], a transaction pinned to one key, whose writes all
-//!   pass through the write [`pipeline`].
-//! - [`ids`], [`gsi`], [`rollout`], [`verify`]: unique ids, global secondary
-//!   indexes, denormalisation rollouts, verification.
-//! - [`error`]: [`ShardError`], the one error type.
+//!   routing, migrations and [`Cluster::setup`], directory tables, the
+//!   transaction closure, and the features below.
+//! - [`read`]: reads, planned before any I/O ([`Find`], `.explain()`):
+//!   keyed reads with SeaORM's select API (projections, relations,
+//!   `paginate`, `stream`), multi-key and scatter reads merged like one
+//!   database, partial results.
+//! - [`tx`]: [`ShardTx`], a transaction pinned to one key, whose writes
+//!   (`insert`, `insert_many`, `update`, `save`, `update_many`,
+//!   `delete_many`, `delete`) all pass through the write [`pipeline`].
+//! - [`gsi`]: global secondary indexes, written index-first; backfill,
+//!   lookups, reconciliation.
+//! - [`ids`]: ticket sequences (Flickr), shard-encoded ids, snowflakes,
+//!   UUIDv7.
+//! - [`rollout`]: denormalisation rollouts (PayPal): phases every instance
+//!   agrees on, dual writes, caches of both models, backfill; [`verify`]
+//!   compares and repairs.
+//! - [`error`]: [`ShardError`], the one error type, and `retry()`.
+//! - `testing` (feature `testing`): fresh shard databases for each test.
 //!
 //! `ARCHITECTURE.md` in the repository maps the modules and their layers.
 //!

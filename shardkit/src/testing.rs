@@ -98,7 +98,6 @@ pub struct TestShards {
     admin: Option<DatabaseConnection>,
 }
 
-
 /// A database name unique to the test, within the 63 characters PostgreSQL allows.
 fn db_name(test: &str, suffix: &str) -> String {
     let mut base: String = test

@@ -98,8 +98,7 @@ impl Shards {
             .map(|((side, main), spec)| {
                 // Each connection to an in-memory SQLite database is a
                 // database of its own: index rows must use the main pool.
-                let raw = spec.url.expose();
-                if raw.contains(":memory:") || raw.contains("mode=memory") {
+                if spec.url.is_sqlite_memory() {
                     Ok(main.clone())
                 } else {
                     side
@@ -303,7 +302,17 @@ pub(super) async fn connect_one(
         options.connect_lazy(lazy);
     }
     let raw = url.expose();
-    if raw.starts_with("sqlite:") && !raw.contains("journal_mode") && !raw.contains(":memory:") {
+    if url.is_sqlite_memory() {
+        // Each connection to an in-memory database is a database of its
+        // own, and it is gone once its connection closes: one connection,
+        // kept for the pool's life, whatever `[pool]` says.
+        options
+            .max_connections(1)
+            .min_connections(1)
+            .idle_timeout(None)
+            .max_lifetime(None);
+    }
+    if raw.starts_with("sqlite:") && !raw.contains("journal_mode") && !url.is_sqlite_memory() {
         // WAL lets readers run beside the one writer; a URL that names its
         // own journal mode keeps it.
         options.map_sqlx_sqlite_opts(|opts| {

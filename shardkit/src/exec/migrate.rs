@@ -52,7 +52,8 @@ impl Shards {
     /// Every database of the cluster with its report name and role,
     /// deduplicated by URL (a directory or a ticket server may live in a
     /// shard's database, which then takes the application's migrations):
-    /// shards, directory databases, ticket servers.
+    /// shards, directory databases, ticket servers. (In-memory SQLite URLs
+    /// are never the same database twice.)
     pub(super) fn databases(&self) -> impl Iterator<Item = (String, &DatabaseConnection, Role)> {
         let topology = &self.inner.topology;
         let shards = topology
@@ -82,7 +83,7 @@ impl Shards {
             .chain(dirs)
             .chain(tickets)
             .filter(move |(_, url, _, _)| {
-                if seen.contains(url) {
+                if seen.contains(url) && !url.is_sqlite_memory() {
                     false
                 } else {
                     seen.push(url);

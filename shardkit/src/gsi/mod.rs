@@ -175,11 +175,15 @@ const CATALOG_TABLE: &str = "shardkit_gsi_catalog";
 fn gsi_err(shard: &str, table: &str, operation: String, source: DbErr) -> ShardError {
     // A deployment step was skipped: say which call makes the table.
     let operation = if crate::error::is_missing_table(&source) {
-        format!(
-            "{operation} (the index table is missing: create the entity's global indexes once, \
-             after `cluster.migrate`, with `cluster.setup::<YourEntity>()` or \
-             `cluster.gsi().create::<YourEntity>()`)"
-        )
+        let hint = if source.to_string().contains(table) {
+            "the index table is missing: create the entity's global indexes once, after \
+             `cluster.migrate`, with `cluster.setup::<YourEntity>()` or \
+             `cluster.gsi().create::<YourEntity>()`"
+        } else {
+            "a table of shardkit's is missing: run `cluster.migrate` with a migrator that \
+             includes `shardkit_migration::migrations()`"
+        };
+        format!("{operation} ({hint})")
     } else {
         operation
     };

@@ -18,6 +18,14 @@ impl DatabaseUrl {
         DatabaseUrl(url.into())
     }
 
+    /// Whether it names an in-memory SQLite database (`sqlite::memory:`,
+    /// `mode=memory`): every connection to one is a database of its own,
+    /// so two shards with the same such URL are two databases.
+    pub fn is_sqlite_memory(&self) -> bool {
+        self.0.starts_with("sqlite:")
+            && (self.0.contains(":memory:") || self.0.contains("mode=memory"))
+    }
+
     /// The URL with its password, for the driver only.
     pub(crate) fn expose(&self) -> &str {
         &self.0

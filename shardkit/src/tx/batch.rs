@@ -38,11 +38,48 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
     /// match, like SeaORM's [`EntityTrait::update_many`]: the shard-key
     /// predicate is always added, so no other key's row is touched.
     ///
-    /// ```text
-    /// tx.update_many::<order::Entity>()
+    /// ```
+    /// # use shardkit::prelude::*;
+    /// # #[derive(EntityGroup)] #[shardkit(key = i64)] pub struct Customer;
+    /// # pub mod order {
+    /// #     use sea_orm::entity::prelude::*;
+    /// #     #[sea_orm::model]
+    /// #     #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel, shardkit::Sharded)]
+    /// #     #[sea_orm(table_name = "orders")]
+    /// #     #[shardkit(group = crate::Customer)]
+    /// #     pub struct Model {
+    /// #         #[sea_orm(primary_key, auto_increment = false)]
+    /// #         pub id: i64,
+    /// #         #[shardkit(shard_key)]
+    /// #         pub customer_id: i64,
+    /// #         pub status: String,
+    /// #     }
+    /// #     impl ActiveModelBehavior for ActiveModel {}
+    /// # }
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// # let cluster = Cluster::connect(ClusterConfig::from_toml(
+    /// #     "shards = [{ name = \"s0\", url = \"sqlite::memory:\" }]\n[groups.Customer]\n",
+    /// # )?).await?;
+    /// # {
+    /// #     use sea_orm::ConnectionTrait;
+    /// #     let db = cluster.connection("s0").unwrap();
+    /// #     let schema = sea_orm::Schema::new(db.get_database_backend());
+    /// #     db.execute(&schema.create_table_from_entity(order::Entity)).await?;
+    /// # }
+    /// let tx = cluster.begin::<Customer>(42).await?;
+    /// # for (id, status) in [(1, "paid"), (2, "paid"), (3, "open")] {
+    /// #     tx.insert(order::ActiveModel { id: Set(id), customer_id: Set(42), status: Set(status.into()) }).await?;
+    /// # }
+    /// let shipped = tx
+    ///     .update_many::<order::Entity>()
     ///     .set(order::ActiveModel { status: Set("shipped".into()), ..Default::default() })
     ///     .filter(order::Column::Status.eq("paid"))
-    ///     .exec().await?;
+    ///     .exec()
+    ///     .await?;
+    /// assert_eq!(shipped, 2);
+    /// tx.commit().await?;
+    /// # Ok(()) }
     /// ```
     pub fn update_many<E: InGroup<G>>(&self) -> TxUpdateMany<'_, G, P, E> {
         TxUpdateMany {
