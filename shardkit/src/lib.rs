@@ -201,8 +201,9 @@ pub use entity::{EntityGroup, GroupKey, InGroup, KeyRef, ShardKey, ShardedEntity
 pub use error::{ErrorKind, Origin, Result, Retry, ShardError, ShardFailure, Subsystem};
 pub use ids::{Ids, Sequence, Snowflake, SnowflakeLayout, uuid_v7};
 pub use read::{
-    AllowPartial, ByIndex, Find, KeyOf, Keyed, KeyedPages, KeyedSelect, Keys, MergePlan, Partial,
-    PlannedRoute, PlannedStatement, ReadPlan, RowStream, Scatter, TxFind, TxSelect, Unkeyed,
+    AllowPartial, ByIndex, Find, KeyOf, Keyed, KeyedPages, KeyedSelect, Keys, MergePlan,
+    MultiSelect, MultiShard, Partial, PlannedRoute, PlannedStatement, ReadPlan, RowStream, Scatter,
+    TxFind, TxSelect, Unkeyed,
 };
 pub use rollout::{Phase, Rollout, RolloutBackfill, RolloutHandle};
 pub use shardkit_derive::{EntityGroup, Sharded};

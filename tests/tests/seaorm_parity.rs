@@ -6,7 +6,7 @@ use futures::TryStreamExt;
 use sea_orm::ExprTrait;
 use shardkit::prelude::*;
 use shardkit_tests::models::*;
-use shardkit_tests::{Backend, Proxy, TestDbs, backend_tests};
+use shardkit_tests::{Backend, Proxy, TestDbs, backend_tests, recording_cluster};
 use std::time::Duration;
 
 backend_tests!(2 =>
@@ -17,6 +17,7 @@ backend_tests!(2 =>
     batch_writes_keep_global_indexes,
     save_inserts_or_updates,
     batch_writes_on_a_small_pool_all_complete,
+    multi_shard_projections_merge_or_refuse,
 );
 
 /// Two customers whose rows share a shard.
@@ -717,4 +718,119 @@ async fn batch_writes_on_a_small_pool_all_complete(dbs: &mut TestDbs) {
             expected
         );
     }
+}
+
+/// Projections of several shards: the union of every shard's rows when
+/// nothing orders them; an ordered one is refused before any statement runs.
+async fn multi_shard_projections_merge_or_refuse(dbs: &mut TestDbs) {
+    let (cluster, sent) = recording_cluster(dbs, 2, "[groups.Customer]\n").await;
+    cluster.migrate::<Migrator>().await.unwrap();
+    // Customers 1..=6 on both shards, 3 carts each.
+    for key in 1..=6_i64 {
+        let tx = cluster.begin::<Customer>(key).await.unwrap();
+        tx.insert_many((0..3).map(|n| cart(key * 10 + n, key, &format!("k{key}"))))
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+    }
+    let shards: std::collections::HashSet<String> =
+        futures::future::join_all((1..=6_i64).map(|k| {
+            let cluster = cluster.clone();
+            async move { cluster.shard_of::<Customer>(&k).await.unwrap().to_owned() }
+        }))
+        .await
+        .into_iter()
+        .collect();
+    assert_eq!(shards.len(), 2, "the keys span both shards");
+
+    let mut ids: Vec<i64> = cluster
+        .find::<cart::Entity>()
+        .scatter()
+        .select_only()
+        .column(cart::Column::Id)
+        .into_tuple()
+        .all()
+        .await
+        .unwrap();
+    ids.sort_unstable();
+    let expected: Vec<i64> = (1..=6_i64)
+        .flat_map(|k| (0..3).map(move |n| k * 10 + n))
+        .collect();
+    assert_eq!(ids, expected);
+
+    let pairs: Vec<(i64, String)> = cluster
+        .find::<cart::Entity>()
+        .keys([2, 5])
+        .filter(cart::Column::Id.ne(20))
+        .select_only()
+        .column(cart::Column::CustomerId)
+        .column(cart::Column::Label)
+        .into_tuple()
+        .all()
+        .await
+        .unwrap();
+    let mut pairs = pairs;
+    pairs.sort();
+    assert_eq!(
+        pairs,
+        vec![
+            (2, "k2".into()),
+            (2, "k2".into()),
+            (5, "k5".into()),
+            (5, "k5".into()),
+            (5, "k5".into())
+        ]
+    );
+
+    let json = cluster
+        .find::<cart::Entity>()
+        .keys([3])
+        .into_json()
+        .all()
+        .await
+        .unwrap();
+    assert_eq!(json.len(), 3);
+    assert!(json.iter().all(|row| row["customer_id"] == 3), "{json:?}");
+
+    let some: Vec<i64> = cluster
+        .find::<cart::Entity>()
+        .scatter()
+        .select_only()
+        .column(cart::Column::Id)
+        .limit(4)
+        .offset(1)
+        .into_tuple()
+        .all()
+        .await
+        .unwrap();
+    assert_eq!(some.len(), 4);
+    assert!(some.iter().all(|id| expected.contains(id)));
+
+    let part = cluster
+        .find::<cart::Entity>()
+        .scatter()
+        .partial()
+        .select_only()
+        .column(cart::Column::Id)
+        .into_tuple::<i64>()
+        .all()
+        .await
+        .unwrap();
+    assert!(part.is_complete());
+    assert_eq!(part.rows.len(), 18);
+
+    let before = sent.lock().unwrap().len();
+    let err = cluster
+        .find::<cart::Entity>()
+        .scatter()
+        .order_by_desc(cart::Column::Id)
+        .select_only()
+        .column(cart::Column::Id)
+        .into_tuple::<i64>()
+        .all()
+        .await
+        .unwrap_err();
+    assert!(matches!(err, ShardError::Unmergeable { .. }), "{err:?}");
+    assert!(err.to_string().contains("`id`"), "{err}");
+    assert_eq!(sent.lock().unwrap().len(), before, "no statement ran");
 }

@@ -481,6 +481,119 @@ impl<E: ShardedEntity> Find<E, Keyed<KeyOf<E>>> {
 /// [`TxFind::stream`]): SeaORM's `PinBoxStream` with shardkit's errors.
 pub type RowStream<'a, T> = std::pin::Pin<Box<dyn futures::Stream<Item = Result<T>> + Send + 'a>>;
 
+/// The routes that read several shards: [`Keys`], [`Scatter`], [`ByIndex`]
+/// and their [`AllowPartial`] forms.
+pub trait MultiShard: sealed_multi::Sealed {}
+impl<K> MultiShard for Keys<K> {}
+impl MultiShard for Scatter {}
+impl MultiShard for ByIndex {}
+impl<R: MultiShard> MultiShard for AllowPartial<R> {}
+
+mod sealed_multi {
+    pub trait Sealed {}
+    impl<K> Sealed for super::Keys<K> {}
+    impl Sealed for super::Scatter {}
+    impl Sealed for super::ByIndex {}
+    impl<R: Sealed> Sealed for super::AllowPartial<R> {}
+}
+
+/// Projections of a multi-shard read. Rows of several shards are one
+/// result when nothing orders them: they come shard by shard, and `limit`
+/// and `offset` apply to the whole (each shard returns at most `limit +
+/// offset`). `order_by` needs the order columns of whole rows to merge, so
+/// an ordered projection is refused before any I/O with
+/// [`ShardError::Unmergeable`]; read whole rows with `all()` instead.
+impl<E: ShardedEntity, R: MultiShard + Routed<E>> Find<E, R> {
+    /// Selects no column yet (SeaORM's `QuerySelect::select_only`); add
+    /// them with [`column`](Self::column).
+    pub fn select_only(mut self) -> Self {
+        self.select = QuerySelect::select_only(self.select);
+        self
+    }
+
+    /// Selects one column (SeaORM's `QuerySelect::column`).
+    pub fn column(mut self, column: E::Column) -> Self {
+        self.select = QuerySelect::column(self.select, column);
+        self
+    }
+
+    /// Decodes each row into `M` (SeaORM's [`Select::into_model`]).
+    pub fn into_model<M: FromQueryResult>(self) -> MultiSelect<E, R, SelectModel<M>> {
+        MultiSelect {
+            find: self,
+            into: |select| select.into_model::<M>(),
+        }
+    }
+
+    /// Decodes each row into a tuple of its selected columns (SeaORM's
+    /// [`Select::into_tuple`]).
+    pub fn into_tuple<T: TryGetableMany>(self) -> MultiSelect<E, R, SelectGetableTuple<T>> {
+        MultiSelect {
+            find: self,
+            into: |select| select.into_tuple::<T>(),
+        }
+    }
+
+    /// Decodes each row into a JSON object (SeaORM's [`Select::into_json`]).
+    pub fn into_json(self) -> MultiSelect<E, R, SelectModel<sea_orm::JsonValue>> {
+        MultiSelect {
+            find: self,
+            into: |select| select.into_json(),
+        }
+    }
+}
+
+/// A multi-shard read decoded into another shape ([`Find::into_tuple`] and
+/// friends on [`Keys`], [`Scatter`] and [`ByIndex`] reads).
+#[must_use = "a read does nothing until `.all()` runs it"]
+pub struct MultiSelect<E: ShardedEntity, R, S: SelectorTrait> {
+    find: Find<E, R>,
+    into: fn(Select<E>) -> Selector<S>,
+}
+
+impl<E: ShardedEntity, R: MultiShard + Routed<E>, S: SelectorTrait> MultiSelect<E, R, S>
+where
+    S::Item: Send,
+{
+    /// Every matching row of every shard asked, shard by shard.
+    pub async fn all(self) -> Result<R::Output<Vec<S::Item>>> {
+        let into = self.into;
+        let (read, select, spec) = self.find.split();
+        if let Some((column, _)) = read.order.first() {
+            return Err(ShardError::Unmergeable {
+                table: table_name::<E>(),
+                reason: format!(
+                    "a projection of several shards ordered by `{}`: shards are merged by the \
+                     order columns of whole rows; read whole rows with `all()`, or project each \
+                     key's rows with a keyed read",
+                    column.as_str()
+                ),
+            });
+        }
+        let plan = read.plan(select, spec, ReadOp::All).await?;
+        if plan.single.is_some() {
+            return read
+                .single::<R, _, _, _>(plan, "all", |s, conn| into(s).all(conn))
+                .await;
+        }
+        let asked = plan.asked;
+        let (mut ok, mut failed, span) = read
+            .gather(plan.parts, asked, "all", |s, conn| into(s).all(conn))
+            .await;
+        let asked = asked + usize::from(plan.lookup_failed.is_some());
+        failed.extend(plan.lookup_failed);
+        ok.sort_by_key(|(id, _)| *id);
+        let rows: Vec<S::Item> = ok
+            .into_iter()
+            .flat_map(|(_, rows)| rows)
+            .skip(plan.offset as usize)
+            .take(plan.limit.map_or(usize::MAX, |l| l as usize))
+            .collect();
+        span.record("rows", rows.len());
+        R::finish(rows, read.gathered(asked, failed))
+    }
+}
+
 /// The pages of a keyed read ([`Find::paginate`]).
 #[must_use = "pages are read by `fetch_page`, `num_items` or `num_pages`"]
 pub struct KeyedPages<E: ShardedEntity> {

@@ -51,7 +51,7 @@ mod traits;
 #[allow(unused_imports)]
 use {execute::*, keys::*, plan::*};
 
-pub use find::{Find, KeyedPages, KeyedSelect, RowStream};
+pub use find::{Find, KeyedPages, KeyedSelect, MultiSelect, MultiShard, RowStream};
 pub use in_tx::{TxFind, TxSelect};
 pub(crate) use index::{IndexLookup, IndexQuery, exact_eq};
 pub(crate) use keys::key_condition;
