@@ -323,7 +323,6 @@ impl Drop for Hung {
     }
 }
 
-
 /// Every statement a [`recording_cluster`] sent: (shard, statement).
 pub type Sent = std::sync::Arc<std::sync::Mutex<Vec<(String, sea_orm::Statement)>>>;
 
