@@ -48,6 +48,9 @@ pub mod customer {
         pub name: String,
         /// Contact address.
         pub email: String,
+        /// The customer's orders (`find_with_related(order::Entity)`).
+        #[sea_orm(has_many)]
+        pub orders: HasMany<super::order::Entity>,
     }
 
     impl ActiveModelBehavior for ActiveModel {}
@@ -71,6 +74,9 @@ pub mod order {
         pub customer_id: i64,
         /// Amount in cents.
         pub total_cents: i64,
+        /// The customer who placed it (on the same shard: same shard key).
+        #[sea_orm(belongs_to, from = "customer_id", to = "id")]
+        pub customer: BelongsTo<super::customer::Entity>,
     }
 
     impl ActiveModelBehavior for ActiveModel {}

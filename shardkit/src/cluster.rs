@@ -396,11 +396,11 @@ impl Cluster {
                 report.indexes.push((table, state));
             }
         }
-        if let Some((_, IdStrategy::Ticket(name) | IdStrategy::Encoded(name))) = E::ID {
-            if !report.sequences.iter().any(|s| s == name) {
-                self.features.ids.create_sequence(name).await?;
-                report.sequences.push(name.to_owned());
-            }
+        if let Some((_, IdStrategy::Ticket(name) | IdStrategy::Encoded(name))) = E::ID
+            && !report.sequences.iter().any(|s| s == name)
+        {
+            self.features.ids.create_sequence(name).await?;
+            report.sequences.push(name.to_owned());
         }
         Ok(())
     }

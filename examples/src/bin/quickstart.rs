@@ -1,6 +1,7 @@
 //! shardkit in one screen: four SQLite shard files, migrations on every shard,
 //! customers and orders written through single-key transactions, where each
-//! row landed, a refused cross-shard write, and a keyed read.
+//! row landed, a refused cross-shard write, a keyed read, a transaction
+//! closure, and a customer read with its related orders.
 //!
 //! Run it with `cargo run -p shardkit-examples --bin quickstart`. Set
 //! `SHARDKIT_DATA_DIR` to put the shard files somewhere other than
@@ -96,5 +97,40 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         "(read from shard {} only)",
         cluster.shard_of::<Customer>(&3).await?
     );
+
+    println!("\n== a transaction closure: commits when it returns Ok, rolls back on Err");
+    let placed = cluster
+        .transaction::<Customer, _, _>(3, |tx| async move {
+            let row = tx
+                .insert(order::ActiveModel {
+                    id: Set(2_000),
+                    customer_id: Set(3),
+                    total_cents: Set(4_203),
+                })
+                .await?;
+            Ok(row)
+        })
+        .await?;
+    println!(
+        "order {} customer {} total {} cents committed",
+        placed.id, placed.customer_id, placed.total_cents
+    );
+
+    println!("\n== a related read: customer 3 with its orders, one join on its shard");
+    let with_orders = cluster
+        .find::<customer::Entity>()
+        .key(3)
+        .find_with_related(order::Entity)
+        .await?;
+    for (c, orders) in &with_orders {
+        let ids: Vec<i64> = orders.iter().map(|o| o.id).collect();
+        println!("{} <{}>: orders {ids:?}", c.name, c.email);
+        if orders.len() != 4 || !orders.contains(&placed) {
+            return Err("customer 3 should have its 3 orders and the new one".into());
+        }
+    }
+    if with_orders.len() != 1 {
+        return Err("customer 3 is one customer".into());
+    }
     Ok(())
 }
