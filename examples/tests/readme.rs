@@ -42,6 +42,8 @@ pub mod order {
         #[shardkit(shard_key)]
         pub customer_id: i64,
         pub total_cents: i64,
+        #[sea_orm(has_many)]
+        pub lines: HasMany<super::line::Entity>,   // SeaORM 2.0 relations, on the model
     }
 
     impl ActiveModelBehavior for ActiveModel {}
@@ -93,6 +95,67 @@ async fn what_it_looks_like(TOML: &str) -> shardkit::Result<Looks> {
     }).await?;
 
     Ok(Looks { cluster, mine, totals, some, top, part, id })
+}
+
+// README.md, "SeaORM inside a key".
+
+#[rustfmt::skip]
+pub mod line {
+    use sea_orm::entity::prelude::*;
+
+    #[sea_orm::model]
+    #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel, shardkit::Sharded)]
+    #[sea_orm(table_name = "order_lines")]
+    #[shardkit(group = crate::Customer)]
+    pub struct Model {
+        #[sea_orm(primary_key, auto_increment = false)]
+        pub id: i64,
+        #[shardkit(shard_key)]
+        pub customer_id: i64,                   // lines live with their order
+        pub order_id: i64,
+        pub sku: String,
+        #[sea_orm(belongs_to, from = "order_id", to = "id")]
+        pub order: BelongsTo<super::order::Entity>,
+    }
+
+    impl ActiveModelBehavior for ActiveModel {}
+}
+
+/// What the statements of "SeaORM inside a key" returned.
+struct Inside {
+    saved: order::ActiveModel,
+    orders: Vec<(order::Model, Vec<line::Model>)>,
+    lines: Vec<line::Model>,
+    streamed: usize,
+    ids: Vec<i64>,
+}
+
+/// README.md, "SeaORM inside a key": the statements.
+#[rustfmt::skip]
+async fn inside_a_key(cluster: &Cluster) -> shardkit::Result<Inside> {
+    use futures::TryStreamExt;                      // for streams
+
+    let tx = cluster.begin::<Customer>(42).await?;
+    tx.insert_many((1..=3).map(|id| line::ActiveModel {                     // every row's key checked first
+        id: Set(id), customer_id: Set(42), order_id: Set(1), sku: Set(format!("sku-{id}")),
+    })).await?;
+    tx.update_many::<order::Entity>()                                        // `customer_id = 42` always added
+        .set(order::ActiveModel { total_cents: Set(0), ..Default::default() })
+        .filter(order::Column::TotalCents.lt(100))
+        .exec().await?;
+    tx.delete_many::<line::Entity>().filter(line::Column::Sku.eq("sku-3")).exec().await?;
+    let saved = tx.save(order::ActiveModel { id: Set(1), customer_id: Set(42), total_cents: Set(2_500) }).await?;
+    tx.commit().await?;
+
+    let orders = cluster.find::<order::Entity>().key(42)                     // each order with its lines,
+        .find_with_related(line::Entity).await?;                             // both sides within key 42
+    let lines = cluster.find_related(&orders[0].0, line::Entity).all().await?;  // a keyed read of `line`
+    let mut rows = cluster.find::<order::Entity>().key(42).stream().await?;  // decoded as they arrive
+    let mut streamed = 0;
+    while let Some(order) = rows.try_next().await? { assert_eq!(order.customer_id, 42); streamed += 1; }
+    let ids: Vec<i64> = cluster.find::<order::Entity>().scatter()            // unordered projections of
+        .select_only().column(order::Column::Id).into_tuple().all().await?;  // several shards merge
+    Ok(Inside { saved, orders, lines, streamed, ids })
 }
 
 /// Contacts, with the two indexed fields of README.md's "Global secondary
@@ -280,8 +343,12 @@ mod migration {
     impl MigratorTrait for Migrator {
         fn migrations() -> Vec<Box<dyn MigrationTrait>> {
             let mut all = shardkit_migration::migrations();
-            all.extend::<[Box<dyn MigrationTrait>; 4]>([
+            all.extend::<[Box<dyn MigrationTrait>; 5]>([
                 Box::new(CreateTable("m20261201_000001_orders", super::order::Entity)),
+                Box::new(CreateTable(
+                    "m20261201_000005_order_lines",
+                    super::line::Entity,
+                )),
                 Box::new(CreateTable(
                     "m20261201_000002_contacts",
                     super::contact::Entity,
@@ -449,6 +516,61 @@ async fn what_it_looks_like_reads_and_writes_as_described() {
             assert_eq!(found, expected, "order {id} on shard {name} (home {home})");
         }
     }
+}
+
+#[tokio::test]
+async fn inside_a_key_reads_and_writes_as_described() {
+    let scratch = Scratch::new("inside");
+    let toml = scratch.cluster_toml(4);
+    let cluster = migrated(&toml).await;
+    // Orders 1 (1999 cents) and 2 (50 cents) of customer 42, order 3 of customer 7.
+    for (id, customer, total) in [(1, 42, 1_999), (2, 42, 50), (3, 7, 10)] {
+        let tx = cluster.begin::<Customer>(customer).await.unwrap();
+        tx.insert(order::ActiveModel {
+            id: Set(id),
+            customer_id: Set(customer),
+            total_cents: Set(total),
+        })
+        .await
+        .unwrap();
+        tx.commit().await.unwrap();
+    }
+
+    let inside = inside_a_key(&cluster).await.unwrap();
+
+    assert_eq!(inside.saved.total_cents.clone().unwrap(), 2_500);
+    let got: Vec<(i64, i64, Vec<&str>)> = inside
+        .orders
+        .iter()
+        .map(|(o, lines)| {
+            (
+                o.id,
+                o.total_cents,
+                lines.iter().map(|l| l.sku.as_str()).collect(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        got,
+        vec![(1, 2_500, vec!["sku-1", "sku-2"]), (2, 0, vec![])],
+        "update_many zeroed order 2 only, delete_many removed sku-3, save updated order 1"
+    );
+    assert_eq!(inside.lines.len(), 2);
+    assert_eq!(inside.streamed, 2);
+    let mut ids = inside.ids;
+    ids.sort_unstable();
+    assert_eq!(ids, vec![1, 2, 3]);
+    let other = cluster
+        .find::<order::Entity>()
+        .key(7)
+        .one()
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        other.total_cents, 10,
+        "another key's order under 100 cents is untouched"
+    );
 }
 
 #[tokio::test]

@@ -374,7 +374,7 @@ impl Cluster {
     ///     [ids]
     ///     servers = [{ name = "t0", url = "sqlite::memory:" }]
     /// "#)?).await?;
-    /// cluster.migrate::<shardkit_migration::Migrator>().await?; // your Migrator, in an application
+    /// cluster.migrate::<shardkit::migration::Migrator>().await?; // your Migrator, in an application
     /// let report = cluster.setup::<photo::Entity>().await?;     // or a tuple: (photo::Entity, ..)
     /// assert_eq!(report.sequences, ["photos"]);
     /// assert_eq!(report.indexes[0].0, "gsi_photos_slug");

@@ -68,7 +68,7 @@
 //!     ]
 //!     [groups.Customer]
 //! "#)?).await?;
-//! cluster.migrate::<shardkit_migration::Migrator>().await?;   // shardkit's tables; yours too
+//! cluster.migrate::<shardkit::migration::Migrator>().await?; // shardkit's tables; yours too
 //! # for shard in ["s0", "s1", "s2", "s3"] {
 //! #     use sea_orm::ConnectionTrait;
 //! #     let db = cluster.connection(shard).unwrap();
@@ -213,6 +213,11 @@ pub use verify::{RowDiff, VerifyOptions, VerifyReport};
 
 /// The SeaORM this version of shardkit is built on.
 pub use sea_orm;
+
+/// shardkit's own migrations (`shardkit_migration`): put
+/// `shardkit::migration::migrations()` into your migrator, or run
+/// `shardkit::migration::Migrator` when you have none.
+pub use shardkit_migration as migration;
 
 #[doc(hidden)]
 pub use entity::__private;

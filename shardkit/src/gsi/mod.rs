@@ -181,7 +181,7 @@ fn gsi_err(shard: &str, table: &str, operation: String, source: DbErr) -> ShardE
              `cluster.gsi().create::<YourEntity>()`"
         } else {
             "a table of shardkit's is missing: run `cluster.migrate` with a migrator that \
-             includes `shardkit_migration::migrations()`"
+             includes `shardkit::migration::migrations()`"
         };
         format!("{operation} ({hint})")
     } else {
