@@ -184,8 +184,9 @@ pub enum ShardError {
         reason: String,
     },
 
-    /// A write asked for something shardkit cannot do safely for this
-    /// entity; nothing was written. The reason says what to do instead.
+    /// An operation asked for something shardkit cannot do safely for this
+    /// entity (or, for a transaction, while one of its streams is open);
+    /// nothing was sent. The reason says what to do instead.
     #[error("{operation} of `{table}` is refused: {reason}")]
     Unsupported {
         /// The table written.

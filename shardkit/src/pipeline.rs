@@ -60,6 +60,28 @@ impl WriteOp {
     }
 }
 
+/// How a batch write may run ([`WriteStage::batch`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Batch {
+    /// One statement with the key's predicate: no stage has work per row.
+    Statement,
+    /// Row by row through the pipeline: a stage needs each row.
+    PerRow,
+    /// Refused before any I/O, for this reason.
+    Refused(String),
+}
+
+impl Batch {
+    /// Both stages' answers: a refusal wins, then row by row.
+    fn and(self, other: Batch) -> Batch {
+        match (self, other) {
+            (Batch::Refused(reason), _) | (_, Batch::Refused(reason)) => Batch::Refused(reason),
+            (Batch::PerRow, _) | (_, Batch::PerRow) => Batch::PerRow,
+            _ => Batch::Statement,
+        }
+    }
+}
+
 /// Work to run once the transaction has committed (never when it rolls
 /// back). It must not fail the commit: it logs what it could not do.
 pub(crate) type AfterCommit = BoxFuture<'static, ()>;
@@ -162,15 +184,15 @@ pub trait WriteStage: Send + Sync + 'static {
         false
     }
 
-    /// Whether a batch write of `E` ([`ShardTx::update_many`],
-    /// [`ShardTx::delete_many`](crate::tx::ShardTx::delete_many)) must pass
-    /// each row through this stage. When any stage says so, the batch reads
-    /// the rows it matches under the row lock and writes them one by one
-    /// through the whole pipeline; otherwise it is one statement.
+    /// How a batch write of `E` ([`ShardTx::update_many`],
+    /// [`ShardTx::delete_many`](crate::tx::ShardTx::delete_many)) may run
+    /// as far as this stage is concerned: as one statement, row by row
+    /// (the batch reads the rows it matches under the row lock and writes
+    /// each through the whole pipeline), or not at all.
     ///
     /// [`ShardTx::update_many`]: crate::tx::ShardTx::update_many
-    fn per_row<E: ShardedEntity>(&self, _op: WriteOp) -> bool {
-        false
+    fn batch<E: ShardedEntity>(&self, _op: WriteOp) -> Batch {
+        Batch::Statement
     }
 
     /// Work before the write: an insert's or update's index rows.
@@ -230,8 +252,8 @@ impl<A: WriteStage, B: WriteStage> WriteStage for (A, B) {
         self.0.needs_current::<E>(op) || self.1.needs_current::<E>(op)
     }
 
-    fn per_row<E: ShardedEntity>(&self, op: WriteOp) -> bool {
-        self.0.per_row::<E>(op) || self.1.per_row::<E>(op)
+    fn batch<E: ShardedEntity>(&self, op: WriteOp) -> Batch {
+        self.0.batch::<E>(op).and(self.1.batch::<E>(op))
     }
 
     async fn before_write<E: ShardedEntity>(

@@ -368,8 +368,71 @@ async fn new_only_write_that_moves_the_key_is_refused(dbs: &mut TestDbs) {
     assert_eq!(advance(&rollout, &clock).await, Phase::DualWrite);
     clock.advance(rollout.gap());
     assert!(rollout.backfill().await.unwrap().finished);
+
+    // In dual_write, a batch update of the old entity goes row by row
+    // through the pipeline: each row is dual-written, in the same
+    // transaction.
+    put(&cluster, 7, 7, "Oslo").await;
+    put(&cluster, 8, 7, "Oslo").await;
+    let tx = cluster.begin::<Customer>(7).await.unwrap();
+    let changed = tx
+        .update_many::<person_v1::Entity>()
+        .set(person_v1::ActiveModel {
+            city: Set("Bergen".into()),
+            ..Default::default()
+        })
+        .exec()
+        .await
+        .unwrap();
+    assert_eq!(changed, 2);
+    tx.commit().await.unwrap();
+    assert_eq!(
+        cities(&cluster, "people_v2").await,
+        vec![(7, "Bergen".to_owned()), (8, "Bergen".to_owned())]
+    );
+    let tx = cluster.begin::<Customer>(7).await.unwrap();
+    assert_eq!(
+        tx.delete_many::<person_v1::Entity>().exec().await.unwrap(),
+        2
+    );
+    tx.commit().await.unwrap();
+    assert_eq!(shardkit_tests::count_rows(&cluster, "people_v2").await, 0);
+
     assert_eq!(advance(&rollout, &clock).await, Phase::ReadNew);
     assert_eq!(advance(&rollout, &clock).await, Phase::NewOnly);
+
+    // From new_only on the old table is not written: a batch cannot pick
+    // its rows there, and is refused before any I/O.
+    let tx = cluster.begin::<Customer>(7).await.unwrap();
+    let err = tx
+        .update_many::<person_v1::Entity>()
+        .set(person_v1::ActiveModel {
+            city: Set("Rome".into()),
+            ..Default::default()
+        })
+        .exec()
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, ShardError::Unsupported { operation: "update_many", reason, .. } if reason.contains("NewOnly")),
+        "{err:?}"
+    );
+    let err = tx
+        .delete_many::<person_v1::Entity>()
+        .exec()
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            ShardError::Unsupported {
+                operation: "delete_many",
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    drop(tx);
     let cross = |err: &ShardError| {
         matches!(err, ShardError::CrossShardWrite { entity, expected, found, .. }
             if *entity == "people_v2" && expected == "100" && found == "101")

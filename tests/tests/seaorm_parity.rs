@@ -98,6 +98,25 @@ async fn related_reads_stay_within_the_key(dbs: &mut TestDbs) {
     let got: Vec<(i64, Vec<&str>)> = carts.iter().map(|(c, i)| (c.id, skus(i))).collect();
     assert_eq!(got, vec![(1, vec!["a-x", "a-y"]), (2, vec![])]);
 
+    // A limit would count joined rows: refused.
+    let err = cluster
+        .find::<cart::Entity>()
+        .key(a)
+        .limit(1)
+        .find_with_related(cart_item::Entity)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            ShardError::Unsupported {
+                operation: "find_with_related",
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+
     // Filters of the keyed read apply to the root side.
     let carts = cluster
         .find::<cart::Entity>()
@@ -263,6 +282,30 @@ async fn keyed_streams_return_the_keys_rows(dbs: &mut TestDbs) {
             .unwrap();
         assert!(rows.try_next().await.unwrap().is_some());
     }
+
+    // In a transaction: while a stream holds its connection, any other
+    // statement of the transaction is refused at once (it would wait for
+    // the stream for ever); once the stream is dropped, all is well.
+    let tx = cluster.begin::<Customer>(b).await.unwrap();
+    let mut rows = tx.find::<cart::Entity>().stream().await.unwrap();
+    assert!(rows.try_next().await.unwrap().is_some());
+    let err = tx.insert(cart(5_000, b, "late")).await.unwrap_err();
+    assert!(matches!(err, ShardError::Unsupported { .. }), "{err:?}");
+    let err = tx.find::<cart::Entity>().count().await.unwrap_err();
+    assert!(matches!(err, ShardError::Unsupported { .. }), "{err:?}");
+    let err = tx
+        .update_many::<cart::Entity>()
+        .set(cart::ActiveModel {
+            label: Set("x".into()),
+            ..Default::default()
+        })
+        .exec()
+        .await
+        .unwrap_err();
+    assert!(matches!(err, ShardError::Unsupported { .. }), "{err:?}");
+    drop(rows);
+    tx.insert(cart(5_000, b, "late")).await.unwrap();
+    tx.rollback().await.unwrap();
 
     // In a transaction: its key's rows, on its connection.
     let tx = cluster.begin::<Customer>(b).await.unwrap();
@@ -580,20 +623,58 @@ async fn batch_writes_keep_global_indexes(dbs: &mut TestDbs) {
         "b's contact kept its number"
     );
 
-    // A unique value taken by another key's row: the batch fails and
-    // rolls back as a whole.
+    // One unique value for two rows: the first row takes it, the second is
+    // refused, and the whole batch with it: the transaction cannot commit
+    // the first row alone.
     let tx = cluster.begin::<Customer>(a).await.unwrap();
     let err = tx
         .update_many::<contact::Entity>()
         .set(contact::ActiveModel {
-            email: Set("b4@x".into()),
+            email: Set("same@x".into()),
             ..Default::default()
         })
-        .filter(contact::Column::Id.eq(3))
         .exec()
         .await
         .unwrap_err();
     assert!(matches!(err, ShardError::UniqueViolation { .. }), "{err:?}");
+    assert!(tx.is_rollback_only());
+    assert!(matches!(
+        tx.commit().await,
+        Err(ShardError::RollbackOnly { .. })
+    ));
+    let emails: Vec<String> = cluster
+        .find::<contact::Entity>()
+        .key(a)
+        .all()
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|c| c.email)
+        .collect();
+    assert!(!emails.contains(&"same@x".to_owned()), "{emails:?}");
+
+    // A primary key or nothing at all to set: refused before any I/O.
+    let tx = cluster.begin::<Customer>(a).await.unwrap();
+    for update in [
+        tx.update_many::<contact::Entity>()
+            .set(contact::ActiveModel {
+                id: Set(99),
+                ..Default::default()
+            }),
+        tx.update_many::<contact::Entity>(),
+    ] {
+        let err = update.exec().await.unwrap_err();
+        assert!(
+            matches!(
+                err,
+                ShardError::Unsupported {
+                    operation: "update_many",
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+    }
     drop(tx);
 
     let tx = cluster.begin::<Customer>(a).await.unwrap();

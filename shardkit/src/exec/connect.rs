@@ -302,17 +302,19 @@ pub(super) async fn connect_one(
         options.connect_lazy(lazy);
     }
     let raw = url.expose();
-    if url.is_sqlite_memory() {
-        // Each connection to an in-memory database is a database of its
-        // own, and it is gone once its connection closes: one connection,
-        // kept for the pool's life, whatever `[pool]` says.
+    if url.is_sqlite_in_memory() {
+        // An in-memory database is gone once its last connection closes:
+        // keep one for the pool's life, whatever `[pool]` says.
         options
-            .max_connections(1)
             .min_connections(1)
             .idle_timeout(None)
             .max_lifetime(None);
     }
-    if raw.starts_with("sqlite:") && !raw.contains("journal_mode") && !url.is_sqlite_memory() {
+    if url.is_sqlite_memory() {
+        // Each connection to a private one is a database of its own.
+        options.max_connections(1);
+    }
+    if raw.starts_with("sqlite:") && !raw.contains("journal_mode") && !url.is_sqlite_in_memory() {
         // WAL lets readers run beside the one writer; a URL that names its
         // own journal mode keeps it.
         options.map_sqlx_sqlite_opts(|opts| {

@@ -175,13 +175,18 @@ const CATALOG_TABLE: &str = "shardkit_gsi_catalog";
 fn gsi_err(shard: &str, table: &str, operation: String, source: DbErr) -> ShardError {
     // A deployment step was skipped: say which call makes the table.
     let operation = if crate::error::is_missing_table(&source) {
-        let hint = if source.to_string().contains(table) {
+        // Which table is missing, from the driver's message (only the hint
+        // depends on it).
+        let said = source.to_string();
+        let hint = if said.contains("shardkit_") {
+            "a table of shardkit's is missing: run `cluster.migrate` with a migrator that \
+             includes `shardkit::migration::migrations()`"
+        } else if said.contains("gsi_") {
             "the index table is missing: create the entity's global indexes once, after \
              `cluster.migrate`, with `cluster.setup::<YourEntity>()` or \
              `cluster.gsi().create::<YourEntity>()`"
         } else {
-            "a table of shardkit's is missing: run `cluster.migrate` with a migrator that \
-             includes `shardkit::migration::migrations()`"
+            "a table is missing: run `cluster.migrate` with your migrator on every shard"
         };
         format!("{operation} ({hint})")
     } else {

@@ -105,8 +105,12 @@ impl IndexFirst {
 }
 
 impl WriteStage for IndexFirst {
-    fn per_row<E: ShardedEntity>(&self, _op: WriteOp) -> bool {
-        !E::GLOBAL_INDEXES.is_empty()
+    fn batch<E: ShardedEntity>(&self, _op: WriteOp) -> crate::pipeline::Batch {
+        if E::GLOBAL_INDEXES.is_empty() {
+            crate::pipeline::Batch::Statement
+        } else {
+            crate::pipeline::Batch::PerRow
+        }
     }
 
     fn needs_current<E: ShardedEntity>(&self, op: WriteOp) -> bool {

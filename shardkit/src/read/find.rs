@@ -382,12 +382,25 @@ impl<E: ShardedEntity> Find<E, Keyed<KeyOf<E>>> {
     /// joined along `E`'s relation with its side scoped to the key in the
     /// join's `ON` clause, so another key's rows on the same shard are never
     /// related (and never hide a row of this key). One statement on the key's
-    /// shard; rows come back in `E`'s primary-key order, as SeaORM's do.
+    /// shard. A many-to-many relation's junction table is joined as the
+    /// relation says, not scoped: keep junction rows' foreign keys unique
+    /// across keys. `limit`/`offset` are refused
+    /// ([`ShardError::Unsupported`]): they would count joined rows.
     pub async fn find_with_related<R>(self, _related: R) -> Result<Vec<(E::Model, Vec<R::Model>)>>
     where
         R: ShardedEntity<Group = E::Group>,
         E: Related<R>,
     {
+        if self.limit.is_some() || self.offset.is_some() {
+            return Err(ShardError::Unsupported {
+                table: table_name::<E>(),
+                operation: "find_with_related",
+                reason: "`limit` and `offset` would count joined rows, cutting a row's related \
+                         rows short: page the rows in a read of their own and read each one's \
+                         related rows with `find_related`"
+                    .to_owned(),
+            });
+        }
         let key = self.route.0.clone();
         let (read, select, spec) = self.split();
         let plan = read.plan(select, spec, ReadOp::All).await?;

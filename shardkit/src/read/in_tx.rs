@@ -11,21 +11,76 @@ pub struct TxFind<'t, E: ShardedEntity, C> {
     pub(super) shard: &'t str,
     pub(super) key: KeyOf<E>,
     pub(super) select: Select<E>,
+    /// The transaction's open streams: while one is open it holds the
+    /// transaction's connection, and anything else would wait for it.
+    pub(super) streams: &'t AtomicUsize,
+}
+
+/// The error for a use of a transaction while one of its streams is open.
+pub(crate) fn stream_open(streams: &AtomicUsize, table: &'static str) -> Result<()> {
+    if streams.load(AtomicOrdering::Acquire) == 0 {
+        return Ok(());
+    }
+    Err(ShardError::Unsupported {
+        table,
+        operation: "a statement in a transaction",
+        reason: "a stream of this transaction is still open and holds its connection: read the \
+                 stream to its end or drop it first (or collect the rows with `all()`)"
+            .to_owned(),
+    })
+}
+
+/// A stream of a transaction's rows that counts itself open until dropped.
+struct Counted<'t, S> {
+    rows: S,
+    streams: &'t AtomicUsize,
+}
+
+impl<S: futures::Stream + Unpin> futures::Stream for Counted<'_, S> {
+    type Item = S::Item;
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<S::Item>> {
+        std::pin::Pin::new(&mut self.rows).poll_next(cx)
+    }
+}
+
+impl<S> Drop for Counted<'_, S> {
+    fn drop(&mut self) {
+        self.streams.fetch_sub(1, AtomicOrdering::AcqRel);
+    }
 }
 
 impl<'t, E: ShardedEntity, C: ConnectionTrait> TxFind<'t, E, C> {
-    pub(crate) fn new(conn: &'t C, shard: &'t str, key: &KeyOf<E>) -> Self {
-        Self::of(conn, shard, key, E::find())
+    pub(crate) fn new(
+        conn: &'t C,
+        shard: &'t str,
+        key: &KeyOf<E>,
+        streams: &'t AtomicUsize,
+    ) -> Self {
+        Self::of(conn, shard, key, E::find(), streams)
     }
 
     /// `select` scoped to `key`.
-    pub(crate) fn of(conn: &'t C, shard: &'t str, key: &KeyOf<E>, select: Select<E>) -> Self {
+    pub(crate) fn of(
+        conn: &'t C,
+        shard: &'t str,
+        key: &KeyOf<E>,
+        select: Select<E>,
+        streams: &'t AtomicUsize,
+    ) -> Self {
         TxFind {
             conn,
             shard,
             key: key.clone(),
             select: keyed_select::<E>(select, key, conn.get_database_backend()),
+            streams,
         }
+    }
+
+    fn ready(&self) -> Result<()> {
+        stream_open(self.streams, table_name::<E>())
     }
 
     /// Each row of the transaction's key with its related rows of `R`
@@ -36,6 +91,7 @@ impl<'t, E: ShardedEntity, C: ConnectionTrait> TxFind<'t, E, C> {
         R: ShardedEntity<Group = E::Group>,
         E: Related<R>,
     {
+        self.ready()?;
         let backend = self.conn.get_database_backend();
         join_related::<E, R>(self.select, JoinType::LeftJoin, &self.key, backend)
             .select_with(R::default())
@@ -55,6 +111,7 @@ impl<'t, E: ShardedEntity, C: ConnectionTrait> TxFind<'t, E, C> {
         R: ShardedEntity<Group = E::Group>,
         E: Related<R>,
     {
+        self.ready()?;
         let backend = self.conn.get_database_backend();
         join_related::<E, R>(self.select, JoinType::LeftJoin, &self.key, backend)
             .select_also(R::default())
@@ -65,6 +122,7 @@ impl<'t, E: ShardedEntity, C: ConnectionTrait> TxFind<'t, E, C> {
 
     /// All matching rows of the transaction's key.
     pub async fn all(self) -> Result<Vec<E::Model>> {
+        self.ready()?;
         self.select
             .all(self.conn)
             .await
@@ -73,6 +131,7 @@ impl<'t, E: ShardedEntity, C: ConnectionTrait> TxFind<'t, E, C> {
 
     /// The first matching row of the transaction's key.
     pub async fn one(self) -> Result<Option<E::Model>> {
+        self.ready()?;
         self.select
             .one(self.conn)
             .await
@@ -80,20 +139,26 @@ impl<'t, E: ShardedEntity, C: ConnectionTrait> TxFind<'t, E, C> {
     }
 
     /// The matching rows of the transaction's key as a stream (SeaORM's
-    /// [`Select::stream`]), read on the transaction's connection.
+    /// [`Select::stream`]), read on the transaction's connection. While it
+    /// is open it holds that connection: any other statement of the
+    /// transaction (a read, a write, another stream) fails at once with
+    /// [`ShardError::Unsupported`] instead of waiting for it for ever.
     pub async fn stream(self) -> Result<RowStream<'t, E::Model>>
     where
         C: sea_orm::StreamTrait + Send + Sync,
     {
+        self.ready()?;
         let shard = self.shard;
         let rows = self
             .select
             .stream(self.conn)
             .await
             .map_err(|e| read_err::<E>(shard, e))?;
-        Ok(Box::pin(
-            rows.map(move |row| row.map_err(|e| read_err::<E>(shard, e))),
-        ))
+        self.streams.fetch_add(1, AtomicOrdering::AcqRel);
+        Ok(Box::pin(Counted {
+            rows: rows.map(move |row| row.map_err(|e| read_err::<E>(shard, e))),
+            streams: self.streams,
+        }))
     }
 
     /// The number of matching rows of the transaction's key.
@@ -101,6 +166,7 @@ impl<'t, E: ShardedEntity, C: ConnectionTrait> TxFind<'t, E, C> {
     where
         E::Model: Sync,
     {
+        self.ready()?;
         self.select
             .count(self.conn)
             .await
@@ -116,9 +182,10 @@ impl<'t, E: ShardedEntity, C: ConnectionTrait> TxFind<'t, E, C> {
             conn,
             shard,
             select,
+            streams,
             ..
         } = self;
-        TxSelect::new::<E>(conn, shard, select.into_model::<M>())
+        TxSelect::new::<E>(conn, shard, select.into_model::<M>(), streams)
     }
 
     /// Decodes each row into a tuple of its selected columns (SeaORM's
@@ -128,9 +195,10 @@ impl<'t, E: ShardedEntity, C: ConnectionTrait> TxFind<'t, E, C> {
             conn,
             shard,
             select,
+            streams,
             ..
         } = self;
-        TxSelect::new::<E>(conn, shard, select.into_tuple::<T>())
+        TxSelect::new::<E>(conn, shard, select.into_tuple::<T>(), streams)
     }
 
     /// Decodes each row into a JSON object (SeaORM's [`Select::into_json`]).
@@ -139,9 +207,10 @@ impl<'t, E: ShardedEntity, C: ConnectionTrait> TxFind<'t, E, C> {
             conn,
             shard,
             select,
+            streams,
             ..
         } = self;
-        TxSelect::new::<E>(conn, shard, select.into_json())
+        TxSelect::new::<E>(conn, shard, select.into_json(), streams)
     }
 }
 
@@ -154,16 +223,23 @@ pub struct TxSelect<'t, C, S: SelectorTrait> {
     pub(super) table: &'static str,
     pub(super) group: &'static str,
     pub(super) selector: Selector<S>,
+    pub(super) streams: &'t AtomicUsize,
 }
 
 impl<'t, C: ConnectionTrait, S: SelectorTrait> TxSelect<'t, C, S> {
-    fn new<E: ShardedEntity>(conn: &'t C, shard: &'t str, selector: Selector<S>) -> Self {
+    fn new<E: ShardedEntity>(
+        conn: &'t C,
+        shard: &'t str,
+        selector: Selector<S>,
+        streams: &'t AtomicUsize,
+    ) -> Self {
         TxSelect {
             conn,
             shard,
             table: table_name::<E>(),
             group: <E::Group as EntityGroup>::NAME,
             selector,
+            streams,
         }
     }
 
@@ -175,7 +251,9 @@ impl<'t, C: ConnectionTrait, S: SelectorTrait> TxSelect<'t, C, S> {
             table,
             group,
             selector,
+            streams,
         } = self;
+        stream_open(streams, table)?;
         selector
             .all(conn)
             .await
@@ -190,7 +268,9 @@ impl<'t, C: ConnectionTrait, S: SelectorTrait> TxSelect<'t, C, S> {
             table,
             group,
             selector,
+            streams,
         } = self;
+        stream_open(streams, table)?;
         selector
             .one(conn)
             .await

@@ -52,6 +52,7 @@ mod traits;
 use {execute::*, keys::*, plan::*};
 
 pub use find::{Find, KeyedPages, KeyedSelect, MultiSelect, MultiShard, RowStream};
+pub(crate) use in_tx::stream_open;
 pub use in_tx::{TxFind, TxSelect};
 pub(crate) use index::{IndexLookup, IndexQuery, exact_eq};
 pub(crate) use keys::key_condition;

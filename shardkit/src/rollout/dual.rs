@@ -369,8 +369,20 @@ fn defer(ctx: &crate::pipeline::WriteCtx<'_>, after: Option<AfterCommit>) {
 }
 
 impl WriteStage for DualWrite {
-    fn per_row<E: ShardedEntity>(&self, _op: WriteOp) -> bool {
-        self.registry.get(TypeId::of::<E>()).is_some()
+    fn batch<E: ShardedEntity>(&self, _op: WriteOp) -> crate::pipeline::Batch {
+        match self.registry.get(TypeId::of::<E>()) {
+            None => crate::pipeline::Batch::Statement,
+            Some(rollout) if rollout.phase() >= Phase::NewOnly => {
+                crate::pipeline::Batch::Refused(format!(
+                    "rollout `{}` is in phase {:?}: the old table is no longer written, so a batch \
+                     cannot pick its rows there; batch-write the new entity, or write the rows \
+                     one by one",
+                    rollout.name(),
+                    rollout.phase()
+                ))
+            }
+            Some(_) => crate::pipeline::Batch::PerRow,
+        }
     }
 
     async fn replace<E: ShardedEntity>(

@@ -18,10 +18,17 @@ impl DatabaseUrl {
         DatabaseUrl(url.into())
     }
 
-    /// Whether it names an in-memory SQLite database (`sqlite::memory:`,
-    /// `mode=memory`): every connection to one is a database of its own,
-    /// so two shards with the same such URL are two databases.
+    /// Whether it names a private in-memory SQLite database
+    /// (`sqlite::memory:`, or `mode=memory` without `cache=shared`): every
+    /// connection to one is a database of its own, so two shards with the
+    /// same such URL are two databases.
     pub fn is_sqlite_memory(&self) -> bool {
+        self.is_sqlite_in_memory() && !self.0.contains("cache=shared")
+    }
+
+    /// Whether it names an in-memory SQLite database, private or shared:
+    /// it is gone once its last connection closes.
+    pub(crate) fn is_sqlite_in_memory(&self) -> bool {
         self.0.starts_with("sqlite:")
             && (self.0.contains(":memory:") || self.0.contains("mode=memory"))
     }

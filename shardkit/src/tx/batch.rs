@@ -2,12 +2,15 @@
 //! [`ShardTx::save`], [`ShardTx::update_many`], [`ShardTx::delete_many`].
 //!
 //! A batch is one statement when no write stage has work for each of its
-//! rows ([`WriteStage::per_row`]: no global index, no rollout of the
+//! rows ([`WriteStage::batch`]: no global index, no rollout of the
 //! entity). Otherwise it reads the rows it matches under the row lock and
 //! writes each through the whole pipeline, so every index row and dual
-//! write stays right; the result is the same either way.
+//! write stays right; the rows written are the same either way. A batch
+//! that fails row by row makes the transaction rollback-only, so it is all
+//! or nothing like the one statement.
 
 use super::*;
+use crate::pipeline::Batch;
 use sea_orm::sea_query::{IntoCondition, SimpleExpr};
 use sea_orm::{ActiveValue, Condition, IdenStatic, Iterable, QuerySelect};
 
@@ -193,41 +196,74 @@ where
                 found: "an expression".to_owned(),
             }));
         }
-        if !tx.stages.per_row::<E>(WriteOp::Update) {
-            let mut update = E::update_many().set(set);
-            for (column, expr) in exprs {
-                update = update.col_expr(column, expr);
+        let refuse = |reason: &str| ShardError::Unsupported {
+            table: table_name::<E>(),
+            operation: op,
+            reason: reason.to_owned(),
+        };
+        let primary = |column: &E::Column| {
+            <E::PrimaryKey as Iterable>::iter().any(|key| {
+                sea_orm::PrimaryKeyToColumn::into_column(key).as_str() == column.as_str()
+            })
+        };
+        let set_columns: Vec<E::Column> = <E::Column as Iterable>::iter()
+            .filter(|c| matches!(set.get(*c), ActiveValue::Set(_)))
+            .collect();
+        if set_columns
+            .iter()
+            .chain(exprs.iter().map(|(c, _)| c))
+            .any(primary)
+        {
+            return Err(refuse(
+                "it sets a primary-key column: change a row's primary key with `update` of \
+                 that row, or insert a new row and delete the old one",
+            ));
+        }
+        if set_columns.is_empty() && exprs.is_empty() {
+            return Err(refuse(
+                "nothing to set: give values with `.set(..)` or `.col_expr(..)`",
+            ));
+        }
+        match tx.stages.batch::<E>(WriteOp::Update) {
+            Batch::Statement => {
+                let mut update = E::update_many().set(set);
+                for (column, expr) in exprs {
+                    update = update.col_expr(column, expr);
+                }
+                return update
+                    .filter(tx.key_condition::<E>())
+                    .filter(filter)
+                    .exec(&tx.txn)
+                    .await
+                    .map(|done| done.rows_affected)
+                    .map_err(|e| tx.poison_if_aborted(tx.write_err::<E>(op, e)));
             }
-            return update
-                .filter(tx.key_condition::<E>())
-                .filter(filter)
-                .exec(&tx.txn)
-                .await
-                .map(|done| done.rows_affected)
-                .map_err(|e| tx.write_err::<E>(op, e));
+            Batch::Refused(reason) => return Err(refuse(&reason)),
+            Batch::PerRow => {}
         }
         if !exprs.is_empty() {
-            return Err(ShardError::Unsupported {
-                table: table_name::<E>(),
-                operation: op,
-                reason: "`col_expr` on an entity with a global index or a rollout: their rows \
-                         need each row's new value before it is written; set values with \
-                         `.set(..)` instead, or read the rows and update each"
-                    .to_owned(),
-            });
+            return Err(refuse(
+                "`col_expr` on an entity with a global index or a rollout: their rows need each \
+                 row's new value before it is written; set values with `.set(..)` instead, or \
+                 read the rows and update each",
+            ));
         }
         let rows = tx.rows_for_batch::<E>(filter, op).await?;
         let mut changed = 0;
         for row in rows {
             let mut model = row.into_active_model();
-            for column in <E::Column as Iterable>::iter() {
-                if let ActiveValue::Set(value) = set.get(column) {
+            for column in &set_columns {
+                if let ActiveValue::Set(value) = set.get(*column) {
                     model
-                        .try_set(column, value)
-                        .map_err(|e| tx.write_err::<E>(op, e))?;
+                        .try_set(*column, value)
+                        .map_err(|e| tx.poison(tx.write_err::<E>(op, e)))?;
                 }
             }
-            tx.write::<E>(WriteOp::Update, model).await?;
+            // All or nothing, like the one statement: a row that fails
+            // leaves the rows before it written, so nothing may commit.
+            tx.write::<E>(WriteOp::Update, model)
+                .await
+                .map_err(|e| tx.poison(e))?;
             changed += 1;
         }
         Ok(changed)
@@ -261,19 +297,33 @@ where
         let TxDeleteMany { tx, filter, .. } = self;
         let op = "delete_many";
         tx.ensure_open()?;
-        if !tx.stages.per_row::<E>(WriteOp::Delete) {
-            return E::delete_many()
-                .filter(tx.key_condition::<E>())
-                .filter(filter)
-                .exec(&tx.txn)
-                .await
-                .map(|done| done.rows_affected)
-                .map_err(|e| tx.write_err::<E>(op, e));
+        match tx.stages.batch::<E>(WriteOp::Delete) {
+            Batch::Statement => {
+                return E::delete_many()
+                    .filter(tx.key_condition::<E>())
+                    .filter(filter)
+                    .exec(&tx.txn)
+                    .await
+                    .map(|done| done.rows_affected)
+                    .map_err(|e| tx.poison_if_aborted(tx.write_err::<E>(op, e)));
+            }
+            Batch::Refused(reason) => {
+                return Err(ShardError::Unsupported {
+                    table: table_name::<E>(),
+                    operation: op,
+                    reason,
+                });
+            }
+            Batch::PerRow => {}
         }
         let rows = tx.rows_for_batch::<E>(filter, op).await?;
         let mut deleted = 0;
         for row in rows {
-            deleted += tx.delete(row.into_active_model()).await?;
+            // All or nothing, as for `update_many`.
+            deleted += tx
+                .delete(row.into_active_model())
+                .await
+                .map_err(|e| tx.poison(e))?;
         }
         Ok(deleted)
     }

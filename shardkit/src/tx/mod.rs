@@ -44,6 +44,8 @@ pub struct ShardTx<G: EntityGroup, P> {
     key_text: std::sync::OnceLock<String>,
     target: Target,
     poisoned: std::sync::OnceLock<String>,
+    /// Streams of this transaction still open (see [`TxFind::stream`]).
+    streams: std::sync::atomic::AtomicUsize,
     span: tracing::Span,
     /// The cluster's SQLite write slot, held until the transaction ends
     /// (see [`Cluster::begin`](crate::Cluster::begin)). Declared after `txn`
@@ -78,6 +80,7 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
             key,
             target,
             poisoned: std::sync::OnceLock::new(),
+            streams: std::sync::atomic::AtomicUsize::new(0),
             span,
             _writer: writer,
         }
@@ -122,6 +125,7 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
     }
 
     fn ensure_open(&self) -> Result<()> {
+        crate::read::stream_open(&self.streams, G::NAME)?;
         match self.poisoned.get() {
             Some(reason) => Err(ShardError::RollbackOnly {
                 group: G::NAME,
@@ -462,6 +466,7 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
             &self.txn,
             self.shard(),
             &E::group_key_as_entity_key(&self.key),
+            &self.streams,
         )
     }
 
@@ -480,6 +485,7 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
             self.shard(),
             &R::group_key_as_entity_key(&self.key),
             model.find_related(related),
+            &self.streams,
         )
     }
 
