@@ -4,6 +4,7 @@
 //! so tests can drive time-dependent behaviour with a [`ManualClock`]
 //! instead of sleeping.
 
+use futures::future::BoxFuture;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -16,6 +17,14 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 pub trait Clock: Send + Sync {
     /// Milliseconds since the Unix epoch.
     fn now_millis(&self) -> u64;
+
+    /// Completes once the clock reads `unix_ms` or later: shardkit's waits
+    /// (a rollout's gap) sleep on the clock they are measured by. The
+    /// default sleeps on tokio's timer for the time left now.
+    fn sleep_until(&self, unix_ms: u64) -> BoxFuture<'static, ()> {
+        let left = unix_ms.saturating_sub(self.now_millis());
+        Box::pin(tokio::time::sleep(Duration::from_millis(left)))
+    }
 }
 
 /// The system clock.
@@ -36,6 +45,8 @@ impl Clock for SystemClock {
 #[derive(Debug)]
 pub struct ManualClock {
     now: AtomicU64,
+    /// Tells waiters ([`Clock::sleep_until`]) that the clock moved.
+    moved: tokio::sync::watch::Sender<u64>,
 }
 
 impl ManualClock {
@@ -43,6 +54,7 @@ impl ManualClock {
     pub fn new(unix_ms: u64) -> Self {
         ManualClock {
             now: AtomicU64::new(unix_ms),
+            moved: tokio::sync::watch::Sender::new(unix_ms),
         }
     }
 
@@ -59,17 +71,31 @@ impl ManualClock {
                 Some(t.saturating_add(ms))
             })
             .ok();
+        self.moved.send_replace(self.now_millis());
     }
 
     /// Sets the clock to `unix_ms` (backwards too: for clock-rollback tests).
     pub fn set(&self, unix_ms: u64) {
         self.now.store(unix_ms, Ordering::Release);
+        self.moved.send_replace(unix_ms);
     }
 }
 
 impl Clock for ManualClock {
     fn now_millis(&self) -> u64 {
         self.now.load(Ordering::Acquire)
+    }
+
+    /// Completes once the clock has been moved to `unix_ms` or later.
+    fn sleep_until(&self, unix_ms: u64) -> BoxFuture<'static, ()> {
+        let mut moved = self.moved.subscribe();
+        Box::pin(async move {
+            // The sender lives as long as the clock; a clock dropped while
+            // someone waits on it will never reach the time: wait for ever.
+            if moved.wait_for(|now| *now >= unix_ms).await.is_err() {
+                std::future::pending::<()>().await;
+            }
+        })
     }
 }
 

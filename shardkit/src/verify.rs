@@ -34,6 +34,7 @@ use sea_orm::{
 };
 use std::collections::HashMap;
 use std::hash::Hasher;
+use std::ops::ControlFlow;
 use std::time::Duration;
 
 /// How a verification runs.
@@ -492,6 +493,18 @@ where
     /// source. Its position is saved in `shardkit_rollouts` after each chunk;
     /// [`VerifyOptions::resume`] continues from there.
     pub async fn verify(&self, opts: VerifyOptions) -> Result<VerifyReport> {
+        self.verify_with(opts, |_| ControlFlow::Continue(())).await
+    }
+
+    /// [`verify`](Self::verify), calling `on_progress` with the report so
+    /// far after every chunk (as [`backfill_with`](Self::backfill_with)
+    /// does); `ControlFlow::Break` stops after that chunk, with the position
+    /// saved and in [`VerifyReport::cursor`] for a resume.
+    pub async fn verify_with(
+        &self,
+        opts: VerifyOptions,
+        mut on_progress: impl FnMut(&VerifyReport) -> ControlFlow<()>,
+    ) -> Result<VerifyReport> {
         let shared = self.shared();
         let (state_conn, state_shard) = crate::rollout::state_db::<Old>(self.shards())?;
         let saved = if opts.resume {
@@ -563,9 +576,14 @@ where
                     state_shard,
                     self.name(),
                     "verify",
-                    Some(cursor),
+                    Some(cursor.clone()),
                 )
                 .await?;
+                let last = after.is_none() && i + 1 == shards.len();
+                if on_progress(&report).is_break() && !last {
+                    report.cursor = Some(cursor);
+                    return Ok(report);
+                }
                 if after.is_none() {
                     break;
                 }

@@ -15,6 +15,7 @@ backend_tests!(4 =>
     phase_gap_is_enforced,
     verify_finds_injected_differences,
     verify_shards_compares_copies,
+    advance_when_ready_waits_out_the_gap,
 );
 
 type People = RolloutHandle<person_v1::Entity, person_v2::Entity>;
@@ -558,6 +559,33 @@ async fn verify_finds_injected_differences(dbs: &mut TestDbs) {
     let shard = app.shard_of::<Customer>(&5).await.unwrap();
     assert!(report.missing.iter().all(|d| d.shard == shard));
 
+    // Progress after every chunk; a break stops there, resumable.
+    let mut seen = Vec::new();
+    let partial = people
+        .verify_with(opts.clone(), |so_far| {
+            seen.push((so_far.chunks, so_far.rows));
+            if so_far.chunks == 3 {
+                std::ops::ControlFlow::Break(())
+            } else {
+                std::ops::ControlFlow::Continue(())
+            }
+        })
+        .await
+        .unwrap();
+    assert_eq!(seen.iter().map(|(c, _)| *c).collect::<Vec<_>>(), [1, 2, 3]);
+    assert!(seen.windows(2).all(|w| w[0].1 <= w[1].1), "{seen:?}");
+    assert!(!partial.finished && partial.cursor.is_some());
+    let mut calls = 0;
+    let whole = people
+        .verify_with(opts.clone(), |_| {
+            calls += 1;
+            std::ops::ControlFlow::Continue(())
+        })
+        .await
+        .unwrap();
+    assert!(whole.finished);
+    assert_eq!(calls, whole.chunks, "one call per chunk");
+
     // Resumable: two chunks now, the rest later, the same findings.
     let first = people.verify(opts.clone().max_chunks(2)).await.unwrap();
     assert!(!first.finished && first.cursor.is_some());
@@ -666,4 +694,47 @@ async fn verify_shards_compares_copies(dbs: &mut TestDbs) {
             .unwrap()
             .is_consistent()
     );
+}
+
+/// `advance_when_ready` waits out the gap on the cluster's clock (no retry
+/// loop in the caller), says how long it waits, and returns other refusals
+/// as they are.
+async fn advance_when_ready_waits_out_the_gap(dbs: &mut TestDbs) {
+    let clock = test_clock();
+    let (_app, _, people) = instance(dbs, &clock).await;
+    assert_eq!(people.advance_when_ready().await.unwrap(), Phase::CacheBoth);
+
+    let (told, waiting) = tokio::sync::oneshot::channel();
+    let mut told = Some(told);
+    let mover = people.clone();
+    let task = tokio::spawn(async move {
+        mover
+            .advance_when_ready_with(move |to, left| {
+                if let Some(told) = told.take() {
+                    let _ = told.send((to, left));
+                }
+            })
+            .await
+    });
+    // It waits for the whole gap, for dual_write, and does not move on its own.
+    let (to, left) = waiting.await.unwrap();
+    assert_eq!((to, left), (Phase::DualWrite, TTL + REFRESH));
+    tokio::task::yield_now().await;
+    assert!(!task.is_finished());
+    assert_eq!(people.refresh().await.unwrap(), Phase::CacheBoth);
+    // Once the clock passes the gap, it advances.
+    clock.advance(TTL + REFRESH);
+    let moved = tokio::time::timeout(Duration::from_secs(30), task)
+        .await
+        .expect("advance_when_ready returns once the gap has passed")
+        .unwrap()
+        .unwrap();
+    assert_eq!(moved, Phase::DualWrite);
+    assert_eq!(people.refresh().await.unwrap(), Phase::DualWrite);
+
+    // A refusal that waiting cannot cure comes back at once: read_new needs
+    // a finished backfill.
+    clock.advance(TTL + REFRESH);
+    let err = people.advance_when_ready().await.unwrap_err();
+    assert!(matches!(err, ShardError::Rollout { .. }), "{err:?}");
 }

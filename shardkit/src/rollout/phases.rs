@@ -95,6 +95,36 @@ where
         self.step(true).await
     }
 
+    /// [`advance`](Self::advance) once the gap allows: waits out
+    /// [`ShardError::RolloutTooSoon`] on the cluster's clock and tries again,
+    /// so operators need no retry loop. Other refusals (no backfill yet, no
+    /// `to_old`, another instance moved first) are returned as they are.
+    pub async fn advance_when_ready(&self) -> Result<Phase> {
+        self.advance_when_ready_with(|_, _| {}).await
+    }
+
+    /// [`advance_when_ready`](Self::advance_when_ready), calling
+    /// `waiting(next_phase, time_left)` before each wait (for a progress
+    /// line).
+    pub async fn advance_when_ready_with(
+        &self,
+        mut waiting: impl FnMut(Phase, Duration),
+    ) -> Result<Phase> {
+        loop {
+            match self.advance().await {
+                Err(ShardError::RolloutTooSoon { to, wait_ms, .. }) => {
+                    // The deadline first: whatever moves the clock once
+                    // `waiting` has been told counts towards it.
+                    let clock = self.shards.clock();
+                    let until = clock.now_millis().saturating_add(wait_ms);
+                    waiting(to, Duration::from_millis(wait_ms));
+                    clock.sleep_until(until).await;
+                }
+                done => return done,
+            }
+        }
+    }
+
     /// Moves back one phase, at once (no gap: rolling back is what one does
     /// when something is wrong). Going back below `dual_write` forgets the
     /// backfill, since the new table stops being written. Going back from
