@@ -201,6 +201,7 @@ impl Cluster {
         Find::new(
             self.shards.clone(),
             Some(Arc::clone(&self.features.index)),
+            Some(self.read_guard()),
             E::find(),
         )
     }
@@ -220,9 +221,16 @@ impl Cluster {
         Find::new(
             self.shards.clone(),
             Some(Arc::clone(&self.features.index)),
+            Some(self.read_guard()),
             model.find_related(related),
         )
         .key(key)
+    }
+
+    /// What reads consult before they run: rollouts serve reads of an old
+    /// entity from the new table once the old one is no longer written.
+    fn read_guard(&self) -> Arc<dyn crate::read::ReadGuard> {
+        Arc::clone(&self.features.rollouts) as Arc<dyn crate::read::ReadGuard>
     }
 
     /// Opens a transaction for group `G` pinned to `key`, on the key's shard.

@@ -2,7 +2,10 @@
 //! application instances sharing the phase, dual writes that commit or fail
 //! together, caches of both models, backfill, and the verifier.
 
-use sea_orm::{ActiveValue::Unchanged, ConnectionTrait, EntityTrait, QueryFilter, Set, Statement};
+use sea_orm::{
+    ActiveValue::Unchanged, ColumnTrait, ConnectionTrait, EntityTrait, QueryFilter, QuerySelect,
+    Set, Statement,
+};
 use shardkit::{Cluster, ManualClock, Phase, Rollout, RolloutHandle, ShardError, VerifyOptions};
 use shardkit_tests::models::*;
 use shardkit_tests::{Sent, TestDbs, backend_tests, count_rows, recording_cluster_with};
@@ -16,6 +19,7 @@ backend_tests!(4 =>
     verify_finds_injected_differences,
     verify_shards_compares_copies,
     advance_when_ready_waits_out_the_gap,
+    old_reads_follow_the_phase,
 );
 
 type People = RolloutHandle<person_v1::Entity, person_v2::Entity>;
@@ -737,4 +741,84 @@ async fn advance_when_ready_waits_out_the_gap(dbs: &mut TestDbs) {
     clock.advance(TTL + REFRESH);
     let err = people.advance_when_ready().await.unwrap_err();
     assert!(matches!(err, ShardError::Rollout { .. }), "{err:?}");
+}
+
+/// Code that reads the old entity keeps reading the latest rows: from
+/// `new_only` on, when the old table is no longer written, its reads (keyed,
+/// scatter, counts, projections, inside a transaction) are served from the
+/// new table.
+async fn old_reads_follow_the_phase(dbs: &mut TestDbs) {
+    let clock = test_clock();
+    let (app, _, people) = instance(dbs, &clock).await;
+    put(&app, &person(1, 5, "Ann", "Lee", "Oslo"))
+        .await
+        .unwrap();
+    for phase in [Phase::CacheBoth, Phase::DualWrite] {
+        assert_eq!(advance(&people, &clock).await, phase);
+    }
+    clock.advance(people.gap());
+    assert!(people.backfill().await.unwrap().finished);
+    for phase in [Phase::ReadNew, Phase::NewOnly] {
+        assert_eq!(advance(&people, &clock).await, phase);
+    }
+
+    // Old-path writes in new_only reach the new table only.
+    set_city(&app, 1, 5, "Rome").await.unwrap();
+    put(&app, &person(2, 5, "Bo", "Dahl", "Pisa"))
+        .await
+        .unwrap();
+    assert_eq!(
+        raw_city(&app, "people", 5, 1).await.as_deref(),
+        Some("Oslo")
+    );
+    assert_eq!(raw_city(&app, "people", 5, 2).await, None);
+
+    // The old entity's reads see them.
+    let rows = app
+        .find::<person_v1::Entity>()
+        .key(5)
+        .order_by_asc(person_v1::Column::Id)
+        .all()
+        .await
+        .unwrap();
+    assert_eq!(
+        rows,
+        vec![
+            person(1, 5, "Ann", "Lee", "Rome"),
+            person(2, 5, "Bo", "Dahl", "Pisa")
+        ]
+    );
+    let cities: Vec<String> = app
+        .find::<person_v1::Entity>()
+        .key(5)
+        .filter(person_v1::Column::City.eq("Rome"))
+        .select_only()
+        .column(person_v1::Column::City)
+        .into_tuple()
+        .all()
+        .await
+        .unwrap();
+    assert_eq!(cities, ["Rome"]);
+    assert_eq!(
+        app.find::<person_v1::Entity>()
+            .scatter()
+            .count()
+            .await
+            .unwrap(),
+        2
+    );
+    let tx = app.begin::<Customer>(5).await.unwrap();
+    let inside = tx.find::<person_v1::Entity>().all().await.unwrap();
+    assert_eq!(inside.len(), 2);
+    assert!(inside.iter().any(|p| p.city == "Rome"));
+    tx.rollback().await.unwrap();
+    // The plan says which table answers.
+    let plan = app
+        .find::<person_v1::Entity>()
+        .key(5)
+        .explain()
+        .await
+        .unwrap()
+        .to_string();
+    assert!(plan.contains("people_v2"), "{plan}");
 }

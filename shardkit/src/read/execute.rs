@@ -7,6 +7,7 @@ use super::*;
 pub(super) struct Read<E: ShardedEntity> {
     pub(super) shards: Shards,
     pub(super) index: Option<Arc<dyn IndexLookup>>,
+    pub(super) guard: Option<Arc<dyn ReadGuard>>,
     pub(super) order: Vec<(E::Column, Order)>,
     pub(super) limit: Option<u64>,
     pub(super) offset: Option<u64>,
@@ -38,6 +39,12 @@ impl<E: ShardedEntity> Read<E> {
         spec: RouteSpec<KeyOf<E>>,
         op: ReadOp,
     ) -> Result<Plan<E>> {
+        let mut select = select;
+        if let Some(guard) = &self.guard
+            && let Some(from) = guard.check(std::any::TypeId::of::<E>(), table_name::<E>())?
+        {
+            read_from::<E>(&mut select, from);
+        }
         let (mut select, spec, index, lookup_failed) = match spec {
             RouteSpec::Index(..) => self.resolve_index(select, spec).await?,
             spec => (select, spec, None, None),

@@ -17,6 +17,9 @@ pub struct Find<E: ShardedEntity, R = Unkeyed> {
     pub(super) shards: Shards,
     /// How `by_index` reads find keys (the global-index feature).
     pub(super) index: Option<Arc<dyn IndexLookup>>,
+    /// What may refuse a read of `E` before it runs (a rollout that no
+    /// longer writes `E`'s table).
+    pub(super) guard: Option<Arc<dyn ReadGuard>>,
     pub(super) select: Select<E>,
     pub(super) route: R,
     pub(super) order: Vec<(E::Column, Order)>,
@@ -30,11 +33,13 @@ impl<E: ShardedEntity> Find<E, Unkeyed> {
     pub(crate) fn new(
         shards: Shards,
         index: Option<Arc<dyn IndexLookup>>,
+        guard: Option<Arc<dyn ReadGuard>>,
         select: Select<E>,
     ) -> Self {
         Find {
             shards,
             index,
+            guard,
             select,
             route: Unkeyed,
             order: Vec::new(),
@@ -49,6 +54,7 @@ impl<E: ShardedEntity> Find<E, Unkeyed> {
         Find {
             shards: self.shards,
             index: self.index,
+            guard: self.guard,
             select: self.select,
             route,
             order: self.order,
@@ -119,6 +125,7 @@ impl<E: ShardedEntity, R> Find<E, R> {
         Find {
             shards: self.shards,
             index: self.index,
+            guard: self.guard,
             select: self.select,
             route: AllowPartial(self.route),
             order: self.order,
@@ -246,6 +253,7 @@ impl<E: ShardedEntity, R> Find<E, R> {
             concurrency: self.concurrency.unwrap_or(settings.max_concurrency),
             shards: self.shards,
             index: self.index,
+            guard: self.guard,
             order: self.order,
             limit: self.limit,
             offset: self.offset,
@@ -354,6 +362,7 @@ impl<E: ShardedEntity, R: Clone> Clone for Find<E, R> {
         Find {
             shards: self.shards.clone(),
             index: self.index.clone(),
+            guard: self.guard.clone(),
             select: self.select.clone(),
             route: self.route.clone(),
             order: self.order.clone(),

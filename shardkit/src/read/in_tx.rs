@@ -14,6 +14,9 @@ pub struct TxFind<'t, E: ShardedEntity, C> {
     /// The transaction's open streams: while one is open it holds the
     /// transaction's connection, and anything else would wait for it.
     pub(super) streams: &'t AtomicUsize,
+    /// Why this read may not run (a rollout no longer writes `E`'s table
+    /// and cannot serve it from the new one).
+    pub(super) refused: Option<ShardError>,
 }
 
 /// The error for a use of a transaction while one of its streams is open.
@@ -58,8 +61,9 @@ impl<'t, E: ShardedEntity, C: ConnectionTrait> TxFind<'t, E, C> {
         shard: &'t str,
         key: &KeyOf<E>,
         streams: &'t AtomicUsize,
+        from: Result<Option<&'static str>>,
     ) -> Self {
-        Self::of(conn, shard, key, E::find(), streams)
+        Self::of(conn, shard, key, E::find(), streams, from)
     }
 
     /// `select` scoped to `key`.
@@ -69,24 +73,41 @@ impl<'t, E: ShardedEntity, C: ConnectionTrait> TxFind<'t, E, C> {
         key: &KeyOf<E>,
         select: Select<E>,
         streams: &'t AtomicUsize,
+        from: Result<Option<&'static str>>,
     ) -> Self {
+        let mut select = keyed_select::<E>(select, key, conn.get_database_backend());
+        let refused = match from {
+            Ok(Some(table)) => {
+                read_from::<E>(&mut select, table);
+                None
+            }
+            Ok(None) => None,
+            Err(err) => Some(err),
+        };
         TxFind {
             conn,
             shard,
             key: key.clone(),
-            select: keyed_select::<E>(select, key, conn.get_database_backend()),
+            select,
             streams,
+            refused,
         }
     }
 
-    fn ready(&self) -> Result<()> {
+    fn ready(&mut self) -> Result<()> {
+        if let Some(err) = self.refused.take() {
+            return Err(err);
+        }
         stream_open(self.streams, table_name::<E>())
     }
 
     /// Each row of the transaction's key with its related rows of `R`
     /// (SeaORM's [`Select::find_with_related`]), the related side scoped to
     /// the key as in [`Find::find_with_related`].
-    pub async fn find_with_related<R>(self, _related: R) -> Result<Vec<(E::Model, Vec<R::Model>)>>
+    pub async fn find_with_related<R>(
+        mut self,
+        _related: R,
+    ) -> Result<Vec<(E::Model, Vec<R::Model>)>>
     where
         R: ShardedEntity<Group = E::Group>,
         E: Related<R>,
@@ -104,7 +125,7 @@ impl<'t, E: ShardedEntity, C: ConnectionTrait> TxFind<'t, E, C> {
     /// any (SeaORM's [`Select::find_also_related`]), the related side scoped
     /// to the key.
     pub async fn find_also_related<R>(
-        self,
+        mut self,
         _related: R,
     ) -> Result<Vec<(E::Model, Option<R::Model>)>>
     where
@@ -121,7 +142,7 @@ impl<'t, E: ShardedEntity, C: ConnectionTrait> TxFind<'t, E, C> {
     }
 
     /// All matching rows of the transaction's key.
-    pub async fn all(self) -> Result<Vec<E::Model>> {
+    pub async fn all(mut self) -> Result<Vec<E::Model>> {
         self.ready()?;
         self.select
             .all(self.conn)
@@ -130,7 +151,7 @@ impl<'t, E: ShardedEntity, C: ConnectionTrait> TxFind<'t, E, C> {
     }
 
     /// The first matching row of the transaction's key.
-    pub async fn one(self) -> Result<Option<E::Model>> {
+    pub async fn one(mut self) -> Result<Option<E::Model>> {
         self.ready()?;
         self.select
             .one(self.conn)
@@ -143,7 +164,7 @@ impl<'t, E: ShardedEntity, C: ConnectionTrait> TxFind<'t, E, C> {
     /// is open it holds that connection: any other statement of the
     /// transaction (a read, a write, another stream) fails at once with
     /// [`ShardError::Unsupported`] instead of waiting for it for ever.
-    pub async fn stream(self) -> Result<RowStream<'t, E::Model>>
+    pub async fn stream(mut self) -> Result<RowStream<'t, E::Model>>
     where
         C: sea_orm::StreamTrait + Send + Sync,
     {
@@ -162,7 +183,7 @@ impl<'t, E: ShardedEntity, C: ConnectionTrait> TxFind<'t, E, C> {
     }
 
     /// The number of matching rows of the transaction's key.
-    pub async fn count(self) -> Result<u64>
+    pub async fn count(mut self) -> Result<u64>
     where
         E::Model: Sync,
     {
@@ -183,9 +204,10 @@ impl<'t, E: ShardedEntity, C: ConnectionTrait> TxFind<'t, E, C> {
             shard,
             select,
             streams,
+            refused,
             ..
         } = self;
-        TxSelect::new::<E>(conn, shard, select.into_model::<M>(), streams)
+        TxSelect::new::<E>(conn, shard, select.into_model::<M>(), streams, refused)
     }
 
     /// Decodes each row into a tuple of its selected columns (SeaORM's
@@ -196,9 +218,10 @@ impl<'t, E: ShardedEntity, C: ConnectionTrait> TxFind<'t, E, C> {
             shard,
             select,
             streams,
+            refused,
             ..
         } = self;
-        TxSelect::new::<E>(conn, shard, select.into_tuple::<T>(), streams)
+        TxSelect::new::<E>(conn, shard, select.into_tuple::<T>(), streams, refused)
     }
 
     /// Decodes each row into a JSON object (SeaORM's [`Select::into_json`]).
@@ -208,9 +231,10 @@ impl<'t, E: ShardedEntity, C: ConnectionTrait> TxFind<'t, E, C> {
             shard,
             select,
             streams,
+            refused,
             ..
         } = self;
-        TxSelect::new::<E>(conn, shard, select.into_json(), streams)
+        TxSelect::new::<E>(conn, shard, select.into_json(), streams, refused)
     }
 }
 
@@ -224,6 +248,7 @@ pub struct TxSelect<'t, C, S: SelectorTrait> {
     pub(super) group: &'static str,
     pub(super) selector: Selector<S>,
     pub(super) streams: &'t AtomicUsize,
+    pub(super) refused: Option<ShardError>,
 }
 
 impl<'t, C: ConnectionTrait, S: SelectorTrait> TxSelect<'t, C, S> {
@@ -232,6 +257,7 @@ impl<'t, C: ConnectionTrait, S: SelectorTrait> TxSelect<'t, C, S> {
         shard: &'t str,
         selector: Selector<S>,
         streams: &'t AtomicUsize,
+        refused: Option<ShardError>,
     ) -> Self {
         TxSelect {
             conn,
@@ -240,6 +266,7 @@ impl<'t, C: ConnectionTrait, S: SelectorTrait> TxSelect<'t, C, S> {
             group: <E::Group as EntityGroup>::NAME,
             selector,
             streams,
+            refused,
         }
     }
 
@@ -252,7 +279,11 @@ impl<'t, C: ConnectionTrait, S: SelectorTrait> TxSelect<'t, C, S> {
             group,
             selector,
             streams,
+            refused,
         } = self;
+        if let Some(err) = refused {
+            return Err(err);
+        }
         stream_open(streams, table)?;
         selector
             .all(conn)
@@ -269,7 +300,11 @@ impl<'t, C: ConnectionTrait, S: SelectorTrait> TxSelect<'t, C, S> {
             group,
             selector,
             streams,
+            refused,
         } = self;
+        if let Some(err) = refused {
+            return Err(err);
+        }
         stream_open(streams, table)?;
         selector
             .one(conn)

@@ -35,6 +35,23 @@ use std::sync::atomic::{AtomicUsize, Ordering as AtomicOrdering};
 use std::time::Duration;
 use tracing::Instrument;
 
+/// A check a feature makes before a read of an entity runs: a rollout
+/// serves reads of an old entity whose table it no longer writes from the
+/// new table, or refuses them.
+pub(crate) trait ReadGuard: Send + Sync {
+    /// `Ok(None)`: read the entity's own table; `Ok(Some(t))`: read table
+    /// `t` in its place (`FROM t AS <own table>`); `Err`: refused.
+    fn check(&self, entity: std::any::TypeId, table: &'static str) -> Result<Option<&'static str>>;
+}
+
+/// Reads table `from` in place of `E`'s own: `FROM from AS e_table`, so the
+/// statement's column references still resolve.
+pub(crate) fn read_from<E: ShardedEntity>(select: &mut Select<E>, from: &'static str) {
+    QueryTrait::query(select)
+        .from_clear()
+        .from_as(sea_orm::sea_query::Alias::new(from), E::default());
+}
+
 /// The shard key type of entity `E`.
 pub type KeyOf<E> = <<E as ShardedEntity>::Group as EntityGroup>::Key;
 

@@ -161,6 +161,24 @@ where
         Shared::phase(self)
     }
 
+    fn old_reads(&self) -> OldReads {
+        let phase = self.phase();
+        if phase < Phase::NewOnly {
+            OldReads::Old
+        } else if old_columns_in_new::<Old, New>() {
+            OldReads::New(table_name::<New>())
+        } else {
+            OldReads::Refused(format!(
+                "in {phase} the old table `{}` is no longer written, and `{}` does not hold \
+                 every old column with the same type, so this read cannot be served from it: \
+                 read the old model with the rollout's `get_old(key, id)`, or read `{}`",
+                table_name::<Old>(),
+                table_name::<New>(),
+                table_name::<New>()
+            ))
+        }
+    }
+
     fn as_any(self: Arc<Self>) -> Arc<dyn Any + Send + Sync> {
         self
     }
@@ -369,6 +387,10 @@ fn defer(ctx: &crate::pipeline::WriteCtx<'_>, after: Option<AfterCommit>) {
 }
 
 impl WriteStage for DualWrite {
+    fn read_from<E: ShardedEntity>(&self) -> Result<Option<&'static str>> {
+        crate::read::ReadGuard::check(&*self.registry, TypeId::of::<E>(), table_name::<E>())
+    }
+
     fn batch<E: ShardedEntity>(&self, _op: WriteOp) -> crate::pipeline::Batch {
         match self.registry.get(TypeId::of::<E>()) {
             None => crate::pipeline::Batch::Statement,

@@ -224,6 +224,29 @@ impl<Old: ShardedEntity, New: ShardedEntity> Rollout<Old, New> {
     }
 }
 
+/// Where reads of a rollout's old entity go.
+pub(crate) enum OldReads {
+    /// The old table: it is still written.
+    Old,
+    /// The new table, in place of the old one (`FROM new AS old`): every
+    /// old column exists there with the same type.
+    New(&'static str),
+    /// Refused, for this reason.
+    Refused(String),
+}
+
+/// Whether every column of `Old` exists in `New` with the same name and
+/// type, so a statement written for `Old` reads the same from `New`'s table.
+pub(crate) fn old_columns_in_new<Old: EntityTrait, New: EntityTrait>() -> bool {
+    use sea_orm::{ColumnTrait, IdenStatic};
+    <Old::Column as Iterable>::iter().all(|old| {
+        <New::Column as Iterable>::iter().any(|new| {
+            new.as_str() == old.as_str()
+                && new.def().get_column_type() == old.def().get_column_type()
+        })
+    })
+}
+
 /// Counts of a [`RolloutHandle::backfill_with`] run.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct RolloutBackfill {
@@ -306,6 +329,9 @@ pub(crate) type ActiveValues = Vec<ActiveValue<Value>>;
 pub(crate) trait OldWrites: Send + Sync {
     fn name(&self) -> &str;
     fn phase(&self) -> Phase;
+    /// Where reads of the old entity go in the current phase (see
+    /// [`OldReads`]).
+    fn old_reads(&self) -> OldReads;
     /// The typed rollout, for [`Cluster::rollout`](crate::Cluster::rollout).
     fn as_any(self: Arc<Self>) -> Arc<dyn Any + Send + Sync>;
     /// After the old row `row` was inserted or updated.

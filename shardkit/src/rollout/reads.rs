@@ -27,7 +27,7 @@ where
         key: &KeyOf<Old>,
         pk: &[Value],
     ) -> Result<Option<Old::Model>> {
-        crate::read::Find::new(self.shards.clone(), None, Old::find())
+        crate::read::Find::new(self.shards.clone(), None, None, Old::find())
             .key(key.clone())
             .filter(pk_condition::<Old>(pk))
             .one()
@@ -39,7 +39,7 @@ where
         key: &KeyOf<Old>,
         pk: &[Value],
     ) -> Result<Option<New::Model>> {
-        crate::read::Find::new(self.shards.clone(), None, New::find())
+        crate::read::Find::new(self.shards.clone(), None, None, New::find())
             .key(key.clone())
             .filter(pk_condition::<New>(pk))
             .one()

@@ -194,3 +194,22 @@ impl Rollouts<'_> {
         })
     }
 }
+
+/// Reads of an old entity follow its rollout's phase: from `new_only` on
+/// they are served from the new table (or refused when they cannot be).
+impl crate::read::ReadGuard for Registry {
+    fn check(&self, entity: TypeId, _table: &'static str) -> Result<Option<&'static str>> {
+        let Some(rollout) = self.get(entity) else {
+            return Ok(None);
+        };
+        match rollout.old_reads() {
+            OldReads::Old => Ok(None),
+            OldReads::New(table) => Ok(Some(table)),
+            OldReads::Refused(reason) => Err(ShardError::Rollout {
+                rollout: rollout.name().to_owned(),
+                phase: rollout.phase(),
+                reason,
+            }),
+        }
+    }
+}

@@ -467,6 +467,7 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
             self.shard(),
             &E::group_key_as_entity_key(&self.key),
             &self.streams,
+            self.stages.read_from::<E>(),
         )
     }
 
@@ -486,6 +487,7 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
             &R::group_key_as_entity_key(&self.key),
             model.find_related(related),
             &self.streams,
+            self.stages.read_from::<R>(),
         )
     }
 
