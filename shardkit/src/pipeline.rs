@@ -198,7 +198,7 @@ pub trait WriteStage: Send + Sync + 'static {
     /// Where a read of `E` inside the transaction goes: `Ok(None)` its own
     /// table, `Ok(Some(t))` table `t` in its place, `Err` refused (see
     /// [`crate::read`]'s guard; a rollout from `new_only` on).
-    fn read_from<E: ShardedEntity>(&self) -> Result<Option<&'static str>> {
+    fn read_from<E: ShardedEntity>(&self) -> Result<Option<crate::read::ReadFrom>> {
         Ok(None)
     }
 
@@ -263,7 +263,7 @@ impl<A: WriteStage, B: WriteStage> WriteStage for (A, B) {
         self.0.batch::<E>(op).and(self.1.batch::<E>(op))
     }
 
-    fn read_from<E: ShardedEntity>(&self) -> Result<Option<&'static str>> {
+    fn read_from<E: ShardedEntity>(&self) -> Result<Option<crate::read::ReadFrom>> {
         match self.0.read_from::<E>()? {
             Some(table) => Ok(Some(table)),
             None => self.1.read_from::<E>(),

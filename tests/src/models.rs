@@ -412,6 +412,48 @@ pub mod cart_item {
     impl ActiveModelBehavior for ActiveModel {}
 }
 
+/// A rollout's old model with a unique global index (for reads that
+/// follow the phase through the new model's index).
+pub mod login_v1 {
+    use sea_orm::entity::prelude::*;
+
+    #[sea_orm::model]
+    #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel, shardkit::Sharded)]
+    #[sea_orm(table_name = "logins")]
+    #[shardkit(group = crate::models::Customer)]
+    pub struct Model {
+        #[sea_orm(primary_key, auto_increment = false)]
+        pub id: i64,
+        #[shardkit(shard_key)]
+        pub customer_id: i64,
+        #[shardkit(global_index(unique))]
+        pub email: String,
+    }
+
+    impl ActiveModelBehavior for ActiveModel {}
+}
+
+/// The new model: the email's domain stored beside it.
+pub mod login_v2 {
+    use sea_orm::entity::prelude::*;
+
+    #[sea_orm::model]
+    #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel, shardkit::Sharded)]
+    #[sea_orm(table_name = "logins_v2")]
+    #[shardkit(group = crate::models::Customer)]
+    pub struct Model {
+        #[sea_orm(primary_key, auto_increment = false)]
+        pub id: i64,
+        #[shardkit(shard_key)]
+        pub customer_id: i64,
+        #[shardkit(global_index(unique))]
+        pub email: String,
+        pub domain: String,
+    }
+
+    impl ActiveModelBehavior for ActiveModel {}
+}
+
 /// old → new for the `people` rollout.
 pub fn person_to_v2(old: &person_v1::Model) -> person_v2::Model {
     person_v2::Model {
@@ -472,7 +514,7 @@ pub struct Migrator;
 impl MigratorTrait for Migrator {
     fn migrations() -> Vec<Box<dyn MigrationTrait>> {
         let mut all = OldMigrator::migrations();
-        all.extend::<[Box<dyn MigrationTrait>; 15]>([
+        all.extend::<[Box<dyn MigrationTrait>; 17]>([
             Box::new(CreateTable("m20261122_000102_orders", order::Entity)),
             Box::new(CreateTable("m20261122_000103_notes", note::Entity)),
             Box::new(CreateTable("m20261122_000104_readings", reading::Entity)),
@@ -491,6 +533,8 @@ impl MigratorTrait for Migrator {
                 "m20261123_000116_cart_items",
                 cart_item::Entity,
             )),
+            Box::new(CreateTable("m20261123_000117_logins", login_v1::Entity)),
+            Box::new(CreateTable("m20261123_000118_logins_v2", login_v2::Entity)),
         ]);
         all
     }

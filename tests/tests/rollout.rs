@@ -20,6 +20,7 @@ backend_tests!(4 =>
     verify_shards_compares_copies,
     advance_when_ready_waits_out_the_gap,
     old_reads_follow_the_phase,
+    old_index_reads_follow_the_phase,
 );
 
 type People = RolloutHandle<person_v1::Entity, person_v2::Entity>;
@@ -821,4 +822,119 @@ async fn old_reads_follow_the_phase(dbs: &mut TestDbs) {
         .unwrap()
         .to_string();
     assert!(plan.contains("people_v2"), "{plan}");
+}
+
+fn login_to_v2(old: &login_v1::Model) -> login_v2::Model {
+    login_v2::Model {
+        id: old.id,
+        customer_id: old.customer_id,
+        email: old.email.clone(),
+        domain: old.email.rsplit('@').next().unwrap_or_default().to_owned(),
+    }
+}
+
+fn login_to_v1(new: &login_v2::Model) -> login_v1::Model {
+    login_v1::Model {
+        id: new.id,
+        customer_id: new.customer_id,
+        email: new.email.clone(),
+    }
+}
+
+fn login(id: i64, customer: i64, email: &str) -> login_v1::ActiveModel {
+    login_v1::ActiveModel {
+        id: Set(id),
+        customer_id: Set(customer),
+        email: Set(email.to_owned()),
+    }
+}
+
+/// In new_only a login inserted through the old entity is found by index
+/// reads of both entities: the old entity's read goes to the new table and
+/// its index, which the new-only write keeps.
+async fn old_index_reads_follow_the_phase(dbs: &mut TestDbs) {
+    let clock = test_clock();
+    let (app, _) = connect(dbs, &clock).await;
+    app.migrate::<Migrator>().await.unwrap();
+    app.setup::<(login_v1::Entity, login_v2::Entity)>()
+        .await
+        .unwrap();
+    let tx = app.begin::<Customer>(3).await.unwrap();
+    tx.insert(login(1, 3, "ann@a.example")).await.unwrap();
+    tx.commit().await.unwrap();
+    let logins: RolloutHandle<login_v1::Entity, login_v2::Entity> = app
+        .register_rollout(
+            Rollout::new("logins_v2", login_to_v2)
+                .to_old(login_to_v1)
+                .cache_ttl(TTL)
+                .refresh_every(REFRESH),
+        )
+        .await
+        .unwrap();
+    for phase in [Phase::CacheBoth, Phase::DualWrite] {
+        logins.advance_when_ready().await.ok();
+        assert_eq!(logins.phase(), phase);
+        clock.advance(logins.gap());
+    }
+    assert!(logins.backfill().await.unwrap().finished);
+    for column in [login_v1::Column::Email] {
+        app.gsi()
+            .backfill::<login_v1::Entity>(column)
+            .await
+            .unwrap();
+    }
+    app.gsi()
+        .backfill::<login_v2::Entity>(login_v2::Column::Email)
+        .await
+        .unwrap();
+    for phase in [Phase::ReadNew, Phase::NewOnly] {
+        clock.advance(logins.gap());
+        assert_eq!(logins.advance_when_ready().await.unwrap(), phase);
+    }
+
+    let tx = app.begin::<Customer>(4).await.unwrap();
+    tx.insert(login(2, 4, "bo@b.example")).await.unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(
+        count_rows(&app, "logins").await,
+        1,
+        "new_only writes only the new table"
+    );
+
+    for (email, id) in [("ann@a.example", 1), ("bo@b.example", 2)] {
+        let old = app
+            .find::<login_v1::Entity>()
+            .by_index(login_v1::Column::Email, email)
+            .all()
+            .await
+            .unwrap();
+        assert_eq!(
+            old.iter().map(|l| l.id).collect::<Vec<_>>(),
+            [id],
+            "old entity, {email}"
+        );
+        let new = app
+            .find::<login_v2::Entity>()
+            .by_index(login_v2::Column::Email, email)
+            .all()
+            .await
+            .unwrap();
+        assert_eq!(
+            new.iter().map(|l| l.id).collect::<Vec<_>>(),
+            [id],
+            "new entity, {email}"
+        );
+    }
+    let plan = app
+        .find::<login_v1::Entity>()
+        .by_index(login_v1::Column::Email, "bo@b.example")
+        .explain()
+        .await
+        .unwrap()
+        .to_string();
+    assert!(plan.contains("gsi_logins_v2_email"), "{plan}");
+    // The unique value is held in new_only too.
+    let tx = app.begin::<Customer>(5).await.unwrap();
+    let err = tx.insert(login(3, 5, "bo@b.example")).await.unwrap_err();
+    assert!(matches!(err, ShardError::UniqueViolation { .. }), "{err:?}");
 }

@@ -40,13 +40,15 @@ impl<E: ShardedEntity> Read<E> {
         op: ReadOp,
     ) -> Result<Plan<E>> {
         let mut select = select;
-        if let Some(guard) = &self.guard
-            && let Some(from) = guard.check(std::any::TypeId::of::<E>(), table_name::<E>())?
-        {
-            read_from::<E>(&mut select, from);
+        let from = match &self.guard {
+            Some(guard) => guard.check(std::any::TypeId::of::<E>(), table_name::<E>())?,
+            None => None,
+        };
+        if let Some(from) = &from {
+            read_from::<E>(&mut select, from.table);
         }
         let (mut select, spec, index, lookup_failed) = match spec {
-            RouteSpec::Index(..) => self.resolve_index(select, spec).await?,
+            RouteSpec::Index(..) => self.resolve_index(select, spec, from.as_ref()).await?,
             spec => (select, spec, None, None),
         };
         let indexed = index.is_some();
@@ -320,6 +322,7 @@ impl<E: ShardedEntity> Read<E> {
         &self,
         mut select: Box<Select<E>>,
         spec: RouteSpec<KeyOf<E>>,
+        from: Option<&ReadFrom>,
     ) -> Result<(
         Box<Select<E>>,
         RouteSpec<KeyOf<E>>,
@@ -345,12 +348,28 @@ impl<E: ShardedEntity> Read<E> {
                         "index reads need the cluster's global-index service: start them with `cluster.find()`",
                     )
                 })?;
-                let query = IndexQuery {
+                let mut query = IndexQuery {
                     group: Self::group(),
                     entity: table_name::<E>(),
                     column: col.as_str(),
                     unique: *unique,
                 };
+                // Read from another table: its index on the column is the
+                // one kept; without one, every shard is asked (the
+                // statement filters on the value).
+                let other_index = from.map(|f| {
+                    (
+                        f.table,
+                        f.indexes
+                            .iter()
+                            .find(|(c, _)| *c == query.column)
+                            .map(|(_, u)| *u),
+                    )
+                });
+                if let Some((table, unique)) = other_index {
+                    query.entity = table;
+                    query.unique = unique.unwrap_or(query.unique);
+                }
                 let index_table = lookup.table(&query);
                 let backend = self
                     .shards
@@ -375,6 +394,9 @@ impl<E: ShardedEntity> Read<E> {
                     Some(text) => lookup.index_shard(&self.shards, &query, &text)?,
                     None => shards[0],
                 };
+                if let Some((_, None)) = other_index {
+                    return Ok((select, RouteSpec::All, None, None));
+                }
                 let found = lookup.lookup(&self.shards, &query, &value);
                 let looked = self
                     .shards

@@ -61,7 +61,7 @@ impl<'t, E: ShardedEntity, C: ConnectionTrait> TxFind<'t, E, C> {
         shard: &'t str,
         key: &KeyOf<E>,
         streams: &'t AtomicUsize,
-        from: Result<Option<&'static str>>,
+        from: Result<Option<ReadFrom>>,
     ) -> Self {
         Self::of(conn, shard, key, E::find(), streams, from)
     }
@@ -73,12 +73,12 @@ impl<'t, E: ShardedEntity, C: ConnectionTrait> TxFind<'t, E, C> {
         key: &KeyOf<E>,
         select: Select<E>,
         streams: &'t AtomicUsize,
-        from: Result<Option<&'static str>>,
+        from: Result<Option<ReadFrom>>,
     ) -> Self {
         let mut select = keyed_select::<E>(select, key, conn.get_database_backend());
         let refused = match from {
-            Ok(Some(table)) => {
-                read_from::<E>(&mut select, table);
+            Ok(Some(from)) => {
+                read_from::<E>(&mut select, from.table);
                 None
             }
             Ok(None) => None,

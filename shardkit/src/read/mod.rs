@@ -39,9 +39,20 @@ use tracing::Instrument;
 /// serves reads of an old entity whose table it no longer writes from the
 /// new table, or refuses them.
 pub(crate) trait ReadGuard: Send + Sync {
-    /// `Ok(None)`: read the entity's own table; `Ok(Some(t))`: read table
-    /// `t` in its place (`FROM t AS <own table>`); `Err`: refused.
-    fn check(&self, entity: std::any::TypeId, table: &'static str) -> Result<Option<&'static str>>;
+    /// `Ok(None)`: read the entity's own table; `Ok(Some(r))`: read table
+    /// `r.table` in its place (`FROM t AS <own table>`); `Err`: refused.
+    fn check(&self, entity: std::any::TypeId, table: &'static str) -> Result<Option<ReadFrom>>;
+}
+
+/// Another table that answers an entity's reads in place of its own (a
+/// rollout's new table from `new_only` on), with its global indexes: an
+/// index read uses the other table's index on the same column, which is
+/// the one its writes keep.
+#[derive(Clone, Debug)]
+pub struct ReadFrom {
+    pub(crate) table: &'static str,
+    /// Its indexed columns, and whether each is unique.
+    pub(crate) indexes: Vec<(&'static str, bool)>,
 }
 
 /// Reads table `from` in place of `E`'s own: `FROM from AS e_table`, so the

@@ -166,7 +166,13 @@ where
         if phase < Phase::NewOnly {
             OldReads::Old
         } else if old_columns_in_new::<Old, New>() {
-            OldReads::New(table_name::<New>())
+            OldReads::New(crate::read::ReadFrom {
+                table: table_name::<New>(),
+                indexes: New::GLOBAL_INDEXES
+                    .iter()
+                    .map(|(column, unique)| (sea_orm::IdenStatic::as_str(column), *unique))
+                    .collect(),
+            })
         } else {
             OldReads::Refused(format!(
                 "in {phase} the old table `{}` is no longer written, and `{}` does not hold \
@@ -387,7 +393,7 @@ fn defer(ctx: &crate::pipeline::WriteCtx<'_>, after: Option<AfterCommit>) {
 }
 
 impl WriteStage for DualWrite {
-    fn read_from<E: ShardedEntity>(&self) -> Result<Option<&'static str>> {
+    fn read_from<E: ShardedEntity>(&self) -> Result<Option<crate::read::ReadFrom>> {
         crate::read::ReadGuard::check(&*self.registry, TypeId::of::<E>(), table_name::<E>())
     }
 

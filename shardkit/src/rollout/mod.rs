@@ -230,7 +230,7 @@ pub(crate) enum OldReads {
     Old,
     /// The new table, in place of the old one (`FROM new AS old`): every
     /// old column exists there with the same type.
-    New(&'static str),
+    New(crate::read::ReadFrom),
     /// Refused, for this reason.
     Refused(String),
 }

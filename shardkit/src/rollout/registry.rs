@@ -198,13 +198,13 @@ impl Rollouts<'_> {
 /// Reads of an old entity follow its rollout's phase: from `new_only` on
 /// they are served from the new table (or refused when they cannot be).
 impl crate::read::ReadGuard for Registry {
-    fn check(&self, entity: TypeId, _table: &'static str) -> Result<Option<&'static str>> {
+    fn check(&self, entity: TypeId, _table: &'static str) -> Result<Option<crate::read::ReadFrom>> {
         let Some(rollout) = self.get(entity) else {
             return Ok(None);
         };
         match rollout.old_reads() {
             OldReads::Old => Ok(None),
-            OldReads::New(table) => Ok(Some(table)),
+            OldReads::New(from) => Ok(Some(from)),
             OldReads::Refused(reason) => Err(ShardError::Rollout {
                 rollout: rollout.name().to_owned(),
                 phase: rollout.phase(),
