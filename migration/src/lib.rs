@@ -26,6 +26,7 @@ pub mod m20261122_000001_create_shardkit_directory;
 pub mod m20261122_000002_create_ticket_registry;
 pub mod m20261122_000003_create_gsi_catalog;
 pub mod m20261122_000004_create_rollout_state;
+pub mod m20261123_000005_create_rollout_instances;
 
 /// shardkit's migrations, in order.
 pub fn migrations() -> Vec<Box<dyn MigrationTrait>> {
@@ -34,6 +35,7 @@ pub fn migrations() -> Vec<Box<dyn MigrationTrait>> {
         Box::new(m20261122_000002_create_ticket_registry::Migration),
         Box::new(m20261122_000003_create_gsi_catalog::Migration),
         Box::new(m20261122_000004_create_rollout_state::Migration),
+        Box::new(m20261123_000005_create_rollout_instances::Migration),
     ]
 }
 

@@ -6,6 +6,7 @@ use sea_orm::{
     ActiveValue::Unchanged, ColumnTrait, ConnectionTrait, EntityTrait, QueryFilter, QuerySelect,
     Set, Statement,
 };
+use shardkit::clock::Clock;
 use shardkit::{Cluster, ManualClock, Phase, Rollout, RolloutHandle, ShardError, VerifyOptions};
 use shardkit_tests::models::*;
 use shardkit_tests::{Sent, TestDbs, backend_tests, count_rows, recording_cluster_with};
@@ -21,6 +22,7 @@ backend_tests!(4 =>
     advance_when_ready_waits_out_the_gap,
     old_reads_follow_the_phase,
     old_index_reads_follow_the_phase,
+    status_lists_the_instances,
 );
 
 type People = RolloutHandle<person_v1::Entity, person_v2::Entity>;
@@ -937,4 +939,89 @@ async fn old_index_reads_follow_the_phase(dbs: &mut TestDbs) {
     let tx = app.begin::<Customer>(5).await.unwrap();
     let err = tx.insert(login(3, 5, "bo@b.example")).await.unwrap_err();
     assert!(matches!(err, ShardError::UniqueViolation { .. }), "{err:?}");
+}
+
+/// `status()` shows the shared state and every instance that registered the
+/// rollout, with its cache TTL and refresh interval, and when it last
+/// re-read the phase.
+async fn status_lists_the_instances(dbs: &mut TestDbs) {
+    let clock = test_clock();
+    let (app, _) = connect(dbs, &clock).await;
+    app.migrate::<Migrator>().await.unwrap();
+    let a = app
+        .register_rollout(people_rollout(TTL).instance("app-a"))
+        .await
+        .unwrap();
+    let (other, _) = connect(dbs, &clock).await;
+    let b = other
+        .register_rollout(people_rollout(Duration::from_secs(30)).instance("app-b"))
+        .await
+        .unwrap();
+    let registered = clock.now_millis() as i64;
+    assert_eq!(a.advance().await.unwrap(), Phase::CacheBoth);
+
+    let status = a.status().await.unwrap();
+    assert_eq!(status.name, "people_v2");
+    assert_eq!(status.phase, Phase::CacheBoth);
+    assert_eq!(
+        status.gap,
+        Duration::from_secs(30) + REFRESH,
+        "the longest instance's"
+    );
+    assert!(!status.backfilled);
+    let mut seen: Vec<(String, Duration, Duration, bool)> = status
+        .instances
+        .iter()
+        .map(|i| {
+            (
+                i.name.clone(),
+                i.cache_ttl,
+                i.refresh_every,
+                i.this_instance,
+            )
+        })
+        .collect();
+    seen.sort();
+    assert_eq!(
+        seen,
+        vec![
+            ("app-a".to_owned(), TTL, REFRESH, true),
+            ("app-b".to_owned(), Duration::from_secs(30), REFRESH, false),
+        ]
+    );
+    assert!(status.instances.iter().all(|i| i.seen_ms == registered));
+    let theirs = b.status().await.unwrap();
+    assert!(
+        theirs
+            .instances
+            .iter()
+            .any(|i| i.name == "app-b" && i.this_instance)
+    );
+
+    // Each refresh renews the instance's `seen_ms`; a stopped instance's stays.
+    clock.advance(Duration::from_secs(5));
+    drop(b);
+    drop(other);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let status = a.status().await.unwrap();
+        let seen = |name: &str| {
+            status
+                .instances
+                .iter()
+                .find(|i| i.name == name)
+                .map(|i| i.seen_ms)
+                .unwrap()
+        };
+        if seen("app-a") > registered {
+            assert_eq!(
+                seen("app-b"),
+                registered,
+                "a dropped instance stops renewing"
+            );
+            break;
+        }
+        assert!(Instant::now() < deadline, "app-a never renewed its row");
+        tokio::time::sleep(REFRESH).await;
+    }
 }

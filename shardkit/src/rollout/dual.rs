@@ -330,8 +330,28 @@ impl<Old: ShardedEntity, New: ShardedEntity> Shared<Old, New> {
         Phase::from_u8(self.phase.load(Ordering::Acquire))
     }
 
+    /// Sets the phase this instance acts on after its own phase change;
+    /// a shared-state read that began before it can no longer overwrite it.
     pub(super) fn set_local_phase(&self, phase: Phase) {
+        let _changing = self.phase_lock.lock().unwrap_or_else(|p| p.into_inner());
+        self.phase_epoch.fetch_add(1, Ordering::AcqRel);
         self.phase.store(phase as u8, Ordering::Release);
+    }
+
+    /// The count of this instance's own phase changes, taken before a read
+    /// of the shared state ([`set_read_phase`](Self::set_read_phase)).
+    pub(super) fn phase_epoch(&self) -> u64 {
+        self.phase_epoch.load(Ordering::Acquire)
+    }
+
+    /// Sets the phase read from the shared state by a read that began at
+    /// `epoch`, unless this instance changed the phase since (the read may
+    /// have seen the row before that change).
+    pub(super) fn set_read_phase(&self, phase: Phase, epoch: u64) {
+        let _changing = self.phase_lock.lock().unwrap_or_else(|p| p.into_inner());
+        if self.phase_epoch.load(Ordering::Acquire) == epoch {
+            self.phase.store(phase as u8, Ordering::Release);
+        }
     }
 
     pub(crate) fn to_new_fn(&self) -> &ConvertFn<Old::Model, New::Model> {

@@ -174,6 +174,7 @@ pub struct Rollout<Old: ShardedEntity, New: ShardedEntity> {
     cache_ttl: Duration,
     cache_capacity: u64,
     refresh: Duration,
+    instance: Option<String>,
 }
 
 impl<Old: ShardedEntity, New: ShardedEntity> Rollout<Old, New> {
@@ -191,7 +192,17 @@ impl<Old: ShardedEntity, New: ShardedEntity> Rollout<Old, New> {
             cache_ttl: Duration::from_secs(60),
             cache_capacity: 100_000,
             refresh: Duration::from_secs(5),
+            instance: None,
         }
+    }
+
+    /// This instance's name in [`RolloutHandle::status`] (at most 128
+    /// characters; default: the process id and a random suffix). Give each
+    /// instance of the application a stable, distinct one (a host name, a
+    /// pod name) to tell them apart.
+    pub fn instance(mut self, name: impl Into<String>) -> Self {
+        self.instance = Some(name.into());
+        self
     }
 
     /// The conversion back, new → old. Needed from [`Phase::ReadNew`] on:
@@ -247,6 +258,42 @@ pub(crate) fn old_columns_in_new<Old: EntityTrait, New: EntityTrait>() -> bool {
     })
 }
 
+/// What [`RolloutHandle::status`] reports: the shared state and the
+/// instances that registered the rollout.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RolloutStatus {
+    /// The rollout's name.
+    pub name: String,
+    /// The shared phase.
+    pub phase: Phase,
+    /// When the phase last changed (Unix ms, on the cluster's clock; 0 = never).
+    pub changed_ms: i64,
+    /// The least time between two phase changes (the longest cache TTL plus
+    /// refresh interval of any instance).
+    pub gap: Duration,
+    /// Whether the backfill has finished (in `dual_write` or later).
+    pub backfilled: bool,
+    /// Every instance that registered the rollout, most recently seen first.
+    pub instances: Vec<RolloutInstance>,
+}
+
+/// One instance that registered a rollout ([`RolloutStatus::instances`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RolloutInstance {
+    /// Its name ([`Rollout::instance`]).
+    pub name: String,
+    /// Its cache lifetime.
+    pub cache_ttl: Duration,
+    /// How often it re-reads the phase.
+    pub refresh_every: Duration,
+    /// When it last re-read the phase (Unix ms, on its clock).
+    pub seen_ms: i64,
+    /// Whether it is the instance asking.
+    pub this_instance: bool,
+}
+
 /// Counts of a [`RolloutHandle::backfill_with`] run.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct RolloutBackfill {
@@ -264,11 +311,17 @@ pub struct RolloutBackfill {
 pub(crate) struct Shared<Old: ShardedEntity, New: ShardedEntity> {
     name: String,
     phase: AtomicU8,
+    /// This instance's own phase changes so far, and the lock that orders
+    /// them against phases read from the shared state.
+    phase_epoch: std::sync::atomic::AtomicU64,
+    phase_lock: std::sync::Mutex<()>,
     to_new: Convert<ModelOf<Old>, ModelOf<New>>,
     to_old: Option<Convert<ModelOf<New>, ModelOf<Old>>>,
     old_cache: TimedCache<ModelOf<Old>>,
     new_cache: TimedCache<ModelOf<New>>,
     gap: Duration,
+    /// This instance's name in `shardkit_rollout_instances`.
+    instance: String,
     me: Weak<Self>,
 }
 

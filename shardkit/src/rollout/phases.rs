@@ -68,6 +68,24 @@ where
         self.shared.gap
     }
 
+    /// The shared state and every instance that registered the rollout
+    /// (name, cache TTL, refresh interval, when it last re-read the phase):
+    /// an instance whose `seen_ms` stopped moving has stopped, or lost the
+    /// state database.
+    pub async fn status(&self) -> Result<RolloutStatus> {
+        let state = self.state().await?;
+        let (db, shard) = state_db::<Old>(&self.shards)?;
+        let instances = read_instances(db, shard, &self.shared.name, &self.shared.instance).await?;
+        Ok(RolloutStatus {
+            name: self.shared.name.clone(),
+            phase: state.phase,
+            changed_ms: state.changed_ms,
+            gap: Duration::from_millis(u64::try_from(state.gap_ms).unwrap_or(0)),
+            backfilled: state.backfill.as_deref() == Some(BACKFILL_DONE),
+            instances,
+        })
+    }
+
     /// Re-reads the shared phase now.
     pub async fn refresh(&self) -> Result<Phase> {
         Ok(self.state().await?.phase)
@@ -75,13 +93,14 @@ where
 
     pub(super) async fn state(&self) -> Result<StateRow> {
         let (db, shard) = state_db::<Old>(&self.shards)?;
+        let epoch = self.shared.phase_epoch();
         let state = read_state(db, shard, &self.shared.name)
             .await?
             .ok_or_else(|| {
                 self.shared
                     .refused_err(format!("its row in {STATE_TABLE} is gone"))
             })?;
-        self.shared.set_local_phase(state.phase);
+        self.shared.set_read_phase(state.phase, epoch);
         Ok(state)
     }
 

@@ -70,6 +70,16 @@ impl Rollouts<'_> {
                 "a rollout name has 1 to 128 characters",
             ));
         }
+        let instance = rollout.instance.clone().unwrap_or_else(|| {
+            let suffix = crate::ids::uuid_v7().simple().to_string();
+            format!("pid{}-{}", std::process::id(), &suffix[suffix.len() - 8..])
+        });
+        if instance.is_empty() || instance.len() > 128 {
+            return Err(ShardError::config(
+                entry,
+                "an instance name has 1 to 128 characters",
+            ));
+        }
         if pk_arity::<Old>() != pk_arity::<New>() {
             return Err(ShardError::config(
                 entry,
@@ -121,6 +131,8 @@ impl Rollouts<'_> {
         let shared = Arc::new_cyclic(|me| Shared::<Old, New> {
             name: rollout.name.clone(),
             phase: AtomicU8::new(state.phase as u8),
+            phase_epoch: std::sync::atomic::AtomicU64::new(0),
+            phase_lock: std::sync::Mutex::new(()),
             to_new: rollout.to_new,
             to_old: rollout.to_old,
             old_cache: TimedCache::new(
@@ -134,6 +146,7 @@ impl Rollouts<'_> {
                 Arc::clone(self.shards.clock()),
             ),
             gap,
+            instance: instance.clone(),
             me: me.clone(),
         });
         if !self
@@ -148,6 +161,20 @@ impl Rollouts<'_> {
                 ),
             ));
         }
+        let ms = |d: Duration| i64::try_from(d.as_millis()).unwrap_or(i64::MAX);
+        register_instance(
+            db,
+            shard,
+            InstanceRow {
+                rollout: &rollout.name,
+                instance: &instance,
+                old_table: table_name::<Old>(),
+                cache_ttl_ms: ms(rollout.cache_ttl),
+                refresh_ms: ms(rollout.refresh),
+                seen_ms: self.shards.now_ms(),
+            },
+        )
+        .await?;
         let handle = RolloutHandle {
             shared,
             shards: self.shards.clone(),
@@ -164,8 +191,16 @@ impl Rollouts<'_> {
                         return ControlFlow::Continue(());
                     }
                 };
+                let seen = rollout.shards.now_ms();
+                if let Err(err) =
+                    instance_seen(db, shard, &rollout.shared.name, &rollout.shared.instance, seen)
+                        .await
+                {
+                    tracing::warn!(rollout = %rollout.shared.name, error = %err.report(), "rollout instance refresh not recorded");
+                }
+                let epoch = rollout.shared.phase_epoch();
                 match read_state(db, shard, &rollout.shared.name).await {
-                    Ok(Some(state)) => rollout.shared.set_local_phase(state.phase),
+                    Ok(Some(state)) => rollout.shared.set_read_phase(state.phase, epoch),
                     Ok(None) => {}
                     Err(err) => {
                         tracing::warn!(rollout = %rollout.shared.name, error = %err.report(), "rollout phase refresh failed; keeping the last phase")
