@@ -488,6 +488,17 @@ impl Cluster {
         self.rollouts().register(rollout).await
     }
 
+    /// The rollouts other instances registered whose old entity this
+    /// instance has written without registering them, as (old table,
+    /// rollout) pairs: its writes of those tables are neither dual-written
+    /// nor cached. Each is also logged once at warn level. Found from
+    /// `shardkit_rollout_instances`, re-read in the background at most every
+    /// 30 s per group, so a write shortly after another instance registers
+    /// may not be listed yet.
+    pub fn rollouts_not_registered(&self) -> Vec<(String, String)> {
+        self.features.rollouts.watch.not_registered()
+    }
+
     /// The rollout registered for `Old`, if it goes to `New`.
     pub fn rollout<Old, New>(&self) -> Option<RolloutHandle<Old, New>>
     where

@@ -23,6 +23,7 @@ backend_tests!(4 =>
     old_reads_follow_the_phase,
     old_index_reads_follow_the_phase,
     status_lists_the_instances,
+    an_instance_without_the_rollout_is_visible,
 );
 
 type People = RolloutHandle<person_v1::Entity, person_v2::Entity>;
@@ -1024,4 +1025,44 @@ async fn status_lists_the_instances(dbs: &mut TestDbs) {
         assert!(Instant::now() < deadline, "app-a never renewed its row");
         tokio::time::sleep(REFRESH).await;
     }
+}
+
+/// An instance that writes a rollout's old entity without having registered
+/// the rollout (its writes are neither dual-written nor cached) finds out
+/// from the shared state: it lists the rollout and warns once.
+async fn an_instance_without_the_rollout_is_visible(dbs: &mut TestDbs) {
+    let clock = test_clock();
+    let (registered, _, _people) = instance(dbs, &clock).await;
+    let (unaware, _) = connect(dbs, &clock).await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut id = 0;
+    while unaware.rollouts_not_registered().is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "the unregistered writer never noticed"
+        );
+        id += 1;
+        put(&unaware, &person(id, 3, "Ann", "Lee", "Oslo"))
+            .await
+            .unwrap();
+        let tx = unaware.begin::<Customer>(3).await.unwrap();
+        tx.insert(order::ActiveModel {
+            id: Set(id),
+            customer_id: Set(3),
+            total_cents: Set(1),
+        })
+        .await
+        .unwrap();
+        tx.commit().await.unwrap();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        unaware.rollouts_not_registered(),
+        vec![("people".to_owned(), "people_v2".to_owned())],
+        "orders are in no rollout"
+    );
+    put(&registered, &person(1_000, 3, "Bo", "Dahl", "Rome"))
+        .await
+        .unwrap();
+    assert!(registered.rollouts_not_registered().is_empty());
 }

@@ -470,6 +470,7 @@ impl WriteStage for DualWrite {
         written: Written<'_, E>,
     ) -> Result<()> {
         let Some(rollout) = self.registry.get(TypeId::of::<E>()) else {
+            self.registry.watch.wrote::<E>(ctx.shards);
             return Ok(());
         };
         let after = match written {

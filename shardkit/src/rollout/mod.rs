@@ -549,11 +549,13 @@ mod phases;
 mod reads;
 mod registry;
 mod state;
+mod watch;
 
 // The parts share their helpers through this module.
 #[allow(unused_imports)]
-use {dual::*, registry::*, state::*};
+use {dual::*, registry::*, state::*, watch::*};
 
 pub use dual::DualWrite;
 pub(crate) use registry::{Registry, Rollouts};
 pub(crate) use state::{read_state, save_progress, state_db};
+pub(crate) use watch::Watch;

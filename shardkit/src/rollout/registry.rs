@@ -9,6 +9,8 @@ pub(crate) struct Registry {
     /// Whether any rollout is registered: most clusters have none, and every
     /// write asks.
     any: std::sync::atomic::AtomicBool,
+    /// Rollouts other instances registered for entities this one writes.
+    pub(crate) watch: Arc<Watch>,
 }
 
 impl Registry {
