@@ -66,18 +66,25 @@ impl ManualClock {
     /// Moves the clock forward by `by`.
     pub fn advance(&self, by: Duration) {
         let ms = u64::try_from(by.as_millis()).unwrap_or(u64::MAX);
-        self.now
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |t| {
-                Some(t.saturating_add(ms))
-            })
-            .ok();
-        self.moved.send_replace(self.now_millis());
+        // Under the channel's lock, so the value sleepers see is never older
+        // than the clock (two movers at once publish in order).
+        self.moved.send_modify(|seen| {
+            let before = self
+                .now
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |t| {
+                    Some(t.saturating_add(ms))
+                })
+                .unwrap_or_else(|t| t);
+            *seen = before.saturating_add(ms);
+        });
     }
 
     /// Sets the clock to `unix_ms` (backwards too: for clock-rollback tests).
     pub fn set(&self, unix_ms: u64) {
-        self.now.store(unix_ms, Ordering::Release);
-        self.moved.send_replace(unix_ms);
+        self.moved.send_modify(|seen| {
+            self.now.store(unix_ms, Ordering::Release);
+            *seen = unix_ms;
+        });
     }
 }
 

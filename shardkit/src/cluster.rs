@@ -218,12 +218,19 @@ impl Cluster {
         R: ShardedEntity<Group = <M::Entity as ShardedEntity>::Group>,
     {
         let key = <M::Entity as ShardedEntity>::shard_key(model);
+        let guard = self.read_guard();
+        // The model's side is joined from the table its reads go to (a
+        // rollout's new table); a refusal is reported when the read runs.
+        let m_from = crate::read::guard_check::<M::Entity>(Some(&*guard))
+            .ok()
+            .flatten();
         Find::new(
             self.shards.clone(),
             Some(Arc::clone(&self.features.index)),
-            Some(self.read_guard()),
-            model.find_related(related),
+            Some(guard),
+            crate::read::related_select(model, related, m_from.as_ref()),
         )
+        .joining::<M::Entity>()
         .key(key)
     }
 
@@ -241,6 +248,7 @@ impl Cluster {
             begun,
             self.shards.clone(),
             Arc::clone(&self.features.stages),
+            Some(self.read_guard()),
             key,
         ))
     }

@@ -195,13 +195,6 @@ pub trait WriteStage: Send + Sync + 'static {
         Batch::Statement
     }
 
-    /// Where a read of `E` inside the transaction goes: `Ok(None)` its own
-    /// table, `Ok(Some(t))` table `t` in its place, `Err` refused (see
-    /// [`crate::read`]'s guard; a rollout from `new_only` on).
-    fn read_from<E: ShardedEntity>(&self) -> Result<Option<crate::read::ReadFrom>> {
-        Ok(None)
-    }
-
     /// Work before the write: an insert's or update's index rows.
     /// `current` is the row as it is, when [`needs_current`](Self::needs_current)
     /// asked for it (and it exists).
@@ -261,13 +254,6 @@ impl<A: WriteStage, B: WriteStage> WriteStage for (A, B) {
 
     fn batch<E: ShardedEntity>(&self, op: WriteOp) -> Batch {
         self.0.batch::<E>(op).and(self.1.batch::<E>(op))
-    }
-
-    fn read_from<E: ShardedEntity>(&self) -> Result<Option<crate::read::ReadFrom>> {
-        match self.0.read_from::<E>()? {
-            Some(table) => Ok(Some(table)),
-            None => self.1.read_from::<E>(),
-        }
     }
 
     async fn before_write<E: ShardedEntity>(

@@ -745,6 +745,35 @@ async fn advance_when_ready_waits_out_the_gap(dbs: &mut TestDbs) {
     clock.advance(TTL + REFRESH);
     let err = people.advance_when_ready().await.unwrap_err();
     assert!(matches!(err, ShardError::Rollout { .. }), "{err:?}");
+
+    // It advances one step from the phase it started in, never from one
+    // another instance moved to while it waited.
+    assert_eq!(people.retreat().await.unwrap(), Phase::CacheBoth);
+    let (told, waiting) = tokio::sync::oneshot::channel();
+    let mut told = Some(told);
+    let mover = people.clone();
+    let task = tokio::spawn(async move {
+        mover
+            .advance_when_ready_with(move |_, _| {
+                if let Some(told) = told.take() {
+                    let _ = told.send(());
+                }
+            })
+            .await
+    });
+    waiting.await.unwrap();
+    assert_eq!(people.retreat().await.unwrap(), Phase::Off);
+    clock.advance(TTL + REFRESH);
+    let err = tokio::time::timeout(Duration::from_secs(30), task)
+        .await
+        .expect("advance_when_ready returns once the gap has passed")
+        .unwrap()
+        .unwrap_err();
+    assert!(
+        matches!(&err, ShardError::Rollout { reason, .. } if reason.contains("meanwhile")),
+        "{err:?}"
+    );
+    assert_eq!(people.refresh().await.unwrap(), Phase::Off);
 }
 
 /// Code that reads the old entity keeps reading the latest rows: from
@@ -762,9 +791,19 @@ async fn old_reads_follow_the_phase(dbs: &mut TestDbs) {
     }
     clock.advance(people.gap());
     assert!(people.backfill().await.unwrap().finished);
-    for phase in [Phase::ReadNew, Phase::NewOnly] {
-        assert_eq!(advance(&people, &clock).await, phase);
-    }
+    assert_eq!(advance(&people, &clock).await, Phase::ReadNew);
+    // From read_new on the old entity's reads are answered by the new table
+    // (still written by every write, and backfilled), so no instance reads
+    // the old one once another stops writing it.
+    let plan = app
+        .find::<person_v1::Entity>()
+        .key(5)
+        .explain()
+        .await
+        .unwrap()
+        .to_string();
+    assert!(plan.contains("people_v2"), "{plan}");
+    assert_eq!(advance(&people, &clock).await, Phase::NewOnly);
 
     // Old-path writes in new_only reach the new table only.
     set_city(&app, 1, 5, "Rome").await.unwrap();

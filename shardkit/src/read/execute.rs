@@ -8,6 +8,7 @@ pub(super) struct Read<E: ShardedEntity> {
     pub(super) shards: Shards,
     pub(super) index: Option<Arc<dyn IndexLookup>>,
     pub(super) guard: Option<Arc<dyn ReadGuard>>,
+    pub(super) joined: Option<(std::any::TypeId, &'static str)>,
     pub(super) order: Vec<(E::Column, Order)>,
     pub(super) limit: Option<u64>,
     pub(super) offset: Option<u64>,
@@ -41,7 +42,14 @@ impl<E: ShardedEntity> Read<E> {
     ) -> Result<Plan<E>> {
         let mut select = select;
         let from = match &self.guard {
-            Some(guard) => guard.check(std::any::TypeId::of::<E>(), table_name::<E>())?,
+            Some(guard) => {
+                if let Some((joined, table)) = self.joined {
+                    // Its side was joined from the right table when the read
+                    // was made; a refusal still stands.
+                    guard.check(joined, table)?;
+                }
+                guard.check(std::any::TypeId::of::<E>(), table_name::<E>())?
+            }
             None => None,
         };
         if let Some(from) = &from {

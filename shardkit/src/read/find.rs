@@ -20,6 +20,9 @@ pub struct Find<E: ShardedEntity, R = Unkeyed> {
     /// What may refuse a read of `E` before it runs (a rollout that no
     /// longer writes `E`'s table).
     pub(super) guard: Option<Arc<dyn ReadGuard>>,
+    /// Another entity the statement joins whose reads the guard decides
+    /// too ([`Cluster::find_related`](crate::Cluster::find_related)'s model).
+    pub(super) joined: Option<(std::any::TypeId, &'static str)>,
     pub(super) select: Select<E>,
     pub(super) route: R,
     pub(super) order: Vec<(E::Column, Order)>,
@@ -30,6 +33,12 @@ pub struct Find<E: ShardedEntity, R = Unkeyed> {
 }
 
 impl<E: ShardedEntity> Find<E, Unkeyed> {
+    /// Makes the read's guard decide on `J` too, which its statement joins.
+    pub(crate) fn joining<J: ShardedEntity>(mut self) -> Self {
+        self.joined = Some((std::any::TypeId::of::<J>(), table_name::<J>()));
+        self
+    }
+
     pub(crate) fn new(
         shards: Shards,
         index: Option<Arc<dyn IndexLookup>>,
@@ -40,6 +49,7 @@ impl<E: ShardedEntity> Find<E, Unkeyed> {
             shards,
             index,
             guard,
+            joined: None,
             select,
             route: Unkeyed,
             order: Vec::new(),
@@ -55,6 +65,7 @@ impl<E: ShardedEntity> Find<E, Unkeyed> {
             shards: self.shards,
             index: self.index,
             guard: self.guard,
+            joined: self.joined,
             select: self.select,
             route,
             order: self.order,
@@ -126,6 +137,7 @@ impl<E: ShardedEntity, R> Find<E, R> {
             shards: self.shards,
             index: self.index,
             guard: self.guard,
+            joined: self.joined,
             select: self.select,
             route: AllowPartial(self.route),
             order: self.order,
@@ -254,6 +266,7 @@ impl<E: ShardedEntity, R> Find<E, R> {
             shards: self.shards,
             index: self.index,
             guard: self.guard,
+            joined: self.joined,
             order: self.order,
             limit: self.limit,
             offset: self.offset,
@@ -363,6 +376,7 @@ impl<E: ShardedEntity, R: Clone> Clone for Find<E, R> {
             shards: self.shards.clone(),
             index: self.index.clone(),
             guard: self.guard.clone(),
+            joined: self.joined,
             select: self.select.clone(),
             route: self.route.clone(),
             order: self.order.clone(),
@@ -412,10 +426,11 @@ impl<E: ShardedEntity> Find<E, Keyed<KeyOf<E>>> {
         }
         let key = self.route.0.clone();
         let (read, select, spec) = self.split();
+        let r_from = guard_check::<R>(read.guard.as_deref())?;
         let plan = read.plan(select, spec, ReadOp::All).await?;
         read.single::<Keyed<KeyOf<E>>, _, _, _>(plan, "all", move |s, conn| {
             let backend = conn.get_database_backend();
-            join_related::<E, R>(s, JoinType::LeftJoin, &key, backend)
+            join_related::<E, R>(s, JoinType::LeftJoin, &key, backend, r_from.as_ref())
                 .select_with(R::default())
                 .all(conn)
         })
@@ -435,10 +450,11 @@ impl<E: ShardedEntity> Find<E, Keyed<KeyOf<E>>> {
     {
         let key = self.route.0.clone();
         let (read, select, spec) = self.split();
+        let r_from = guard_check::<R>(read.guard.as_deref())?;
         let plan = read.plan(select, spec, ReadOp::All).await?;
         read.single::<Keyed<KeyOf<E>>, _, _, _>(plan, "all", move |s, conn| {
             let backend = conn.get_database_backend();
-            join_related::<E, R>(s, JoinType::LeftJoin, &key, backend)
+            join_related::<E, R>(s, JoinType::LeftJoin, &key, backend, r_from.as_ref())
                 .select_also(R::default())
                 .all(conn)
         })

@@ -17,6 +17,8 @@ pub struct TxFind<'t, E: ShardedEntity, C> {
     /// Why this read may not run (a rollout no longer writes `E`'s table
     /// and cannot serve it from the new one).
     pub(super) refused: Option<ShardError>,
+    /// What the features say of reads (for the other side of a relation).
+    pub(super) guard: Option<&'t dyn ReadGuard>,
 }
 
 /// The error for a use of a transaction while one of its streams is open.
@@ -61,9 +63,9 @@ impl<'t, E: ShardedEntity, C: ConnectionTrait> TxFind<'t, E, C> {
         shard: &'t str,
         key: &KeyOf<E>,
         streams: &'t AtomicUsize,
-        from: Result<Option<ReadFrom>>,
+        guard: Option<&'t dyn ReadGuard>,
     ) -> Self {
-        Self::of(conn, shard, key, E::find(), streams, from)
+        Self::of(conn, shard, key, E::find(), streams, guard)
     }
 
     /// `select` scoped to `key`.
@@ -73,10 +75,10 @@ impl<'t, E: ShardedEntity, C: ConnectionTrait> TxFind<'t, E, C> {
         key: &KeyOf<E>,
         select: Select<E>,
         streams: &'t AtomicUsize,
-        from: Result<Option<ReadFrom>>,
+        guard: Option<&'t dyn ReadGuard>,
     ) -> Self {
         let mut select = keyed_select::<E>(select, key, conn.get_database_backend());
-        let refused = match from {
+        let refused = match guard_check::<E>(guard) {
             Ok(Some(from)) => {
                 read_from::<E>(&mut select, from.table);
                 None
@@ -91,7 +93,13 @@ impl<'t, E: ShardedEntity, C: ConnectionTrait> TxFind<'t, E, C> {
             select,
             streams,
             refused,
+            guard,
         }
+    }
+
+    /// Makes the read fail with `err` when it runs.
+    pub(crate) fn refuse(&mut self, err: ShardError) {
+        self.refused = Some(err);
     }
 
     fn ready(&mut self) -> Result<()> {
@@ -113,12 +121,19 @@ impl<'t, E: ShardedEntity, C: ConnectionTrait> TxFind<'t, E, C> {
         E: Related<R>,
     {
         self.ready()?;
+        let r_from = guard_check::<R>(self.guard)?;
         let backend = self.conn.get_database_backend();
-        join_related::<E, R>(self.select, JoinType::LeftJoin, &self.key, backend)
-            .select_with(R::default())
-            .all(self.conn)
-            .await
-            .map_err(|e| read_err::<E>(self.shard, e))
+        join_related::<E, R>(
+            self.select,
+            JoinType::LeftJoin,
+            &self.key,
+            backend,
+            r_from.as_ref(),
+        )
+        .select_with(R::default())
+        .all(self.conn)
+        .await
+        .map_err(|e| read_err::<E>(self.shard, e))
     }
 
     /// Each row of the transaction's key with its related row of `R`, if
@@ -133,12 +148,19 @@ impl<'t, E: ShardedEntity, C: ConnectionTrait> TxFind<'t, E, C> {
         E: Related<R>,
     {
         self.ready()?;
+        let r_from = guard_check::<R>(self.guard)?;
         let backend = self.conn.get_database_backend();
-        join_related::<E, R>(self.select, JoinType::LeftJoin, &self.key, backend)
-            .select_also(R::default())
-            .all(self.conn)
-            .await
-            .map_err(|e| read_err::<E>(self.shard, e))
+        join_related::<E, R>(
+            self.select,
+            JoinType::LeftJoin,
+            &self.key,
+            backend,
+            r_from.as_ref(),
+        )
+        .select_also(R::default())
+        .all(self.conn)
+        .await
+        .map_err(|e| read_err::<E>(self.shard, e))
     }
 
     /// All matching rows of the transaction's key.

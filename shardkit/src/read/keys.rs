@@ -106,6 +106,7 @@ pub(super) fn join_related<E, R>(
     join: JoinType,
     key: &KeyOf<E>,
     backend: DbBackend,
+    r_from: Option<&ReadFrom>,
 ) -> Select<E>
 where
     E: ShardedEntity + Related<R>,
@@ -121,6 +122,53 @@ where
     let on = Condition::all()
         .add(Condition::from(rel))
         .add(key_condition::<R>(std::slice::from_ref(key), backend));
-    QueryTrait::query(&mut select).join(join, to, on);
+    match r_from {
+        // `R`'s reads go to another table (a rollout's new table): join it
+        // under `R`'s name, so the condition still resolves.
+        Some(from) => {
+            QueryTrait::query(&mut select).join_as(
+                join,
+                sea_orm::sea_query::Alias::new(from.table),
+                R::default(),
+                on,
+            );
+        }
+        None => {
+            QueryTrait::query(&mut select).join(join, to, on);
+        }
+    }
     select
+}
+
+/// What `guard` says of reads of `R`: its own table, another in its place,
+/// or refused.
+pub(crate) fn guard_check<R: ShardedEntity>(
+    guard: Option<&dyn ReadGuard>,
+) -> Result<Option<ReadFrom>> {
+    match guard {
+        Some(guard) => guard.check(std::any::TypeId::of::<R>(), table_name::<R>()),
+        None => Ok(None),
+    }
+}
+
+/// `model.find_related(R)` (SeaORM's), with `M`'s side joined from another
+/// table when `M`'s reads go there.
+pub(crate) fn related_select<M, R>(model: &M, related: R, m_from: Option<&ReadFrom>) -> Select<R>
+where
+    M: ModelTrait,
+    M::Entity: Related<R>,
+    R: sea_orm::EntityTrait,
+{
+    let Some(from) = m_from.filter(|_| <M::Entity as Related<R>>::via().is_none()) else {
+        return model.find_related(related);
+    };
+    let rel = <M::Entity as Related<R>>::to();
+    let mut select = R::find();
+    QueryTrait::query(&mut select).join_as(
+        JoinType::InnerJoin,
+        sea_orm::sea_query::Alias::new(from.table),
+        M::Entity::default(),
+        Condition::from(rel),
+    );
+    select.belongs_to(model)
 }

@@ -83,7 +83,7 @@ pub use find::{Find, KeyedPages, KeyedSelect, MultiSelect, MultiShard, RowStream
 pub(crate) use in_tx::stream_open;
 pub use in_tx::{TxFind, TxSelect};
 pub(crate) use index::{IndexLookup, IndexQuery, exact_eq};
-pub(crate) use keys::key_condition;
+pub(crate) use keys::{guard_check, key_condition, related_select};
 pub use plan::{MergePlan, PlannedRoute, PlannedStatement, ReadPlan};
 #[allow(unused_imports)]
 use route::*;

@@ -163,25 +163,21 @@ where
 
     fn old_reads(&self) -> OldReads {
         let phase = self.phase();
-        if phase < Phase::NewOnly {
-            OldReads::Old
-        } else if old_columns_in_new::<Old, New>() {
-            OldReads::New(crate::read::ReadFrom {
-                table: table_name::<New>(),
-                indexes: New::GLOBAL_INDEXES
-                    .iter()
-                    .map(|(column, unique)| (sea_orm::IdenStatic::as_str(column), *unique))
-                    .collect(),
-            })
-        } else {
-            OldReads::Refused(format!(
+        // From read_new on, the new table is backfilled and written by every
+        // write: reading it then means no instance still reads the old
+        // table when another one stops writing it (new_only).
+        match &self.read_new_table {
+            Some(from) if phase >= Phase::ReadNew => OldReads::New(from.clone()),
+            None if phase >= Phase::NewOnly => OldReads::Refused(format!(
                 "in {phase} the old table `{}` is no longer written, and `{}` does not hold \
-                 every old column with the same type, so this read cannot be served from it: \
-                 read the old model with the rollout's `get_old(key, id)`, or read `{}`",
+                 every old column with the same type and nullability, so this read cannot be \
+                 served from it: read the old model with the rollout's `get_old(key, id)`, or \
+                 read `{}`",
                 table_name::<Old>(),
                 table_name::<New>(),
                 table_name::<New>()
-            ))
+            )),
+            _ => OldReads::Old,
         }
     }
 
@@ -413,10 +409,6 @@ fn defer(ctx: &crate::pipeline::WriteCtx<'_>, after: Option<AfterCommit>) {
 }
 
 impl WriteStage for DualWrite {
-    fn read_from<E: ShardedEntity>(&self) -> Result<Option<crate::read::ReadFrom>> {
-        crate::read::ReadGuard::check(&*self.registry, TypeId::of::<E>(), table_name::<E>())
-    }
-
     fn batch<E: ShardedEntity>(&self, _op: WriteOp) -> crate::pipeline::Batch {
         match self.registry.get(TypeId::of::<E>()) {
             None => crate::pipeline::Batch::Statement,

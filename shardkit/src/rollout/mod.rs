@@ -246,15 +246,32 @@ pub(crate) enum OldReads {
     Refused(String),
 }
 
-/// Whether every column of `Old` exists in `New` with the same name and
-/// type, so a statement written for `Old` reads the same from `New`'s table.
+/// Whether every column of `Old` exists in `New` with the same name, type
+/// and nullability, so a statement written for `Old` reads the same from
+/// `New`'s table. (It assumes what the rollout's own `to_old` does for
+/// such columns: copy them.)
 pub(crate) fn old_columns_in_new<Old: EntityTrait, New: EntityTrait>() -> bool {
     use sea_orm::{ColumnTrait, IdenStatic};
     <Old::Column as Iterable>::iter().all(|old| {
+        let old_def = old.def();
         <New::Column as Iterable>::iter().any(|new| {
+            let new_def = new.def();
             new.as_str() == old.as_str()
-                && new.def().get_column_type() == old.def().get_column_type()
+                && new_def.get_column_type() == old_def.get_column_type()
+                && new_def.is_null() == old_def.is_null()
         })
+    })
+}
+
+/// [`Shared::read_new_table`] for `Old` → `New`.
+pub(crate) fn read_new_table<Old: ShardedEntity, New: ShardedEntity>()
+-> Option<crate::read::ReadFrom> {
+    old_columns_in_new::<Old, New>().then(|| crate::read::ReadFrom {
+        table: table_name::<New>(),
+        indexes: New::GLOBAL_INDEXES
+            .iter()
+            .map(|(column, unique)| (sea_orm::IdenStatic::as_str(column), *unique))
+            .collect(),
     })
 }
 
@@ -322,6 +339,9 @@ pub(crate) struct Shared<Old: ShardedEntity, New: ShardedEntity> {
     gap: Duration,
     /// This instance's name in `shardkit_rollout_instances`.
     instance: String,
+    /// The new table as old-entity reads use it from `read_new` on, when
+    /// every old column is there (see [`old_columns_in_new`]); computed once.
+    read_new_table: Option<crate::read::ReadFrom>,
     me: Weak<Self>,
 }
 

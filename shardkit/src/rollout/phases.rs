@@ -117,7 +117,9 @@ where
     /// [`advance`](Self::advance) once the gap allows: waits out
     /// [`ShardError::RolloutTooSoon`] on the cluster's clock and tries again,
     /// so operators need no retry loop. Other refusals (no backfill yet, no
-    /// `to_old`, another instance moved first) are returned as they are.
+    /// `to_old`) are returned as they are, and so is a move of the phase by
+    /// another instance while this one waited: it advances one step from the
+    /// phase it started in, never further.
     pub async fn advance_when_ready(&self) -> Result<Phase> {
         self.advance_when_ready_with(|_, _| {}).await
     }
@@ -129,8 +131,11 @@ where
         &self,
         mut waiting: impl FnMut(Phase, Duration),
     ) -> Result<Phase> {
+        // The phase this call advances from: if another instance moves it
+        // while this one waits, the decision is the operator's again.
+        let from = self.state().await?.phase;
         loop {
-            match self.advance().await {
+            match self.step_from(true, Some(from)).await {
                 Err(ShardError::RolloutTooSoon { to, wait_ms, .. }) => {
                     // The deadline first: whatever moves the clock once
                     // `waiting` has been told counts towards it.
@@ -173,8 +178,22 @@ where
     }
 
     pub(super) async fn step(&self, forward: bool) -> Result<Phase> {
+        self.step_from(forward, None).await
+    }
+
+    /// [`step`](Self::step), refused when the shared phase is no longer
+    /// `expected`.
+    async fn step_from(&self, forward: bool, expected: Option<Phase>) -> Result<Phase> {
         let state = self.state().await?;
         let from = state.phase;
+        if let Some(expected) = expected
+            && expected != from
+        {
+            return Err(self.shared.refused_err(format!(
+                "another instance moved the phase from {expected} to {from} meanwhile; refresh \
+                 and decide again"
+            )));
+        }
         let to = if forward {
             from.next()
         } else {

@@ -130,6 +130,22 @@ impl Rollouts<'_> {
                 .await
                 .map_err(|e| state_err(shard, "update", e))?;
         }
+        // Recorded before the rollout acts here: a failure leaves nothing
+        // registered on this instance, and a retry starts afresh.
+        let ms = |d: Duration| i64::try_from(d.as_millis()).unwrap_or(i64::MAX);
+        register_instance(
+            db,
+            shard,
+            InstanceRow {
+                rollout: &rollout.name,
+                instance: &instance,
+                old_table: table_name::<Old>(),
+                cache_ttl_ms: ms(rollout.cache_ttl),
+                refresh_ms: ms(rollout.refresh),
+                seen_ms: self.shards.now_ms(),
+            },
+        )
+        .await?;
         let shared = Arc::new_cyclic(|me| Shared::<Old, New> {
             name: rollout.name.clone(),
             phase: AtomicU8::new(state.phase as u8),
@@ -149,6 +165,7 @@ impl Rollouts<'_> {
             ),
             gap,
             instance: instance.clone(),
+            read_new_table: read_new_table::<Old, New>(),
             me: me.clone(),
         });
         if !self
@@ -163,20 +180,6 @@ impl Rollouts<'_> {
                 ),
             ));
         }
-        let ms = |d: Duration| i64::try_from(d.as_millis()).unwrap_or(i64::MAX);
-        register_instance(
-            db,
-            shard,
-            InstanceRow {
-                rollout: &rollout.name,
-                instance: &instance,
-                old_table: table_name::<Old>(),
-                cache_ttl_ms: ms(rollout.cache_ttl),
-                refresh_ms: ms(rollout.refresh),
-                seen_ms: self.shards.now_ms(),
-            },
-        )
-        .await?;
         let handle = RolloutHandle {
             shared,
             shards: self.shards.clone(),

@@ -3,45 +3,95 @@
 //! the rollout's phases do not hold for its writes; it should be visible.
 //!
 //! Every instance that registers a rollout records the old table in
-//! `shardkit_rollout_instances`. A write of an entity this instance has no
-//! rollout for checks a per-group list of those tables, re-read in the
-//! background at most every [`RECHECK`]; a table on it is logged once at
-//! warn level and listed by [`Cluster::rollouts_not_registered`](crate::Cluster::rollouts_not_registered).
+//! `shardkit_rollout_instances` and renews the row on every phase refresh.
+//! An instance re-reads those rows of every group in the background at most
+//! every [`RECHECK`] (the first write starts it); a write of an entity this
+//! instance has no rollout for, whose table a live row names, is logged once
+//! at warn level and listed by
+//! [`Cluster::rollouts_not_registered`](crate::Cluster::rollouts_not_registered).
+//! Until a read finds a live row, a write pays two atomic loads here.
 
 use super::*;
 use std::collections::HashSet;
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::time::Instant;
 
-/// How often a group's list of old tables is re-read.
+/// How often the rows are re-read.
 pub(crate) const RECHECK: Duration = Duration::from_secs(30);
 
-/// What one group's `shardkit_rollout_instances` says, as last read.
+/// A row whose instance has not renewed it for this many refresh intervals
+/// (and at least [`RECHECK`]) is a stopped instance's: not counted.
+const LIVE_REFRESHES: i64 = 10;
+
+/// What the rows said, as last read.
 #[derive(Default)]
-struct GroupWatch {
-    read_at: Option<Instant>,
-    reading: bool,
-    /// Old table → the rollout registered for it elsewhere.
+struct Seen {
+    /// Old table → the rollout another instance registered for it.
     tables: HashMap<String, String>,
-    /// Tables this instance wrote while not registered, with the rollout.
+    /// (table, rollout) this instance wrote while not registered.
     written: HashSet<(String, String)>,
 }
 
-/// Per group, the old tables of rollouts registered by any instance.
-#[derive(Default)]
+/// The old tables of rollouts registered by live instances.
 pub(crate) struct Watch {
-    groups: Mutex<HashMap<&'static str, GroupWatch>>,
+    start: Instant,
+    /// When the next read is due (ms since `start`).
+    due_ms: AtomicU64,
+    reading: AtomicBool,
+    /// Whether the last read found any live rollout.
+    any: AtomicBool,
+    seen: Mutex<Seen>,
+}
+
+impl Default for Watch {
+    fn default() -> Self {
+        Watch {
+            start: Instant::now(),
+            due_ms: AtomicU64::new(0),
+            reading: AtomicBool::new(false),
+            any: AtomicBool::new(false),
+            seen: Mutex::new(Seen::default()),
+        }
+    }
+}
+
+/// Clears `reading` however the read ends (cancelled with its runtime too).
+struct Reading(Arc<Watch>);
+
+impl Drop for Reading {
+    fn drop(&mut self) {
+        self.0.reading.store(false, Ordering::Release);
+    }
 }
 
 impl Watch {
     /// Notes a write of `E`, which this instance has no rollout for.
     pub(crate) fn wrote<E: ShardedEntity>(self: &Arc<Self>, shards: &Shards) {
-        let group = <E::Group as EntityGroup>::NAME;
+        let now = u64::try_from(self.start.elapsed().as_millis()).unwrap_or(u64::MAX);
+        if now >= self.due_ms.load(Ordering::Acquire) && !self.reading.swap(true, Ordering::AcqRel)
+        {
+            self.due_ms.store(
+                now.saturating_add(RECHECK.as_millis() as u64),
+                Ordering::Release,
+            );
+            let guard = Reading(Arc::clone(self));
+            let shards = shards.for_task();
+            tokio::spawn(async move {
+                let tables = read_live_tables(&shards).await;
+                let watch = &guard.0;
+                watch.any.store(!tables.is_empty(), Ordering::Release);
+                watch.seen.lock().unwrap_or_else(|p| p.into_inner()).tables = tables;
+                drop(guard);
+            });
+        }
+        if !self.any.load(Ordering::Acquire) {
+            return;
+        }
         let table = table_name::<E>();
-        let mut groups = self.groups.lock().unwrap_or_else(|p| p.into_inner());
-        let watch = groups.entry(group).or_default();
-        if let Some(rollout) = watch.tables.get(table)
-            && watch.written.insert((table.to_owned(), rollout.clone()))
+        let mut seen = self.seen.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(rollout) = seen.tables.get(table).cloned()
+            && seen.written.insert((table.to_owned(), rollout.clone()))
         {
             tracing::warn!(
                 rollout = %rollout,
@@ -51,67 +101,62 @@ impl Watch {
                  dual-written nor cached; register the rollout on every instance that writes it"
             );
         }
-        let due = watch.read_at.is_none_or(|at| at.elapsed() >= RECHECK);
-        if due && !watch.reading {
-            watch.reading = true;
-            let shards = shards.for_task();
-            let me = Arc::clone(self);
-            tokio::spawn(async move {
-                let read = read_old_tables::<E>(&shards).await;
-                let mut groups = me.groups.lock().unwrap_or_else(|p| p.into_inner());
-                let watch = groups.entry(group).or_default();
-                watch.reading = false;
-                watch.read_at = Some(Instant::now());
-                match read {
-                    Ok(tables) => watch.tables = tables,
-                    Err(err) => {
-                        tracing::debug!(group, error = %err.report(), "rollout instances not read")
-                    }
-                }
-            });
-        }
     }
 
     /// The (old table, rollout) pairs this instance wrote without having
     /// registered the rollout.
     pub(crate) fn not_registered(&self) -> Vec<(String, String)> {
-        let groups = self.groups.lock().unwrap_or_else(|p| p.into_inner());
-        let mut all: Vec<(String, String)> = groups
-            .values()
-            .flat_map(|w| w.written.iter().cloned())
-            .collect();
+        let seen = self.seen.lock().unwrap_or_else(|p| p.into_inner());
+        let mut all: Vec<(String, String)> = seen.written.iter().cloned().collect();
         all.sort();
         all
     }
 }
 
-/// Old table → rollout, for every rollout of `E`'s group registered by any
-/// instance.
-async fn read_old_tables<E: ShardedEntity>(shards: &Shards) -> Result<HashMap<String, String>> {
-    let (db, shard) = state_db::<E>(shards)?;
-    let stmt = Query::select()
-        .columns(["old_table", "rollout"].map(Alias::new))
-        .distinct()
-        .from(Alias::new(INSTANCES_TABLE))
-        .to_owned();
-    let rows = db.query_all(&stmt).await.map_err(|e| ShardError::Db {
-        origin: Box::new(crate::error::Origin::table(
-            crate::error::Subsystem::Rollout,
-            INSTANCES_TABLE,
-        )),
-        shard: shard.to_owned(),
-        operation: format!("read {INSTANCES_TABLE}"),
-        source: e,
-    })?;
+/// Old table → rollout, for every rollout a live instance registered, in
+/// every group. A group whose rows cannot be read is skipped (logged).
+async fn read_live_tables(shards: &Shards) -> HashMap<String, String> {
     let mut tables = HashMap::new();
-    for row in rows {
-        let (Ok(table), Ok(rollout)) = (
-            row.try_get::<String>("", "old_table"),
-            row.try_get::<String>("", "rollout"),
-        ) else {
+    let now = shards.now_ms();
+    let mut asked = Vec::new();
+    for group in shards.topology().group_names() {
+        let Ok(ids) = shards.topology().shards_of(group) else {
             continue;
         };
-        tables.insert(table, rollout);
+        let Some(&id) = ids.first() else { continue };
+        if asked.contains(&id) {
+            continue;
+        }
+        asked.push(id);
+        let (db, shard) = (shards.shard_conn(id), shards.shard_name(id));
+        let stmt = Query::select()
+            .columns(["old_table", "rollout", "seen_ms", "refresh_ms"].map(Alias::new))
+            .from(Alias::new(INSTANCES_TABLE))
+            .to_owned();
+        let rows = match db.query_all(&stmt).await {
+            Ok(rows) => rows,
+            Err(err) => {
+                tracing::debug!(shard, error = %err, "rollout instances not read");
+                continue;
+            }
+        };
+        for row in rows {
+            let (Ok(table), Ok(rollout), Ok(seen), Ok(refresh)) = (
+                row.try_get::<String>("", "old_table"),
+                row.try_get::<String>("", "rollout"),
+                row.try_get::<i64>("", "seen_ms"),
+                row.try_get::<i64>("", "refresh_ms"),
+            ) else {
+                continue;
+            };
+            let live_for = std::cmp::max(
+                refresh.saturating_mul(LIVE_REFRESHES),
+                RECHECK.as_millis() as i64,
+            );
+            if now.saturating_sub(seen) <= live_for {
+                tables.insert(table, rollout);
+            }
+        }
     }
-    Ok(tables)
+    tables
 }

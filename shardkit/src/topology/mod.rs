@@ -603,6 +603,11 @@ impl Topology {
         &self.directories
     }
 
+    /// The configured groups' names.
+    pub fn group_names(&self) -> impl Iterator<Item = &str> {
+        self.groups.keys().map(String::as_str)
+    }
+
     /// A group's placement.
     pub fn placement(&self, group: &str) -> Result<&Placement> {
         self.groups

@@ -46,6 +46,9 @@ pub struct ShardTx<G: EntityGroup, P> {
     poisoned: std::sync::OnceLock<String>,
     /// Streams of this transaction still open (see [`TxFind::stream`]).
     streams: std::sync::atomic::AtomicUsize,
+    /// What the features say of reads (a rollout's old entity from
+    /// `read_new` on).
+    guard: Option<Arc<dyn crate::read::ReadGuard>>,
     span: tracing::Span,
     /// The cluster's SQLite write slot, held until the transaction ends
     /// (see [`Cluster::begin`](crate::Cluster::begin)). Declared after `txn`
@@ -64,7 +67,13 @@ impl<G: EntityGroup, P> std::fmt::Debug for ShardTx<G, P> {
 }
 
 impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
-    pub(crate) fn new(begun: Begun, shards: Shards, stages: Arc<P>, key: G::Key) -> Self {
+    pub(crate) fn new(
+        begun: Begun,
+        shards: Shards,
+        stages: Arc<P>,
+        guard: Option<Arc<dyn crate::read::ReadGuard>>,
+        key: G::Key,
+    ) -> Self {
         let Begun {
             txn,
             target,
@@ -81,6 +90,7 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
             target,
             poisoned: std::sync::OnceLock::new(),
             streams: std::sync::atomic::AtomicUsize::new(0),
+            guard,
             span,
             _writer: writer,
         }
@@ -467,7 +477,7 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
             self.shard(),
             &E::group_key_as_entity_key(&self.key),
             &self.streams,
-            self.stages.read_from::<E>(),
+            self.guard.as_deref(),
         )
     }
 
@@ -478,17 +488,29 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
     pub fn find_related<M, R>(&self, model: &M, related: R) -> TxFind<'_, R, DatabaseTransaction>
     where
         M: sea_orm::ModelTrait,
-        M::Entity: sea_orm::Related<R>,
+        M::Entity: crate::entity::ShardedEntity + sea_orm::Related<R>,
         R: InGroup<G>,
     {
-        TxFind::of(
+        let guard = self.guard.as_deref();
+        let (select, refused) = match crate::read::guard_check::<M::Entity>(guard) {
+            Ok(m_from) => (
+                crate::read::related_select(model, related, m_from.as_ref()),
+                None,
+            ),
+            Err(err) => (model.find_related(related), Some(err)),
+        };
+        let mut find = TxFind::of(
             &self.txn,
             self.shard(),
             &R::group_key_as_entity_key(&self.key),
-            model.find_related(related),
+            select,
             &self.streams,
-            self.stages.read_from::<R>(),
-        )
+            guard,
+        );
+        if let Some(err) = refused {
+            find.refuse(err);
+        }
+        find
     }
 
     /// Commits. If a write was refused, rolls back instead and returns
