@@ -191,7 +191,7 @@ pub trait WriteStage: Send + Sync + 'static {
     /// each through the whole pipeline), or not at all.
     ///
     /// [`ShardTx::update_many`]: crate::tx::ShardTx::update_many
-    fn batch<E: ShardedEntity>(&self, _op: WriteOp) -> Batch {
+    fn batch<E: ShardedEntity>(&self, _ctx: &WriteCtx<'_>, _op: WriteOp) -> Batch {
         Batch::Statement
     }
 
@@ -252,8 +252,8 @@ impl<A: WriteStage, B: WriteStage> WriteStage for (A, B) {
         self.0.needs_current::<E>(op) || self.1.needs_current::<E>(op)
     }
 
-    fn batch<E: ShardedEntity>(&self, op: WriteOp) -> Batch {
-        self.0.batch::<E>(op).and(self.1.batch::<E>(op))
+    fn batch<E: ShardedEntity>(&self, ctx: &WriteCtx<'_>, op: WriteOp) -> Batch {
+        self.0.batch::<E>(ctx, op).and(self.1.batch::<E>(ctx, op))
     }
 
     async fn before_write<E: ShardedEntity>(

@@ -1104,4 +1104,22 @@ async fn an_instance_without_the_rollout_is_visible(dbs: &mut TestDbs) {
         .await
         .unwrap();
     assert!(registered.rollouts_not_registered().is_empty());
+
+    // A batch written as one statement is seen too.
+    let (batching, _) = connect(dbs, &clock).await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while batching.rollouts_not_registered().is_empty() {
+        assert!(Instant::now() < deadline, "the batch writer never noticed");
+        let tx = batching.begin::<Customer>(3).await.unwrap();
+        tx.update_many::<person_v1::Entity>()
+            .set(person_v1::ActiveModel {
+                city: Set("Bergen".into()),
+                ..Default::default()
+            })
+            .exec()
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }

@@ -105,7 +105,7 @@ impl IndexFirst {
 }
 
 impl WriteStage for IndexFirst {
-    fn batch<E: ShardedEntity>(&self, _op: WriteOp) -> crate::pipeline::Batch {
+    fn batch<E: ShardedEntity>(&self, _ctx: &WriteCtx<'_>, _op: WriteOp) -> crate::pipeline::Batch {
         if E::GLOBAL_INDEXES.is_empty() {
             crate::pipeline::Batch::Statement
         } else {

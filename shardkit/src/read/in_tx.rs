@@ -109,13 +109,10 @@ impl<'t, E: ShardedEntity, C: ConnectionTrait> TxFind<'t, E, C> {
         stream_open(self.streams, table_name::<E>())
     }
 
-    /// Each row of the transaction's key with its related rows of `R`
-    /// (SeaORM's [`Select::find_with_related`]), the related side scoped to
-    /// the key as in [`Find::find_with_related`].
-    pub async fn find_with_related<R>(
-        mut self,
-        _related: R,
-    ) -> Result<Vec<(E::Model, Vec<R::Model>)>>
+    /// The statement left-joined with `R` along `E`'s relation, `R`'s side
+    /// scoped to the key (and read from where the guard says), with the
+    /// connection and shard to run it on.
+    fn joined<R>(mut self) -> Result<(Select<E>, &'t C, &'t str)>
     where
         R: ShardedEntity<Group = E::Group>,
         E: Related<R>,
@@ -123,44 +120,49 @@ impl<'t, E: ShardedEntity, C: ConnectionTrait> TxFind<'t, E, C> {
         self.ready()?;
         let r_from = guard_check::<R>(self.guard)?;
         let backend = self.conn.get_database_backend();
-        join_related::<E, R>(
+        let select = join_related::<E, R>(
             self.select,
             JoinType::LeftJoin,
             &self.key,
             backend,
             r_from.as_ref(),
-        )
-        .select_with(R::default())
-        .all(self.conn)
-        .await
-        .map_err(|e| read_err::<E>(self.shard, e))
+        );
+        Ok((select, self.conn, self.shard))
+    }
+
+    /// Each row of the transaction's key with its related rows of `R`
+    /// (SeaORM's [`Select::find_with_related`]), the related side scoped to
+    /// the key as in [`Find::find_with_related`].
+    pub async fn find_with_related<R>(self, _related: R) -> Result<Vec<(E::Model, Vec<R::Model>)>>
+    where
+        R: ShardedEntity<Group = E::Group>,
+        E: Related<R>,
+    {
+        let (select, conn, shard) = self.joined::<R>()?;
+        select
+            .select_with(R::default())
+            .all(conn)
+            .await
+            .map_err(|e| read_err::<E>(shard, e))
     }
 
     /// Each row of the transaction's key with its related row of `R`, if
     /// any (SeaORM's [`Select::find_also_related`]), the related side scoped
     /// to the key.
     pub async fn find_also_related<R>(
-        mut self,
+        self,
         _related: R,
     ) -> Result<Vec<(E::Model, Option<R::Model>)>>
     where
         R: ShardedEntity<Group = E::Group>,
         E: Related<R>,
     {
-        self.ready()?;
-        let r_from = guard_check::<R>(self.guard)?;
-        let backend = self.conn.get_database_backend();
-        join_related::<E, R>(
-            self.select,
-            JoinType::LeftJoin,
-            &self.key,
-            backend,
-            r_from.as_ref(),
-        )
-        .select_also(R::default())
-        .all(self.conn)
-        .await
-        .map_err(|e| read_err::<E>(self.shard, e))
+        let (select, conn, shard) = self.joined::<R>()?;
+        select
+            .select_also(R::default())
+            .all(conn)
+            .await
+            .map_err(|e| read_err::<E>(shard, e))
     }
 
     /// All matching rows of the transaction's key.

@@ -409,9 +409,17 @@ fn defer(ctx: &crate::pipeline::WriteCtx<'_>, after: Option<AfterCommit>) {
 }
 
 impl WriteStage for DualWrite {
-    fn batch<E: ShardedEntity>(&self, _op: WriteOp) -> crate::pipeline::Batch {
+    fn batch<E: ShardedEntity>(
+        &self,
+        ctx: &crate::pipeline::WriteCtx<'_>,
+        _op: WriteOp,
+    ) -> crate::pipeline::Batch {
         match self.registry.get(TypeId::of::<E>()) {
-            None => crate::pipeline::Batch::Statement,
+            None => {
+                // A batch of one statement passes no `after_write`.
+                self.registry.watch.wrote::<E>(ctx.shards);
+                crate::pipeline::Batch::Statement
+            }
             Some(rollout) if rollout.phase() >= Phase::NewOnly => {
                 crate::pipeline::Batch::Refused(format!(
                     "rollout `{}` is in phase {:?}: the old table is no longer written, so a batch \

@@ -224,7 +224,7 @@ where
                 "nothing to set: give values with `.set(..)` or `.col_expr(..)`",
             ));
         }
-        match tx.stages.batch::<E>(WriteOp::Update) {
+        match tx.stages.batch::<E>(&tx.ctx(), WriteOp::Update) {
             Batch::Statement => {
                 let mut update = E::update_many().set(set);
                 for (column, expr) in exprs {
@@ -297,7 +297,7 @@ where
         let TxDeleteMany { tx, filter, .. } = self;
         let op = "delete_many";
         tx.ensure_open()?;
-        match tx.stages.batch::<E>(WriteOp::Delete) {
+        match tx.stages.batch::<E>(&tx.ctx(), WriteOp::Delete) {
             Batch::Statement => {
                 return E::delete_many()
                     .filter(tx.key_condition::<E>())
