@@ -390,6 +390,26 @@ pub fn index_writes(sent: &Sent, table: &str) -> Vec<IndexWrite> {
         .collect()
 }
 
+/// The primary keys (sorted) of the contacts a `by_index` read of `column`
+/// = `value` returns.
+pub async fn contacts_by_index(
+    cluster: &Cluster,
+    column: models::contact::Column,
+    value: &str,
+) -> Vec<i64> {
+    let mut ids: Vec<i64> = cluster
+        .find::<models::contact::Entity>()
+        .by_index(column, value)
+        .all()
+        .await
+        .expect("an index read")
+        .into_iter()
+        .map(|c| c.id)
+        .collect();
+    ids.sort_unstable();
+    ids
+}
+
 /// `SELECT COUNT(*)` of `table` summed over every shard of the cluster.
 pub async fn count_rows(cluster: &Cluster, table: &str) -> u64 {
     let mut n = 0;

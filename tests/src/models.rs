@@ -319,6 +319,16 @@ pub mod contact {
     }
 
     impl ActiveModelBehavior for ActiveModel {}
+
+    /// A contact to insert.
+    pub fn row(id: i64, customer: i64, email: &str, phone: &str) -> ActiveModel {
+        ActiveModel {
+            id: sea_orm::ActiveValue::Set(id),
+            customer_id: sea_orm::ActiveValue::Set(customer),
+            email: sea_orm::ActiveValue::Set(email.to_owned()),
+            phone: sea_orm::ActiveValue::Set(phone.to_owned()),
+        }
+    }
 }
 
 /// A rollout's old model: a person's name in two columns.

@@ -10,7 +10,7 @@ use shardkit::error::Retry;
 use shardkit::gsi::IndexState;
 use shardkit::{Cluster, ShardError};
 use shardkit_tests::models::*;
-use shardkit_tests::{TestDbs, backend_tests};
+use shardkit_tests::{TestDbs, backend_tests, contacts_by_index};
 use std::collections::BTreeSet;
 use std::ops::ControlFlow;
 
@@ -43,15 +43,6 @@ async fn activate(cluster: &Cluster) {
     }
 }
 
-fn contact(id: i64, customer: i64, email: &str, phone: &str) -> contact::ActiveModel {
-    contact::ActiveModel {
-        id: Set(id),
-        customer_id: Set(customer),
-        email: Set(email.to_owned()),
-        phone: Set(phone.to_owned()),
-    }
-}
-
 async fn add(
     cluster: &Cluster,
     id: i64,
@@ -60,7 +51,7 @@ async fn add(
     phone: &str,
 ) -> shardkit::Result<contact::Model> {
     let tx = cluster.begin::<Customer>(customer).await?;
-    let row = tx.insert(contact(id, customer, email, phone)).await?;
+    let row = tx.insert(contact::row(id, customer, email, phone)).await?;
     tx.commit().await?;
     Ok(row)
 }
@@ -78,17 +69,7 @@ async fn set_email(cluster: &Cluster, id: i64, customer: i64, email: &str) -> sh
 }
 
 async fn by_email(cluster: &Cluster, email: &str) -> Vec<i64> {
-    let mut ids: Vec<i64> = cluster
-        .find::<contact::Entity>()
-        .by_index(contact::Column::Email, email)
-        .all()
-        .await
-        .unwrap()
-        .into_iter()
-        .map(|r| r.id)
-        .collect();
-    ids.sort_unstable();
-    ids
+    contacts_by_index(cluster, contact::Column::Email, email).await
 }
 
 /// Index rows of `table` across all shards, as (value, shard key).
@@ -199,7 +180,7 @@ async fn reconcile_reports_unique_conflicts_and_goes_on(dbs: &mut TestDbs) {
             .await
             .unwrap()
             .to_owned();
-        contact::Entity::insert(contact(id, customer, &email, &format!("p{id}")))
+        contact::Entity::insert(contact::row(id, customer, &email, &format!("p{id}")))
             .exec(cluster.connection(&shard).unwrap())
             .await
             .unwrap();

@@ -6,7 +6,9 @@ use futures::TryStreamExt;
 use sea_orm::ExprTrait;
 use shardkit::prelude::*;
 use shardkit_tests::models::*;
-use shardkit_tests::{Backend, Proxy, TestDbs, backend_tests, recording_cluster};
+use shardkit_tests::{
+    Backend, Proxy, TestDbs, backend_tests, contacts_by_index, recording_cluster,
+};
 use std::time::Duration;
 
 backend_tests!(2 =>
@@ -526,15 +528,6 @@ async fn batch_writes_touch_only_the_key(dbs: &mut TestDbs) {
     );
 }
 
-fn contact(id: i64, customer: i64, email: &str, phone: &str) -> contact::ActiveModel {
-    contact::ActiveModel {
-        id: Set(id),
-        customer_id: Set(customer),
-        email: Set(email.to_owned()),
-        phone: Set(phone.to_owned()),
-    }
-}
-
 async fn indexed_contacts(cluster: &Cluster) {
     cluster.migrate::<Migrator>().await.unwrap();
     cluster.gsi().create::<contact::Entity>().await.unwrap();
@@ -548,17 +541,7 @@ async fn indexed_contacts(cluster: &Cluster) {
 }
 
 async fn phone_owners(cluster: &Cluster, phone: &str) -> Vec<i64> {
-    let mut ids: Vec<i64> = cluster
-        .find::<contact::Entity>()
-        .by_index(contact::Column::Phone, phone)
-        .all()
-        .await
-        .unwrap()
-        .into_iter()
-        .map(|c| c.id)
-        .collect();
-    ids.sort_unstable();
-    ids
+    contacts_by_index(cluster, contact::Column::Phone, phone).await
 }
 
 /// On an entity with global indexes, batch writes go row by row through the
@@ -569,15 +552,17 @@ async fn batch_writes_keep_global_indexes(dbs: &mut TestDbs) {
     let (a, b) = neighbours(&cluster).await;
     let tx = cluster.begin::<Customer>(a).await.unwrap();
     tx.insert_many([
-        contact(1, a, "a1@x", "555-1"),
-        contact(2, a, "a2@x", "555-1"),
-        contact(3, a, "a3@x", "555-3"),
+        contact::row(1, a, "a1@x", "555-1"),
+        contact::row(2, a, "a2@x", "555-1"),
+        contact::row(3, a, "a3@x", "555-3"),
     ])
     .await
     .unwrap();
     tx.commit().await.unwrap();
     let tx = cluster.begin::<Customer>(b).await.unwrap();
-    tx.insert(contact(4, b, "b4@x", "555-1")).await.unwrap();
+    tx.insert(contact::row(4, b, "b4@x", "555-1"))
+        .await
+        .unwrap();
     tx.commit().await.unwrap();
     assert_eq!(phone_owners(&cluster, "555-1").await, vec![1, 2, 4]);
 
@@ -696,7 +681,9 @@ async fn batch_writes_keep_global_indexes(dbs: &mut TestDbs) {
     assert_eq!(left.iter().map(|c| c.id).collect::<Vec<_>>(), vec![3]);
     // The deleted rows' unique emails are free again.
     let tx = cluster.begin::<Customer>(b).await.unwrap();
-    tx.insert(contact(5, b, "a1@x", "555-5")).await.unwrap();
+    tx.insert(contact::row(5, b, "a1@x", "555-5"))
+        .await
+        .unwrap();
     tx.commit().await.unwrap();
 }
 
@@ -763,7 +750,7 @@ async fn batch_writes_on_a_small_pool_all_complete(dbs: &mut TestDbs) {
     for key in 1..=8_i64 {
         let tx = cluster.begin::<Customer>(key).await.unwrap();
         tx.insert_many(
-            (0..4).map(|n| contact(key * 100 + n, key, &format!("{key}-{n}@x"), "555-0")),
+            (0..4).map(|n| contact::row(key * 100 + n, key, &format!("{key}-{n}@x"), "555-0")),
         )
         .await
         .unwrap();

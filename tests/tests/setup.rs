@@ -12,15 +12,6 @@ backend_tests!(2 =>
     setup_creates_index_tables_and_sequences,
 );
 
-fn contact(id: i64, customer: i64, email: &str) -> contact::ActiveModel {
-    contact::ActiveModel {
-        id: Set(id),
-        customer_id: Set(customer),
-        email: Set(email.to_owned()),
-        phone: Set("555".to_owned()),
-    }
-}
-
 async fn setup_creates_index_tables_and_sequences(dbs: &mut TestDbs) {
     let server = dbs.extra("tickets").await;
     let toml = format!(
@@ -35,7 +26,10 @@ async fn setup_creates_index_tables_and_sequences(dbs: &mut TestDbs) {
     // Before setup: the index table and the sequence are missing. Each
     // write fails naming the call, and nothing is written.
     let tx = cluster.begin::<Customer>(7).await.unwrap();
-    let err = tx.insert(contact(1, 7, "a@x")).await.unwrap_err();
+    let err = tx
+        .insert(contact::row(1, 7, "a@x", "555"))
+        .await
+        .unwrap_err();
     let report = err.report().to_string();
     assert!(matches!(err, ShardError::Db { .. }), "{err:?}");
     assert!(report.contains("cluster.setup::<YourEntity>()"), "{report}");
@@ -84,7 +78,7 @@ async fn setup_creates_index_tables_and_sequences(dbs: &mut TestDbs) {
 
     // Now both writes work, and the index is written from the first row on.
     let tx = cluster.begin::<Customer>(7).await.unwrap();
-    tx.insert(contact(1, 7, "a@x")).await.unwrap();
+    tx.insert(contact::row(1, 7, "a@x", "555")).await.unwrap();
     let invoice = tx
         .insert(invoice::ActiveModel {
             customer_id: Set(7),
@@ -117,6 +111,9 @@ async fn setup_creates_index_tables_and_sequences(dbs: &mut TestDbs) {
     assert_eq!(found.iter().map(|c| c.id).collect::<Vec<_>>(), vec![1]);
     // A unique value is held from setup on: a second owner is refused.
     let tx = cluster.begin::<Customer>(8).await.unwrap();
-    let err = tx.insert(contact(2, 8, "a@x")).await.unwrap_err();
+    let err = tx
+        .insert(contact::row(2, 8, "a@x", "555"))
+        .await
+        .unwrap_err();
     assert!(matches!(err, ShardError::UniqueViolation { .. }), "{err:?}");
 }

@@ -122,6 +122,15 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
     }
 }
 
+/// A batch of `E` that shardkit refuses, before any I/O.
+fn unsupported<E: EntityTrait>(operation: &'static str, reason: String) -> ShardError {
+    ShardError::Unsupported {
+        table: table_name::<E>(),
+        operation,
+        reason,
+    }
+}
+
 /// An update of the rows of one key that match its filters
 /// ([`ShardTx::update_many`]). Runs on [`exec`](Self::exec).
 #[must_use = "an update does nothing until `.exec()` runs it"]
@@ -196,11 +205,7 @@ where
                 found: "an expression".to_owned(),
             }));
         }
-        let refuse = |reason: &str| ShardError::Unsupported {
-            table: table_name::<E>(),
-            operation: op,
-            reason: reason.to_owned(),
-        };
+        let refuse = |reason: &str| unsupported::<E>(op, reason.to_owned());
         let primary = |column: &E::Column| {
             <E::PrimaryKey as Iterable>::iter().any(|key| {
                 sea_orm::PrimaryKeyToColumn::into_column(key).as_str() == column.as_str()
@@ -307,13 +312,7 @@ where
                     .map(|done| done.rows_affected)
                     .map_err(|e| tx.poison_if_aborted(tx.write_err::<E>(op, e)));
             }
-            Batch::Refused(reason) => {
-                return Err(ShardError::Unsupported {
-                    table: table_name::<E>(),
-                    operation: op,
-                    reason,
-                });
-            }
+            Batch::Refused(reason) => return Err(unsupported::<E>(op, reason)),
             Batch::PerRow => {}
         }
         let rows = tx.rows_for_batch::<E>(filter, op).await?;
