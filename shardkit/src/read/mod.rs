@@ -45,14 +45,14 @@ pub(crate) trait ReadGuard: Send + Sync {
 }
 
 /// Another table that answers an entity's reads in place of its own (a
-/// rollout's new table from `new_only` on), with its global indexes: an
+/// rollout's new table from `read_new` on), with its global indexes: an
 /// index read uses the other table's index on the same column, which is
 /// the one its writes keep.
 #[derive(Clone, Debug)]
 pub struct ReadFrom {
     pub(crate) table: &'static str,
     /// Its indexed columns, and whether each is unique.
-    pub(crate) indexes: Vec<(&'static str, bool)>,
+    pub(crate) indexes: Arc<[(&'static str, bool)]>,
 }
 
 /// Reads table `from` in place of `E`'s own: `FROM from AS e_table`, so the

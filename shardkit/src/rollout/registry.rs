@@ -235,8 +235,9 @@ impl Rollouts<'_> {
     }
 }
 
-/// Reads of an old entity follow its rollout's phase: from `new_only` on
-/// they are served from the new table (or refused when they cannot be).
+/// Reads of an old entity follow its rollout's phase: from `read_new` on
+/// they are served from the new table (from `new_only` on, refused when it
+/// cannot stand in).
 impl crate::read::ReadGuard for Registry {
     fn check(&self, entity: TypeId, _table: &'static str) -> Result<Option<crate::read::ReadFrom>> {
         let Some(rollout) = self.get(entity) else {
