@@ -205,7 +205,9 @@ pub use read::{
     MultiSelect, MultiShard, Partial, PlannedRoute, PlannedStatement, ReadPlan, RowStream, Scatter,
     TxFind, TxSelect, Unkeyed,
 };
-pub use rollout::{Phase, Rollout, RolloutBackfill, RolloutHandle, RolloutInstance, RolloutStatus};
+pub use rollout::{
+    Parts, Phase, Rollout, RolloutBackfill, RolloutHandle, RolloutInstance, RolloutStatus,
+};
 pub use shardkit_derive::{EntityGroup, Sharded};
 pub use topology::{ClusterConfig, DatabaseUrl, ShardId, Target, Topology};
 pub use tx::{TxDeleteMany, TxUpdateMany};

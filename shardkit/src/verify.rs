@@ -176,9 +176,48 @@ fn row_hash<M: std::fmt::Debug>(model: &M) -> u64 {
 pub(crate) struct Source<'a, S: EntityTrait, D: EntityTrait> {
     pub(crate) db: &'a DatabaseConnection,
     pub(crate) shard: &'a str,
-    pub(crate) convert: &'a (dyn Fn(&S::Model) -> D::Model + Send + Sync),
+    pub(crate) convert: Conversion<'a, S::Model, D::Model>,
     /// Whether `S` and `D` are the same table (so the database can digest both).
     pub(crate) same_table: bool,
+}
+
+/// How source rows become target models.
+pub(crate) enum Conversion<'a, S, D> {
+    /// Row by row.
+    Row(&'a (dyn Fn(&S) -> D + Send + Sync)),
+    /// A rollout's fold: a chunk of roots and their parts, read with them.
+    Fold(&'a dyn FoldRows<S, D>),
+}
+
+/// A fold of source rows with what they read on the source's database
+/// (see [`crate::rollout`]'s folds).
+pub(crate) trait FoldRows<S, D>: Send + Sync {
+    fn fold_rows<'a>(
+        &'a self,
+        db: &'a sea_orm::DatabaseExecutor<'a>,
+        rows: &'a [S],
+    ) -> futures::future::BoxFuture<'a, std::result::Result<Vec<D>, DbErr>>;
+}
+
+impl<S: EntityTrait, D: EntityTrait> Source<'_, S, D> {
+    /// `rows` as target models; a fold reads their parts on `db`.
+    async fn convert_rows(
+        &self,
+        db: &sea_orm::DatabaseExecutor<'_>,
+        rows: &[S::Model],
+    ) -> Result<Vec<D::Model>> {
+        match self.convert {
+            Conversion::Row(convert) => Ok(rows.iter().map(convert).collect()),
+            Conversion::Fold(fold) => fold.fold_rows(db, rows).await.map_err(|e| {
+                verify_err(
+                    self.shard,
+                    table_name::<D>(),
+                    format!("fold {}", table_name::<D>()),
+                    e,
+                )
+            }),
+        }
+    }
 }
 
 /// The side being checked: entity `D` on a shard.
@@ -325,26 +364,27 @@ where
         upto
     };
     // Row level: the source chunk (converted), the target's rows in range.
+    let on_source = sea_orm::DatabaseExecutor::Connection(source.db);
     let src: Vec<D::Model> = match src_rows {
-        Some(rows) => rows.iter().map(|r| (source.convert)(r)).collect(),
-        None => by_pk(
-            S::find()
-                .filter(after_condition::<S>(after))
-                .filter(upto_condition::<S>(upto.as_deref())),
-        )
-        .all(source.db)
-        .await
-        .map_err(|e| {
-            verify_err(
-                source.shard,
-                table_name::<S>(),
-                format!("select {}", table_name::<S>()),
-                e,
+        Some(rows) => source.convert_rows(&on_source, &rows).await?,
+        None => {
+            let rows = by_pk(
+                S::find()
+                    .filter(after_condition::<S>(after))
+                    .filter(upto_condition::<S>(upto.as_deref())),
             )
-        })?
-        .iter()
-        .map(|r| (source.convert)(r))
-        .collect(),
+            .all(source.db)
+            .await
+            .map_err(|e| {
+                verify_err(
+                    source.shard,
+                    table_name::<S>(),
+                    format!("select {}", table_name::<S>()),
+                    e,
+                )
+            })?;
+            source.convert_rows(&on_source, &rows).await?
+        }
     };
     let dst = by_pk(
         D::find()
@@ -459,9 +499,16 @@ where
     {
         let conn: &sea_orm::DatabaseTransaction = dst_txn.as_ref().unwrap_or(&src_txn);
         match row {
-            Some(row) => crate::rollout::upsert::<D, _>(conn, (source.convert)(&row))
-                .await
-                .map_err(terr)?,
+            Some(row) => {
+                let on_source = sea_orm::DatabaseExecutor::Transaction(&src_txn);
+                let mut converted = source
+                    .convert_rows(&on_source, std::slice::from_ref(&row))
+                    .await?;
+                let row = converted.pop().expect("one row, one model");
+                crate::rollout::upsert::<D, _>(conn, row)
+                    .await
+                    .map_err(terr)?
+            }
             None => {
                 D::delete_many()
                     .filter(pk_condition::<D>(pk))
@@ -551,7 +598,7 @@ where
                     let source = Source::<New, Old> {
                         db,
                         shard,
-                        convert: to_old,
+                        convert: Conversion::Row(to_old),
                         same_table: false,
                     };
                     verify_chunk(&source, &target, None, after.as_deref(), &opts, &mut report)
@@ -560,7 +607,7 @@ where
                     let source = Source::<Old, New> {
                         db,
                         shard,
-                        convert: shared.to_new_fn(),
+                        convert: Conversion::Fold(shared),
                         same_table: false,
                     };
                     verify_chunk(&source, &target, None, after.as_deref(), &opts, &mut report)
@@ -663,7 +710,7 @@ where
     let src = Source::<E, E> {
         db: shards.shard_conn(a),
         shard: shards.shard_name(a),
-        convert: &identity,
+        convert: Conversion::Row(&identity),
         same_table: true,
     };
     let dst = Target {

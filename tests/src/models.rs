@@ -524,7 +524,7 @@ pub struct Migrator;
 impl MigratorTrait for Migrator {
     fn migrations() -> Vec<Box<dyn MigrationTrait>> {
         let mut all = OldMigrator::migrations();
-        all.extend::<[Box<dyn MigrationTrait>; 17]>([
+        all.extend::<[Box<dyn MigrationTrait>; 22]>([
             Box::new(CreateTable("m20261122_000102_orders", order::Entity)),
             Box::new(CreateTable("m20261122_000103_notes", note::Entity)),
             Box::new(CreateTable("m20261122_000104_readings", reading::Entity)),
@@ -545,6 +545,17 @@ impl MigratorTrait for Migrator {
             )),
             Box::new(CreateTable("m20261123_000117_logins", login_v1::Entity)),
             Box::new(CreateTable("m20261123_000118_logins_v2", login_v2::Entity)),
+            Box::new(CreateTable("m20261123_000119_users", user::Entity)),
+            Box::new(CreateTable(
+                "m20261123_000120_user_profiles",
+                user_profile::Entity,
+            )),
+            Box::new(CreateTable("m20261123_000121_users_v2", user_v2::Entity)),
+            Box::new(CreateTable(
+                "m20261123_000122_order_lines",
+                order_line::Entity,
+            )),
+            Box::new(CreateTable("m20261123_000123_orders_v2", order_v2::Entity)),
         ]);
         all
     }
@@ -563,4 +574,196 @@ impl MigratorTrait for OldMigrator {
         )));
         all
     }
+}
+
+/// A fold's root: users (with a unique global index on the email).
+pub mod user {
+    use sea_orm::entity::prelude::*;
+
+    #[sea_orm::model]
+    #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel, shardkit::Sharded)]
+    #[sea_orm(table_name = "users")]
+    #[shardkit(group = crate::models::Customer)]
+    pub struct Model {
+        #[sea_orm(primary_key, auto_increment = false)]
+        pub id: i64,
+        #[shardkit(shard_key)]
+        pub customer_id: i64,
+        #[shardkit(global_index(unique))]
+        pub email: String,
+    }
+
+    impl ActiveModelBehavior for ActiveModel {}
+}
+
+/// Folded one to one into the user: its profile.
+pub mod user_profile {
+    use sea_orm::entity::prelude::*;
+
+    #[sea_orm::model]
+    #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel, shardkit::Sharded)]
+    #[sea_orm(table_name = "user_profiles")]
+    #[shardkit(group = crate::models::Customer)]
+    pub struct Model {
+        #[sea_orm(primary_key, auto_increment = false)]
+        pub id: i64,
+        #[shardkit(shard_key)]
+        pub customer_id: i64,
+        pub user_id: i64,
+        pub phone: String,
+        pub city: String,
+    }
+
+    impl ActiveModelBehavior for ActiveModel {}
+}
+
+/// The folded user: the profile's columns in the user row, the phone
+/// with a global index of its own.
+pub mod user_v2 {
+    use sea_orm::entity::prelude::*;
+
+    #[sea_orm::model]
+    #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel, shardkit::Sharded)]
+    #[sea_orm(table_name = "users_v2")]
+    #[shardkit(group = crate::models::Customer)]
+    pub struct Model {
+        #[sea_orm(primary_key, auto_increment = false)]
+        pub id: i64,
+        #[shardkit(shard_key)]
+        pub customer_id: i64,
+        #[shardkit(global_index(unique))]
+        pub email: String,
+        pub profile_id: Option<i64>,
+        #[shardkit(global_index)]
+        pub phone: Option<String>,
+        pub city: Option<String>,
+    }
+
+    impl ActiveModelBehavior for ActiveModel {}
+}
+
+/// Folded one to many into an order (`orders`, [`order`]): its lines.
+pub mod order_line {
+    use sea_orm::entity::prelude::*;
+
+    #[sea_orm::model]
+    #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel, shardkit::Sharded)]
+    #[sea_orm(table_name = "order_lines")]
+    #[shardkit(group = crate::models::Customer)]
+    pub struct Model {
+        #[sea_orm(primary_key, auto_increment = false)]
+        pub id: i64,
+        #[shardkit(shard_key)]
+        pub customer_id: i64,
+        pub order_id: i64,
+        pub sku: String,
+        pub cents: i64,
+    }
+
+    impl ActiveModelBehavior for ActiveModel {}
+}
+
+/// The folded order: its lines' count and sum stored, and the lines
+/// themselves (as `id:sku:cents` joined by `;`), so the split back is exact.
+pub mod order_v2 {
+    use sea_orm::entity::prelude::*;
+
+    #[sea_orm::model]
+    #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel, shardkit::Sharded)]
+    #[sea_orm(table_name = "orders_v2")]
+    #[shardkit(group = crate::models::Customer)]
+    pub struct Model {
+        #[sea_orm(primary_key, auto_increment = false)]
+        pub id: i64,
+        #[shardkit(shard_key)]
+        pub customer_id: i64,
+        pub total_cents: i64,
+        pub line_count: i32,
+        pub lines_cents: i64,
+        #[sea_orm(column_type = "Text")]
+        pub lines: String,
+    }
+
+    impl ActiveModelBehavior for ActiveModel {}
+}
+
+/// users + user_profiles → users_v2.
+pub fn user_fold(user: &user::Model, parts: &shardkit::Parts) -> user_v2::Model {
+    let profile = parts.one::<user_profile::Entity>();
+    user_v2::Model {
+        id: user.id,
+        customer_id: user.customer_id,
+        email: user.email.clone(),
+        profile_id: profile.map(|p| p.id),
+        phone: profile.map(|p| p.phone.clone()),
+        city: profile.map(|p| p.city.clone()),
+    }
+}
+
+/// users_v2 → users.
+pub fn user_unfold(new: &user_v2::Model) -> user::Model {
+    user::Model {
+        id: new.id,
+        customer_id: new.customer_id,
+        email: new.email.clone(),
+    }
+}
+
+/// users_v2 → its profile.
+pub fn user_parts(new: &user_v2::Model) -> shardkit::Parts {
+    let profile = new.profile_id.map(|id| user_profile::Model {
+        id,
+        customer_id: new.customer_id,
+        user_id: new.id,
+        phone: new.phone.clone().unwrap_or_default(),
+        city: new.city.clone().unwrap_or_default(),
+    });
+    shardkit::Parts::new().with::<user_profile::Entity>(profile.into_iter().collect())
+}
+
+/// orders + order_lines → orders_v2.
+pub fn order_fold(order: &order::Model, parts: &shardkit::Parts) -> order_v2::Model {
+    let lines = parts.many::<order_line::Entity>();
+    order_v2::Model {
+        id: order.id,
+        customer_id: order.customer_id,
+        total_cents: order.total_cents,
+        line_count: lines.len() as i32,
+        lines_cents: lines.iter().map(|l| l.cents).sum(),
+        lines: lines
+            .iter()
+            .map(|l| format!("{}:{}:{}", l.id, l.sku, l.cents))
+            .collect::<Vec<_>>()
+            .join(";"),
+    }
+}
+
+/// orders_v2 → orders.
+pub fn order_unfold(new: &order_v2::Model) -> order::Model {
+    order::Model {
+        id: new.id,
+        customer_id: new.customer_id,
+        total_cents: new.total_cents,
+    }
+}
+
+/// orders_v2 → its lines.
+pub fn order_parts(new: &order_v2::Model) -> shardkit::Parts {
+    let lines = new
+        .lines
+        .split(';')
+        .filter(|l| !l.is_empty())
+        .map(|l| {
+            let mut f = l.splitn(3, ':');
+            let (id, sku, cents) = (f.next(), f.next(), f.next());
+            order_line::Model {
+                id: id.and_then(|v| v.parse().ok()).unwrap_or_default(),
+                customer_id: new.customer_id,
+                order_id: new.id,
+                sku: sku.unwrap_or_default().to_owned(),
+                cents: cents.and_then(|v| v.parse().ok()).unwrap_or_default(),
+            }
+        })
+        .collect();
+    shardkit::Parts::new().with::<order_line::Entity>(lines)
 }

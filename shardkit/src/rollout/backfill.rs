@@ -205,10 +205,15 @@ where
             shard,
             shard_id: id,
         };
-        for row in &rows {
+        let news = self
+            .shared
+            .fold_rows(&sea_orm::DatabaseExecutor::Transaction(&txn), &rows, true)
+            .await
+            .map_err(err)?;
+        for (row, new) in rows.iter().zip(news) {
             // Dropping the transaction rolls the whole chunk back.
             self.shared
-                .write_new(&ctx, row, false)
+                .write_new(&ctx, row, new, false)
                 .await
                 .map_err(|e| match e {
                     ShardError::CrossShardWrite { .. } => self.shared.refused_err(format!(

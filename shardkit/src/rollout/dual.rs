@@ -51,12 +51,13 @@ where
         )
     }
 
-    /// Fills both caches with `row` (an old model) once the write commits.
-    pub(super) fn fill_both(self: &Arc<Self>, row: Old::Model) -> AfterCommit {
+    /// Fills both caches with `row` (an old model) and `new` (its new
+    /// model) once the write commits.
+    pub(super) fn fill_both(self: &Arc<Self>, row: Old::Model, new: New::Model) -> AfterCommit {
         let shared = self.clone();
         Box::new(move || {
             let key = Self::old_key(&row);
-            shared.new_cache.insert(key.clone(), (shared.to_new)(&row));
+            shared.new_cache.insert(key.clone(), new);
             shared.old_cache.insert(key, row);
         })
     }
@@ -69,16 +70,16 @@ where
         })
     }
 
-    /// Writes the new model of `old` in the transaction: its index rows
-    /// first (see [`crate::gsi`]), then the row itself, as an upsert (the row
-    /// may predate dual writes, or a backfill may have copied it).
+    /// Writes `new`, the new model of `old`, in the transaction: its index
+    /// rows first (see [`crate::gsi`]), then the row itself, as an upsert
+    /// (the row may predate dual writes, or a backfill may have copied it).
     pub(super) async fn write_new(
         &self,
         ctx: &WriteCtx<'_>,
         old: &Old::Model,
+        new: New::Model,
         insert_only: bool,
     ) -> Result<()> {
-        let new = (self.to_new)(old);
         // The converted row is a write like any other: it must stay on the
         // old row's key, or it would land on a shard that key does not own.
         let (expected, found) = (Old::shard_key(old), New::shard_key(&new));
@@ -92,6 +93,19 @@ where
         }
         self.index_new(ctx, &new).await?;
         let op = format!("dual write {}", table_name::<New>());
+        // Fault injection: fails the write of the new table named by the
+        // failpoint's argument, `table` or `table@key` (any, without one).
+        #[cfg(feature = "failpoints")]
+        if fail::eval("shardkit::rollout::write_new", |arg| {
+            arg.unwrap_or_default()
+        })
+        .is_some_and(|target| {
+            let (table, key) = target.split_once('@').unwrap_or((&target, ""));
+            (table.is_empty() || table == table_name::<New>())
+                && (key.is_empty() || key == found.to_directory_text())
+        }) {
+            return Err(self.db_err(ctx.shard, op, DbErr::Custom("failpoint".into())));
+        }
         let res = if insert_only {
             New::insert(new.into_active_model().reset_all())
                 .exec_without_returning(ctx.txn)
@@ -200,14 +214,18 @@ where
                     table_name::<New>()
                 )));
             }
-            if phase.writes_new() {
-                self.write_new(&ctx, &row, false).await?;
-            }
             if !phase.caches() {
                 return Ok(None);
             }
+            // The new model, folded with the root's parts as they are in
+            // this transaction: written from dual_write on, cached from
+            // cache_both on.
+            let new = self.fold_in(&ctx, &row).await?;
+            if phase.writes_new() {
+                self.write_new(&ctx, &row, new.clone(), false).await?;
+            }
             let this = self.self_arc();
-            Ok(Some(this.fill_both(row)))
+            Ok(Some(this.fill_both(row, new)))
         })
     }
 
@@ -279,7 +297,7 @@ where
                     table_name::<New>()
                 )
             };
-            let old = if update {
+            let (old, parts) = if update {
                 // Apply the set columns to the old form of the current new row.
                 let Some(key) = Old::active_shard_key(&model) else {
                     return Err(self.refused_err("internal: update without a shard key"));
@@ -299,6 +317,18 @@ where
                 let Some(to_old) = &self.to_old else {
                     return Err(self.refused_err("no new → old conversion was registered"));
                 };
+                // A fold keeps the parts the new row holds.
+                let parts = match &self.to_old_parts {
+                    _ if !self.folds() => Parts::default(),
+                    Some(split) => split(&current),
+                    None => {
+                        return Err(self.refused_err(format!(
+                            "in {phase} an update of `{}` is applied to the folded row, which \
+                             needs Rollout::to_old_parts",
+                            table_name::<Old>()
+                        )));
+                    }
+                };
                 let mut merged = to_old(&current).into_active_model();
                 for (column, set) in <Old::Column as Iterable>::iter().zip(set) {
                     if set {
@@ -308,14 +338,19 @@ where
                         );
                     }
                 }
-                Old::__try_into_model(merged)
-                    .map_err(|e| self.db_err(ctx.shard, op("update"), e))?
+                let old = Old::__try_into_model(merged)
+                    .map_err(|e| self.db_err(ctx.shard, op("update"), e))?;
+                (old, parts)
             } else {
-                Old::__try_into_model(model).map_err(|e| self.db_err(ctx.shard, op("insert"), e))?
+                // A new root holds no parts yet.
+                let old = Old::__try_into_model(model)
+                    .map_err(|e| self.db_err(ctx.shard, op("insert"), e))?;
+                (old, Parts::default())
             };
-            self.write_new(&ctx, &old, !update).await?;
+            let new = (self.to_new)(&old, &parts);
+            self.write_new(&ctx, &old, new.clone(), !update).await?;
             let this = self.self_arc();
-            let after = this.fill_both(old.clone());
+            let after = this.fill_both(old.clone(), new);
             Ok((crate::key::model_values::<Old>(&old), after))
         })
     }
@@ -348,10 +383,6 @@ impl<Old: ShardedEntity, New: ShardedEntity> Shared<Old, New> {
         if self.phase_epoch.load(Ordering::Acquire) == epoch {
             self.phase.store(phase as u8, Ordering::Release);
         }
-    }
-
-    pub(crate) fn to_new_fn(&self) -> &ConvertFn<Old::Model, New::Model> {
-        &*self.to_new
     }
 
     pub(crate) fn to_old_fn(&self) -> Option<&ConvertFn<New::Model, Old::Model>> {
@@ -442,10 +473,14 @@ impl WriteStage for DualWrite {
         let Some(rollout) = self.registry.get(TypeId::of::<E>()) else {
             return Ok(None);
         };
+        let values = crate::key::active_values::<E>(model);
         if rollout.phase() < Phase::NewOnly {
+            // A folded part locks its root first, and re-folds the one it
+            // leaves (see `fold`); nothing for a root.
+            let after = rollout.before_write(self.ctx(ctx), op, values).await?;
+            defer(ctx, after);
             return Ok(None);
         }
-        let values = crate::key::active_values::<E>(model);
         if op == WriteOp::Delete {
             let (deleted, after) = rollout.after_delete(self.ctx(ctx), values).await?;
             defer(ctx, after);

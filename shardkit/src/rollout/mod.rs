@@ -162,6 +162,10 @@ use std::time::Duration;
 /// A user-supplied conversion between the two models.
 pub(crate) type ConvertFn<A, B> = dyn Fn(&A) -> B + Send + Sync;
 type Convert<A, B> = Arc<ConvertFn<A, B>>;
+/// A user-supplied fold: the new model of a root row and its parts.
+pub(crate) type FoldFn<A, B> = dyn Fn(&A, &Parts) -> B + Send + Sync;
+/// A user-supplied split of a new model into the parts folded into it.
+pub(crate) type SplitFn<B> = dyn Fn(&B) -> Parts + Send + Sync;
 type ModelOf<E> = <E as EntityTrait>::Model;
 type KeyOf<E> = <<E as ShardedEntity>::Group as EntityGroup>::Key;
 
@@ -169,8 +173,10 @@ type KeyOf<E> = <<E as ShardedEntity>::Group as EntityGroup>::Key;
 /// same primary key values). Register it with [`Cluster::register_rollout`].
 pub struct Rollout<Old: ShardedEntity, New: ShardedEntity> {
     name: String,
-    to_new: Convert<ModelOf<Old>, ModelOf<New>>,
+    to_new: Arc<FoldFn<ModelOf<Old>, ModelOf<New>>>,
     to_old: Option<Convert<ModelOf<New>, ModelOf<Old>>>,
+    parts: Vec<Arc<dyn PartDef<Old>>>,
+    to_old_parts: Option<Arc<SplitFn<ModelOf<New>>>>,
     cache_ttl: Duration,
     cache_capacity: u64,
     refresh: Duration,
@@ -185,10 +191,82 @@ impl<Old: ShardedEntity, New: ShardedEntity> Rollout<Old, New> {
         name: impl Into<String>,
         to_new: impl Fn(&Old::Model) -> New::Model + Send + Sync + 'static,
     ) -> Self {
+        Self::fold(name, move |old, _parts| to_new(old))
+    }
+
+    /// A rollout named `name` whose new row folds a root row of `Old` and
+    /// the rows of other entities of the group that belong to it (declared
+    /// with [`part`](Self::part)): `to_new` gets the root and its
+    /// [`Parts`]. A write of the root or of any part re-derives the new row
+    /// in the same transaction; backfill and verify fold the same way.
+    /// [`new`](Self::new) is the fold of a root with no parts.
+    ///
+    /// ```
+    /// # use shardkit::prelude::*;
+    /// # use shardkit::{Parts, Rollout};
+    /// # #[derive(EntityGroup)] #[shardkit(key = i64)] pub struct Customer;
+    /// # pub mod order {
+    /// #     use sea_orm::entity::prelude::*;
+    /// #     #[sea_orm::model]
+    /// #     #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel, shardkit::Sharded)]
+    /// #     #[sea_orm(table_name = "orders")]
+    /// #     #[shardkit(group = crate::Customer)]
+    /// #     pub struct Model {
+    /// #         #[sea_orm(primary_key, auto_increment = false)] pub id: i64,
+    /// #         #[shardkit(shard_key)] pub customer_id: i64,
+    /// #     }
+    /// #     impl ActiveModelBehavior for ActiveModel {}
+    /// # }
+    /// # pub mod order_line {
+    /// #     use sea_orm::entity::prelude::*;
+    /// #     #[sea_orm::model]
+    /// #     #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel, shardkit::Sharded)]
+    /// #     #[sea_orm(table_name = "order_lines")]
+    /// #     #[shardkit(group = crate::Customer)]
+    /// #     pub struct Model {
+    /// #         #[sea_orm(primary_key, auto_increment = false)] pub id: i64,
+    /// #         #[shardkit(shard_key)] pub customer_id: i64,
+    /// #         pub order_id: i64,
+    /// #         pub cents: i64,
+    /// #     }
+    /// #     impl ActiveModelBehavior for ActiveModel {}
+    /// # }
+    /// # pub mod order_v2 {
+    /// #     use sea_orm::entity::prelude::*;
+    /// #     #[sea_orm::model]
+    /// #     #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel, shardkit::Sharded)]
+    /// #     #[sea_orm(table_name = "orders_v2")]
+    /// #     #[shardkit(group = crate::Customer)]
+    /// #     pub struct Model {
+    /// #         #[sea_orm(primary_key, auto_increment = false)] pub id: i64,
+    /// #         #[shardkit(shard_key)] pub customer_id: i64,
+    /// #         pub lines: i32,
+    /// #         pub total_cents: i64,
+    /// #     }
+    /// #     impl ActiveModelBehavior for ActiveModel {}
+    /// # }
+    /// // orders + order_lines (one to many) → orders_v2, with the total stored
+    /// let rollout = Rollout::<order::Entity, order_v2::Entity>::fold("orders_v2", |o, parts| {
+    ///     let lines = parts.many::<order_line::Entity>();
+    ///     order_v2::Model {
+    ///         id: o.id,
+    ///         customer_id: o.customer_id,
+    ///         lines: lines.len() as i32,
+    ///         total_cents: lines.iter().map(|l| l.cents).sum(),
+    ///     }
+    /// })
+    /// .part::<order_line::Entity>(order_line::Column::OrderId);
+    /// ```
+    pub fn fold(
+        name: impl Into<String>,
+        to_new: impl Fn(&Old::Model, &Parts) -> New::Model + Send + Sync + 'static,
+    ) -> Self {
         Rollout {
             name: name.into(),
             to_new: Arc::new(to_new),
             to_old: None,
+            parts: Vec::new(),
+            to_old_parts: None,
             cache_ttl: Duration::from_secs(60),
             cache_capacity: 100_000,
             refresh: Duration::from_secs(5),
@@ -213,6 +291,36 @@ impl<Old: ShardedEntity, New: ShardedEntity> Rollout<Old, New> {
         to_old: impl Fn(&New::Model) -> Old::Model + Send + Sync + 'static,
     ) -> Self {
         self.to_old = Some(Arc::new(to_old));
+        self
+    }
+
+    /// Declares entity `P` a part of this rollout's fold: its rows whose
+    /// `link` column holds a root row's primary key (under the same shard
+    /// key) fold into that root's new row. One to one and one to many are
+    /// the same declaration; [`Parts::one`] and [`Parts::many`] read them.
+    /// The root's primary key must be a single column. From `new_only` on,
+    /// reads of `P` are refused (its table is no longer written) and its
+    /// writes are applied to the folded row, which needs
+    /// [`to_old_parts`](Self::to_old_parts).
+    pub fn part<P>(mut self, link: P::Column) -> Self
+    where
+        Old::Model: Sync,
+        P: ShardedEntity<Group = Old::Group>,
+        P::Model: Sync + IntoActiveModel<P::ActiveModel>,
+        P::ActiveModel: Send + Sync,
+    {
+        self.parts.push(Arc::new(PartOf::<P>::new(link)));
+        self
+    }
+
+    /// The split back, new → the parts folded into it (with
+    /// [`Parts::with`]): needed from `new_only` on to apply writes of a
+    /// part, or an update of the root, to the folded row.
+    pub fn to_old_parts(
+        mut self,
+        to_old_parts: impl Fn(&New::Model) -> Parts + Send + Sync + 'static,
+    ) -> Self {
+        self.to_old_parts = Some(Arc::new(to_old_parts));
         self
     }
 
@@ -332,8 +440,11 @@ pub(crate) struct Shared<Old: ShardedEntity, New: ShardedEntity> {
     /// them against phases read from the shared state.
     phase_epoch: std::sync::atomic::AtomicU64,
     phase_lock: std::sync::Mutex<()>,
-    to_new: Convert<ModelOf<Old>, ModelOf<New>>,
+    to_new: Arc<FoldFn<ModelOf<Old>, ModelOf<New>>>,
     to_old: Option<Convert<ModelOf<New>, ModelOf<Old>>>,
+    /// The entities folded into the root (empty for a one-to-one rollout).
+    parts: Vec<Arc<dyn PartDef<Old>>>,
+    to_old_parts: Option<Arc<SplitFn<ModelOf<New>>>>,
     old_cache: TimedCache<ModelOf<Old>>,
     new_cache: TimedCache<ModelOf<New>>,
     gap: Duration,
@@ -407,6 +518,16 @@ pub(crate) trait OldWrites: Send + Sync {
     fn old_reads(&self) -> OldReads;
     /// The typed rollout, for [`Cluster::rollout`](crate::Cluster::rollout).
     fn as_any(self: Arc<Self>) -> Arc<dyn Any + Send + Sync>;
+    /// Before a write of the entity (before `new_only`): a folded part
+    /// locks its root, and re-folds the root it leaves.
+    fn before_write<'a>(
+        &'a self,
+        _ctx: WriteCtx<'a>,
+        _op: WriteOp,
+        _model: ActiveValues,
+    ) -> BoxFuture<'a, Result<Option<AfterCommit>>> {
+        Box::pin(std::future::ready(Ok(None)))
+    }
     /// After the old row `row` was inserted or updated.
     fn after_write<'a>(
         &'a self,
@@ -565,6 +686,7 @@ where
 
 mod backfill;
 mod dual;
+mod fold;
 mod phases;
 mod reads;
 mod registry;
@@ -573,7 +695,9 @@ mod watch;
 
 // The parts share their helpers through this module.
 #[allow(unused_imports)]
-use {dual::*, registry::*, state::*, watch::*};
+use {dual::*, fold::*, registry::*, state::*, watch::*};
+
+pub use fold::Parts;
 
 pub use dual::DualWrite;
 pub(crate) use registry::{Registry, Rollouts};

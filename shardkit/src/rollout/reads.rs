@@ -108,10 +108,12 @@ where
             if let Some(hit) = self.shared.new_cache.get(&ck) {
                 return Ok(Some(hit));
             }
+            // A fold needs the parts, which no cache holds.
             if phase.writes_old()
+                && !self.shared.folds()
                 && let Some(old) = self.shared.old_cache.get(&ck)
             {
-                let new = (self.shared.to_new)(&old);
+                let new = self.shared.convert_alone(&old);
                 self.shared.new_cache.insert(ck, new.clone());
                 return Ok(Some(new));
             }
@@ -121,7 +123,7 @@ where
         } else {
             match self.read_old_table(&key, &pk).await? {
                 Some(old) => {
-                    let new = (self.shared.to_new)(&old);
+                    let new = self.fold_read(&key, &old).await?;
                     if phase.caches() {
                         self.shared.old_cache.insert(ck.clone(), old);
                     }
@@ -134,6 +136,69 @@ where
             self.shared.new_cache.insert(ck, row.clone());
         }
         Ok(row)
+    }
+
+    /// The parts folded into `roots` (all under `key`), read on their shard
+    /// under its breaker and the read timeout.
+    async fn parts_read(&self, key: &KeyOf<Old>, roots: &[Old::Model]) -> Result<Vec<Parts>> {
+        let mut parts: Vec<Parts> = roots.iter().map(|_| Parts::default()).collect();
+        if !self.shared.folds() || roots.is_empty() {
+            return Ok(parts);
+        }
+        let id = self.shards.route::<Old::Group>(key).await?.shard;
+        let shard = self.shards.shard_name(id);
+        let db = sea_orm::DatabaseExecutor::Connection(self.shards.shard_conn(id));
+        let timeout = self.shards.read_settings().timeout;
+        self.shards
+            .bounded(id, <Old::Group as EntityGroup>::NAME, timeout, async {
+                for part in &self.shared.parts {
+                    part.load(&db, roots, &mut parts, false)
+                        .await
+                        .map_err(|e| {
+                            self.shared
+                                .db_err(shard, format!("select {}", part.table()), e)
+                        })?;
+                }
+                Ok(())
+            })
+            .await?;
+        Ok(parts)
+    }
+
+    /// Before `read_new`: the new model of `old`, folded with its parts.
+    pub(super) async fn fold_read(&self, key: &KeyOf<Old>, old: &Old::Model) -> Result<New::Model> {
+        let parts = self.parts_read(key, std::slice::from_ref(old)).await?;
+        Ok((self.shared.to_new)(old, &parts[0]))
+    }
+
+    /// The parts folded into the root `pk` under `key`, or `None` when the
+    /// root does not exist: from the old tables before `read_new`, then
+    /// from the new row, split with [`Rollout::to_old_parts`]. What old
+    /// code reads instead of a part's table once that table is no longer
+    /// written (`new_only` on).
+    pub async fn get_parts(
+        &self,
+        key: KeyOf<Old>,
+        pk: <Old::PrimaryKey as PrimaryKeyTrait>::ValueType,
+    ) -> Result<Option<Parts>> {
+        let (phase, pk, _) = self.read_start(&key, pk);
+        if phase.reads_new() {
+            let Some(new) = self.read_new_table(&key, &pk).await? else {
+                return Ok(None);
+            };
+            let split = self.shared.to_old_parts.as_ref().ok_or_else(|| {
+                self.shared
+                    .refused_err("reading the parts from the new table needs Rollout::to_old_parts")
+            })?;
+            return Ok(Some(split(&new)));
+        }
+        let Some(root) = self.read_old_table(&key, &pk).await? else {
+            return Ok(None);
+        };
+        Ok(self
+            .parts_read(&key, std::slice::from_ref(&root))
+            .await?
+            .pop())
     }
 
     /// Drops every cache entry of this instance.

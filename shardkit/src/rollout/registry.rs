@@ -23,15 +23,30 @@ impl Registry {
         map.get(&entity).cloned()
     }
 
-    /// Registers a rollout's write side; `false` if the entity has one.
-    fn add(&self, entity: TypeId, writes: Arc<dyn OldWrites>) -> bool {
+    /// The table of the first of `entities` that already has a rollout.
+    fn taken(&self, entities: &[(TypeId, &'static str)]) -> Option<&'static str> {
+        let map = self.map.read().unwrap_or_else(|p| p.into_inner());
+        entities
+            .iter()
+            .find(|(id, _)| map.contains_key(id))
+            .map(|(_, table)| *table)
+    }
+
+    /// Registers a rollout's write sides (its root's and its parts'), all
+    /// or none; `Err` names the first entity that already has one.
+    fn add(
+        &self,
+        entries: Vec<(TypeId, &'static str, Arc<dyn OldWrites>)>,
+    ) -> std::result::Result<(), &'static str> {
         let mut map = self.map.write().unwrap_or_else(|p| p.into_inner());
-        if map.contains_key(&entity) {
-            return false;
+        if let Some((_, table, _)) = entries.iter().find(|(id, _, _)| map.contains_key(id)) {
+            return Err(table);
         }
-        map.insert(entity, writes);
+        for (entity, _, writes) in entries {
+            map.insert(entity, writes);
+        }
         self.any.store(true, std::sync::atomic::Ordering::Release);
-        true
+        Ok(())
     }
 }
 
@@ -92,6 +107,36 @@ impl Rollouts<'_> {
                 ),
             ));
         }
+        if !rollout.parts.is_empty() && pk_arity::<Old>() != 1 {
+            return Err(ShardError::config(
+                entry,
+                format!(
+                    "`{}` has a primary key of {} columns; a fold links its parts to a root by a \
+                     single-column primary key",
+                    table_name::<Old>(),
+                    pk_arity::<Old>()
+                ),
+            ));
+        }
+        let mut tables = vec![TypeId::of::<Old>(), TypeId::of::<New>()];
+        let mut written = vec![(TypeId::of::<Old>(), table_name::<Old>())];
+        for part in &rollout.parts {
+            written.push((part.entity(), part.table()));
+            if tables.contains(&part.entity()) {
+                return Err(ShardError::config(
+                    entry,
+                    format!(
+                        "`{}` is declared a part twice, or is the rollout's own old or new entity",
+                        part.table()
+                    ),
+                ));
+            }
+            tables.push(part.entity());
+        }
+        // Checked again when it is added (another registration may race).
+        if let Some(table) = self.registry.taken(&written) {
+            return Err(taken_err(entry, table));
+        }
         let (db, shard) = state_db::<Old>(self.shards)?;
         let gap = rollout.cache_ttl + rollout.refresh;
         let gap_ms = gap.as_millis() as i64;
@@ -133,13 +178,22 @@ impl Rollouts<'_> {
         // Recorded before the rollout acts here: a failure leaves nothing
         // registered on this instance, and a retry starts afresh.
         let ms = |d: Duration| i64::try_from(d.as_millis()).unwrap_or(i64::MAX);
+        // The old tables the rollout writes through: the root's and its
+        // parts', as many as the column holds (128 characters).
+        let mut old_tables = table_name::<Old>().to_owned();
+        for part in &rollout.parts {
+            if old_tables.len() + 1 + part.table().len() <= 128 {
+                old_tables.push(',');
+                old_tables.push_str(part.table());
+            }
+        }
         register_instance(
             db,
             shard,
             InstanceRow {
                 rollout: &rollout.name,
                 instance: &instance,
-                old_table: table_name::<Old>(),
+                old_table: &old_tables,
                 cache_ttl_ms: ms(rollout.cache_ttl),
                 refresh_ms: ms(rollout.refresh),
                 seen_ms: self.shards.now_ms(),
@@ -153,6 +207,8 @@ impl Rollouts<'_> {
             phase_lock: std::sync::Mutex::new(()),
             to_new: rollout.to_new,
             to_old: rollout.to_old,
+            parts: rollout.parts,
+            to_old_parts: rollout.to_old_parts,
             old_cache: TimedCache::new(
                 rollout.cache_ttl,
                 rollout.cache_capacity,
@@ -168,17 +224,23 @@ impl Rollouts<'_> {
             read_new_table: read_new_table::<Old, New>(),
             me: me.clone(),
         });
-        if !self
-            .registry
-            .add(TypeId::of::<Old>(), shared.clone() as Arc<dyn OldWrites>)
-        {
-            return Err(ShardError::config(
-                entry,
-                format!(
-                    "`{}` already has a rollout registered on this cluster",
-                    table_name::<Old>()
-                ),
+        let mut writes: Vec<(TypeId, &'static str, Arc<dyn OldWrites>)> = vec![(
+            TypeId::of::<Old>(),
+            table_name::<Old>(),
+            shared.clone() as Arc<dyn OldWrites>,
+        )];
+        for (i, part) in shared.parts.iter().enumerate() {
+            writes.push((
+                part.entity(),
+                part.table(),
+                Arc::new(PartWrites {
+                    shared: shared.clone(),
+                    part: i,
+                }),
             ));
+        }
+        if let Err(table) = self.registry.add(writes) {
+            return Err(taken_err(entry, table));
         }
         let handle = RolloutHandle {
             shared,
@@ -233,6 +295,16 @@ impl Rollouts<'_> {
             gsi: Arc::clone(self.gsi),
         })
     }
+}
+
+fn taken_err(entry: String, table: &str) -> ShardError {
+    ShardError::config(
+        entry,
+        format!(
+            "`{table}` already has a rollout registered on this cluster (as its old entity or a \
+             folded part)"
+        ),
+    )
 }
 
 /// Reads of an old entity follow its rollout's phase: from `read_new` on

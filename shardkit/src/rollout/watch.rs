@@ -154,7 +154,10 @@ async fn read_live_tables(shards: &Shards) -> HashMap<String, String> {
                 RECHECK.as_millis() as i64,
             );
             if now.saturating_sub(seen) <= live_for {
-                tables.insert(table, rollout);
+                // A fold's row lists its root's and its parts' tables.
+                for table in table.split(',') {
+                    tables.insert(table.to_owned(), rollout.clone());
+                }
             }
         }
     }
