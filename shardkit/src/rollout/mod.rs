@@ -245,6 +245,7 @@ impl<Old: ShardedEntity, New: ShardedEntity> Rollout<Old, New> {
     /// #     }
     /// #     impl ActiveModelBehavior for ActiveModel {}
     /// # }
+    /// # fn main() {
     /// // orders + order_lines (one to many) → orders_v2, with the total stored
     /// let rollout = Rollout::<order::Entity, order_v2::Entity>::fold("orders_v2", |o, parts| {
     ///     let lines = parts.many::<order_line::Entity>();
@@ -256,6 +257,8 @@ impl<Old: ShardedEntity, New: ShardedEntity> Rollout<Old, New> {
     ///     }
     /// })
     /// .part::<order_line::Entity>(order_line::Column::OrderId);
+    /// # let _ = rollout;
+    /// # }
     /// ```
     pub fn fold(
         name: impl Into<String>,
