@@ -18,6 +18,7 @@ backend_tests!(4 =>
     a_failed_part_dual_write_rolls_back_the_transaction,
     concurrent_part_writes_on_a_small_pool_fold_every_line,
     fold_declarations_are_checked,
+    verify_and_repair_the_folded_form,
 );
 
 type Users = RolloutHandle<user::Entity, user_v2::Entity>;
@@ -723,5 +724,76 @@ async fn fold_declarations_are_checked(dbs: &mut TestDbs) {
         a.cluster
             .rollout::<customer::Entity, user_v2::Entity>()
             .is_none()
+    );
+}
+
+/// A line changed behind shardkit's back (raw SQL on the old table) makes
+/// its order's folded row differ: verify names that order, in a chunk of
+/// its own, and repair re-folds it from the old tables.
+async fn verify_and_repair_the_folded_form(dbs: &mut TestDbs) {
+    let clock = Arc::new(ManualClock::starting_now());
+    let a = app(dbs, &clock, None).await;
+    let b = app(dbs, &clock, None).await;
+    let mut want = Expected::default();
+    for n in 1..=6 {
+        write_everything(&a, n, &mut want, false).await;
+    }
+    for _ in 0..2 {
+        advance(&a, &b, &clock).await;
+    }
+    clock.advance(a.orders.gap());
+    assert!(a.orders.backfill().await.unwrap().finished);
+    assert!(a.users.backfill().await.unwrap().finished);
+    assert_folded(&a, &want, 1..=6).await;
+    // Order 4's first line, edited without shardkit.
+    let customer = want.orders[&4].customer_id;
+    let shard = a.cluster.shard_of::<Customer>(&customer).await.unwrap();
+    let db = a.cluster.connection(shard).unwrap();
+    sea_orm::ConnectionTrait::execute_unprepared(
+        db,
+        "UPDATE order_lines SET cents = 7 WHERE id = 10040",
+    )
+    .await
+    .unwrap();
+    want.lines.get_mut(&10_040).unwrap().cents = 7;
+    let report = b
+        .orders
+        .verify(VerifyOptions::default().chunk(2))
+        .await
+        .unwrap();
+    assert_eq!(
+        report
+            .different
+            .iter()
+            .map(|d| d.pk.as_str())
+            .collect::<Vec<_>>(),
+        ["4"],
+        "{report:?}"
+    );
+    assert!(
+        report.missing.is_empty() && report.extra.is_empty(),
+        "{report:?}"
+    );
+    let report = b
+        .orders
+        .verify(VerifyOptions::default().repair())
+        .await
+        .unwrap();
+    assert_eq!(report.repaired, 1, "{report:?}");
+    assert_folded(&a, &want, 1..=6).await;
+    assert!(
+        b.orders
+            .verify(VerifyOptions::default())
+            .await
+            .unwrap()
+            .is_consistent()
+    );
+    // Users were untouched.
+    assert!(
+        b.users
+            .verify(VerifyOptions::default())
+            .await
+            .unwrap()
+            .is_consistent()
     );
 }
