@@ -31,6 +31,11 @@
 //! keeps "insert through the old path, read through the new path" from
 //! seeing two different objects.
 //!
+//! The new row may fold several old tables ([`Rollout::fold`]): a root row
+//! and the rows of other entities of its group that name it (see the
+//! `fold` module's notes on how concurrent writes of one root's parts are
+//! ordered).
+//!
 //! A walk from `off` to `read_new` on in-memory shards, with an injected
 //! clock standing in for the wait between phases:
 //!
