@@ -9,6 +9,19 @@ use std::path::PathBuf;
 /// (default `data/<name>`), with the directory they are in. Old files are
 /// removed so every run of an example shows the same thing.
 pub fn sqlite_shards(name: &str, shards: usize) -> std::io::Result<(PathBuf, String)> {
+    shards_in(name, shards, true)
+}
+
+/// [`sqlite_shards`] without removing anything: the files an earlier run
+/// left (what `shardctl` looks at).
+pub fn existing_sqlite_shards(name: &str, shards: usize) -> std::io::Result<(PathBuf, String)> {
+    shards_in(name, shards, false)
+}
+
+/// The quickstart's group: customers hashed into 1,024 buckets.
+pub const QUICKSTART_GROUPS: &str = "[groups.Customer]\nplacement = \"hash\"\nbuckets = 1024\n";
+
+fn shards_in(name: &str, shards: usize, fresh: bool) -> std::io::Result<(PathBuf, String)> {
     let dir = PathBuf::from(
         std::env::var("SHARDKIT_DATA_DIR").unwrap_or_else(|_| format!("data/{name}")),
     );
@@ -16,7 +29,9 @@ pub fn sqlite_shards(name: &str, shards: usize) -> std::io::Result<(PathBuf, Str
     let mut toml = String::new();
     for i in 0..shards {
         let file = dir.join(format!("shard_{i}.db"));
-        let _ = std::fs::remove_file(&file);
+        if fresh {
+            let _ = std::fs::remove_file(&file);
+        }
         toml.push_str(&format!(
             "[[shards]]\nname = \"s{i}\"\nurl = \"sqlite://{}?mode=rwc\"\n\n",
             file.display()

@@ -157,6 +157,19 @@ impl Cluster {
         self.shards.clock()
     }
 
+    /// Whether shard `name` answers a fresh connection now (its circuit
+    /// breaker's probe; a failure marks it down, so later statements to it
+    /// fail at once). `Err` holds the cause, password scrubbed.
+    #[cfg(feature = "cli")]
+    pub(crate) async fn probe_shard(&self, name: &str) -> std::result::Result<(), String> {
+        let id = self
+            .shards
+            .topology()
+            .shard_id(name)
+            .ok_or_else(|| format!("no shard `{name}`"))?;
+        self.shards.health(id).check().await
+    }
+
     /// The validated topology.
     pub fn topology(&self) -> &Topology {
         self.shards.topology()

@@ -172,6 +172,8 @@
 
 #![warn(missing_docs)]
 
+#[cfg(feature = "cli")]
+pub mod cli;
 pub mod clock;
 pub mod cluster;
 pub mod entity;

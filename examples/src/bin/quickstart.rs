@@ -16,7 +16,7 @@ const SHARDS: usize = 4;
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let (dir, mut toml) = shardkit_examples::sqlite_shards("quickstart", SHARDS)?;
-    toml.push_str("[groups.Customer]\nplacement = \"hash\"\nbuckets = 1024\n");
+    toml.push_str(shardkit_examples::QUICKSTART_GROUPS);
 
     println!("== cluster: {SHARDS} SQLite shards in {}", dir.display());
     let cluster = Cluster::connect(ClusterConfig::from_toml(&toml)?).await?;

@@ -73,6 +73,13 @@ impl IndexState {
     }
 }
 
+/// `write_only` or `active`, as the catalog stores it.
+impl std::fmt::Display for IndexState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// What [`Gsi::reconcile`] did.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ReconcileReport {

@@ -282,6 +282,17 @@ impl<Old: ShardedEntity, New: ShardedEntity> Rollout<Old, New> {
         }
     }
 
+    /// The rollout's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Whether [`instance`](Self::instance) named this instance.
+    #[cfg(feature = "cli")]
+    pub(crate) fn has_instance(&self) -> bool {
+        self.instance.is_some()
+    }
+
     /// This instance's name in [`RolloutHandle::status`] (at most 128
     /// characters; default: the process id and a random suffix). Give each
     /// instance of the application a stable, distinct one (a host name, a

@@ -43,6 +43,19 @@ impl DatabaseUrl {
         redact_urls(&self.0)
     }
 
+    /// The server's host name or address (none for SQLite).
+    pub fn host(&self) -> Option<String> {
+        if self.scheme() == Some("sqlite") {
+            return None;
+        }
+        let parsed = url::Url::parse(&self.0).ok()?;
+        let host = parsed.host_str()?.to_owned();
+        Some(match parsed.port() {
+            Some(port) => format!("{host}:{port}"),
+            None => host,
+        })
+    }
+
     /// The URL scheme (`postgres`, `mysql`, `sqlite`), if it has one.
     pub fn scheme(&self) -> Option<&str> {
         self.0.split_once(':').map(|(scheme, _)| scheme)

@@ -1,0 +1,849 @@
+//! What each command does, and what it prints.
+
+use super::progress::Progress;
+use super::registry::{AdminRollout, Registry};
+use super::{
+    Cli, Command, GsiAction, IdsAction, MigrateAction, Outcome, RolloutAction, VerifyAction,
+};
+use crate::error::{Result, ShardError};
+use crate::topology::Placement;
+use crate::{Cluster, ClusterConfig, MigrationReport, VerifyOptions, VerifyReport};
+use comfy_table::{Table, presets::UTF8_FULL_CONDENSED};
+use sea_orm::{ConnectionTrait, DbBackend, Statement};
+use serde_json::{Value, json};
+use std::fmt::Write as _;
+use std::time::{Duration, Instant};
+
+/// How long `status` waits for one shard.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
+
+pub(super) async fn execute(
+    cli: Cli,
+    config: ClusterConfig,
+    registry: Registry,
+    _out: &mut (dyn std::io::Write + Send),
+) -> Result<Outcome> {
+    let json = cli.json;
+    // Lazily: `status` must report a shard that is down, not fail on it;
+    // every other command fails on the first statement it sends there.
+    let mut config = config;
+    config.pool.connect_lazy = Some(true);
+    let cluster = Cluster::connect(config).await?;
+    match cli.command {
+        Command::Status => status(&cluster, &registry).await,
+        Command::Route { group, key } => route(&cluster, &registry, &group, &key).await,
+        Command::Explain {
+            table,
+            keys,
+            scatter: _,
+        } => {
+            let plan = registry
+                .entity_named(&table)?
+                .explain(&cluster, &keys)
+                .await?;
+            Ok(Outcome {
+                json: json!({ "table": table, "plan": plan }),
+                text: format!("{plan}\n"),
+                problem: false,
+            })
+        }
+        Command::Migrate { action } => migrate(&cluster, &registry, action).await,
+        Command::Gsi { action } => gsi(&cluster, &registry, action, json).await,
+        Command::Rollout { action } => rollout(&cluster, &registry, action, json).await,
+        Command::Verify {
+            action:
+                VerifyAction::Shards {
+                    table,
+                    source,
+                    target,
+                    bucket,
+                    repair,
+                },
+        } => {
+            let mut opts = VerifyOptions::default();
+            if repair {
+                opts = opts.repair();
+            }
+            let report = registry
+                .entity_named(&table)?
+                .verify_shards(&cluster, &source, &target, bucket, opts)
+                .await?;
+            Ok(verify_outcome(
+                &format!("{table} on {source} → {target}"),
+                &report,
+            ))
+        }
+        Command::Ids { action } => ids(&cluster, action).await,
+    }
+}
+
+fn table(header: &[&str]) -> Table {
+    let mut table = Table::new();
+    table.load_preset(UTF8_FULL_CONDENSED);
+    table.set_header(header.iter().copied());
+    table
+}
+
+/// One shard's health as `status` reports it.
+async fn probe(cluster: &Cluster, name: &str) -> Value {
+    let spec = cluster
+        .topology()
+        .shards()
+        .iter()
+        .find(|s| s.name == name)
+        .expect("a configured shard");
+    let db = cluster.connection(name).expect("a configured shard");
+    let backend = db.get_database_backend();
+    let version_sql = match backend {
+        DbBackend::Sqlite => "SELECT sqlite_version() AS v",
+        _ => "SELECT version() AS v",
+    };
+    // A fresh connection first (the shard's breaker probe: a refused
+    // connection fails at once, a hung server within the probe timeout),
+    // then the version through the pool.
+    let started = Instant::now();
+    let (reachable, version, error) = match cluster.probe_shard(name).await {
+        Err(cause) => (false, None, Some(cause)),
+        Ok(()) => match tokio::time::timeout(
+            PROBE_TIMEOUT,
+            db.query_one_raw(Statement::from_string(backend, version_sql)),
+        )
+        .await
+        {
+            Ok(Ok(row)) => (
+                true,
+                row.and_then(|r| r.try_get::<String>("", "v").ok()),
+                None,
+            ),
+            Ok(Err(err)) => (false, None, Some(err.to_string())),
+            Err(_) => (
+                false,
+                None,
+                Some(format!("no answer within {PROBE_TIMEOUT:?}")),
+            ),
+        },
+    };
+    let latency_ms = started.elapsed().as_secs_f64() * 1_000.0;
+    let (size, idle) = match backend {
+        DbBackend::Postgres => {
+            let pool = db.get_postgres_connection_pool();
+            (pool.size(), pool.num_idle())
+        }
+        DbBackend::MySql => {
+            let pool = db.get_mysql_connection_pool();
+            (pool.size(), pool.num_idle())
+        }
+        DbBackend::Sqlite => {
+            let pool = db.get_sqlite_connection_pool();
+            (pool.size(), pool.num_idle())
+        }
+        _ => (0, 0),
+    };
+    json!({
+        "name": name,
+        "url": spec.url.redacted(),
+        "backend": format!("{backend:?}"),
+        "reachable": reachable,
+        "latency_ms": (latency_ms * 10.0).round() / 10.0,
+        "server_version": version,
+        "pool": { "open": size, "idle": idle },
+        "error": error,
+    })
+}
+
+async fn status(cluster: &Cluster, registry: &Registry) -> Result<Outcome> {
+    let mut problem = false;
+    let mut text = String::new();
+
+    // Shards.
+    let names: Vec<String> = cluster
+        .topology()
+        .shard_names()
+        .map(str::to_owned)
+        .collect();
+    let shards = futures::future::join_all(names.iter().map(|n| probe(cluster, n))).await;
+    let mut t = table(&[
+        "shard",
+        "backend",
+        "reachable",
+        "latency",
+        "pool open/idle",
+        "server",
+    ]);
+    for s in &shards {
+        let reachable = s["reachable"].as_bool().unwrap_or(false);
+        problem |= !reachable;
+        t.add_row(vec![
+            s["name"].as_str().unwrap_or_default().to_owned(),
+            s["backend"].as_str().unwrap_or_default().to_owned(),
+            if reachable {
+                "yes".to_owned()
+            } else {
+                format!("NO: {}", s["error"].as_str().unwrap_or_default())
+            },
+            format!("{:.1} ms", s["latency_ms"].as_f64().unwrap_or_default()),
+            format!("{}/{}", s["pool"]["open"], s["pool"]["idle"]),
+            s["server_version"].as_str().unwrap_or("-").to_owned(),
+        ]);
+    }
+    let _ = writeln!(text, "shards\n{t}");
+
+    // Migrations (they read every database: skipped while one is down).
+    let down: Vec<&str> = shards
+        .iter()
+        .filter(|s| s["reachable"] != true)
+        .filter_map(|s| s["name"].as_str())
+        .collect();
+    let migrations = match &registry.migrator {
+        Some(_) if !down.is_empty() => {
+            let reason = format!("not read: unreachable shards {}", down.join(", "));
+            let _ = writeln!(text, "\nmigrations: {reason}");
+            json!({ "skipped": reason })
+        }
+        Some(migrator) => match migrator.status(cluster).await {
+            Ok(report) => {
+                let behind = !report.is_current();
+                problem |= behind;
+                let _ = writeln!(text, "\nmigrations\n{}", migration_table(&report));
+                migration_json(&report)
+            }
+            Err(err) => {
+                problem = true;
+                let _ = writeln!(text, "\nmigrations: {err}");
+                json!({ "error": err.to_string() })
+            }
+        },
+        None => {
+            let _ = writeln!(text, "\nmigrations: no migrator registered");
+            Value::Null
+        }
+    };
+
+    // Placements.
+    let mut groups = Vec::new();
+    let mut t = table(&["group", "placement", "shards", "buckets per shard"]);
+    let topology = cluster.topology();
+    for group in topology.group_names() {
+        let shards: Vec<&str> = topology
+            .shards_of(group)?
+            .iter()
+            .map(|id| topology.shard(*id).name.as_str())
+            .collect();
+        let (kind, buckets) = match topology.placement(group)? {
+            Placement::Hash { buckets, owner } => {
+                let per: Vec<(String, usize)> = topology
+                    .shards_of(group)?
+                    .iter()
+                    .map(|id| {
+                        (
+                            topology.shard(*id).name.clone(),
+                            owner.iter().filter(|o| *o == id).count(),
+                        )
+                    })
+                    .collect();
+                (format!("hash ({buckets} buckets)"), Some(per))
+            }
+            Placement::Range { .. } => ("range".to_owned(), None),
+            Placement::Modulo { .. } => ("modulo".to_owned(), None),
+            Placement::Directory { .. } => ("directory".to_owned(), None),
+        };
+        t.add_row(vec![
+            group.to_owned(),
+            kind.clone(),
+            shards.join(", "),
+            buckets
+                .as_ref()
+                .map(|b| {
+                    b.iter()
+                        .map(|(s, n)| format!("{s}: {n}"))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                })
+                .unwrap_or_else(|| "-".to_owned()),
+        ]);
+        groups.push(json!({
+            "group": group,
+            "placement": kind,
+            "shards": shards,
+            "buckets": buckets.map(|b| b
+                .into_iter()
+                .map(|(shard, n)| (shard, Value::from(n)))
+                .collect::<serde_json::Map<String, Value>>()),
+        }));
+    }
+    let _ = writeln!(text, "\nplacements (from the configuration)\n{t}");
+
+    // Indexes.
+    let mut indexes = Vec::new();
+    let mut t = table(&["table", "column", "unique", "state"]);
+    for entity in &registry.entities {
+        for (column, unique) in entity.indexes() {
+            let state = match entity.index_state(cluster, column).await {
+                Ok(state) => state.to_string(),
+                Err(err) => {
+                    problem = true;
+                    format!("error: {err}")
+                }
+            };
+            t.add_row(vec![
+                entity.table().to_owned(),
+                column.to_owned(),
+                unique.to_string(),
+                state.clone(),
+            ]);
+            indexes.push(json!({
+                "table": entity.table(), "column": column, "unique": unique, "state": state,
+            }));
+        }
+    }
+    if !indexes.is_empty() {
+        let _ = writeln!(text, "\nglobal indexes\n{t}");
+    }
+
+    // Rollouts.
+    let mut rollouts = Vec::new();
+    for decl in &registry.rollouts {
+        let (json, line) = match rollout_status(cluster, decl.register(cluster).await).await {
+            Ok(pair) => pair,
+            Err(err) => {
+                problem = true;
+                (
+                    json!({ "name": decl.name(), "error": err.to_string() }),
+                    format!("{}: {err}\n", decl.name()),
+                )
+            }
+        };
+        rollouts.push(json);
+        let _ = write!(text, "\n{line}");
+    }
+    Ok(Outcome {
+        json: json!({
+            "shards": shards,
+            "migrations": migrations,
+            "groups": groups,
+            "indexes": indexes,
+            "rollouts": rollouts,
+        }),
+        text,
+        problem,
+    })
+}
+
+async fn rollout_status(
+    _cluster: &Cluster,
+    handle: Result<Box<dyn AdminRollout>>,
+) -> Result<(Value, String)> {
+    let status = handle?.status().await?;
+    let mut t = table(&["instance", "cache ttl", "refresh", "last seen (ms)"]);
+    let instances: Vec<Value> = status
+        .instances
+        .iter()
+        .map(|i| {
+            t.add_row(vec![
+                i.name.clone(),
+                format!("{:?}", i.cache_ttl),
+                format!("{:?}", i.refresh_every),
+                i.seen_ms.to_string(),
+            ]);
+            json!({
+                "name": i.name,
+                "cache_ttl_ms": i.cache_ttl.as_millis() as u64,
+                "refresh_ms": i.refresh_every.as_millis() as u64,
+                "seen_ms": i.seen_ms,
+                "this_instance": i.this_instance,
+            })
+        })
+        .collect();
+    let text = format!(
+        "rollout {}: phase {}, gap {:?}, backfilled {}\n{t}\n",
+        status.name, status.phase, status.gap, status.backfilled
+    );
+    Ok((
+        json!({
+            "name": status.name,
+            "phase": status.phase.to_string(),
+            "changed_ms": status.changed_ms,
+            "gap_ms": status.gap.as_millis() as u64,
+            "backfilled": status.backfilled,
+            "instances": instances,
+        }),
+        text,
+    ))
+}
+
+fn migration_json(report: &MigrationReport) -> Value {
+    let behind: Vec<&str> = report.behind().iter().map(|d| d.name.as_str()).collect();
+    json!({
+        "current": report.is_current(),
+        "databases": report.databases.iter().map(|d| json!({
+            "name": d.name,
+            "applied": d.applied,
+            "pending": d.pending,
+            "behind": behind.contains(&d.name.as_str()),
+        })).collect::<Vec<_>>(),
+    })
+}
+
+fn migration_table(report: &MigrationReport) -> Table {
+    let mut t = table(&["database", "applied", "pending", "drift"]);
+    for d in &report.databases {
+        t.add_row(vec![
+            d.name.clone(),
+            d.applied.len().to_string(),
+            if d.pending.is_empty() {
+                "0".to_owned()
+            } else {
+                format!("{} ({})", d.pending.len(), d.pending.join(", "))
+            },
+            if d.pending.is_empty() {
+                String::new()
+            } else {
+                "BEHIND".to_owned()
+            },
+        ]);
+    }
+    t
+}
+
+async fn route(cluster: &Cluster, registry: &Registry, group: &str, key: &str) -> Result<Outcome> {
+    let entity = registry
+        .entities
+        .iter()
+        .find(|e| e.group() == group)
+        .ok_or_else(|| {
+            ShardError::config(
+                "shardctl",
+                format!(
+                    "no registered entity belongs to group `{group}`, so its key type is \
+                     unknown here; register one with Registry::entity"
+                ),
+            )
+        })?;
+    let target = entity.route(cluster, key).await?;
+    let spec = cluster.topology().shard(target.shard);
+    let host = spec
+        .host
+        .clone()
+        .or_else(|| spec.url.host())
+        .unwrap_or_else(|| "-".to_owned());
+    Ok(Outcome {
+        json: json!({
+            "group": group,
+            "key": key,
+            "bucket": target.bucket,
+            "shard": spec.name,
+            "host": host,
+            "url": spec.url.redacted(),
+        }),
+        text: format!(
+            "{group} {key}: bucket {}, shard {} on {host} ({})\n",
+            target
+                .bucket
+                .map_or_else(|| "-".to_owned(), |b| b.to_string()),
+            spec.name,
+            spec.url.redacted()
+        ),
+        problem: false,
+    })
+}
+
+async fn migrate(cluster: &Cluster, registry: &Registry, action: MigrateAction) -> Result<Outcome> {
+    let migrator = registry.migrator.as_ref().ok_or_else(|| {
+        ShardError::config(
+            "shardctl",
+            "no migrator registered; add one with Registry::migrator::<Migrator>()",
+        )
+    })?;
+    let report = match action {
+        MigrateAction::Up => migrator.up(cluster).await?,
+        MigrateAction::Status => migrator.status(cluster).await?,
+    };
+    Ok(Outcome {
+        json: migration_json(&report),
+        text: format!("{}\n", migration_table(&report)),
+        problem: !report.is_current(),
+    })
+}
+
+async fn gsi(
+    cluster: &Cluster,
+    registry: &Registry,
+    action: GsiAction,
+    json: bool,
+) -> Result<Outcome> {
+    let pick = |table: &Option<String>| -> Result<Vec<&dyn super::registry::AdminEntity>> {
+        match table {
+            Some(table) => Ok(vec![registry.entity_named(table)?]),
+            None => Ok(registry
+                .entities
+                .iter()
+                .filter(|e| !e.indexes().is_empty())
+                .map(|e| &**e)
+                .collect()),
+        }
+    };
+    match action {
+        GsiAction::Status => {
+            let mut rows = Vec::new();
+            let mut t = table(&["table", "column", "unique", "state"]);
+            for entity in pick(&None)? {
+                for (column, unique) in entity.indexes() {
+                    let state = entity.index_state(cluster, column).await?.to_string();
+                    t.add_row(vec![
+                        entity.table().to_owned(),
+                        column.to_owned(),
+                        unique.to_string(),
+                        state.clone(),
+                    ]);
+                    rows.push(json!({ "table": entity.table(), "column": column, "unique": unique, "state": state }));
+                }
+            }
+            let text = if rows.is_empty() {
+                "no registered entity has a global index\n".to_owned()
+            } else {
+                format!("{t}\n")
+            };
+            Ok(Outcome {
+                json: Value::Array(rows),
+                text,
+                problem: false,
+            })
+        }
+        GsiAction::Create { table } => {
+            let mut created = Vec::new();
+            for entity in pick(&table)? {
+                entity.index_create(cluster).await?;
+                created.push(entity.table());
+            }
+            Ok(Outcome {
+                text: format!(
+                    "index tables and catalog rows ready for: {}\n",
+                    created.join(", ")
+                ),
+                json: json!({ "created": created }),
+                problem: false,
+            })
+        }
+        GsiAction::Backfill {
+            table,
+            column,
+            chunk,
+        } => {
+            let entity = registry.entity_named(&table)?;
+            let columns: Vec<&str> = match &column {
+                Some(c) => vec![c.as_str()],
+                None => entity.indexes().into_iter().map(|(c, _)| c).collect(),
+            };
+            let mut results = Vec::new();
+            let mut text = String::new();
+            let mut stopped = false;
+            for column in columns {
+                let mut progress =
+                    Progress::new(format!("gsi backfill {table}.{column}"), None, json);
+                let mut on_progress = |p: crate::gsi::BackfillProgress| {
+                    let rate = progress.rate(p.rows);
+                    progress.report(
+                        p.shards_done as u64,
+                        Some(p.shards as u64),
+                        &format!(
+                            "shards, {} rows, {} index rows, {rate:.0} rows/s",
+                            p.rows, p.written
+                        ),
+                    )
+                };
+                let done = entity
+                    .index_backfill(cluster, column, chunk, &mut on_progress)
+                    .await?;
+                stopped |= progress.stopped() && !done.finished;
+                let _ = writeln!(
+                    text,
+                    "{table}.{column}: {} rows read, {} index rows written, {}",
+                    done.rows,
+                    done.written,
+                    if done.finished {
+                        "active"
+                    } else {
+                        "stopped (run again to resume)"
+                    }
+                );
+                results.push(json!({
+                    "table": table, "column": column, "rows": done.rows,
+                    "written": done.written, "finished": done.finished,
+                }));
+                if stopped {
+                    break;
+                }
+            }
+            Ok(Outcome {
+                json: Value::Array(results),
+                text,
+                problem: stopped,
+            })
+        }
+        GsiAction::Reconcile { table } => {
+            let mut results = Vec::new();
+            let mut text = String::new();
+            let mut problem = false;
+            for entity in pick(&table)? {
+                let r = entity.index_reconcile(cluster).await?;
+                problem |= !r.conflicts.is_empty();
+                let _ = writeln!(
+                    text,
+                    "{}: {} index rows scanned, {} dangling removed, {} missing added, {} conflicts",
+                    entity.table(),
+                    r.scanned,
+                    r.removed,
+                    r.added,
+                    r.conflicts.len()
+                );
+                results.push(json!({
+                    "table": entity.table(), "scanned": r.scanned, "removed": r.removed,
+                    "added": r.added, "conflicts": r.conflicts.len(),
+                }));
+            }
+            Ok(Outcome {
+                json: Value::Array(results),
+                text,
+                problem,
+            })
+        }
+    }
+}
+
+async fn rollout(
+    cluster: &Cluster,
+    registry: &Registry,
+    action: RolloutAction,
+    json: bool,
+) -> Result<Outcome> {
+    let named = |name: &str| {
+        registry
+            .rollouts
+            .iter()
+            .find(|r| r.name() == name)
+            .ok_or_else(|| {
+                ShardError::config(
+                    "shardctl",
+                    format!(
+                        "no registered rollout is named `{name}` (registered: {}); add it with \
+                         Registry::rollout",
+                        registry
+                            .rollouts
+                            .iter()
+                            .map(|r| r.name())
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    ),
+                )
+            })
+    };
+    match action {
+        RolloutAction::Status { name } => {
+            let mut all = Vec::new();
+            let mut text = String::new();
+            for decl in &registry.rollouts {
+                if name.as_deref().is_some_and(|n| n != decl.name()) {
+                    continue;
+                }
+                let (j, t) = rollout_status(cluster, decl.register(cluster).await).await?;
+                all.push(j);
+                text.push_str(&t);
+            }
+            if let Some(name) = name.filter(|_| all.is_empty()) {
+                named(&name)?;
+            }
+            Ok(Outcome {
+                json: Value::Array(all),
+                text,
+                problem: false,
+            })
+        }
+        RolloutAction::Advance { name } => {
+            let handle = named(&name)?.register(cluster).await?;
+            let mut progress = Progress::new(format!("rollout {name} advance"), None, json);
+            let mut on_wait = |next: crate::Phase, left: Duration| {
+                let _ = progress.report(
+                    0,
+                    None,
+                    &format!("to {next}: waiting {left:.0?} for the gap"),
+                );
+            };
+            let phase = handle.advance(&mut on_wait).await?;
+            Ok(Outcome {
+                json: json!({ "name": name, "phase": phase.to_string() }),
+                text: format!("rollout {name}: now {phase}\n"),
+                problem: false,
+            })
+        }
+        RolloutAction::Retreat { name } => {
+            let handle = named(&name)?.register(cluster).await?;
+            let phase = handle.retreat().await?;
+            Ok(Outcome {
+                json: json!({ "name": name, "phase": phase.to_string() }),
+                text: format!("rollout {name}: now {phase}\n"),
+                problem: false,
+            })
+        }
+        RolloutAction::Backfill { name, chunk } => {
+            let handle = named(&name)?.register(cluster).await?;
+            let mut progress = Progress::new(format!("rollout {name} backfill"), None, json);
+            let mut on_progress = |p: crate::RolloutBackfill| {
+                let rate = progress.rate(p.rows);
+                progress.report(
+                    p.shards_done as u64,
+                    Some(p.shards as u64),
+                    &format!("shards, {} rows, {rate:.0} rows/s", p.rows),
+                )
+            };
+            // Right after the move to dual_write the backfill must wait out
+            // the gap; an operator's command waits instead of failing.
+            let done = match handle.backfill(chunk, &mut on_progress).await {
+                Err(ShardError::RolloutTooSoon { wait_ms, .. }) => {
+                    if !json {
+                        eprintln!(
+                            "rollout {name}: waiting {wait_ms} ms for the gap after dual_write began"
+                        );
+                    }
+                    tokio::time::sleep(Duration::from_millis(wait_ms)).await;
+                    handle.backfill(chunk, &mut on_progress).await?
+                }
+                other => other?,
+            };
+            Ok(Outcome {
+                json: json!({
+                    "name": name, "rows": done.rows, "shards_done": done.shards_done,
+                    "shards": done.shards, "finished": done.finished,
+                }),
+                text: format!(
+                    "rollout {name}: {} rows copied, {}/{} shards, {}\n",
+                    done.rows,
+                    done.shards_done,
+                    done.shards,
+                    if done.finished {
+                        "finished"
+                    } else {
+                        "stopped (run again to resume)"
+                    }
+                ),
+                problem: !done.finished,
+            })
+        }
+        RolloutAction::Verify {
+            name,
+            repair,
+            resume,
+            chunk,
+        } => {
+            let handle = named(&name)?.register(cluster).await?;
+            let mut opts = VerifyOptions::default().chunk(chunk);
+            if repair {
+                opts = opts.repair();
+            }
+            if resume {
+                opts = opts.resume();
+            }
+            let mut progress = Progress::new(format!("rollout {name} verify"), None, json);
+            let mut on_progress = |r: &VerifyReport| {
+                let rate = progress.rate(r.rows);
+                progress.report(
+                    r.chunks,
+                    None,
+                    &format!(
+                        "chunks, {} rows, {} differences, {rate:.0} rows/s",
+                        r.rows,
+                        r.differences()
+                    ),
+                )
+            };
+            let report = handle.verify(opts, &mut on_progress).await?;
+            Ok(verify_outcome(&format!("rollout {name}"), &report))
+        }
+    }
+}
+
+fn verify_outcome(what: &str, report: &VerifyReport) -> Outcome {
+    let list = |diffs: &[crate::RowDiff]| -> Vec<Value> {
+        diffs
+            .iter()
+            .map(|d| json!({ "shard": d.shard, "pk": d.pk }))
+            .collect()
+    };
+    let mut text = format!(
+        "{what}: {} rows in {} chunks; {} missing, {} extra, {} different, {} repaired{}\n",
+        report.rows,
+        report.chunks,
+        report.missing.len(),
+        report.extra.len(),
+        report.different.len(),
+        report.repaired,
+        if report.finished {
+            String::new()
+        } else {
+            format!(
+                " (stopped at {}; run again with --resume)",
+                report.cursor.as_deref().unwrap_or("-")
+            )
+        }
+    );
+    for (kind, diffs) in [
+        ("missing", &report.missing),
+        ("extra", &report.extra),
+        ("different", &report.different),
+    ] {
+        for d in diffs.iter().take(20) {
+            let _ = writeln!(text, "  {kind}: {} on {}", d.pk, d.shard);
+        }
+    }
+    Outcome {
+        json: json!({
+            "rows": report.rows,
+            "chunks": report.chunks,
+            "missing": list(&report.missing),
+            "extra": list(&report.extra),
+            "different": list(&report.different),
+            "repaired": report.repaired,
+            "finished": report.finished,
+            "cursor": report.cursor,
+        }),
+        text,
+        problem: !report.is_consistent() && report.repaired == 0 || !report.finished,
+    }
+}
+
+async fn ids(cluster: &Cluster, action: IdsAction) -> Result<Outcome> {
+    match action {
+        IdsAction::Next { sequence } => {
+            let id = cluster.ids().next(&sequence).await?;
+            Ok(Outcome {
+                json: json!({ "sequence": sequence, "id": id }),
+                text: format!("{id}\n"),
+                problem: false,
+            })
+        }
+        IdsAction::Status => {
+            let servers: Vec<&str> = cluster.ids().servers().collect();
+            let sequences = if servers.is_empty() {
+                Vec::new()
+            } else {
+                cluster.ids().sequences().await?
+            };
+            Ok(Outcome {
+                text: format!(
+                    "ticket servers: {}\nsequences: {}\n",
+                    if servers.is_empty() {
+                        "none configured".to_owned()
+                    } else {
+                        servers.join(", ")
+                    },
+                    if sequences.is_empty() {
+                        "none".to_owned()
+                    } else {
+                        sequences.join(", ")
+                    }
+                ),
+                json: json!({ "servers": servers, "sequences": sequences }),
+                problem: false,
+            })
+        }
+    }
+}

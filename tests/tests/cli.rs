@@ -1,0 +1,439 @@
+//! The operator's command line (`shardkit::cli`), run in-process against
+//! SQLite, PostgreSQL and MySQL/MariaDB shards: each command's `--json`
+//! output and exit code, against what the databases hold.
+
+use sea_orm::{ConnectionTrait, EntityTrait};
+use serde_json::Value;
+use shardkit::cli::Registry;
+use shardkit::{Cluster, ClusterConfig, Rollout};
+use shardkit_tests::models::*;
+use shardkit_tests::{Backend, Hung, TestDbs, backend_tests};
+use std::time::Duration;
+
+backend_tests!(2 =>
+    status_reports_shards_migrations_placements_indexes_and_rollouts,
+    [Postgres, MySql] status_marks_a_refusing_and_a_hung_shard,
+    route_explain_and_errors,
+    gsi_commands_create_backfill_and_reconcile,
+    rollout_commands_walk_backfill_and_verify,
+    verify_shards_compares_one_bucket,
+);
+
+fn registry() -> Registry {
+    Registry::new()
+        .migrator::<Migrator>()
+        .entity::<customer::Entity>()
+        .entity::<contact::Entity>()
+        .rollout(
+            Rollout::<person_v1::Entity, person_v2::Entity>::new("people_v2", person_to_v2)
+                .to_old(person_to_v1)
+                .cache_ttl(Duration::from_millis(30))
+                .refresh_every(Duration::from_millis(20)),
+        )
+}
+
+fn config(dbs: &TestDbs) -> ClusterConfig {
+    dbs.config(2, "[groups.Customer]\nbuckets = 64\n")
+}
+
+/// Runs `shardctl <args>` with `--json`; its exit code and parsed output.
+async fn shardctl(config: ClusterConfig, args: &[&str]) -> (u8, Value) {
+    let mut out: Vec<u8> = Vec::new();
+    let argv = ["shardctl", "--json"].iter().chain(args).copied();
+    let code = shardkit::cli::run_with(argv, config, registry(), &mut out).await;
+    let text = String::from_utf8(out).unwrap();
+    let value = serde_json::from_str(&text)
+        .unwrap_or_else(|e| panic!("shardctl {args:?}: not JSON ({e}): {text}"));
+    (code, value)
+}
+
+/// The same without `--json`: exit code and text.
+async fn shardctl_text(config: ClusterConfig, args: &[&str]) -> (u8, String) {
+    let mut out: Vec<u8> = Vec::new();
+    let argv = ["shardctl"].iter().chain(args).copied();
+    let code = shardkit::cli::run_with(argv, config, registry(), &mut out).await;
+    (code, String::from_utf8(out).unwrap())
+}
+
+async fn status_reports_shards_migrations_placements_indexes_and_rollouts(dbs: &mut TestDbs) {
+    // Nothing migrated yet: every database is behind, and status says so
+    // with exit code 1.
+    let (code, status) = shardctl(config(dbs), &["status"]).await;
+    assert_eq!(code, 1, "{status:#}");
+    assert_eq!(status["migrations"]["current"], false);
+    assert!(
+        status["migrations"]["databases"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|d| d["behind"] == true && !d["pending"].as_array().unwrap().is_empty())
+    );
+    let (code, up) = shardctl(config(dbs), &["migrate", "up"]).await;
+    assert_eq!(code, 0, "{up:#}");
+    assert_eq!(up["current"], true);
+
+    let cluster = Cluster::connect(config(dbs)).await.unwrap();
+    cluster
+        .setup::<(contact::Entity, person_v1::Entity)>()
+        .await
+        .unwrap();
+    let (code, status) = shardctl(config(dbs), &["status"]).await;
+    assert_eq!(code, 0, "{status:#}");
+    let shards = status["shards"].as_array().unwrap();
+    assert_eq!(shards.len(), 2);
+    for shard in shards {
+        assert_eq!(shard["reachable"], true, "{shard:#}");
+        assert!(
+            shard["server_version"]
+                .as_str()
+                .is_some_and(|v| !v.is_empty())
+        );
+        // The URL is shown without its password.
+        assert!(!shard["url"].as_str().unwrap().contains("secret"));
+    }
+    assert_eq!(status["migrations"]["current"], true);
+    let group = &status["groups"][0];
+    assert_eq!(group["group"], "Customer");
+    let buckets: u64 = group["buckets"]
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|n| n.as_u64().unwrap())
+        .sum();
+    assert_eq!(buckets, 64);
+    let indexes = status["indexes"].as_array().unwrap();
+    assert_eq!(
+        indexes
+            .iter()
+            .map(|i| (i["table"].as_str().unwrap(), i["column"].as_str().unwrap()))
+            .collect::<Vec<_>>(),
+        [("contacts", "email"), ("contacts", "phone")]
+    );
+    let rollout = &status["rollouts"][0];
+    assert_eq!(rollout["name"], "people_v2");
+    assert_eq!(rollout["phase"], "off");
+    assert!(
+        rollout["instances"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|i| i["name"] == "shardctl")
+    );
+    // And for a reader: tables, with every shard named.
+    let (code, text) = shardctl_text(config(dbs), &["status"]).await;
+    assert_eq!(code, 0);
+    assert!(
+        text.contains("s0") && text.contains("s1") && text.contains("people_v2"),
+        "{text}"
+    );
+}
+
+/// A shard that refuses connections and one that accepts and never answers
+/// are both reported unreachable (the second after the probe's timeout),
+/// with exit code 1; the reachable one is reported as it is, and nothing
+/// stays connected to the hung server.
+async fn status_marks_a_refusing_and_a_hung_shard(dbs: &mut TestDbs) {
+    let (code, _) = shardctl(config(dbs), &["migrate", "up"]).await;
+    assert_eq!(code, 0);
+    let hung = Hung::start().await;
+    let good = dbs.shards_toml(1);
+    // Port 9 (discard) refuses connections.
+    let refusing = match dbs.backend {
+        Backend::MySql => "mysql://root@127.0.0.1:9/down",
+        _ => "postgres://postgres@127.0.0.1:9/down",
+    };
+    let toml = format!(
+        "{good}[[shards]]\nname = \"refusing\"\nurl = \"{refusing}\"\n\n[[shards]]\nname = \"hung\"\nurl = \"{}\"\n\n[groups.Customer]\nshards = [\"s0\"]\n",
+        hung.url(dbs.backend)
+    );
+    let config = ClusterConfig::from_toml(&toml).unwrap();
+    let started = std::time::Instant::now();
+    let (code, status) = shardctl(config, &["status"]).await;
+    assert_eq!(code, 1, "{status:#}");
+    // The probes run at once, each bounded by the 5 s connect timeout, and
+    // nothing else waits on the shards that are down.
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "{:?}",
+        started.elapsed()
+    );
+    let by_name = |name: &str| {
+        status["shards"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|s| s["name"] == name)
+            .unwrap()
+            .clone()
+    };
+    assert_eq!(by_name("s0")["reachable"], true);
+    assert_eq!(by_name("refusing")["reachable"], false);
+    assert_eq!(by_name("hung")["reachable"], false);
+    assert!(
+        by_name("hung")["error"]
+            .as_str()
+            .unwrap()
+            .contains("within")
+    );
+    assert!(
+        by_name("refusing")["error"]
+            .as_str()
+            .unwrap()
+            .contains("refused")
+    );
+    assert!(
+        status["migrations"]["skipped"]
+            .as_str()
+            .unwrap()
+            .contains("hung")
+    );
+    // The command's cluster is gone: the hung server's sockets are closed.
+    for _ in 0..200 {
+        if hung.open() == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(hung.open(), 0, "sockets left open to the hung server");
+}
+
+async fn route_explain_and_errors(dbs: &mut TestDbs) {
+    let cluster = Cluster::connect(config(dbs)).await.unwrap();
+    for key in [7_i64, 8, 1_000] {
+        let (code, route) = shardctl(config(dbs), &["route", "Customer", &key.to_string()]).await;
+        assert_eq!(code, 0, "{route:#}");
+        let target = cluster.route::<Customer>(&key).await.unwrap();
+        assert_eq!(
+            route["shard"],
+            cluster.shard_of::<Customer>(&key).await.unwrap()
+        );
+        assert_eq!(route["bucket"], target.bucket.unwrap());
+    }
+    let (code, plan) = shardctl(config(dbs), &["explain", "contacts", "--key", "7"]).await;
+    assert_eq!(code, 0, "{plan:#}");
+    assert!(
+        plan["plan"].as_str().unwrap().contains("contacts"),
+        "{plan:#}"
+    );
+    let (code, plan) = shardctl(config(dbs), &["explain", "contacts", "--scatter"]).await;
+    assert_eq!(code, 0);
+    assert!(plan["plan"].as_str().unwrap().contains("s0"), "{plan:#}");
+    // Bad input: each error names what is wrong.
+    let (code, err) = shardctl(config(dbs), &["route", "Customer", "seven"]).await;
+    assert_eq!(code, 1);
+    assert!(err["error"].as_str().unwrap().contains("`seven`"), "{err}");
+    let (code, err) = shardctl(config(dbs), &["explain", "nope", "--key", "1"]).await;
+    assert_eq!(code, 1);
+    let message = err["error"].as_str().unwrap();
+    assert!(
+        message.contains("`nope`") && message.contains("contacts"),
+        "{message}"
+    );
+    let (code, err) = shardctl(config(dbs), &["route", "Tenant", "x"]).await;
+    assert_eq!(code, 1);
+    assert!(err["error"].as_str().unwrap().contains("Tenant"), "{err}");
+    let (code, usage) = shardctl_text(config(dbs), &["route"]).await;
+    assert_eq!(code, 2, "{usage}");
+    assert!(usage.contains("<GROUP>"), "{usage}");
+}
+
+async fn gsi_commands_create_backfill_and_reconcile(dbs: &mut TestDbs) {
+    let (code, _) = shardctl(config(dbs), &["migrate", "up"]).await;
+    assert_eq!(code, 0);
+    let (code, created) = shardctl(config(dbs), &["gsi", "create"]).await;
+    assert_eq!(code, 0, "{created:#}");
+    assert_eq!(created["created"], serde_json::json!(["contacts"]));
+    // Rows written straight into the shards, around shardkit: the index
+    // knows nothing of them until the backfill.
+    let cluster = Cluster::connect(config(dbs)).await.unwrap();
+    for id in 1..=30_i64 {
+        let row = contact::row(id, id % 5, &format!("c{id}@x"), "555");
+        let shard = cluster.shard_of::<Customer>(&(id % 5)).await.unwrap();
+        contact::Entity::insert(row)
+            .exec_without_returning(cluster.connection(shard).unwrap())
+            .await
+            .unwrap();
+    }
+    let (code, done) = shardctl(config(dbs), &["gsi", "backfill", "contacts", "email"]).await;
+    assert_eq!(code, 0, "{done:#}");
+    assert_eq!(done[0]["rows"], 30);
+    assert_eq!(done[0]["finished"], true);
+    let (code, states) = shardctl(config(dbs), &["gsi", "status"]).await;
+    assert_eq!(code, 0);
+    let state = |column: &str| {
+        states
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|s| s["column"] == column)
+            .unwrap()["state"]
+            .clone()
+    };
+    assert_eq!(state("email"), "active");
+    assert_eq!(state("phone"), "write_only");
+    let found = cluster
+        .find::<contact::Entity>()
+        .by_index(contact::Column::Email, "c17@x")
+        .all()
+        .await
+        .unwrap();
+    assert_eq!(found.iter().map(|c| c.id).collect::<Vec<_>>(), [17]);
+    // A row written around shardkit after the backfill has no index row:
+    // reconcile adds it.
+    let shard = cluster.shard_of::<Customer>(&2).await.unwrap();
+    contact::Entity::insert(contact::row(31, 2, "late@x", "555"))
+        .exec_without_returning(cluster.connection(shard).unwrap())
+        .await
+        .unwrap();
+    let late = || {
+        cluster
+            .find::<contact::Entity>()
+            .by_index(contact::Column::Email, "late@x")
+            .all()
+    };
+    assert!(late().await.unwrap().is_empty());
+    let (code, reconciled) = shardctl(config(dbs), &["gsi", "reconcile", "contacts"]).await;
+    assert_eq!(code, 0, "{reconciled:#}");
+    assert!(
+        reconciled[0]["added"].as_u64().unwrap() >= 1,
+        "{reconciled:#}"
+    );
+    assert_eq!(
+        late()
+            .await
+            .unwrap()
+            .iter()
+            .map(|c| c.id)
+            .collect::<Vec<_>>(),
+        [31]
+    );
+    let (code, err) = shardctl(config(dbs), &["gsi", "backfill", "contacts", "name"]).await;
+    assert_eq!(code, 1);
+    assert!(err["error"].as_str().unwrap().contains("email"), "{err}");
+}
+
+async fn rollout_commands_walk_backfill_and_verify(dbs: &mut TestDbs) {
+    let (code, _) = shardctl(config(dbs), &["migrate", "up"]).await;
+    assert_eq!(code, 0);
+    let cluster = Cluster::connect(config(dbs)).await.unwrap();
+    for id in 1..=12_i64 {
+        let tx = cluster.begin::<Customer>(id % 4).await.unwrap();
+        tx.insert(sea_orm::IntoActiveModel::into_active_model(
+            person_v1::Model {
+                id,
+                customer_id: id % 4,
+                first_name: "A".into(),
+                last_name: format!("L{id}"),
+                city: "Oslo".into(),
+            },
+        ))
+        .await
+        .unwrap();
+        tx.commit().await.unwrap();
+    }
+    for phase in ["cache_both", "dual_write"] {
+        let (code, moved) = shardctl(config(dbs), &["rollout", "advance", "people_v2"]).await;
+        assert_eq!(code, 0, "{moved:#}");
+        assert_eq!(moved["phase"], phase);
+    }
+    let (code, done) = shardctl(
+        config(dbs),
+        &["rollout", "backfill", "people_v2", "--chunk", "5"],
+    )
+    .await;
+    assert_eq!(code, 0, "{done:#}");
+    assert_eq!(done["rows"], 12);
+    assert_eq!(done["finished"], true);
+    let (code, report) = shardctl(config(dbs), &["rollout", "verify", "people_v2"]).await;
+    assert_eq!(code, 0, "{report:#}");
+    assert_eq!(report["rows"], 12);
+    // A new row lost around shardkit: verify finds it (exit 1), repair
+    // puts it back.
+    let shard = cluster.shard_of::<Customer>(&3).await.unwrap();
+    cluster
+        .connection(shard)
+        .unwrap()
+        .execute_unprepared("DELETE FROM people_v2 WHERE id = 7")
+        .await
+        .unwrap();
+    let (code, report) = shardctl(config(dbs), &["rollout", "verify", "people_v2"]).await;
+    assert_eq!(code, 1, "{report:#}");
+    assert_eq!(report["missing"][0]["pk"], "7");
+    let (code, report) =
+        shardctl(config(dbs), &["rollout", "verify", "people_v2", "--repair"]).await;
+    assert_eq!(code, 0, "{report:#}");
+    assert_eq!(report["repaired"], 1);
+    let (code, status) = shardctl(config(dbs), &["rollout", "status", "people_v2"]).await;
+    assert_eq!(code, 0);
+    assert_eq!(status[0]["phase"], "dual_write");
+    assert_eq!(status[0]["backfilled"], true);
+    let (code, back) = shardctl(config(dbs), &["rollout", "retreat", "people_v2"]).await;
+    assert_eq!(code, 0);
+    assert_eq!(back["phase"], "cache_both");
+    let (code, err) = shardctl(config(dbs), &["rollout", "advance", "nope"]).await;
+    assert_eq!(code, 1);
+    assert!(
+        err["error"].as_str().unwrap().contains("people_v2"),
+        "{err}"
+    );
+}
+
+/// One bucket's rows on their shard against the other shard, which has
+/// none of them: every row of the bucket is missing there.
+async fn verify_shards_compares_one_bucket(dbs: &mut TestDbs) {
+    let (code, _) = shardctl(config(dbs), &["migrate", "up"]).await;
+    assert_eq!(code, 0);
+    let cluster = Cluster::connect(config(dbs)).await.unwrap();
+    cluster.setup::<contact::Entity>().await.unwrap();
+    let target = cluster.route::<Customer>(&5).await.unwrap();
+    let bucket = target.bucket.unwrap();
+    let source = cluster.topology().shard(target.shard).name.clone();
+    let other = cluster
+        .topology()
+        .shard_names()
+        .find(|s| *s != source)
+        .unwrap()
+        .to_owned();
+    let mut in_bucket = Vec::new();
+    for id in 1..=20_i64 {
+        let customer = id % 10;
+        let tx = cluster.begin::<Customer>(customer).await.unwrap();
+        tx.insert(contact::row(id, customer, &format!("v{id}@x"), "1"))
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+        if cluster.route::<Customer>(&customer).await.unwrap().bucket == Some(bucket) {
+            in_bucket.push(id.to_string());
+        }
+    }
+    let bucket_text = bucket.to_string();
+    let (code, report) = shardctl(
+        config(dbs),
+        &[
+            "verify",
+            "shards",
+            "contacts",
+            &source,
+            &other,
+            "--bucket",
+            &bucket_text,
+        ],
+    )
+    .await;
+    assert_eq!(code, 1, "{report:#}");
+    let mut missing: Vec<String> = report["missing"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d["pk"].as_str().unwrap().to_owned())
+        .collect();
+    missing.sort();
+    in_bucket.sort();
+    assert_eq!(missing, in_bucket);
+    let (code, report) = shardctl(
+        config(dbs),
+        &["verify", "shards", "contacts", &source, &source],
+    )
+    .await;
+    assert_eq!(code, 0, "{report:#}");
+}
