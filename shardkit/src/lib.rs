@@ -183,6 +183,7 @@ pub mod gsi;
 mod id_spec;
 pub mod ids;
 mod key;
+pub mod metrics;
 mod phase;
 pub mod pipeline;
 pub mod read;

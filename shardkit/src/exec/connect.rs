@@ -346,16 +346,20 @@ pub(super) async fn connect_one(
             url: url.redacted(),
             cause: url.scrub(&err.to_string()),
         })?;
-    if let Some(observer) = observer {
-        let observer = Arc::clone(observer);
-        conn.set_metric_callback(move |info| {
+    // Every statement reaches the `metrics` recorder (see `crate::metrics`)
+    // and the application's observer, if it set one.
+    let metrics = crate::metrics::ShardMetrics::new(&name);
+    let observer = observer.map(Arc::clone);
+    conn.set_metric_callback(move |info| {
+        metrics.record(&info.statement.sql, info.elapsed, info.failed);
+        if let Some(observer) = &observer {
             observer(&StatementEvent {
                 shard: &name,
                 statement: info.statement,
                 elapsed: info.elapsed,
                 failed: info.failed,
             })
-        });
-    }
+        }
+    });
     Ok(conn)
 }

@@ -604,6 +604,7 @@ impl<E: ShardedEntity> Read<E> {
             }
         }
         span.record("shards_failed", failed.len());
+        crate::metrics::scatter(Self::group(), asked, !failed.is_empty());
         span.record("peak_in_flight", peak.load(AtomicOrdering::Relaxed));
         if !failed.is_empty() {
             tracing::warn!(parent: &span, failed = failed.len(), "shards failed in a multi-shard read");

@@ -212,9 +212,20 @@ impl<E: ShardedEntity, R> Find<E, R> {
     {
         let (read, select, spec) = self.split();
         let plan = read.plan(select, spec, ReadOp::One).await?;
-        if plan.single.is_some() {
+        if let Some((target, _)) = &plan.single {
+            // A keyed read that finds nothing is counted (see `crate::metrics`).
+            let shard = read.shards.shard_name(target.shard);
             return read
-                .single::<R, _, _, _>(plan, "one", |s, conn| s.one(conn))
+                .single::<R, _, _, _>(plan, "one", move |s, conn| {
+                    let one = s.one(conn);
+                    async move {
+                        let row = one.await;
+                        if let Ok(None) = &row {
+                            crate::metrics::not_found(shard, table_name::<E>());
+                        }
+                        row
+                    }
+                })
                 .await;
         }
         let (rows, gathered) = read.rows(plan, "one").await;

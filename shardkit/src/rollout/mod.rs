@@ -577,18 +577,34 @@ struct TimedCache<V> {
     entries: moka::sync::Cache<String, (V, i64)>,
     ttl_ms: i64,
     clock: Arc<dyn Clock>,
+    metrics: crate::metrics::CacheMetrics,
 }
 
 impl<V: Clone + Send + Sync + 'static> TimedCache<V> {
-    fn new(ttl: Duration, capacity: u64, clock: Arc<dyn Clock>) -> Self {
+    fn new(
+        ttl: Duration,
+        capacity: u64,
+        clock: Arc<dyn Clock>,
+        metrics: crate::metrics::CacheMetrics,
+    ) -> Self {
         TimedCache {
             entries: moka::sync::Cache::builder().max_capacity(capacity).build(),
             ttl_ms: i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX),
             clock,
+            metrics,
         }
     }
 
     fn get(&self, key: &str) -> Option<V> {
+        let found = self.lookup(key);
+        match &found {
+            Some(_) => self.metrics.hit.increment(1),
+            None => self.metrics.miss.increment(1),
+        }
+        found
+    }
+
+    fn lookup(&self, key: &str) -> Option<V> {
         let (value, at) = self.entries.get(key)?;
         if crate::clock::now_ms(&*self.clock).saturating_sub(at) >= self.ttl_ms {
             self.entries.invalidate(key);

@@ -213,11 +213,13 @@ impl Rollouts<'_> {
                 rollout.cache_ttl,
                 rollout.cache_capacity,
                 Arc::clone(self.shards.clock()),
+                crate::metrics::CacheMetrics::new(&rollout.name, "old"),
             ),
             new_cache: TimedCache::new(
                 rollout.cache_ttl,
                 rollout.cache_capacity,
                 Arc::clone(self.shards.clock()),
+                crate::metrics::CacheMetrics::new(&rollout.name, "new"),
             ),
             gap,
             instance: instance.clone(),

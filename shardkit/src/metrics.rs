@@ -1,0 +1,95 @@
+//! Metrics through the [`metrics`] facade: the application installs the
+//! recorder (a Prometheus exporter, say) and shardkit reports to it. Install
+//! it before [`Cluster::connect`](crate::Cluster::connect): each shard's
+//! statement metrics are registered once, when its pool is made.
+//!
+//! | name | kind | labels | what |
+//! |---|---|---|---|
+//! | `shardkit_statement_duration_seconds` | histogram | `shard`, `kind` | every statement a shard ran (`kind`: `select`, `insert`, `update`, `delete`, `other`) |
+//! | `shardkit_statement_errors_total` | counter | `shard`, `kind` | statements that failed |
+//! | `shardkit_rows_not_found_total` | counter | `shard`, `entity` | keyed `one()` reads that found no row (PayPal's "pattern deviation": a spike says a write path or a cache is wrong) |
+//! | `shardkit_scatter_shards` | histogram | `group` | shards a multi-shard read asked |
+//! | `shardkit_scatter_partial_total` | counter | `group` | multi-shard reads that returned without some shard |
+//! | `shardkit_rollout_cache_total` | counter | `rollout`, `model` (`old`, `new`), `result` (`hit`, `miss`) | rollout cache lookups |
+//!
+//! No label ever holds a key value, a row value or a URL.
+
+use metrics::{Counter, Histogram, counter, histogram};
+use std::time::Duration;
+
+/// A statement's kind, from its first word.
+fn kind(sql: &str) -> usize {
+    let word = sql.trim_start().get(..6).unwrap_or("");
+    if word.eq_ignore_ascii_case("select") {
+        0
+    } else if word.eq_ignore_ascii_case("insert") {
+        1
+    } else if word.eq_ignore_ascii_case("update") {
+        2
+    } else if word.eq_ignore_ascii_case("delete") {
+        3
+    } else {
+        4
+    }
+}
+
+const KINDS: [&str; 5] = ["select", "insert", "update", "delete", "other"];
+
+/// One shard's statement metrics, registered once.
+pub(crate) struct ShardMetrics {
+    duration: [Histogram; 5],
+    errors: [Counter; 5],
+}
+
+impl ShardMetrics {
+    pub(crate) fn new(shard: &str) -> Self {
+        let shard = shard.to_owned();
+        ShardMetrics {
+            duration: KINDS.map(|kind| {
+                histogram!("shardkit_statement_duration_seconds", "shard" => shard.clone(), "kind" => kind)
+            }),
+            errors: KINDS.map(|kind| {
+                counter!("shardkit_statement_errors_total", "shard" => shard.clone(), "kind" => kind)
+            }),
+        }
+    }
+
+    /// Records one statement.
+    pub(crate) fn record(&self, sql: &str, elapsed: Duration, failed: bool) {
+        let kind = kind(sql);
+        self.duration[kind].record(elapsed.as_secs_f64());
+        if failed {
+            self.errors[kind].increment(1);
+        }
+    }
+}
+
+/// A keyed `one()` that found no row.
+pub(crate) fn not_found(shard: &str, entity: &'static str) {
+    counter!("shardkit_rows_not_found_total", "shard" => shard.to_owned(), "entity" => entity)
+        .increment(1);
+}
+
+/// A multi-shard read over `shards` shards; `partial` when some did not answer.
+pub(crate) fn scatter(group: &'static str, shards: usize, partial: bool) {
+    histogram!("shardkit_scatter_shards", "group" => group).record(shards as f64);
+    if partial {
+        counter!("shardkit_scatter_partial_total", "group" => group).increment(1);
+    }
+}
+
+/// A rollout cache's hit and miss counters.
+pub(crate) struct CacheMetrics {
+    pub(crate) hit: Counter,
+    pub(crate) miss: Counter,
+}
+
+impl CacheMetrics {
+    pub(crate) fn new(rollout: &str, model: &'static str) -> Self {
+        let rollout = rollout.to_owned();
+        CacheMetrics {
+            hit: counter!("shardkit_rollout_cache_total", "rollout" => rollout.clone(), "model" => model, "result" => "hit"),
+            miss: counter!("shardkit_rollout_cache_total", "rollout" => rollout, "model" => model, "result" => "miss"),
+        }
+    }
+}
