@@ -389,6 +389,7 @@ impl Tickets {
             let mut attempts = 0;
             let result = loop {
                 self.requests.fetch_add(1, Ordering::Relaxed);
+                crate::metrics::ticket_request(&server.name);
                 attempts += 1;
                 match tokio::time::timeout_at(deadline, ticket_from(server, i, n, name)).await {
                     // Concurrent `REPLACE INTO`s of one stub deadlock on
@@ -426,6 +427,7 @@ impl Tickets {
                 Err(_) => causes.push(format!("{}: no answer within {timeout:?}", server.name)),
             }
             tracing::warn!(server = %server.name, sequence = name, "ticket server failed; trying the next one");
+            crate::metrics::ticket_failover(&server.name);
             *lock(&server.down_until) = Some(Instant::now() + retry_after);
         }
         Err(ShardError::IdsUnavailable {

@@ -11,6 +11,11 @@
 //! | `shardkit_scatter_shards` | histogram | `group` | shards a multi-shard read asked |
 //! | `shardkit_scatter_partial_total` | counter | `group` | multi-shard reads that returned without some shard |
 //! | `shardkit_rollout_cache_total` | counter | `rollout`, `model` (`old`, `new`), `result` (`hit`, `miss`) | rollout cache lookups |
+//! | `shardkit_rollout_phase` | gauge | `rollout` | the phase this instance acts on (0 `off` … 5 `done`) |
+//! | `shardkit_shard_errors_total` | counter | `shard`, `kind` (`timeout`, `unavailable`, `error`) | requests to a shard that failed under its breaker |
+//! | `shardkit_ticket_requests_total` | counter | `server` | ticket statements sent |
+//! | `shardkit_ticket_failovers_total` | counter | `server` | times a ticket server failed and the next was tried |
+//! | `shardkit_gsi_reconciled_total` | counter | `entity`, `action` (`removed`, `added`) | dangling index rows removed and missing ones added |
 //!
 //! No label ever holds a key value, a row value or a URL.
 
@@ -92,4 +97,39 @@ impl CacheMetrics {
             miss: counter!("shardkit_rollout_cache_total", "rollout" => rollout, "model" => model, "result" => "miss"),
         }
     }
+}
+
+/// The phase a rollout acts on here.
+pub(crate) fn rollout_phase(rollout: &str, phase: crate::Phase) {
+    metrics::gauge!("shardkit_rollout_phase", "rollout" => rollout.to_owned())
+        .set(phase as u8 as f64);
+}
+
+/// A request to `shard` that failed under its breaker.
+pub(crate) fn request_failed(shard: &str, err: &crate::ShardError) {
+    let kind = match err {
+        crate::ShardError::Timeout { .. } => "timeout",
+        crate::ShardError::Unavailable { .. } => "unavailable",
+        _ => "error",
+    };
+    counter!("shardkit_shard_errors_total", "shard" => shard.to_owned(), "kind" => kind)
+        .increment(1);
+}
+
+/// A ticket statement sent to `server`.
+pub(crate) fn ticket_request(server: &str) {
+    counter!("shardkit_ticket_requests_total", "server" => server.to_owned()).increment(1);
+}
+
+/// Ticket server `server` failed; the next one is tried.
+pub(crate) fn ticket_failover(server: &str) {
+    counter!("shardkit_ticket_failovers_total", "server" => server.to_owned()).increment(1);
+}
+
+/// A reconcile pass of `entity`'s indexes.
+pub(crate) fn reconciled(entity: &'static str, removed: u64, added: u64) {
+    counter!("shardkit_gsi_reconciled_total", "entity" => entity, "action" => "removed")
+        .increment(removed);
+    counter!("shardkit_gsi_reconciled_total", "entity" => entity, "action" => "added")
+        .increment(added);
 }

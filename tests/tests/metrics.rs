@@ -183,6 +183,19 @@ async fn a_known_workload_is_counted(dbs: &mut TestDbs) {
             .samples("shardkit_scatter_shards{group=Customer}")
             .contains(&2.0)
     );
+    // A reconcile that adds the index rows of a row written around shardkit.
+    cluster.setup::<contact::Entity>().await.unwrap();
+    let shard = shard_of(9).await;
+    sea_orm::EntityTrait::insert(contact::row(77, 9, "m@x", "1"))
+        .exec_without_returning(cluster.connection(&shard).unwrap())
+        .await
+        .unwrap();
+    let added = "shardkit_gsi_reconciled_total{action=added,entity=contacts}";
+    let added_before = totals.counter(added);
+    let report = cluster.gsi().reconcile::<contact::Entity>().await.unwrap();
+    assert!(report.added >= 2, "{report:?}");
+    // At least this pass's (another backend's scenario may add its own).
+    assert!(totals.counter(added) - added_before >= report.added);
     // No label holds a key value or a URL.
     for key in totals.all_keys() {
         assert!(

@@ -26,10 +26,12 @@ impl Shards {
         let health = self.health(id);
         let shard = self.shard_name(id);
         if let Some(cause) = health.down_cause() {
-            return Err(ShardError::Unavailable {
+            let err = ShardError::Unavailable {
                 shard: shard.to_owned(),
                 cause,
-            });
+            };
+            crate::metrics::request_failed(shard, &err);
+            return Err(err);
         }
         let watched = async {
             tokio::select! {
@@ -57,7 +59,7 @@ impl Shards {
                 }),
             }
         };
-        match timeout {
+        let result = match timeout {
             None => watched.await,
             Some(after) => tokio::time::timeout(after, watched)
                 .await
@@ -68,7 +70,11 @@ impl Shards {
                         after,
                     })
                 }),
+        };
+        if let Err(err) = &result {
+            crate::metrics::request_failed(shard, err);
         }
+        result
     }
 
     /// Completes (with the cause) only once shard `id` is found down.

@@ -8,6 +8,12 @@ impl<'c> Gsi<'c> {
     /// index rows for owners that have none. Run it periodically
     /// ([`reconcile_every`](Self::reconcile_every)).
     pub async fn reconcile<E: ShardedEntity>(&self) -> Result<ReconcileReport> {
+        let report = self.reconcile_pass::<E>().await?;
+        crate::metrics::reconciled(table_name::<E>(), report.removed, report.added);
+        Ok(report)
+    }
+
+    async fn reconcile_pass<E: ShardedEntity>(&self) -> Result<ReconcileReport> {
         let grace = self.state.grace.as_millis() as i64;
         let mut report = ReconcileReport::default();
         for (column, unique) in E::GLOBAL_INDEXES {

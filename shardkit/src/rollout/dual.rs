@@ -367,6 +367,7 @@ impl<Old: ShardedEntity, New: ShardedEntity> Shared<Old, New> {
         let _changing = self.phase_lock.lock().unwrap_or_else(|p| p.into_inner());
         self.phase_epoch.fetch_add(1, Ordering::AcqRel);
         self.phase.store(phase as u8, Ordering::Release);
+        crate::metrics::rollout_phase(&self.name, phase);
     }
 
     /// The count of this instance's own phase changes, taken before a read
@@ -382,6 +383,7 @@ impl<Old: ShardedEntity, New: ShardedEntity> Shared<Old, New> {
         let _changing = self.phase_lock.lock().unwrap_or_else(|p| p.into_inner());
         if self.phase_epoch.load(Ordering::Acquire) == epoch {
             self.phase.store(phase as u8, Ordering::Release);
+            crate::metrics::rollout_phase(&self.name, phase);
         }
     }
 

@@ -226,6 +226,7 @@ impl Rollouts<'_> {
             read_new_table: read_new_table::<Old, New>(),
             me: me.clone(),
         });
+        crate::metrics::rollout_phase(&rollout.name, state.phase);
         let mut writes: Vec<(TypeId, &'static str, Arc<dyn OldWrites>)> = vec![(
             TypeId::of::<Old>(),
             table_name::<Old>(),
