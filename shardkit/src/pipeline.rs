@@ -137,8 +137,14 @@ pub enum Replaced<M> {
 
 /// What the write did, for [`WriteStage::after_write`].
 pub enum Written<'a, E: ShardedEntity> {
-    /// An insert or update: the row as stored.
-    Saved(&'a E::Model),
+    /// An insert or update: the row as stored, and (for an update, when a
+    /// stage [asked for it](WriteStage::needs_current)) the row as it was.
+    Saved {
+        /// The row as stored.
+        row: &'a E::Model,
+        /// The row before the update.
+        current: Option<&'a E::Model>,
+    },
     /// A delete of the row `model` names.
     Deleted {
         /// The active model the caller passed (after `before_delete`).
@@ -281,7 +287,7 @@ impl<A: WriteStage, B: WriteStage> WriteStage for (A, B) {
 impl<'a, E: ShardedEntity> Written<'a, E> {
     fn reborrow(&self) -> Written<'a, E> {
         match *self {
-            Written::Saved(row) => Written::Saved(row),
+            Written::Saved { row, current } => Written::Saved { row, current },
             Written::Deleted {
                 model,
                 current,

@@ -196,7 +196,7 @@ pub(crate) trait FoldRows<S, D>: Send + Sync {
         &'a self,
         db: &'a sea_orm::DatabaseExecutor<'a>,
         rows: &'a [S],
-    ) -> futures::future::BoxFuture<'a, std::result::Result<Vec<D>, DbErr>>;
+    ) -> futures::future::BoxFuture<'a, std::result::Result<Vec<D>, (&'static str, DbErr)>>;
 }
 
 impl<S: EntityTrait, D: EntityTrait> Source<'_, S, D> {
@@ -208,11 +208,11 @@ impl<S: EntityTrait, D: EntityTrait> Source<'_, S, D> {
     ) -> Result<Vec<D::Model>> {
         match self.convert {
             Conversion::Row(convert) => Ok(rows.iter().map(convert).collect()),
-            Conversion::Fold(fold) => fold.fold_rows(db, rows).await.map_err(|e| {
+            Conversion::Fold(fold) => fold.fold_rows(db, rows).await.map_err(|(table, e)| {
                 verify_err(
                     self.shard,
-                    table_name::<D>(),
-                    format!("fold {}", table_name::<D>()),
+                    table,
+                    format!("select {table} (to fold into {})", table_name::<D>()),
                     e,
                 )
             }),
@@ -575,6 +575,13 @@ where
         let to_old = shared.to_old_fn();
         if opts.from_new && to_old.is_none() {
             return Err(shared.refused_err("verifying from the new table needs Rollout::to_old"));
+        }
+        if opts.from_new && shared.folds() {
+            // Only the root would be compared and repaired: the parts
+            // written since new_only would stay missing from their tables.
+            return Err(shared.refused_err(
+                "verifying (and repairing) the old tables from a folded new table is not                  supported: it would compare the root table only, and the part tables would                  miss what was written since new_only. To go back from new_only, repair the                  old tables from get_old / get_parts before retreating",
+            ));
         }
         for (i, id) in shards.iter().enumerate().skip(start) {
             let db = self.shards().shard_conn(*id);

@@ -689,7 +689,7 @@ pub(super) fn count_shards<T>(parts: &[(ShardId, T)]) -> usize {
     ids.len()
 }
 
-pub(super) fn compare_values(a: &Value, b: &Value, nulls_high: bool) -> Option<Ordering> {
+pub(crate) fn compare_values(a: &Value, b: &Value, nulls_high: bool) -> Option<Ordering> {
     pub(super) fn int(v: &Value) -> Option<Option<i128>> {
         Some(match v {
             Value::TinyInt(x) => x.map(i128::from),

@@ -79,6 +79,7 @@ mod traits;
 #[allow(unused_imports)]
 use {execute::*, keys::*, plan::*};
 
+pub(crate) use execute::compare_values;
 pub use find::{Find, KeyedPages, KeyedSelect, MultiSelect, MultiShard, RowStream};
 pub(crate) use in_tx::stream_open;
 pub use in_tx::{TxFind, TxSelect};

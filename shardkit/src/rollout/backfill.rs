@@ -209,7 +209,7 @@ where
             .shared
             .fold_rows(&sea_orm::DatabaseExecutor::Transaction(&txn), &rows, true)
             .await
-            .map_err(err)?;
+            .map_err(|e| self.shared.part_err(shard, e))?;
         for (row, new) in rows.iter().zip(news) {
             // Dropping the transaction rolls the whole chunk back.
             self.shared

@@ -138,20 +138,27 @@ where
         Ok(())
     }
 
-    /// The new row with `pk` under `key`, read within the transaction.
+    /// The new row with `pk` under `key`, read within the transaction under
+    /// its row lock: the caller changes it and writes it back, and a
+    /// concurrent change must wait rather than be overwritten.
     pub(super) async fn new_row_in(
         &self,
         ctx: &WriteCtx<'_>,
         key: &KeyOf<New>,
         pk: &[Value],
     ) -> Result<Option<New::Model>> {
+        use sea_orm::QuerySelect;
         let backend = ctx.txn.get_database_backend();
-        New::find()
+        let mut select = New::find()
             .filter(crate::read::key_condition::<New>(
                 std::slice::from_ref(key),
                 backend,
             ))
-            .filter(pk_condition::<New>(pk))
+            .filter(pk_condition::<New>(pk));
+        if backend != sea_orm::DbBackend::Sqlite {
+            select = select.lock_exclusive();
+        }
+        select
             .one(ctx.txn)
             .await
             .map_err(|e| self.db_err(ctx.shard, format!("select {}", table_name::<New>()), e))
@@ -203,6 +210,7 @@ where
         &'a self,
         ctx: WriteCtx<'a>,
         row: RowValues,
+        _current: Option<RowValues>,
     ) -> BoxFuture<'a, Result<Option<AfterCommit>>> {
         Box::pin(async move {
             let phase = self.phase();
@@ -233,6 +241,7 @@ where
         &'a self,
         ctx: WriteCtx<'a>,
         model: ActiveValues,
+        _current: Option<RowValues>,
     ) -> BoxFuture<'a, Result<(u64, Option<AfterCommit>)>> {
         Box::pin(async move {
             let phase = self.phase();
@@ -466,6 +475,14 @@ impl WriteStage for DualWrite {
         }
     }
 
+    fn needs_current<E: ShardedEntity>(&self, op: WriteOp) -> bool {
+        op != WriteOp::Insert
+            && self
+                .registry
+                .get(TypeId::of::<E>())
+                .is_some_and(|rollout| rollout.needs_current())
+    }
+
     async fn replace<E: ShardedEntity>(
         &self,
         ctx: &crate::pipeline::WriteCtx<'_>,
@@ -477,14 +494,14 @@ impl WriteStage for DualWrite {
         };
         let values = crate::key::active_values::<E>(model);
         if rollout.phase() < Phase::NewOnly {
-            // A folded part locks its root first, and re-folds the one it
-            // leaves (see `fold`); nothing for a root.
+            // A folded part locks the roots it touches before its own row
+            // (see `fold`); nothing for a root.
             let after = rollout.before_write(self.ctx(ctx), op, values).await?;
             defer(ctx, after);
             return Ok(None);
         }
         if op == WriteOp::Delete {
-            let (deleted, after) = rollout.after_delete(self.ctx(ctx), values).await?;
+            let (deleted, after) = rollout.after_delete(self.ctx(ctx), values, None).await?;
             defer(ctx, after);
             return Ok(Some(Replaced::Deleted(deleted)));
         }
@@ -511,13 +528,18 @@ impl WriteStage for DualWrite {
             return Ok(());
         };
         let after = match written {
-            Written::Saved(row) => {
+            Written::Saved { row, current } => {
                 let values = crate::key::model_values::<E>(row);
-                rollout.after_write(self.ctx(ctx), values).await?
+                let current = current.map(crate::key::model_values::<E>);
+                rollout.after_write(self.ctx(ctx), values, current).await?
             }
-            Written::Deleted { model, .. } => {
+            Written::Deleted { model, current, .. } => {
                 let values = crate::key::active_values::<E>(model);
-                rollout.after_delete(self.ctx(ctx), values).await?.1
+                let current = current.map(crate::key::model_values::<E>);
+                rollout
+                    .after_delete(self.ctx(ctx), values, current)
+                    .await?
+                    .1
             }
         };
         defer(ctx, after);

@@ -144,8 +144,6 @@ where
         pk: &'a [Value],
         lock: bool,
     ) -> BoxFuture<'a, std::result::Result<Option<Value>, DbErr>>;
-    /// Removes the row with primary key `pk` from `parts`; how many went.
-    fn remove(&self, parts: &mut Parts, pk: &[Value]) -> u64;
     /// Applies a write of the part (`op`, the active model `model`) to the
     /// root's `parts`: an insert adds the row, an update changes its set
     /// columns, a delete removes it. `Err` names what is wrong.
@@ -155,6 +153,18 @@ where
         op: crate::pipeline::WriteOp,
         model: ActiveValues,
     ) -> std::result::Result<Applied, DbErr>;
+}
+
+/// Whether primary key `a` sorts before `b`, value by value, typed (so
+/// `9 < 10`), as the database orders them.
+fn pk_less(a: &[Value], b: &[Value]) -> bool {
+    for (x, y) in a.iter().zip(b) {
+        match crate::read::compare_values(x, y, true) {
+            Some(std::cmp::Ordering::Equal) | None => continue,
+            Some(order) => return order == std::cmp::Ordering::Less,
+        }
+    }
+    false
 }
 
 /// The part `P` of a fold, linked by `link`.
@@ -288,17 +298,6 @@ where
         })
     }
 
-    fn remove(&self, parts: &mut Parts, pk: &[Value]) -> u64 {
-        let rows = parts.rows_mut::<P>();
-        match Self::position(pk, rows) {
-            Some(at) => {
-                rows.remove(at);
-                1
-            }
-            None => 0,
-        }
-    }
-
     fn apply(
         &self,
         parts: &mut Parts,
@@ -320,8 +319,12 @@ where
                 }
                 let row = P::__try_into_model(active)?;
                 let values = crate::key::model_values::<P>(&row);
-                rows.push(row);
-                rows.sort_by_key(|r| tuple_text(&crate::key::model_pk_values::<P>(r)));
+                // In primary-key order, as a read of the part table gives.
+                let at = rows
+                    .iter()
+                    .position(|r| pk_less(&pk, &crate::key::model_pk_values::<P>(r)))
+                    .unwrap_or(rows.len());
+                rows.insert(at, row);
                 Ok(Applied::Saved(values))
             }
             WriteOp::Update => {
@@ -370,26 +373,56 @@ where
         (self.to_new)(root, &Parts::default())
     }
 
+    /// Reads the parts of `roots` into `parts` (aligned), one read per part
+    /// entity and per [`FOLD_BATCH`] roots; an error names the part's table.
+    pub(super) async fn load_parts(
+        &self,
+        db: &DatabaseExecutor<'_>,
+        roots: &[Old::Model],
+        parts: &mut [Parts],
+        lock: bool,
+    ) -> std::result::Result<(), (&'static str, DbErr)> {
+        for part in &self.parts {
+            for (roots, parts) in roots.chunks(FOLD_BATCH).zip(parts.chunks_mut(FOLD_BATCH)) {
+                part.load(db, roots, parts, lock)
+                    .await
+                    .map_err(|e| (part.table(), e))?;
+            }
+        }
+        Ok(())
+    }
+
     /// The new models of `roots`, each folded with its parts read on `db`
-    /// (one read per part entity; none for a one-to-one rollout).
+    /// (none read for a one-to-one rollout).
     pub(crate) async fn fold_rows(
         &self,
         db: &DatabaseExecutor<'_>,
         roots: &[Old::Model],
         lock: bool,
-    ) -> std::result::Result<Vec<New::Model>, DbErr> {
+    ) -> std::result::Result<Vec<New::Model>, (&'static str, DbErr)> {
         if !self.folds() {
             return Ok(roots.iter().map(|r| self.convert_alone(r)).collect());
         }
         let mut parts: Vec<Parts> = roots.iter().map(|_| Parts::default()).collect();
-        for part in &self.parts {
-            part.load(db, roots, &mut parts, lock).await?;
-        }
+        self.load_parts(db, roots, &mut parts, lock).await?;
         Ok(roots
             .iter()
             .zip(&parts)
             .map(|(root, parts)| (self.to_new)(root, parts))
             .collect())
+    }
+
+    /// The error of a part read in a write's transaction.
+    pub(super) fn part_err(
+        &self,
+        shard: &str,
+        (table, source): (&'static str, DbErr),
+    ) -> ShardError {
+        self.db_err(
+            shard,
+            format!("select {table} (to fold into {})", table_name::<New>()),
+            source,
+        )
     }
 
     /// [`fold_rows`](Self::fold_rows) of one root, in a write's transaction.
@@ -405,7 +438,7 @@ where
         let mut rows = self
             .fold_rows(&db, std::slice::from_ref(root), true)
             .await
-            .map_err(|e| self.db_err(ctx.shard, format!("fold {}", table_name::<New>()), e))?;
+            .map_err(|e| self.part_err(ctx.shard, e))?;
         Ok(rows.pop().expect("one root, one row"))
     }
 
@@ -434,43 +467,35 @@ where
     }
 
     /// Derives the new row of root `pk` again, in the write's transaction:
-    /// the root read under its row lock, its parts (without the row `exclude`
-    /// names, a part about to leave it), folded; written when `write`
-    /// (`dual_write`, `read_new`), and the caches filled after the commit.
-    /// A part whose root does not exist folds into nothing.
+    /// the root read under its row lock, its parts as they now are, folded;
+    /// written when `write` (`dual_write`, `read_new`), and the caches filled
+    /// after the commit. A part whose root does not exist folds into nothing.
     pub(super) async fn refold(
         self: &Arc<Self>,
         ctx: &WriteCtx<'_>,
         key: &KeyOf<Old>,
         pk: &Value,
-        exclude: Option<(usize, &[Value])>,
         write: bool,
-    ) -> Result<Option<AfterCommit>> {
+    ) -> Result<AfterCommit> {
         let Some(root) = self.lock_root(ctx, key, pk).await? else {
             let ck = cache_key(
                 &key.to_directory_text(),
                 &tuple_text(std::slice::from_ref(pk)),
             );
-            return Ok(Some(self.invalidate_both(ck)));
+            return Ok(self.invalidate_both(ck));
         };
-        let db = DatabaseExecutor::Transaction(ctx.txn);
-        let mut parts = [Parts::default()];
-        for part in &self.parts {
-            part.load(&db, std::slice::from_ref(&root), &mut parts, true)
-                .await
-                .map_err(|e| self.db_err(ctx.shard, format!("fold {}", table_name::<New>()), e))?;
-        }
-        let [mut parts] = parts;
-        if let Some((part, pk)) = exclude {
-            self.parts[part].remove(&mut parts, pk);
-        }
-        let new = (self.to_new)(&root, &parts);
+        let new = self.fold_in(ctx, &root).await?;
         if write {
             self.write_new(ctx, &root, new.clone(), false).await?;
         }
-        Ok(Some(self.fill_both(root, new)))
+        Ok(self.fill_both(root, new))
     }
 }
+
+/// Roots per part read (each binds its primary key, and its shard key when
+/// it differs from the others'): far below the 65,535 bind parameters of
+/// PostgreSQL and MySQL whatever the chunk size of a backfill or verify.
+const FOLD_BATCH: usize = 1_000;
 
 impl<Old, New> crate::verify::FoldRows<Old::Model, New::Model> for Shared<Old, New>
 where
@@ -484,8 +509,8 @@ where
         &'a self,
         db: &'a DatabaseExecutor<'a>,
         rows: &'a [Old::Model],
-    ) -> BoxFuture<'a, std::result::Result<Vec<New::Model>, DbErr>> {
-        // Locking only where verify repairs inside a transaction matters:
+    ) -> BoxFuture<'a, std::result::Result<Vec<New::Model>, (&'static str, DbErr)>> {
+        // Locking only matters where verify repairs inside a transaction:
         // outside one, MySQL's locking read just reads the latest rows.
         Box::pin(Shared::fold_rows(self, db, rows, true))
     }
@@ -493,6 +518,12 @@ where
 
 /// The write side of one part of a fold, keyed in the registry by the part
 /// entity's type: what a write of the part does to its root's new row.
+///
+/// Lock order, on every backend: the roots a write touches (sorted), then
+/// the part's own row, then (after the write) the re-folds, which read the
+/// roots again under locks they already hold. A root's own writes lock the
+/// root and then read its parts, so no two transactions wait on each other
+/// in opposite orders through a fold.
 pub(super) struct PartWrites<Old: ShardedEntity, New: ShardedEntity> {
     pub(super) shared: Arc<Shared<Old, New>>,
     pub(super) part: usize,
@@ -531,48 +562,55 @@ where
         ))
     }
 
-    /// Before an update or delete of the part (before `dual_write` ends):
-    /// the root it is linked to now, with that root locked. On MySQL the
-    /// root is locked before the part row (see the module docs).
-    async fn current_root(
+    /// Locks the roots an update or delete of the part touches before the
+    /// part's own row: the one it names now (read without a lock, then
+    /// checked under the part's row lock, following a concurrent move), and
+    /// the one it moves to.
+    async fn lock_roots(
         &self,
         ctx: &WriteCtx<'_>,
         key: &KeyOf<Old>,
         pk: &[Value],
-        guess: Option<Value>,
-    ) -> Result<Option<Value>> {
+        named: Option<Value>,
+        moving_to: Option<Value>,
+    ) -> Result<()> {
         let def = self.def();
         let err = |e| {
             self.shared
                 .db_err(ctx.shard, format!("select {}", def.table()), e)
         };
-        let mysql = ctx.txn.get_database_backend() == sea_orm::DbBackend::MySql;
-        if !mysql {
-            // The part row's lock first, then its root's (in refold).
-            return def.stored_link(ctx.txn, key, pk, true).await.map_err(err);
-        }
-        let mut guess = match guess {
+        let guess = match named {
             Some(link) => Some(link),
             None => def
                 .stored_link(ctx.txn, key, pk, false)
                 .await
                 .map_err(err)?,
         };
-        let mut locked: Vec<String> = Vec::new();
-        loop {
-            let Some(link) = guess else { return Ok(None) };
-            let text = tuple_text(std::slice::from_ref(&link));
-            if !locked.contains(&text) {
-                self.shared.lock_root(ctx, key, &link).await?;
-                locked.push(text);
-            }
-            let now = def.stored_link(ctx.txn, key, pk, true).await.map_err(err)?;
-            if now.as_ref().is_none_or(|now| *now == link) {
-                return Ok(now);
-            }
-            guess = now;
+        let mut roots: Vec<Value> = guess.into_iter().chain(moving_to).collect();
+        roots.sort_by_key(|v| tuple_text(std::slice::from_ref(v)));
+        roots.dedup();
+        for root in &roots {
+            self.shared.lock_root(ctx, key, root).await?;
         }
+        // Under the part's row lock: a move committed since the guess names
+        // another root, locked now (out of order, which only a concurrent
+        // move of this very row can make happen).
+        let mut stored = def.stored_link(ctx.txn, key, pk, true).await.map_err(err)?;
+        while let Some(link) = stored.filter(|l| !roots.contains(l)) {
+            self.shared.lock_root(ctx, key, &link).await?;
+            roots.push(link);
+            stored = def.stored_link(ctx.txn, key, pk, true).await.map_err(err)?;
+        }
+        Ok(())
     }
+}
+
+/// Both cache updates, in order.
+fn both(a: AfterCommit, b: AfterCommit) -> AfterCommit {
+    Box::new(move || {
+        a();
+        b();
+    })
 }
 
 impl<Old, New> OldWrites for PartWrites<Old, New>
@@ -611,6 +649,10 @@ where
         self
     }
 
+    fn needs_current(&self) -> bool {
+        true
+    }
+
     fn before_write<'a>(
         &'a self,
         ctx: WriteCtx<'a>,
@@ -620,65 +662,29 @@ where
         use crate::pipeline::WriteOp;
         Box::pin(async move {
             self.refused_if_done()?;
-            let phase = self.phase();
-            if !phase.caches() {
+            if !self.phase().caches() {
                 return Ok(None);
             }
             let (key, link, pk) = self.def().key_link_pk(&model);
             let Some(key) = key else {
                 return Err(self.missing("shard key"));
             };
-            let mysql = ctx.txn.get_database_backend() == sea_orm::DbBackend::MySql;
-            match op {
-                WriteOp::Insert => {
-                    if let (true, Some(link)) = (mysql, &link) {
-                        self.shared.lock_root(&ctx, &key, link).await?;
-                    }
-                    Ok(None)
+            if op == WriteOp::Insert {
+                if let Some(link) = &link {
+                    self.shared.lock_root(&ctx, &key, link).await?;
                 }
-                WriteOp::Update | WriteOp::Delete => {
-                    let Some(pk) = pk else {
-                        return Err(self.missing("primary key"));
-                    };
-                    // Whether the write may leave its root: a delete does, an
-                    // update that sets the link column may.
-                    let set_link = match &model[self.link_position()] {
-                        ActiveValue::Set(v) => Some(v.clone()),
-                        _ => None,
-                    };
-                    let guess = match &model[self.link_position()] {
-                        ActiveValue::Unchanged(v) => Some(v.clone()),
-                        _ => None,
-                    };
-                    if op == WriteOp::Update && set_link.is_none() {
-                        // It stays with its root; the root is re-folded after
-                        // the write (and locked first on MySQL).
-                        if let (true, Some(link)) = (mysql, &guess) {
-                            self.shared.lock_root(&ctx, &key, link).await?;
-                        }
-                        return Ok(None);
-                    }
-                    let Some(current) = self.current_root(&ctx, &key, &pk, guess).await? else {
-                        return Ok(None);
-                    };
-                    if op == WriteOp::Update && set_link.as_ref() == Some(&current) {
-                        return Ok(None);
-                    }
-                    if let (true, Some(new_link)) = (mysql, &set_link) {
-                        self.shared.lock_root(&ctx, &key, new_link).await?;
-                    }
-                    let shared = self.shared.self_arc();
-                    shared
-                        .refold(
-                            &ctx,
-                            &key,
-                            &current,
-                            Some((self.part, &pk)),
-                            phase.writes_new(),
-                        )
-                        .await
-                }
+                return Ok(None);
             }
+            let Some(pk) = pk else {
+                return Err(self.missing("primary key"));
+            };
+            let (named, moving_to) = match &model[self.def().link_position()] {
+                ActiveValue::Unchanged(v) => (Some(v.clone()), None),
+                ActiveValue::Set(v) if op == WriteOp::Update => (None, Some(v.clone())),
+                _ => (None, None),
+            };
+            self.lock_roots(&ctx, &key, &pk, named, moving_to).await?;
+            Ok(None)
         })
     }
 
@@ -686,6 +692,7 @@ where
         &'a self,
         ctx: WriteCtx<'a>,
         row: RowValues,
+        current: Option<RowValues>,
     ) -> BoxFuture<'a, Result<Option<AfterCommit>>> {
         Box::pin(async move {
             self.refused_if_done()?;
@@ -698,9 +705,20 @@ where
                 return Ok(None);
             };
             let shared = self.shared.self_arc();
-            shared
-                .refold(&ctx, &key, &link, None, phase.writes_new())
-                .await
+            let after = shared.refold(&ctx, &key, &link, phase.writes_new()).await?;
+            // Moved to another root: the one it left is folded without it.
+            let left = current
+                .map(|row| row[self.def().link_position()].clone())
+                .filter(|before| *before != link);
+            match left {
+                Some(before) => {
+                    let other = shared
+                        .refold(&ctx, &key, &before, phase.writes_new())
+                        .await?;
+                    Ok(Some(both(after, other)))
+                }
+                None => Ok(Some(after)),
+            }
         })
     }
 
@@ -708,20 +726,31 @@ where
         &'a self,
         ctx: WriteCtx<'a>,
         model: ActiveValues,
+        current: Option<RowValues>,
     ) -> BoxFuture<'a, Result<(u64, Option<AfterCommit>)>> {
         Box::pin(async move {
             self.refused_if_done()?;
-            if self.phase() < Phase::NewOnly {
-                // The root it left was re-folded before the delete.
+            let phase = self.phase();
+            if phase >= Phase::NewOnly {
+                let (saved, after) = self
+                    .apply_new_only(&ctx, crate::pipeline::WriteOp::Delete, model)
+                    .await?;
+                return match saved {
+                    Applied::Deleted(n) => Ok((n, Some(after))),
+                    Applied::Saved(_) => Ok((1, Some(after))),
+                };
+            }
+            // The row is gone: its root, as it was, is folded without it.
+            let (Some(current), true) = (current, phase.caches()) else {
                 return Ok((0, None));
-            }
-            let (saved, after) = self
-                .apply_new_only(&ctx, crate::pipeline::WriteOp::Delete, model)
-                .await?;
-            match saved {
-                Applied::Deleted(n) => Ok((n, Some(after))),
-                Applied::Saved(_) => Ok((1, Some(after))),
-            }
+            };
+            let link = current[self.def().link_position()].clone();
+            let (Some(key), _, _) = self.def().key_link_pk(&model) else {
+                return Err(self.missing("shard key"));
+            };
+            let shared = self.shared.self_arc();
+            let after = shared.refold(&ctx, &key, &link, phase.writes_new()).await?;
+            Ok((0, Some(after)))
         })
     }
 
@@ -757,13 +786,9 @@ where
     New::Model: Sync + IntoActiveModel<New::ActiveModel>,
     New::ActiveModel: Send,
 {
-    /// The link column's position among the part's columns.
-    fn link_position(&self) -> usize {
-        self.def().link_position()
-    }
-
     /// From `new_only` on: the write of a part applied to its root's folded
-    /// row (split with `to_old` and `to_old_parts`, changed, folded again).
+    /// row (read under its row lock, split with `to_old` and `to_old_parts`,
+    /// changed, folded again).
     async fn apply_new_only(
         &self,
         ctx: &WriteCtx<'_>,
@@ -815,9 +840,24 @@ where
         };
         let root = to_old(&current);
         let mut parts = to_old_parts(&current);
-        let applied = def
-            .apply(&mut parts, op, model)
-            .map_err(|e| shared.db_err(ctx.shard, what, e))?;
+        let applied = def.apply(&mut parts, op, model).map_err(|e| match e {
+            DbErr::RecordNotUpdated => shared.refused_err(format!(
+                "in {}, `{}` row to update is not among the rows folded into `{}` {}: it does \
+                 not exist, or the update moves it to another `{}` (not supported from \
+                 new_only on: delete it and insert it there)",
+                self.phase(),
+                def.table(),
+                table_name::<New>(),
+                tuple_text(std::slice::from_ref(&link)),
+                def.link()
+            )),
+            DbErr::RecordNotInserted => shared.refused_err(format!(
+                "`{}` already holds this `{}` row (duplicate primary key)",
+                table_name::<New>(),
+                def.table()
+            )),
+            other => shared.db_err(ctx.shard, what.clone(), other),
+        })?;
         let new = (shared.to_new)(&root, &parts);
         shared.write_new(ctx, &root, new.clone(), false).await?;
         Ok((applied, shared.self_arc().fill_both(root, new)))

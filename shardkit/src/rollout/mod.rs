@@ -547,18 +547,27 @@ pub(crate) trait OldWrites: Send + Sync {
     ) -> BoxFuture<'a, Result<Option<AfterCommit>>> {
         Box::pin(std::future::ready(Ok(None)))
     }
-    /// After the old row `row` was inserted or updated.
+    /// Whether an update or delete of the entity needs the row as it was
+    /// (a folded part: the root it leaves).
+    fn needs_current(&self) -> bool {
+        false
+    }
+    /// After the old row `row` was inserted or updated (`current`: the row
+    /// before an update, when [`needs_current`](Self::needs_current)).
     fn after_write<'a>(
         &'a self,
         ctx: WriteCtx<'a>,
         row: RowValues,
+        current: Option<RowValues>,
     ) -> BoxFuture<'a, Result<Option<AfterCommit>>>;
-    /// After the old row named by `model` was deleted (or, from `new_only`
-    /// on, instead of deleting it).
+    /// After the old row named by `model` was deleted (`current`: the row
+    /// as it was, when [`needs_current`](Self::needs_current)), or, from
+    /// `new_only` on, instead of deleting it.
     fn after_delete<'a>(
         &'a self,
         ctx: WriteCtx<'a>,
         model: ActiveValues,
+        current: Option<RowValues>,
     ) -> BoxFuture<'a, Result<(u64, Option<AfterCommit>)>>;
     /// `NewOnly`: an insert (`update == false`) or update of the old entity,
     /// applied to the new table only. Returns the old row as written.

@@ -211,6 +211,12 @@ where
                     "{to} serves old-model reads from the new table: register a new → old conversion (Rollout::to_old)"
                 )));
             }
+            if to >= Phase::ReadNew && self.shared.folds() && self.shared.to_old_parts.is_none() {
+                return Err(self.shared.refused_err(format!(
+                    "{to} reads the folded parts from the new table (get_parts) and, from new_only \
+                     on, applies part writes to it: register the split (Rollout::to_old_parts)"
+                )));
+            }
             if to == Phase::ReadNew && state.backfill.as_deref() != Some(BACKFILL_DONE) {
                 return Err(self.shared.refused_err(
                     "the new table is not backfilled: run backfill() while dual writing, then advance",

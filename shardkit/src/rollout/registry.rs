@@ -133,6 +133,23 @@ impl Rollouts<'_> {
             }
             tables.push(part.entity());
         }
+        // The old tables the rollout writes through: the root's and its
+        // parts', as many as the column holds (128 characters).
+        let mut old_tables = table_name::<Old>().to_owned();
+        for part in &rollout.parts {
+            old_tables.push(',');
+            old_tables.push_str(part.table());
+        }
+        if old_tables.len() > 128 {
+            return Err(ShardError::config(
+                entry,
+                format!(
+                    "the root and part tables ({old_tables}) take more than the 128 characters \
+                     shardkit_rollout_instances records for a rollout; fold fewer parts into \
+                     one rollout"
+                ),
+            ));
+        }
         // Checked again when it is added (another registration may race).
         if let Some(table) = self.registry.taken(&written) {
             return Err(taken_err(entry, table));
@@ -178,15 +195,6 @@ impl Rollouts<'_> {
         // Recorded before the rollout acts here: a failure leaves nothing
         // registered on this instance, and a retry starts afresh.
         let ms = |d: Duration| i64::try_from(d.as_millis()).unwrap_or(i64::MAX);
-        // The old tables the rollout writes through: the root's and its
-        // parts', as many as the column holds (128 characters).
-        let mut old_tables = table_name::<Old>().to_owned();
-        for part in &rollout.parts {
-            if old_tables.len() + 1 + part.table().len() <= 128 {
-                old_tables.push(',');
-                old_tables.push_str(part.table());
-            }
-        }
         register_instance(
             db,
             shard,

@@ -359,8 +359,12 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
                         .exec_with_returning(&self.txn)
                         .await
                         .map_err(|e| self.write_err::<E>(name, e))?;
+                    let written = Written::Saved {
+                        row: &row,
+                        current: None,
+                    };
                     self.stages
-                        .after_write::<E>(&ctx, op, Written::Saved(&row))
+                        .after_write::<E>(&ctx, op, written)
                         .await
                         .map_err(|e| self.poison(e))?;
                     row
@@ -392,8 +396,12 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
                         .exec(&self.txn)
                         .await
                         .map_err(|e| self.write_err::<E>(name, e))?;
+                    let written = Written::Saved {
+                        row: &row,
+                        current: current.as_ref(),
+                    };
                     self.stages
-                        .after_write::<E>(&ctx, op, Written::Saved(&row))
+                        .after_write::<E>(&ctx, op, written)
                         .await
                         .map_err(|e| self.poison(e))?;
                     row
