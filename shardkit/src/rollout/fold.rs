@@ -563,9 +563,8 @@ where
     }
 
     /// Locks the roots an update or delete of the part touches before the
-    /// part's own row: the one it names now (read without a lock, then
-    /// checked under the part's row lock, following a concurrent move), and
-    /// the one it moves to.
+    /// part's own row: the one it names now (as the write's model says, or
+    /// read without a lock) and the one it moves to, in sorted order.
     async fn lock_roots(
         &self,
         ctx: &WriteCtx<'_>,
@@ -592,15 +591,11 @@ where
         for root in &roots {
             self.shared.lock_root(ctx, key, root).await?;
         }
-        // Under the part's row lock: a move committed since the guess names
-        // another root, locked now (out of order, which only a concurrent
-        // move of this very row can make happen).
-        let mut stored = def.stored_link(ctx.txn, key, pk, true).await.map_err(err)?;
-        while let Some(link) = stored.filter(|l| !roots.contains(l)) {
-            self.shared.lock_root(ctx, key, &link).await?;
-            roots.push(link);
-            stored = def.stored_link(ctx.txn, key, pk, true).await.map_err(err)?;
-        }
+        // The pipeline then reads the part's row under its lock; if a move
+        // committed since the guess, the re-fold after the write locks the
+        // root it names out of order (only a concurrent move of this very
+        // row makes that happen, and a deadlock it may cause is reported as
+        // one: retry the transaction).
         Ok(())
     }
 }
