@@ -100,16 +100,16 @@ impl CacheMetrics {
 }
 
 /// The phase a rollout acts on here.
-pub(crate) fn rollout_phase(rollout: &str, phase: crate::Phase) {
+pub(crate) fn rollout_phase(rollout: &str, phase: crate::phase::Phase) {
     metrics::gauge!("shardkit_rollout_phase", "rollout" => rollout.to_owned())
         .set(phase as u8 as f64);
 }
 
 /// A request to `shard` that failed under its breaker.
-pub(crate) fn request_failed(shard: &str, err: &crate::ShardError) {
+pub(crate) fn request_failed(shard: &str, err: &crate::error::ShardError) {
     let kind = match err {
-        crate::ShardError::Timeout { .. } => "timeout",
-        crate::ShardError::Unavailable { .. } => "unavailable",
+        crate::error::ShardError::Timeout { .. } => "timeout",
+        crate::error::ShardError::Unavailable { .. } => "unavailable",
         _ => "error",
     };
     counter!("shardkit_shard_errors_total", "shard" => shard.to_owned(), "kind" => kind)

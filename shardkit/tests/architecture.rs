@@ -11,7 +11,7 @@ const LAYERS: &[(&str, &[&str])] = &[
     (
         "core",
         &[
-            "entity", "error", "key", "clock", "phase", "id_spec", "trace",
+            "entity", "error", "key", "clock", "phase", "id_spec", "trace", "metrics",
         ],
     ),
     ("topology", &["topology"]),
@@ -19,6 +19,7 @@ const LAYERS: &[(&str, &[&str])] = &[
     ("reads and writes", &["read", "pipeline", "tx"]),
     ("features", &["ids", "gsi", "rollout", "verify"]),
     ("facade", &["cluster", "testing"]),
+    ("operator", &["cli"]),
 ];
 
 fn layer_of(module: &str) -> Option<usize> {
