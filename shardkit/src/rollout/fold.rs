@@ -136,13 +136,12 @@ where
         model: &ActiveValues,
     ) -> (Option<KeyOf<Old>>, Option<Value>, Option<Vec<Value>>);
     /// The link value of the part row with primary key `pk` as stored now
-    /// (`lock`: under its row lock).
+    /// (without a lock: the pipeline locks the row after its roots).
     fn stored_link<'a>(
         &'a self,
         txn: &'a DatabaseTransaction,
         key: &'a KeyOf<Old>,
         pk: &'a [Value],
-        lock: bool,
     ) -> BoxFuture<'a, std::result::Result<Option<Value>, DbErr>>;
     /// Applies a write of the part (`op`, the active model `model`) to the
     /// root's `parts`: an insert adds the row, an update changes its set
@@ -281,19 +280,15 @@ where
         txn: &'a DatabaseTransaction,
         key: &'a KeyOf<Old>,
         pk: &'a [Value],
-        lock: bool,
     ) -> BoxFuture<'a, std::result::Result<Option<Value>, DbErr>> {
         Box::pin(async move {
             let backend = txn.get_database_backend();
-            let mut select = P::find()
+            let select = P::find()
                 .filter(crate::read::key_condition::<P>(
                     std::slice::from_ref(key),
                     backend,
                 ))
                 .filter(pk_condition::<P>(pk));
-            if lock && backend != sea_orm::DbBackend::Sqlite {
-                select = select.lock_exclusive();
-            }
             Ok(select.one(txn).await?.map(|row| row.get(self.link)))
         })
     }
@@ -580,10 +575,7 @@ where
         };
         let guess = match named {
             Some(link) => Some(link),
-            None => def
-                .stored_link(ctx.txn, key, pk, false)
-                .await
-                .map_err(err)?,
+            None => def.stored_link(ctx.txn, key, pk).await.map_err(err)?,
         };
         let mut roots: Vec<Value> = guess.into_iter().chain(moving_to).collect();
         roots.sort_by_key(|v| tuple_text(std::slice::from_ref(v)));
@@ -597,6 +589,83 @@ where
         // row makes that happen, and a deadlock it may cause is reported as
         // one: retry the transaction).
         Ok(())
+    }
+
+    /// From `new_only` on: the write of a part applied to its root's folded
+    /// row (read under its row lock, split with `to_old` and `to_old_parts`,
+    /// changed, folded again).
+    async fn apply_new_only(
+        &self,
+        ctx: &WriteCtx<'_>,
+        op: crate::pipeline::WriteOp,
+        model: ActiveValues,
+    ) -> Result<(Applied, AfterCommit)> {
+        let def = self.def();
+        let (key, link, _) = def.key_link_pk(&model);
+        let Some(key) = key else {
+            return Err(self.missing("shard key"));
+        };
+        let Some(link) = link else {
+            return Err(self.missing(&format!(
+                "`{}` (the column that names its root; in {} the folded row is found by it)",
+                def.link(),
+                self.phase()
+            )));
+        };
+        let shared = &self.shared;
+        let what = format!(
+            "{} {} (as {})",
+            op.as_str(),
+            def.table(),
+            table_name::<New>()
+        );
+        let Some(current) = shared
+            .new_row_in(ctx, &key, std::slice::from_ref(&link))
+            .await?
+        else {
+            return Err(shared.db_err(
+                ctx.shard,
+                what,
+                DbErr::RecordNotFound(format!(
+                    "no `{}` row with primary key {} under this key for `{}`.`{}` to fold into",
+                    table_name::<New>(),
+                    tuple_text(std::slice::from_ref(&link)),
+                    def.table(),
+                    def.link()
+                )),
+            ));
+        };
+        let (Some(to_old), Some(to_old_parts)) = (&shared.to_old, &shared.to_old_parts) else {
+            return Err(shared.refused_err(format!(
+                "in {} a write of `{}` is applied to the folded row, which needs \
+                 Rollout::to_old and Rollout::to_old_parts",
+                self.phase(),
+                def.table()
+            )));
+        };
+        let root = to_old(&current);
+        let mut parts = to_old_parts(&current);
+        let applied = def.apply(&mut parts, op, model).map_err(|e| match e {
+            DbErr::RecordNotUpdated => shared.refused_err(format!(
+                "in {}, `{}` row to update is not among the rows folded into `{}` {}: it does \
+                 not exist, or the update moves it to another `{}` (not supported from \
+                 new_only on: delete it and insert it there)",
+                self.phase(),
+                def.table(),
+                table_name::<New>(),
+                tuple_text(std::slice::from_ref(&link)),
+                def.link()
+            )),
+            DbErr::RecordNotInserted => shared.refused_err(format!(
+                "`{}` already holds this `{}` row (duplicate primary key)",
+                table_name::<New>(),
+                def.table()
+            )),
+            other => shared.db_err(ctx.shard, what.clone(), other),
+        })?;
+        let new = (shared.to_new)(&root, &parts);
+        shared.write_new(ctx, &root, new.clone(), false).await?;
+        Ok((applied, shared.self_arc().fill_both(root, new)))
     }
 }
 
@@ -769,92 +838,5 @@ where
                     .refused_err("internal: a part write answered with a delete")),
             }
         })
-    }
-}
-
-impl<Old, New> PartWrites<Old, New>
-where
-    Old: ShardedEntity,
-    New: ShardedEntity<Group = Old::Group>,
-    Old::Model: Sync + IntoActiveModel<Old::ActiveModel>,
-    Old::ActiveModel: TryIntoModel<Old::Model> + Send + Sync,
-    New::Model: Sync + IntoActiveModel<New::ActiveModel>,
-    New::ActiveModel: Send,
-{
-    /// From `new_only` on: the write of a part applied to its root's folded
-    /// row (read under its row lock, split with `to_old` and `to_old_parts`,
-    /// changed, folded again).
-    async fn apply_new_only(
-        &self,
-        ctx: &WriteCtx<'_>,
-        op: crate::pipeline::WriteOp,
-        model: ActiveValues,
-    ) -> Result<(Applied, AfterCommit)> {
-        let def = self.def();
-        let (key, link, _) = def.key_link_pk(&model);
-        let Some(key) = key else {
-            return Err(self.missing("shard key"));
-        };
-        let Some(link) = link else {
-            return Err(self.missing(&format!(
-                "`{}` (the column that names its root; in {} the folded row is found by it)",
-                def.link(),
-                self.phase()
-            )));
-        };
-        let shared = &self.shared;
-        let what = format!(
-            "{} {} (as {})",
-            op.as_str(),
-            def.table(),
-            table_name::<New>()
-        );
-        let Some(current) = shared
-            .new_row_in(ctx, &key, std::slice::from_ref(&link))
-            .await?
-        else {
-            return Err(shared.db_err(
-                ctx.shard,
-                what,
-                DbErr::RecordNotFound(format!(
-                    "no `{}` row with primary key {} under this key for `{}`.`{}` to fold into",
-                    table_name::<New>(),
-                    tuple_text(std::slice::from_ref(&link)),
-                    def.table(),
-                    def.link()
-                )),
-            ));
-        };
-        let (Some(to_old), Some(to_old_parts)) = (&shared.to_old, &shared.to_old_parts) else {
-            return Err(shared.refused_err(format!(
-                "in {} a write of `{}` is applied to the folded row, which needs \
-                 Rollout::to_old and Rollout::to_old_parts",
-                self.phase(),
-                def.table()
-            )));
-        };
-        let root = to_old(&current);
-        let mut parts = to_old_parts(&current);
-        let applied = def.apply(&mut parts, op, model).map_err(|e| match e {
-            DbErr::RecordNotUpdated => shared.refused_err(format!(
-                "in {}, `{}` row to update is not among the rows folded into `{}` {}: it does \
-                 not exist, or the update moves it to another `{}` (not supported from \
-                 new_only on: delete it and insert it there)",
-                self.phase(),
-                def.table(),
-                table_name::<New>(),
-                tuple_text(std::slice::from_ref(&link)),
-                def.link()
-            )),
-            DbErr::RecordNotInserted => shared.refused_err(format!(
-                "`{}` already holds this `{}` row (duplicate primary key)",
-                table_name::<New>(),
-                def.table()
-            )),
-            other => shared.db_err(ctx.shard, what.clone(), other),
-        })?;
-        let new = (shared.to_new)(&root, &parts);
-        shared.write_new(ctx, &root, new.clone(), false).await?;
-        Ok((applied, shared.self_arc().fill_both(root, new)))
     }
 }
