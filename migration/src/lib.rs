@@ -27,6 +27,7 @@ pub mod m20261122_000002_create_ticket_registry;
 pub mod m20261122_000003_create_gsi_catalog;
 pub mod m20261122_000004_create_rollout_state;
 pub mod m20261123_000005_create_rollout_instances;
+pub mod m20261123_000006_create_bucket_moves;
 
 /// shardkit's migrations, in order.
 pub fn migrations() -> Vec<Box<dyn MigrationTrait>> {
@@ -36,6 +37,7 @@ pub fn migrations() -> Vec<Box<dyn MigrationTrait>> {
         Box::new(m20261122_000003_create_gsi_catalog::Migration),
         Box::new(m20261122_000004_create_rollout_state::Migration),
         Box::new(m20261123_000005_create_rollout_instances::Migration),
+        Box::new(m20261123_000006_create_bucket_moves::Migration),
     ]
 }
 

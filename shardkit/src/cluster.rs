@@ -8,7 +8,7 @@
 //! index lookup into every read. See `ARCHITECTURE.md` for the layers.
 
 use crate::clock::{Clock, SystemClock};
-use crate::entity::{EntityGroup, ShardedEntity};
+use crate::entity::{EntityGroup, ShardKey, ShardedEntity};
 use crate::error::{Result, ShardError};
 use crate::exec::Shards;
 use crate::gsi::{Gsi, GsiLookup, GsiState, IndexFirst, IndexState};
@@ -21,6 +21,7 @@ use crate::verify::{VerifyOptions, VerifyReport};
 use sea_orm::{DatabaseConnection, IntoActiveModel, TryIntoModel};
 use sea_orm_migration::MigratorTrait;
 use std::sync::Arc;
+use std::time::Duration;
 
 pub use crate::exec::shards::{StatementEvent, StatementObserver};
 pub use crate::exec::{DatabaseMigrationStatus, Directory, MigrationReport};
@@ -108,6 +109,19 @@ impl ClusterBuilder {
             ),
         ));
         let index = Arc::new(GsiLookup::new(Arc::clone(&gsi)));
+        crate::rebalance::load_maps(&shards).await?;
+        let refresh = shards.rebalance_settings().refresh;
+        if !refresh.is_zero() && shards.topology().movable_groups().next().is_some() {
+            crate::exec::periodic::spawn(
+                &shards,
+                refresh,
+                crate::exec::periodic::FirstPass::AfterInterval,
+                |shards| async move {
+                    crate::rebalance::refresh_all(&shards).await;
+                    std::ops::ControlFlow::Continue(())
+                },
+            );
+        }
         Ok(Cluster {
             shards,
             features: Arc::new(Features {
@@ -255,8 +269,14 @@ impl Cluster {
 
     /// Opens a transaction for group `G` pinned to `key`, on the key's shard.
     /// Every write in it must carry that key.
+    ///
+    /// For a `movable` group, the transaction first checks its bucket's fence
+    /// on the shard (see [`crate::rebalance`]); when the bucket has moved, it
+    /// refreshes the bucket map and begins again on the new owner (waiting,
+    /// for at most 5 s, while a cut-over is under way), so the program sees
+    /// a transaction on the right shard.
     pub async fn begin<G: EntityGroup>(&self, key: G::Key) -> Result<ShardTx<G>> {
-        let begun = self.shards.begin::<G>(&key).await?;
+        let begun = self.begin_fenced::<G>(&key).await?;
         Ok(crate::tx::ShardTx::new(
             begun,
             self.shards.clone(),
@@ -264,6 +284,59 @@ impl Cluster {
             Some(self.read_guard()),
             key,
         ))
+    }
+
+    async fn begin_fenced<G: EntityGroup>(&self, key: &G::Key) -> Result<crate::exec::Begun> {
+        if !self.shards.topology().is_movable(G::NAME) {
+            return self.shards.begin::<G>(key).await;
+        }
+        let key_text = key.to_directory_text();
+        let deadline = tokio::time::Instant::now() + crate::rebalance::REROUTE_FOR;
+        let mut delay = Duration::from_millis(1);
+        loop {
+            let begun = self.shards.begin::<G>(key).await?;
+            let shard = begun.target.shard;
+            let bucket = begun.target.bucket.unwrap_or_default();
+            let name = self.shards.shard_name(shard);
+            match crate::rebalance::fence(&begun.txn, name, G::NAME, bucket, &key_text).await {
+                Ok(_) => return Ok(begun),
+                Err(err @ ShardError::BucketMoved { .. }) => {
+                    crate::metrics::fenced(G::NAME);
+                    let _ = begun.txn.rollback().await;
+                    crate::rebalance::refresh(&self.shards, G::NAME).await?;
+                    let now_at = self.shards.route_now::<G>(key)?.map(|t| t.shard);
+                    if now_at != Some(shard) {
+                        tracing::debug!(
+                            group = G::NAME,
+                            bucket,
+                            from = name,
+                            "fenced: rerouted by the refreshed bucket map"
+                        );
+                        continue;
+                    }
+                    if tokio::time::Instant::now() >= deadline {
+                        return Err(err);
+                    }
+                    tokio::time::sleep(delay).await;
+                    delay = (delay * 2).min(Duration::from_millis(20));
+                }
+                Err(err) => return Err(err),
+            }
+        }
+    }
+
+    /// Bucket moves of group `G` (a `movable` hash group): plan, start, run,
+    /// resume and abort them, from this process or another (see
+    /// [`crate::rebalance`]).
+    pub fn rebalance<G: EntityGroup>(&self) -> crate::rebalance::Rebalance<G> {
+        crate::rebalance::Rebalance::new(self.shards.clone())
+    }
+
+    /// Reads every `movable` group's bucket map now (seeding it on first
+    /// use), instead of waiting for the periodic refresh; returns nothing
+    /// new when the epochs are unchanged.
+    pub async fn refresh_bucket_maps(&self) -> Result<()> {
+        crate::rebalance::load_maps(&self.shards).await
     }
 
     /// Runs `work` in a transaction for group `G` pinned to `key`: commits

@@ -285,6 +285,40 @@ pub enum ShardError {
         reason: String,
     },
 
+    /// The key's bucket has moved off (or is being cut over from) the shard
+    /// the write was routed to: that shard's fence refused it inside its
+    /// transaction, and nothing was written. [`Cluster::begin`] refreshes the
+    /// bucket map and retries on the new owner, so a program sees this only
+    /// when the cut-over took longer than the retries waited.
+    ///
+    /// [`Cluster::begin`]: crate::Cluster::begin
+    #[error(
+        "bucket {bucket} of group `{group}` is {state} on shard `{shard}`: its writes go to the bucket's new owner (refresh the bucket map and retry)"
+    )]
+    BucketMoved {
+        /// The group.
+        group: &'static str,
+        /// The bucket.
+        bucket: u32,
+        /// The shard that refused.
+        shard: String,
+        /// What the shard's fence says (`moved`, `none`, or `cutting over`).
+        state: String,
+    },
+
+    /// A bucket move was refused or cannot go on (an overlapping move, a
+    /// plan naming an unknown shard, an abort after the cut-over, rows that
+    /// still differ after catch-up). Nothing was changed by the refused call.
+    #[error("bucket move{} of group `{group}` refused: {reason}", .id.map(|i| format!(" #{i}")).unwrap_or_default())]
+    Rebalance {
+        /// The group.
+        group: String,
+        /// The move, when one is meant.
+        id: Option<i64>,
+        /// Why, and what to do instead.
+        reason: String,
+    },
+
     /// Applying migrations to a shard failed.
     #[error("migrating shard `{shard}` failed: {source}")]
     Migration {
@@ -318,6 +352,7 @@ impl ShardError {
         match self {
             ShardError::Db { shard, .. }
             | ShardError::Timeout { shard, .. }
+            | ShardError::BucketMoved { shard, .. }
             | ShardError::Unavailable { shard, .. } => Some(shard),
             _ => None,
         }
@@ -343,8 +378,9 @@ impl ShardError {
             | ShardError::UniqueViolation { .. }
             | ShardError::IndexValueTooLong { .. }
             | ShardError::RolloutTooSoon { .. }
+            | ShardError::Rebalance { .. }
             | ShardError::Rollout { .. } => ErrorKind::Refused,
-            ShardError::Unroutable { .. } => ErrorKind::Routing,
+            ShardError::Unroutable { .. } | ShardError::BucketMoved { .. } => ErrorKind::Routing,
         }
     }
 
@@ -364,7 +400,8 @@ impl ShardError {
             ShardError::Db { source, .. } => db_retry(source),
             ShardError::Connect { .. }
             | ShardError::Timeout { .. }
-            | ShardError::IdsUnavailable { .. } => Retry::Now,
+            | ShardError::IdsUnavailable { .. }
+            | ShardError::BucketMoved { .. } => Retry::Now,
             ShardError::ShardsFailed { failures, .. } => failures
                 .iter()
                 .map(|f| f.error.retry())
@@ -393,6 +430,7 @@ impl ShardError {
             | ShardError::UniqueViolation { .. }
             | ShardError::IndexValueTooLong { .. }
             | ShardError::Rollout { .. }
+            | ShardError::Rebalance { .. }
             | ShardError::Unroutable { .. } => Retry::Never,
         }
     }
@@ -491,16 +529,19 @@ pub enum Subsystem {
     Rollout,
     /// Verification of rows between tables or shards.
     Verify,
+    /// The bucket map, bucket fences and bucket moves.
+    Rebalance,
 }
 
 impl Subsystem {
-    /// `gsi`, `ids`, `rollout` or `verify`.
+    /// `gsi`, `ids`, `rollout`, `verify` or `rebalance`.
     pub fn as_str(self) -> &'static str {
         match self {
             Subsystem::Gsi => "gsi",
             Subsystem::Ids => "ids",
             Subsystem::Rollout => "rollout",
             Subsystem::Verify => "verify",
+            Subsystem::Rebalance => "rebalance",
         }
     }
 }

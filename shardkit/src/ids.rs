@@ -880,11 +880,16 @@ pub(crate) fn route_id<G: EntityGroup>(topology: &Topology, id: i64) -> Result<T
     match topology.placement(G::NAME)? {
         crate::topology::Placement::Hash { buckets, owner } if *buckets <= 1 << BUCKET_BITS => {
             let bucket = (id as u64 & ((1 << BUCKET_BITS) - 1)) as u32;
-            let shard: ShardId = *owner.get(bucket as usize).ok_or_else(|| ShardError::Unroutable {
+            if bucket >= *buckets {
+                return Err(ShardError::Unroutable {
                     group: G::NAME,
                     key: format!("id {id}"),
-                    reason: format!("bucket {bucket} is outside the group's {buckets} buckets: not a shard-encoded id of this group"),
-                })?;
+                    reason: format!(
+                        "bucket {bucket} is outside the group's {buckets} buckets: not a shard-encoded id of this group"
+                    ),
+                });
+            }
+            let shard: ShardId = owner.get(bucket);
             Ok(Target {
                 shard,
                 bucket: Some(bucket),

@@ -187,6 +187,7 @@ pub mod metrics;
 mod phase;
 pub mod pipeline;
 pub mod read;
+pub mod rebalance;
 pub mod rollout;
 #[cfg(feature = "testing")]
 pub mod testing;

@@ -16,6 +16,12 @@
 //! | `shardkit_ticket_requests_total` | counter | `server` | ticket statements sent |
 //! | `shardkit_ticket_failovers_total` | counter | `server` | times a ticket server failed and the next was tried |
 //! | `shardkit_gsi_reconciled_total` | counter | `entity`, `action` (`removed`, `added`) | dangling index rows removed and missing ones added |
+//! | `shardkit_bucket_map_epoch` | gauge | `group` | the epoch of the bucket map this instance routes by |
+//! | `shardkit_bucket_fenced_total` | counter | `group` | write transactions a shard's fence refused (rerouted after a map refresh) |
+//! | `shardkit_move_rows_copied_total` | counter | `group` | rows a bucket move copied to its target |
+//! | `shardkit_move_changes_applied_total` | counter | `group` | logged keys a bucket move replayed on its target |
+//! | `shardkit_move_pending_changes` | gauge | `group` | keys logged and not yet replayed (the move's lag) |
+//! | `shardkit_move_phase` | gauge | `group` | the running move's phase (0 `registered` … 6 `done`, 7 `aborted`) |
 //!
 //! No label ever holds a key value, a row value or a URL.
 
@@ -132,4 +138,29 @@ pub(crate) fn reconciled(entity: &'static str, removed: u64, added: u64) {
         .increment(removed);
     counter!("shardkit_gsi_reconciled_total", "entity" => entity, "action" => "added")
         .increment(added);
+}
+
+pub(crate) fn map_epoch(group: &str, epoch: u64) {
+    metrics::gauge!("shardkit_bucket_map_epoch", "group" => group.to_owned()).set(epoch as f64);
+}
+
+pub(crate) fn fenced(group: &'static str) {
+    counter!("shardkit_bucket_fenced_total", "group" => group).increment(1);
+}
+
+pub(crate) fn move_copied(group: &str, rows: u64) {
+    counter!("shardkit_move_rows_copied_total", "group" => group.to_owned()).increment(rows);
+}
+
+pub(crate) fn move_applied(group: &str, keys: u64) {
+    counter!("shardkit_move_changes_applied_total", "group" => group.to_owned()).increment(keys);
+}
+
+pub(crate) fn move_pending(group: &str, pending: u64) {
+    metrics::gauge!("shardkit_move_pending_changes", "group" => group.to_owned())
+        .set(pending as f64);
+}
+
+pub(crate) fn move_phase(group: &str, phase: u8) {
+    metrics::gauge!("shardkit_move_phase", "group" => group.to_owned()).set(f64::from(phase));
 }

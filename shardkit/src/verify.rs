@@ -564,8 +564,7 @@ where
         let shards = self
             .shards()
             .topology()
-            .shards_of(<Old::Group as crate::EntityGroup>::NAME)?
-            .to_vec();
+            .scatter_shards(<Old::Group as crate::EntityGroup>::NAME)?;
         let mut report = VerifyReport::default();
         let (start, mut after) = if opts.from_new {
             parse_cursor::<New>(saved.as_deref())

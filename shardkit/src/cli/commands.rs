@@ -225,19 +225,20 @@ async fn status(cluster: &Cluster, registry: &Registry) -> Result<Outcome> {
     let topology = cluster.topology();
     for group in topology.group_names() {
         let shards: Vec<&str> = topology
-            .shards_of(group)?
+            .scatter_shards(group)?
             .iter()
             .map(|id| topology.shard(*id).name.as_str())
             .collect();
         let (kind, buckets) = match topology.placement(group)? {
             Placement::Hash { buckets, owner } => {
+                let owners = owner.to_vec();
                 let per: Vec<(String, usize)> = topology
-                    .shards_of(group)?
+                    .scatter_shards(group)?
                     .iter()
                     .map(|id| {
                         (
                             topology.shard(*id).name.clone(),
-                            owner.iter().filter(|o| *o == id).count(),
+                            owners.iter().filter(|o| *o == id).count(),
                         )
                     })
                     .collect();

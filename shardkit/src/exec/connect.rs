@@ -1,7 +1,9 @@
 //! Connecting a cluster's databases: validated config → one pool per
 //! shard, a side pool per shard, directory and ticket-server pools.
 
-use super::shards::{Inner, ReadSettings, Shards, StatementEvent, StatementObserver};
+use super::shards::{
+    Inner, ReadSettings, RebalanceSettings, Shards, StatementEvent, StatementObserver,
+};
 use crate::clock::Clock;
 use crate::error::{Result, ShardError};
 use crate::topology::{ClusterConfig, DatabaseUrl, PoolConfig, Topology};
@@ -128,6 +130,16 @@ impl Shards {
                 health,
                 directories,
                 read,
+                rebalance: RebalanceSettings {
+                    refresh: Duration::from_millis(config.rebalance.refresh_ms.unwrap_or(5_000)),
+                    cutover_wait: Duration::from_millis(
+                        config.rebalance.cutover_wait_ms.unwrap_or(200),
+                    ),
+                    cleanup_grace: Duration::from_millis(
+                        config.rebalance.cleanup_grace_ms.unwrap_or(60_000),
+                    ),
+                    chunk: config.rebalance.chunk.unwrap_or(2_000),
+                },
                 tickets,
                 servers,
                 observer: kept_observer,

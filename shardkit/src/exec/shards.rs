@@ -40,6 +40,7 @@ pub(super) struct Inner {
     /// Per ticket server, its pool (the id service draws from them).
     pub(super) tickets: Vec<DatabaseConnection>,
     pub(super) read: ReadSettings,
+    pub(super) rebalance: RebalanceSettings,
     /// Each shard's PostgreSQL server identity, read on first need.
     pub(super) servers: Vec<tokio::sync::OnceCell<Option<String>>>,
     /// For statements sent outside SeaORM's metered paths.
@@ -79,6 +80,16 @@ impl crate::exec::periodic::Handle for Shards {
 pub(crate) struct ReadSettings {
     pub(crate) timeout: Option<Duration>,
     pub(crate) max_concurrency: usize,
+}
+
+/// Bucket-move settings (from `[rebalance]`).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct RebalanceSettings {
+    /// Between two reads of the bucket maps' epochs (zero: never).
+    pub(crate) refresh: Duration,
+    pub(crate) cutover_wait: Duration,
+    pub(crate) cleanup_grace: Duration,
+    pub(crate) chunk: u64,
 }
 
 /// Called after every statement a shard runs (see [`ClusterBuilder::on_statement`]).
@@ -168,6 +179,10 @@ impl Shards {
     }
 
     /// The validated topology.
+    pub(crate) fn rebalance_settings(&self) -> RebalanceSettings {
+        self.inner.rebalance
+    }
+
     pub(crate) fn topology(&self) -> &Topology {
         &self.inner.topology
     }

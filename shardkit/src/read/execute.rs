@@ -485,9 +485,9 @@ impl<E: ShardedEntity> Read<E> {
             RouteSpec::All => Ok(self
                 .shards
                 .topology()
-                .shards_of(Self::group())?
-                .iter()
-                .map(|id| (*id, base.clone()))
+                .scatter_shards(Self::group())?
+                .into_iter()
+                .map(|id| (id, base.clone()))
                 .collect()),
             RouteSpec::Index(..) => Err(ShardError::Unmergeable {
                 table: table_name::<E>(),

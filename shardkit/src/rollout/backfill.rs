@@ -47,8 +47,7 @@ where
         let shards = self
             .shards
             .topology()
-            .shards_of(<Old::Group as EntityGroup>::NAME)?
-            .to_vec();
+            .scatter_shards(<Old::Group as EntityGroup>::NAME)?;
         let mut progress = RolloutBackfill {
             shards: shards.len(),
             ..Default::default()

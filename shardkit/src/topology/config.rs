@@ -55,6 +55,31 @@ pub struct ClusterConfig {
     /// Global secondary indexes.
     #[serde(default)]
     pub gsi: GsiConfig,
+    /// Bucket moves of `movable` groups.
+    #[serde(default)]
+    pub rebalance: RebalanceConfig,
+}
+
+/// `[rebalance]`: the live bucket map and bucket moves.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RebalanceConfig {
+    /// Milliseconds between two reads of the bucket map's epoch by each
+    /// instance (default 5,000; `0` reads it only at connect and when a
+    /// shard's fence refuses a write).
+    pub refresh_ms: Option<u64>,
+    /// Milliseconds a cut-over waits for the moving buckets' in-flight
+    /// write transactions before it gives up and tries again later
+    /// (default 200; at least 1). Writes to the moving buckets wait at
+    /// most this long, plus the final catch-up.
+    pub cutover_wait_ms: Option<u64>,
+    /// Milliseconds after a cut-over before the source's copies of the
+    /// moved buckets are deleted (default 60,000): longer than any
+    /// instance takes to refresh its map and finish a read it routed by
+    /// the old one.
+    pub cleanup_grace_ms: Option<u64>,
+    /// Rows per copy chunk (default 2,000; 1 to 100,000).
+    pub chunk: Option<u64>,
 }
 
 /// `[gsi]`: global secondary index settings.
@@ -225,6 +250,14 @@ pub struct GroupConfig {
     pub shards: Option<Vec<String>>,
     /// `directory`: where the lookup table lives.
     pub directory: Option<DirectoryConfig>,
+    /// `hash`: the group's buckets can move between shards while the
+    /// application runs ([`Cluster::rebalance`](crate::Cluster::rebalance)).
+    /// Its bucket map is then read from the database (seeded from this
+    /// file on first use) and every write transaction checks its bucket's
+    /// fence on its shard: one more statement per transaction. Every
+    /// instance of the application must agree on it. Default `false`.
+    #[serde(default)]
+    pub movable: bool,
 }
 
 /// `first..=last` buckets on one shard.
@@ -420,6 +453,22 @@ impl ClusterConfig {
             MIN_GRACE_MS,
             MAX_GRACE_MS,
         )?;
+
+        let rebalance = &self.rebalance;
+        within("rebalance.refresh_ms", rebalance.refresh_ms, 0, 86_400_000)?;
+        within(
+            "rebalance.cutover_wait_ms",
+            rebalance.cutover_wait_ms,
+            1,
+            60_000,
+        )?;
+        within(
+            "rebalance.cleanup_grace_ms",
+            rebalance.cleanup_grace_ms,
+            0,
+            MAX_GRACE_MS,
+        )?;
+        within("rebalance.chunk", rebalance.chunk, 1, 100_000)?;
 
         let ids = &self.ids;
         within("ids.timeout_ms", ids.timeout_ms, 1, MAX_TICKET_TIMEOUT_MS)?;

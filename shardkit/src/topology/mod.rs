@@ -14,8 +14,8 @@ mod url;
 
 pub use config::{
     BucketRange, ClusterConfig, DirectoryConfig, GroupConfig, HostConfig, IdsConfig, KeyRange,
-    PlacementKind, PoolConfig, RangeBound, ReadConfig, SequenceConfig, ShardConfig,
-    SnowflakeConfig,
+    PlacementKind, PoolConfig, RangeBound, ReadConfig, RebalanceConfig, SequenceConfig,
+    ShardConfig, SnowflakeConfig,
 };
 pub use url::DatabaseUrl;
 
@@ -24,6 +24,82 @@ use crate::error::{Result, ShardError};
 use config::check_url;
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering as AtomicOrdering};
+
+/// The owner of each bucket of a hash placement, and the epoch of the map
+/// they came from. Routing reads it without a lock; a `movable` group's
+/// owners change when the cluster reads a newer map from the database.
+pub struct BucketOwners {
+    epoch: AtomicU64,
+    owner: Box<[AtomicU32]>,
+    /// The owners as configured (what the map is seeded from).
+    configured: Box<[ShardId]>,
+}
+
+impl BucketOwners {
+    fn new(owner: Box<[ShardId]>) -> Self {
+        BucketOwners {
+            epoch: AtomicU64::new(0),
+            owner: owner.iter().map(|s| AtomicU32::new(s.0)).collect(),
+            configured: owner,
+        }
+    }
+
+    /// The shard that owns `bucket` now.
+    #[inline]
+    pub fn get(&self, bucket: u32) -> ShardId {
+        ShardId(self.owner[bucket as usize].load(AtomicOrdering::Acquire))
+    }
+
+    /// The number of buckets.
+    pub fn len(&self) -> usize {
+        self.owner.len()
+    }
+
+    /// Whether there are no buckets (never, for a validated placement).
+    pub fn is_empty(&self) -> bool {
+        self.owner.is_empty()
+    }
+
+    /// The epoch of the bucket map these owners came from: 0 for the
+    /// configured spread, then the database's epoch for a `movable` group.
+    pub fn epoch(&self) -> u64 {
+        self.epoch.load(AtomicOrdering::Acquire)
+    }
+
+    /// Every bucket's owner, in bucket order.
+    pub fn to_vec(&self) -> Vec<ShardId> {
+        (0..self.owner.len() as u32).map(|b| self.get(b)).collect()
+    }
+
+    /// The owners the config file gives (the map's seed).
+    pub fn configured(&self) -> &[ShardId] {
+        &self.configured
+    }
+
+    /// Installs a newer map; an older or equal epoch changes nothing.
+    /// Returns whether it was installed.
+    pub(crate) fn install(&self, epoch: u64, owners: &[ShardId]) -> bool {
+        if owners.len() != self.owner.len() || epoch <= self.epoch() {
+            return false;
+        }
+        for (slot, shard) in self.owner.iter().zip(owners) {
+            slot.store(shard.0, AtomicOrdering::Release);
+        }
+        self.epoch.store(epoch, AtomicOrdering::Release);
+        true
+    }
+}
+
+impl fmt::Debug for BucketOwners {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("BucketOwners")
+            .field("epoch", &self.epoch())
+            .field("buckets", &self.owner.len())
+            .finish()
+    }
+}
 
 /// Index of a logical shard in the cluster (its position in `[[shards]]`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -72,12 +148,13 @@ pub struct DirectorySpec {
 /// One group's validated placement.
 #[derive(Clone, Debug)]
 pub enum Placement {
-    /// `bucket = partition_hash(key) % buckets`, then `owner[bucket]`.
+    /// `bucket = partition_hash(key) % buckets`, then `owner.get(bucket)`.
     Hash {
         /// Number of buckets.
         buckets: u32,
-        /// Owning shard of each bucket.
-        owner: Box<[ShardId]>,
+        /// Owning shard of each bucket: the configured spread, or, for a
+        /// `movable` group, the bucket map as last read from the database.
+        owner: Arc<BucketOwners>,
     },
     /// Sorted, contiguous `[from, to)` ranges.
     Range {
@@ -117,6 +194,8 @@ pub struct Topology {
     groups: BTreeMap<String, Placement>,
     /// Every shard each group can have rows on (what a scatter asks).
     group_shards: HashMap<String, Vec<ShardId>>,
+    /// The `movable` groups.
+    movable: Vec<String>,
     directories: Vec<DirectorySpec>,
 }
 
@@ -240,6 +319,7 @@ impl Topology {
             by_name,
             groups: BTreeMap::new(),
             group_shards: HashMap::new(),
+            movable: Vec::new(),
             directories: Vec::new(),
         };
         for (name, group) in &config.groups {
@@ -247,6 +327,9 @@ impl Topology {
             let shards = topology.compute_shards_of(&placement);
             topology.groups.insert(name.clone(), placement);
             topology.group_shards.insert(name.clone(), shards);
+            if group.movable {
+                topology.movable.push(name.clone());
+            }
         }
         Ok(topology)
     }
@@ -306,6 +389,11 @@ impl Topology {
             group.directory.is_some() && kind != PlacementKind::Directory,
             "\"directory\"",
         )?;
+        only(
+            "movable",
+            group.movable && kind != PlacementKind::Hash,
+            "\"hash\"",
+        )?;
 
         match kind {
             PlacementKind::Hash => {
@@ -348,7 +436,10 @@ impl Topology {
                         spread(buckets, &ids)
                     }
                 };
-                Ok(Placement::Hash { buckets, owner })
+                Ok(Placement::Hash {
+                    buckets,
+                    owner: Arc::new(BucketOwners::new(owner)),
+                })
             }
             PlacementKind::Range => {
                 let ranges = group.ranges.as_ref().filter(|r| !r.is_empty()).ok_or_else(|| {
@@ -626,16 +717,53 @@ impl Topology {
             })
     }
 
-    /// Every shard that can hold rows of `group`, in shard order: the shards a
-    /// scatter read asks.
+    /// The shards the config gives `group`, in shard order. They do not
+    /// change while the cluster runs, so what is placed over them stays put
+    /// when buckets move: the group's global-index rows (by value hash) and
+    /// its rollouts' shared rows (on the first).
     pub fn shards_of(&self, group: &str) -> Result<&[ShardId]> {
         self.placement(group)?;
         Ok(self.group_shards.get(group).map_or(&[], Vec::as_slice))
     }
 
+    /// Every shard that can hold rows of `group` now, in shard order: the
+    /// shards a scatter read asks. For a `movable` group, the configured
+    /// shards and every shard the bucket map names (a shard a move added).
+    pub fn scatter_shards(&self, group: &str) -> Result<Vec<ShardId>> {
+        let configured = self.shards_of(group)?;
+        match self.groups.get(group) {
+            Some(Placement::Hash { owner, .. }) if owner.epoch() > 0 => {
+                let mut ids = owner.to_vec();
+                ids.extend_from_slice(configured);
+                ids.sort_unstable();
+                ids.dedup();
+                Ok(ids)
+            }
+            _ => Ok(configured.to_vec()),
+        }
+    }
+
+    /// Whether `group`'s buckets can move (`movable = true`).
+    pub fn is_movable(&self, group: &str) -> bool {
+        self.movable.iter().any(|g| g == group)
+    }
+
+    /// The `movable` groups.
+    pub fn movable_groups(&self) -> impl Iterator<Item = &str> {
+        self.movable.iter().map(String::as_str)
+    }
+
+    /// A hash placement's bucket owners (`None` for other placements).
+    pub fn live_owners(&self, group: &str) -> Result<Option<&Arc<BucketOwners>>> {
+        Ok(match self.placement(group)? {
+            Placement::Hash { owner, .. } => Some(owner),
+            _ => None,
+        })
+    }
+
     fn compute_shards_of(&self, placement: &Placement) -> Vec<ShardId> {
         let mut ids: Vec<ShardId> = match placement {
-            Placement::Hash { owner, .. } => owner.to_vec(),
+            Placement::Hash { owner, .. } => owner.configured().to_vec(),
             Placement::Range { ranges } => ranges.iter().map(|(_, _, shard)| *shard).collect(),
             Placement::Modulo { shards } => shards.clone(),
             // Any shard may appear in the lookup table.
@@ -653,7 +781,7 @@ impl Topology {
             Placement::Hash { buckets, owner } => {
                 let bucket = (key.partition_hash() % u64::from(*buckets)) as u32;
                 Ok(Located::Target(Target {
-                    shard: owner[bucket as usize],
+                    shard: owner.get(bucket),
                     bucket: Some(bucket),
                 }))
             }

@@ -1,0 +1,389 @@
+//! One entity's part in a move: copy, replay, compare and delete the rows of
+//! the moving buckets, behind an object the mover calls by table.
+
+use super::*;
+use sea_orm::ActiveModelTrait;
+
+/// The moving buckets of a group (a membership table over all buckets).
+pub(crate) struct Buckets {
+    count: u32,
+    moving: Vec<bool>,
+}
+
+impl Buckets {
+    pub(crate) fn new(count: u32, moving: impl IntoIterator<Item = u32>) -> Self {
+        let mut set = vec![false; count as usize];
+        for b in moving {
+            if let Some(slot) = set.get_mut(b as usize) {
+                *slot = true;
+            }
+        }
+        Buckets { count, moving: set }
+    }
+
+    pub(crate) fn count(&self) -> u32 {
+        self.count
+    }
+
+    pub(crate) fn bucket<K: ShardKey>(&self, key: &K) -> u32 {
+        (key.partition_hash() % u64::from(self.count)) as u32
+    }
+
+    pub(crate) fn holds<K: ShardKey>(&self, key: &K) -> bool {
+        self.moving[self.bucket(key) as usize]
+    }
+}
+
+/// A chunk's outcome.
+pub(crate) struct Chunk {
+    /// Rows of the moving buckets it copied or deleted.
+    pub(crate) rows: u64,
+    /// Where the next chunk starts; `None` at the end of the table.
+    pub(crate) next: Option<String>,
+}
+
+/// What comparing one table found.
+#[derive(Default)]
+pub(crate) struct Compared {
+    pub(crate) rows: u64,
+    /// Keys (as text) whose rows differ between source and target.
+    pub(crate) keys: Vec<String>,
+}
+
+/// An entity of the moving group, type-erased for the mover.
+pub(crate) trait MoveEntity: Send + Sync {
+    fn table(&self) -> &'static str;
+
+    /// Copies the moving buckets' rows of the next source chunk (primary
+    /// key after `after`) to the target, replacing what the target has
+    /// under those primary keys.
+    fn copy_chunk<'a>(
+        &'a self,
+        src: (&'a DatabaseConnection, &'a str),
+        dst: (&'a DatabaseConnection, &'a str),
+        after: Option<&'a str>,
+        chunk: u64,
+        buckets: &'a Buckets,
+    ) -> BoxFuture<'a, Result<Chunk>>;
+
+    /// Makes the target's rows of `keys` what the source holds now.
+    fn sync_keys<'a>(
+        &'a self,
+        src: (&'a DatabaseConnection, &'a str),
+        dst: (&'a DatabaseConnection, &'a str),
+        keys: &'a [String],
+    ) -> BoxFuture<'a, Result<u64>>;
+
+    /// Deletes the moving buckets' rows of the next chunk of `db`'s table,
+    /// all rows of a key in one statement (a reader sees a key's rows all
+    /// there or all gone).
+    fn delete_chunk<'a>(
+        &'a self,
+        db: (&'a DatabaseConnection, &'a str),
+        after: Option<&'a str>,
+        chunk: u64,
+        buckets: &'a Buckets,
+    ) -> BoxFuture<'a, Result<Chunk>>;
+
+    /// Compares the moving buckets' rows on source and target.
+    fn compare<'a>(
+        &'a self,
+        src: (&'a DatabaseConnection, &'a str),
+        dst: (&'a DatabaseConnection, &'a str),
+        chunk: u64,
+        buckets: &'a Buckets,
+    ) -> BoxFuture<'a, Result<Compared>>;
+}
+
+pub(crate) struct Mover<E>(std::marker::PhantomData<fn() -> E>);
+
+impl<E> Mover<E> {
+    pub(crate) fn new() -> Self {
+        Mover(std::marker::PhantomData)
+    }
+}
+
+fn err<'a, E: EntityTrait>(shard: &'a str, what: &str) -> impl Fn(DbErr) -> ShardError + 'a {
+    let table = table_name::<E>();
+    let what = what.to_owned();
+    move |source| ShardError::Db {
+        origin: Box::new(crate::error::Origin::table(
+            crate::error::Subsystem::Rebalance,
+            table,
+        )),
+        shard: shard.to_owned(),
+        operation: format!("{what} {table}"),
+        source,
+    }
+}
+
+/// Rows per `INSERT` so a statement stays under every backend's limit of
+/// bound parameters (SQLite's 32,766 is the lowest).
+fn rows_per_insert<E: EntityTrait>() -> usize {
+    let columns = <E::Column as Iterable>::iter().count().max(1);
+    (30_000 / columns).max(1)
+}
+
+fn row_values<E: EntityTrait>(m: &E::Model) -> Vec<Value> {
+    <E::Column as Iterable>::iter().map(|c| m.get(c)).collect()
+}
+
+/// Deletes `rows`' primary keys on `db`, then inserts them, in one transaction.
+async fn replace_rows<E>(
+    db: &DatabaseConnection,
+    shard: &str,
+    keys: Option<&[Value]>,
+    rows: Vec<E::Model>,
+) -> Result<()>
+where
+    E: ShardedEntity,
+    E::Model: IntoActiveModel<E::ActiveModel>,
+    E::ActiveModel: Send,
+{
+    let e = err::<E>(shard, "copy to");
+    let txn = crate::exec::begin_write(db).await.map_err(&e)?;
+    match keys {
+        // Every row of these keys goes: the source no longer has some.
+        Some(keys) => {
+            for keys in keys.chunks(500) {
+                E::delete_many()
+                    .filter(sea_orm::ColumnTrait::is_in(
+                        &E::shard_key_column(),
+                        keys.iter().cloned(),
+                    ))
+                    .exec(&txn)
+                    .await
+                    .map_err(&e)?;
+            }
+        }
+        None => {
+            let pks: Vec<Vec<Value>> = rows.iter().map(model_pk_values::<E>).collect();
+            let single = <E::PrimaryKey as Iterable>::iter().count() == 1;
+            for pks in pks.chunks(500) {
+                let cond = if single {
+                    let col = <E::PrimaryKey as Iterable>::iter()
+                        .next()
+                        .expect("a primary key")
+                        .into_column();
+                    Condition::all().add(sea_orm::ColumnTrait::is_in(
+                        &col,
+                        pks.iter().map(|pk| pk[0].clone()),
+                    ))
+                } else {
+                    pks.iter().fold(Condition::any(), |c, pk| {
+                        c.add(crate::rollout::pk_condition::<E>(pk))
+                    })
+                };
+                E::delete_many().filter(cond).exec(&txn).await.map_err(&e)?;
+            }
+        }
+    }
+    let per = rows_per_insert::<E>();
+    let mut rows = rows.into_iter().peekable();
+    while rows.peek().is_some() {
+        let batch: Vec<E::ActiveModel> = rows
+            .by_ref()
+            .take(per)
+            .map(|m| m.into_active_model().reset_all())
+            .collect();
+        E::insert_many(batch)
+            .exec_without_returning(&txn)
+            .await
+            .map_err(&e)?;
+    }
+    txn.commit().await.map_err(&e)
+}
+
+impl<E> MoveEntity for Mover<E>
+where
+    E: ShardedEntity,
+    E::Model: IntoActiveModel<E::ActiveModel> + Sync,
+    E::ActiveModel: Send,
+{
+    fn table(&self) -> &'static str {
+        table_name::<E>()
+    }
+
+    fn copy_chunk<'a>(
+        &'a self,
+        src: (&'a DatabaseConnection, &'a str),
+        dst: (&'a DatabaseConnection, &'a str),
+        after: Option<&'a str>,
+        chunk: u64,
+        buckets: &'a Buckets,
+    ) -> BoxFuture<'a, Result<Chunk>> {
+        Box::pin(async move {
+            let after = after.map(|a| parse_pk::<E>(a));
+            let rows = keyset::chunk::<E>(after.as_deref(), chunk)
+                .all(src.0)
+                .await
+                .map_err(err::<E>(src.1, "copy from"))?;
+            let next = (rows.len() as u64 == chunk)
+                .then(|| rows.last().map(|m| tuple_text(&model_pk_values::<E>(m))))
+                .flatten();
+            let moving: Vec<E::Model> = rows
+                .into_iter()
+                .filter(|m| buckets.holds(&E::shard_key(m)))
+                .collect();
+            let copied = moving.len() as u64;
+            if !moving.is_empty() {
+                replace_rows::<E>(dst.0, dst.1, None, moving).await?;
+            }
+            Ok(Chunk { rows: copied, next })
+        })
+    }
+
+    fn sync_keys<'a>(
+        &'a self,
+        src: (&'a DatabaseConnection, &'a str),
+        dst: (&'a DatabaseConnection, &'a str),
+        keys: &'a [String],
+    ) -> BoxFuture<'a, Result<u64>> {
+        Box::pin(async move {
+            let values: Vec<Value> = keys
+                .iter()
+                .filter_map(|k| {
+                    <<E::Group as EntityGroup>::Key as ShardKey>::from_directory_text(k)
+                })
+                .map(Into::into)
+                .collect();
+            let mut rows = Vec::new();
+            for chunk in values.chunks(500) {
+                rows.extend(
+                    E::find()
+                        .filter(sea_orm::ColumnTrait::is_in(
+                            &E::shard_key_column(),
+                            chunk.iter().cloned(),
+                        ))
+                        .all(src.0)
+                        .await
+                        .map_err(err::<E>(src.1, "replay from"))?,
+                );
+            }
+            let n = rows.len() as u64;
+            replace_rows::<E>(dst.0, dst.1, Some(&values), rows).await?;
+            Ok(n)
+        })
+    }
+
+    fn delete_chunk<'a>(
+        &'a self,
+        db: (&'a DatabaseConnection, &'a str),
+        after: Option<&'a str>,
+        chunk: u64,
+        buckets: &'a Buckets,
+    ) -> BoxFuture<'a, Result<Chunk>> {
+        Box::pin(async move {
+            let after = after.map(|a| parse_pk::<E>(a));
+            let rows = keyset::chunk::<E>(after.as_deref(), chunk)
+                .all(db.0)
+                .await
+                .map_err(err::<E>(db.1, "clean"))?;
+            let next = (rows.len() as u64 == chunk)
+                .then(|| rows.last().map(|m| tuple_text(&model_pk_values::<E>(m))))
+                .flatten();
+            let mut keys: Vec<<E::Group as EntityGroup>::Key> = rows
+                .iter()
+                .map(|m| E::shard_key(m))
+                .filter(|k| buckets.holds(k))
+                .collect();
+            keys.sort_by_key(|k| k.to_directory_text());
+            keys.dedup();
+            let mut deleted = 0;
+            for keys in keys.chunks(500) {
+                deleted += E::delete_many()
+                    .filter(sea_orm::ColumnTrait::is_in(
+                        &E::shard_key_column(),
+                        keys.iter().cloned().map(Into::<Value>::into),
+                    ))
+                    .exec(db.0)
+                    .await
+                    .map_err(err::<E>(db.1, "clean"))?
+                    .rows_affected;
+            }
+            Ok(Chunk {
+                rows: deleted,
+                next,
+            })
+        })
+    }
+
+    fn compare<'a>(
+        &'a self,
+        src: (&'a DatabaseConnection, &'a str),
+        dst: (&'a DatabaseConnection, &'a str),
+        chunk: u64,
+        buckets: &'a Buckets,
+    ) -> BoxFuture<'a, Result<Compared>> {
+        Box::pin(async move {
+            // Both sides walk the table in primary-key order over the same
+            // key range: the source's chunk decides where the range ends.
+            let mut out = Compared::default();
+            let mut after: Option<Vec<Value>> = None;
+            loop {
+                let rows = keyset::chunk::<E>(after.as_deref(), chunk)
+                    .all(src.0)
+                    .await
+                    .map_err(err::<E>(src.1, "verify"))?;
+                let last = (rows.len() as u64 == chunk)
+                    .then(|| rows.last().map(model_pk_values::<E>))
+                    .flatten();
+                let theirs = keyset::by_pk(
+                    E::find()
+                        .filter(keyset::after_condition::<E>(after.as_deref()))
+                        .filter(keyset::upto_condition::<E>(last.as_deref())),
+                )
+                .all(dst.0)
+                .await
+                .map_err(err::<E>(dst.1, "verify"))?;
+                let mine: std::collections::BTreeMap<String, (String, Vec<Value>)> = rows
+                    .iter()
+                    .filter(|m| buckets.holds(&E::shard_key(m)))
+                    .map(|m| {
+                        (
+                            tuple_text(&model_pk_values::<E>(m)),
+                            (E::shard_key(m).to_directory_text(), row_values::<E>(m)),
+                        )
+                    })
+                    .collect();
+                out.rows += mine.len() as u64;
+                let mut seen = 0;
+                for m in theirs.iter().filter(|m| buckets.holds(&E::shard_key(m))) {
+                    let pk = tuple_text(&model_pk_values::<E>(m));
+                    match mine.get(&pk) {
+                        Some((_, values)) if *values == row_values::<E>(m) => seen += 1,
+                        Some((key, _)) => {
+                            seen += 1;
+                            out.keys.push(key.clone());
+                        }
+                        None => out.keys.push(E::shard_key(m).to_directory_text()),
+                    }
+                }
+                if seen < mine.len() {
+                    let there: std::collections::HashSet<String> = theirs
+                        .iter()
+                        .map(|m| tuple_text(&model_pk_values::<E>(m)))
+                        .collect();
+                    out.keys.extend(
+                        mine.iter()
+                            .filter(|(pk, _)| !there.contains(*pk))
+                            .map(|(_, (key, _))| key.clone()),
+                    );
+                }
+                match last {
+                    Some(last) => after = Some(last),
+                    None => break,
+                }
+            }
+            out.keys.sort();
+            out.keys.dedup();
+            Ok(out)
+        })
+    }
+}
+
+fn parse_pk<E: ShardedEntity>(text: &str) -> Vec<Value> {
+    keyset::parse_cursor::<E>(Some(&format!("0:{text}")))
+        .1
+        .unwrap_or_default()
+}

@@ -1,0 +1,407 @@
+//! The live bucket map (on each group's control database) and each shard's
+//! bucket states: the fence a write transaction checks, and the change log
+//! it writes while its bucket moves away.
+
+use super::*;
+
+pub(crate) const EPOCHS: &str = "shardkit_bucket_epochs";
+pub(crate) const MAP: &str = "shardkit_bucket_map";
+pub(crate) const STATES: &str = "shardkit_bucket_states";
+pub(crate) const CHANGES: &str = "shardkit_move_changes";
+
+/// A shard's say over one bucket (`shardkit_bucket_states.state`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum BucketState {
+    /// The shard owns the bucket: writes go on.
+    Owned,
+    /// The bucket is moving away: writes go on and log their key.
+    Moving,
+    /// Fenced: the bucket is being cut over or has moved away.
+    Moved,
+    /// The shard does not own the bucket.
+    None,
+}
+
+impl BucketState {
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            BucketState::Owned => "owned",
+            BucketState::Moving => "moving",
+            BucketState::Moved => "moved",
+            BucketState::None => "none",
+        }
+    }
+
+    fn parse(text: &str) -> Option<Self> {
+        Some(match text {
+            "owned" => BucketState::Owned,
+            "moving" => BucketState::Moving,
+            "moved" => BucketState::Moved,
+            "none" => BucketState::None,
+            _ => return None,
+        })
+    }
+}
+
+pub(crate) fn db_err(shard: &str, table: &str, operation: &str, source: DbErr) -> ShardError {
+    ShardError::Db {
+        origin: Box::new(crate::error::Origin::table(
+            crate::error::Subsystem::Rebalance,
+            table,
+        )),
+        shard: shard.to_owned(),
+        operation: format!("{operation} {table}"),
+        source,
+    }
+}
+
+/// The group's control database: its first configured shard.
+pub(crate) fn control(shards: &Shards, group: &str) -> Result<ShardId> {
+    Ok(shards.topology().shards_of(group)?[0])
+}
+
+fn buckets_of(shards: &Shards, group: &str) -> Result<(u32, Arc<BucketOwners>)> {
+    match shards.topology().placement(group)? {
+        Placement::Hash { buckets, owner } => Ok((*buckets, Arc::clone(owner))),
+        _ => Err(ShardError::config(
+            format!("groups.{group}.movable"),
+            "only hash placements can move buckets",
+        )),
+    }
+}
+
+/// Reads the group's map epoch and, when it is newer than the one routing
+/// uses, the map; seeds the map from the config when the database has none.
+/// Returns the epoch now in use.
+pub(crate) async fn refresh(shards: &Shards, group: &str) -> Result<u64> {
+    let (buckets, owners) = buckets_of(shards, group)?;
+    let id = control(shards, group)?;
+    let (db, name) = (shards.side_conn(id), shards.shard_name(id));
+    let epoch = match read_epoch(db, name, group, buckets).await? {
+        Some(epoch) => epoch,
+        None => seed_map(shards, group, buckets, &owners).await?,
+    };
+    if epoch > owners.epoch() {
+        let stmt = Query::select()
+            .columns([Alias::new("bucket"), Alias::new("shard")])
+            .from(Alias::new(MAP))
+            .and_where(Expr::col(Alias::new("grp")).eq(group))
+            .to_owned();
+        let rows = db
+            .query_all(&stmt)
+            .await
+            .map_err(|e| db_err(name, MAP, "read", e))?;
+        let mut map = owners.to_vec();
+        let mut seen = 0usize;
+        for row in rows {
+            let get = |e| db_err(name, MAP, "read", e);
+            let bucket: i32 = row.try_get("", "bucket").map_err(get)?;
+            let shard: String = row.try_get("", "shard").map_err(get)?;
+            let owner = shards.topology().shard_id(&shard).ok_or_else(|| {
+                ShardError::config(
+                    format!("{MAP}[{group}, bucket {bucket}]"),
+                    format!(
+                        "the bucket map names shard `{shard}`, which `[[shards]]` does not define: every instance needs every shard a move added"
+                    ),
+                )
+            })?;
+            if let Some(slot) = usize::try_from(bucket).ok().and_then(|b| map.get_mut(b)) {
+                *slot = owner;
+                seen += 1;
+            }
+        }
+        if seen != buckets as usize {
+            return Err(ShardError::config(
+                format!("{MAP}[{group}]"),
+                format!("the bucket map holds {seen} of the group's {buckets} buckets"),
+            ));
+        }
+        if owners.install(epoch, &map) {
+            tracing::info!(group, epoch, "bucket map installed");
+            crate::metrics::map_epoch(group, epoch);
+        }
+    }
+    Ok(owners.epoch())
+}
+
+async fn read_epoch(
+    db: &DatabaseConnection,
+    name: &str,
+    group: &str,
+    buckets: u32,
+) -> Result<Option<u64>> {
+    let stmt = Query::select()
+        .columns([Alias::new("epoch"), Alias::new("buckets")])
+        .from(Alias::new(EPOCHS))
+        .and_where(Expr::col(Alias::new("grp")).eq(group))
+        .to_owned();
+    let Some(row) = db
+        .query_one(&stmt)
+        .await
+        .map_err(|e| db_err(name, EPOCHS, "read", e))?
+    else {
+        return Ok(None);
+    };
+    let get = |e| db_err(name, EPOCHS, "read", e);
+    let epoch: i64 = row.try_get("", "epoch").map_err(get)?;
+    let stored: i32 = row.try_get("", "buckets").map_err(get)?;
+    if stored as i64 != i64::from(buckets) {
+        return Err(ShardError::config(
+            format!("groups.{group}.buckets"),
+            format!(
+                "the config says {buckets} buckets but the group's bucket map (on shard `{name}`) has {stored}: the number of buckets is fixed for the life of the data"
+            ),
+        ));
+    }
+    Ok(Some(epoch as u64))
+}
+
+/// Writes the configured spread as epoch 1 (unless another instance got
+/// there first) and returns the stored epoch.
+async fn seed_map(
+    shards: &Shards,
+    group: &str,
+    buckets: u32,
+    owners: &BucketOwners,
+) -> Result<u64> {
+    let id = control(shards, group)?;
+    let (db, name) = (shards.side_conn(id), shards.shard_name(id));
+    let txn = crate::exec::begin_write(db)
+        .await
+        .map_err(|e| db_err(name, EPOCHS, "seed", e))?;
+    let insert = Query::insert()
+        .into_table(Alias::new(EPOCHS))
+        .columns([
+            Alias::new("grp"),
+            Alias::new("epoch"),
+            Alias::new("buckets"),
+        ])
+        .values_panic([group.into(), 1i64.into(), (buckets as i32).into()])
+        .to_owned();
+    match txn.execute(&insert).await {
+        Ok(_) => {}
+        Err(e)
+            if matches!(
+                e.sql_err(),
+                Some(sea_orm::SqlErr::UniqueConstraintViolation(_))
+            ) =>
+        {
+            drop(txn);
+            return read_epoch(db, name, group, buckets)
+                .await?
+                .ok_or_else(|| db_err(name, EPOCHS, "seed", e));
+        }
+        Err(e) => return Err(db_err(name, EPOCHS, "seed", e)),
+    }
+    let configured = owners.configured();
+    for chunk in (0..buckets).collect::<Vec<_>>().chunks(500) {
+        let mut insert = Query::insert();
+        insert.into_table(Alias::new(MAP)).columns([
+            Alias::new("grp"),
+            Alias::new("bucket"),
+            Alias::new("shard"),
+        ]);
+        for &b in chunk {
+            insert.values_panic([
+                group.into(),
+                (b as i32).into(),
+                shards.shard_name(configured[b as usize]).into(),
+            ]);
+        }
+        txn.execute(&insert)
+            .await
+            .map_err(|e| db_err(name, MAP, "seed", e))?;
+    }
+    txn.commit()
+        .await
+        .map_err(|e| db_err(name, MAP, "seed", e))?;
+    tracing::info!(group, shard = name, "bucket map seeded from the config");
+    Ok(1)
+}
+
+/// Gives every shard of the cluster a state row for each of the group's
+/// buckets it lacks: `owned` where the map in use says it owns the bucket,
+/// `none` elsewhere.
+pub(crate) async fn seed_states(shards: &Shards, group: &str) -> Result<()> {
+    let (buckets, owners) = buckets_of(shards, group)?;
+    for (index, _) in shards.topology().shards().iter().enumerate() {
+        let id = ShardId(index as u32);
+        let (db, name) = (shards.side_conn(id), shards.shard_name(id));
+        let count = Query::select()
+            .expr_as(Expr::col(Alias::new("bucket")).count(), Alias::new("n"))
+            .from(Alias::new(STATES))
+            .and_where(Expr::col(Alias::new("grp")).eq(group))
+            .to_owned();
+        let n: i64 = db
+            .query_one(&count)
+            .await
+            .map_err(|e| db_err(name, STATES, "read", e))?
+            .and_then(|row| row.try_get("", "n").ok())
+            .unwrap_or(0);
+        if n >= i64::from(buckets) {
+            continue;
+        }
+        for chunk in (0..buckets).collect::<Vec<_>>().chunks(500) {
+            let mut insert = Query::insert();
+            insert
+                .into_table(Alias::new(STATES))
+                .columns([Alias::new("grp"), Alias::new("bucket"), Alias::new("state")])
+                .on_conflict(
+                    OnConflict::columns([Alias::new("grp"), Alias::new("bucket")])
+                        .do_nothing()
+                        .to_owned(),
+                );
+            for &b in chunk {
+                let state = if owners.get(b) == id {
+                    BucketState::Owned
+                } else {
+                    BucketState::None
+                };
+                insert.values_panic([group.into(), (b as i32).into(), state.as_str().into()]);
+            }
+            let stmt = db.get_database_backend().build(&insert);
+            let stmt = if db.get_database_backend() == DbBackend::MySql {
+                // MySQL has no `DO NOTHING`: `INSERT IGNORE` keeps the rows there.
+                Statement {
+                    sql: stmt.sql.replacen("INSERT", "INSERT IGNORE", 1),
+                    ..stmt
+                }
+            } else {
+                stmt
+            };
+            db.execute_raw(stmt)
+                .await
+                .map_err(|e| db_err(name, STATES, "seed", e))?;
+        }
+    }
+    Ok(())
+}
+
+/// What the fence said about a write transaction's bucket.
+pub(crate) enum Fence {
+    /// Write on.
+    Open,
+    /// Write on; the key was logged for the move.
+    Logged,
+}
+
+/// The fence: reads the bucket's state on the transaction's shard under a
+/// shared row lock (held to the end of the transaction, so a cut-over's
+/// update of the state waits for the transaction, and the transaction
+/// begun after it sees the new state), refuses a bucket the shard does not
+/// own, and logs the key when the bucket is moving away.
+pub(crate) async fn fence(
+    txn: &DatabaseTransaction,
+    shard: &str,
+    group: &'static str,
+    bucket: u32,
+    key_text: &str,
+) -> Result<Fence> {
+    let backend = txn.get_database_backend();
+    let (sql, lock) = match backend {
+        DbBackend::Postgres => ("grp = $1 AND bucket = $2", " FOR SHARE"),
+        DbBackend::MySql => ("grp = ? AND bucket = ?", " LOCK IN SHARE MODE"),
+        _ => ("grp = ? AND bucket = ?", ""),
+    };
+    let stmt = Statement::from_sql_and_values(
+        backend,
+        format!("SELECT state, move_id FROM {STATES} WHERE {sql}{lock}"),
+        [group.into(), (bucket as i32).into()],
+    );
+    let err = |e| db_err(shard, STATES, "read", e);
+    let row = txn.query_one_raw(stmt).await.map_err(err)?;
+    let Some(row) = row else {
+        // No row: the shard was added after the map was seeded and no
+        // instance has seeded it since; it owns nothing yet.
+        return Err(moved(group, bucket, shard, BucketState::None));
+    };
+    let state: String = row.try_get("", "state").map_err(err)?;
+    let move_id: Option<i64> = row.try_get("", "move_id").map_err(err)?;
+    match BucketState::parse(&state) {
+        Some(BucketState::Owned) => Ok(Fence::Open),
+        Some(BucketState::Moving) => {
+            let insert = Query::insert()
+                .into_table(Alias::new(CHANGES))
+                .columns([
+                    Alias::new("move_id"),
+                    Alias::new("bucket"),
+                    Alias::new("key_text"),
+                ])
+                .values_panic([
+                    move_id.unwrap_or_default().into(),
+                    (bucket as i32).into(),
+                    key_text.into(),
+                ])
+                .to_owned();
+            txn.execute(&insert)
+                .await
+                .map_err(|e| db_err(shard, CHANGES, "insert", e))?;
+            Ok(Fence::Logged)
+        }
+        Some(s) => Err(moved(group, bucket, shard, s)),
+        None => Err(ShardError::config(
+            format!("{STATES}[{group}, bucket {bucket}] on shard `{shard}`"),
+            format!("unknown bucket state {state:?}"),
+        )),
+    }
+}
+
+fn moved(group: &'static str, bucket: u32, shard: &str, state: BucketState) -> ShardError {
+    ShardError::BucketMoved {
+        group,
+        bucket,
+        shard: shard.to_owned(),
+        state: state.as_str().to_owned(),
+    }
+}
+
+/// Sets the state of `buckets` on one shard (only rows whose state is one
+/// of `from`), in its own transaction, waiting at most `wait` for the
+/// transactions that hold the rows' shared locks. Returns the rows changed.
+pub(crate) async fn set_states(
+    db: &DatabaseConnection,
+    shard: &str,
+    group: &str,
+    buckets: &[u32],
+    from: &[BucketState],
+    to: BucketState,
+    move_id: Option<i64>,
+    wait: Option<Duration>,
+) -> Result<u64> {
+    let err = |e| db_err(shard, STATES, "update", e);
+    let txn = crate::exec::begin_write(db).await.map_err(err)?;
+    if let Some(wait) = wait {
+        let ms = wait.as_millis().max(1);
+        let set = match db.get_database_backend() {
+            DbBackend::Postgres => Some(format!("SET LOCAL lock_timeout = '{ms}ms'")),
+            // MySQL counts whole seconds (at least 1).
+            DbBackend::MySql => Some(format!(
+                "SET SESSION innodb_lock_wait_timeout = {}",
+                ms.div_ceil(1000).max(1)
+            )),
+            _ => None,
+        };
+        if let Some(set) = set {
+            txn.execute_unprepared(&set).await.map_err(err)?;
+        }
+    }
+    let mut changed = 0;
+    for chunk in buckets.chunks(500) {
+        let stmt = Query::update()
+            .table(Alias::new(STATES))
+            .value(Alias::new("state"), to.as_str())
+            .value(Alias::new("move_id"), move_id)
+            .and_where(Expr::col(Alias::new("grp")).eq(group))
+            .and_where(Expr::col(Alias::new("bucket")).is_in(chunk.iter().map(|b| *b as i32)))
+            .and_where(Expr::col(Alias::new("state")).is_in(from.iter().map(|s| s.as_str())))
+            .to_owned();
+        changed += txn.execute(&stmt).await.map_err(err)?.rows_affected();
+    }
+    if wait.is_some() && db.get_database_backend() == DbBackend::MySql {
+        txn.execute_unprepared("SET SESSION innodb_lock_wait_timeout = DEFAULT")
+            .await
+            .map_err(err)?;
+    }
+    txn.commit().await.map_err(err)?;
+    Ok(changed)
+}

@@ -1,0 +1,118 @@
+//! Online bucket moves of `movable` hash groups.
+//!
+//! **The live map.** A movable group's bucket → shard map lives on its
+//! control database (its first configured shard) in `shardkit_bucket_map`,
+//! versioned by `shardkit_bucket_epochs`; the first instance to connect
+//! seeds it from the config. Every instance reads it at connect, every
+//! `[rebalance] refresh_ms`, and when a shard's fence refuses a write;
+//! routing reads the map it holds without a lock
+//! ([`BucketOwners`](crate::topology::BucketOwners)).
+//!
+//! **The fence.** Each shard holds a state per bucket
+//! (`shardkit_bucket_states`: `owned`, `moving`, `moved`, `none`). Every
+//! write transaction of a movable group reads its bucket's state on its
+//! shard first, under a shared row lock kept to its end: a shard that does
+//! not own the bucket refuses the transaction ([`ShardError::BucketMoved`]),
+//! whatever map the instance holds, and [`Cluster::begin`] refreshes the map
+//! and begins again on the owner. While the bucket moves away (`moving`),
+//! the transaction logs its key in `shardkit_move_changes` on the same
+//! shard, so the log commits exactly when the write does.
+//!
+//! **A move** ([`Rebalance`]): registered → copying (primary-key chunks of
+//! every entity, the moving buckets' rows) → catching up (replaying the
+//! logged keys: each key's rows on the target are made what the source
+//! holds now) → verified (every row of the moving buckets compared; a key
+//! that differs without a pending log entry is re-copied and compared again)
+//! → cutting over (the sources' states become `moved`, which waits at most
+//! `cutover_wait_ms` for the transactions holding their locks; the last
+//! logged keys are replayed; the target's states become `owned`; the map
+//! flips and its epoch is bumped) → cleaning (after `cleanup_grace_ms`, the
+//! sources' rows of the moved buckets are deleted, a key's rows in one
+//! statement) → done. Each phase and the copy's position are stored in
+//! `shardkit_moves`, so another process resumes a move
+//! ([`Rebalance::run`]) or aborts it ([`Rebalance::abort`], before the map
+//! flips: the sources own the buckets again and the target's copies are
+//! deleted). A bucket is held by one move at a time
+//! (`shardkit_move_buckets`).
+
+use crate::entity::{EntityGroup, ShardKey, ShardedEntity, table_name};
+use crate::error::{Result, ShardError};
+use crate::exec::Shards;
+use crate::exec::keyset::{self, model_pk_values, tuple_text};
+use crate::topology::{BucketOwners, Placement, ShardId};
+use futures::future::BoxFuture;
+use sea_orm::sea_query::{Alias, Expr, ExprTrait, OnConflict, Query};
+use sea_orm::{
+    Condition, ConnectionTrait, DatabaseConnection, DatabaseTransaction, DbBackend, DbErr,
+    EntityTrait, IntoActiveModel, Iterable, ModelTrait, PrimaryKeyToColumn, QueryFilter, Statement,
+    Value,
+};
+use std::sync::Arc;
+use std::time::Duration;
+
+mod entity;
+mod map;
+mod mover;
+
+pub(crate) use map::{fence, refresh, seed_states};
+pub use mover::{MovePhase, MovePlan, MoveProgress, MoveStatus, Rebalance};
+
+/// How long [`Cluster::begin`](crate::Cluster::begin) keeps trying when a
+/// fence refuses and the refreshed map still names the same shard (a
+/// cut-over in progress).
+pub(crate) const REROUTE_FOR: Duration = Duration::from_secs(5);
+
+/// Reads every movable group's map (seeding it on first use) and gives every
+/// shard its bucket states. A group whose tables do not exist yet (a cluster
+/// not migrated) keeps the configured spread until the next refresh.
+pub(crate) async fn load_maps(shards: &Shards) -> Result<()> {
+    let groups: Vec<String> = shards
+        .topology()
+        .movable_groups()
+        .map(str::to_owned)
+        .collect();
+    for group in groups {
+        match refresh(shards, &group).await {
+            Ok(_) => seed_states(shards, &group).await?,
+            Err(e) if missing_table(&e) => {
+                tracing::debug!(group, error = %e.report(), "bucket map not there yet (run migrate)");
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// Whether an error says a shardkit table does not exist (a cluster not
+/// migrated yet).
+pub(crate) fn missing_table(e: &ShardError) -> bool {
+    let text = e.report().to_string().to_ascii_lowercase();
+    text.contains("no such table")
+        || text.contains("does not exist")
+        || text.contains("doesn't exist")
+}
+
+/// Refreshes every movable group's map (the periodic pass).
+pub(crate) async fn refresh_all(shards: &Shards) {
+    let groups: Vec<String> = shards
+        .topology()
+        .movable_groups()
+        .map(str::to_owned)
+        .collect();
+    for group in groups {
+        let first = shards
+            .topology()
+            .live_owners(&group)
+            .ok()
+            .flatten()
+            .is_some_and(|o| o.epoch() == 0);
+        let result = if first {
+            load_maps(shards).await
+        } else {
+            refresh(shards, &group).await.map(drop)
+        };
+        if let Err(e) = result {
+            tracing::warn!(group, error = %e.report(), "bucket map refresh failed");
+        }
+    }
+}

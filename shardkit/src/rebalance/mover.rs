@@ -1,0 +1,1155 @@
+//! Planning, running, resuming and aborting bucket moves.
+
+use super::entity::{Buckets, MoveEntity, Mover};
+use super::map::{BucketState, CHANGES, control, db_err, set_states};
+use super::*;
+
+const MOVES: &str = "shardkit_moves";
+const CLAIMS: &str = "shardkit_move_buckets";
+
+/// A move's phase, as `shardkit_moves.phase` stores it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum MovePhase {
+    /// Recorded; its buckets are held.
+    Registered,
+    /// The sources log writes; rows are being copied.
+    Copying,
+    /// Logged keys are being replayed.
+    CatchingUp,
+    /// Source and target compared equal.
+    Verified,
+    /// Writes are fenced; the last keys are replayed and the map flips.
+    CuttingOver,
+    /// The target owns the buckets; the sources' copies wait for the grace
+    /// period, then are deleted.
+    Cleaning,
+    /// Finished.
+    Done,
+    /// Aborted before the cut-over: the sources still own the buckets.
+    Aborted,
+}
+
+impl MovePhase {
+    const ALL: [MovePhase; 8] = [
+        MovePhase::Registered,
+        MovePhase::Copying,
+        MovePhase::CatchingUp,
+        MovePhase::Verified,
+        MovePhase::CuttingOver,
+        MovePhase::Cleaning,
+        MovePhase::Done,
+        MovePhase::Aborted,
+    ];
+
+    /// The stored name (`registered`, `copying`, ...).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            MovePhase::Registered => "registered",
+            MovePhase::Copying => "copying",
+            MovePhase::CatchingUp => "catching_up",
+            MovePhase::Verified => "verified",
+            MovePhase::CuttingOver => "cutting_over",
+            MovePhase::Cleaning => "cleaning",
+            MovePhase::Done => "done",
+            MovePhase::Aborted => "aborted",
+        }
+    }
+
+    fn parse(text: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|p| p.as_str() == text)
+    }
+
+    /// Whether the move is over (done or aborted).
+    pub fn is_finished(self) -> bool {
+        matches!(self, MovePhase::Done | MovePhase::Aborted)
+    }
+}
+
+impl std::fmt::Display for MovePhase {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The buckets a move takes, where each comes from, and where they go.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MovePlan {
+    /// The group.
+    pub group: String,
+    /// The shard the buckets move to.
+    pub target: String,
+    /// Each moving bucket and the shard that owns it now.
+    pub buckets: Vec<(u32, String)>,
+}
+
+/// A move as stored.
+#[derive(Clone, Debug)]
+pub struct MoveStatus {
+    /// Its id.
+    pub id: i64,
+    /// The group.
+    pub group: String,
+    /// Where the buckets go.
+    pub target: String,
+    /// Each bucket and where it comes from.
+    pub buckets: Vec<(u32, String)>,
+    /// The phase.
+    pub phase: MovePhase,
+    /// Rows copied so far.
+    pub rows_copied: u64,
+    /// Logged keys replayed so far.
+    pub changes_applied: u64,
+    /// Logged keys not yet replayed (the lag); read when the status is.
+    pub pending_changes: u64,
+    /// When the map flipped (clock ms), from `cleaning` on.
+    pub cutover_ms: Option<i64>,
+    /// The last error the mover met (it stops there; run it again to resume).
+    pub error: Option<String>,
+}
+
+/// What a running move reports to [`Rebalance::on_progress`].
+#[derive(Clone, Debug)]
+pub struct MoveProgress {
+    /// The move.
+    pub id: i64,
+    /// Its phase.
+    pub phase: MovePhase,
+    /// Rows copied so far.
+    pub rows_copied: u64,
+    /// Copy rate since this run started.
+    pub rows_per_sec: f64,
+    /// Rows of the moving buckets the sources held at the start of the copy
+    /// (an estimate: the sources' row counts times the moving share).
+    pub rows_estimated: u64,
+    /// Logged keys not yet replayed.
+    pub pending_changes: u64,
+    /// Time the copy still needs at the current rate.
+    pub eta: Option<Duration>,
+}
+
+type ProgressFn = Arc<dyn Fn(&MoveProgress) + Send + Sync>;
+
+/// Bucket moves of group `G` ([`Cluster::rebalance`](crate::Cluster::rebalance)).
+///
+/// List every entity of the group with [`entity`](Self::entity): a move
+/// copies, replays and deletes the rows of the entities it knows, and a
+/// move is refused without any.
+pub struct Rebalance<G: EntityGroup> {
+    shards: Shards,
+    entities: Vec<Arc<dyn MoveEntity>>,
+    progress: Option<ProgressFn>,
+    wait_for_grace: bool,
+    _group: std::marker::PhantomData<fn() -> G>,
+}
+
+impl<G: EntityGroup> std::fmt::Debug for Rebalance<G> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Rebalance")
+            .field("group", &G::NAME)
+            .field(
+                "entities",
+                &self.entities.iter().map(|e| e.table()).collect::<Vec<_>>(),
+            )
+            .finish()
+    }
+}
+
+fn refused(id: Option<i64>, reason: impl Into<String>) -> impl FnOnce(&str) -> ShardError {
+    let reason = reason.into();
+    move |group| ShardError::Rebalance {
+        group: group.to_owned(),
+        id,
+        reason,
+    }
+}
+
+impl<G: EntityGroup> Rebalance<G> {
+    pub(crate) fn new(shards: Shards) -> Self {
+        Rebalance {
+            shards,
+            entities: Vec::new(),
+            progress: None,
+            wait_for_grace: false,
+            _group: std::marker::PhantomData,
+        }
+    }
+
+    /// Adds an entity of the group to what moves carry.
+    pub fn entity<E>(mut self) -> Self
+    where
+        E: ShardedEntity<Group = G>,
+        E::Model: IntoActiveModel<E::ActiveModel> + Sync,
+        E::ActiveModel: Send,
+    {
+        if !self.entities.iter().any(|e| e.table() == table_name::<E>()) {
+            self.entities.push(Arc::new(Mover::<E>::new()));
+        }
+        self
+    }
+
+    /// Calls `f` after every copied chunk and every replay round.
+    pub fn on_progress(mut self, f: impl Fn(&MoveProgress) + Send + Sync + 'static) -> Self {
+        self.progress = Some(Arc::new(f));
+        self
+    }
+
+    /// Makes [`run`](Self::run) wait out the cleanup grace period (sleeping)
+    /// instead of returning in `cleaning`.
+    pub fn wait_for_grace(mut self, wait: bool) -> Self {
+        self.wait_for_grace = wait;
+        self
+    }
+
+    fn refuse(&self, id: Option<i64>, reason: impl Into<String>) -> ShardError {
+        refused(id, reason)(G::NAME)
+    }
+
+    fn owners(&self) -> Result<(u32, Arc<BucketOwners>)> {
+        if !self.shards.topology().is_movable(G::NAME) {
+            return Err(self.refuse(
+                None,
+                format!("the group is not movable: set `movable = true` under [groups.{}] on every instance", G::NAME),
+            ));
+        }
+        match self.shards.topology().placement(G::NAME)? {
+            Placement::Hash { buckets, owner } => Ok((*buckets, Arc::clone(owner))),
+            _ => Err(self.refuse(None, "only hash placements move buckets")),
+        }
+    }
+
+    fn shard_id(&self, name: &str) -> Result<ShardId> {
+        self.shards.topology().shard_id(name).ok_or_else(|| {
+            self.refuse(
+                None,
+                format!(
+                    "no shard is named `{name}`; defined shards: {}",
+                    self.shards
+                        .topology()
+                        .shard_names()
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+            )
+        })
+    }
+
+    /// A plan that moves `buckets` to shard `to`, each from its owner in
+    /// the current map (read from the database first).
+    pub async fn plan_buckets(
+        &self,
+        buckets: impl IntoIterator<Item = u32>,
+        to: &str,
+    ) -> Result<MovePlan> {
+        let (count, owners) = self.owners()?;
+        super::refresh(&self.shards, G::NAME).await?;
+        let target = self.shard_id(to)?;
+        let mut out = Vec::new();
+        for b in buckets {
+            if b >= count {
+                return Err(self.refuse(
+                    None,
+                    format!("bucket {b} is out of range: the group has {count} buckets"),
+                ));
+            }
+            let from = owners.get(b);
+            if from == target {
+                return Err(self.refuse(None, format!("bucket {b} is already on `{to}`")));
+            }
+            out.push((b, self.shards.shard_name(from).to_owned()));
+        }
+        out.sort();
+        out.dedup();
+        if out.is_empty() {
+            return Err(self.refuse(None, "the plan moves no bucket"));
+        }
+        Ok(MovePlan {
+            group: G::NAME.to_owned(),
+            target: to.to_owned(),
+            buckets: out,
+        })
+    }
+
+    /// The fewest bucket moves that give shard `to` (a shard the map does
+    /// not use yet, or one with fewer buckets) its even share: the owners
+    /// with the most buckets give their last ones until every shard holds
+    /// `buckets / shards` or one more.
+    pub async fn plan_even_out(&self, to: &str) -> Result<MovePlan> {
+        let (count, owners) = self.owners()?;
+        super::refresh(&self.shards, G::NAME).await?;
+        let target = self.shard_id(to)?;
+        let map = owners.to_vec();
+        let mut held: std::collections::BTreeMap<ShardId, Vec<u32>> = Default::default();
+        held.entry(target).or_default();
+        for (b, s) in map.iter().enumerate() {
+            held.entry(*s).or_default().push(b as u32);
+        }
+        let share = count as usize / held.len();
+        let mut moving = Vec::new();
+        let mut have = held[&target].len();
+        while have < share {
+            // The shard holding the most buckets gives its highest one.
+            let (_, buckets) = held
+                .iter_mut()
+                .filter(|(s, _)| **s != target)
+                .max_by_key(|(s, b)| (b.len(), std::cmp::Reverse(**s)))
+                .expect("another shard");
+            let Some(b) = buckets.pop() else { break };
+            moving.push(b);
+            have += 1;
+        }
+        self.plan_buckets(moving, to).await
+    }
+
+    fn control(&self) -> Result<(&DatabaseConnection, &str)> {
+        let id = control(&self.shards, G::NAME)?;
+        Ok((self.shards.side_conn(id), self.shards.shard_name(id)))
+    }
+
+    /// Records the move and holds its buckets; refused when another move
+    /// that is not finished holds one of them.
+    pub async fn start(&self, plan: &MovePlan) -> Result<MoveStatus> {
+        self.owners()?;
+        if plan.group != G::NAME {
+            return Err(self.refuse(None, format!("the plan is for group `{}`", plan.group)));
+        }
+        if self.entities.is_empty() {
+            return Err(self.refuse(
+                None,
+                "no entity listed: add every entity of the group with `.entity::<E>()`",
+            ));
+        }
+        self.shard_id(&plan.target)?;
+        let (db, name) = self.control()?;
+        let err = |e| db_err(name, MOVES, "register", e);
+        let txn = crate::exec::begin_write(db).await.map_err(err)?;
+        let held = Query::select()
+            .columns([Alias::new("bucket"), Alias::new("move_id")])
+            .from(Alias::new(CLAIMS))
+            .and_where(Expr::col(Alias::new("grp")).eq(G::NAME))
+            .and_where(
+                Expr::col(Alias::new("bucket")).is_in(plan.buckets.iter().map(|(b, _)| *b as i32)),
+            )
+            .limit(1)
+            .to_owned();
+        if let Some(row) = txn.query_one(&held).await.map_err(err)? {
+            let bucket: i32 = row.try_get("", "bucket").map_err(err)?;
+            let other: i64 = row.try_get("", "move_id").map_err(err)?;
+            return Err(self.refuse(
+                None,
+                format!("bucket {bucket} is held by move #{other}, which is not finished: run or abort it first"),
+            ));
+        }
+        let now = self.shards.now_ms();
+        let buckets = plan
+            .buckets
+            .iter()
+            .map(|(b, s)| format!("{b}:{s}"))
+            .collect::<Vec<_>>()
+            .join(",");
+        let mut insert = Query::insert();
+        insert
+            .into_table(Alias::new(MOVES))
+            .columns(
+                [
+                    "grp",
+                    "target",
+                    "buckets",
+                    "phase",
+                    "rows_copied",
+                    "changes_applied",
+                    "created_ms",
+                    "updated_ms",
+                ]
+                .map(Alias::new),
+            )
+            .values_panic([
+                G::NAME.into(),
+                plan.target.clone().into(),
+                buckets.into(),
+                MovePhase::Registered.as_str().into(),
+                0i64.into(),
+                0i64.into(),
+                now.into(),
+                now.into(),
+            ]);
+        let id: i64 = if txn.get_database_backend() == DbBackend::MySql {
+            txn.execute(&insert).await.map_err(err)?.last_insert_id() as i64
+        } else {
+            insert.returning_col(Alias::new("id"));
+            let row = txn.query_one(&insert).await.map_err(err)?;
+            row.ok_or_else(|| err(DbErr::RecordNotInserted))?
+                .try_get("", "id")
+                .map_err(err)?
+        };
+        for chunk in plan.buckets.chunks(500) {
+            let mut claim = Query::insert();
+            claim
+                .into_table(Alias::new(CLAIMS))
+                .columns(["grp", "bucket", "move_id"].map(Alias::new));
+            for (b, _) in chunk {
+                claim.values_panic([G::NAME.into(), (*b as i32).into(), id.into()]);
+            }
+            match txn.execute(&claim).await {
+                Ok(_) => {}
+                Err(e)
+                    if matches!(
+                        e.sql_err(),
+                        Some(sea_orm::SqlErr::UniqueConstraintViolation(_))
+                    ) =>
+                {
+                    return Err(self.refuse(
+                        None,
+                        "another move took one of its buckets at the same time: run or abort it first",
+                    ));
+                }
+                Err(e) => return Err(err(e)),
+            }
+        }
+        txn.commit().await.map_err(err)?;
+        tracing::info!(group = G::NAME, id, target = %plan.target, buckets = plan.buckets.len(), "move registered");
+        self.status(id).await
+    }
+
+    /// Every move of the group that is not finished, and the finished ones
+    /// too when `all`.
+    pub async fn list(&self, all: bool) -> Result<Vec<MoveStatus>> {
+        let (db, name) = self.control()?;
+        let mut select = Query::select();
+        select
+            .column(Alias::new("id"))
+            .from(Alias::new(MOVES))
+            .and_where(Expr::col(Alias::new("grp")).eq(G::NAME));
+        if !all {
+            select.and_where(
+                Expr::col(Alias::new("phase"))
+                    .is_not_in([MovePhase::Done.as_str(), MovePhase::Aborted.as_str()]),
+            );
+        }
+        select.order_by(Alias::new("id"), sea_orm::sea_query::Order::Asc);
+        let rows = db
+            .query_all(&select)
+            .await
+            .map_err(|e| db_err(name, MOVES, "read", e))?;
+        let mut out = Vec::new();
+        for row in rows {
+            let id: i64 = row
+                .try_get("", "id")
+                .map_err(|e| db_err(name, MOVES, "read", e))?;
+            out.push(self.status(id).await?);
+        }
+        Ok(out)
+    }
+
+    /// Move `id` as stored, with its pending changes counted.
+    pub async fn status(&self, id: i64) -> Result<MoveStatus> {
+        let mut status = self.read(id).await?.0;
+        if !status.phase.is_finished() {
+            status.pending_changes = self.pending(&status).await?;
+        }
+        Ok(status)
+    }
+
+    async fn read(&self, id: i64) -> Result<(MoveStatus, Option<String>)> {
+        let (db, name) = self.control()?;
+        let err = |e| db_err(name, MOVES, "read", e);
+        let stmt = Query::select()
+            .columns(
+                [
+                    "grp",
+                    "target",
+                    "buckets",
+                    "phase",
+                    "cursor",
+                    "rows_copied",
+                    "changes_applied",
+                    "cutover_ms",
+                    "error",
+                ]
+                .map(Alias::new),
+            )
+            .from(Alias::new(MOVES))
+            .and_where(Expr::col(Alias::new("id")).eq(id))
+            .to_owned();
+        let row = db
+            .query_one(&stmt)
+            .await
+            .map_err(err)?
+            .ok_or_else(|| self.refuse(Some(id), "no such move"))?;
+        let group: String = row.try_get("", "grp").map_err(err)?;
+        if group != G::NAME {
+            return Err(self.refuse(Some(id), format!("the move is of group `{group}`")));
+        }
+        let phase: String = row.try_get("", "phase").map_err(err)?;
+        let buckets: String = row.try_get("", "buckets").map_err(err)?;
+        let buckets = buckets
+            .split(',')
+            .filter_map(|p| {
+                let (b, s) = p.split_once(':')?;
+                Some((b.parse().ok()?, s.to_owned()))
+            })
+            .collect();
+        let status = MoveStatus {
+            id,
+            group,
+            target: row.try_get("", "target").map_err(err)?,
+            buckets,
+            phase: MovePhase::parse(&phase)
+                .ok_or_else(|| self.refuse(Some(id), format!("unknown phase {phase:?}")))?,
+            rows_copied: row.try_get::<i64>("", "rows_copied").map_err(err)? as u64,
+            changes_applied: row.try_get::<i64>("", "changes_applied").map_err(err)? as u64,
+            pending_changes: 0,
+            cutover_ms: row.try_get("", "cutover_ms").map_err(err)?,
+            error: row.try_get("", "error").map_err(err)?,
+        };
+        Ok((status, row.try_get("", "cursor").map_err(err)?))
+    }
+
+    async fn save(
+        &self,
+        status: &MoveStatus,
+        cursor: Option<&str>,
+        extra: impl FnOnce(&mut sea_orm::sea_query::UpdateStatement),
+    ) -> Result<()> {
+        let (db, name) = self.control()?;
+        let mut stmt = Query::update();
+        stmt.table(Alias::new(MOVES))
+            .value(Alias::new("phase"), status.phase.as_str())
+            .value(Alias::new("cursor"), cursor.map(str::to_owned))
+            .value(Alias::new("rows_copied"), status.rows_copied as i64)
+            .value(Alias::new("changes_applied"), status.changes_applied as i64)
+            .value(Alias::new("updated_ms"), self.shards.now_ms())
+            .value(Alias::new("error"), status.error.clone())
+            .and_where(Expr::col(Alias::new("id")).eq(status.id));
+        extra(&mut stmt);
+        db.execute(&stmt)
+            .await
+            .map(drop)
+            .map_err(|e| db_err(name, MOVES, "update", e))
+    }
+
+    async fn set_phase(&self, status: &mut MoveStatus, phase: MovePhase) -> Result<()> {
+        status.phase = phase;
+        self.save(status, None, |_| {}).await?;
+        crate::metrics::move_phase(
+            G::NAME,
+            MovePhase::ALL.iter().position(|p| *p == phase).unwrap_or(0) as u8,
+        );
+        tracing::info!(group = G::NAME, id = status.id, phase = %phase, "move phase");
+        Ok(())
+    }
+
+    /// The sources, each with the moving buckets it gives.
+    fn sources(&self, status: &MoveStatus) -> Result<Vec<(ShardId, Vec<u32>)>> {
+        let mut by: std::collections::BTreeMap<ShardId, Vec<u32>> = Default::default();
+        for (b, s) in &status.buckets {
+            by.entry(self.shard_id(s)?).or_default().push(*b);
+        }
+        Ok(by.into_iter().collect())
+    }
+
+    fn conn(&self, id: ShardId) -> (&DatabaseConnection, &str) {
+        (self.shards.side_conn(id), self.shards.shard_name(id))
+    }
+
+    async fn pending(&self, status: &MoveStatus) -> Result<u64> {
+        let mut total = 0u64;
+        for (src, _) in self.sources(status)? {
+            let (db, name) = self.conn(src);
+            let stmt = Query::select()
+                .expr_as(Expr::col(Alias::new("seq")).count(), Alias::new("n"))
+                .from(Alias::new(CHANGES))
+                .and_where(Expr::col(Alias::new("move_id")).eq(status.id))
+                .to_owned();
+            let n: i64 = db
+                .query_one(&stmt)
+                .await
+                .map_err(|e| db_err(name, CHANGES, "read", e))?
+                .and_then(|r| r.try_get("", "n").ok())
+                .unwrap_or(0);
+            total += n as u64;
+        }
+        Ok(total)
+    }
+
+    /// Replays up to `limit` logged keys per source (all of them when
+    /// `None`); returns how many log entries it consumed.
+    async fn replay(&self, status: &mut MoveStatus, limit: Option<u64>) -> Result<u64> {
+        let target = self.conn(self.shard_id(&status.target)?);
+        let mut consumed = 0u64;
+        for (src, _) in self.sources(status)? {
+            let source = self.conn(src);
+            let (db, name) = source;
+            let err = |e| db_err(name, CHANGES, "replay", e);
+            let mut done_here = 0u64;
+            loop {
+                let batch = limit.map_or(1_000, |l| Ord::min(l.saturating_sub(done_here), 1_000));
+                if batch == 0 {
+                    break;
+                }
+                let stmt = Query::select()
+                    .columns([Alias::new("seq"), Alias::new("key_text")])
+                    .from(Alias::new(CHANGES))
+                    .and_where(Expr::col(Alias::new("move_id")).eq(status.id))
+                    .order_by(Alias::new("seq"), sea_orm::sea_query::Order::Asc)
+                    .limit(batch)
+                    .to_owned();
+                let rows = db.query_all(&stmt).await.map_err(err)?;
+                if rows.is_empty() {
+                    break;
+                }
+                let mut seqs = Vec::with_capacity(rows.len());
+                let mut keys = Vec::with_capacity(rows.len());
+                for row in &rows {
+                    seqs.push(row.try_get::<i64>("", "seq").map_err(err)?);
+                    keys.push(row.try_get::<String>("", "key_text").map_err(err)?);
+                }
+                keys.sort();
+                keys.dedup();
+                for entity in &self.entities {
+                    entity.sync_keys(source, target, &keys).await?;
+                }
+                let delete = Query::delete()
+                    .from_table(Alias::new(CHANGES))
+                    .and_where(Expr::col(Alias::new("seq")).is_in(seqs.iter().copied()))
+                    .to_owned();
+                db.execute(&delete).await.map_err(err)?;
+                let n = seqs.len() as u64;
+                done_here += n;
+                consumed += n;
+                status.changes_applied += keys.len() as u64;
+                crate::metrics::move_applied(G::NAME, keys.len() as u64);
+                if (n as u64) < batch {
+                    break;
+                }
+            }
+        }
+        Ok(consumed)
+    }
+
+    fn report(&self, status: &MoveStatus, started: (i64, u64), estimated: u64, pending: u64) {
+        let elapsed_ms = Ord::max(self.shards.now_ms() - started.0, 1) as f64;
+        let rate = (status.rows_copied.saturating_sub(started.1)) as f64 * 1000.0 / elapsed_ms;
+        let eta = (rate > 0.0 && estimated > status.rows_copied)
+            .then(|| Duration::from_secs_f64((estimated - status.rows_copied) as f64 / rate));
+        crate::metrics::move_pending(G::NAME, pending);
+        tracing::debug!(group = G::NAME, id = status.id, phase = %status.phase, rows = status.rows_copied, rate, pending, "move progress");
+        if let Some(f) = &self.progress {
+            f(&MoveProgress {
+                id: status.id,
+                phase: status.phase,
+                rows_copied: status.rows_copied,
+                rows_per_sec: rate,
+                rows_estimated: estimated,
+                pending_changes: pending,
+                eta,
+            });
+        }
+    }
+
+    /// Runs move `id` from its stored phase as far as it can go: to `done`,
+    /// or to `cleaning` when the grace period has not passed (unless
+    /// [`wait_for_grace`](Self::wait_for_grace)). Run it again, from any
+    /// process, to resume a move whose mover stopped or failed.
+    pub async fn run(&self, id: i64) -> Result<MoveStatus> {
+        let result = self.run_inner(id).await;
+        if let Err(e) = &result
+            && let Ok((mut status, cursor)) = self.read(id).await
+            && !status.phase.is_finished()
+        {
+            status.error = Some(e.report().to_string());
+            let _ = self.save(&status, cursor.as_deref(), |_| {}).await;
+        }
+        result
+    }
+
+    async fn run_inner(&self, id: i64) -> Result<MoveStatus> {
+        let (count, _) = self.owners()?;
+        if self.entities.is_empty() {
+            return Err(self.refuse(
+                Some(id),
+                "no entity listed: add every entity of the group with `.entity::<E>()`",
+            ));
+        }
+        let (mut status, mut cursor) = self.read(id).await?;
+        status.error = None;
+        let settings = &self.shards.rebalance_settings();
+        let moving = Buckets::new(count, status.buckets.iter().map(|(b, _)| *b));
+        let target = self.shard_id(&status.target)?;
+        let started = (self.shards.now_ms(), status.rows_copied);
+        let mut estimated = 0u64;
+        loop {
+            match status.phase {
+                MovePhase::Registered => {
+                    fail::fail_point!("shardkit::rebalance::registered", |_| Err(
+                        self.refuse(Some(id), "failpoint shardkit::rebalance::registered")
+                    ));
+                    for (src, buckets) in self.sources(&status)? {
+                        let (db, name) = self.conn(src);
+                        set_states(
+                            db,
+                            name,
+                            G::NAME,
+                            &buckets,
+                            &[BucketState::Owned, BucketState::Moving],
+                            BucketState::Moving,
+                            Some(id),
+                            None,
+                        )
+                        .await?;
+                    }
+                    self.set_phase(&mut status, MovePhase::Copying).await?;
+                }
+                MovePhase::Copying => {
+                    fail::fail_point!("shardkit::rebalance::copying", |_| Err(
+                        self.refuse(Some(id), "failpoint shardkit::rebalance::copying")
+                    ));
+                    let sources = self.sources(&status)?;
+                    if estimated == 0 {
+                        estimated = self.estimate(&sources, count).await?;
+                    }
+                    // `<source index>/<entity index>/<primary key>`.
+                    let (mut si, mut ei, mut after) = parse_copy_cursor(cursor.as_deref());
+                    while si < sources.len() {
+                        let (src, buckets) = &sources[si];
+                        let only_here = Buckets::new(count, buckets.iter().copied());
+                        while ei < self.entities.len() {
+                            let entity = &self.entities[ei];
+                            loop {
+                                let chunk = entity
+                                    .copy_chunk(
+                                        self.conn(*src),
+                                        self.conn(target),
+                                        after.as_deref(),
+                                        settings.chunk,
+                                        &only_here,
+                                    )
+                                    .await?;
+                                status.rows_copied += chunk.rows;
+                                crate::metrics::move_copied(G::NAME, chunk.rows);
+                                after = chunk.next;
+                                let c = copy_cursor(si, ei, after.as_deref());
+                                self.save(&status, Some(&c), |_| {}).await?;
+                                self.report(&status, started, estimated, 0);
+                                fail::fail_point!("shardkit::rebalance::copy_chunk", |_| Err(self
+                                    .refuse(
+                                        Some(id),
+                                        "failpoint shardkit::rebalance::copy_chunk"
+                                    )));
+                                if after.is_none() {
+                                    break;
+                                }
+                            }
+                            ei += 1;
+                        }
+                        si += 1;
+                        ei = 0;
+                    }
+                    cursor = None;
+                    self.set_phase(&mut status, MovePhase::CatchingUp).await?;
+                }
+                MovePhase::CatchingUp => {
+                    fail::fail_point!("shardkit::rebalance::catching_up", |_| Err(
+                        self.refuse(Some(id), "failpoint shardkit::rebalance::catching_up")
+                    ));
+                    // Replay until a round finds little left, then compare.
+                    for _ in 0..100 {
+                        let n = self.replay(&mut status, Some(10_000)).await?;
+                        let pending = self.pending(&status).await?;
+                        self.save(&status, None, |_| {}).await?;
+                        self.report(&status, started, estimated, pending);
+                        if n < 10_000 && pending < 1_000 {
+                            break;
+                        }
+                    }
+                    self.compare(&mut status, &moving, target, settings.chunk)
+                        .await?;
+                    self.set_phase(&mut status, MovePhase::Verified).await?;
+                }
+                MovePhase::Verified => {
+                    fail::fail_point!("shardkit::rebalance::verified", |_| Err(
+                        self.refuse(Some(id), "failpoint shardkit::rebalance::verified")
+                    ));
+                    self.set_phase(&mut status, MovePhase::CuttingOver).await?;
+                }
+                MovePhase::CuttingOver => {
+                    self.cut_over(&mut status, target, settings).await?;
+                }
+                MovePhase::Cleaning => {
+                    fail::fail_point!("shardkit::rebalance::cleaning", |_| Err(
+                        self.refuse(Some(id), "failpoint shardkit::rebalance::cleaning")
+                    ));
+                    let due = status.cutover_ms.unwrap_or_default()
+                        + settings.cleanup_grace.as_millis() as i64;
+                    let now = self.shards.now_ms();
+                    if now < due {
+                        if !self.wait_for_grace {
+                            return self.status(id).await;
+                        }
+                        tokio::time::sleep(Duration::from_millis((due - now) as u64)).await;
+                        continue;
+                    }
+                    self.clean(&mut status, count, cursor.take()).await?;
+                    self.set_phase(&mut status, MovePhase::Done).await?;
+                }
+                MovePhase::Done | MovePhase::Aborted => return self.status(id).await,
+            }
+        }
+    }
+
+    async fn estimate(&self, sources: &[(ShardId, Vec<u32>)], count: u32) -> Result<u64> {
+        let mut total = 0u64;
+        for (src, buckets) in sources {
+            let (db, name) = self.conn(*src);
+            let owned = self
+                .shards
+                .topology()
+                .live_owners(G::NAME)?
+                .map_or(count as usize, |o| {
+                    o.to_vec().iter().filter(|s| **s == *src).count()
+                })
+                .max(buckets.len());
+            for entity in &self.entities {
+                let stmt = Statement::from_string(
+                    db.get_database_backend(),
+                    format!("SELECT COUNT(*) AS n FROM {}", quote(db, entity.table())),
+                );
+                let n: i64 = db
+                    .query_one_raw(stmt)
+                    .await
+                    .map_err(|e| db_err(name, entity.table(), "count", e))?
+                    .and_then(|r| r.try_get("", "n").ok())
+                    .unwrap_or(0);
+                total += n as u64 * buckets.len() as u64 / owned.max(1) as u64;
+            }
+        }
+        Ok(total)
+    }
+
+    /// Compares every moving bucket's rows; a key that differs and has no
+    /// logged change pending is copied again and compared again.
+    async fn compare(
+        &self,
+        status: &mut MoveStatus,
+        moving: &Buckets,
+        target: ShardId,
+        chunk: u64,
+    ) -> Result<()> {
+        let dst = self.conn(target);
+        for (src, buckets) in self.sources(status)? {
+            let only_here = Buckets::new(moving_count(moving), buckets.iter().copied());
+            let source = self.conn(src);
+            for entity in &self.entities {
+                let found = entity.compare(source, dst, chunk, &only_here).await?;
+                if found.keys.is_empty() {
+                    continue;
+                }
+                let pending = self.pending_keys(source, status.id).await?;
+                let unexplained: Vec<String> = found
+                    .keys
+                    .into_iter()
+                    .filter(|k| !pending.contains(k))
+                    .collect();
+                if unexplained.is_empty() {
+                    continue;
+                }
+                tracing::warn!(
+                    group = G::NAME,
+                    id = status.id,
+                    table = entity.table(),
+                    keys = unexplained.len(),
+                    "rows differ without a logged change: copying them again"
+                );
+                for e in &self.entities {
+                    e.sync_keys(source, dst, &unexplained).await?;
+                }
+                let again = entity.compare(source, dst, chunk, &only_here).await?;
+                let pending = self.pending_keys(source, status.id).await?;
+                let still = again.keys.iter().filter(|k| !pending.contains(*k)).count();
+                if still > 0 {
+                    return Err(self.refuse(
+                        Some(status.id),
+                        format!("{still} keys of `{}` still differ between `{}` and `{}` after copying them again: something writes the source without shardkit", entity.table(), source.1, dst.1),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    async fn pending_keys(
+        &self,
+        source: (&DatabaseConnection, &str),
+        id: i64,
+    ) -> Result<std::collections::HashSet<String>> {
+        let stmt = Query::select()
+            .column(Alias::new("key_text"))
+            .from(Alias::new(CHANGES))
+            .and_where(Expr::col(Alias::new("move_id")).eq(id))
+            .to_owned();
+        let rows = source
+            .0
+            .query_all(&stmt)
+            .await
+            .map_err(|e| db_err(source.1, CHANGES, "read", e))?;
+        Ok(rows
+            .iter()
+            .filter_map(|r| r.try_get::<String>("", "key_text").ok())
+            .collect())
+    }
+
+    async fn cut_over(
+        &self,
+        status: &mut MoveStatus,
+        target: ShardId,
+        settings: &crate::exec::RebalanceSettings,
+    ) -> Result<()> {
+        let id = status.id;
+        fail::fail_point!("shardkit::rebalance::cutting_over", |_| Err(
+            self.refuse(Some(id), "failpoint shardkit::rebalance::cutting_over")
+        ));
+        let sources = self.sources(status)?;
+        // Fence every source. Each update waits for the transactions that
+        // read the bucket's state before it; one that waits too long gives
+        // up, the writes it held back go on, and the mover catches up and
+        // tries again.
+        let mut attempt = 0;
+        for (src, buckets) in &sources {
+            let (db, name) = self.conn(*src);
+            loop {
+                match set_states(
+                    db,
+                    name,
+                    G::NAME,
+                    buckets,
+                    &[BucketState::Moving, BucketState::Moved],
+                    BucketState::Moved,
+                    Some(id),
+                    Some(settings.cutover_wait),
+                )
+                .await
+                {
+                    Ok(_) => break,
+                    Err(e) if attempt < 20 && e.retry() != crate::Retry::Never => {
+                        attempt += 1;
+                        tracing::debug!(group = G::NAME, id, attempt, error = %e.report(), "fence waited too long; catching up and trying again");
+                        self.replay(status, None).await?;
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+        }
+        fail::fail_point!("shardkit::rebalance::fenced", |_| Err(
+            self.refuse(Some(id), "failpoint shardkit::rebalance::fenced")
+        ));
+        // No write of the moving buckets can commit on a source now.
+        self.replay(status, None).await?;
+        let (db, name) = self.conn(target);
+        let all: Vec<u32> = status.buckets.iter().map(|(b, _)| *b).collect();
+        set_states(
+            db,
+            name,
+            G::NAME,
+            &all,
+            &[BucketState::None, BucketState::Owned],
+            BucketState::Owned,
+            None,
+            None,
+        )
+        .await?;
+        // Flip the map and end the phase in one transaction.
+        let (cdb, cname) = self.control()?;
+        let err = |e| db_err(cname, super::map::MAP, "cut over", e);
+        let txn = crate::exec::begin_write(cdb).await.map_err(err)?;
+        for chunk in all.chunks(500) {
+            let stmt = Query::update()
+                .table(Alias::new(super::map::MAP))
+                .value(Alias::new("shard"), status.target.clone())
+                .and_where(Expr::col(Alias::new("grp")).eq(G::NAME))
+                .and_where(Expr::col(Alias::new("bucket")).is_in(chunk.iter().map(|b| *b as i32)))
+                .to_owned();
+            txn.execute(&stmt).await.map_err(err)?;
+        }
+        let bump = Query::update()
+            .table(Alias::new(super::map::EPOCHS))
+            .value(Alias::new("epoch"), Expr::col(Alias::new("epoch")).add(1))
+            .and_where(Expr::col(Alias::new("grp")).eq(G::NAME))
+            .to_owned();
+        txn.execute(&bump).await.map_err(err)?;
+        let now = self.shards.now_ms();
+        let phase = Query::update()
+            .table(Alias::new(MOVES))
+            .value(Alias::new("phase"), MovePhase::Cleaning.as_str())
+            .value(Alias::new("cutover_ms"), now)
+            .value(Alias::new("changes_applied"), status.changes_applied as i64)
+            .value(Alias::new("updated_ms"), now)
+            .and_where(Expr::col(Alias::new("id")).eq(id))
+            .to_owned();
+        txn.execute(&phase).await.map_err(err)?;
+        txn.commit().await.map_err(err)?;
+        status.phase = MovePhase::Cleaning;
+        status.cutover_ms = Some(now);
+        let epoch = super::refresh(&self.shards, G::NAME).await?;
+        tracing::info!(group = G::NAME, id, epoch, "move cut over");
+        Ok(())
+    }
+
+    async fn clean(
+        &self,
+        status: &mut MoveStatus,
+        count: u32,
+        cursor: Option<String>,
+    ) -> Result<()> {
+        let chunk = self.shards.rebalance_settings().chunk;
+        let sources = self.sources(status)?;
+        let (mut si, mut ei, mut after) = parse_copy_cursor(cursor.as_deref());
+        while si < sources.len() {
+            let (src, buckets) = &sources[si];
+            let only_here = Buckets::new(count, buckets.iter().copied());
+            while ei < self.entities.len() {
+                loop {
+                    let done = self.entities[ei]
+                        .delete_chunk(self.conn(*src), after.as_deref(), chunk, &only_here)
+                        .await?;
+                    after = done.next;
+                    let c = copy_cursor(si, ei, after.as_deref());
+                    self.save(status, Some(&c), |_| {}).await?;
+                    if after.is_none() {
+                        break;
+                    }
+                }
+                ei += 1;
+            }
+            // The log is empty since the cut-over; drop what an abort or
+            // crash left.
+            let (db, name) = self.conn(*src);
+            let delete = Query::delete()
+                .from_table(Alias::new(CHANGES))
+                .and_where(Expr::col(Alias::new("move_id")).eq(status.id))
+                .to_owned();
+            db.execute(&delete)
+                .await
+                .map_err(|e| db_err(name, CHANGES, "clean", e))?;
+            si += 1;
+            ei = 0;
+        }
+        self.release(status.id).await
+    }
+
+    async fn release(&self, id: i64) -> Result<()> {
+        let (db, name) = self.control()?;
+        let stmt = Query::delete()
+            .from_table(Alias::new(CLAIMS))
+            .and_where(Expr::col(Alias::new("move_id")).eq(id))
+            .to_owned();
+        db.execute(&stmt)
+            .await
+            .map(drop)
+            .map_err(|e| db_err(name, CLAIMS, "release", e))
+    }
+
+    /// Aborts move `id` before its cut-over: the sources own the buckets
+    /// again (their writes stop being logged), the target's copies are
+    /// deleted and the buckets are released. Refused from `cleaning` on
+    /// (the target owns the buckets: move them back instead). Stop the
+    /// move's mover first.
+    pub async fn abort(&self, id: i64) -> Result<MoveStatus> {
+        let (count, _) = self.owners()?;
+        let (mut status, _) = self.read(id).await?;
+        match status.phase {
+            MovePhase::Aborted => return self.status(id).await,
+            MovePhase::Cleaning | MovePhase::Done => {
+                return Err(self.refuse(
+                    Some(id),
+                    format!("the move is {}: the target owns the buckets; move them back with a new move", status.phase),
+                ));
+            }
+            _ => {}
+        }
+        let target = self.shard_id(&status.target)?;
+        let all: Vec<u32> = status.buckets.iter().map(|(b, _)| *b).collect();
+        {
+            let (db, name) = self.conn(target);
+            set_states(
+                db,
+                name,
+                G::NAME,
+                &all,
+                &[BucketState::Owned],
+                BucketState::None,
+                None,
+                None,
+            )
+            .await?;
+        }
+        for (src, buckets) in self.sources(&status)? {
+            let (db, name) = self.conn(src);
+            set_states(
+                db,
+                name,
+                G::NAME,
+                &buckets,
+                &[BucketState::Moving, BucketState::Moved],
+                BucketState::Owned,
+                None,
+                None,
+            )
+            .await?;
+            let delete = Query::delete()
+                .from_table(Alias::new(CHANGES))
+                .and_where(Expr::col(Alias::new("move_id")).eq(id))
+                .to_owned();
+            db.execute(&delete)
+                .await
+                .map_err(|e| db_err(name, CHANGES, "abort", e))?;
+        }
+        let moving = Buckets::new(count, all.iter().copied());
+        let chunk = self.shards.rebalance_settings().chunk;
+        for entity in &self.entities {
+            let mut after: Option<String> = None;
+            loop {
+                let done = entity
+                    .delete_chunk(self.conn(target), after.as_deref(), chunk, &moving)
+                    .await?;
+                after = done.next;
+                if after.is_none() {
+                    break;
+                }
+            }
+        }
+        self.release(id).await?;
+        self.set_phase(&mut status, MovePhase::Aborted).await?;
+        tracing::info!(group = G::NAME, id, "move aborted");
+        self.status(id).await
+    }
+}
+
+fn moving_count(b: &Buckets) -> u32 {
+    b.count()
+}
+
+/// `<source index>/<entity index>/<primary key>`; past the entity's last
+/// chunk, the next entity's start.
+fn copy_cursor(si: usize, ei: usize, after: Option<&str>) -> String {
+    match after {
+        Some(a) => format!("{si}/{ei}/{a}"),
+        None => format!("{si}/{}/", ei + 1),
+    }
+}
+
+fn parse_copy_cursor(text: Option<&str>) -> (usize, usize, Option<String>) {
+    let Some(text) = text else {
+        return (0, 0, None);
+    };
+    let mut parts = text.splitn(3, '/');
+    let si = parts.next().and_then(|p| p.parse().ok()).unwrap_or(0);
+    let ei = parts.next().and_then(|p| p.parse().ok()).unwrap_or(0);
+    let after = parts.next().filter(|p| !p.is_empty()).map(str::to_owned);
+    (si, ei, after)
+}
+
+fn quote(db: &DatabaseConnection, table: &str) -> String {
+    match db.get_database_backend() {
+        DbBackend::MySql => format!("`{table}`"),
+        _ => format!("\"{table}\""),
+    }
+}
