@@ -17,7 +17,10 @@ const LAYERS: &[(&str, &[&str])] = &[
     ("topology", &["topology"]),
     ("execution", &["exec"]),
     ("reads and writes", &["read", "pipeline", "tx"]),
-    ("features", &["ids", "gsi", "rollout", "verify"]),
+    (
+        "features",
+        &["ids", "gsi", "rollout", "verify", "rebalance"],
+    ),
     ("facade", &["cluster", "testing"]),
     ("operator", &["cli"]),
 ];

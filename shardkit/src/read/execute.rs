@@ -291,7 +291,7 @@ impl<E: ShardedEntity> Read<E> {
             .await;
         let asked = asked + usize::from(plan.lookup_failed.is_some());
         failed.extend(plan.lookup_failed);
-        let rows = self.merge(ok, plan.limit, plan.offset);
+        let rows = self.merge(self.owned_only(ok), plan.limit, plan.offset);
         if let Ok(rows) = &rows {
             span.record("rows", rows.len());
         }
@@ -622,6 +622,34 @@ impl<E: ShardedEntity> Read<E> {
             })
             .collect();
         (ok, failed, span)
+    }
+
+    /// For a `movable` group, only each shard's rows of the buckets the map
+    /// says it owns: while a bucket moves, its rows are on the source and
+    /// (copied, or not yet cleaned) on the target, and a row must be read
+    /// once.
+    fn owned_only(&self, parts: Vec<(ShardId, Vec<E::Model>)>) -> Vec<(ShardId, Vec<E::Model>)> {
+        let topology = self.shards.topology();
+        if !topology.is_movable(Self::group()) {
+            return parts;
+        }
+        let Ok(Some(owners)) = topology.live_owners(Self::group()) else {
+            return parts;
+        };
+        let buckets = owners.len() as u64;
+        parts
+            .into_iter()
+            .map(|(id, rows)| {
+                let rows = rows
+                    .into_iter()
+                    .filter(|m| {
+                        let bucket = E::shard_key(m).partition_hash() % buckets;
+                        owners.get(bucket as u32) == id
+                    })
+                    .collect();
+                (id, rows)
+            })
+            .collect()
     }
 
     /// Merges per-shard rows into one ordered, paged result.

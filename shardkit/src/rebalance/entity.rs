@@ -128,8 +128,46 @@ fn row_values<E: EntityTrait>(m: &E::Model) -> Vec<Value> {
     <E::Column as Iterable>::iter().map(|c| m.get(c)).collect()
 }
 
-/// Deletes `rows`' primary keys on `db`, then inserts them, in one transaction.
+/// Runs `work` again when the database aborted it (a deadlock with the
+/// shard's own writers of other buckets, on MySQL/MariaDB's gap locks): at
+/// most 5 attempts.
+async fn again<T, F, Fut>(table: &str, shard: &str, mut work: F) -> Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T>>,
+{
+    let mut attempt = 1;
+    loop {
+        match work().await {
+            Err(e) if attempt < 5 && e.retry() == crate::Retry::Transaction => {
+                tracing::debug!(table, shard, attempt, error = %e.report(), "move statement aborted by the database; again");
+                attempt += 1;
+            }
+            other => return other,
+        }
+    }
+}
+
 async fn replace_rows<E>(
+    db: &DatabaseConnection,
+    shard: &str,
+    keys: Option<&[Value]>,
+    rows: Vec<E::Model>,
+) -> Result<()>
+where
+    E: ShardedEntity,
+    E::Model: IntoActiveModel<E::ActiveModel>,
+    E::ActiveModel: Send,
+{
+    again(table_name::<E>(), shard, || {
+        replace_once::<E>(db, shard, keys, rows.clone())
+    })
+    .await
+}
+
+/// Deletes `rows`' primary keys (or every row of `keys`) on `db`, then
+/// inserts `rows`, in one transaction.
+async fn replace_once<E>(
     db: &DatabaseConnection,
     shard: &str,
     keys: Option<&[Value]>,
@@ -291,15 +329,18 @@ where
             keys.dedup();
             let mut deleted = 0;
             for keys in keys.chunks(500) {
-                deleted += E::delete_many()
-                    .filter(sea_orm::ColumnTrait::is_in(
-                        &E::shard_key_column(),
-                        keys.iter().cloned().map(Into::<Value>::into),
-                    ))
-                    .exec(db.0)
-                    .await
-                    .map_err(err::<E>(db.1, "clean"))?
-                    .rows_affected;
+                deleted += again(table_name::<E>(), db.1, || async {
+                    E::delete_many()
+                        .filter(sea_orm::ColumnTrait::is_in(
+                            &E::shard_key_column(),
+                            keys.iter().cloned().map(Into::<Value>::into),
+                        ))
+                        .exec(db.0)
+                        .await
+                        .map_err(err::<E>(db.1, "clean"))
+                })
+                .await?
+                .rows_affected;
             }
             Ok(Chunk {
                 rows: deleted,

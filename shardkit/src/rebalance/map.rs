@@ -243,14 +243,19 @@ pub(crate) async fn seed_states(shards: &Shards, group: &str) -> Result<()> {
         }
         for chunk in (0..buckets).collect::<Vec<_>>().chunks(500) {
             let mut insert = Query::insert();
-            insert
-                .into_table(Alias::new(STATES))
-                .columns([Alias::new("grp"), Alias::new("bucket"), Alias::new("state")])
-                .on_conflict(
+            insert.into_table(Alias::new(STATES)).columns([
+                Alias::new("grp"),
+                Alias::new("bucket"),
+                Alias::new("state"),
+            ]);
+            let mysql = db.get_database_backend() == DbBackend::MySql;
+            if !mysql {
+                insert.on_conflict(
                     OnConflict::columns([Alias::new("grp"), Alias::new("bucket")])
                         .do_nothing()
                         .to_owned(),
                 );
+            }
             for &b in chunk {
                 let state = if owners.get(b) == id {
                     BucketState::Owned
@@ -259,16 +264,11 @@ pub(crate) async fn seed_states(shards: &Shards, group: &str) -> Result<()> {
                 };
                 insert.values_panic([group.into(), (b as i32).into(), state.as_str().into()]);
             }
-            let stmt = db.get_database_backend().build(&insert);
-            let stmt = if db.get_database_backend() == DbBackend::MySql {
-                // MySQL has no `DO NOTHING`: `INSERT IGNORE` keeps the rows there.
-                Statement {
-                    sql: stmt.sql.replacen("INSERT", "INSERT IGNORE", 1),
-                    ..stmt
-                }
-            } else {
-                stmt
-            };
+            let mut stmt = db.get_database_backend().build(&insert);
+            if mysql {
+                // MySQL/MariaDB have no `DO NOTHING`.
+                stmt.sql = stmt.sql.replacen("INSERT", "INSERT IGNORE", 1);
+            }
             db.execute_raw(stmt)
                 .await
                 .map_err(|e| db_err(name, STATES, "seed", e))?;

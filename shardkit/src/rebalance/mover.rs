@@ -547,6 +547,28 @@ impl<G: EntityGroup> Rebalance<G> {
         Ok(by.into_iter().collect())
     }
 
+    /// Fault injection: `shardkit::rebalance::<step>` fails the mover at
+    /// that step when its argument is part of the target database's URL
+    /// (any move, without one).
+    #[allow(unused_variables)]
+    fn failpoint(&self, step: &str, id: i64, target: ShardId) -> Result<()> {
+        #[cfg(feature = "failpoints")]
+        if fail::eval(&format!("shardkit::rebalance::{step}"), |arg| {
+            arg.unwrap_or_default()
+        })
+        .is_some_and(|arg| {
+            self.shards
+                .topology()
+                .shard(target)
+                .url
+                .expose()
+                .contains(arg.as_str())
+        }) {
+            return Err(self.refuse(Some(id), format!("failpoint shardkit::rebalance::{step}")));
+        }
+        Ok(())
+    }
+
     fn conn(&self, id: ShardId) -> (&DatabaseConnection, &str) {
         (self.shards.side_conn(id), self.shards.shard_name(id))
     }
@@ -680,9 +702,7 @@ impl<G: EntityGroup> Rebalance<G> {
         loop {
             match status.phase {
                 MovePhase::Registered => {
-                    fail::fail_point!("shardkit::rebalance::registered", |_| Err(
-                        self.refuse(Some(id), "failpoint shardkit::rebalance::registered")
-                    ));
+                    self.failpoint("registered", id, target)?;
                     for (src, buckets) in self.sources(&status)? {
                         let (db, name) = self.conn(src);
                         set_states(
@@ -700,9 +720,7 @@ impl<G: EntityGroup> Rebalance<G> {
                     self.set_phase(&mut status, MovePhase::Copying).await?;
                 }
                 MovePhase::Copying => {
-                    fail::fail_point!("shardkit::rebalance::copying", |_| Err(
-                        self.refuse(Some(id), "failpoint shardkit::rebalance::copying")
-                    ));
+                    self.failpoint("copying", id, target)?;
                     let sources = self.sources(&status)?;
                     if estimated == 0 {
                         estimated = self.estimate(&sources, count).await?;
@@ -730,11 +748,7 @@ impl<G: EntityGroup> Rebalance<G> {
                                 let c = copy_cursor(si, ei, after.as_deref());
                                 self.save(&status, Some(&c), |_| {}).await?;
                                 self.report(&status, started, estimated, 0);
-                                fail::fail_point!("shardkit::rebalance::copy_chunk", |_| Err(self
-                                    .refuse(
-                                        Some(id),
-                                        "failpoint shardkit::rebalance::copy_chunk"
-                                    )));
+                                self.failpoint("copy_chunk", id, target)?;
                                 if after.is_none() {
                                     break;
                                 }
@@ -748,9 +762,7 @@ impl<G: EntityGroup> Rebalance<G> {
                     self.set_phase(&mut status, MovePhase::CatchingUp).await?;
                 }
                 MovePhase::CatchingUp => {
-                    fail::fail_point!("shardkit::rebalance::catching_up", |_| Err(
-                        self.refuse(Some(id), "failpoint shardkit::rebalance::catching_up")
-                    ));
+                    self.failpoint("catching_up", id, target)?;
                     // Replay until a round finds little left, then compare.
                     for _ in 0..100 {
                         let n = self.replay(&mut status, Some(10_000)).await?;
@@ -766,18 +778,14 @@ impl<G: EntityGroup> Rebalance<G> {
                     self.set_phase(&mut status, MovePhase::Verified).await?;
                 }
                 MovePhase::Verified => {
-                    fail::fail_point!("shardkit::rebalance::verified", |_| Err(
-                        self.refuse(Some(id), "failpoint shardkit::rebalance::verified")
-                    ));
+                    self.failpoint("verified", id, target)?;
                     self.set_phase(&mut status, MovePhase::CuttingOver).await?;
                 }
                 MovePhase::CuttingOver => {
                     self.cut_over(&mut status, target, settings).await?;
                 }
                 MovePhase::Cleaning => {
-                    fail::fail_point!("shardkit::rebalance::cleaning", |_| Err(
-                        self.refuse(Some(id), "failpoint shardkit::rebalance::cleaning")
-                    ));
+                    self.failpoint("cleaning", id, target)?;
                     let due = status.cutover_ms.unwrap_or_default()
                         + settings.cleanup_grace.as_millis() as i64;
                     let now = self.shards.now_ms();
@@ -904,9 +912,7 @@ impl<G: EntityGroup> Rebalance<G> {
         settings: &crate::exec::RebalanceSettings,
     ) -> Result<()> {
         let id = status.id;
-        fail::fail_point!("shardkit::rebalance::cutting_over", |_| Err(
-            self.refuse(Some(id), "failpoint shardkit::rebalance::cutting_over")
-        ));
+        self.failpoint("cutting_over", id, target)?;
         let sources = self.sources(status)?;
         // Fence every source. Each update waits for the transactions that
         // read the bucket's state before it; one that waits too long gives
@@ -938,9 +944,7 @@ impl<G: EntityGroup> Rebalance<G> {
                 }
             }
         }
-        fail::fail_point!("shardkit::rebalance::fenced", |_| Err(
-            self.refuse(Some(id), "failpoint shardkit::rebalance::fenced")
-        ));
+        self.failpoint("fenced", id, target)?;
         // No write of the moving buckets can commit on a source now.
         self.replay(status, None).await?;
         let (db, name) = self.conn(target);

@@ -1,0 +1,534 @@
+//! Online bucket moves on SQLite, PostgreSQL and MySQL/MariaDB: the
+//! Customer group (customers, orders, contacts with global indexes) on four
+//! shards grows to a fifth while application instances keep writing.
+
+use sea_orm::{ActiveValue::Set, ConnectionTrait, EntityTrait};
+use shardkit::rebalance::{MovePhase, Rebalance};
+use shardkit::{Cluster, ClusterConfig, ShardError};
+use shardkit_tests::models::*;
+use shardkit_tests::{TestDbs, backend_tests, contacts_by_index};
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+backend_tests!(5 =>
+    two_instances_write_while_a_quarter_of_the_buckets_move,
+    the_mover_killed_in_each_phase_is_resumed_by_another_process,
+    abort_in_each_phase_leaves_the_source_the_owner,
+    overlapping_moves_are_refused_and_plans_are_minimal,
+);
+
+const BUCKETS: u32 = 64;
+
+fn config(dbs: &TestDbs, refresh_ms: u64) -> ClusterConfig {
+    let toml = format!(
+        "{}\n[groups.Customer]\nbuckets = {BUCKETS}\nshards = [\"s0\", \"s1\", \"s2\", \"s3\"]\nmovable = true\n\n[rebalance]\nrefresh_ms = {refresh_ms}\ncleanup_grace_ms = 0\nchunk = 40\n",
+        dbs.shards_toml(5)
+            .replace("max_connections = 4", "max_connections = 2"),
+    );
+    ClusterConfig::from_toml(&toml).unwrap_or_else(|e| panic!("config: {e}\n{toml}"))
+}
+
+async fn connect(dbs: &TestDbs, refresh_ms: u64) -> Cluster {
+    let cluster = Cluster::connect(config(dbs, refresh_ms)).await.unwrap();
+    cluster.refresh_bucket_maps().await.unwrap();
+    cluster
+}
+
+fn mover(cluster: &Cluster) -> Rebalance<Customer> {
+    cluster
+        .rebalance::<Customer>()
+        .entity::<customer::Entity>()
+        .entity::<order::Entity>()
+        .entity::<contact::Entity>()
+}
+
+fn bucket(key: i64) -> u32 {
+    (shardkit::ShardKey::partition_hash(&key) % u64::from(BUCKETS)) as u32
+}
+
+fn epoch(cluster: &Cluster) -> u64 {
+    cluster
+        .topology()
+        .live_owners("Customer")
+        .unwrap()
+        .unwrap()
+        .epoch()
+}
+
+/// What the application was told it wrote: each customer's name and each
+/// order (id → customer, total).
+#[derive(Default)]
+struct Acked {
+    customers: BTreeMap<i64, String>,
+    orders: BTreeMap<i64, (i64, i64)>,
+}
+
+type Shared = Arc<Mutex<Acked>>;
+
+async fn insert_customer(cluster: &Cluster, acked: &Shared, id: i64) {
+    cluster
+        .transaction::<Customer, _, _>(id, |tx| async move {
+            tx.insert(customer::ActiveModel {
+                id: Set(id),
+                name: Set(format!("c{id}")),
+            })
+            .await?;
+            tx.insert(contact::row(
+                id,
+                id,
+                &format!("m{id}@x"),
+                &format!("p{}", id % 7),
+            ))
+            .await?;
+            tx.insert(order::ActiveModel {
+                id: Set(id * 1000),
+                customer_id: Set(id),
+                total_cents: Set(1),
+            })
+            .await
+        })
+        .await
+        .unwrap_or_else(|e| panic!("insert customer {id}: {}", e.report()));
+    let mut a = acked.lock().unwrap();
+    a.customers.insert(id, format!("c{id}"));
+    a.orders.insert(id * 1000, (id, 1));
+}
+
+/// One round of writes to customer `id`: rename it, add an order, delete
+/// the order of two rounds ago, bump the first order.
+async fn write_round(
+    cluster: &Cluster,
+    acked: &Shared,
+    id: i64,
+    round: i64,
+) -> Result<(), ShardError> {
+    let name = format!("c{id}-r{round}");
+    let new_order = id * 1000 + round;
+    let old_order = id * 1000 + round - 2;
+    let had_old = round >= 3 && acked.lock().unwrap().orders.contains_key(&old_order);
+    cluster
+        .transaction::<Customer, _, _>(id, |tx| {
+            let name = name.clone();
+            async move {
+                tx.update(customer::ActiveModel {
+                    id: sea_orm::ActiveValue::Unchanged(id),
+                    name: Set(name),
+                })
+                .await?;
+                tx.insert(order::ActiveModel {
+                    id: Set(new_order),
+                    customer_id: Set(id),
+                    total_cents: Set(round),
+                })
+                .await?;
+                if had_old {
+                    tx.delete(order::ActiveModel {
+                        id: sea_orm::ActiveValue::Unchanged(old_order),
+                        customer_id: sea_orm::ActiveValue::Unchanged(id),
+                        total_cents: sea_orm::ActiveValue::NotSet,
+                    })
+                    .await?;
+                }
+                tx.update(order::ActiveModel {
+                    id: sea_orm::ActiveValue::Unchanged(id * 1000),
+                    customer_id: sea_orm::ActiveValue::Unchanged(id),
+                    total_cents: Set(round),
+                })
+                .await?;
+                Ok(())
+            }
+        })
+        .await?;
+    let mut a = acked.lock().unwrap();
+    a.customers.insert(id, name);
+    a.orders.insert(new_order, (id, round));
+    if had_old {
+        a.orders.remove(&old_order);
+    }
+    a.orders.insert(id * 1000, (id, round));
+    Ok(())
+}
+
+/// Writes rounds to `keys` until `stop`, then one more round; returns the
+/// rounds written. Every write must succeed.
+fn writer(
+    cluster: Cluster,
+    acked: Shared,
+    keys: Vec<i64>,
+    stop: Arc<AtomicBool>,
+) -> tokio::task::JoinHandle<i64> {
+    tokio::spawn(async move {
+        let mut round = 1;
+        loop {
+            let last = stop.load(Ordering::SeqCst);
+            for &k in &keys {
+                if let Err(e) = write_round(&cluster, &acked, k, round).await {
+                    panic!("write of customer {k} in round {round}: {}", e.report());
+                }
+            }
+            round += 1;
+            if last {
+                return round;
+            }
+            tokio::task::yield_now().await;
+        }
+    })
+}
+
+/// Every acknowledged row is on its bucket's owner (as `cluster`'s map says)
+/// exactly once, with what was acknowledged; no other row exists; the
+/// global indexes find every contact.
+async fn check_placement(cluster: &Cluster, acked: &Acked) {
+    let owners = cluster
+        .topology()
+        .live_owners("Customer")
+        .unwrap()
+        .unwrap()
+        .to_vec();
+    let mut customers: BTreeMap<i64, Vec<(String, String)>> = BTreeMap::new();
+    let mut orders: BTreeMap<i64, Vec<(String, (i64, i64))>> = BTreeMap::new();
+    for shard in cluster.topology().shard_names() {
+        let db = cluster.connection(shard).unwrap();
+        for c in customer::Entity::find().all(db).await.unwrap() {
+            customers
+                .entry(c.id)
+                .or_default()
+                .push((shard.to_owned(), c.name));
+        }
+        for o in order::Entity::find().all(db).await.unwrap() {
+            orders
+                .entry(o.id)
+                .or_default()
+                .push((shard.to_owned(), (o.customer_id, o.total_cents)));
+        }
+    }
+    let owner = |key: i64| {
+        cluster
+            .topology()
+            .shard(owners[bucket(key) as usize])
+            .name
+            .clone()
+    };
+    for (id, name) in &acked.customers {
+        let found = customers.remove(id).unwrap_or_default();
+        assert_eq!(
+            found,
+            vec![(owner(*id), name.clone())],
+            "customer {id} (bucket {})",
+            bucket(*id)
+        );
+    }
+    assert!(
+        customers.is_empty(),
+        "customers never acknowledged or not deleted: {customers:?}"
+    );
+    for (id, row) in &acked.orders {
+        let found = orders.remove(id).unwrap_or_default();
+        assert_eq!(
+            found,
+            vec![(owner(row.0), *row)],
+            "order {id} of customer {} (bucket {})",
+            row.0,
+            bucket(row.0)
+        );
+    }
+    assert!(
+        orders.is_empty(),
+        "orders never acknowledged or not deleted: {orders:?}"
+    );
+    for id in acked.customers.keys() {
+        assert_eq!(
+            contacts_by_index(cluster, contact::Column::Email, &format!("m{id}@x")).await,
+            vec![*id],
+            "the email index finds contact {id}"
+        );
+    }
+}
+
+async fn seed(cluster: &Cluster, acked: &Shared, keys: impl IntoIterator<Item = i64>) {
+    cluster.migrate::<Migrator>().await.unwrap();
+    cluster.setup::<contact::Entity>().await.unwrap();
+    cluster
+        .gsi()
+        .backfill::<contact::Entity>(contact::Column::Email)
+        .await
+        .unwrap();
+    cluster.refresh_bucket_maps().await.unwrap();
+    for k in keys {
+        insert_customer(cluster, acked, k).await;
+    }
+}
+
+/// Every fourth bucket: 16 of 64, four from each of s0..s3.
+fn quarter() -> Vec<u32> {
+    (0..BUCKETS).step_by(4).collect()
+}
+
+async fn two_instances_write_while_a_quarter_of_the_buckets_move(dbs: &mut TestDbs) {
+    let a = connect(dbs, 20).await;
+    let acked: Shared = Arc::default();
+    seed(&a, &acked, 1..=120).await;
+    // The second instance never refreshes its map on its own.
+    let b = connect(dbs, 0).await;
+    assert_eq!((epoch(&a), epoch(&b)), (1, 1));
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let even: Vec<i64> = (1..=120).filter(|k| k % 2 == 0).collect();
+    let odd: Vec<i64> = (1..=120).filter(|k| k % 2 == 1).collect();
+    let wa = writer(a.clone(), Arc::clone(&acked), even, Arc::clone(&stop));
+    let wb = writer(b.clone(), Arc::clone(&acked), odd, Arc::clone(&stop));
+
+    let progress = Arc::new(Mutex::new(Vec::new()));
+    let seen = Arc::clone(&progress);
+    let m = mover(&a).on_progress(move |p| seen.lock().unwrap().push((p.phase, p.rows_copied)));
+    let plan = m.plan_buckets(quarter(), "s4").await.unwrap();
+    assert_eq!(plan.buckets.len(), 16);
+    let started = m.start(&plan).await.unwrap();
+    assert_eq!(started.phase, MovePhase::Registered);
+    let done = m
+        .run(started.id)
+        .await
+        .unwrap_or_else(|e| panic!("move: {}", e.report()));
+    assert_eq!(done.phase, MovePhase::Done, "{done:?}");
+    assert!(done.rows_copied > 0);
+    assert_eq!(epoch(&a), 2);
+    assert!(
+        progress
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|(p, _)| *p == MovePhase::Copying),
+        "progress reported while copying"
+    );
+
+    // Both instances keep writing after the cut-over: the stale one's
+    // writes to moved buckets are refused by the old shard's fence and
+    // land on the new owner.
+    stop.store(true, Ordering::SeqCst);
+    let (ra, rb) = (wa.await.unwrap(), wb.await.unwrap());
+    assert!(ra > 1 && rb > 1);
+    assert_eq!(
+        epoch(&b),
+        2,
+        "the stale instance read the new map when a fence refused it"
+    );
+
+    let acked = acked.lock().unwrap();
+    check_placement(&a, &acked).await;
+    // Scatter reads see each row once.
+    let all = a.find::<customer::Entity>().scatter().all().await.unwrap();
+    assert_eq!(all.len(), acked.customers.len());
+    let on_s4 = customer::Entity::find()
+        .all(a.connection("s4").unwrap())
+        .await
+        .unwrap();
+    assert!(!on_s4.is_empty());
+    assert!(on_s4.iter().all(|c| bucket(c.id) % 4 == 0));
+    assert!(
+        m.list(false).await.unwrap().is_empty(),
+        "no move left running"
+    );
+}
+
+async fn the_mover_killed_in_each_phase_is_resumed_by_another_process(dbs: &mut TestDbs) {
+    let a = connect(dbs, 20).await;
+    let acked: Shared = Arc::default();
+    seed(&a, &acked, 1..=80).await;
+    let stop = Arc::new(AtomicBool::new(false));
+    let w = writer(
+        a.clone(),
+        Arc::clone(&acked),
+        (1..=80).collect(),
+        Arc::clone(&stop),
+    );
+    let target_db = dbs.names[4].clone();
+    let steps = [
+        "registered",
+        "copying",
+        "copy_chunk",
+        "catching_up",
+        "verified",
+        "cutting_over",
+        "fenced",
+        "cleaning",
+    ];
+    for (i, step) in steps.iter().enumerate() {
+        // Two buckets per step, from the four sources in turn.
+        let buckets = [i as u32 * 2, i as u32 * 2 + 1].map(|b| (b * 4 + i as u32) % BUCKETS);
+        let name = format!("shardkit::rebalance::{step}");
+        fail::cfg(&name, &format!("return({target_db})")).unwrap();
+        let m = mover(&a);
+        let plan = m.plan_buckets(buckets, "s4").await.unwrap();
+        let id = m.start(&plan).await.unwrap().id;
+        let err = m.run(id).await.unwrap_err();
+        assert!(
+            matches!(&err, ShardError::Rebalance { reason, .. } if reason.contains(step)),
+            "{step}: {err}"
+        );
+        fail::remove(&name);
+        let stopped = m.status(id).await.unwrap();
+        assert!(
+            stopped.error.as_deref().is_some_and(|e| e.contains(step)),
+            "{stopped:?}"
+        );
+        if *step == "verified" || *step == "cleaning" {
+            // Rows are on both shards now: a scatter read counts each once.
+            let n = a
+                .find::<customer::Entity>()
+                .scatter()
+                .all()
+                .await
+                .unwrap()
+                .len();
+            assert_eq!(n, acked.lock().unwrap().customers.len(), "{step}");
+        }
+        // Another process resumes it.
+        let other = connect(dbs, 20).await;
+        let done = mover(&other)
+            .run(id)
+            .await
+            .unwrap_or_else(|e| panic!("{step}: {}", e.report()));
+        assert_eq!(done.phase, MovePhase::Done, "{step}");
+        assert_eq!(done.error, None);
+    }
+    stop.store(true, Ordering::SeqCst);
+    w.await.unwrap();
+    a.refresh_bucket_maps().await.unwrap();
+    assert_eq!(epoch(&a), 1 + steps.len() as u64);
+    check_placement(&a, &acked.lock().unwrap()).await;
+}
+
+async fn abort_in_each_phase_leaves_the_source_the_owner(dbs: &mut TestDbs) {
+    let a = connect(dbs, 20).await;
+    let acked: Shared = Arc::default();
+    seed(&a, &acked, 1..=80).await;
+    let stop = Arc::new(AtomicBool::new(false));
+    let w = writer(
+        a.clone(),
+        Arc::clone(&acked),
+        (1..=80).collect(),
+        Arc::clone(&stop),
+    );
+    let target_db = dbs.names[4].clone();
+    let buckets = quarter();
+    for step in [
+        "registered",
+        "copying",
+        "copy_chunk",
+        "catching_up",
+        "verified",
+        "cutting_over",
+        "fenced",
+    ] {
+        let name = format!("shardkit::rebalance::{step}");
+        fail::cfg(&name, &format!("return({target_db})")).unwrap();
+        let m = mover(&a);
+        let plan = m.plan_buckets(buckets.clone(), "s4").await.unwrap();
+        let id = m.start(&plan).await.unwrap().id;
+        assert!(m.run(id).await.is_err(), "{step}");
+        fail::remove(&name);
+        // Another process aborts it.
+        let other = connect(dbs, 20).await;
+        let aborted = mover(&other)
+            .abort(id)
+            .await
+            .unwrap_or_else(|e| panic!("{step}: {}", e.report()));
+        assert_eq!(aborted.phase, MovePhase::Aborted, "{step}");
+        assert_eq!(aborted.pending_changes, 0);
+        let s4 = a.connection("s4").unwrap();
+        assert!(
+            customer::Entity::find().all(s4).await.unwrap().is_empty(),
+            "{step}: s4 cleaned"
+        );
+        assert!(
+            order::Entity::find().all(s4).await.unwrap().is_empty(),
+            "{step}: s4 cleaned"
+        );
+        assert_eq!(epoch(&a), 1, "{step}: the map never flipped");
+    }
+    stop.store(true, Ordering::SeqCst);
+    w.await.unwrap();
+    check_placement(&a, &acked.lock().unwrap()).await;
+    // The buckets are free again: a move of them runs to the end.
+    let m = mover(&a);
+    let plan = m.plan_buckets(buckets, "s4").await.unwrap();
+    let id = m.start(&plan).await.unwrap().id;
+    assert_eq!(m.run(id).await.unwrap().phase, MovePhase::Done);
+    let err = m.abort(id).await.unwrap_err();
+    assert!(
+        matches!(&err, ShardError::Rebalance { reason, .. } if reason.contains("done")),
+        "{err}"
+    );
+    check_placement(&a, &acked.lock().unwrap()).await;
+}
+
+async fn overlapping_moves_are_refused_and_plans_are_minimal(dbs: &mut TestDbs) {
+    let a = connect(dbs, 20).await;
+    let acked: Shared = Arc::default();
+    seed(&a, &acked, 1..=40).await;
+    let m = mover(&a);
+    // 64 buckets over 5 shards: s4 gets 12, three from each.
+    let even = m.plan_even_out("s4").await.unwrap();
+    assert_eq!(even.buckets.len(), 12, "{even:?}");
+    let mut from: BTreeMap<String, usize> = BTreeMap::new();
+    for (_, s) in &even.buckets {
+        *from.entry(s.clone()).or_default() += 1;
+    }
+    assert_eq!(from.values().copied().collect::<Vec<_>>(), vec![3, 3, 3, 3]);
+
+    let first = m
+        .start(&m.plan_buckets([1, 2], "s4").await.unwrap())
+        .await
+        .unwrap();
+    let err = m
+        .start(&m.plan_buckets([2, 3], "s4").await.unwrap())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, ShardError::Rebalance { reason, .. } if reason.contains(&format!("move #{}", first.id))),
+        "{err}"
+    );
+    // The refused move held nothing: bucket 3 moves on its own.
+    let third = m
+        .start(&m.plan_buckets([3], "s4").await.unwrap())
+        .await
+        .unwrap();
+    assert_eq!(m.list(false).await.unwrap().len(), 2);
+    assert_eq!(m.run(first.id).await.unwrap().phase, MovePhase::Done);
+    assert_eq!(m.run(third.id).await.unwrap().phase, MovePhase::Done);
+    // Bad plans name what is wrong.
+    let err = m.plan_buckets([BUCKETS], "s4").await.unwrap_err();
+    assert!(err.to_string().contains("out of range"), "{err}");
+    let err = m.plan_buckets([1], "s9").await.unwrap_err();
+    assert!(err.to_string().contains("no shard is named `s9`"), "{err}");
+    let err = m.plan_buckets([1], "s4").await.unwrap_err();
+    assert!(err.to_string().contains("already on `s4`"), "{err}");
+    let none = a.rebalance::<Customer>();
+    let err = none
+        .start(&m.plan_buckets([5], "s4").await.unwrap())
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("no entity listed"), "{err}");
+    // A group that is not movable is refused before any I/O.
+    let err = a
+        .rebalance::<Tenant>()
+        .plan_buckets([1], "s4")
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("movable"), "{err}");
+    check_placement(&a, &acked.lock().unwrap()).await;
+    let n: u64 = {
+        let db = a.connection("s0").unwrap();
+        let row = db
+            .query_one_raw(sea_orm::Statement::from_string(
+                db.get_database_backend(),
+                "SELECT COUNT(*) AS n FROM shardkit_move_buckets".to_owned(),
+            ))
+            .await
+            .unwrap()
+            .unwrap();
+        row.try_get::<i64>("", "n").unwrap() as u64
+    };
+    assert_eq!(n, 0, "finished moves release their buckets");
+}
