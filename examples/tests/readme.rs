@@ -14,6 +14,7 @@
 
 use shardkit::clock::{Clock, ManualClock};
 use shardkit::gsi::{IndexState, ReconcileReport};
+use shardkit::rebalance::{MovePhase, MoveStatus};
 use shardkit::{Partial, Rollout, RolloutHandle, VerifyOptions, VerifyReport};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -300,6 +301,15 @@ async fn ids(cluster: &Cluster) -> shardkit::Result<Issued> {
     let enc = cluster.next_encoded_id::<Customer>("orders", &42).await?;  // bucket in the low 13 bits
     let target = cluster.route_id::<Customer>(enc)?;               // the shard, from the id alone
     Ok(Issued { id, seq, sf, u, enc, target })
+}
+
+/// README.md, "Moving buckets".
+#[rustfmt::skip]
+async fn grow(cluster: &Cluster) -> shardkit::Result<MoveStatus> {
+    let moves = cluster.rebalance::<Customer>().entity::<order::Entity>();   // every entity of the group
+    let plan = moves.plan_even_out("s4").await?;           // the fewest buckets that even the shards out
+    let started = moves.start(&plan).await?;               // refused if another move holds a bucket
+    moves.run(started.id).await                            // copy, catch up, verify, cut over, clean
 }
 
 /// The application's migrations the README's `migration::Migrator` stands
@@ -669,6 +679,62 @@ async fn rollouts_advance_backfill_and_verify() {
         report.is_consistent(),
         "the backfill copied every person: {report:?}"
     );
+}
+
+#[tokio::test]
+async fn a_fifth_shard_takes_its_share_of_the_buckets() {
+    let scratch = Scratch::new("grow");
+    let toml = format!(
+        "{}[[shards]]\nname = \"s4\"\nurl = \"{}\"\n\n[groups.Customer]\nbuckets = 1024\nshards = [\"s0\", \"s1\", \"s2\", \"s3\"]\nmovable = true\n[rebalance]\ncleanup_grace_ms = 0\n",
+        scratch
+            .cluster_toml(4)
+            .split("[groups.Customer]")
+            .next()
+            .unwrap(),
+        scratch.url("s4"),
+    );
+    let cluster = migrated(&toml).await;
+    cluster.refresh_bucket_maps().await.unwrap();
+    for order in seeded_orders() {
+        let tx = cluster.begin::<Customer>(order.customer_id).await.unwrap();
+        tx.insert(order::ActiveModel::from(order)).await.unwrap();
+        tx.commit().await.unwrap();
+    }
+
+    let done = grow(&cluster).await.unwrap();
+
+    assert_eq!(done.phase, MovePhase::Done);
+    assert_eq!(
+        done.buckets.len(),
+        1024 / 5,
+        "s4 takes a fifth of the buckets"
+    );
+    let all = cluster
+        .find::<order::Entity>()
+        .scatter()
+        .all()
+        .await
+        .unwrap();
+    assert_eq!(sorted(all), seeded_orders(), "every order, each once");
+    let on_s4 = order::Entity::find()
+        .all(cluster.connection("s4").unwrap())
+        .await
+        .unwrap();
+    for o in &on_s4 {
+        assert_eq!(
+            cluster.shard_of_now::<Customer>(&o.customer_id).unwrap(),
+            Some("s4")
+        );
+    }
+    let mut total = 0;
+    for shard in ["s0", "s1", "s2", "s3", "s4"] {
+        total += order::Entity::find()
+            .all(cluster.connection(shard).unwrap())
+            .await
+            .unwrap()
+            .len();
+    }
+    assert_eq!(total, seeded_orders().len(), "the old shards were cleaned");
 }
 
 #[tokio::test]

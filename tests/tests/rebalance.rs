@@ -66,6 +66,9 @@ struct Acked {
 
 type Shared = Arc<Mutex<Acked>>;
 
+/// An order row as found: the shard, and (customer, total).
+type Placed = (String, (i64, i64));
+
 async fn insert_customer(cluster: &Cluster, acked: &Shared, id: i64) {
     cluster
         .transaction::<Customer, _, _>(id, |tx| async move {
@@ -179,7 +182,14 @@ fn writer(
 /// Every acknowledged row is on its bucket's owner (as `cluster`'s map says)
 /// exactly once, with what was acknowledged; no other row exists; the
 /// global indexes find every contact.
-async fn check_placement(cluster: &Cluster, acked: &Acked) {
+async fn check_placement(cluster: &Cluster, acked: &Shared) {
+    let acked = {
+        let a = acked.lock().unwrap();
+        Acked {
+            customers: a.customers.clone(),
+            orders: a.orders.clone(),
+        }
+    };
     let owners = cluster
         .topology()
         .live_owners("Customer")
@@ -187,7 +197,7 @@ async fn check_placement(cluster: &Cluster, acked: &Acked) {
         .unwrap()
         .to_vec();
     let mut customers: BTreeMap<i64, Vec<(String, String)>> = BTreeMap::new();
-    let mut orders: BTreeMap<i64, Vec<(String, (i64, i64))>> = BTreeMap::new();
+    let mut orders: BTreeMap<i64, Vec<Placed>> = BTreeMap::new();
     for shard in cluster.topology().shard_names() {
         let db = cluster.connection(shard).unwrap();
         for c in customer::Entity::find().all(db).await.unwrap() {
@@ -314,17 +324,16 @@ async fn two_instances_write_while_a_quarter_of_the_buckets_move(dbs: &mut TestD
         "the stale instance read the new map when a fence refused it"
     );
 
-    let acked = acked.lock().unwrap();
     check_placement(&a, &acked).await;
     // Scatter reads see each row once.
     let all = a.find::<customer::Entity>().scatter().all().await.unwrap();
-    assert_eq!(all.len(), acked.customers.len());
+    assert_eq!(all.len(), acked.lock().unwrap().customers.len());
     let on_s4 = customer::Entity::find()
         .all(a.connection("s4").unwrap())
         .await
         .unwrap();
     assert!(!on_s4.is_empty());
-    assert!(on_s4.iter().all(|c| bucket(c.id) % 4 == 0));
+    assert!(on_s4.iter().all(|c| bucket(c.id).is_multiple_of(4)));
     assert!(
         m.list(false).await.unwrap().is_empty(),
         "no move left running"
@@ -396,7 +405,7 @@ async fn the_mover_killed_in_each_phase_is_resumed_by_another_process(dbs: &mut 
     w.await.unwrap();
     a.refresh_bucket_maps().await.unwrap();
     assert_eq!(epoch(&a), 1 + steps.len() as u64);
-    check_placement(&a, &acked.lock().unwrap()).await;
+    check_placement(&a, &acked).await;
 }
 
 async fn abort_in_each_phase_leaves_the_source_the_owner(dbs: &mut TestDbs) {
@@ -449,7 +458,7 @@ async fn abort_in_each_phase_leaves_the_source_the_owner(dbs: &mut TestDbs) {
     }
     stop.store(true, Ordering::SeqCst);
     w.await.unwrap();
-    check_placement(&a, &acked.lock().unwrap()).await;
+    check_placement(&a, &acked).await;
     // The buckets are free again: a move of them runs to the end.
     let m = mover(&a);
     let plan = m.plan_buckets(buckets, "s4").await.unwrap();
@@ -460,7 +469,7 @@ async fn abort_in_each_phase_leaves_the_source_the_owner(dbs: &mut TestDbs) {
         matches!(&err, ShardError::Rebalance { reason, .. } if reason.contains("done")),
         "{err}"
     );
-    check_placement(&a, &acked.lock().unwrap()).await;
+    check_placement(&a, &acked).await;
 }
 
 async fn overlapping_moves_are_refused_and_plans_are_minimal(dbs: &mut TestDbs) {
@@ -517,7 +526,7 @@ async fn overlapping_moves_are_refused_and_plans_are_minimal(dbs: &mut TestDbs) 
         .await
         .unwrap_err();
     assert!(err.to_string().contains("movable"), "{err}");
-    check_placement(&a, &acked.lock().unwrap()).await;
+    check_placement(&a, &acked).await;
     let n: u64 = {
         let db = a.connection("s0").unwrap();
         let row = db

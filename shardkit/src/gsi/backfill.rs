@@ -23,7 +23,7 @@ impl<'c> Gsi<'c> {
         mut on_progress: impl FnMut(BackfillProgress) -> ControlFlow<()>,
     ) -> Result<BackfillProgress> {
         let index = IndexDef::find::<E>(column)?;
-        let shards = self.group_shards(<E::Group as EntityGroup>::NAME)?;
+        let shards = self.owner_shards(<E::Group as EntityGroup>::NAME)?;
         let chunk = Ord::max(chunk, 1);
         // Progress: "pk/<shard index>:<last primary key done on it>", a
         // keyset position (see `crate::exec::keyset`). An older "<shard>:<offset>"

@@ -392,8 +392,14 @@ impl<'c> Gsi<'c> {
         (self.shards.shard_conn(id), self.shards.shard_name(id))
     }
 
+    /// The shards index tables live on (the configured ones).
     fn group_shards(&self, group: &'static str) -> Result<Vec<ShardId>> {
         Ok(self.shards.topology().shards_of(group)?.to_vec())
+    }
+
+    /// The shards owner rows may be on (with those a bucket move added).
+    fn owner_shards(&self, group: &'static str) -> Result<Vec<ShardId>> {
+        self.shards.topology().scatter_shards(group)
     }
 }
 

@@ -70,7 +70,7 @@ impl<'c> Gsi<'c> {
                 }
             }
             // Owners without an index row.
-            for id in self.group_shards(<E::Group as EntityGroup>::NAME)? {
+            for id in self.owner_shards(<E::Group as EntityGroup>::NAME)? {
                 let (db, shard) = self.conn(id);
                 let mut after: Option<Vec<Value>> = None;
                 loop {

@@ -359,8 +359,7 @@ fn moved(group: &'static str, bucket: u32, shard: &str, state: BucketState) -> S
 /// of `from`), in its own transaction, waiting at most `wait` for the
 /// transactions that hold the rows' shared locks. Returns the rows changed.
 pub(crate) async fn set_states(
-    db: &DatabaseConnection,
-    shard: &str,
+    (db, shard): (&DatabaseConnection, &str),
     group: &str,
     buckets: &[u32],
     from: &[BucketState],

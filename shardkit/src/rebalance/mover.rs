@@ -706,8 +706,7 @@ impl<G: EntityGroup> Rebalance<G> {
                     for (src, buckets) in self.sources(&status)? {
                         let (db, name) = self.conn(src);
                         set_states(
-                            db,
-                            name,
+                            (db, name),
                             G::NAME,
                             &buckets,
                             &[BucketState::Owned, BucketState::Moving],
@@ -923,8 +922,7 @@ impl<G: EntityGroup> Rebalance<G> {
             let (db, name) = self.conn(*src);
             loop {
                 match set_states(
-                    db,
-                    name,
+                    (db, name),
                     G::NAME,
                     buckets,
                     &[BucketState::Moving, BucketState::Moved],
@@ -950,8 +948,7 @@ impl<G: EntityGroup> Rebalance<G> {
         let (db, name) = self.conn(target);
         let all: Vec<u32> = status.buckets.iter().map(|(b, _)| *b).collect();
         set_states(
-            db,
-            name,
+            (db, name),
             G::NAME,
             &all,
             &[BucketState::None, BucketState::Owned],
@@ -1074,8 +1071,7 @@ impl<G: EntityGroup> Rebalance<G> {
         {
             let (db, name) = self.conn(target);
             set_states(
-                db,
-                name,
+                (db, name),
                 G::NAME,
                 &all,
                 &[BucketState::Owned],
@@ -1088,8 +1084,7 @@ impl<G: EntityGroup> Rebalance<G> {
         for (src, buckets) in self.sources(&status)? {
             let (db, name) = self.conn(src);
             set_states(
-                db,
-                name,
+                (db, name),
                 G::NAME,
                 &buckets,
                 &[BucketState::Moving, BucketState::Moved],
