@@ -20,6 +20,10 @@ backend_tests!(5 =>
 
 const BUCKETS: u32 = 64;
 
+/// Failpoints are configured per name for the whole process: the scenarios
+/// that set them (on every backend) take turns.
+static FAILPOINTS: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 fn config(dbs: &TestDbs, refresh_ms: u64) -> ClusterConfig {
     let toml = format!(
         "{}\n[groups.Customer]\nbuckets = {BUCKETS}\nshards = [\"s0\", \"s1\", \"s2\", \"s3\"]\nmovable = true\n\n[rebalance]\nrefresh_ms = {refresh_ms}\ncleanup_grace_ms = 0\nchunk = 40\n",
@@ -362,6 +366,8 @@ async fn the_mover_killed_in_each_phase_is_resumed_by_another_process(dbs: &mut 
         "fenced",
         "cleaning",
     ];
+    // Held to the end: another backend's run of a scenario may name the same database.
+    let _turn = FAILPOINTS.lock().await;
     for (i, step) in steps.iter().enumerate() {
         // Two buckets per step, from the four sources in turn.
         let buckets = [i as u32 * 2, i as u32 * 2 + 1].map(|b| (b * 4 + i as u32) % BUCKETS);
@@ -421,6 +427,8 @@ async fn abort_in_each_phase_leaves_the_source_the_owner(dbs: &mut TestDbs) {
     );
     let target_db = dbs.names[4].clone();
     let buckets = quarter();
+    // Held to the end: another backend's run of a scenario may name the same database.
+    let _turn = FAILPOINTS.lock().await;
     for step in [
         "registered",
         "copying",
