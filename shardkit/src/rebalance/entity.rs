@@ -66,8 +66,18 @@ pub(crate) trait MoveEntity: Send + Sync {
         buckets: &'a Buckets,
     ) -> BoxFuture<'a, Result<Chunk>>;
 
-    /// Makes the target's rows of `keys` what the source holds now.
-    fn sync_keys<'a>(
+    /// Writes the source's rows of `keys` on the target (entities in the
+    /// listed order: a row's parent first).
+    fn upsert_keys<'a>(
+        &'a self,
+        src: (&'a DatabaseConnection, &'a str),
+        dst: (&'a DatabaseConnection, &'a str),
+        keys: &'a [String],
+    ) -> BoxFuture<'a, Result<u64>>;
+
+    /// Deletes the target's rows of `keys` the source no longer has
+    /// (entities in reverse order: a row's children first).
+    fn prune_keys<'a>(
         &'a self,
         src: (&'a DatabaseConnection, &'a str),
         dst: (&'a DatabaseConnection, &'a str),
@@ -148,74 +158,43 @@ where
     }
 }
 
-async fn replace_rows<E>(
-    db: &DatabaseConnection,
-    shard: &str,
-    keys: Option<&[Value]>,
-    rows: Vec<E::Model>,
-) -> Result<()>
+/// Writes `rows` on `db` over whatever it has under their primary keys, in
+/// one transaction (run again when the database aborts it).
+async fn upsert_rows<E>(db: &DatabaseConnection, shard: &str, rows: Vec<E::Model>) -> Result<()>
 where
     E: ShardedEntity,
     E::Model: IntoActiveModel<E::ActiveModel>,
     E::ActiveModel: Send,
 {
+    if rows.is_empty() {
+        return Ok(());
+    }
     again(table_name::<E>(), shard, || {
-        replace_once::<E>(db, shard, keys, rows.clone())
+        upsert_once::<E>(db, shard, rows.clone())
     })
     .await
 }
 
-/// Deletes `rows`' primary keys (or every row of `keys`) on `db`, then
-/// inserts `rows`, in one transaction.
-async fn replace_once<E>(
-    db: &DatabaseConnection,
-    shard: &str,
-    keys: Option<&[Value]>,
-    rows: Vec<E::Model>,
-) -> Result<()>
+async fn upsert_once<E>(db: &DatabaseConnection, shard: &str, rows: Vec<E::Model>) -> Result<()>
 where
     E: ShardedEntity,
     E::Model: IntoActiveModel<E::ActiveModel>,
     E::ActiveModel: Send,
 {
     let e = err::<E>(shard, "copy to");
+    let pks: Vec<E::Column> = <E::PrimaryKey as Iterable>::iter()
+        .map(PrimaryKeyToColumn::into_column)
+        .collect();
+    let others: Vec<E::Column> = <E::Column as Iterable>::iter()
+        .filter(|c| {
+            !pks.iter()
+                .any(|p| sea_orm::IdenStatic::as_str(p) == sea_orm::IdenStatic::as_str(c))
+        })
+        .collect();
+    let mut on_conflict = OnConflict::columns(pks.clone());
+    // A table of primary-key columns only sets the key to itself.
+    on_conflict.update_columns(if others.is_empty() { pks } else { others });
     let txn = crate::exec::begin_write(db).await.map_err(&e)?;
-    match keys {
-        // Every row of these keys goes: the source no longer has some.
-        Some(keys) => {
-            for keys in keys.chunks(500) {
-                E::delete_many()
-                    .filter(sea_orm::ColumnTrait::is_in(
-                        &E::shard_key_column(),
-                        keys.iter().cloned(),
-                    ))
-                    .exec(&txn)
-                    .await
-                    .map_err(&e)?;
-            }
-        }
-        None => {
-            let pks: Vec<Vec<Value>> = rows.iter().map(model_pk_values::<E>).collect();
-            let single = <E::PrimaryKey as Iterable>::iter().count() == 1;
-            for pks in pks.chunks(500) {
-                let cond = if single {
-                    let col = <E::PrimaryKey as Iterable>::iter()
-                        .next()
-                        .expect("a primary key")
-                        .into_column();
-                    Condition::all().add(sea_orm::ColumnTrait::is_in(
-                        &col,
-                        pks.iter().map(|pk| pk[0].clone()),
-                    ))
-                } else {
-                    pks.iter().fold(Condition::any(), |c, pk| {
-                        c.add(crate::rollout::pk_condition::<E>(pk))
-                    })
-                };
-                E::delete_many().filter(cond).exec(&txn).await.map_err(&e)?;
-            }
-        }
-    }
     let per = rows_per_insert::<E>();
     let mut rows = rows.into_iter().peekable();
     while rows.peek().is_some() {
@@ -225,11 +204,75 @@ where
             .map(|m| m.into_active_model().reset_all())
             .collect();
         E::insert_many(batch)
+            .on_conflict(on_conflict.clone())
             .exec_without_returning(&txn)
             .await
             .map_err(&e)?;
     }
     txn.commit().await.map_err(&e)
+}
+
+/// Deletes the rows of these primary keys on `db`.
+async fn delete_pks<E: ShardedEntity>(
+    db: &DatabaseConnection,
+    shard: &str,
+    pks: &[Vec<Value>],
+) -> Result<u64> {
+    let single = <E::PrimaryKey as Iterable>::iter().count() == 1;
+    let mut deleted = 0;
+    for pks in pks.chunks(500) {
+        let cond = if single {
+            let col = <E::PrimaryKey as Iterable>::iter()
+                .next()
+                .expect("a primary key")
+                .into_column();
+            Condition::all().add(sea_orm::ColumnTrait::is_in(
+                &col,
+                pks.iter().map(|pk| pk[0].clone()),
+            ))
+        } else {
+            pks.iter().fold(Condition::any(), |c, pk| {
+                c.add(crate::rollout::pk_condition::<E>(pk))
+            })
+        };
+        deleted += again(table_name::<E>(), shard, || async {
+            E::delete_many()
+                .filter(cond.clone())
+                .exec(db)
+                .await
+                .map_err(err::<E>(shard, "delete from"))
+        })
+        .await?
+        .rows_affected;
+    }
+    Ok(deleted)
+}
+
+/// The rows of `keys` on `db`.
+async fn rows_of_keys<E: ShardedEntity>(
+    db: &DatabaseConnection,
+    shard: &str,
+    keys: &[String],
+) -> Result<Vec<E::Model>> {
+    let values: Vec<Value> = keys
+        .iter()
+        .filter_map(|k| <<E::Group as EntityGroup>::Key as ShardKey>::from_directory_text(k))
+        .map(Into::into)
+        .collect();
+    let mut rows = Vec::new();
+    for chunk in values.chunks(500) {
+        rows.extend(
+            E::find()
+                .filter(sea_orm::ColumnTrait::is_in(
+                    &E::shard_key_column(),
+                    chunk.iter().cloned(),
+                ))
+                .all(db)
+                .await
+                .map_err(err::<E>(shard, "replay"))?,
+        );
+    }
+    Ok(rows)
 }
 
 impl<E> MoveEntity for Mover<E>
@@ -264,43 +307,44 @@ where
                 .filter(|m| buckets.holds(&E::shard_key(m)))
                 .collect();
             let copied = moving.len() as u64;
-            if !moving.is_empty() {
-                replace_rows::<E>(dst.0, dst.1, None, moving).await?;
-            }
+            upsert_rows::<E>(dst.0, dst.1, moving).await?;
             Ok(Chunk { rows: copied, next })
         })
     }
 
-    fn sync_keys<'a>(
+    fn upsert_keys<'a>(
         &'a self,
         src: (&'a DatabaseConnection, &'a str),
         dst: (&'a DatabaseConnection, &'a str),
         keys: &'a [String],
     ) -> BoxFuture<'a, Result<u64>> {
         Box::pin(async move {
-            let values: Vec<Value> = keys
-                .iter()
-                .filter_map(|k| {
-                    <<E::Group as EntityGroup>::Key as ShardKey>::from_directory_text(k)
-                })
-                .map(Into::into)
-                .collect();
-            let mut rows = Vec::new();
-            for chunk in values.chunks(500) {
-                rows.extend(
-                    E::find()
-                        .filter(sea_orm::ColumnTrait::is_in(
-                            &E::shard_key_column(),
-                            chunk.iter().cloned(),
-                        ))
-                        .all(src.0)
-                        .await
-                        .map_err(err::<E>(src.1, "replay from"))?,
-                );
-            }
+            let rows = rows_of_keys::<E>(src.0, src.1, keys).await?;
             let n = rows.len() as u64;
-            replace_rows::<E>(dst.0, dst.1, Some(&values), rows).await?;
+            upsert_rows::<E>(dst.0, dst.1, rows).await?;
             Ok(n)
+        })
+    }
+
+    fn prune_keys<'a>(
+        &'a self,
+        src: (&'a DatabaseConnection, &'a str),
+        dst: (&'a DatabaseConnection, &'a str),
+        keys: &'a [String],
+    ) -> BoxFuture<'a, Result<u64>> {
+        Box::pin(async move {
+            let there: std::collections::HashSet<String> = rows_of_keys::<E>(src.0, src.1, keys)
+                .await?
+                .iter()
+                .map(|m| tuple_text(&model_pk_values::<E>(m)))
+                .collect();
+            let gone: Vec<Vec<Value>> = rows_of_keys::<E>(dst.0, dst.1, keys)
+                .await?
+                .iter()
+                .map(model_pk_values::<E>)
+                .filter(|pk| !there.contains(&tuple_text(pk)))
+                .collect();
+            delete_pks::<E>(dst.0, dst.1, &gone).await
         })
     }
 

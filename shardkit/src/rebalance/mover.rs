@@ -131,9 +131,11 @@ type ProgressFn = Arc<dyn Fn(&MoveProgress) + Send + Sync>;
 
 /// Bucket moves of group `G` ([`Cluster::rebalance`](crate::Cluster::rebalance)).
 ///
-/// List every entity of the group with [`entity`](Self::entity): a move
-/// copies, replays and deletes the rows of the entities it knows, and a
-/// move is refused without any.
+/// List every entity of the group with [`entity`](Self::entity), each
+/// after the entities its foreign keys point at (customers before their
+/// orders): a move copies, replays and deletes the rows of the entities it
+/// knows, writing parents first and deleting children first, and is
+/// refused without any.
 pub struct Rebalance<G: EntityGroup> {
     shards: Shards,
     entities: Vec<Arc<dyn MoveEntity>>,
@@ -593,6 +595,24 @@ impl<G: EntityGroup> Rebalance<G> {
         Ok(total)
     }
 
+    /// Makes the target's rows of `keys` what the source holds now: every
+    /// entity's rows written (parents first), then the rows the source no
+    /// longer has deleted (children first).
+    async fn sync_keys(
+        &self,
+        source: (&DatabaseConnection, &str),
+        target: (&DatabaseConnection, &str),
+        keys: &[String],
+    ) -> Result<()> {
+        for entity in &self.entities {
+            entity.upsert_keys(source, target, keys).await?;
+        }
+        for entity in self.entities.iter().rev() {
+            entity.prune_keys(source, target, keys).await?;
+        }
+        Ok(())
+    }
+
     /// Replays up to `limit` logged keys per source (all of them when
     /// `None`); returns how many log entries it consumed.
     async fn replay(&self, status: &mut MoveStatus, limit: Option<u64>) -> Result<u64> {
@@ -627,9 +647,7 @@ impl<G: EntityGroup> Rebalance<G> {
                 }
                 keys.sort();
                 keys.dedup();
-                for entity in &self.entities {
-                    entity.sync_keys(source, target, &keys).await?;
-                }
+                self.sync_keys(source, target, &keys).await?;
                 let delete = Query::delete()
                     .from_table(Alias::new(CHANGES))
                     .and_where(Expr::col(Alias::new("seq")).is_in(seqs.iter().copied()))
@@ -866,9 +884,7 @@ impl<G: EntityGroup> Rebalance<G> {
                     keys = unexplained.len(),
                     "rows differ without a logged change: copying them again"
                 );
-                for e in &self.entities {
-                    e.sync_keys(source, dst, &unexplained).await?;
-                }
+                self.sync_keys(source, dst, &unexplained).await?;
                 let again = entity.compare(source, dst, chunk, &only_here).await?;
                 let pending = self.pending_keys(source, status.id).await?;
                 let still = again.keys.iter().filter(|k| !pending.contains(*k)).count();
@@ -1008,7 +1024,8 @@ impl<G: EntityGroup> Rebalance<G> {
             let only_here = Buckets::new(count, buckets.iter().copied());
             while ei < self.entities.len() {
                 loop {
-                    let done = self.entities[ei]
+                    // Children first (the entities in reverse order).
+                    let done = self.entities[self.entities.len() - 1 - ei]
                         .delete_chunk(self.conn(*src), after.as_deref(), chunk, &only_here)
                         .await?;
                     after = done.next;
@@ -1103,7 +1120,9 @@ impl<G: EntityGroup> Rebalance<G> {
         }
         let moving = Buckets::new(count, all.iter().copied());
         let chunk = self.shards.rebalance_settings().chunk;
-        for entity in &self.entities {
+        // Children first: a row's foreign keys point at entities listed
+        // before it.
+        for entity in self.entities.iter().rev() {
             let mut after: Option<String> = None;
             loop {
                 let done = entity
