@@ -332,6 +332,17 @@ impl Cluster {
         crate::rebalance::Rebalance::new(self.shards.clone())
     }
 
+    /// Moves of the group named `group` carrying `entities` (for the
+    /// operator's command line, which knows entities as objects).
+    #[cfg(feature = "cli")]
+    pub(crate) fn rebalance_named(
+        &self,
+        group: &'static str,
+        entities: Vec<Arc<dyn crate::rebalance::MoveEntity>>,
+    ) -> crate::rebalance::Rebalance<crate::rebalance::AnyGroup> {
+        crate::rebalance::Rebalance::named(self.shards.clone(), group, entities)
+    }
+
     /// Reads every `movable` group's bucket map now (seeding it on first
     /// use), instead of waiting for the periodic refresh; returns nothing
     /// new when the epochs are unchanged.

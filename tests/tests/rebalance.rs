@@ -16,6 +16,7 @@ backend_tests!(5 =>
     the_mover_killed_in_each_phase_is_resumed_by_another_process,
     abort_in_each_phase_leaves_the_source_the_owner,
     overlapping_moves_are_refused_and_plans_are_minimal,
+    shardctl_plans_starts_resumes_and_aborts_moves,
 );
 
 const BUCKETS: u32 = 64;
@@ -548,4 +549,132 @@ async fn overlapping_moves_are_refused_and_plans_are_minimal(dbs: &mut TestDbs) 
         row.try_get::<i64>("", "n").unwrap() as u64
     };
     assert_eq!(n, 0, "finished moves release their buckets");
+}
+
+/// `shardctl --json <args>` over `dbs`' cluster with the group's entities.
+async fn shardctl(dbs: &TestDbs, args: &[&str]) -> (u8, serde_json::Value) {
+    let registry = shardkit::cli::Registry::new()
+        .migrator::<Migrator>()
+        .entity::<customer::Entity>()
+        .entity::<order::Entity>()
+        .entity::<contact::Entity>();
+    let mut out: Vec<u8> = Vec::new();
+    let argv = ["shardctl", "--json"].iter().chain(args).copied();
+    let code = shardkit::cli::run_with(argv, config(dbs, 20), registry, &mut out).await;
+    let text = String::from_utf8(out).unwrap();
+    let value = serde_json::from_str(&text)
+        .unwrap_or_else(|e| panic!("shardctl {args:?}: not JSON ({e}): {text}"));
+    (code, value)
+}
+
+async fn shardctl_plans_starts_resumes_and_aborts_moves(dbs: &mut TestDbs) {
+    let a = connect(dbs, 20).await;
+    let acked: Shared = Arc::default();
+    seed(&a, &acked, 1..=60).await;
+
+    let (code, plan) = shardctl(dbs, &["rebalance", "plan", "Customer", "--to", "s4"]).await;
+    assert_eq!(code, 0, "{plan:#}");
+    assert_eq!(plan["buckets"].as_array().unwrap().len(), 12, "{plan:#}");
+
+    let (code, done) = shardctl(
+        dbs,
+        &[
+            "rebalance",
+            "start",
+            "Customer",
+            "--to",
+            "s4",
+            "--buckets",
+            "0,4",
+        ],
+    )
+    .await;
+    assert_eq!(code, 0, "{done:#}");
+    assert_eq!(done["phase"], "done");
+
+    let _turn = FAILPOINTS.lock().await;
+    let name = "shardkit::rebalance::copying";
+    fail::cfg(name, &format!("return({})", dbs.names[4])).unwrap();
+    let (code, failed) = shardctl(
+        dbs,
+        &[
+            "rebalance",
+            "start",
+            "Customer",
+            "--to",
+            "s4",
+            "--buckets",
+            "8,12",
+        ],
+    )
+    .await;
+    assert_eq!(code, 1, "{failed:#}");
+    assert!(
+        failed["error"].as_str().unwrap().contains("copying"),
+        "{failed:#}"
+    );
+    let (code, status) = shardctl(dbs, &["rebalance", "status", "Customer"]).await;
+    assert_eq!(
+        code, 1,
+        "a move that stopped on an error is a problem: {status:#}"
+    );
+    let moves = status["moves"].as_array().unwrap();
+    assert_eq!(moves.len(), 1, "{status:#}");
+    assert_eq!(moves[0]["phase"], "copying");
+    let id = moves[0]["id"].as_i64().unwrap();
+    let (code, whole) = shardctl(dbs, &["status"]).await;
+    assert_eq!(whole["moves"][0]["id"], id, "{whole:#}");
+    assert_eq!(code, 1);
+    fail::remove(name);
+    let (code, resumed) =
+        shardctl(dbs, &["rebalance", "resume", "Customer", &id.to_string()]).await;
+    assert_eq!(code, 0, "{resumed:#}");
+    assert_eq!(resumed["phase"], "done");
+
+    fail::cfg(name, &format!("return({})", dbs.names[4])).unwrap();
+    let (code, _) = shardctl(
+        dbs,
+        &[
+            "rebalance",
+            "start",
+            "Customer",
+            "--to",
+            "s4",
+            "--buckets",
+            "16",
+        ],
+    )
+    .await;
+    fail::remove(name);
+    assert_eq!(code, 1);
+    let (_, status) = shardctl(dbs, &["rebalance", "status", "Customer"]).await;
+    let id = status["moves"][0]["id"].as_i64().unwrap();
+    let (code, aborted) = shardctl(dbs, &["rebalance", "abort", "Customer", &id.to_string()]).await;
+    assert_eq!(code, 0, "{aborted:#}");
+    assert_eq!(aborted["phase"], "aborted");
+
+    let (code, status) = shardctl(dbs, &["status"]).await;
+    assert_eq!(code, 0, "{status:#}");
+    assert!(status["moves"].as_array().unwrap().is_empty());
+    let customer_group = status["groups"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|g| g["group"] == "Customer")
+        .unwrap();
+    assert_eq!(customer_group["epoch"], 3, "{customer_group:#}");
+    assert_eq!(customer_group["buckets"]["s4"], 4);
+    let (code, all) = shardctl(dbs, &["rebalance", "status", "Customer", "--all"]).await;
+    assert_eq!((code, all["moves"].as_array().unwrap().len()), (0, 3));
+    let (code, err) = shardctl(dbs, &["rebalance", "plan", "Tenant", "--to", "s4"]).await;
+    assert_eq!(code, 1);
+    assert!(
+        err["error"]
+            .as_str()
+            .unwrap()
+            .contains("no placement"),
+        "{err:#}"
+    );
+    a.refresh_bucket_maps().await.unwrap();
+    check_placement(&a, &acked).await;
 }

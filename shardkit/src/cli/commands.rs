@@ -3,7 +3,8 @@
 use super::progress::Progress;
 use super::registry::{AdminRollout, Registry};
 use super::{
-    Cli, Command, GsiAction, IdsAction, MigrateAction, Outcome, RolloutAction, VerifyAction,
+    Cli, Command, GsiAction, IdsAction, MigrateAction, Outcome, RebalanceAction, RolloutAction,
+    VerifyAction,
 };
 use crate::error::{Result, ShardError};
 use crate::topology::Placement;
@@ -74,7 +75,184 @@ pub(super) async fn execute(
             ))
         }
         Command::Ids { action } => ids(&cluster, action).await,
+        Command::Rebalance { action } => rebalance(&cluster, &registry, action, json).await,
     }
+}
+
+/// Moves of `group`, with the registered entities of the group.
+fn moves_of(
+    cluster: &Cluster,
+    registry: &Registry,
+    group: &str,
+) -> Result<crate::rebalance::Rebalance<crate::rebalance::AnyGroup>> {
+    let entities: Vec<_> = registry
+        .entities
+        .iter()
+        .filter(|e| e.group() == group)
+        .collect();
+    let Some(first) = entities.first() else {
+        cluster.topology().placement(group)?;
+        return Err(ShardError::Rebalance {
+            group: group.to_owned(),
+            id: None,
+            reason: "no entity of the group is registered: add each with `Registry::entity`, parents before children".to_owned(),
+        });
+    };
+    Ok(cluster.rebalance_named(first.group(), entities.iter().map(|e| e.mover()).collect()))
+}
+
+fn move_json(m: &crate::rebalance::MoveStatus) -> Value {
+    json!({
+        "id": m.id, "group": m.group, "target": m.target, "phase": m.phase.as_str(),
+        "buckets": m.buckets.iter().map(|(b, s)| json!({ "bucket": b, "from": s })).collect::<Vec<_>>(),
+        "rows_copied": m.rows_copied, "changes_applied": m.changes_applied,
+        "pending_changes": m.pending_changes, "cutover_ms": m.cutover_ms, "error": m.error,
+    })
+}
+
+fn move_row(m: &crate::rebalance::MoveStatus) -> Vec<String> {
+    vec![
+        m.id.to_string(),
+        m.phase.to_string(),
+        format!("{} → {}", m.buckets.len(), m.target),
+        m.rows_copied.to_string(),
+        m.pending_changes.to_string(),
+        m.error.clone().unwrap_or_default(),
+    ]
+}
+
+const MOVE_COLUMNS: [&str; 6] = [
+    "move",
+    "phase",
+    "buckets",
+    "rows copied",
+    "pending",
+    "error",
+];
+
+async fn rebalance(
+    cluster: &Cluster,
+    registry: &Registry,
+    action: RebalanceAction,
+    json: bool,
+) -> Result<Outcome> {
+    match action {
+        RebalanceAction::Plan { group, to, buckets } => {
+            let moves = moves_of(cluster, registry, &group)?;
+            let plan = if buckets.is_empty() {
+                moves.plan_even_out(&to).await?
+            } else {
+                moves.plan_buckets(buckets, &to).await?
+            };
+            let mut from: std::collections::BTreeMap<&str, usize> = Default::default();
+            for (_, s) in &plan.buckets {
+                *from.entry(s.as_str()).or_default() += 1;
+            }
+            Ok(Outcome {
+                json: json!({
+                    "group": plan.group, "target": plan.target,
+                    "buckets": plan.buckets.iter().map(|(b, s)| json!({ "bucket": b, "from": s })).collect::<Vec<_>>(),
+                }),
+                text: format!(
+                    "{} buckets of {} to {}: {}\n",
+                    plan.buckets.len(),
+                    plan.group,
+                    plan.target,
+                    from.iter()
+                        .map(|(s, n)| format!("{n} from {s}"))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+                problem: false,
+            })
+        }
+        RebalanceAction::Start { group, to, buckets } => {
+            let moves = moves_of(cluster, registry, &group)?;
+            let plan = if buckets.is_empty() {
+                moves.plan_even_out(&to).await?
+            } else {
+                moves.plan_buckets(buckets, &to).await?
+            };
+            let started = moves.start(&plan).await?;
+            run_move(moves, started.id, json).await
+        }
+        RebalanceAction::Resume { group, id } => {
+            run_move(moves_of(cluster, registry, &group)?, id, json).await
+        }
+        RebalanceAction::Abort { group, id } => {
+            let done = moves_of(cluster, registry, &group)?.abort(id).await?;
+            Ok(Outcome {
+                json: move_json(&done),
+                text: format!("move #{id}: {}; the sources own its buckets\n", done.phase),
+                problem: false,
+            })
+        }
+        RebalanceAction::Status { group, all } => {
+            let list = moves_of(cluster, registry, &group)?.list(all).await?;
+            let epoch = cluster
+                .topology()
+                .live_owners(&group)?
+                .map_or(0, |o| o.epoch());
+            let mut t = table(&MOVE_COLUMNS);
+            for m in &list {
+                t.add_row(move_row(m));
+            }
+            Ok(Outcome {
+                json: json!({ "group": group, "epoch": epoch, "moves": list.iter().map(move_json).collect::<Vec<_>>() }),
+                text: format!("{group}: bucket map epoch {epoch}\n{t}\n"),
+                problem: list
+                    .iter()
+                    .any(|m| m.error.is_some() && !m.phase.is_finished()),
+            })
+        }
+    }
+}
+
+/// Runs move `id` with a progress bar; Ctrl-C stops it at a chunk boundary.
+async fn run_move(
+    moves: crate::rebalance::Rebalance<crate::rebalance::AnyGroup>,
+    id: i64,
+    json: bool,
+) -> Result<Outcome> {
+    let progress = std::sync::Arc::new(std::sync::Mutex::new(Progress::new(
+        format!("move #{id}"),
+        None,
+        json,
+    )));
+    let stop = progress
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .stop_flag();
+    let shown = std::sync::Arc::clone(&progress);
+    let moves = moves.stop_on(stop).on_progress(move |p| {
+        let mut bar = shown.lock().unwrap_or_else(|p| p.into_inner());
+        let _ = bar.report(
+            p.rows_copied,
+            Some(p.rows_estimated.max(p.rows_copied)),
+            &format!(
+                "{}: {:.0} rows/s, {} keys behind",
+                p.phase, p.rows_per_sec, p.pending_changes
+            ),
+        );
+    });
+    let done = moves.run(id).await?;
+    drop(progress);
+    let text = if done.phase.is_finished() {
+        format!(
+            "move #{id}: {}, {} rows copied, {} keys replayed\n",
+            done.phase, done.rows_copied, done.changes_applied
+        )
+    } else {
+        format!(
+            "move #{id}: stopped in {} (rebalance resume to go on)\n",
+            done.phase
+        )
+    };
+    Ok(Outcome {
+        json: move_json(&done),
+        text,
+        problem: false,
+    })
 }
 
 fn table(header: &[&str]) -> Table {
@@ -265,6 +443,8 @@ async fn status(cluster: &Cluster, registry: &Registry) -> Result<Outcome> {
         groups.push(json!({
             "group": group,
             "placement": kind,
+            "movable": topology.is_movable(group),
+            "epoch": topology.live_owners(group)?.map(|o| o.epoch()),
             "shards": shards,
             "buckets": buckets.map(|b| b
                 .into_iter()
@@ -272,7 +452,10 @@ async fn status(cluster: &Cluster, registry: &Registry) -> Result<Outcome> {
                 .collect::<serde_json::Map<String, Value>>()),
         }));
     }
-    let _ = writeln!(text, "\nplacements (from the configuration)\n{t}");
+    let _ = writeln!(
+        text,
+        "\nplacements (the configuration's, or a movable group's bucket map)\n{t}"
+    );
 
     // Indexes.
     let mut indexes = Vec::new();
@@ -317,6 +500,31 @@ async fn status(cluster: &Cluster, registry: &Registry) -> Result<Outcome> {
         rollouts.push(json);
         let _ = write!(text, "\n{line}");
     }
+    // Bucket moves not finished, of movable groups with registered entities.
+    let mut moves = Vec::new();
+    let mut t = table(&MOVE_COLUMNS);
+    for group in topology.movable_groups() {
+        if !registry.entities.iter().any(|e| e.group() == group) {
+            continue;
+        }
+        match moves_of(cluster, registry, group)?.list(false).await {
+            Ok(list) => {
+                for m in &list {
+                    problem |= m.error.is_some() && !m.phase.is_finished();
+                    t.add_row(move_row(m));
+                    moves.push(move_json(m));
+                }
+            }
+            Err(err) => {
+                problem = true;
+                moves.push(json!({ "group": group, "error": err.to_string() }));
+                let _ = writeln!(text, "\nmoves of {group}: {err}");
+            }
+        }
+    }
+    if !t.is_empty() {
+        let _ = writeln!(text, "\nbucket moves\n{t}");
+    }
     Ok(Outcome {
         json: json!({
             "shards": shards,
@@ -324,6 +532,7 @@ async fn status(cluster: &Cluster, registry: &Registry) -> Result<Outcome> {
             "groups": groups,
             "indexes": indexes,
             "rollouts": rollouts,
+            "moves": moves,
         }),
         text,
         problem,

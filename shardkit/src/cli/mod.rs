@@ -41,6 +41,7 @@
 //! | `rollout status` / `advance` / `retreat` / `backfill` / `verify` | registered rollouts |
 //! | `verify shards <table> <source> <target>` | one entity's rows on two shards |
 //! | `ids next <sequence>` / `ids status` | ticket sequences and servers |
+//! | `rebalance plan` / `start` / `status` / `resume` / `abort` | bucket moves of a `movable` group |
 //!
 //! The exit code is 0 on success, 1 when a command failed or found a
 //! problem (an unreachable shard, a database behind on migrations, a
@@ -118,6 +119,61 @@ pub(crate) enum Command {
     Ids {
         #[command(subcommand)]
         action: IdsAction,
+    },
+    /// Bucket moves of a `movable` group (its entities registered).
+    Rebalance {
+        #[command(subcommand)]
+        action: RebalanceAction,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub(crate) enum RebalanceAction {
+    /// The buckets a move would take: the given ones, or the fewest that
+    /// even the shards out with `--to`.
+    Plan {
+        /// The group.
+        group: String,
+        /// The shard the buckets go to.
+        #[arg(long)]
+        to: String,
+        /// These buckets (comma-separated) instead of an even-out plan.
+        #[arg(long, value_delimiter = ',')]
+        buckets: Vec<u32>,
+    },
+    /// Register a move and run it (Ctrl-C stops at a chunk boundary;
+    /// `resume` goes on).
+    Start {
+        /// The group.
+        group: String,
+        /// The shard the buckets go to.
+        #[arg(long)]
+        to: String,
+        /// These buckets (comma-separated) instead of an even-out plan.
+        #[arg(long, value_delimiter = ',')]
+        buckets: Vec<u32>,
+    },
+    /// The group's moves that are not finished (`--all`: every move).
+    Status {
+        /// The group.
+        group: String,
+        /// Finished moves too.
+        #[arg(long)]
+        all: bool,
+    },
+    /// Run a move from its stored phase (after a crash, a Ctrl-C, an error).
+    Resume {
+        /// The group.
+        group: String,
+        /// The move's id.
+        id: i64,
+    },
+    /// Abort a move before its cut-over: the sources keep the buckets.
+    Abort {
+        /// The group.
+        group: String,
+        /// The move's id.
+        id: i64,
     },
 }
 

@@ -98,6 +98,11 @@ impl Progress {
         self.stop.load(Ordering::Acquire)
     }
 
+    /// The flag Ctrl-C sets, for work that checks it itself.
+    pub(super) fn stop_flag(&self) -> Arc<AtomicBool> {
+        Arc::clone(&self.stop)
+    }
+
     /// Rows per second so far.
     pub(super) fn rate(&self, rows: u64) -> f64 {
         rows as f64 / self.started.elapsed().as_secs_f64().max(1e-3)

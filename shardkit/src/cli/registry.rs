@@ -9,6 +9,7 @@ use futures::future::BoxFuture;
 use sea_orm::{IntoActiveModel, TryIntoModel};
 use std::ops::ControlFlow;
 use std::str::FromStr;
+use std::sync::Arc;
 
 type KeyOf<E> = <<E as ShardedEntity>::Group as EntityGroup>::Key;
 
@@ -125,6 +126,8 @@ impl<M: sea_orm_migration::MigratorTrait + 'static> AdminMigrator for MigratorOf
 pub(super) trait AdminEntity: Send + Sync {
     fn table(&self) -> &'static str;
     fn group(&self) -> &'static str;
+    /// Its part in bucket moves.
+    fn mover(&self) -> Arc<dyn crate::rebalance::MoveEntity>;
     /// Its global indexes: column and whether unique.
     fn indexes(&self) -> Vec<(&'static str, bool)>;
     /// Where `key` (as text) of the entity's group lives.
@@ -216,6 +219,10 @@ where
 {
     fn table(&self) -> &'static str {
         table_name::<E>()
+    }
+
+    fn mover(&self) -> Arc<dyn crate::rebalance::MoveEntity> {
+        Arc::new(crate::rebalance::Mover::<E>::new())
     }
 
     fn group(&self) -> &'static str {

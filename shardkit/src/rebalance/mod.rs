@@ -54,8 +54,9 @@ mod entity;
 mod map;
 mod mover;
 
+pub(crate) use entity::{MoveEntity, Mover};
 pub(crate) use map::{fence, refresh, seed_states};
-pub use mover::{MovePhase, MovePlan, MoveProgress, MoveStatus, Rebalance};
+pub use mover::{AnyGroup, MovePhase, MovePlan, MoveProgress, MoveStatus, Rebalance};
 
 /// How long [`Cluster::begin`](crate::Cluster::begin) keeps trying when a
 /// fence refuses and the refreshed map still names the same shard (a
@@ -76,6 +77,12 @@ pub(crate) async fn load_maps(shards: &Shards) -> Result<()> {
             Ok(_) => seed_states(shards, &group).await?,
             Err(e) if missing_table(&e) => {
                 tracing::debug!(group, error = %e.report(), "bucket map not there yet (run migrate)");
+            }
+            // The control shard is down: route by the configured spread
+            // (every shard's fence still refuses what it does not own) and
+            // read the map at the next refresh.
+            Err(e) if e.kind() == crate::ErrorKind::Database => {
+                tracing::warn!(group, error = %e.report(), "bucket map unreadable; routing by the configured spread until the next refresh");
             }
             Err(e) => return Err(e),
         }

@@ -136,18 +136,20 @@ type ProgressFn = Arc<dyn Fn(&MoveProgress) + Send + Sync>;
 /// orders): a move copies, replays and deletes the rows of the entities it
 /// knows, writing parents first and deleting children first, and is
 /// refused without any.
-pub struct Rebalance<G: EntityGroup> {
+pub struct Rebalance<G> {
+    group: &'static str,
     shards: Shards,
     entities: Vec<Arc<dyn MoveEntity>>,
     progress: Option<ProgressFn>,
     wait_for_grace: bool,
+    stop: Option<Arc<std::sync::atomic::AtomicBool>>,
     _group: std::marker::PhantomData<fn() -> G>,
 }
 
-impl<G: EntityGroup> std::fmt::Debug for Rebalance<G> {
+impl<G> std::fmt::Debug for Rebalance<G> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Rebalance")
-            .field("group", &G::NAME)
+            .field("group", &self.group)
             .field(
                 "entities",
                 &self.entities.iter().map(|e| e.table()).collect::<Vec<_>>(),
@@ -165,9 +167,35 @@ fn refused(id: Option<i64>, reason: impl Into<String>) -> impl FnOnce(&str) -> S
     }
 }
 
+/// The group of a [`Rebalance`] built by name (the operator's command
+/// line), whose entities come as objects.
+#[derive(Debug)]
+pub enum AnyGroup {}
+
+impl Rebalance<AnyGroup> {
+    /// Moves of the group named `group`, carrying `entities`.
+    pub(crate) fn named(
+        shards: Shards,
+        group: &'static str,
+        entities: Vec<Arc<dyn MoveEntity>>,
+    ) -> Self {
+        Rebalance {
+            group,
+            shards,
+            entities,
+            progress: None,
+            wait_for_grace: false,
+            stop: None,
+            _group: std::marker::PhantomData,
+        }
+    }
+}
+
 impl<G: EntityGroup> Rebalance<G> {
     pub(crate) fn new(shards: Shards) -> Self {
         Rebalance {
+            group: G::NAME,
+            stop: None,
             shards,
             entities: Vec::new(),
             progress: None,
@@ -188,6 +216,21 @@ impl<G: EntityGroup> Rebalance<G> {
         }
         self
     }
+}
+
+impl<G> Rebalance<G> {
+    /// Stops [`run`](Self::run) at the next chunk boundary (or phase
+    /// boundary) once `flag` is set; run it again to resume.
+    pub fn stop_on(mut self, flag: Arc<std::sync::atomic::AtomicBool>) -> Self {
+        self.stop = Some(flag);
+        self
+    }
+
+    fn stopping(&self) -> bool {
+        self.stop
+            .as_ref()
+            .is_some_and(|f| f.load(std::sync::atomic::Ordering::Acquire))
+    }
 
     /// Calls `f` after every copied chunk and every replay round.
     pub fn on_progress(mut self, f: impl Fn(&MoveProgress) + Send + Sync + 'static) -> Self {
@@ -203,17 +246,17 @@ impl<G: EntityGroup> Rebalance<G> {
     }
 
     fn refuse(&self, id: Option<i64>, reason: impl Into<String>) -> ShardError {
-        refused(id, reason)(G::NAME)
+        refused(id, reason)(self.group)
     }
 
     fn owners(&self) -> Result<(u32, Arc<BucketOwners>)> {
-        if !self.shards.topology().is_movable(G::NAME) {
+        if !self.shards.topology().is_movable(self.group) {
             return Err(self.refuse(
                 None,
-                format!("the group is not movable: set `movable = true` under [groups.{}] on every instance", G::NAME),
+                format!("the group is not movable: set `movable = true` under [groups.{}] on every instance", self.group),
             ));
         }
-        match self.shards.topology().placement(G::NAME)? {
+        match self.shards.topology().placement(self.group)? {
             Placement::Hash { buckets, owner } => Ok((*buckets, Arc::clone(owner))),
             _ => Err(self.refuse(None, "only hash placements move buckets")),
         }
@@ -243,7 +286,7 @@ impl<G: EntityGroup> Rebalance<G> {
         to: &str,
     ) -> Result<MovePlan> {
         let (count, owners) = self.owners()?;
-        super::refresh(&self.shards, G::NAME).await?;
+        super::refresh(&self.shards, self.group).await?;
         let target = self.shard_id(to)?;
         let mut out = Vec::new();
         for b in buckets {
@@ -265,7 +308,7 @@ impl<G: EntityGroup> Rebalance<G> {
             return Err(self.refuse(None, "the plan moves no bucket"));
         }
         Ok(MovePlan {
-            group: G::NAME.to_owned(),
+            group: self.group.to_owned(),
             target: to.to_owned(),
             buckets: out,
         })
@@ -277,7 +320,7 @@ impl<G: EntityGroup> Rebalance<G> {
     /// `buckets / shards` or one more.
     pub async fn plan_even_out(&self, to: &str) -> Result<MovePlan> {
         let (count, owners) = self.owners()?;
-        super::refresh(&self.shards, G::NAME).await?;
+        super::refresh(&self.shards, self.group).await?;
         let target = self.shard_id(to)?;
         let map = owners.to_vec();
         let mut held: std::collections::BTreeMap<ShardId, Vec<u32>> = Default::default();
@@ -303,7 +346,7 @@ impl<G: EntityGroup> Rebalance<G> {
     }
 
     fn control(&self) -> Result<(&DatabaseConnection, &str)> {
-        let id = control(&self.shards, G::NAME)?;
+        let id = control(&self.shards, self.group)?;
         Ok((self.shards.side_conn(id), self.shards.shard_name(id)))
     }
 
@@ -311,7 +354,7 @@ impl<G: EntityGroup> Rebalance<G> {
     /// that is not finished holds one of them.
     pub async fn start(&self, plan: &MovePlan) -> Result<MoveStatus> {
         self.owners()?;
-        if plan.group != G::NAME {
+        if plan.group != self.group {
             return Err(self.refuse(None, format!("the plan is for group `{}`", plan.group)));
         }
         if self.entities.is_empty() {
@@ -327,7 +370,7 @@ impl<G: EntityGroup> Rebalance<G> {
         let held = Query::select()
             .columns([Alias::new("bucket"), Alias::new("move_id")])
             .from(Alias::new(CLAIMS))
-            .and_where(Expr::col(Alias::new("grp")).eq(G::NAME))
+            .and_where(Expr::col(Alias::new("grp")).eq(self.group))
             .and_where(
                 Expr::col(Alias::new("bucket")).is_in(plan.buckets.iter().map(|(b, _)| *b as i32)),
             )
@@ -365,7 +408,7 @@ impl<G: EntityGroup> Rebalance<G> {
                 .map(Alias::new),
             )
             .values_panic([
-                G::NAME.into(),
+                self.group.into(),
                 plan.target.clone().into(),
                 buckets.into(),
                 MovePhase::Registered.as_str().into(),
@@ -389,7 +432,7 @@ impl<G: EntityGroup> Rebalance<G> {
                 .into_table(Alias::new(CLAIMS))
                 .columns(["grp", "bucket", "move_id"].map(Alias::new));
             for (b, _) in chunk {
-                claim.values_panic([G::NAME.into(), (*b as i32).into(), id.into()]);
+                claim.values_panic([self.group.into(), (*b as i32).into(), id.into()]);
             }
             match txn.execute(&claim).await {
                 Ok(_) => {}
@@ -408,7 +451,7 @@ impl<G: EntityGroup> Rebalance<G> {
             }
         }
         txn.commit().await.map_err(err)?;
-        tracing::info!(group = G::NAME, id, target = %plan.target, buckets = plan.buckets.len(), "move registered");
+        tracing::info!(group = self.group, id, target = %plan.target, buckets = plan.buckets.len(), "move registered");
         self.status(id).await
     }
 
@@ -420,7 +463,7 @@ impl<G: EntityGroup> Rebalance<G> {
         select
             .column(Alias::new("id"))
             .from(Alias::new(MOVES))
-            .and_where(Expr::col(Alias::new("grp")).eq(G::NAME));
+            .and_where(Expr::col(Alias::new("grp")).eq(self.group));
         if !all {
             select.and_where(
                 Expr::col(Alias::new("phase"))
@@ -478,7 +521,7 @@ impl<G: EntityGroup> Rebalance<G> {
             .map_err(err)?
             .ok_or_else(|| self.refuse(Some(id), "no such move"))?;
         let group: String = row.try_get("", "grp").map_err(err)?;
-        if group != G::NAME {
+        if group != self.group {
             return Err(self.refuse(Some(id), format!("the move is of group `{group}`")));
         }
         let phase: String = row.try_get("", "phase").map_err(err)?;
@@ -533,10 +576,10 @@ impl<G: EntityGroup> Rebalance<G> {
         status.phase = phase;
         self.save(status, None, |_| {}).await?;
         crate::metrics::move_phase(
-            G::NAME,
+            self.group,
             MovePhase::ALL.iter().position(|p| *p == phase).unwrap_or(0) as u8,
         );
-        tracing::info!(group = G::NAME, id = status.id, phase = %phase, "move phase");
+        tracing::info!(group = self.group, id = status.id, phase = %phase, "move phase");
         Ok(())
     }
 
@@ -657,7 +700,7 @@ impl<G: EntityGroup> Rebalance<G> {
                 done_here += n;
                 consumed += n;
                 status.changes_applied += keys.len() as u64;
-                crate::metrics::move_applied(G::NAME, keys.len() as u64);
+                crate::metrics::move_applied(self.group, keys.len() as u64);
                 if (n as u64) < batch {
                     break;
                 }
@@ -671,8 +714,8 @@ impl<G: EntityGroup> Rebalance<G> {
         let rate = (status.rows_copied.saturating_sub(started.1)) as f64 * 1000.0 / elapsed_ms;
         let eta = (rate > 0.0 && estimated > status.rows_copied)
             .then(|| Duration::from_secs_f64((estimated - status.rows_copied) as f64 / rate));
-        crate::metrics::move_pending(G::NAME, pending);
-        tracing::debug!(group = G::NAME, id = status.id, phase = %status.phase, rows = status.rows_copied, rate, pending, "move progress");
+        crate::metrics::move_pending(self.group, pending);
+        tracing::debug!(group = self.group, id = status.id, phase = %status.phase, rows = status.rows_copied, rate, pending, "move progress");
         if let Some(f) = &self.progress {
             f(&MoveProgress {
                 id: status.id,
@@ -718,6 +761,9 @@ impl<G: EntityGroup> Rebalance<G> {
         let started = (self.shards.now_ms(), status.rows_copied);
         let mut estimated = 0u64;
         loop {
+            if self.stopping() && status.phase != MovePhase::CuttingOver {
+                return self.status(id).await;
+            }
             match status.phase {
                 MovePhase::Registered => {
                     self.failpoint("registered", id, target)?;
@@ -725,7 +771,7 @@ impl<G: EntityGroup> Rebalance<G> {
                         let (db, name) = self.conn(src);
                         set_states(
                             (db, name),
-                            G::NAME,
+                            self.group,
                             &buckets,
                             &[BucketState::Owned, BucketState::Moving],
                             BucketState::Moving,
@@ -760,7 +806,7 @@ impl<G: EntityGroup> Rebalance<G> {
                                     )
                                     .await?;
                                 status.rows_copied += chunk.rows;
-                                crate::metrics::move_copied(G::NAME, chunk.rows);
+                                crate::metrics::move_copied(self.group, chunk.rows);
                                 after = chunk.next;
                                 let c = copy_cursor(si, ei, after.as_deref());
                                 self.save(&status, Some(&c), |_| {}).await?;
@@ -768,6 +814,9 @@ impl<G: EntityGroup> Rebalance<G> {
                                 self.failpoint("copy_chunk", id, target)?;
                                 if after.is_none() {
                                     break;
+                                }
+                                if self.stopping() {
+                                    return self.status(id).await;
                                 }
                             }
                             ei += 1;
@@ -828,7 +877,7 @@ impl<G: EntityGroup> Rebalance<G> {
             let owned = self
                 .shards
                 .topology()
-                .live_owners(G::NAME)?
+                .live_owners(self.group)?
                 .map_or(count as usize, |o| {
                     o.to_vec().iter().filter(|s| **s == *src).count()
                 })
@@ -878,7 +927,7 @@ impl<G: EntityGroup> Rebalance<G> {
                     continue;
                 }
                 tracing::warn!(
-                    group = G::NAME,
+                    group = self.group,
                     id = status.id,
                     table = entity.table(),
                     keys = unexplained.len(),
@@ -939,7 +988,7 @@ impl<G: EntityGroup> Rebalance<G> {
             loop {
                 match set_states(
                     (db, name),
-                    G::NAME,
+                    self.group,
                     buckets,
                     &[BucketState::Moving, BucketState::Moved],
                     BucketState::Moved,
@@ -951,7 +1000,7 @@ impl<G: EntityGroup> Rebalance<G> {
                     Ok(_) => break,
                     Err(e) if attempt < 20 && e.retry() != crate::Retry::Never => {
                         attempt += 1;
-                        tracing::debug!(group = G::NAME, id, attempt, error = %e.report(), "fence waited too long; catching up and trying again");
+                        tracing::debug!(group = self.group, id, attempt, error = %e.report(), "fence waited too long; catching up and trying again");
                         self.replay(status, None).await?;
                     }
                     Err(e) => return Err(e),
@@ -965,7 +1014,7 @@ impl<G: EntityGroup> Rebalance<G> {
         let all: Vec<u32> = status.buckets.iter().map(|(b, _)| *b).collect();
         set_states(
             (db, name),
-            G::NAME,
+            self.group,
             &all,
             &[BucketState::None, BucketState::Owned],
             BucketState::Owned,
@@ -981,7 +1030,7 @@ impl<G: EntityGroup> Rebalance<G> {
             let stmt = Query::update()
                 .table(Alias::new(super::map::MAP))
                 .value(Alias::new("shard"), status.target.clone())
-                .and_where(Expr::col(Alias::new("grp")).eq(G::NAME))
+                .and_where(Expr::col(Alias::new("grp")).eq(self.group))
                 .and_where(Expr::col(Alias::new("bucket")).is_in(chunk.iter().map(|b| *b as i32)))
                 .to_owned();
             txn.execute(&stmt).await.map_err(err)?;
@@ -989,7 +1038,7 @@ impl<G: EntityGroup> Rebalance<G> {
         let bump = Query::update()
             .table(Alias::new(super::map::EPOCHS))
             .value(Alias::new("epoch"), Expr::col(Alias::new("epoch")).add(1))
-            .and_where(Expr::col(Alias::new("grp")).eq(G::NAME))
+            .and_where(Expr::col(Alias::new("grp")).eq(self.group))
             .to_owned();
         txn.execute(&bump).await.map_err(err)?;
         let now = self.shards.now_ms();
@@ -1005,8 +1054,8 @@ impl<G: EntityGroup> Rebalance<G> {
         txn.commit().await.map_err(err)?;
         status.phase = MovePhase::Cleaning;
         status.cutover_ms = Some(now);
-        let epoch = super::refresh(&self.shards, G::NAME).await?;
-        tracing::info!(group = G::NAME, id, epoch, "move cut over");
+        let epoch = super::refresh(&self.shards, self.group).await?;
+        tracing::info!(group = self.group, id, epoch, "move cut over");
         Ok(())
     }
 
@@ -1089,7 +1138,7 @@ impl<G: EntityGroup> Rebalance<G> {
             let (db, name) = self.conn(target);
             set_states(
                 (db, name),
-                G::NAME,
+                self.group,
                 &all,
                 &[BucketState::Owned],
                 BucketState::None,
@@ -1102,7 +1151,7 @@ impl<G: EntityGroup> Rebalance<G> {
             let (db, name) = self.conn(src);
             set_states(
                 (db, name),
-                G::NAME,
+                self.group,
                 &buckets,
                 &[BucketState::Moving, BucketState::Moved],
                 BucketState::Owned,
@@ -1136,7 +1185,7 @@ impl<G: EntityGroup> Rebalance<G> {
         }
         self.release(id).await?;
         self.set_phase(&mut status, MovePhase::Aborted).await?;
-        tracing::info!(group = G::NAME, id, "move aborted");
+        tracing::info!(group = self.group, id, "move aborted");
         self.status(id).await
     }
 }
