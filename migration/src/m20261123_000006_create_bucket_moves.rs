@@ -72,6 +72,12 @@ enum ShardkitMoves {
     UpdatedMs,
     /// The last error the mover met.
     Error,
+    /// The entities' tables, in the order the mover copies them.
+    Tables,
+    /// The process running the move (a token), while it holds the lease.
+    Runner,
+    /// Until when (clock ms) the runner's lease holds.
+    LeaseMs,
 }
 
 #[derive(DeriveIden)]
@@ -211,6 +217,9 @@ impl MigrationTrait for Migration {
                             .not_null(),
                     )
                     .col(ColumnDef::new(ShardkitMoves::Error).text().null())
+                    .col(ColumnDef::new(ShardkitMoves::Tables).text().not_null())
+                    .col(ColumnDef::new(ShardkitMoves::Runner).string_len(64).null())
+                    .col(ColumnDef::new(ShardkitMoves::LeaseMs).big_integer().null())
                     .to_owned(),
             )
             .await?;

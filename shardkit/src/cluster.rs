@@ -302,7 +302,11 @@ impl Cluster {
                 Ok(_) => return Ok(begun),
                 Err(err @ ShardError::BucketMoved { .. }) => {
                     crate::metrics::fenced(G::NAME);
-                    let _ = begun.txn.rollback().await;
+                    // Roll back and give up the SQLite write slot before
+                    // waiting: other writers need it.
+                    let crate::exec::Begun { txn, writer, .. } = begun;
+                    let _ = txn.rollback().await;
+                    drop(writer);
                     crate::rebalance::refresh(&self.shards, G::NAME).await?;
                     let now_at = self.shards.route_now::<G>(key)?.map(|t| t.shard);
                     if now_at != Some(shard) {

@@ -513,14 +513,76 @@ async fn overlapping_moves_are_refused_and_plans_are_minimal(dbs: &mut TestDbs) 
         .await
         .unwrap();
     assert_eq!(m.list(false).await.unwrap().len(), 2);
+    // While another process holds a move (its hold not lapsed), `run` and
+    // `abort` are refused; once it lapses, the move can be taken over.
+    let control = a.connection("s0").unwrap();
+    let hold = |lease: i64| {
+        sea_orm::Statement::from_string(
+            control.get_database_backend(),
+            format!(
+                "UPDATE shardkit_moves SET runner = 'another-process', lease_ms = {lease} WHERE id = {}",
+                first.id
+            ),
+        )
+    };
+    let far = 4_102_444_800_000i64; // 2100-01-01
+    control.execute_raw(hold(far)).await.unwrap();
+    for err in [
+        m.run(first.id).await.unwrap_err(),
+        m.abort(first.id).await.unwrap_err(),
+    ] {
+        assert!(
+            matches!(&err, ShardError::Rebalance { reason, .. } if reason.contains("another process is running the move")),
+            "{err}"
+        );
+    }
+    control.execute_raw(hold(1)).await.unwrap();
     assert_eq!(m.run(first.id).await.unwrap().phase, MovePhase::Done);
     assert_eq!(m.run(third.id).await.unwrap().phase, MovePhase::Done);
+    // A resumed move must carry the same tables in the same order.
+    let other = m
+        .start(&m.plan_buckets([6], "s4").await.unwrap())
+        .await
+        .unwrap();
+    let err = a
+        .rebalance::<Customer>()
+        .entity::<order::Entity>()
+        .entity::<customer::Entity>()
+        .entity::<contact::Entity>()
+        .run(other.id)
+        .await
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("same entities in the same order"),
+        "{err}"
+    );
+    assert_eq!(m.abort(other.id).await.unwrap().phase, MovePhase::Aborted);
+    // A bucket moves back to the shard it left: the old owner's fence lets
+    // its writes in again.
+    let (back_from, key) = (1u32, (1..=40).find(|k| bucket(*k) == 1).unwrap());
+    let original = a
+        .topology()
+        .live_owners("Customer")
+        .unwrap()
+        .unwrap()
+        .configured()[back_from as usize];
+    let home = a.topology().shard(original).name.clone();
+    let back = m
+        .start(&m.plan_buckets([back_from], &home).await.unwrap())
+        .await
+        .unwrap();
+    assert_eq!(m.run(back.id).await.unwrap().phase, MovePhase::Done);
+    assert_eq!(
+        a.shard_of_now::<Customer>(&key).unwrap(),
+        Some(home.as_str())
+    );
+    write_round(&a, &acked, key, 1).await.unwrap();
     // Bad plans name what is wrong.
     let err = m.plan_buckets([BUCKETS], "s4").await.unwrap_err();
     assert!(err.to_string().contains("out of range"), "{err}");
     let err = m.plan_buckets([1], "s9").await.unwrap_err();
     assert!(err.to_string().contains("no shard is named `s9`"), "{err}");
-    let err = m.plan_buckets([1], "s4").await.unwrap_err();
+    let err = m.plan_buckets([2], "s4").await.unwrap_err();
     assert!(err.to_string().contains("already on `s4`"), "{err}");
     let none = a.rebalance::<Customer>();
     let err = none
@@ -669,10 +731,7 @@ async fn shardctl_plans_starts_resumes_and_aborts_moves(dbs: &mut TestDbs) {
     let (code, err) = shardctl(dbs, &["rebalance", "plan", "Tenant", "--to", "s4"]).await;
     assert_eq!(code, 1);
     assert!(
-        err["error"]
-            .as_str()
-            .unwrap()
-            .contains("no placement"),
+        err["error"].as_str().unwrap().contains("no placement"),
         "{err:#}"
     );
     a.refresh_bucket_maps().await.unwrap();

@@ -64,7 +64,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     print_spread(&cluster).await?;
 
     // The application keeps writing: a new order for some customer, and
-    // the customer's first order changed, in one transaction, in a loop.
+    // the customer's first order changed, in one transaction, in a loop;
+    // every tenth transaction signs up a new customer with an order (the
+    // order's foreign key needs its customer on the new shard first).
     let stop = Arc::new(AtomicBool::new(false));
     let writer = {
         let (cluster, acked, stop) = (cluster.clone(), Arc::clone(&acked), Arc::clone(&stop));
@@ -72,9 +74,31 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             let mut writes = 0u64;
             let mut next = 100_000_000i64;
             while !stop.load(Ordering::SeqCst) {
-                let id = (next * 7_919) % CUSTOMERS + 1;
                 next += 1;
                 let (new, total) = (next, next % 5_000);
+                if next % 10 == 0 {
+                    let id = CUSTOMERS + next;
+                    cluster
+                        .transaction::<Customer, _, _>(id, |tx| async move {
+                            tx.insert(customer::ActiveModel {
+                                id: Set(id),
+                                name: Set(format!("customer {id}")),
+                                email: Set(format!("c{id}@example.com")),
+                            })
+                            .await?;
+                            tx.insert(order::ActiveModel {
+                                id: Set(new),
+                                customer_id: Set(id),
+                                total_cents: Set(total),
+                            })
+                            .await
+                        })
+                        .await?;
+                    acked.lock().unwrap().insert(new, (id, total));
+                    writes += 1;
+                    continue;
+                }
+                let id = (next * 7_919) % CUSTOMERS + 1;
                 cluster
                     .transaction::<Customer, _, _>(id, |tx| async move {
                         tx.insert(order::ActiveModel {

@@ -157,7 +157,7 @@ pub(super) const SIDE_POOL_SIZE: u32 = 2;
 pub(super) const SIDE_LOCK_WAIT_SECS: u64 = 5;
 
 /// The MySQL session setting of side-pool connections.
-pub(super) const SIDE_MYSQL_SESSION: &str = "SET SESSION innodb_lock_wait_timeout = 5";
+pub(crate) const SIDE_MYSQL_SESSION: &str = "SET SESSION innodb_lock_wait_timeout = 5";
 
 /// The side pool's settings: the shards' timeouts, a few connections opened
 /// on first use.

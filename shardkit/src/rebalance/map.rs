@@ -369,6 +369,7 @@ pub(crate) async fn set_states(
 ) -> Result<u64> {
     let err = |e| db_err(shard, STATES, "update", e);
     let txn = crate::exec::begin_write(db).await.map_err(err)?;
+    let mysql = db.get_database_backend() == DbBackend::MySql;
     if let Some(wait) = wait {
         let ms = wait.as_millis().max(1);
         let set = match db.get_database_backend() {
@@ -384,6 +385,27 @@ pub(crate) async fn set_states(
             txn.execute_unprepared(&set).await.map_err(err)?;
         }
     }
+    let updated = update_states(&txn, group, buckets, from, to, move_id).await;
+    if wait.is_some() && mysql {
+        // The connection goes back to the side pool: its own lock wait
+        // again, whether or not the update ran out of time.
+        txn.execute_unprepared(crate::exec::SIDE_MYSQL_SESSION)
+            .await
+            .map_err(err)?;
+    }
+    let changed = updated.map_err(err)?;
+    txn.commit().await.map_err(err)?;
+    Ok(changed)
+}
+
+async fn update_states(
+    txn: &DatabaseTransaction,
+    group: &str,
+    buckets: &[u32],
+    from: &[BucketState],
+    to: BucketState,
+    move_id: Option<i64>,
+) -> std::result::Result<u64, DbErr> {
     let mut changed = 0;
     for chunk in buckets.chunks(500) {
         let stmt = Query::update()
@@ -394,13 +416,7 @@ pub(crate) async fn set_states(
             .and_where(Expr::col(Alias::new("bucket")).is_in(chunk.iter().map(|b| *b as i32)))
             .and_where(Expr::col(Alias::new("state")).is_in(from.iter().map(|s| s.as_str())))
             .to_owned();
-        changed += txn.execute(&stmt).await.map_err(err)?.rows_affected();
+        changed += txn.execute(&stmt).await?.rows_affected();
     }
-    if wait.is_some() && db.get_database_backend() == DbBackend::MySql {
-        txn.execute_unprepared("SET SESSION innodb_lock_wait_timeout = DEFAULT")
-            .await
-            .map_err(err)?;
-    }
-    txn.commit().await.map_err(err)?;
     Ok(changed)
 }

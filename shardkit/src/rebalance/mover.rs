@@ -7,6 +7,11 @@ use super::*;
 const MOVES: &str = "shardkit_moves";
 const CLAIMS: &str = "shardkit_move_buckets";
 
+/// How long a mover's hold on a move lasts after its last step: another
+/// process may take a move over (resume or abort it) once its runner has
+/// been silent this long (a mover that died).
+const LEASE_MS: i64 = 30_000;
+
 /// A move's phase, as `shardkit_moves.phase` stores it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum MovePhase {
@@ -143,6 +148,8 @@ pub struct Rebalance<G> {
     progress: Option<ProgressFn>,
     wait_for_grace: bool,
     stop: Option<Arc<std::sync::atomic::AtomicBool>>,
+    /// This mover's name in `shardkit_moves.runner` while it holds a move.
+    token: String,
     _group: std::marker::PhantomData<fn() -> G>,
 }
 
@@ -186,6 +193,7 @@ impl Rebalance<AnyGroup> {
             progress: None,
             wait_for_grace: false,
             stop: None,
+            token: crate::uuid_v7().to_string(),
             _group: std::marker::PhantomData,
         }
     }
@@ -196,6 +204,7 @@ impl<G: EntityGroup> Rebalance<G> {
         Rebalance {
             group: G::NAME,
             stop: None,
+            token: crate::uuid_v7().to_string(),
             shards,
             entities: Vec::new(),
             progress: None,
@@ -364,6 +373,21 @@ impl<G> Rebalance<G> {
             ));
         }
         self.shard_id(&plan.target)?;
+        // The plan must name each bucket's owner now (another move may have
+        // finished since it was made).
+        let (_, owners) = self.owners()?;
+        super::refresh(&self.shards, self.group).await?;
+        for (b, from) in &plan.buckets {
+            let now_on = self.shards.shard_name(owners.get(*b));
+            if now_on != from {
+                return Err(self.refuse(
+                    None,
+                    format!(
+                        "the plan is stale: bucket {b} is on `{now_on}`, not `{from}`; plan again"
+                    ),
+                ));
+            }
+        }
         let (db, name) = self.control()?;
         let err = |e| db_err(name, MOVES, "register", e);
         let txn = crate::exec::begin_write(db).await.map_err(err)?;
@@ -404,6 +428,7 @@ impl<G> Rebalance<G> {
                     "changes_applied",
                     "created_ms",
                     "updated_ms",
+                    "tables",
                 ]
                 .map(Alias::new),
             )
@@ -416,6 +441,7 @@ impl<G> Rebalance<G> {
                 0i64.into(),
                 now.into(),
                 now.into(),
+                self.tables().into(),
             ]);
         let id: i64 = if txn.get_database_backend() == DbBackend::MySql {
             txn.execute(&insert).await.map_err(err)?.last_insert_id() as i64
@@ -509,6 +535,7 @@ impl<G> Rebalance<G> {
                     "changes_applied",
                     "cutover_ms",
                     "error",
+                    "tables",
                 ]
                 .map(Alias::new),
             )
@@ -523,6 +550,16 @@ impl<G> Rebalance<G> {
         let group: String = row.try_get("", "grp").map_err(err)?;
         if group != self.group {
             return Err(self.refuse(Some(id), format!("the move is of group `{group}`")));
+        }
+        let tables: String = row.try_get("", "tables").map_err(err)?;
+        if tables != self.tables() {
+            return Err(self.refuse(
+                Some(id),
+                format!(
+                    "the move carries the tables [{tables}] in this order, this mover lists [{}]: list the same entities in the same order",
+                    self.tables()
+                ),
+            ));
         }
         let phase: String = row.try_get("", "phase").map_err(err)?;
         let buckets: String = row.try_get("", "buckets").map_err(err)?;
@@ -564,12 +601,89 @@ impl<G> Rebalance<G> {
             .value(Alias::new("changes_applied"), status.changes_applied as i64)
             .value(Alias::new("updated_ms"), self.shards.now_ms())
             .value(Alias::new("error"), status.error.clone())
-            .and_where(Expr::col(Alias::new("id")).eq(status.id));
+            .value(Alias::new("lease_ms"), self.shards.now_ms() + LEASE_MS)
+            .and_where(Expr::col(Alias::new("id")).eq(status.id))
+            .and_where(Expr::col(Alias::new("runner")).eq(self.token.as_str()));
         extra(&mut stmt);
-        db.execute(&stmt)
+        let saved = db
+            .execute(&stmt)
             .await
-            .map(drop)
-            .map_err(|e| db_err(name, MOVES, "update", e))
+            .map_err(|e| db_err(name, MOVES, "update", e))?
+            .rows_affected();
+        if saved != 1 {
+            return Err(self.refuse(
+                Some(status.id),
+                "another process took the move over (this mover was silent past its lease); this one stops",
+            ));
+        }
+        Ok(())
+    }
+
+    /// The entities' tables as the move stores them.
+    fn tables(&self) -> String {
+        self.entities
+            .iter()
+            .map(|e| e.table())
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    /// Takes move `id` for this mover: refused while another runner's lease
+    /// holds. Returns `false` when the move is finished.
+    async fn acquire(&self, id: i64) -> Result<bool> {
+        let (db, name) = self.control()?;
+        let now = self.shards.now_ms();
+        let stmt = Query::update()
+            .table(Alias::new(MOVES))
+            .value(Alias::new("runner"), self.token.as_str())
+            .value(Alias::new("lease_ms"), now + LEASE_MS)
+            .and_where(Expr::col(Alias::new("id")).eq(id))
+            .and_where(
+                Expr::col(Alias::new("phase"))
+                    .is_not_in([MovePhase::Done.as_str(), MovePhase::Aborted.as_str()]),
+            )
+            .cond_where(
+                Condition::any()
+                    .add(Expr::col(Alias::new("runner")).is_null())
+                    .add(Expr::col(Alias::new("runner")).eq(self.token.as_str()))
+                    .add(Expr::col(Alias::new("lease_ms")).lt(now)),
+            )
+            .to_owned();
+        let took = db
+            .execute(&stmt)
+            .await
+            .map_err(|e| db_err(name, MOVES, "take", e))?
+            .rows_affected();
+        if took == 1 {
+            return Ok(true);
+        }
+        let (status, _) = self.read(id).await?;
+        if status.phase.is_finished() {
+            return Ok(false);
+        }
+        Err(self.refuse(
+            Some(id),
+            format!(
+                "another process is running the move (it is {}); it stops with Ctrl-C, or its hold lapses {} s after its last step if it died",
+                status.phase,
+                LEASE_MS / 1000
+            ),
+        ))
+    }
+
+    /// Lets go of move `id`.
+    async fn let_go(&self, id: i64) {
+        let Ok((db, _)) = self.control() else { return };
+        let stmt = Query::update()
+            .table(Alias::new(MOVES))
+            .value(Alias::new("runner"), Option::<String>::None)
+            .value(Alias::new("lease_ms"), Option::<i64>::None)
+            .and_where(Expr::col(Alias::new("id")).eq(id))
+            .and_where(Expr::col(Alias::new("runner")).eq(self.token.as_str()))
+            .to_owned();
+        if let Err(e) = db.execute(&stmt).await {
+            tracing::warn!(group = self.group, id, error = %e, "could not let go of the move (its hold lapses by itself)");
+        }
     }
 
     async fn set_phase(&self, status: &mut MoveStatus, phase: MovePhase) -> Result<()> {
@@ -733,7 +847,20 @@ impl<G> Rebalance<G> {
     /// or to `cleaning` when the grace period has not passed (unless
     /// [`wait_for_grace`](Self::wait_for_grace)). Run it again, from any
     /// process, to resume a move whose mover stopped or failed.
+    ///
+    /// One process runs a move at a time: another `run` or `abort` of it is
+    /// refused while this one holds it (it lets go when it returns, and its
+    /// hold lapses 30 s after its last step if the process dies).
     pub async fn run(&self, id: i64) -> Result<MoveStatus> {
+        if self.entities.is_empty() {
+            return Err(self.refuse(
+                Some(id),
+                "no entity listed: add every entity of the group with `.entity::<E>()`",
+            ));
+        }
+        if !self.acquire(id).await? {
+            return self.status(id).await;
+        }
         let result = self.run_inner(id).await;
         if let Err(e) = &result
             && let Ok((mut status, cursor)) = self.read(id).await
@@ -742,6 +869,7 @@ impl<G> Rebalance<G> {
             status.error = Some(e.report().to_string());
             let _ = self.save(&status, cursor.as_deref(), |_| {}).await;
         }
+        self.let_go(id).await;
         result
     }
 
@@ -769,7 +897,7 @@ impl<G> Rebalance<G> {
                     self.failpoint("registered", id, target)?;
                     for (src, buckets) in self.sources(&status)? {
                         let (db, name) = self.conn(src);
-                        set_states(
+                        let moving = set_states(
                             (db, name),
                             self.group,
                             &buckets,
@@ -779,6 +907,15 @@ impl<G> Rebalance<G> {
                             None,
                         )
                         .await?;
+                        if moving != buckets.len() as u64 {
+                            return Err(self.refuse(
+                                Some(id),
+                                format!(
+                                    "shard `{name}` owns {moving} of the {} buckets the move takes from it: the plan is stale; abort the move and plan again",
+                                    buckets.len()
+                                ),
+                            ));
+                        }
                     }
                     self.set_phase(&mut status, MovePhase::Copying).await?;
                 }
@@ -796,15 +933,25 @@ impl<G> Rebalance<G> {
                         while ei < self.entities.len() {
                             let entity = &self.entities[ei];
                             loop {
-                                let chunk = entity
-                                    .copy_chunk(
+                                let copy = || {
+                                    entity.copy_chunk(
                                         self.conn(*src),
                                         self.conn(target),
                                         after.as_deref(),
                                         settings.chunk,
                                         &only_here,
                                     )
-                                    .await?;
+                                };
+                                let chunk = match copy().await {
+                                    // A row whose parent was written after
+                                    // the parent's table was copied: the
+                                    // log has both; replay it, then again.
+                                    Err(e) if foreign_key(&e) => {
+                                        self.replay(&mut status, None).await?;
+                                        copy().await?
+                                    }
+                                    other => other?,
+                                };
                                 status.rows_copied += chunk.rows;
                                 crate::metrics::move_copied(self.group, chunk.rows);
                                 after = chunk.next;
@@ -997,13 +1144,40 @@ impl<G> Rebalance<G> {
                 )
                 .await
                 {
-                    Ok(_) => break,
-                    Err(e) if attempt < 20 && e.retry() != crate::Retry::Never => {
+                    Ok(n) if n == buckets.len() as u64 => break,
+                    Ok(n) => {
+                        return Err(self.refuse(
+                            Some(id),
+                            format!(
+                                "only {n} of the {} buckets moving away from `{name}` were in this move's hands there: was the move aborted meanwhile?",
+                                buckets.len()
+                            ),
+                        ));
+                    }
+                    // A lock wait that ran out (PostgreSQL's lock_timeout,
+                    // MySQL's lock wait timeout, SQLite's busy timeout).
+                    Err(e) if attempt < 20 && e.kind() == crate::ErrorKind::Database => {
                         attempt += 1;
                         tracing::debug!(group = self.group, id, attempt, error = %e.report(), "fence waited too long; catching up and trying again");
                         self.replay(status, None).await?;
                     }
-                    Err(e) => return Err(e),
+                    Err(e) => {
+                        // Writes of the buckets fenced so far go on until
+                        // the move is run again.
+                        for (src, buckets) in &sources {
+                            let _ = set_states(
+                                self.conn(*src),
+                                self.group,
+                                buckets,
+                                &[BucketState::Moved],
+                                BucketState::Moving,
+                                Some(id),
+                                None,
+                            )
+                            .await;
+                        }
+                        return Err(e);
+                    }
                 }
             }
         }
@@ -1012,16 +1186,26 @@ impl<G> Rebalance<G> {
         self.replay(status, None).await?;
         let (db, name) = self.conn(target);
         let all: Vec<u32> = status.buckets.iter().map(|(b, _)| *b).collect();
-        set_states(
+        // `moved`: the target gave these buckets away in an earlier move.
+        let owned = set_states(
             (db, name),
             self.group,
             &all,
-            &[BucketState::None, BucketState::Owned],
+            &[BucketState::None, BucketState::Owned, BucketState::Moved],
             BucketState::Owned,
             None,
             None,
         )
         .await?;
+        if owned != all.len() as u64 {
+            return Err(self.refuse(
+                Some(id),
+                format!(
+                    "shard `{name}` has state rows for {owned} of the {} moving buckets: connect an instance with this configuration (it seeds them) and run the move again",
+                    all.len()
+                ),
+            ));
+        }
         // Flip the map and end the phase in one transaction.
         let (cdb, cname) = self.control()?;
         let err = |e| db_err(cname, super::map::MAP, "cut over", e);
@@ -1049,8 +1233,16 @@ impl<G> Rebalance<G> {
             .value(Alias::new("changes_applied"), status.changes_applied as i64)
             .value(Alias::new("updated_ms"), now)
             .and_where(Expr::col(Alias::new("id")).eq(id))
+            .and_where(Expr::col(Alias::new("phase")).eq(MovePhase::CuttingOver.as_str()))
+            .and_where(Expr::col(Alias::new("runner")).eq(self.token.as_str()))
             .to_owned();
-        txn.execute(&phase).await.map_err(err)?;
+        if txn.execute(&phase).await.map_err(err)?.rows_affected() != 1 {
+            // Rolled back with the map unchanged.
+            return Err(self.refuse(
+                Some(id),
+                "the move is no longer this mover's to cut over (aborted, or taken over after a lapsed hold)",
+            ));
+        }
         txn.commit().await.map_err(err)?;
         status.phase = MovePhase::Cleaning;
         status.cutover_ms = Some(now);
@@ -1096,13 +1288,26 @@ impl<G> Rebalance<G> {
             db.execute(&delete)
                 .await
                 .map_err(|e| db_err(name, CHANGES, "clean", e))?;
+            // The source neither owns nor fences these buckets any more in
+            // its own name: `none` refuses their writes all the same, and a
+            // later move may bring them back.
+            set_states(
+                (db, name),
+                self.group,
+                buckets,
+                &[BucketState::Moved],
+                BucketState::None,
+                None,
+                None,
+            )
+            .await?;
             si += 1;
             ei = 0;
         }
-        self.release(status.id).await
+        self.release_buckets(status.id).await
     }
 
-    async fn release(&self, id: i64) -> Result<()> {
+    async fn release_buckets(&self, id: i64) -> Result<()> {
         let (db, name) = self.control()?;
         let stmt = Query::delete()
             .from_table(Alias::new(CLAIMS))
@@ -1121,6 +1326,22 @@ impl<G> Rebalance<G> {
     /// move's mover first.
     pub async fn abort(&self, id: i64) -> Result<MoveStatus> {
         let (count, _) = self.owners()?;
+        if !self.acquire(id).await? {
+            let (status, _) = self.read(id).await?;
+            return match status.phase {
+                MovePhase::Aborted => self.status(id).await,
+                _ => Err(self.refuse(
+                    Some(id),
+                    format!("the move is {}: the target owns the buckets; move them back with a new move", status.phase),
+                )),
+            };
+        }
+        let result = self.abort_held(id, count).await;
+        self.let_go(id).await;
+        result
+    }
+
+    async fn abort_held(&self, id: i64, count: u32) -> Result<MoveStatus> {
         let (mut status, _) = self.read(id).await?;
         match status.phase {
             MovePhase::Aborted => return self.status(id).await,
@@ -1183,11 +1404,17 @@ impl<G> Rebalance<G> {
                 }
             }
         }
-        self.release(id).await?;
+        self.release_buckets(id).await?;
         self.set_phase(&mut status, MovePhase::Aborted).await?;
         tracing::info!(group = self.group, id, "move aborted");
         self.status(id).await
     }
+}
+
+/// Whether a database refused a row for its foreign key.
+fn foreign_key(e: &ShardError) -> bool {
+    matches!(e, ShardError::Db { source, .. }
+        if matches!(source.sql_err(), Some(sea_orm::SqlErr::ForeignKeyConstraintViolation(_))))
 }
 
 fn moving_count(b: &Buckets) -> u32 {

@@ -35,6 +35,9 @@ pub struct BucketOwners {
     owner: Box<[AtomicU32]>,
     /// The owners as configured (what the map is seeded from).
     configured: Box<[ShardId]>,
+    /// One install at a time, so a map is never a mix of two epochs' and
+    /// the epoch never goes back.
+    installing: std::sync::Mutex<()>,
 }
 
 impl BucketOwners {
@@ -43,6 +46,7 @@ impl BucketOwners {
             epoch: AtomicU64::new(0),
             owner: owner.iter().map(|s| AtomicU32::new(s.0)).collect(),
             configured: owner,
+            installing: std::sync::Mutex::new(()),
         }
     }
 
@@ -81,6 +85,7 @@ impl BucketOwners {
     /// Installs a newer map; an older or equal epoch changes nothing.
     /// Returns whether it was installed.
     pub(crate) fn install(&self, epoch: u64, owners: &[ShardId]) -> bool {
+        let _one = self.installing.lock().unwrap_or_else(|p| p.into_inner());
         if owners.len() != self.owner.len() || epoch <= self.epoch() {
             return false;
         }
