@@ -54,6 +54,7 @@ mod entity;
 mod map;
 mod mover;
 
+#[cfg(feature = "cli")]
 pub(crate) use entity::{MoveEntity, Mover};
 pub(crate) use map::{fence, refresh, seed_states};
 pub use mover::{AnyGroup, MovePhase, MovePlan, MoveProgress, MoveStatus, Rebalance};

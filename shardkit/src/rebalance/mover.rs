@@ -181,6 +181,7 @@ pub enum AnyGroup {}
 
 impl Rebalance<AnyGroup> {
     /// Moves of the group named `group`, carrying `entities`.
+    #[cfg(feature = "cli")]
     pub(crate) fn named(
         shards: Shards,
         group: &'static str,
