@@ -168,7 +168,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     print_spread(&cluster).await?;
 
     println!("\n== verify: every order the writer was told about, on its owner, once");
-    let differences = verify(&cluster, &acked.lock().unwrap().clone()).await?;
+    let acked = acked.lock().unwrap().clone();
+    let differences = verify(&cluster, &acked).await?;
     println!("verify: {differences} differences");
     if differences > 0 {
         return Err("the move lost or duplicated rows".into());
@@ -185,12 +186,16 @@ async fn print_spread(cluster: &Cluster) -> Result<(), Box<dyn std::error::Error
     Ok(())
 }
 
+/// An order as found: its shard, and (customer, total).
+type Found = (String, (i64, i64));
+
 /// Rows that are missing, misplaced, duplicated or different.
 async fn verify(
     cluster: &Cluster,
     acked: &BTreeMap<i64, (i64, i64)>,
 ) -> Result<usize, Box<dyn std::error::Error>> {
-    let mut found: BTreeMap<i64, Vec<(String, (i64, i64))>> = BTreeMap::new();
+    // Each order id: where it was found, with (customer, total).
+    let mut found: BTreeMap<i64, Vec<Found>> = BTreeMap::new();
     for name in cluster.topology().shard_names() {
         let db = cluster.connection(name).expect("configured shard");
         for o in order::Entity::find().all(db).await? {
