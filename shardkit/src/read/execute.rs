@@ -291,7 +291,13 @@ impl<E: ShardedEntity> Read<E> {
             .await;
         let asked = asked + usize::from(plan.lookup_failed.is_some());
         failed.extend(plan.lookup_failed);
-        let rows = self.merge(self.owned_only(ok), plan.limit, plan.offset);
+        // A shard's limited page keeps its place when rows it does not own
+        // are dropped from it: each such row is a copy of a row its owner
+        // holds with the same values, which ranks the same there, so every
+        // owned row the page lost ranks below the page's length of other
+        // rows and is not in the merged result either.
+        let ok = self.owned_only(ok);
+        let rows = self.merge(ok, plan.limit, plan.offset);
         if let Ok(rows) = &rows {
             span.record("rows", rows.len());
         }
@@ -636,7 +642,9 @@ impl<E: ShardedEntity> Read<E> {
         let Ok(Some(owners)) = topology.live_owners(Self::group()) else {
             return parts;
         };
-        let buckets = owners.len() as u64;
+        // One reading of the map for the whole result.
+        let map = owners.to_vec();
+        let buckets = map.len() as u64;
         parts
             .into_iter()
             .map(|(id, rows)| {
@@ -644,7 +652,7 @@ impl<E: ShardedEntity> Read<E> {
                     .into_iter()
                     .filter(|m| {
                         let bucket = E::shard_key(m).partition_hash() % buckets;
-                        owners.get(bucket as u32) == id
+                        map[bucket as usize] == id
                     })
                     .collect();
                 (id, rows)

@@ -124,3 +124,27 @@ pub(crate) async fn refresh_all(shards: &Shards) {
         }
     }
 }
+
+/// How many moves of `group` are not finished (0 for a group that is not
+/// movable): work that writes a group's rows outside its write
+/// transactions (a rollout backfill) waits for them.
+pub(crate) async fn unfinished_moves(shards: &Shards, group: &str) -> Result<u64> {
+    if !shards.topology().is_movable(group) {
+        return Ok(0);
+    }
+    let id = map::control(shards, group)?;
+    let (db, name) = (shards.side_conn(id), shards.shard_name(id));
+    let stmt = Query::select()
+        .expr_as(Expr::col(Alias::new("id")).count(), Alias::new("n"))
+        .from(Alias::new("shardkit_moves"))
+        .and_where(Expr::col(Alias::new("grp")).eq(group))
+        .and_where(Expr::col(Alias::new("phase")).is_not_in(["done", "aborted"]))
+        .to_owned();
+    let n: i64 = db
+        .query_one(&stmt)
+        .await
+        .map_err(|e| map::db_err(name, "shardkit_moves", "read", e))?
+        .and_then(|r| r.try_get("", "n").ok())
+        .unwrap_or(0);
+    Ok(n as u64)
+}

@@ -44,6 +44,17 @@ where
                 "backfill runs in dual_write or read_new: before, later writes would be missed; after, the old table is stale",
             ));
         }
+        // Its upserts of the new table are not write transactions: a bucket
+        // move would neither log nor fence them.
+        let moves =
+            crate::rebalance::unfinished_moves(&self.shards, <Old::Group as EntityGroup>::NAME)
+                .await?;
+        if moves > 0 {
+            return Err(self.shared.refused_err(format!(
+                "{moves} bucket move(s) of group `{}` are not finished: backfill after they end (a move would miss the backfill's writes)",
+                <Old::Group as EntityGroup>::NAME
+            )));
+        }
         let shards = self
             .shards
             .topology()
