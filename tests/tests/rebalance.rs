@@ -2,7 +2,7 @@
 //! Customer group (customers, orders, contacts with global indexes) on four
 //! shards grows to a fifth while application instances keep writing.
 
-use sea_orm::{ActiveValue::Set, ConnectionTrait, EntityTrait, QueryOrder, QuerySelect};
+use sea_orm::{ActiveValue::Set, ConnectionTrait, EntityTrait};
 use shardkit::rebalance::{MovePhase, Rebalance};
 use shardkit::{Cluster, ClusterConfig, ShardError};
 use shardkit_tests::models::*;

@@ -1,0 +1,251 @@
+//! Bucket moves on PostgreSQL (databases of one server as shards), in one
+//! run:
+//!
+//! - `copy`: 1,000,000 rows of a three-column table (`orders`: id,
+//!   customer_id, total_cents; indexed on customer_id, as a shard key is)
+//!   moved from s0 to s1, every bucket of the group: the copy phase's rows
+//!   per second, and the whole move's time by phase.
+//! - `writes`: 100,000 rows moved while a writer starts one single-row
+//!   update transaction every millisecond (1,000 writes/s, up to 16 in
+//!   flight) on keys of the moving buckets: each write's latency, the p99
+//!   before the move and during the copy, and the longest write during the
+//!   whole move (the cut-over's block included).
+//!
+//! `cargo bench -p shardkit-tests --bench rebalance` (skips with a printed
+//! line when PostgreSQL is unreachable). Pass `--rows N` to change the copy
+//! size.
+
+use sea_orm::{ActiveValue::Set, ActiveValue::Unchanged, ConnectionTrait, Statement};
+use shardkit::rebalance::MovePhase;
+use shardkit::{Cluster, ClusterConfig};
+use shardkit_tests::models::*;
+use shardkit_tests::{Backend, TestDbs};
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+const CUSTOMERS: i64 = 100_000;
+
+fn config(dbs: &TestDbs) -> ClusterConfig {
+    let toml = format!(
+        "{}\n[groups.Customer]\nbuckets = 1024\nshards = [\"s0\"]\nmovable = true\n\n[rebalance]\nrefresh_ms = 200\ncleanup_grace_ms = 0\n",
+        dbs.shards_toml(2)
+            .replace("max_connections = 4", "max_connections = 16"),
+    );
+    ClusterConfig::from_toml(&toml).unwrap()
+}
+
+/// A migrated cluster whose s0 holds `rows` orders (loaded in the database).
+async fn loaded(dbs: &TestDbs, rows: i64) -> Cluster {
+    let cluster = Cluster::connect(config(dbs)).await.unwrap();
+    cluster.migrate::<Migrator>().await.unwrap();
+    cluster.refresh_bucket_maps().await.unwrap();
+    for shard in ["s0", "s1"] {
+        let db = cluster.connection(shard).unwrap();
+        db.execute_unprepared("CREATE INDEX IF NOT EXISTS orders_customer ON orders (customer_id)")
+            .await
+            .unwrap();
+    }
+    let db = cluster.connection("s0").unwrap();
+    db.execute_raw(Statement::from_string(
+        db.get_database_backend(),
+        format!(
+            "INSERT INTO orders (id, customer_id, total_cents) \
+             SELECT g, g % {CUSTOMERS}, g % 5000 FROM generate_series(1, {rows}) g"
+        ),
+    ))
+    .await
+    .unwrap();
+    db.execute_unprepared("ANALYZE orders").await.unwrap();
+    cluster
+}
+
+/// When each phase was first reported, and the copy's rows at the last
+/// copying report.
+#[derive(Default)]
+struct Phases {
+    first: BTreeMap<MovePhase, Instant>,
+    copied: (u64, Option<Instant>),
+}
+
+async fn copy(rows: i64) {
+    let Some(dbs) =
+        TestDbs::create_if_reachable(Backend::Postgres, "bench_rebalance_copy", 2).await
+    else {
+        return;
+    };
+    let cluster = loaded(&dbs, rows).await;
+    let phases = Arc::new(Mutex::new(Phases::default()));
+    let seen = Arc::clone(&phases);
+    let moves = cluster
+        .rebalance::<Customer>()
+        .entity::<order::Entity>()
+        .on_progress(move |p| {
+            let mut s = seen.lock().unwrap();
+            s.first.entry(p.phase).or_insert_with(Instant::now);
+            if p.phase == MovePhase::Copying {
+                s.copied = (p.rows_copied, Some(Instant::now()));
+            }
+        });
+    let plan = moves.plan_buckets(0..1024, "s1").await.unwrap();
+    let started = moves.start(&plan).await.unwrap();
+    let t0 = Instant::now();
+    let done = moves.run(started.id).await.unwrap();
+    let total = t0.elapsed();
+    assert_eq!(done.phase, MovePhase::Done);
+    assert_eq!(done.rows_copied, rows as u64);
+    let s = std::mem::take(&mut *phases.lock().unwrap());
+    let copy_start = s.first.get(&MovePhase::Copying).copied().unwrap_or(t0);
+    let copy_time = s.copied.1.unwrap_or(copy_start) - copy_start;
+    println!(
+        "rebalance/postgres/copy: {rows} rows in {:.2} s = {:.0} rows/s (target >= 100,000)",
+        copy_time.as_secs_f64(),
+        s.copied.0 as f64 / copy_time.as_secs_f64().max(1e-9)
+    );
+    let mut marks: Vec<(MovePhase, Instant)> = s.first.iter().map(|(p, t)| (*p, *t)).collect();
+    marks.sort_by_key(|(_, t)| *t);
+    let mut line = String::new();
+    for pair in marks.windows(2) {
+        line.push_str(&format!(
+            "{} {:.2} s, ",
+            pair[0].0,
+            (pair[1].1 - pair[0].1).as_secs_f64()
+        ));
+    }
+    println!(
+        "rebalance/postgres/copy: whole move {:.2} s ({line}then cut-over and cleaning)",
+        total.as_secs_f64()
+    );
+    drop(cluster);
+    dbs.cleanup().await;
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    if sorted.is_empty() {
+        return Duration::ZERO;
+    }
+    sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
+}
+
+async fn writes() {
+    let Some(dbs) =
+        TestDbs::create_if_reachable(Backend::Postgres, "bench_rebalance_writes", 2).await
+    else {
+        return;
+    };
+    let rows = 100_000;
+    let cluster = loaded(&dbs, rows).await;
+    // Phase index while the move runs: 0 before it, then 1 + phase.
+    let phase = Arc::new(AtomicU8::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let lat: Arc<Mutex<Vec<(u8, Duration)>>> = Arc::default();
+    let writer = {
+        let (cluster, phase, stop, lat) = (
+            cluster.clone(),
+            Arc::clone(&phase),
+            Arc::clone(&stop),
+            Arc::clone(&lat),
+        );
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_millis(1));
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+            let in_flight = Arc::new(tokio::sync::Semaphore::new(16));
+            let mut n = 0i64;
+            while !stop.load(Ordering::SeqCst) {
+                tick.tick().await;
+                n += 1;
+                let id = (n * 7_919) % rows + 1;
+                let customer = id % CUSTOMERS;
+                let (cluster, phase, lat) = (cluster.clone(), Arc::clone(&phase), Arc::clone(&lat));
+                let permit = Arc::clone(&in_flight).acquire_owned().await.unwrap();
+                tokio::spawn(async move {
+                    let at = phase.load(Ordering::SeqCst);
+                    let t = Instant::now();
+                    let tx = cluster.begin::<Customer>(customer).await.unwrap();
+                    tx.update(order::ActiveModel {
+                        id: Unchanged(id),
+                        customer_id: Unchanged(customer),
+                        total_cents: Set(n % 5_000),
+                    })
+                    .await
+                    .unwrap();
+                    tx.commit().await.unwrap();
+                    lat.lock().unwrap().push((at, t.elapsed()));
+                    drop(permit);
+                });
+            }
+        })
+    };
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let shown = Arc::clone(&phase);
+    let moves = cluster
+        .rebalance::<Customer>()
+        .entity::<order::Entity>()
+        .on_progress(move |p| shown.store(1 + p.phase as u8, Ordering::SeqCst));
+    let plan = moves.plan_buckets(0..1024, "s1").await.unwrap();
+    let started = moves.start(&plan).await.unwrap();
+    phase.store(1, Ordering::SeqCst);
+    let done = moves.run(started.id).await.unwrap();
+    phase.store(100, Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    stop.store(true, Ordering::SeqCst);
+    writer.await.unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(done.phase, MovePhase::Done);
+    let lat = std::mem::take(&mut *lat.lock().unwrap());
+    let sorted = |f: &dyn Fn(u8) -> bool| {
+        let mut v: Vec<Duration> = lat.iter().filter(|(p, _)| f(*p)).map(|(_, d)| *d).collect();
+        v.sort();
+        v
+    };
+    let before = sorted(&|p| p == 0);
+    let copying = sorted(&|p| p == 1 + MovePhase::Copying as u8);
+    let during = sorted(&|p| (1..100).contains(&p));
+    let (b99, c99) = (percentile(&before, 0.99), percentile(&copying, 0.99));
+    println!(
+        "rebalance/postgres/writes: {} writes before the move, p99 {:.2} ms; {} during the copy, p99 {:.2} ms = {:.2} x (target <= 2 x)",
+        before.len(),
+        b99.as_secs_f64() * 1e3,
+        copying.len(),
+        c99.as_secs_f64() * 1e3,
+        c99.as_secs_f64() / b99.as_secs_f64().max(1e-9)
+    );
+    println!(
+        "rebalance/postgres/writes: {} writes during the whole move ({} rows), the longest {:.1} ms (target <= 250 ms), p99 {:.2} ms",
+        during.len(),
+        rows,
+        during.last().copied().unwrap_or_default().as_secs_f64() * 1e3,
+        percentile(&during, 0.99).as_secs_f64() * 1e3,
+    );
+    drop(cluster);
+    dbs.cleanup().await;
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let rows = args
+        .iter()
+        .position(|a| a == "--rows")
+        .and_then(|i| args.get(i + 1))
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(1_000_000);
+    let filter: Vec<&String> = args
+        .iter()
+        .skip(1)
+        .filter(|a| !a.starts_with('-'))
+        .collect();
+    let wants = |name: &str| filter.is_empty() || filter.iter().any(|f| name.contains(f.as_str()));
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        if wants("copy") {
+            copy(rows).await;
+        }
+        if wants("writes") {
+            writes().await;
+        }
+    });
+}
