@@ -29,9 +29,10 @@ const CUSTOMERS: i64 = 100_000;
 
 fn config(dbs: &TestDbs) -> ClusterConfig {
     let toml = format!(
-        "{}\n[groups.Customer]\nbuckets = 1024\nshards = [\"s0\"]\nmovable = true\n\n[rebalance]\nrefresh_ms = 200\ncleanup_grace_ms = 0\n",
+        "{}\n[groups.Customer]\nbuckets = 1024\nshards = [\"s0\"]\nmovable = true\n\n[rebalance]\nrefresh_ms = 200\ncleanup_grace_ms = 0\n{}",
         dbs.shards_toml(2)
             .replace("max_connections = 4", "max_connections = 16"),
+        std::env::var("CHUNK").map(|c| format!("chunk = {c}\n")).unwrap_or_default(),
     );
     ClusterConfig::from_toml(&toml).unwrap()
 }
@@ -217,6 +218,36 @@ async fn writes() {
         rows,
         during.last().copied().unwrap_or_default().as_secs_f64() * 1e3,
         percentile(&during, 0.99).as_secs_f64() * 1e3,
+    );
+    let mut by_phase: BTreeMap<u8, Duration> = BTreeMap::new();
+    for (p, d) in &lat {
+        let slot = by_phase.entry(*p).or_default();
+        *slot = (*slot).max(*d);
+    }
+    println!(
+        "rebalance/postgres/writes: longest by the phase a write began in: {}",
+        by_phase
+            .iter()
+            .map(|(p, d)| {
+                let name = match p {
+                    0 => "before".to_owned(),
+                    100 => "after".to_owned(),
+                    p => [
+                        "registered",
+                        "copying",
+                        "catching_up",
+                        "verified",
+                        "cutting_over",
+                        "cleaning",
+                        "done",
+                        "aborted",
+                    ][(*p - 1) as usize]
+                        .to_owned(),
+                };
+                format!("{name} {:.1} ms", d.as_secs_f64() * 1e3)
+            })
+            .collect::<Vec<_>>()
+            .join(", ")
     );
     drop(cluster);
     dbs.cleanup().await;

@@ -138,7 +138,7 @@ impl Shards {
                     cleanup_grace: Duration::from_millis(
                         config.rebalance.cleanup_grace_ms.unwrap_or(60_000),
                     ),
-                    chunk: config.rebalance.chunk.unwrap_or(2_000),
+                    chunk: config.rebalance.chunk.unwrap_or(20_000),
                 },
                 tickets,
                 servers,

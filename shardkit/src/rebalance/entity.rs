@@ -54,15 +54,18 @@ pub(crate) struct Compared {
 pub(crate) trait MoveEntity: Send + Sync {
     fn table(&self) -> &'static str;
 
-    /// Copies the moving buckets' rows of the next source chunk (primary
-    /// key after `after`) to the target, replacing what the target has
-    /// under those primary keys.
-    fn copy_chunk<'a>(
+    /// Copies the moving buckets' rows of the next `chunks` source chunks
+    /// (primary key after `after`) to the target, over what the target has
+    /// under those primary keys; each chunk is read while the one before is
+    /// written.
+    #[allow(clippy::too_many_arguments)]
+    fn copy_chunks<'a>(
         &'a self,
         src: (&'a DatabaseConnection, &'a str),
         dst: (&'a DatabaseConnection, &'a str),
         after: Option<&'a str>,
         chunk: u64,
+        chunks: usize,
         buckets: &'a Buckets,
     ) -> BoxFuture<'a, Result<Chunk>>;
 
@@ -127,11 +130,15 @@ fn err<'a, E: EntityTrait>(shard: &'a str, what: &str) -> impl Fn(DbErr) -> Shar
     }
 }
 
-/// Rows per `INSERT` so a statement stays under every backend's limit of
-/// bound parameters (SQLite's 32,766 is the lowest).
-fn rows_per_insert<E: EntityTrait>() -> usize {
+/// Rows per `INSERT` so a statement stays under the backend's limit of
+/// bound parameters (65,535 on PostgreSQL and MySQL, 32,766 on SQLite).
+fn rows_per_insert<E: EntityTrait>(backend: DbBackend) -> usize {
     let columns = <E::Column as Iterable>::iter().count().max(1);
-    (30_000 / columns).max(1)
+    let limit = match backend {
+        DbBackend::Sqlite => 32_000,
+        _ => 65_000,
+    };
+    (limit / columns).max(1)
 }
 
 fn row_values<E: EntityTrait>(m: &E::Model) -> Vec<Value> {
@@ -195,7 +202,7 @@ where
     // A table of primary-key columns only sets the key to itself.
     on_conflict.update_columns(if others.is_empty() { pks } else { others });
     let txn = crate::exec::begin_write(db).await.map_err(&e)?;
-    let per = rows_per_insert::<E>();
+    let per = rows_per_insert::<E>(db.get_database_backend());
     let mut rows = rows.into_iter().peekable();
     while rows.peek().is_some() {
         let batch: Vec<E::ActiveModel> = rows
@@ -285,30 +292,57 @@ where
         table_name::<E>()
     }
 
-    fn copy_chunk<'a>(
+    fn copy_chunks<'a>(
         &'a self,
         src: (&'a DatabaseConnection, &'a str),
         dst: (&'a DatabaseConnection, &'a str),
         after: Option<&'a str>,
         chunk: u64,
+        chunks: usize,
         buckets: &'a Buckets,
     ) -> BoxFuture<'a, Result<Chunk>> {
         Box::pin(async move {
-            let after = after.map(|a| parse_pk::<E>(a));
-            let rows = keyset::chunk::<E>(after.as_deref(), chunk)
-                .all(src.0)
-                .await
-                .map_err(err::<E>(src.1, "copy from"))?;
-            let next = (rows.len() as u64 == chunk)
-                .then(|| rows.last().map(|m| tuple_text(&model_pk_values::<E>(m))))
-                .flatten();
-            let moving: Vec<E::Model> = rows
-                .into_iter()
-                .filter(|m| buckets.holds(&E::shard_key(m)))
-                .collect();
-            let copied = moving.len() as u64;
-            upsert_rows::<E>(dst.0, dst.1, moving).await?;
-            Ok(Chunk { rows: copied, next })
+            // Reads the chunk after `after`: its moving rows and where the
+            // next starts.
+            let read = |after: Option<Vec<Value>>| async move {
+                let rows = keyset::chunk::<E>(after.as_deref(), chunk)
+                    .all(src.0)
+                    .await
+                    .map_err(err::<E>(src.1, "copy from"))?;
+                let next = (rows.len() as u64 == chunk)
+                    .then(|| rows.last().map(model_pk_values::<E>))
+                    .flatten();
+                let moving: Vec<E::Model> = rows
+                    .into_iter()
+                    .filter(|m| buckets.holds(&E::shard_key(m)))
+                    .collect();
+                Ok::<_, ShardError>((moving, next))
+            };
+            let mut copied = 0u64;
+            let mut current = read(after.map(|a| parse_pk::<E>(a))).await?;
+            for i in 0..chunks.max(1) {
+                let (moving, next) = current;
+                copied += moving.len() as u64;
+                // The next chunk is read while this one is written.
+                match next {
+                    Some(next) if i + 1 < chunks => {
+                        let (written, read_next) = futures::join!(
+                            upsert_rows::<E>(dst.0, dst.1, moving),
+                            read(Some(next))
+                        );
+                        written?;
+                        current = read_next?;
+                    }
+                    next => {
+                        upsert_rows::<E>(dst.0, dst.1, moving).await?;
+                        return Ok(Chunk {
+                            rows: copied,
+                            next: next.map(|pk| tuple_text(&pk)),
+                        });
+                    }
+                }
+            }
+            unreachable!("the last chunk returns")
         })
     }
 

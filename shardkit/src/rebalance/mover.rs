@@ -242,7 +242,8 @@ impl<G> Rebalance<G> {
             .is_some_and(|f| f.load(std::sync::atomic::Ordering::Acquire))
     }
 
-    /// Calls `f` after every copied chunk and every replay round.
+    /// Calls `f` at every phase change, after every run of copied chunks and
+    /// after every replay round.
     pub fn on_progress(mut self, f: impl Fn(&MoveProgress) + Send + Sync + 'static) -> Self {
         self.progress = Some(Arc::new(f));
         self
@@ -695,6 +696,17 @@ impl<G> Rebalance<G> {
             MovePhase::ALL.iter().position(|p| *p == phase).unwrap_or(0) as u8,
         );
         tracing::info!(group = self.group, id = status.id, phase = %phase, "move phase");
+        if let Some(f) = &self.progress {
+            f(&MoveProgress {
+                id: status.id,
+                phase,
+                rows_copied: status.rows_copied,
+                rows_per_sec: 0.0,
+                rows_estimated: status.rows_copied,
+                pending_changes: status.pending_changes,
+                eta: None,
+            });
+        }
         Ok(())
     }
 
@@ -934,12 +946,17 @@ impl<G> Rebalance<G> {
                         while ei < self.entities.len() {
                             let entity = &self.entities[ei];
                             loop {
+                                // Chunks are read ahead of their writes in
+                                // runs of this many; the position is saved
+                                // after each run.
+                                const RUN: usize = 4;
                                 let copy = || {
-                                    entity.copy_chunk(
+                                    entity.copy_chunks(
                                         self.conn(*src),
                                         self.conn(target),
                                         after.as_deref(),
                                         settings.chunk,
+                                        RUN,
                                         &only_here,
                                     )
                                 };
@@ -1126,6 +1143,14 @@ impl<G> Rebalance<G> {
         let id = status.id;
         self.failpoint("cutting_over", id, target)?;
         let sources = self.sources(status)?;
+        // Catch up first, so what is replayed behind the fence (while the
+        // moving buckets' writes wait) is only what came in since.
+        for _ in 0..10 {
+            let n = self.replay(status, Some(10_000)).await?;
+            if n < 100 {
+                break;
+            }
+        }
         // Fence every source. Each update waits for the transactions that
         // read the bucket's state before it; one that waits too long gives
         // up, the writes it held back go on, and the mover catches up and
@@ -1247,6 +1272,17 @@ impl<G> Rebalance<G> {
         txn.commit().await.map_err(err)?;
         status.phase = MovePhase::Cleaning;
         status.cutover_ms = Some(now);
+        if let Some(f) = &self.progress {
+            f(&MoveProgress {
+                id,
+                phase: MovePhase::Cleaning,
+                rows_copied: status.rows_copied,
+                rows_per_sec: 0.0,
+                rows_estimated: status.rows_copied,
+                pending_changes: 0,
+                eta: None,
+            });
+        }
         let epoch = super::refresh(&self.shards, self.group).await?;
         tracing::info!(group = self.group, id, epoch, "move cut over");
         Ok(())

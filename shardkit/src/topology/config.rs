@@ -78,7 +78,8 @@ pub struct RebalanceConfig {
     /// instance takes to refresh its map and finish a read it routed by
     /// the old one.
     pub cleanup_grace_ms: Option<u64>,
-    /// Rows per copy chunk (default 2,000; 1 to 100,000).
+    /// Rows per copy chunk (default 20,000; 1 to 100,000). A chunk is read
+    /// while the one before is written, so two are in memory at once.
     pub chunk: Option<u64>,
 }
 
