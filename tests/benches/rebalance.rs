@@ -11,6 +11,11 @@
 //!   before the move and during the copy, and the longest write during the
 //!   whole move (the cut-over's block included).
 //!
+//! - `fence`: what being movable costs a write: one single-row update
+//!   transaction on a cluster whose group is `movable` (the fence's read of
+//!   the bucket's state first) and on one whose group is not, over the same
+//!   databases, interleaved round by round; medians and their ratio.
+//!
 //! `cargo bench -p shardkit-tests --bench rebalance` (skips with a printed
 //! line when PostgreSQL is unreachable). Pass `--rows N` to change the copy
 //! size.
@@ -253,6 +258,71 @@ async fn writes() {
     dbs.cleanup().await;
 }
 
+async fn fence() {
+    for backend in [Backend::Sqlite, Backend::Postgres] {
+        let Some(dbs) = TestDbs::create_if_reachable(backend, "bench_rebalance_fence", 2).await
+        else {
+            continue;
+        };
+        let movable = loaded_small(&dbs, true).await;
+        let fixed = loaded_small(&dbs, false).await;
+        let n = std::sync::atomic::AtomicI64::new(0);
+        let medians = shardkit_tests::interleaved(2_000, 2, |kind| {
+            let cluster = if kind == 0 { &fixed } else { &movable };
+            let i = n.fetch_add(1, Ordering::Relaxed);
+            let id = i % 1_000 + 1;
+            Box::pin(async move {
+                let tx = cluster.begin::<Customer>(id % 100).await.unwrap();
+                tx.update(order::ActiveModel {
+                    id: Unchanged(id),
+                    customer_id: Unchanged(id % 100),
+                    total_cents: Set(i),
+                })
+                .await
+                .unwrap();
+                tx.commit().await.unwrap();
+            })
+        })
+        .await;
+        println!(
+            "rebalance/{backend:?}/fence: update transaction {:.3} ms, movable {:.3} ms = {:.2} x",
+            medians[0].as_secs_f64() * 1e3,
+            medians[1].as_secs_f64() * 1e3,
+            medians[1].as_secs_f64() / medians[0].as_secs_f64()
+        );
+        drop((movable, fixed));
+        dbs.cleanup().await;
+    }
+}
+
+/// 1,000 orders of customers 0..100, on a cluster whose group is movable
+/// or not (both on the same databases).
+async fn loaded_small(dbs: &TestDbs, movable: bool) -> Cluster {
+    let toml = format!(
+        "{}\n[groups.Customer]\nbuckets = 1024\nmovable = {movable}\n",
+        dbs.shards_toml(2)
+    );
+    let cluster = Cluster::connect(ClusterConfig::from_toml(&toml).unwrap())
+        .await
+        .unwrap();
+    cluster.migrate::<Migrator>().await.unwrap();
+    cluster.refresh_bucket_maps().await.unwrap();
+    if movable {
+        for id in 1..=1_000i64 {
+            let tx = cluster.begin::<Customer>(id % 100).await.unwrap();
+            tx.insert(order::ActiveModel {
+                id: Set(id),
+                customer_id: Set(id % 100),
+                total_cents: Set(0),
+            })
+            .await
+            .unwrap();
+            tx.commit().await.unwrap();
+        }
+    }
+    cluster
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let rows = args
@@ -277,6 +347,9 @@ fn main() {
         }
         if wants("writes") {
             writes().await;
+        }
+        if wants("fence") {
+            fence().await;
         }
     });
 }
