@@ -37,7 +37,9 @@ fn config(dbs: &TestDbs) -> ClusterConfig {
         "{}\n[groups.Customer]\nbuckets = 1024\nshards = [\"s0\"]\nmovable = true\n\n[rebalance]\nrefresh_ms = 200\ncleanup_grace_ms = 0\n{}",
         dbs.shards_toml(2)
             .replace("max_connections = 4", "max_connections = 16"),
-        std::env::var("CHUNK").map(|c| format!("chunk = {c}\n")).unwrap_or_default(),
+        std::env::var("CHUNK")
+            .map(|c| format!("chunk = {c}\n"))
+            .unwrap_or_default(),
     );
     ClusterConfig::from_toml(&toml).unwrap()
 }

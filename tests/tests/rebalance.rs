@@ -6,7 +6,7 @@ use sea_orm::{ActiveValue::Set, ConnectionTrait, EntityTrait};
 use shardkit::rebalance::{MovePhase, Rebalance};
 use shardkit::{Cluster, ClusterConfig, ShardError};
 use shardkit_tests::models::*;
-use shardkit_tests::{TestDbs, backend_tests, contacts_by_index};
+use shardkit_tests::{Backend, Proxy, TestDbs, backend_tests, contacts_by_index};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -17,6 +17,7 @@ backend_tests!(5 =>
     abort_in_each_phase_leaves_the_source_the_owner,
     overlapping_moves_are_refused_and_plans_are_minimal,
     shardctl_plans_starts_resumes_and_aborts_moves,
+    [Postgres, MySql] a_target_that_refuses_or_hangs_stops_the_mover_and_leaks_nothing,
 );
 
 const BUCKETS: u32 = 64;
@@ -759,4 +760,114 @@ async fn shardctl_plans_starts_resumes_and_aborts_moves(dbs: &mut TestDbs) {
     );
     a.refresh_bucket_maps().await.unwrap();
     check_placement(&a, &acked).await;
+}
+
+/// The config with s4 reached through `port` (a proxy), a 1 s step timeout.
+fn config_through(dbs: &TestDbs, port: u16) -> ClusterConfig {
+    let url = match dbs.backend {
+        Backend::MySql => format!("mysql://root@127.0.0.1:{port}/{}", dbs.names[4]),
+        _ => format!("postgres://postgres@127.0.0.1:{port}/{}", dbs.names[4]),
+    };
+    let toml = format!(
+        "{}\n[[shards]]\nname = \"s4\"\nurl = \"{url}\"\n\n[groups.Customer]\nbuckets = {BUCKETS}\nshards = [\"s0\", \"s1\", \"s2\", \"s3\"]\nmovable = true\n\n[rebalance]\nrefresh_ms = 20\ncleanup_grace_ms = 0\nchunk = 40\nstep_timeout_ms = 1000\n",
+        dbs.shards_toml_with(
+            4,
+            "connect_timeout_secs = 1\nacquire_timeout_secs = 2\n",
+            &[]
+        )
+        .replace("max_connections = 4", "max_connections = 2"),
+    );
+    ClusterConfig::from_toml(&toml).unwrap_or_else(|e| panic!("config: {e}\n{toml}"))
+}
+
+async fn a_target_that_refuses_or_hangs_stops_the_mover_and_leaks_nothing(dbs: &mut TestDbs) {
+    let a = connect(dbs, 20).await;
+    let acked: Shared = Arc::default();
+    seed(&a, &acked, 1..=80).await;
+    let before = dbs.server_connections().await;
+    let stop = Arc::new(AtomicBool::new(false));
+    let w = writer(
+        a.clone(),
+        Arc::clone(&acked),
+        (1..=80).collect(),
+        Arc::clone(&stop),
+    );
+    let server = dbs
+        .backend
+        .server_url()
+        .unwrap()
+        .rsplit('@')
+        .next()
+        .unwrap()
+        .to_owned();
+    for (i, hang) in [false, true].into_iter().enumerate() {
+        let proxy = Arc::new(Proxy::start(server.clone()).await);
+        let b = Cluster::connect(config_through(dbs, proxy.port))
+            .await
+            .unwrap();
+        // The target stops answering once the copy has begun.
+        let cut = Arc::clone(&proxy);
+        let m = mover(&b).on_progress(move |p| {
+            if p.phase == MovePhase::Copying {
+                if hang {
+                    cut.freeze();
+                } else {
+                    cut.kill();
+                }
+            }
+        });
+        let buckets = [i as u32 * 4 + 1, i as u32 * 4 + 2];
+        let id = m
+            .start(&m.plan_buckets(buckets, "s4").await.unwrap())
+            .await
+            .unwrap()
+            .id;
+        let t = std::time::Instant::now();
+        let err = m.run(id).await.unwrap_err();
+        let took = t.elapsed();
+        if hang {
+            assert!(
+                matches!(err, ShardError::Timeout { ref shard, .. } if shard == "s4"),
+                "{err}"
+            );
+        } else {
+            // Refused at once, or (a cut connection being made again) after
+            // the step timeout: either way, naming the target.
+            assert!(
+                matches!(err, ShardError::Db { ref shard, .. } | ShardError::Timeout { ref shard, .. } if shard == "s4"),
+                "{err}"
+            );
+        }
+        assert!(
+            took < std::time::Duration::from_secs(20),
+            "the mover gave up after {took:?}"
+        );
+        // Writes went on all along; the move resumes from another process
+        // that reaches the target.
+        drop(m);
+        drop(b);
+        let done = mover(&a)
+            .run(id)
+            .await
+            .unwrap_or_else(|e| panic!("resume: {}", e.report()));
+        assert_eq!(done.phase, MovePhase::Done);
+        drop(proxy);
+    }
+    stop.store(true, Ordering::SeqCst);
+    w.await.unwrap();
+    check_placement(&a, &acked).await;
+    drop(a);
+    // Every connection the clusters opened is closed.
+    let mut after = dbs.server_connections().await;
+    for _ in 0..50 {
+        if after <= before {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        after = dbs.server_connections().await;
+    }
+    assert!(
+        after <= before,
+        "server connections: {before} before, {after} after"
+    );
 }

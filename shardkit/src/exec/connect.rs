@@ -139,6 +139,9 @@ impl Shards {
                         config.rebalance.cleanup_grace_ms.unwrap_or(60_000),
                     ),
                     chunk: config.rebalance.chunk.unwrap_or(20_000),
+                    step_timeout: Duration::from_millis(
+                        config.rebalance.step_timeout_ms.unwrap_or(60_000),
+                    ),
                 },
                 tickets,
                 servers,

@@ -90,6 +90,9 @@ pub(crate) struct RebalanceSettings {
     pub(crate) cutover_wait: Duration,
     pub(crate) cleanup_grace: Duration,
     pub(crate) chunk: u64,
+    /// How long one step of a mover (a run of copied chunks, a replay
+    /// batch, a cleaning chunk) may take.
+    pub(crate) step_timeout: Duration,
 }
 
 /// Called after every statement a shard runs (see [`ClusterBuilder::on_statement`]).

@@ -741,6 +741,24 @@ impl<G> Rebalance<G> {
         Ok(())
     }
 
+    /// `work` (one step against `shard`) bounded by `[rebalance]
+    /// step_timeout_ms`: a shard that stops answering fails the mover
+    /// instead of holding it; run the move again when the shard is back.
+    async fn timed<T>(
+        &self,
+        shard: &str,
+        work: impl std::future::Future<Output = Result<T>>,
+    ) -> Result<T> {
+        let after = self.shards.rebalance_settings().step_timeout;
+        tokio::time::timeout(after, work)
+            .await
+            .map_err(|_| ShardError::Timeout {
+                group: self.group,
+                shard: shard.to_owned(),
+                after,
+            })?
+    }
+
     fn conn(&self, id: ShardId) -> (&DatabaseConnection, &str) {
         (self.shards.side_conn(id), self.shards.shard_name(id))
     }
@@ -775,10 +793,12 @@ impl<G> Rebalance<G> {
         keys: &[String],
     ) -> Result<()> {
         for entity in &self.entities {
-            entity.upsert_keys(source, target, keys).await?;
+            self.timed(target.1, entity.upsert_keys(source, target, keys))
+                .await?;
         }
         for entity in self.entities.iter().rev() {
-            entity.prune_keys(source, target, keys).await?;
+            self.timed(target.1, entity.prune_keys(source, target, keys))
+                .await?;
         }
         Ok(())
     }
@@ -951,13 +971,16 @@ impl<G> Rebalance<G> {
                                 // after each run.
                                 const RUN: usize = 4;
                                 let copy = || {
-                                    entity.copy_chunks(
-                                        self.conn(*src),
-                                        self.conn(target),
-                                        after.as_deref(),
-                                        settings.chunk,
-                                        RUN,
-                                        &only_here,
+                                    self.timed(
+                                        self.shards.shard_name(target),
+                                        entity.copy_chunks(
+                                            self.conn(*src),
+                                            self.conn(target),
+                                            after.as_deref(),
+                                            settings.chunk,
+                                            RUN,
+                                            &only_here,
+                                        ),
                                     )
                                 };
                                 let chunk = match copy().await {
@@ -1303,8 +1326,17 @@ impl<G> Rebalance<G> {
             while ei < self.entities.len() {
                 loop {
                     // Children first (the entities in reverse order).
-                    let done = self.entities[self.entities.len() - 1 - ei]
-                        .delete_chunk(self.conn(*src), after.as_deref(), chunk, &only_here)
+                    let entity = &self.entities[self.entities.len() - 1 - ei];
+                    let done = self
+                        .timed(
+                            self.shards.shard_name(*src),
+                            entity.delete_chunk(
+                                self.conn(*src),
+                                after.as_deref(),
+                                chunk,
+                                &only_here,
+                            ),
+                        )
                         .await?;
                     after = done.next;
                     let c = copy_cursor(si, ei, after.as_deref());
@@ -1432,8 +1464,11 @@ impl<G> Rebalance<G> {
         for entity in self.entities.iter().rev() {
             let mut after: Option<String> = None;
             loop {
-                let done = entity
-                    .delete_chunk(self.conn(target), after.as_deref(), chunk, &moving)
+                let done = self
+                    .timed(
+                        self.shards.shard_name(target),
+                        entity.delete_chunk(self.conn(target), after.as_deref(), chunk, &moving),
+                    )
                     .await?;
                 after = done.next;
                 if after.is_none() {

@@ -78,6 +78,12 @@ pub struct RebalanceConfig {
     /// instance takes to refresh its map and finish a read it routed by
     /// the old one.
     pub cleanup_grace_ms: Option<u64>,
+    /// Milliseconds one step of a mover (a run of copied chunks, a replay
+    /// batch, a cleaning chunk) may take before the mover stops with
+    /// [`ShardError::Timeout`](crate::ShardError::Timeout): a shard that
+    /// hangs fails the move instead of holding it (default 60,000; 100 to
+    /// 3,600,000). The move resumes where it stopped.
+    pub step_timeout_ms: Option<u64>,
     /// Rows per copy chunk (default 20,000; 1 to 100,000). A chunk is read
     /// while the one before is written, so two are in memory at once.
     pub chunk: Option<u64>,
@@ -470,6 +476,12 @@ impl ClusterConfig {
             MAX_GRACE_MS,
         )?;
         within("rebalance.chunk", rebalance.chunk, 1, 100_000)?;
+        within(
+            "rebalance.step_timeout_ms",
+            rebalance.step_timeout_ms,
+            100,
+            3_600_000,
+        )?;
 
         let ids = &self.ids;
         within("ids.timeout_ms", ids.timeout_ms, 1, MAX_TICKET_TIMEOUT_MS)?;
