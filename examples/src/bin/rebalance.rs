@@ -4,6 +4,11 @@
 //! with a writer task writing all along. It ends by checking every row the
 //! writer was told it wrote: on its bucket's owner, once, as written.
 //!
+//! shardkit reports through the `metrics` facade; this program installs the
+//! Prometheus exporter's recorder and serves its text on
+//! `http://$SHARDKIT_METRICS_ADDR/metrics` (default: a free port on
+//! 127.0.0.1, printed), and prints the move's metrics from there at the end.
+//!
 //! Run it with `cargo run -p shardkit-examples --bin rebalance`. Set
 //! `SHARDKIT_DATA_DIR` to put the shard files somewhere other than
 //! `data/rebalance`.
@@ -24,6 +29,14 @@ type Acked = Arc<Mutex<BTreeMap<i64, (i64, i64)>>>;
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    // Before the cluster connects: each shard's metrics register then.
+    let prometheus = metrics_exporter_prometheus::PrometheusBuilder::new().install_recorder()?;
+    let addr = std::env::var("SHARDKIT_METRICS_ADDR").unwrap_or_else(|_| "127.0.0.1:0".into());
+    let listener = tokio::net::TcpListener::bind(&addr).await?;
+    let metrics_url = format!("http://{}/metrics", listener.local_addr()?);
+    tokio::spawn(serve_metrics(listener, prometheus));
+    println!("== metrics: {metrics_url}");
+
     // Five shard files; the group starts on the first four, and `s4` is in
     // no group's list: it gets buckets only by moves.
     let (dir, mut toml) = shardkit_examples::sqlite_shards("rebalance", 5)?;
@@ -171,6 +184,14 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let acked = acked.lock().unwrap().clone();
     let differences = verify(&cluster, &acked).await?;
     println!("verify: {differences} differences");
+
+    println!("\n== from {metrics_url}");
+    for line in get(&metrics_url).await?.lines().filter(|l| {
+        (l.starts_with("shardkit_move_") || l.starts_with("shardkit_bucket_"))
+            && !l.starts_with('#')
+    }) {
+        println!("{line}");
+    }
     if differences > 0 {
         return Err("the move lost or duplicated rows".into());
     }
@@ -215,4 +236,42 @@ async fn verify(
         }
     }
     Ok(differences + found.len())
+}
+
+/// Answers every connection with the Prometheus text of `handle`.
+async fn serve_metrics(
+    listener: tokio::net::TcpListener,
+    handle: metrics_exporter_prometheus::PrometheusHandle,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    while let Ok((mut socket, _)) = listener.accept().await {
+        let body = handle.render();
+        tokio::spawn(async move {
+            let mut request = [0u8; 1024];
+            let _ = socket.read(&mut request).await;
+            let head = format!(
+                "HTTP/1.1 200 OK\r\ncontent-type: text/plain; version=0.0.4\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+                body.len()
+            );
+            let _ = socket.write_all(head.as_bytes()).await;
+            let _ = socket.write_all(body.as_bytes()).await;
+        });
+    }
+}
+
+/// `GET url` (plain HTTP on loopback), the body.
+async fn get(url: &str) -> Result<String, Box<dyn std::error::Error>> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let rest = url.strip_prefix("http://").ok_or("not an http URL")?;
+    let (host, path) = rest.split_once('/').unwrap_or((rest, ""));
+    let mut socket = tokio::net::TcpStream::connect(host).await?;
+    socket
+        .write_all(format!("GET /{path} HTTP/1.1\r\nhost: {host}\r\n\r\n").as_bytes())
+        .await?;
+    let mut response = String::new();
+    socket.read_to_string(&mut response).await?;
+    Ok(response
+        .split_once("\r\n\r\n")
+        .map(|(_, body)| body.to_owned())
+        .unwrap_or_default())
 }

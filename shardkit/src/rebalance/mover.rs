@@ -1295,6 +1295,7 @@ impl<G> Rebalance<G> {
         txn.commit().await.map_err(err)?;
         status.phase = MovePhase::Cleaning;
         status.cutover_ms = Some(now);
+        crate::metrics::move_pending(self.group, 0);
         if let Some(f) = &self.progress {
             f(&MoveProgress {
                 id,
