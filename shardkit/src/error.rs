@@ -563,6 +563,14 @@ pub enum Retry {
     Transaction,
 }
 
+/// Whether the database refused a row for a unique key it already holds.
+pub(crate) fn is_unique_violation(e: &DbErr) -> bool {
+    matches!(
+        e.sql_err(),
+        Some(sea_orm::SqlErr::UniqueConstraintViolation(_))
+    )
+}
+
 /// Classifies a driver error by its code (see [`ShardError::retry`]).
 pub(crate) fn db_retry(err: &DbErr) -> Retry {
     use sea_orm::{RuntimeErr, SqlErr, sqlx};

@@ -560,12 +560,7 @@ pub(super) fn claim_backoff(attempt: u32) -> Duration {
     Duration::from_millis(2u64 << Ord::min(attempt, 6)) + Duration::from_nanos(jitter)
 }
 
-pub(super) fn is_unique_violation(e: &DbErr) -> bool {
-    matches!(
-        e.sql_err(),
-        Some(sea_orm::SqlErr::UniqueConstraintViolation(_))
-    )
-}
+pub(super) use crate::error::is_unique_violation;
 
 /// An index write's failure: a duplicate only when the database says so by
 /// its unique-violation code; anything else (a deadlock, a lost connection)

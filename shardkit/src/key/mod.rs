@@ -135,6 +135,20 @@ pub(crate) fn active_pk<A: ActiveModelTrait>(model: &A) -> String {
     tuple_text(&values)
 }
 
+/// `E`'s primary-key columns, and the others (what an upsert updates).
+pub(crate) fn key_and_other_columns<E: EntityTrait>() -> (Vec<E::Column>, Vec<E::Column>) {
+    let pks: Vec<E::Column> = <E::PrimaryKey as Iterable>::iter()
+        .map(PrimaryKeyToColumn::into_column)
+        .collect();
+    let others = <E::Column as Iterable>::iter()
+        .filter(|c| {
+            !pks.iter()
+                .any(|p| sea_orm::IdenStatic::as_str(p) == sea_orm::IdenStatic::as_str(c))
+        })
+        .collect();
+    (pks, others)
+}
+
 /// A model's column values, in `Column::iter()` order: how the write
 /// pipeline hands a row to a feature that finds it by entity type.
 pub(crate) fn model_values<E: EntityTrait>(row: &E::Model) -> Vec<Value> {

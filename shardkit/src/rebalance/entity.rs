@@ -141,10 +141,6 @@ fn rows_per_insert<E: EntityTrait>(backend: DbBackend) -> usize {
     (limit / columns).max(1)
 }
 
-fn row_values<E: EntityTrait>(m: &E::Model) -> Vec<Value> {
-    <E::Column as Iterable>::iter().map(|c| m.get(c)).collect()
-}
-
 /// Runs `work` again when the database aborted it (a deadlock with the
 /// shard's own writers of other buckets, on MySQL/MariaDB's gap locks): at
 /// most 5 attempts.
@@ -189,15 +185,7 @@ where
     E::ActiveModel: Send,
 {
     let e = err::<E>(shard, "copy to");
-    let pks: Vec<E::Column> = <E::PrimaryKey as Iterable>::iter()
-        .map(PrimaryKeyToColumn::into_column)
-        .collect();
-    let others: Vec<E::Column> = <E::Column as Iterable>::iter()
-        .filter(|c| {
-            !pks.iter()
-                .any(|p| sea_orm::IdenStatic::as_str(p) == sea_orm::IdenStatic::as_str(c))
-        })
-        .collect();
+    let (pks, others) = crate::key::key_and_other_columns::<E>();
     let mut on_conflict = OnConflict::columns(pks.clone());
     // A table of primary-key columns only sets the key to itself.
     on_conflict.update_columns(if others.is_empty() { pks } else { others });
@@ -461,7 +449,10 @@ where
                     .map(|m| {
                         (
                             tuple_text(&model_pk_values::<E>(m)),
-                            (E::shard_key(m).to_directory_text(), row_values::<E>(m)),
+                            (
+                                E::shard_key(m).to_directory_text(),
+                                crate::key::model_values::<E>(m),
+                            ),
                         )
                     })
                     .collect();
@@ -470,7 +461,9 @@ where
                 for m in theirs.iter().filter(|m| buckets.holds(&E::shard_key(m))) {
                     let pk = tuple_text(&model_pk_values::<E>(m));
                     match mine.get(&pk) {
-                        Some((_, values)) if *values == row_values::<E>(m) => seen += 1,
+                        Some((_, values)) if *values == crate::key::model_values::<E>(m) => {
+                            seen += 1
+                        }
                         Some((key, _)) => {
                             seen += 1;
                             out.keys.push(key.clone());

@@ -180,12 +180,7 @@ async fn seed_map(
         .to_owned();
     match txn.execute(&insert).await {
         Ok(_) => {}
-        Err(e)
-            if matches!(
-                e.sql_err(),
-                Some(sea_orm::SqlErr::UniqueConstraintViolation(_))
-            ) =>
-        {
+        Err(e) if crate::error::is_unique_violation(&e) => {
             drop(txn);
             return read_epoch(db, name, group, buckets)
                 .await?

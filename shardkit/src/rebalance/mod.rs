@@ -44,8 +44,7 @@ use futures::future::BoxFuture;
 use sea_orm::sea_query::{Alias, Expr, ExprTrait, OnConflict, Query};
 use sea_orm::{
     Condition, ConnectionTrait, DatabaseConnection, DatabaseTransaction, DbBackend, DbErr,
-    EntityTrait, IntoActiveModel, Iterable, ModelTrait, PrimaryKeyToColumn, QueryFilter, Statement,
-    Value,
+    EntityTrait, IntoActiveModel, Iterable, PrimaryKeyToColumn, QueryFilter, Statement, Value,
 };
 use std::sync::Arc;
 use std::time::Duration;

@@ -464,12 +464,7 @@ impl<G> Rebalance<G> {
             }
             match txn.execute(&claim).await {
                 Ok(_) => {}
-                Err(e)
-                    if matches!(
-                        e.sql_err(),
-                        Some(sea_orm::SqlErr::UniqueConstraintViolation(_))
-                    ) =>
-                {
+                Err(e) if crate::error::is_unique_violation(&e) => {
                     return Err(self.refuse(
                         None,
                         "another move took one of its buckets at the same time: run or abort it first",

@@ -706,15 +706,7 @@ where
         }
         return E::insert(active).exec_without_returning(db).await.map(drop);
     }
-    let pks: Vec<E::Column> = <E::PrimaryKey as Iterable>::iter()
-        .map(PrimaryKeyToColumn::into_column)
-        .collect();
-    let others: Vec<E::Column> = <E::Column as Iterable>::iter()
-        .filter(|c| {
-            !pks.iter()
-                .any(|p| sea_orm::IdenStatic::as_str(p) == sea_orm::IdenStatic::as_str(c))
-        })
-        .collect();
+    let (pks, others) = crate::key::key_and_other_columns::<E>();
     let mut on_conflict = OnConflict::columns(pks);
     if others.is_empty() {
         on_conflict.do_nothing();
