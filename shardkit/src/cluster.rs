@@ -53,6 +53,35 @@ struct Features {
     rollouts: Arc<Registry>,
     stages: Arc<Stages>,
     index: Arc<dyn IndexLookup>,
+    guard: Arc<ReadGuards>,
+}
+
+/// What reads consult before they run: the rollouts (an old entity's reads
+/// served from the new table from `read_new` on) and the bucket maps (a
+/// map read too long ago is read again before a read is routed by it).
+struct ReadGuards {
+    rollouts: Arc<Registry>,
+    shards: Shards,
+}
+
+impl crate::read::ReadGuard for ReadGuards {
+    fn check(
+        &self,
+        entity: std::any::TypeId,
+        table: &'static str,
+    ) -> Result<Option<crate::read::ReadFrom>> {
+        self.rollouts.check(entity, table)
+    }
+
+    fn before_routing(&self, group: &'static str) -> Option<futures::future::BoxFuture<'_, ()>> {
+        crate::rebalance::read_needs_refresh(&self.shards, group).then(|| {
+            Box::pin(async move {
+                if let Err(e) = crate::rebalance::refresh(&self.shards, group).await {
+                    tracing::warn!(group, error = %e.report(), "bucket map refresh before a read failed");
+                }
+            }) as futures::future::BoxFuture<'_, ()>
+        })
+    }
 }
 
 /// Builds a [`Cluster`] with options beyond the config file.
@@ -122,6 +151,10 @@ impl ClusterBuilder {
                 },
             );
         }
+        let guard = Arc::new(ReadGuards {
+            rollouts: Arc::clone(&rollouts),
+            shards: shards.for_task(),
+        });
         Ok(Cluster {
             shards,
             features: Arc::new(Features {
@@ -130,6 +163,7 @@ impl ClusterBuilder {
                 rollouts,
                 stages,
                 index,
+                guard,
             }),
         })
     }
@@ -264,7 +298,7 @@ impl Cluster {
     /// What reads consult before they run: rollouts serve reads of an old
     /// entity from the new table once the old one is no longer written.
     fn read_guard(&self) -> Arc<dyn crate::read::ReadGuard> {
-        Arc::clone(&self.features.rollouts) as Arc<dyn crate::read::ReadGuard>
+        Arc::clone(&self.features.guard) as Arc<dyn crate::read::ReadGuard>
     }
 
     /// Opens a transaction for group `G` pinned to `key`, on the key's shard.

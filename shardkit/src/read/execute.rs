@@ -41,6 +41,13 @@ impl<E: ShardedEntity> Read<E> {
         op: ReadOp,
     ) -> Result<Plan<E>> {
         let mut select = select;
+        if let Some(refresh) = self
+            .guard
+            .as_ref()
+            .and_then(|g| g.before_routing(Self::group()))
+        {
+            refresh.await;
+        }
         let from = match &self.guard {
             Some(guard) => {
                 if let Some((joined, table)) = self.joined {

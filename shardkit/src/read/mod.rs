@@ -42,6 +42,12 @@ pub(crate) trait ReadGuard: Send + Sync {
     /// `Ok(None)`: read the entity's own table; `Ok(Some(r))`: read table
     /// `r.table` in its place (`FROM t AS <own table>`); `Err`: refused.
     fn check(&self, entity: std::any::TypeId, table: &'static str) -> Result<Option<ReadFrom>>;
+
+    /// Work to await before routing a read of `group` (a bucket map read
+    /// long ago is read again); `None` when there is none.
+    fn before_routing(&self, _group: &'static str) -> Option<futures::future::BoxFuture<'_, ()>> {
+        None
+    }
 }
 
 /// Another table that answers an entity's reads in place of its own (a

@@ -75,6 +75,7 @@ fn buckets_of(shards: &Shards, group: &str) -> Result<(u32, Arc<BucketOwners>)> 
 /// Returns the epoch now in use.
 pub(crate) async fn refresh(shards: &Shards, group: &str) -> Result<u64> {
     let (buckets, owners) = buckets_of(shards, group)?;
+    owners.mark_read(shards.now_ms());
     let id = control(shards, group)?;
     let (db, name) = (shards.side_conn(id), shards.shard_name(id));
     let epoch = match read_epoch(db, name, group, buckets).await? {

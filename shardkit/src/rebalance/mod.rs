@@ -147,3 +147,20 @@ pub(crate) async fn unfinished_moves(shards: &Shards, group: &str) -> Result<u64
         .unwrap_or(0);
     Ok(n as u64)
 }
+
+/// Whether a read of `group` must read the bucket map first: the map this
+/// instance holds was read longer ago than half the cleanup grace, so the
+/// shard it names may have given the bucket away and deleted its rows
+/// (an instance with periodic refresh off, or one whose refreshes failed).
+/// Reads then refresh first and are routed by the new map: a read never
+/// finds a cleaned source.
+pub(crate) fn read_needs_refresh(shards: &Shards, group: &str) -> bool {
+    if !shards.topology().is_movable(group) {
+        return false;
+    }
+    let Ok(Some(owners)) = shards.topology().live_owners(group) else {
+        return false;
+    };
+    let half_grace = shards.rebalance_settings().cleanup_grace.as_millis() as i64 / 2;
+    shards.now_ms() - owners.read_at_ms() > half_grace
+}

@@ -38,6 +38,8 @@ pub struct BucketOwners {
     /// One install at a time, so a map is never a mix of two epochs' and
     /// the epoch never goes back.
     installing: std::sync::Mutex<()>,
+    /// When the map was last read (or tried), clock ms.
+    read_ms: std::sync::atomic::AtomicI64,
 }
 
 impl BucketOwners {
@@ -47,6 +49,7 @@ impl BucketOwners {
             owner: owner.iter().map(|s| AtomicU32::new(s.0)).collect(),
             configured: owner,
             installing: std::sync::Mutex::new(()),
+            read_ms: std::sync::atomic::AtomicI64::new(0),
         }
     }
 
@@ -80,6 +83,16 @@ impl BucketOwners {
     /// The owners the config file gives (the map's seed).
     pub fn configured(&self) -> &[ShardId] {
         &self.configured
+    }
+
+    /// When the map's epoch was last read from the database (or tried),
+    /// in clock ms; 0 before the first time.
+    pub fn read_at_ms(&self) -> i64 {
+        self.read_ms.load(AtomicOrdering::Acquire)
+    }
+
+    pub(crate) fn mark_read(&self, now_ms: i64) {
+        self.read_ms.store(now_ms, AtomicOrdering::Release);
     }
 
     /// Installs a newer map; an older or equal epoch changes nothing.
