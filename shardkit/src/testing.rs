@@ -41,6 +41,13 @@ pub enum Backend {
 }
 
 impl Backend {
+    /// The server's `host:port` (what a test proxy forwards to); `None` for
+    /// SQLite.
+    pub fn server_address(self) -> Option<String> {
+        let url = self.server_url()?;
+        url.rsplit('@').next().map(str::to_owned)
+    }
+
     /// The server URL (no database) for this backend.
     pub fn server_url(self) -> Option<String> {
         match self {

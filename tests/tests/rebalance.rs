@@ -812,14 +812,7 @@ async fn a_target_that_refuses_or_hangs_stops_the_mover_and_leaks_nothing(dbs: &
         (1..=80).collect(),
         Arc::clone(&stop),
     );
-    let server = dbs
-        .backend
-        .server_url()
-        .unwrap()
-        .rsplit('@')
-        .next()
-        .unwrap()
-        .to_owned();
+    let server = dbs.backend.server_address().unwrap();
     for (i, hang) in [false, true].into_iter().enumerate() {
         let proxy = Arc::new(Proxy::start(server.clone()).await);
         let b = Cluster::connect(config_through(dbs, proxy.port))

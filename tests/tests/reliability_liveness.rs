@@ -352,14 +352,7 @@ async fn hung_shard_fails_fast_with_its_cause(dbs: &mut TestDbs) {
 /// A shard cut off (its proxy killed) is marked down; once the proxy
 /// listens again, the background probe brings it back and requests succeed.
 async fn down_shard_comes_back_once_reachable(dbs: &mut TestDbs) {
-    let server = dbs
-        .backend
-        .server_url()
-        .unwrap()
-        .rsplit('@')
-        .next()
-        .unwrap()
-        .to_owned();
+    let server = dbs.backend.server_address().unwrap();
     let proxy = Proxy::start(server.clone()).await;
     let port = proxy.port;
     let url = match dbs.backend {

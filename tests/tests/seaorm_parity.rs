@@ -336,14 +336,7 @@ async fn keyed_streams_return_the_keys_rows(dbs: &mut TestDbs) {
 /// once the cluster is dropped no server connection is left.
 async fn a_stream_from_a_shard_that_hangs_mid_statement_fails(dbs: &mut TestDbs) {
     let before = dbs.server_connections().await;
-    let server = dbs
-        .backend
-        .server_url()
-        .unwrap()
-        .rsplit('@')
-        .next()
-        .unwrap()
-        .to_owned();
+    let server = dbs.backend.server_address().unwrap();
     let proxy = Proxy::start(server).await;
     let url = match dbs.backend {
         Backend::MySql => format!("mysql://root@127.0.0.1:{}/{}", proxy.port, dbs.names[1]),
