@@ -67,11 +67,7 @@ pub(crate) const REROUTE_FOR: Duration = Duration::from_secs(5);
 /// shard its bucket states. A group whose tables do not exist yet (a cluster
 /// not migrated) keeps the configured spread until the next refresh.
 pub(crate) async fn load_maps(shards: &Shards) -> Result<()> {
-    let groups: Vec<String> = shards
-        .topology()
-        .movable_groups()
-        .map(str::to_owned)
-        .collect();
+    let groups = movable_groups(shards);
     for group in groups {
         match refresh(shards, &group).await {
             Ok(_) => seed_states(shards, &group).await?,
@@ -90,6 +86,15 @@ pub(crate) async fn load_maps(shards: &Shards) -> Result<()> {
     Ok(())
 }
 
+/// The movable groups' names (owned: the caller awaits between them).
+fn movable_groups(shards: &Shards) -> Vec<String> {
+    shards
+        .topology()
+        .movable_groups()
+        .map(str::to_owned)
+        .collect()
+}
+
 /// Whether an error says a shardkit table does not exist (a cluster not
 /// migrated yet).
 pub(crate) fn missing_table(e: &ShardError) -> bool {
@@ -101,11 +106,7 @@ pub(crate) fn missing_table(e: &ShardError) -> bool {
 
 /// Refreshes every movable group's map (the periodic pass).
 pub(crate) async fn refresh_all(shards: &Shards) {
-    let groups: Vec<String> = shards
-        .topology()
-        .movable_groups()
-        .map(str::to_owned)
-        .collect();
+    let groups = movable_groups(shards);
     for group in groups {
         let first = shards
             .topology()
