@@ -28,6 +28,7 @@ pub mod m20261122_000003_create_gsi_catalog;
 pub mod m20261122_000004_create_rollout_state;
 pub mod m20261123_000005_create_rollout_instances;
 pub mod m20261123_000006_create_bucket_moves;
+pub mod m20261123_000007_add_range_bounds;
 
 /// shardkit's migrations, in order.
 pub fn migrations() -> Vec<Box<dyn MigrationTrait>> {
@@ -38,6 +39,7 @@ pub fn migrations() -> Vec<Box<dyn MigrationTrait>> {
         Box::new(m20261122_000004_create_rollout_state::Migration),
         Box::new(m20261123_000005_create_rollout_instances::Migration),
         Box::new(m20261123_000006_create_bucket_moves::Migration),
+        Box::new(m20261123_000007_add_range_bounds::Migration),
     ]
 }
 

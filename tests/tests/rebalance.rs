@@ -17,6 +17,7 @@ backend_tests!(5 =>
     abort_in_each_phase_leaves_the_source_the_owner,
     overlapping_moves_are_refused_and_plans_are_minimal,
     shardctl_plans_starts_resumes_and_aborts_moves,
+    a_range_splits_and_half_of_it_moves_while_two_instances_write,
     [Postgres, MySql] a_target_that_refuses_or_hangs_stops_the_mover_and_leaks_nothing,
 );
 
@@ -196,12 +197,12 @@ async fn check_placement(cluster: &Cluster, acked: &Shared) {
             orders: a.orders.clone(),
         }
     };
-    let owners = cluster
+    let map = cluster
         .topology()
         .live_owners("Customer")
         .unwrap()
         .unwrap()
-        .to_vec();
+        .snapshot();
     let mut customers: BTreeMap<i64, Vec<(String, String)>> = BTreeMap::new();
     let mut orders: BTreeMap<i64, Vec<Placed>> = BTreeMap::new();
     for shard in cluster.topology().shard_names() {
@@ -222,7 +223,7 @@ async fn check_placement(cluster: &Cluster, acked: &Shared) {
     let owner = |key: i64| {
         cluster
             .topology()
-            .shard(owners[bucket(key) as usize])
+            .shard(map.owner_of(&key).expect("every key has an owner"))
             .name
             .clone()
     };
@@ -369,6 +370,171 @@ async fn two_instances_write_while_a_quarter_of_the_buckets_move(dbs: &mut TestD
         m.list(false).await.unwrap().is_empty(),
         "no move left running"
     );
+}
+
+/// The Customer group as four key ranges of 40 (s0..s3, the last one
+/// unbounded above), `movable`.
+fn range_config(dbs: &TestDbs, refresh_ms: u64) -> ClusterConfig {
+    let toml = format!(
+        "{}\n[groups.Customer]\nplacement = \"range\"\nmovable = true\nranges = [\n  {{ shard = \"s0\", to = 40 }},\n  {{ shard = \"s1\", from = 40, to = 80 }},\n  {{ shard = \"s2\", from = 80, to = 120 }},\n  {{ shard = \"s3\", from = 120 }},\n]\n\n[rebalance]\nrefresh_ms = {refresh_ms}\ncleanup_grace_ms = 0\nchunk = 40\n",
+        dbs.shards_toml(5)
+            .replace("max_connections = 4", "max_connections = 2"),
+    );
+    ClusterConfig::from_toml(&toml).unwrap_or_else(|e| panic!("config: {e}\n{toml}"))
+}
+
+/// The group's ranges as `(id, from, to, shard)`.
+async fn ranges_of(
+    m: &Rebalance<Customer>,
+    cluster: &Cluster,
+) -> Vec<(u32, Option<i64>, Option<i64>, String)> {
+    let int = |b: &Option<shardkit::topology::RangeBound>| match b {
+        Some(shardkit::topology::RangeBound::Int(v)) => Some(*v),
+        None => None,
+        Some(other) => panic!("an integer bound, not {other}"),
+    };
+    m.ranges()
+        .await
+        .unwrap()
+        .iter()
+        .map(|u| {
+            (
+                u.id,
+                int(&u.from),
+                int(&u.to),
+                cluster.topology().shard(u.shard).name.clone(),
+            )
+        })
+        .collect()
+}
+
+async fn a_range_splits_and_half_of_it_moves_while_two_instances_write(dbs: &mut TestDbs) {
+    let a = Cluster::connect(range_config(dbs, 20)).await.unwrap();
+    let acked: Shared = Arc::default();
+    seed(&a, &acked, 1..=160).await;
+    // `b` never refreshes on its own: it routes by the ranges it read at
+    // connect until a fence refuses it.
+    let b = Cluster::connect(range_config(dbs, 0)).await.unwrap();
+    b.refresh_bucket_maps().await.unwrap();
+    assert_eq!((epoch(&a), epoch(&b)), (1, 1));
+    let m = mover(&a);
+    let s = |n: &str| n.to_owned();
+    assert_eq!(
+        ranges_of(&m, &a).await,
+        vec![
+            (0, None, Some(40), s("s0")),
+            (1, Some(40), Some(80), s("s1")),
+            (2, Some(80), Some(120), s("s2")),
+            (3, Some(120), None, s("s3")),
+        ]
+    );
+
+    let stop = Arc::new(AtomicBool::new(false));
+    // Eight writers, four per instance, on pools of 2, across every range.
+    let writers: Vec<_> = (0..8i64)
+        .map(|w| {
+            let keys: Vec<i64> = (1..=160).filter(|k| k % 8 == w).collect();
+            let on = if w % 2 == 0 { &a } else { &b };
+            writer(on.clone(), Arc::clone(&acked), keys, Arc::clone(&stop))
+        })
+        .collect();
+
+    // Split [80, 120) at 100: both halves stay on s2, under new ids; the
+    // old range is fenced there, so `b`'s writes by range 2 are refused
+    // and rerouted.
+    let split = m
+        .split_at(&100)
+        .await
+        .unwrap_or_else(|e| panic!("split: {}", e.report()));
+    assert_eq!((split.retired.id, split.left.id, split.right.id), (2, 4, 5));
+    assert_eq!(split.epoch, 2);
+    let split_again = m.split_at(&80).await.unwrap_err();
+    assert!(
+        matches!(&split_again, ShardError::Rebalance { reason, .. } if reason.contains("already starts range 4")),
+        "{split_again}"
+    );
+    let even = m.plan_even_out("s4").await.unwrap_err();
+    assert!(matches!(even, ShardError::Rebalance { .. }), "{even}");
+
+    // A range a move holds does not split.
+    let held = m
+        .start(&m.plan_range(&10, "s4").await.unwrap())
+        .await
+        .unwrap();
+    let refused = m.split_at(&20).await.unwrap_err();
+    assert!(
+        matches!(&refused, ShardError::Rebalance { reason, .. } if reason.contains("held by a move")),
+        "{refused}"
+    );
+    assert_eq!(m.abort(held.id).await.unwrap().phase, MovePhase::Aborted);
+
+    // [100, 120) moves to s4 while everyone writes.
+    let plan = m.plan_range(&107, "s4").await.unwrap();
+    assert_eq!(plan.buckets, vec![(5, s("s2"))]);
+    let done = m
+        .run(m.start(&plan).await.unwrap().id)
+        .await
+        .unwrap_or_else(|e| panic!("move: {}", e.report()));
+    assert_eq!(done.phase, MovePhase::Done, "{done:?}");
+    assert_eq!(epoch(&a), 3);
+
+    stop.store(true, Ordering::SeqCst);
+    for w in writers {
+        assert!(
+            w.await.unwrap() > 1,
+            "every writer wrote through the split and the move"
+        );
+    }
+    assert_eq!(
+        epoch(&b),
+        3,
+        "the stale instance read the new map when a fence refused it"
+    );
+    assert_eq!(
+        ranges_of(&m, &a).await,
+        vec![
+            (0, None, Some(40), s("s0")),
+            (1, Some(40), Some(80), s("s1")),
+            (4, Some(80), Some(100), s("s2")),
+            (5, Some(100), Some(120), s("s4")),
+            (3, Some(120), None, s("s3")),
+        ]
+    );
+    // Every acknowledged row on its range's owner, once; the global index
+    // finds every contact.
+    check_placement(&a, &acked).await;
+    let on = |shard: &'static str| {
+        let a = a.clone();
+        async move {
+            let mut ids: Vec<i64> = customer::Entity::find()
+                .all(a.connection(shard).unwrap())
+                .await
+                .unwrap()
+                .into_iter()
+                .map(|c| c.id)
+                .collect();
+            ids.sort_unstable();
+            ids
+        }
+    };
+    assert_eq!(on("s4").await, (100..120).collect::<Vec<_>>());
+    assert_eq!(on("s2").await, (80..100).collect::<Vec<_>>());
+    // Scatter reads see each row once; keyed reads of the moved range go
+    // to s4.
+    let all = a.find::<customer::Entity>().scatter().all().await.unwrap();
+    assert_eq!(all.len(), 160);
+    for k in [100, 119] {
+        assert_eq!(
+            b.find::<customer::Entity>()
+                .key(k)
+                .one()
+                .await
+                .unwrap()
+                .map(|c| c.name)
+                .as_ref(),
+            acked.lock().unwrap().customers.get(&k),
+        );
+    }
 }
 
 async fn the_mover_killed_in_each_phase_is_resumed_by_another_process(dbs: &mut TestDbs) {
@@ -609,12 +775,12 @@ async fn overlapping_moves_are_refused_and_plans_are_minimal(dbs: &mut TestDbs) 
     // A bucket moves back to the shard it left: the old owner's fence lets
     // its writes in again.
     let (back_from, key) = (1u32, (1..=40).find(|k| bucket(*k) == 1).unwrap());
-    let original = a
-        .topology()
-        .live_owners("Customer")
-        .unwrap()
-        .unwrap()
-        .configured()[back_from as usize];
+    let Some(shardkit::topology::LiveMap::Buckets(owners)) =
+        a.topology().live_owners("Customer").unwrap()
+    else {
+        panic!("a hash group's map");
+    };
+    let original = owners.configured()[back_from as usize];
     let home = a.topology().shard(original).name.clone();
     let back = m
         .start(&m.plan_buckets([back_from], &home).await.unwrap())

@@ -646,21 +646,17 @@ impl<E: ShardedEntity> Read<E> {
         if !topology.is_movable(Self::group()) {
             return parts;
         }
-        let Ok(Some(owners)) = topology.live_owners(Self::group()) else {
+        let Ok(Some(map)) = topology.live_owners(Self::group()) else {
             return parts;
         };
         // One reading of the map for the whole result.
-        let map = owners.to_vec();
-        let buckets = map.len() as u64;
+        let map = map.snapshot();
         parts
             .into_iter()
             .map(|(id, rows)| {
                 let rows = rows
                     .into_iter()
-                    .filter(|m| {
-                        let bucket = E::shard_key(m).partition_hash() % buckets;
-                        map[bucket as usize] == id
-                    })
+                    .filter(|m| map.owner_of(&E::shard_key(m)) == Some(id))
                     .collect();
                 (id, rows)
             })

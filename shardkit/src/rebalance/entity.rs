@@ -4,33 +4,31 @@
 use super::*;
 use sea_orm::ActiveModelTrait;
 
-/// The moving buckets of a group (a membership table over all buckets).
-pub(crate) struct Buckets {
-    count: u32,
-    moving: Vec<bool>,
+/// The moving buckets of a hash group (a membership table over all
+/// buckets), or the moving ranges of a range group.
+pub(crate) enum Buckets {
+    Hash { moving: Vec<bool> },
+    Ranges(Vec<RangeUnit>),
 }
 
 impl Buckets {
-    pub(crate) fn new(count: u32, moving: impl IntoIterator<Item = u32>) -> Self {
+    pub(crate) fn hash(count: u32, moving: impl IntoIterator<Item = u32>) -> Self {
         let mut set = vec![false; count as usize];
         for b in moving {
             if let Some(slot) = set.get_mut(b as usize) {
                 *slot = true;
             }
         }
-        Buckets { count, moving: set }
-    }
-
-    pub(crate) fn count(&self) -> u32 {
-        self.count
-    }
-
-    pub(crate) fn bucket<K: ShardKey>(&self, key: &K) -> u32 {
-        (key.partition_hash() % u64::from(self.count)) as u32
+        Buckets::Hash { moving: set }
     }
 
     pub(crate) fn holds<K: ShardKey>(&self, key: &K) -> bool {
-        self.moving[self.bucket(key) as usize]
+        match self {
+            Buckets::Hash { moving } => {
+                moving[(key.partition_hash() % moving.len() as u64) as usize]
+            }
+            Buckets::Ranges(units) => units.iter().any(|u| u.holds(key)),
+        }
     }
 }
 

@@ -60,77 +60,173 @@ pub(crate) fn control(shards: &Shards, group: &str) -> Result<ShardId> {
     Ok(shards.topology().shards_of(group)?[0])
 }
 
-fn buckets_of(shards: &Shards, group: &str) -> Result<(u32, Arc<BucketOwners>)> {
-    match shards.topology().placement(group)? {
-        Placement::Hash { buckets, owner } => Ok((*buckets, Arc::clone(owner))),
-        _ => Err(ShardError::config(
+/// The group's live map (buckets or ranges); refused for placements that
+/// cannot move.
+pub(crate) fn live_map<'a>(shards: &'a Shards, group: &str) -> Result<LiveMap<'a>> {
+    shards.topology().live_owners(group)?.ok_or_else(|| {
+        ShardError::config(
             format!("groups.{group}.movable"),
-            "only hash placements can move buckets",
-        )),
-    }
+            "only hash and range placements can move",
+        )
+    })
 }
 
 /// Reads the group's map epoch and, when it is newer than the one routing
 /// uses, the map; seeds the map from the config when the database has none.
 /// Returns the epoch now in use.
 pub(crate) async fn refresh(shards: &Shards, group: &str) -> Result<u64> {
-    let (buckets, owners) = buckets_of(shards, group)?;
-    owners.mark_read(shards.now_ms());
+    let map = live_map(shards, group)?;
+    map.mark_read(shards.now_ms());
     let id = control(shards, group)?;
     let (db, name) = (shards.side_conn(id), shards.shard_name(id));
-    let epoch = match read_epoch(db, name, group, buckets).await? {
-        Some(epoch) => epoch,
-        None => seed_map(shards, group, buckets, &owners).await?,
+    let buckets = match map {
+        LiveMap::Buckets(owners) => Some(owners.len() as u32),
+        LiveMap::Ranges(_) => None,
     };
-    if epoch > owners.epoch() {
-        let stmt = Query::select()
-            .columns([Alias::new("bucket"), Alias::new("shard")])
+    let epoch = match read_epoch(db, name, group, buckets).await? {
+        Some((epoch, _)) => epoch,
+        None => seed_map(shards, group, map).await?,
+    };
+    if epoch > map.epoch() {
+        let mut stmt = Query::select();
+        stmt.columns([Alias::new("bucket"), Alias::new("shard")])
             .from(Alias::new(MAP))
-            .and_where(Expr::col(Alias::new("grp")).eq(group))
-            .to_owned();
+            .and_where(Expr::col(Alias::new("grp")).eq(group));
+        if buckets.is_none() {
+            // Named explicitly: SQLite names an unaliased column after the
+            // text the statement was first prepared from, and a pooled
+            // connection that prepared it before the migration added the
+            // column keeps a quoted name.
+            for column in ["lo", "hi"] {
+                stmt.expr_as(Expr::col(Alias::new(column)), Alias::new(column));
+            }
+        }
         let rows = db
             .query_all(&stmt)
             .await
             .map_err(|e| db_err(name, MAP, "read", e))?;
-        let mut map = owners.to_vec();
-        let mut seen = 0usize;
-        for row in rows {
-            let get = |e| db_err(name, MAP, "read", e);
-            let bucket: i32 = row.try_get("", "bucket").map_err(get)?;
-            let shard: String = row.try_get("", "shard").map_err(get)?;
-            let owner = shards.topology().shard_id(&shard).ok_or_else(|| {
-                ShardError::config(
-                    format!("{MAP}[{group}, bucket {bucket}]"),
-                    format!(
-                        "the bucket map names shard `{shard}`, which `[[shards]]` does not define: every instance needs every shard a move added"
-                    ),
-                )
-            })?;
-            if let Some(slot) = usize::try_from(bucket).ok().and_then(|b| map.get_mut(b)) {
-                *slot = owner;
-                seen += 1;
-            }
-        }
-        if seen != buckets as usize {
-            return Err(ShardError::config(
-                format!("{MAP}[{group}]"),
-                format!("the bucket map holds {seen} of the group's {buckets} buckets"),
-            ));
-        }
-        if owners.install(epoch, &map) {
+        let installed = match map {
+            LiveMap::Buckets(owners) => install_buckets(shards, group, name, owners, epoch, rows)?,
+            LiveMap::Ranges(ranges) => install_ranges(shards, group, ranges, epoch, rows)?,
+        };
+        if installed {
             tracing::info!(group, epoch, "bucket map installed");
             crate::metrics::map_epoch(group, epoch);
         }
     }
-    Ok(owners.epoch())
+    Ok(map.epoch())
 }
 
-async fn read_epoch(
-    db: &DatabaseConnection,
+/// A map row's owner.
+fn row_owner(
+    shards: &Shards,
+    group: &str,
+    row: &sea_orm::QueryResult,
+    name: &str,
+) -> Result<(i32, ShardId)> {
+    let get = |e| db_err(name, MAP, "read", e);
+    let bucket: i32 = row.try_get("", "bucket").map_err(get)?;
+    let shard: String = row.try_get("", "shard").map_err(get)?;
+    let owner = shards.topology().shard_id(&shard).ok_or_else(|| {
+        ShardError::config(
+            format!("{MAP}[{group}, bucket {bucket}]"),
+            format!(
+                "the bucket map names shard `{shard}`, which `[[shards]]` does not define: every instance needs every shard a move added"
+            ),
+        )
+    })?;
+    Ok((bucket, owner))
+}
+
+fn install_buckets(
+    shards: &Shards,
+    group: &str,
+    name: &str,
+    owners: &BucketOwners,
+    epoch: u64,
+    rows: Vec<sea_orm::QueryResult>,
+) -> Result<bool> {
+    let buckets = owners.len();
+    let mut map = owners.to_vec();
+    let mut seen = 0usize;
+    for row in rows {
+        let (bucket, owner) = row_owner(shards, group, &row, name)?;
+        if let Some(slot) = usize::try_from(bucket).ok().and_then(|b| map.get_mut(b)) {
+            *slot = owner;
+            seen += 1;
+        }
+    }
+    if seen != buckets {
+        return Err(ShardError::config(
+            format!("{MAP}[{group}]"),
+            format!("the bucket map holds {seen} of the group's {buckets} buckets"),
+        ));
+    }
+    Ok(owners.install(epoch, &map))
+}
+
+fn install_ranges(
+    shards: &Shards,
+    group: &str,
+    ranges: &RangeOwners,
+    epoch: u64,
+    rows: Vec<sea_orm::QueryResult>,
+) -> Result<bool> {
+    let name = shards.shard_name(control(shards, group)?);
+    let mut units = Vec::with_capacity(rows.len());
+    for row in rows {
+        let (id, shard) = row_owner(shards, group, &row, name)?;
+        let bound = |column: &str| -> Result<Option<RangeBound>> {
+            let text: Option<String> = row
+                .try_get("", column)
+                .map_err(|e| db_err(name, MAP, "read", e))?;
+            text.map(|t| {
+                RangeBound::decode(&t).ok_or_else(|| {
+                    ShardError::config(
+                        format!("{MAP}[{group}, bucket {id}].{column}"),
+                        format!("{t:?} is not a range bound (`i:<integer>` or `t:<text>`)"),
+                    )
+                })
+            })
+            .transpose()
+        };
+        units.push(RangeUnit {
+            id: id as u32,
+            from: bound("lo")?,
+            to: bound("hi")?,
+            shard,
+        });
+    }
+    // Unbounded-below sorts first (None < Some).
+    units.sort_by(|a, b| a.from.cmp(&b.from));
+    let contiguous = !units.is_empty()
+        && units
+            .windows(2)
+            .all(|w| w[0].to.is_some() && w[0].to == w[1].from);
+    if !contiguous {
+        return Err(ShardError::config(
+            format!("{MAP}[{group}]"),
+            format!(
+                "the group's ranges in the bucket map are not contiguous: {}",
+                units
+                    .iter()
+                    .map(ToString::to_string)
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        ));
+    }
+    Ok(ranges.install(epoch, units))
+}
+
+/// The group's epoch and its `buckets` column (a range group: the next
+/// range id); `buckets`, when given, must be what the map was made with.
+pub(crate) async fn read_epoch(
+    db: &impl ConnectionTrait,
     name: &str,
     group: &str,
-    buckets: u32,
-) -> Result<Option<u64>> {
+    buckets: Option<u32>,
+) -> Result<Option<(u64, u32)>> {
     let stmt = Query::select()
         .columns([Alias::new("epoch"), Alias::new("buckets")])
         .from(Alias::new(EPOCHS))
@@ -146,7 +242,9 @@ async fn read_epoch(
     let get = |e| db_err(name, EPOCHS, "read", e);
     let epoch: i64 = row.try_get("", "epoch").map_err(get)?;
     let stored: i32 = row.try_get("", "buckets").map_err(get)?;
-    if stored as i64 != i64::from(buckets) {
+    if let Some(buckets) = buckets
+        && stored as i64 != i64::from(buckets)
+    {
         return Err(ShardError::config(
             format!("groups.{group}.buckets"),
             format!(
@@ -154,17 +252,17 @@ async fn read_epoch(
             ),
         ));
     }
-    Ok(Some(epoch as u64))
+    Ok(Some((epoch as u64, stored as u32)))
 }
 
 /// Writes the configured spread as epoch 1 (unless another instance got
 /// there first) and returns the stored epoch.
-async fn seed_map(
-    shards: &Shards,
-    group: &str,
-    buckets: u32,
-    owners: &BucketOwners,
-) -> Result<u64> {
+async fn seed_map(shards: &Shards, group: &str, map: LiveMap<'_>) -> Result<u64> {
+    // A range group's `buckets` counts the range ids handed out.
+    let (buckets, expected) = match map {
+        LiveMap::Buckets(owners) => (owners.len() as u32, Some(owners.len() as u32)),
+        LiveMap::Ranges(ranges) => (ranges.configured().len() as u32, None),
+    };
     let id = control(shards, group)?;
     let (db, name) = (shards.side_conn(id), shards.shard_name(id));
     let txn = crate::exec::begin_write(db)
@@ -183,30 +281,38 @@ async fn seed_map(
         Ok(_) => {}
         Err(e) if crate::error::is_unique_violation(&e) => {
             drop(txn);
-            return read_epoch(db, name, group, buckets)
+            return read_epoch(db, name, group, expected)
                 .await?
+                .map(|(epoch, _)| epoch)
                 .ok_or_else(|| db_err(name, EPOCHS, "seed", e));
         }
         Err(e) => return Err(db_err(name, EPOCHS, "seed", e)),
     }
-    let configured = owners.configured();
-    for chunk in (0..buckets).collect::<Vec<_>>().chunks(500) {
-        let mut insert = Query::insert();
-        insert.into_table(Alias::new(MAP)).columns([
-            Alias::new("grp"),
-            Alias::new("bucket"),
-            Alias::new("shard"),
-        ]);
-        for &b in chunk {
-            insert.values_panic([
-                group.into(),
-                (b as i32).into(),
-                shards.shard_name(configured[b as usize]).into(),
-            ]);
+    match map {
+        LiveMap::Buckets(owners) => {
+            let configured = owners.configured();
+            for chunk in (0..buckets).collect::<Vec<_>>().chunks(500) {
+                let mut insert = Query::insert();
+                insert.into_table(Alias::new(MAP)).columns([
+                    Alias::new("grp"),
+                    Alias::new("bucket"),
+                    Alias::new("shard"),
+                ]);
+                for &b in chunk {
+                    insert.values_panic([
+                        group.into(),
+                        (b as i32).into(),
+                        shards.shard_name(configured[b as usize]).into(),
+                    ]);
+                }
+                txn.execute(&insert)
+                    .await
+                    .map_err(|e| db_err(name, MAP, "seed", e))?;
+            }
         }
-        txn.execute(&insert)
-            .await
-            .map_err(|e| db_err(name, MAP, "seed", e))?;
+        LiveMap::Ranges(ranges) => {
+            insert_ranges(shards, &txn, name, group, ranges.configured()).await?;
+        }
     }
     txn.commit()
         .await
@@ -218,8 +324,60 @@ async fn seed_map(
 /// Gives every shard of the cluster a state row for each of the group's
 /// buckets it lacks: `owned` where the map in use says it owns the bucket,
 /// `none` elsewhere.
+/// Inserts map rows for `units` (a range group's ranges) in `txn`.
+pub(crate) async fn insert_ranges(
+    shards: &Shards,
+    txn: &DatabaseTransaction,
+    name: &str,
+    group: &str,
+    units: &[RangeUnit],
+) -> Result<()> {
+    for chunk in units.chunks(200) {
+        let mut insert = Query::insert();
+        insert.into_table(Alias::new(MAP)).columns([
+            Alias::new("grp"),
+            Alias::new("bucket"),
+            Alias::new("shard"),
+            Alias::new("lo"),
+            Alias::new("hi"),
+        ]);
+        for u in chunk {
+            insert.values_panic([
+                group.into(),
+                (u.id as i32).into(),
+                shards.shard_name(u.shard).into(),
+                u.from.as_ref().map(RangeBound::encode).into(),
+                u.to.as_ref().map(RangeBound::encode).into(),
+            ]);
+        }
+        txn.execute(&insert)
+            .await
+            .map_err(|e| db_err(name, MAP, "write", e))?;
+    }
+    Ok(())
+}
+
 pub(crate) async fn seed_states(shards: &Shards, group: &str) -> Result<()> {
-    let (buckets, owners) = buckets_of(shards, group)?;
+    let map = live_map(shards, group)?;
+    let units = map.snapshot().units();
+    // A hash group's shard with a row per bucket has them all; a range
+    // group's ranges are few and change with splits: always checked.
+    let complete = match map {
+        LiveMap::Buckets(owners) => Some(owners.len() as i64),
+        LiveMap::Ranges(_) => None,
+    };
+    insert_states(shards, group, &units, complete).await
+}
+
+/// Gives every shard a state row for each of `units` it lacks (`owned` on
+/// the unit's owner, `none` elsewhere); a shard that has `complete` rows
+/// of the group is skipped.
+pub(crate) async fn insert_states(
+    shards: &Shards,
+    group: &str,
+    units: &[(u32, ShardId)],
+    complete: Option<i64>,
+) -> Result<()> {
     for (index, _) in shards.topology().shards().iter().enumerate() {
         let id = ShardId(index as u32);
         let (db, name) = (shards.side_conn(id), shards.shard_name(id));
@@ -234,10 +392,10 @@ pub(crate) async fn seed_states(shards: &Shards, group: &str) -> Result<()> {
             .map_err(|e| db_err(name, STATES, "read", e))?
             .and_then(|row| row.try_get("", "n").ok())
             .unwrap_or(0);
-        if n >= i64::from(buckets) {
+        if complete.is_some_and(|all| n >= all) {
             continue;
         }
-        for chunk in (0..buckets).collect::<Vec<_>>().chunks(500) {
+        for chunk in units.chunks(500) {
             let mut insert = Query::insert();
             insert.into_table(Alias::new(STATES)).columns([
                 Alias::new("grp"),
@@ -252,8 +410,8 @@ pub(crate) async fn seed_states(shards: &Shards, group: &str) -> Result<()> {
                         .to_owned(),
                 );
             }
-            for &b in chunk {
-                let state = if owners.get(b) == id {
+            for &(b, owner) in chunk {
+                let state = if owner == id {
                     BucketState::Owned
                 } else {
                     BucketState::None

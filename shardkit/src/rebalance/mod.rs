@@ -39,7 +39,7 @@ use crate::entity::{EntityGroup, ShardKey, ShardedEntity, table_name};
 use crate::error::{Result, ShardError};
 use crate::exec::Shards;
 use crate::exec::keyset::{self, model_pk_values, tuple_text};
-use crate::topology::{BucketOwners, Placement, ShardId};
+use crate::topology::{BucketOwners, LiveMap, RangeBound, RangeOwners, RangeUnit, ShardId};
 use futures::future::BoxFuture;
 use sea_orm::sea_query::{Alias, Expr, ExprTrait, OnConflict, Query};
 use sea_orm::{
@@ -56,7 +56,7 @@ mod mover;
 #[cfg(feature = "cli")]
 pub(crate) use entity::{MoveEntity, Mover};
 pub(crate) use map::{fence, refresh, seed_states};
-pub use mover::{AnyGroup, MovePhase, MovePlan, MoveProgress, MoveStatus, Rebalance};
+pub use mover::{AnyGroup, MovePhase, MovePlan, MoveProgress, MoveStatus, RangeSplit, Rebalance};
 
 /// How long [`Cluster::begin`](crate::Cluster::begin) keeps trying when a
 /// fence refuses and the refreshed map still names the same shard (a
@@ -113,7 +113,7 @@ pub(crate) async fn refresh_all(shards: &Shards) {
             .live_owners(&group)
             .ok()
             .flatten()
-            .is_some_and(|o| o.epoch() == 0);
+            .is_some_and(|map| map.epoch() == 0);
         let result = if first {
             load_maps(shards).await
         } else {

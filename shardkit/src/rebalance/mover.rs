@@ -1,8 +1,9 @@
 //! Planning, running, resuming and aborting bucket moves.
 
 use super::entity::{Buckets, MoveEntity, Mover};
-use super::map::{BucketState, CHANGES, control, db_err, set_states};
+use super::map::{BucketState, CHANGES, EPOCHS, MAP, control, db_err, set_states};
 use super::*;
+use crate::topology::{MapSnapshot, find_bound};
 
 const MOVES: &str = "shardkit_moves";
 const CLAIMS: &str = "shardkit_move_buckets";
@@ -260,16 +261,50 @@ impl<G> Rebalance<G> {
         refused(id, reason)(self.group)
     }
 
-    fn owners(&self) -> Result<(u32, Arc<BucketOwners>)> {
+    fn map(&self) -> Result<LiveMap<'_>> {
         if !self.shards.topology().is_movable(self.group) {
             return Err(self.refuse(
                 None,
                 format!("the group is not movable: set `movable = true` under [groups.{}] on every instance", self.group),
             ));
         }
-        match self.shards.topology().placement(self.group)? {
-            Placement::Hash { buckets, owner } => Ok((*buckets, Arc::clone(owner))),
-            _ => Err(self.refuse(None, "only hash placements move buckets")),
+        match self.shards.topology().live_owners(self.group)? {
+            Some(map) => Ok(map),
+            None => Err(self.refuse(None, "only hash and range placements move")),
+        }
+    }
+
+    /// The moving units (buckets, or ranges by id) as the copy, compare and
+    /// clean-up test rows against them.
+    async fn moving(&self, ids: &[u32]) -> Result<Buckets> {
+        match self.map()? {
+            LiveMap::Buckets(owners) => Ok(Buckets::hash(owners.len() as u32, ids.iter().copied())),
+            LiveMap::Ranges(ranges) => {
+                let pick = || -> Vec<RangeUnit> {
+                    ranges
+                        .units()
+                        .iter()
+                        .filter(|u| ids.contains(&u.id))
+                        .cloned()
+                        .collect()
+                };
+                let mut units = pick();
+                if units.len() != ids.len() {
+                    // A range made by a split after this process read the map.
+                    super::refresh(&self.shards, self.group).await?;
+                    units = pick();
+                }
+                if units.len() != ids.len() {
+                    return Err(self.refuse(
+                        None,
+                        format!(
+                            "the map has {} of the move's ranges {ids:?}: a range a move holds is never split",
+                            units.len()
+                        ),
+                    ));
+                }
+                Ok(Buckets::Ranges(units))
+            }
         }
     }
 
@@ -296,18 +331,31 @@ impl<G> Rebalance<G> {
         buckets: impl IntoIterator<Item = u32>,
         to: &str,
     ) -> Result<MovePlan> {
-        let (count, owners) = self.owners()?;
+        let map = self.map()?;
         super::refresh(&self.shards, self.group).await?;
+        let snapshot = map.snapshot();
         let target = self.shard_id(to)?;
         let mut out = Vec::new();
         for b in buckets {
-            if b >= count {
+            let Some(from) = snapshot.owner(b) else {
                 return Err(self.refuse(
                     None,
-                    format!("bucket {b} is out of range: the group has {count} buckets"),
+                    match snapshot {
+                        MapSnapshot::Buckets(all) => format!(
+                            "bucket {b} is out of range: the group has {} buckets",
+                            all.len()
+                        ),
+                        MapSnapshot::Ranges(units) => format!(
+                            "no range has id {b}; the group's ranges: {}",
+                            units
+                                .iter()
+                                .map(ToString::to_string)
+                                .collect::<Vec<_>>()
+                                .join(", ")
+                        ),
+                    },
                 ));
-            }
-            let from = owners.get(b);
+            };
             if from == target {
                 return Err(self.refuse(None, format!("bucket {b} is already on `{to}`")));
             }
@@ -330,7 +378,13 @@ impl<G> Rebalance<G> {
     /// with the most buckets give their last ones until every shard holds
     /// `buckets / shards` or one more.
     pub async fn plan_even_out(&self, to: &str) -> Result<MovePlan> {
-        let (count, owners) = self.owners()?;
+        let LiveMap::Buckets(owners) = self.map()? else {
+            return Err(self.refuse(
+                None,
+                "a range group is evened out by splitting ranges (`split_at`) and moving them (`plan_range`)",
+            ));
+        };
+        let count = owners.len() as u32;
         super::refresh(&self.shards, self.group).await?;
         let target = self.shard_id(to)?;
         let map = owners.to_vec();
@@ -364,7 +418,7 @@ impl<G> Rebalance<G> {
     /// Records the move and holds its buckets; refused when another move
     /// that is not finished holds one of them.
     pub async fn start(&self, plan: &MovePlan) -> Result<MoveStatus> {
-        self.owners()?;
+        let map = self.map()?;
         if plan.group != self.group {
             return Err(self.refuse(None, format!("the plan is for group `{}`", plan.group)));
         }
@@ -377,10 +431,20 @@ impl<G> Rebalance<G> {
         self.shard_id(&plan.target)?;
         // The plan must name each bucket's owner now (another move may have
         // finished since it was made).
-        let (_, owners) = self.owners()?;
         super::refresh(&self.shards, self.group).await?;
+        if let LiveMap::Ranges(_) = map {
+            // A split's old range must be fenced on its shard before any
+            // half moves (a split that stopped before fencing it is
+            // finished here).
+            self.retire_split_ranges().await?;
+        }
+        let snapshot = map.snapshot();
         for (b, from) in &plan.buckets {
-            let now_on = self.shards.shard_name(owners.get(*b));
+            let now_on = snapshot
+                .owner(*b)
+                .map_or("no shard (the range was split)", |s| {
+                    self.shards.shard_name(s)
+                });
             if now_on != from {
                 return Err(self.refuse(
                     None,
@@ -902,7 +966,7 @@ impl<G> Rebalance<G> {
     }
 
     async fn run_inner(&self, id: i64) -> Result<MoveStatus> {
-        let (count, _) = self.owners()?;
+        self.map()?;
         if self.entities.is_empty() {
             return Err(self.refuse(
                 Some(id),
@@ -912,7 +976,6 @@ impl<G> Rebalance<G> {
         let (mut status, mut cursor) = self.read(id).await?;
         status.error = None;
         let settings = &self.shards.rebalance_settings();
-        let moving = Buckets::new(count, status.buckets.iter().map(|(b, _)| *b));
         let target = self.shard_id(&status.target)?;
         let started = (self.shards.now_ms(), status.rows_copied);
         let mut estimated = 0u64;
@@ -951,13 +1014,13 @@ impl<G> Rebalance<G> {
                     self.failpoint("copying", id, target)?;
                     let sources = self.sources(&status)?;
                     if estimated == 0 {
-                        estimated = self.estimate(&sources, count).await?;
+                        estimated = self.estimate(&sources).await?;
                     }
                     // `<source index>/<entity index>/<primary key>`.
                     let (mut si, mut ei, mut after) = parse_copy_cursor(cursor.as_deref());
                     while si < sources.len() {
                         let (src, buckets) = &sources[si];
-                        let only_here = Buckets::new(count, buckets.iter().copied());
+                        let only_here = self.moving(buckets).await?;
                         while ei < self.entities.len() {
                             let entity = &self.entities[ei];
                             loop {
@@ -1022,8 +1085,7 @@ impl<G> Rebalance<G> {
                             break;
                         }
                     }
-                    self.compare(&mut status, &moving, target, settings.chunk)
-                        .await?;
+                    self.compare(&mut status, target, settings.chunk).await?;
                     self.set_phase(&mut status, MovePhase::Verified).await?;
                 }
                 MovePhase::Verified => {
@@ -1045,7 +1107,7 @@ impl<G> Rebalance<G> {
                         tokio::time::sleep(Duration::from_millis((due - now) as u64)).await;
                         continue;
                     }
-                    self.clean(&mut status, count, cursor.take()).await?;
+                    self.clean(&mut status, cursor.take()).await?;
                     self.set_phase(&mut status, MovePhase::Done).await?;
                 }
                 MovePhase::Done | MovePhase::Aborted => return self.status(id).await,
@@ -1053,7 +1115,7 @@ impl<G> Rebalance<G> {
         }
     }
 
-    async fn estimate(&self, sources: &[(ShardId, Vec<u32>)], count: u32) -> Result<u64> {
+    async fn estimate(&self, sources: &[(ShardId, Vec<u32>)]) -> Result<u64> {
         let mut total = 0u64;
         for (src, buckets) in sources {
             let (db, name) = self.conn(*src);
@@ -1061,8 +1123,12 @@ impl<G> Rebalance<G> {
                 .shards
                 .topology()
                 .live_owners(self.group)?
-                .map_or(count as usize, |o| {
-                    o.to_vec().iter().filter(|s| **s == *src).count()
+                .map_or(1, |map| {
+                    map.snapshot()
+                        .units()
+                        .iter()
+                        .filter(|(_, s)| s == src)
+                        .count()
                 })
                 .max(buckets.len());
             for entity in &self.entities {
@@ -1084,16 +1150,10 @@ impl<G> Rebalance<G> {
 
     /// Compares every moving bucket's rows; a key that differs and has no
     /// logged change pending is copied again and compared again.
-    async fn compare(
-        &self,
-        status: &mut MoveStatus,
-        moving: &Buckets,
-        target: ShardId,
-        chunk: u64,
-    ) -> Result<()> {
+    async fn compare(&self, status: &mut MoveStatus, target: ShardId, chunk: u64) -> Result<()> {
         let dst = self.conn(target);
         for (src, buckets) in self.sources(status)? {
-            let only_here = Buckets::new(moving_count(moving), buckets.iter().copied());
+            let only_here = self.moving(&buckets).await?;
             let source = self.conn(src);
             for entity in &self.entities {
                 let found = entity.compare(source, dst, chunk, &only_here).await?;
@@ -1307,18 +1367,13 @@ impl<G> Rebalance<G> {
         Ok(())
     }
 
-    async fn clean(
-        &self,
-        status: &mut MoveStatus,
-        count: u32,
-        cursor: Option<String>,
-    ) -> Result<()> {
+    async fn clean(&self, status: &mut MoveStatus, cursor: Option<String>) -> Result<()> {
         let chunk = self.shards.rebalance_settings().chunk;
         let sources = self.sources(status)?;
         let (mut si, mut ei, mut after) = parse_copy_cursor(cursor.as_deref());
         while si < sources.len() {
             let (src, buckets) = &sources[si];
-            let only_here = Buckets::new(count, buckets.iter().copied());
+            let only_here = self.moving(buckets).await?;
             while ei < self.entities.len() {
                 loop {
                     // Children first (the entities in reverse order).
@@ -1390,7 +1445,7 @@ impl<G> Rebalance<G> {
     /// (the target owns the buckets: move them back instead). Stop the
     /// move's mover first.
     pub async fn abort(&self, id: i64) -> Result<MoveStatus> {
-        let (count, _) = self.owners()?;
+        self.map()?;
         if !self.acquire(id).await? {
             let (status, _) = self.read(id).await?;
             return match status.phase {
@@ -1401,12 +1456,12 @@ impl<G> Rebalance<G> {
                 )),
             };
         }
-        let result = self.abort_held(id, count).await;
+        let result = self.abort_held(id).await;
         self.let_go(id).await;
         result
     }
 
-    async fn abort_held(&self, id: i64, count: u32) -> Result<MoveStatus> {
+    async fn abort_held(&self, id: i64) -> Result<MoveStatus> {
         let (mut status, _) = self.read(id).await?;
         match status.phase {
             MovePhase::Aborted => return self.status(id).await,
@@ -1453,7 +1508,7 @@ impl<G> Rebalance<G> {
                 .await
                 .map_err(|e| db_err(name, CHANGES, "abort", e))?;
         }
-        let moving = Buckets::new(count, all.iter().copied());
+        let moving = self.moving(&all).await?;
         let chunk = self.shards.rebalance_settings().chunk;
         // Children first: a row's foreign keys point at entities listed
         // before it.
@@ -1485,10 +1540,6 @@ fn foreign_key(e: &ShardError) -> bool {
         if matches!(source.sql_err(), Some(sea_orm::SqlErr::ForeignKeyConstraintViolation(_))))
 }
 
-fn moving_count(b: &Buckets) -> u32 {
-    b.count()
-}
-
 /// `<source index>/<entity index>/<primary key>`; past the entity's last
 /// chunk, the next entity's start.
 fn copy_cursor(si: usize, ei: usize, after: Option<&str>) -> String {
@@ -1513,5 +1564,248 @@ fn quote(db: &DatabaseConnection, table: &str) -> String {
     match db.get_database_backend() {
         DbBackend::MySql => format!("`{table}`"),
         _ => format!("\"{table}\""),
+    }
+}
+
+/// What [`Rebalance::split_at`] did: the range it retired and the two
+/// halves that replace it, both on the retired range's shard.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RangeSplit {
+    /// The range that was split (its id is never used again).
+    pub retired: RangeUnit,
+    /// Keys below the split point.
+    pub left: RangeUnit,
+    /// Keys from the split point on.
+    pub right: RangeUnit,
+    /// The map's epoch with the split.
+    pub epoch: u64,
+}
+
+impl<G: EntityGroup> Rebalance<G> {
+    /// Splits the range holding `key` at `key` (a range group): the two
+    /// halves stay on the range's shard, under new ids, and either can then
+    /// move ([`plan_range`](Self::plan_range)). No row is copied; writes go
+    /// on (an instance that still routes by the old range is refused by its
+    /// shard's fence and rerouted). Refused while a move holds the range.
+    pub async fn split_at(&self, key: &G::Key) -> Result<RangeSplit> {
+        let at = RangeBound::at_key(key).ok_or_else(|| {
+            self.refuse(
+                None,
+                format!("{key:?} cannot bound a range (integer bounds fit i64)"),
+            )
+        })?;
+        self.split_at_bound(at).await
+    }
+
+    /// A plan that moves the range holding `key` to shard `to`.
+    pub async fn plan_range(&self, key: &G::Key, to: &str) -> Result<MovePlan> {
+        let at = RangeBound::at_key(key).ok_or_else(|| {
+            self.refuse(
+                None,
+                format!("{key:?} is in no range (integer bounds fit i64)"),
+            )
+        })?;
+        self.plan_range_at(&at, to).await
+    }
+}
+
+impl<G> Rebalance<G> {
+    /// The group's ranges now (read from the database first), in key order.
+    pub async fn ranges(&self) -> Result<Vec<RangeUnit>> {
+        let LiveMap::Ranges(ranges) = self.map()? else {
+            return Err(self.refuse(None, "a hash group has buckets, not ranges"));
+        };
+        super::refresh(&self.shards, self.group).await?;
+        Ok(ranges.units().to_vec())
+    }
+
+    /// [`plan_range`](Self::plan_range) with the key given as a bound (as
+    /// `shardctl` and the config write it).
+    pub async fn plan_range_at(&self, at: &RangeBound, to: &str) -> Result<MovePlan> {
+        let units = self.ranges().await?;
+        let i = find_bound(&units, at)
+            .map_err(|reason| self.refuse(None, format!("{at} is in no range: {reason}")))?;
+        self.plan_buckets([units[i].id], to).await
+    }
+
+    /// [`split_at`](Self::split_at) with the split point given as a bound
+    /// (as `shardctl` and the config write it).
+    pub async fn split_at_bound(&self, at: RangeBound) -> Result<RangeSplit> {
+        let LiveMap::Ranges(ranges) = self.map()? else {
+            return Err(self.refuse(None, "only range groups split; a hash group moves buckets"));
+        };
+        super::refresh(&self.shards, self.group).await?;
+        let units = ranges.units();
+        let epoch = ranges.epoch();
+        let i = find_bound(&units, &at)
+            .map_err(|reason| self.refuse(None, format!("{at} is in no range: {reason}")))?;
+        let old = units[i].clone();
+        if old.from.as_ref() == Some(&at) {
+            return Err(self.refuse(None, format!("{at} already starts {old}")));
+        }
+        // 1. Two ids of the group's own, never handed out before.
+        let first = self.allocate_range_ids(2).await?;
+        let left = RangeUnit {
+            id: first,
+            from: old.from.clone(),
+            to: Some(at.clone()),
+            shard: old.shard,
+        };
+        let right = RangeUnit {
+            id: first + 1,
+            from: Some(at),
+            to: old.to.clone(),
+            shard: old.shard,
+        };
+        // 2. Every shard knows the halves (the old range's shard owns them)
+        //    before any instance routes by them.
+        super::map::insert_states(
+            &self.shards,
+            self.group,
+            &[(left.id, old.shard), (right.id, old.shard)],
+            None,
+        )
+        .await?;
+        // 3. The map: the old range is held for good (a move holding it
+        //    refuses the split; no move can take it later), the epoch moves
+        //    on only from the one this split was planned on, and the halves
+        //    replace it.
+        let (db, name) = self.control()?;
+        let err = |e| db_err(name, MAP, "split", e);
+        let txn = crate::exec::begin_write(db).await.map_err(err)?;
+        let claim = Query::insert()
+            .into_table(Alias::new(CLAIMS))
+            .columns(["grp", "bucket", "move_id"].map(Alias::new))
+            .values_panic([self.group.into(), (old.id as i32).into(), 0i64.into()])
+            .to_owned();
+        if let Err(e) = txn.execute(&claim).await {
+            return Err(if crate::error::is_unique_violation(&e) {
+                self.refuse(
+                    None,
+                    format!(
+                        "{old} is held by a move that is not finished: run or abort it, then split"
+                    ),
+                )
+            } else {
+                db_err(name, CLAIMS, "split", e)
+            });
+        }
+        let bump = Query::update()
+            .table(Alias::new(EPOCHS))
+            .value(Alias::new("epoch"), Expr::col(Alias::new("epoch")).add(1))
+            .and_where(Expr::col(Alias::new("grp")).eq(self.group))
+            .and_where(Expr::col(Alias::new("epoch")).eq(epoch as i64))
+            .to_owned();
+        if txn.execute(&bump).await.map_err(err)?.rows_affected() != 1 {
+            return Err(self.refuse(
+                None,
+                format!("the map changed while splitting (it was at epoch {epoch}): split again"),
+            ));
+        }
+        let delete = Query::delete()
+            .from_table(Alias::new(MAP))
+            .and_where(Expr::col(Alias::new("grp")).eq(self.group))
+            .and_where(Expr::col(Alias::new("bucket")).eq(old.id as i32))
+            .to_owned();
+        if txn.execute(&delete).await.map_err(err)?.rows_affected() != 1 {
+            return Err(self.refuse(
+                None,
+                format!("{old} is not in the map any more: split again"),
+            ));
+        }
+        super::map::insert_ranges(
+            &self.shards,
+            &txn,
+            name,
+            self.group,
+            &[left.clone(), right.clone()],
+        )
+        .await?;
+        txn.commit().await.map_err(err)?;
+        tracing::info!(group = self.group, retired = %old, left = %left, right = %right, "range split");
+        let epoch = super::refresh(&self.shards, self.group).await?;
+        // 4. The old range is fenced on its shard: an instance that still
+        //    routes by it is refused and reads the new map.
+        self.retire_split_ranges().await?;
+        Ok(RangeSplit {
+            retired: old,
+            left,
+            right,
+            epoch,
+        })
+    }
+
+    /// Hands out `n` new range ids of the group (the epoch row counts them).
+    async fn allocate_range_ids(&self, n: u32) -> Result<u32> {
+        let (db, name) = self.control()?;
+        let err = |e| db_err(name, EPOCHS, "allocate", e);
+        let txn = crate::exec::begin_write(db).await.map_err(err)?;
+        let bump = Query::update()
+            .table(Alias::new(EPOCHS))
+            .value(
+                Alias::new("buckets"),
+                Expr::col(Alias::new("buckets")).add(n as i32),
+            )
+            .and_where(Expr::col(Alias::new("grp")).eq(self.group))
+            .to_owned();
+        txn.execute(&bump).await.map_err(err)?;
+        let (_, next) = super::map::read_epoch(&txn, name, self.group, None)
+            .await?
+            .ok_or_else(|| {
+                self.refuse(None, "the group has no map yet: connect an instance first")
+            })?;
+        txn.commit().await.map_err(err)?;
+        Ok(next - n)
+    }
+
+    /// Fences every range a split retired on every shard that still owns
+    /// it (`owned` → `moved`, waiting for the writes that hold it).
+    async fn retire_split_ranges(&self) -> Result<()> {
+        let (db, name) = self.control()?;
+        let stmt = Query::select()
+            .column(Alias::new("bucket"))
+            .from(Alias::new(CLAIMS))
+            .and_where(Expr::col(Alias::new("grp")).eq(self.group))
+            .and_where(Expr::col(Alias::new("move_id")).eq(0i64))
+            .to_owned();
+        let retired: Vec<u32> = db
+            .query_all(&stmt)
+            .await
+            .map_err(|e| db_err(name, CLAIMS, "read", e))?
+            .iter()
+            .filter_map(|r| r.try_get::<i32>("", "bucket").ok())
+            .map(|b| b as u32)
+            .collect();
+        if retired.is_empty() {
+            return Ok(());
+        }
+        let wait = self.shards.rebalance_settings().cutover_wait;
+        for index in 0..self.shards.topology().shards().len() {
+            let conn = self.conn(ShardId(index as u32));
+            let mut attempt = 0;
+            loop {
+                let fenced = set_states(
+                    conn,
+                    self.group,
+                    &retired,
+                    &[BucketState::Owned],
+                    BucketState::Moved,
+                    None,
+                    Some(wait),
+                )
+                .await;
+                match fenced {
+                    Ok(_) => break,
+                    // Writes held the old range's state longer than the
+                    // wait: try again (they finish).
+                    Err(e) if attempt < 20 && e.kind() == crate::ErrorKind::Database => {
+                        attempt += 1;
+                        tracing::debug!(group = self.group, shard = conn.1, error = %e.report(), "fencing split ranges: again");
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+        }
+        Ok(())
     }
 }

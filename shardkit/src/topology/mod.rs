@@ -9,7 +9,10 @@
 //! reads.
 
 mod config;
+mod ranges;
 pub use crate::key::pghash;
+pub(crate) use ranges::find_bound;
+pub use ranges::{LiveMap, MapSnapshot, RangeOwners, RangeUnit};
 mod url;
 
 pub use config::{
@@ -137,7 +140,8 @@ impl ShardId {
 pub struct Target {
     /// The logical shard.
     pub shard: ShardId,
-    /// The bucket, for hash placements.
+    /// The bucket, for hash placements; the range's id, for `movable`
+    /// range placements (what their fence and moves know it by).
     pub bucket: Option<u32>,
 }
 
@@ -176,8 +180,9 @@ pub enum Placement {
     },
     /// Sorted, contiguous `[from, to)` ranges.
     Range {
-        /// The ranges in key order.
-        ranges: Vec<(Option<RangeBound>, Option<RangeBound>, ShardId)>,
+        /// The ranges in key order: as configured, or, for a `movable`
+        /// group, as last read from the database.
+        ranges: Arc<RangeOwners>,
     },
     /// `key mod shards.len()` indexes `shards`.
     Modulo {
@@ -409,8 +414,8 @@ impl Topology {
         )?;
         only(
             "movable",
-            group.movable && kind != PlacementKind::Hash,
-            "\"hash\"",
+            group.movable && !matches!(kind, PlacementKind::Hash | PlacementKind::Range),
+            "\"hash\" or \"range\"",
         )?;
 
         match kind {
@@ -466,7 +471,7 @@ impl Topology {
                         "a range placement needs `ranges = [{ shard = \"...\", from = ..., to = ... }, ...]`",
                     )
                 })?;
-                self.key_ranges(&base, ranges)
+                self.key_ranges(&base, ranges, group.movable)
             }
             PlacementKind::Modulo => {
                 let names = group
@@ -602,7 +607,7 @@ impl Topology {
         Ok(owner.into_boxed_slice())
     }
 
-    fn key_ranges(&self, base: &str, ranges: &[KeyRange]) -> Result<Placement> {
+    fn key_ranges(&self, base: &str, ranges: &[KeyRange], movable: bool) -> Result<Placement> {
         let mut out = Vec::with_capacity(ranges.len());
         let int_bounds = ranges
             .iter()
@@ -676,9 +681,16 @@ impl Topology {
                     ));
                 }
             }
-            out.push((range.from.clone(), range.to.clone(), shard));
+            out.push(RangeUnit {
+                id: pos as u32,
+                from: range.from.clone(),
+                to: range.to.clone(),
+                shard,
+            });
         }
-        Ok(Placement::Range { ranges: out })
+        Ok(Placement::Range {
+            ranges: Arc::new(RangeOwners::new(out, movable)),
+        })
     }
 
     /// The logical shards, in config order.
@@ -749,9 +761,10 @@ impl Topology {
     /// shards and every shard the bucket map names (a shard a move added).
     pub fn scatter_shards(&self, group: &str) -> Result<Vec<ShardId>> {
         let configured = self.shards_of(group)?;
-        match self.groups.get(group) {
-            Some(Placement::Hash { owner, .. }) if owner.epoch() > 0 => {
-                let mut ids = owner.to_vec();
+        match self.live_owners(group)? {
+            Some(map) if map.epoch() > 0 => {
+                let mut ids: Vec<ShardId> =
+                    map.snapshot().units().into_iter().map(|(_, s)| s).collect();
                 ids.extend_from_slice(configured);
                 ids.sort_unstable();
                 ids.dedup();
@@ -771,10 +784,12 @@ impl Topology {
         self.movable.iter().map(String::as_str)
     }
 
-    /// A hash placement's bucket owners (`None` for other placements).
-    pub fn live_owners(&self, group: &str) -> Result<Option<&Arc<BucketOwners>>> {
+    /// The live map of a hash placement (its bucket owners) or a range
+    /// placement (its ranges); `None` for other placements.
+    pub fn live_owners(&self, group: &str) -> Result<Option<LiveMap<'_>>> {
         Ok(match self.placement(group)? {
-            Placement::Hash { owner, .. } => Some(owner),
+            Placement::Hash { owner, .. } => Some(LiveMap::Buckets(owner)),
+            Placement::Range { ranges } => Some(LiveMap::Ranges(ranges)),
             _ => None,
         })
     }
@@ -782,7 +797,7 @@ impl Topology {
     fn compute_shards_of(&self, placement: &Placement) -> Vec<ShardId> {
         let mut ids: Vec<ShardId> = match placement {
             Placement::Hash { owner, .. } => owner.configured().to_vec(),
-            Placement::Range { ranges } => ranges.iter().map(|(_, _, shard)| *shard).collect(),
+            Placement::Range { ranges } => ranges.configured().iter().map(|u| u.shard).collect(),
             Placement::Modulo { shards } => shards.clone(),
             // Any shard may appear in the lookup table.
             Placement::Directory { .. } => (0..self.shards.len() as u32).map(ShardId).collect(),
@@ -804,8 +819,11 @@ impl Topology {
                 }))
             }
             Placement::Range { ranges } => {
-                let shard = range_lookup(group, ranges, key)?;
-                Ok(Located::Target(Target { shard, bucket: None }))
+                let (shard, id) = ranges.locate(group, key)?;
+                Ok(Located::Target(Target {
+                    shard,
+                    bucket: ranges.is_movable().then_some(id),
+                }))
             }
             Placement::Modulo { shards } => match key.key_ref() {
                 KeyRef::Int(v) => {
@@ -885,63 +903,6 @@ fn spread(buckets: u32, shards: &[ShardId]) -> Box<[ShardId]> {
     (0..u64::from(buckets))
         .map(|b| shards[(b * n / u64::from(buckets)) as usize])
         .collect()
-}
-
-fn range_lookup<K: ShardKey>(
-    group: &'static str,
-    ranges: &[(Option<RangeBound>, Option<RangeBound>, ShardId)],
-    key: &K,
-) -> Result<ShardId> {
-    use std::cmp::Ordering;
-    let unroutable = |reason: String| ShardError::Unroutable {
-        group,
-        key: format!("{key:?}"),
-        reason,
-    };
-    // How the key orders against a bound.
-    let compare = |bound: &RangeBound| -> Result<Ordering> {
-        match (key.key_ref(), bound) {
-            (KeyRef::Int(k), RangeBound::Int(b)) => Ok(k.cmp(&i128::from(*b))),
-            (KeyRef::Text(k), RangeBound::Text(b)) => Ok(k.cmp(b.as_str())),
-            (KeyRef::Uuid(u), RangeBound::Text(b)) => {
-                let mut buf = uuid::Uuid::encode_buffer();
-                Ok((*u.hyphenated().encode_lower(&mut buf)).cmp(b.as_str()))
-            }
-            (_, RangeBound::Int(_)) => Err(unroutable(
-                "the range bounds are integers but the key is not".to_owned(),
-            )),
-            (_, RangeBound::Text(_)) => Err(unroutable(
-                "the range bounds are strings but the key is an integer".to_owned(),
-            )),
-        }
-    };
-    // Ranges are sorted and contiguous: the owner is the last range whose
-    // `from` <= key, provided the key is below its `to`.
-    let mut lo = 0usize;
-    let mut hi = ranges.len();
-    while lo < hi {
-        let mid = (lo + hi) / 2;
-        let starts_after_key = match &ranges[mid].0 {
-            None => false,
-            Some(from) => compare(from)? == Ordering::Less,
-        };
-        if starts_after_key {
-            hi = mid;
-        } else {
-            lo = mid + 1;
-        }
-    }
-    let Some((_, to, shard)) = lo.checked_sub(1).map(|i| &ranges[i]) else {
-        return Err(unroutable("below the first configured range".to_owned()));
-    };
-    if let Some(to) = to
-        && compare(to)? != Ordering::Less
-    {
-        return Err(unroutable(format!(
-            "at or above {to}, past the last configured range"
-        )));
-    }
-    Ok(*shard)
 }
 
 impl fmt::Display for Target {

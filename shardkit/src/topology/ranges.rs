@@ -1,0 +1,335 @@
+//! A range placement's ranges, and the live map of a `movable` group (its
+//! buckets or its ranges) as routing, reads and the mover see it.
+
+use super::{BucketOwners, RangeBound, ShardId};
+use crate::entity::{KeyRef, ShardKey};
+use std::cmp::Ordering;
+use std::fmt;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering as AtomicOrdering};
+use std::sync::{Arc, Mutex, RwLock};
+
+/// One range of a range placement: keys in `[from, to)` (an absent bound is
+/// unbounded) live on `shard`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RangeUnit {
+    /// The range's id, fixed for its life: a split retires it and gives
+    /// each half a new id. A `movable` group's fence and moves know a range
+    /// by it (where a hash group has its bucket).
+    pub id: u32,
+    /// Lower bound, inclusive.
+    pub from: Option<RangeBound>,
+    /// Upper bound, exclusive.
+    pub to: Option<RangeBound>,
+    /// The owning shard.
+    pub shard: ShardId,
+}
+
+impl RangeUnit {
+    /// Whether `key` falls in this range.
+    pub fn holds<K: ShardKey + ?Sized>(&self, key: &K) -> bool {
+        let above_from = self
+            .from
+            .as_ref()
+            .is_none_or(|b| key_vs_bound(key, b).is_ok_and(|o| o != Ordering::Less));
+        let below_to = self
+            .to
+            .as_ref()
+            .is_none_or(|b| key_vs_bound(key, b).is_ok_and(|o| o == Ordering::Less));
+        above_from && below_to
+    }
+}
+
+impl fmt::Display for RangeUnit {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let show = |b: &Option<RangeBound>, none: &str| {
+            b.as_ref().map_or(none.to_owned(), |b| b.to_string())
+        };
+        write!(
+            f,
+            "range {} [{}, {})",
+            self.id,
+            show(&self.from, "-inf"),
+            show(&self.to, "+inf")
+        )
+    }
+}
+
+/// The ranges of a range placement, in key order, and the epoch of the map
+/// they came from. A `movable` group's ranges change when the cluster reads
+/// a newer map (a split, or a range that moved).
+pub struct RangeOwners {
+    movable: bool,
+    epoch: AtomicU64,
+    table: RwLock<Arc<[RangeUnit]>>,
+    configured: Arc<[RangeUnit]>,
+    /// One install at a time (see [`BucketOwners`]).
+    installing: Mutex<()>,
+    /// When the map was last read (or tried), clock ms.
+    read_ms: AtomicI64,
+}
+
+impl RangeOwners {
+    pub(super) fn new(units: Vec<RangeUnit>, movable: bool) -> Self {
+        let units: Arc<[RangeUnit]> = units.into();
+        RangeOwners {
+            movable,
+            epoch: AtomicU64::new(0),
+            table: RwLock::new(Arc::clone(&units)),
+            configured: units,
+            installing: Mutex::new(()),
+            read_ms: AtomicI64::new(0),
+        }
+    }
+
+    /// The ranges now, in key order.
+    pub fn units(&self) -> Arc<[RangeUnit]> {
+        Arc::clone(&self.table.read().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    /// The ranges as configured (what a `movable` group's map is seeded
+    /// from; ids `0..n` in key order).
+    pub fn configured(&self) -> &[RangeUnit] {
+        &self.configured
+    }
+
+    /// Whether the group's ranges can split and move.
+    pub fn is_movable(&self) -> bool {
+        self.movable
+    }
+
+    /// The epoch of the map these ranges came from: 0 for the configured
+    /// ranges, then the database's epoch for a `movable` group.
+    pub fn epoch(&self) -> u64 {
+        self.epoch.load(AtomicOrdering::Acquire)
+    }
+
+    /// When the map's epoch was last read from the database (or tried).
+    pub fn read_at_ms(&self) -> i64 {
+        self.read_ms.load(AtomicOrdering::Acquire)
+    }
+
+    pub(crate) fn mark_read(&self, now_ms: i64) {
+        self.read_ms.store(now_ms, AtomicOrdering::Release);
+    }
+
+    /// Installs a newer map; an older or equal epoch changes nothing.
+    pub(crate) fn install(&self, epoch: u64, units: Vec<RangeUnit>) -> bool {
+        let _one = self.installing.lock().unwrap_or_else(|p| p.into_inner());
+        if epoch <= self.epoch() {
+            return false;
+        }
+        *self.table.write().unwrap_or_else(|p| p.into_inner()) = units.into();
+        self.epoch.store(epoch, AtomicOrdering::Release);
+        true
+    }
+
+    /// The shard and range id of `key`.
+    #[inline]
+    pub(super) fn locate<K: ShardKey>(
+        &self,
+        group: &'static str,
+        key: &K,
+    ) -> crate::Result<(ShardId, u32)> {
+        let table = self.table.read().unwrap_or_else(|p| p.into_inner());
+        find(&table, |b| key_vs_bound(key, b))
+            .map(|i| (table[i].shard, table[i].id))
+            .map_err(|reason| crate::ShardError::Unroutable {
+                group,
+                key: format!("{key:?}"),
+                reason,
+            })
+    }
+}
+
+impl fmt::Debug for RangeOwners {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RangeOwners")
+            .field("epoch", &self.epoch())
+            .field("ranges", &self.units().len())
+            .field("movable", &self.movable)
+            .finish()
+    }
+}
+
+/// How a key orders against a bound (an error when their kinds differ).
+pub(crate) fn key_vs_bound<K: ShardKey + ?Sized>(
+    key: &K,
+    bound: &RangeBound,
+) -> Result<Ordering, String> {
+    match (key.key_ref(), bound) {
+        (KeyRef::Int(k), RangeBound::Int(b)) => Ok(k.cmp(&i128::from(*b))),
+        (KeyRef::Text(k), RangeBound::Text(b)) => Ok(k.cmp(b.as_str())),
+        (KeyRef::Uuid(u), RangeBound::Text(b)) => {
+            let mut buf = uuid::Uuid::encode_buffer();
+            Ok((*u.hyphenated().encode_lower(&mut buf)).cmp(b.as_str()))
+        }
+        (_, RangeBound::Int(_)) => {
+            Err("the range bounds are integers but the key is not".to_owned())
+        }
+        (_, RangeBound::Text(_)) => {
+            Err("the range bounds are strings but the key is an integer".to_owned())
+        }
+    }
+}
+
+/// The index of the range holding the value `compare` describes (how it
+/// orders against a bound). Ranges are sorted and contiguous: the owner is
+/// the last range whose `from` <= key, provided the key is below its `to`.
+pub(crate) fn find(
+    units: &[RangeUnit],
+    compare: impl Fn(&RangeBound) -> Result<Ordering, String>,
+) -> Result<usize, String> {
+    let mut lo = 0usize;
+    let mut hi = units.len();
+    while lo < hi {
+        let mid = (lo + hi) / 2;
+        let starts_after_key = match &units[mid].from {
+            None => false,
+            Some(from) => compare(from)? == Ordering::Less,
+        };
+        if starts_after_key {
+            hi = mid;
+        } else {
+            lo = mid + 1;
+        }
+    }
+    let Some(i) = lo.checked_sub(1) else {
+        return Err("below the first configured range".to_owned());
+    };
+    if let Some(to) = &units[i].to
+        && compare(to)? != Ordering::Less
+    {
+        return Err(format!("at or above {to}, past the last configured range"));
+    }
+    Ok(i)
+}
+
+/// The index of the range holding `at` (a split point).
+pub(crate) fn find_bound(units: &[RangeUnit], at: &RangeBound) -> Result<usize, String> {
+    find(units, |b| match (at, b) {
+        (RangeBound::Int(a), RangeBound::Int(b)) => Ok(a.cmp(b)),
+        (RangeBound::Text(a), RangeBound::Text(b)) => Ok(a.cmp(b)),
+        (RangeBound::Int(_), RangeBound::Text(_)) => {
+            Err("the ranges' bounds are strings but the split point is an integer".to_owned())
+        }
+        (RangeBound::Text(_), RangeBound::Int(_)) => {
+            Err("the ranges' bounds are integers but the split point is a string".to_owned())
+        }
+    })
+}
+
+impl RangeBound {
+    /// The bound as the bucket map stores it: `i:<integer>` or `t:<text>`.
+    pub(crate) fn encode(&self) -> String {
+        match self {
+            RangeBound::Int(v) => format!("i:{v}"),
+            RangeBound::Text(v) => format!("t:{v}"),
+        }
+    }
+
+    /// Reads a bound the bucket map stores.
+    pub(crate) fn decode(text: &str) -> Option<RangeBound> {
+        match text.split_at_checked(2)? {
+            ("i:", v) => v.parse().ok().map(RangeBound::Int),
+            ("t:", v) => Some(RangeBound::Text(v.to_owned())),
+            _ => None,
+        }
+    }
+
+    /// The bound at `key` (a split point): integers for integer keys (which
+    /// must fit `i64`), text for text and UUID keys.
+    pub fn at_key<K: ShardKey + ?Sized>(key: &K) -> Option<RangeBound> {
+        match key.key_ref() {
+            KeyRef::Int(v) => i64::try_from(v).ok().map(RangeBound::Int),
+            KeyRef::Text(v) => Some(RangeBound::Text(v.to_owned())),
+            KeyRef::Uuid(u) => Some(RangeBound::Text(u.hyphenated().to_string())),
+        }
+    }
+}
+
+/// A `movable` group's live map: its buckets' owners (hash) or its ranges.
+#[derive(Clone, Copy, Debug)]
+pub enum LiveMap<'a> {
+    /// A hash group's bucket owners.
+    Buckets(&'a Arc<BucketOwners>),
+    /// A range group's ranges.
+    Ranges(&'a Arc<RangeOwners>),
+}
+
+impl LiveMap<'_> {
+    /// The epoch of the map in use (0: the configured one).
+    pub fn epoch(&self) -> u64 {
+        match self {
+            LiveMap::Buckets(o) => o.epoch(),
+            LiveMap::Ranges(r) => r.epoch(),
+        }
+    }
+
+    /// When the map was last read from the database (or tried), clock ms.
+    pub fn read_at_ms(&self) -> i64 {
+        match self {
+            LiveMap::Buckets(o) => o.read_at_ms(),
+            LiveMap::Ranges(r) => r.read_at_ms(),
+        }
+    }
+
+    pub(crate) fn mark_read(&self, now_ms: i64) {
+        match self {
+            LiveMap::Buckets(o) => o.mark_read(now_ms),
+            LiveMap::Ranges(r) => r.mark_read(now_ms),
+        }
+    }
+
+    /// One reading of the map, for decisions over many rows.
+    pub fn snapshot(&self) -> MapSnapshot {
+        match self {
+            LiveMap::Buckets(o) => MapSnapshot::Buckets(o.to_vec()),
+            LiveMap::Ranges(r) => MapSnapshot::Ranges(r.units()),
+        }
+    }
+}
+
+/// One reading of a live map.
+#[derive(Clone, Debug)]
+pub enum MapSnapshot {
+    /// Each bucket's owner, in bucket order.
+    Buckets(Vec<ShardId>),
+    /// The ranges, in key order.
+    Ranges(Arc<[RangeUnit]>),
+}
+
+impl MapSnapshot {
+    /// The shard that owns `key`'s rows (`None`: the key is outside every
+    /// range).
+    pub fn owner_of<K: ShardKey + ?Sized>(&self, key: &K) -> Option<ShardId> {
+        match self {
+            MapSnapshot::Buckets(map) => {
+                let bucket = key.partition_hash() % map.len().max(1) as u64;
+                map.get(bucket as usize).copied()
+            }
+            MapSnapshot::Ranges(units) => find(units, |b| key_vs_bound(key, b))
+                .ok()
+                .map(|i| units[i].shard),
+        }
+    }
+
+    /// Each unit (a bucket, or a range's id) and its owner.
+    pub fn units(&self) -> Vec<(u32, ShardId)> {
+        match self {
+            MapSnapshot::Buckets(map) => map
+                .iter()
+                .enumerate()
+                .map(|(b, s)| (b as u32, *s))
+                .collect(),
+            MapSnapshot::Ranges(units) => units.iter().map(|u| (u.id, u.shard)).collect(),
+        }
+    }
+
+    /// The owner of a unit (`None`: no such bucket, or no live range).
+    pub fn owner(&self, unit: u32) -> Option<ShardId> {
+        match self {
+            MapSnapshot::Buckets(map) => map.get(unit as usize).copied(),
+            MapSnapshot::Ranges(units) => units.iter().find(|u| u.id == unit).map(|u| u.shard),
+        }
+    }
+}
