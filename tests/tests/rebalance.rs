@@ -535,6 +535,68 @@ async fn a_range_splits_and_half_of_it_moves_while_two_instances_write(dbs: &mut
             acked.lock().unwrap().customers.get(&k),
         );
     }
+
+    // The same through shardctl: split [-inf, 40) at 20, move [20, 40).
+    let ctl = |args: &'static [&'static str]| shardctl_with(range_config(dbs, 20), args);
+    let (code, split) = ctl(&["rebalance", "split", "Customer", "--at", "20"]).await;
+    assert_eq!(code, 0, "{split:#}");
+    assert_eq!(
+        (
+            split["retired"]["id"].as_u64(),
+            split["left"]["to"].as_i64(),
+            split["right"]["id"].as_u64()
+        ),
+        (Some(0), Some(20), Some(7)),
+        "{split:#}"
+    );
+    let (code, bad) = ctl(&["rebalance", "split", "Customer", "--at", "twenty"]).await;
+    assert_eq!(code, 1, "{bad:#}");
+    assert!(
+        bad["error"].as_str().unwrap().contains("not an integer"),
+        "{bad:#}"
+    );
+    let (code, done) = ctl(&[
+        "rebalance",
+        "start",
+        "Customer",
+        "--to",
+        "s4",
+        "--range-at",
+        "30",
+    ])
+    .await;
+    assert_eq!(code, 0, "{done:#}");
+    assert_eq!(done["phase"], "done", "{done:#}");
+    let (code, status) = ctl(&["rebalance", "status", "Customer"]).await;
+    assert_eq!(code, 0, "{status:#}");
+    let ranges: Vec<(u64, String)> = status["ranges"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            (
+                r["id"].as_u64().unwrap(),
+                r["shard"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        ranges,
+        [
+            (6, "s0"),
+            (7, "s4"),
+            (1, "s1"),
+            (4, "s2"),
+            (5, "s4"),
+            (3, "s3")
+        ]
+        .map(|(id, s)| (id, s.to_owned()))
+        .to_vec(),
+        "{status:#}"
+    );
+    a.refresh_bucket_maps().await.unwrap();
+    check_placement(&a, &acked).await;
+    assert_eq!(on("s4").await, (20..40).chain(100..120).collect::<Vec<_>>());
 }
 
 async fn the_mover_killed_in_each_phase_is_resumed_by_another_process(dbs: &mut TestDbs) {
@@ -830,6 +892,10 @@ async fn overlapping_moves_are_refused_and_plans_are_minimal(dbs: &mut TestDbs) 
 
 /// `shardctl --json <args>` over `dbs`' cluster with the group's entities.
 async fn shardctl(dbs: &TestDbs, args: &[&str]) -> (u8, serde_json::Value) {
+    shardctl_with(config(dbs, 20), args).await
+}
+
+async fn shardctl_with(config: ClusterConfig, args: &[&str]) -> (u8, serde_json::Value) {
     let registry = shardkit::cli::Registry::new()
         .migrator::<Migrator>()
         .entity::<customer::Entity>()
@@ -837,7 +903,7 @@ async fn shardctl(dbs: &TestDbs, args: &[&str]) -> (u8, serde_json::Value) {
         .entity::<contact::Entity>();
     let mut out: Vec<u8> = Vec::new();
     let argv = ["shardctl", "--json"].iter().chain(args).copied();
-    let code = shardkit::cli::run_with(argv, config(dbs, 20), registry, &mut out).await;
+    let code = shardkit::cli::run_with(argv, config, registry, &mut out).await;
     let text = String::from_utf8(out).unwrap();
     let value = serde_json::from_str(&text)
         .unwrap_or_else(|e| panic!("shardctl {args:?}: not JSON ({e}): {text}"));

@@ -8,6 +8,7 @@ use super::{
 };
 use crate::error::{Result, ShardError};
 use crate::topology::Placement;
+use crate::topology::RangeBound;
 use crate::{Cluster, ClusterConfig, MigrationReport, VerifyOptions, VerifyReport};
 use comfy_table::{Table, presets::UTF8_FULL_CONDENSED};
 use sea_orm::{ConnectionTrait, DbBackend, Statement};
@@ -137,13 +138,14 @@ async fn rebalance(
     json: bool,
 ) -> Result<Outcome> {
     match action {
-        RebalanceAction::Plan { group, to, buckets } => {
+        RebalanceAction::Plan {
+            group,
+            to,
+            buckets,
+            range_at,
+        } => {
             let moves = moves_of(cluster, registry, &group)?;
-            let plan = if buckets.is_empty() {
-                moves.plan_even_out(&to).await?
-            } else {
-                moves.plan_buckets(buckets, &to).await?
-            };
+            let plan = plan_of(&moves, &to, buckets, range_at).await?;
             let mut from: std::collections::BTreeMap<&str, usize> = Default::default();
             for (_, s) in &plan.buckets {
                 *from.entry(s.as_str()).or_default() += 1;
@@ -166,13 +168,14 @@ async fn rebalance(
                 problem: false,
             })
         }
-        RebalanceAction::Start { group, to, buckets } => {
+        RebalanceAction::Start {
+            group,
+            to,
+            buckets,
+            range_at,
+        } => {
             let moves = moves_of(cluster, registry, &group)?;
-            let plan = if buckets.is_empty() {
-                moves.plan_even_out(&to).await?
-            } else {
-                moves.plan_buckets(buckets, &to).await?
-            };
+            let plan = plan_of(&moves, &to, buckets, range_at).await?;
             let started = moves.start(&plan).await?;
             run_move(moves, started.id, json).await
         }
@@ -187,8 +190,38 @@ async fn rebalance(
                 problem: false,
             })
         }
+        RebalanceAction::Split { group, at } => {
+            let moves = moves_of(cluster, registry, &group)?;
+            let at = bound_of(&moves, &at).await?;
+            let split = moves.split_at_bound(at).await?;
+            let ranges = moves.ranges().await?;
+            Ok(Outcome {
+                json: json!({
+                    "group": group,
+                    "epoch": split.epoch,
+                    "retired": range_json(cluster, &split.retired),
+                    "left": range_json(cluster, &split.left),
+                    "right": range_json(cluster, &split.right),
+                    "ranges": ranges.iter().map(|r| range_json(cluster, r)).collect::<Vec<_>>(),
+                }),
+                text: format!(
+                    "{group}: {} split into {} and {} on {} (map epoch {})\n",
+                    split.retired,
+                    split.left,
+                    split.right,
+                    cluster.topology().shard(split.left.shard).name,
+                    split.epoch
+                ),
+                problem: false,
+            })
+        }
         RebalanceAction::Status { group, all } => {
-            let list = moves_of(cluster, registry, &group)?.list(all).await?;
+            let moves = moves_of(cluster, registry, &group)?;
+            let ranges = match cluster.topology().live_owners(&group)? {
+                Some(crate::topology::LiveMap::Ranges(_)) => Some(moves.ranges().await?),
+                _ => None,
+            };
+            let list = moves.list(all).await?;
             let epoch = cluster
                 .topology()
                 .live_owners(&group)?
@@ -197,15 +230,89 @@ async fn rebalance(
             for m in &list {
                 t.add_row(move_row(m));
             }
+            let shown = ranges.as_ref().map_or(String::new(), |ranges| {
+                ranges
+                    .iter()
+                    .map(|r| format!("  {r} on {}\n", cluster.topology().shard(r.shard).name))
+                    .collect()
+            });
             Ok(Outcome {
-                json: json!({ "group": group, "epoch": epoch, "moves": list.iter().map(move_json).collect::<Vec<_>>() }),
-                text: format!("{group}: bucket map epoch {epoch}\n{t}\n"),
+                json: json!({
+                    "group": group,
+                    "epoch": epoch,
+                    "moves": list.iter().map(move_json).collect::<Vec<_>>(),
+                    "ranges": ranges.map(|r| r.iter().map(|r| range_json(cluster, r)).collect::<Vec<_>>()),
+                }),
+                text: format!("{group}: bucket map epoch {epoch}\n{shown}{t}\n"),
                 problem: list
                     .iter()
                     .any(|m| m.error.is_some() && !m.phase.is_finished()),
             })
         }
     }
+}
+
+/// The plan `plan` and `start` run: the given buckets, the range holding a
+/// key, or an even-out plan.
+async fn plan_of(
+    moves: &crate::rebalance::Rebalance<crate::rebalance::AnyGroup>,
+    to: &str,
+    buckets: Vec<u32>,
+    range_at: Option<String>,
+) -> Result<crate::rebalance::MovePlan> {
+    match range_at {
+        Some(key) => {
+            let at = bound_of(moves, &key).await?;
+            moves.plan_range_at(&at, to).await
+        }
+        None if buckets.is_empty() => moves.plan_even_out(to).await,
+        None => moves.plan_buckets(buckets, to).await,
+    }
+}
+
+/// A key given on the command line as a range bound of the group's kind:
+/// an integer where the group's bounds are integers, text where they are
+/// text (an integer when the group has no bound yet and the key reads as
+/// one).
+async fn bound_of(
+    moves: &crate::rebalance::Rebalance<crate::rebalance::AnyGroup>,
+    key: &str,
+) -> Result<RangeBound> {
+    let ranges = moves.ranges().await?;
+    let bounds: Vec<&RangeBound> = ranges
+        .iter()
+        .flat_map(|r| [&r.from, &r.to])
+        .flatten()
+        .collect();
+    let int = match bounds.first() {
+        Some(RangeBound::Int(_)) => true,
+        Some(RangeBound::Text(_)) => false,
+        None => key.parse::<i64>().is_ok(),
+    };
+    if int {
+        key.parse().map(RangeBound::Int).map_err(|_| {
+            ShardError::config(
+                "--at/--range-at",
+                format!("{key:?} is not an integer, and the group's ranges have integer bounds"),
+            )
+        })
+    } else {
+        Ok(RangeBound::Text(key.to_owned()))
+    }
+}
+
+fn range_json(cluster: &Cluster, r: &crate::topology::RangeUnit) -> serde_json::Value {
+    let bound = |b: &Option<RangeBound>| match b {
+        None => serde_json::Value::Null,
+        Some(RangeBound::Int(v)) => json!(v),
+        Some(RangeBound::Text(v)) => json!(v),
+    };
+    json!({
+        "id": r.id,
+        "from": bound(&r.from),
+        "to": bound(&r.to),
+        "shard": cluster.topology().shard(r.shard).name,
+    })
 }
 
 /// Runs move `id` with a progress bar; Ctrl-C stops it at a chunk boundary.

@@ -138,8 +138,11 @@ pub(crate) enum RebalanceAction {
         #[arg(long)]
         to: String,
         /// These buckets (comma-separated) instead of an even-out plan.
-        #[arg(long, value_delimiter = ',')]
+        #[arg(long, value_delimiter = ',', conflicts_with = "range_at")]
         buckets: Vec<u32>,
+        /// A range group: the range holding this key.
+        #[arg(long)]
+        range_at: Option<String>,
     },
     /// Register a move and run it (Ctrl-C stops at a chunk boundary;
     /// `resume` goes on).
@@ -150,8 +153,20 @@ pub(crate) enum RebalanceAction {
         #[arg(long)]
         to: String,
         /// These buckets (comma-separated) instead of an even-out plan.
-        #[arg(long, value_delimiter = ',')]
+        #[arg(long, value_delimiter = ',', conflicts_with = "range_at")]
         buckets: Vec<u32>,
+        /// A range group: the range holding this key.
+        #[arg(long)]
+        range_at: Option<String>,
+    },
+    /// Split a range group's range at a key: both halves stay on its shard
+    /// (no row is copied) and can then move on their own.
+    Split {
+        /// The group.
+        group: String,
+        /// The key the right half starts at.
+        #[arg(long)]
+        at: String,
     },
     /// The group's moves that are not finished (`--all`: every move).
     Status {

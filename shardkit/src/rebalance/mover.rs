@@ -1643,6 +1643,21 @@ impl<G> Rebalance<G> {
         if old.from.as_ref() == Some(&at) {
             return Err(self.refuse(None, format!("{at} already starts {old}")));
         }
+        let (db, name) = self.control()?;
+        let holder = Query::select()
+            .column(Alias::new("move_id"))
+            .from(Alias::new(CLAIMS))
+            .and_where(Expr::col(Alias::new("grp")).eq(self.group))
+            .and_where(Expr::col(Alias::new("bucket")).eq(old.id as i32))
+            .to_owned();
+        if db
+            .query_one(&holder)
+            .await
+            .map_err(|e| db_err(name, CLAIMS, "read", e))?
+            .is_some()
+        {
+            return Err(self.held(&old));
+        }
         // 1. Two ids of the group's own, never handed out before.
         let first = self.allocate_range_ids(2).await?;
         let left = RangeUnit {
@@ -1670,7 +1685,6 @@ impl<G> Rebalance<G> {
         //    refuses the split; no move can take it later), the epoch moves
         //    on only from the one this split was planned on, and the halves
         //    replace it.
-        let (db, name) = self.control()?;
         let err = |e| db_err(name, MAP, "split", e);
         let txn = crate::exec::begin_write(db).await.map_err(err)?;
         let claim = Query::insert()
@@ -1680,12 +1694,7 @@ impl<G> Rebalance<G> {
             .to_owned();
         if let Err(e) = txn.execute(&claim).await {
             return Err(if crate::error::is_unique_violation(&e) {
-                self.refuse(
-                    None,
-                    format!(
-                        "{old} is held by a move that is not finished: run or abort it, then split"
-                    ),
-                )
+                self.held(&old)
             } else {
                 db_err(name, CLAIMS, "split", e)
             });
@@ -1733,6 +1742,13 @@ impl<G> Rebalance<G> {
             right,
             epoch,
         })
+    }
+
+    fn held(&self, range: &RangeUnit) -> ShardError {
+        self.refuse(
+            None,
+            format!("{range} is held by a move that is not finished: run or abort it, then split"),
+        )
     }
 
     /// Hands out `n` new range ids of the group (the epoch row counts them).
