@@ -18,6 +18,7 @@ backend_tests!(5 =>
     overlapping_moves_are_refused_and_plans_are_minimal,
     shardctl_plans_starts_resumes_and_aborts_moves,
     a_range_splits_and_half_of_it_moves_while_two_instances_write,
+    a_split_that_dies_before_fencing_is_finished_by_the_next_move,
     [Postgres, MySql] a_target_that_refuses_or_hangs_stops_the_mover_and_leaks_nothing,
 );
 
@@ -597,6 +598,57 @@ async fn a_range_splits_and_half_of_it_moves_while_two_instances_write(dbs: &mut
     a.refresh_bucket_maps().await.unwrap();
     check_placement(&a, &acked).await;
     assert_eq!(on("s4").await, (20..40).chain(100..120).collect::<Vec<_>>());
+}
+
+/// The splitting process dies after the map flipped and before the old
+/// range was fenced on its shard: an instance that still routes by the old
+/// range writes there, unfenced and unlogged, until the next move start
+/// fences it; then its writes are refused and rerouted, and the move of the
+/// half carries every one of them.
+async fn a_split_that_dies_before_fencing_is_finished_by_the_next_move(dbs: &mut TestDbs) {
+    let a = Cluster::connect(range_config(dbs, 20)).await.unwrap();
+    let acked: Shared = Arc::default();
+    seed(&a, &acked, 80..110).await;
+    let b = Cluster::connect(range_config(dbs, 0)).await.unwrap();
+    b.refresh_bucket_maps().await.unwrap();
+    let m = mover(&a);
+    {
+        let _turn = FAILPOINTS.lock().await;
+        fail::cfg(
+            "shardkit::rebalance::split",
+            &format!("return({})", dbs.names[2]),
+        )
+        .unwrap();
+        let died = m.split_at(&100).await;
+        fail::remove("shardkit::rebalance::split");
+        let err = died.unwrap_err();
+        assert!(err.to_string().contains("failpoint"), "{err}");
+    }
+    a.refresh_bucket_maps().await.unwrap();
+    assert_eq!(epoch(&a), 2, "the map flipped before the process died");
+    // `b` routes by range 2, which s2 still owns: its writes land.
+    for k in 110..120 {
+        insert_customer(&b, &acked, k).await;
+    }
+    assert_eq!(epoch(&b), 1, "nothing refused b yet");
+    let stop = Arc::new(AtomicBool::new(false));
+    let writer = writer(
+        b.clone(),
+        Arc::clone(&acked),
+        (95..110).collect(),
+        Arc::clone(&stop),
+    );
+    let plan = m.plan_range(&100, "s4").await.unwrap();
+    assert_eq!(plan.buckets, vec![(5, "s2".to_owned())]);
+    let done = m
+        .run(m.start(&plan).await.unwrap().id)
+        .await
+        .unwrap_or_else(|e| panic!("move: {}", e.report()));
+    assert_eq!(done.phase, MovePhase::Done);
+    stop.store(true, Ordering::SeqCst);
+    assert!(writer.await.unwrap() > 1);
+    assert_eq!(epoch(&b), 3, "b was fenced off range 2 and read the map");
+    check_placement(&a, &acked).await;
 }
 
 async fn the_mover_killed_in_each_phase_is_resumed_by_another_process(dbs: &mut TestDbs) {

@@ -1732,6 +1732,9 @@ impl<G> Rebalance<G> {
         .await?;
         txn.commit().await.map_err(err)?;
         tracing::info!(group = self.group, retired = %old, left = %left, right = %right, "range split");
+        // A process that dies here leaves the old range unfenced on its
+        // shard: the next split or move start fences it.
+        self.failpoint("split", 0, old.shard)?;
         let epoch = super::refresh(&self.shards, self.group).await?;
         // 4. The old range is fenced on its shard: an instance that still
         //    routes by it is refused and reads the new map.
