@@ -1,4 +1,5 @@
-//! Online bucket moves of `movable` hash groups.
+//! Online bucket moves of `movable` hash groups, and range splits and moves
+//! of `movable` range groups.
 //!
 //! **The live map.** A movable group's bucket → shard map lives on its
 //! control database (its first configured shard) in `shardkit_bucket_map`,
@@ -34,6 +35,13 @@
 //! flips: the sources own the buckets again and the target's copies are
 //! deleted). A bucket is held by one move at a time
 //! (`shardkit_move_buckets`).
+//!
+//! **Range groups.** Each range has an id fixed for its life, which plays
+//! the bucket's part in the map, the fence and the mover.
+//! [`Rebalance::split_at`] replaces a range by two halves on the same shard
+//! under new ids (no row is copied) and fences the old id there, so an
+//! instance still routing by it is refused and rerouted;
+//! [`Rebalance::plan_range`] plans the move of the range holding a key.
 
 use crate::entity::{EntityGroup, ShardKey, ShardedEntity, table_name};
 use crate::error::{Result, ShardError};

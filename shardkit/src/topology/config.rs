@@ -258,11 +258,12 @@ pub struct GroupConfig {
     /// `directory`: where the lookup table lives.
     pub directory: Option<DirectoryConfig>,
     /// `hash`: the group's buckets can move between shards while the
-    /// application runs ([`Cluster::rebalance`](crate::Cluster::rebalance)).
-    /// Its bucket map is then read from the database (seeded from this
-    /// file on first use) and every write transaction checks its bucket's
-    /// fence on its shard: one more statement per transaction. Every
-    /// instance of the application must agree on it. Default `false`.
+    /// application runs ([`Cluster::rebalance`](crate::Cluster::rebalance));
+    /// `range`: its ranges can split and move. Its bucket map (or ranges)
+    /// is then read from the database (seeded from this file on first use)
+    /// and every write transaction checks its bucket's (range's) fence on
+    /// its shard: one more statement per transaction. Every instance of the
+    /// application must agree on it. Default `false`.
     #[serde(default)]
     pub movable: bool,
 }
