@@ -342,8 +342,10 @@ impl Cluster {
                     let _ = txn.rollback().await;
                     drop(writer);
                     crate::rebalance::refresh(&self.shards, G::NAME).await?;
-                    let now_at = self.shards.route_now::<G>(key)?.map(|t| t.shard);
-                    if now_at != Some(shard) {
+                    // A new shard, or a new range id (a split) on the same
+                    // shard: begin again at once.
+                    let now_at = self.shards.route_now::<G>(key)?;
+                    if now_at.is_none_or(|t| t.shard != shard || t.bucket != Some(bucket)) {
                         tracing::debug!(
                             group = G::NAME,
                             bucket,

@@ -192,7 +192,7 @@ async fn rebalance(
         }
         RebalanceAction::Split { group, at } => {
             let moves = moves_of(cluster, registry, &group)?;
-            let at = bound_of(&moves, &at).await?;
+            let at = moves.bound_at(&at)?;
             let split = moves.split_at_bound(at).await?;
             let ranges = moves.ranges().await?;
             Ok(Outcome {
@@ -262,42 +262,11 @@ async fn plan_of(
 ) -> Result<crate::rebalance::MovePlan> {
     match range_at {
         Some(key) => {
-            let at = bound_of(moves, &key).await?;
+            let at = moves.bound_at(&key)?;
             moves.plan_range_at(&at, to).await
         }
         None if buckets.is_empty() => moves.plan_even_out(to).await,
         None => moves.plan_buckets(buckets, to).await,
-    }
-}
-
-/// A key given on the command line as a range bound of the group's kind:
-/// an integer where the group's bounds are integers, text where they are
-/// text (an integer when the group has no bound yet and the key reads as
-/// one).
-async fn bound_of(
-    moves: &crate::rebalance::Rebalance<crate::rebalance::AnyGroup>,
-    key: &str,
-) -> Result<RangeBound> {
-    let ranges = moves.ranges().await?;
-    let bounds: Vec<&RangeBound> = ranges
-        .iter()
-        .flat_map(|r| [&r.from, &r.to])
-        .flatten()
-        .collect();
-    let int = match bounds.first() {
-        Some(RangeBound::Int(_)) => true,
-        Some(RangeBound::Text(_)) => false,
-        None => key.parse::<i64>().is_ok(),
-    };
-    if int {
-        key.parse().map(RangeBound::Int).map_err(|_| {
-            ShardError::config(
-                "--at/--range-at",
-                format!("{key:?} is not an integer, and the group's ranges have integer bounds"),
-            )
-        })
-    } else {
-        Ok(RangeBound::Text(key.to_owned()))
     }
 }
 
@@ -551,7 +520,10 @@ async fn status(cluster: &Cluster, registry: &Registry) -> Result<Outcome> {
             "group": group,
             "placement": kind,
             "movable": topology.is_movable(group),
-            "epoch": topology.live_owners(group)?.map(|o| o.epoch()),
+            "epoch": topology
+                .live_owners(group)?
+                .filter(|_| topology.is_movable(group))
+                .map(|o| o.epoch()),
             "shards": shards,
             "buckets": buckets.map(|b| b
                 .into_iter()

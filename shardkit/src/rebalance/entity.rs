@@ -52,6 +52,10 @@ pub(crate) struct Compared {
 pub(crate) trait MoveEntity: Send + Sync {
     fn table(&self) -> &'static str;
 
+    /// The range bound at a shard key given as text (its directory text:
+    /// an integer, a string, a UUID); `None` when it is not a key.
+    fn bound_at(&self, key: &str) -> Option<RangeBound>;
+
     /// Copies the moving buckets' rows of the next `chunks` source chunks
     /// (primary key after `after`) to the target, over what the target has
     /// under those primary keys; each chunk is read while the one before is
@@ -276,6 +280,11 @@ where
 {
     fn table(&self) -> &'static str {
         table_name::<E>()
+    }
+
+    fn bound_at(&self, key: &str) -> Option<RangeBound> {
+        <<E::Group as EntityGroup>::Key as ShardKey>::from_directory_text(key)
+            .and_then(|k| RangeBound::at_key(&k))
     }
 
     fn copy_chunks<'a>(

@@ -199,15 +199,25 @@ fn install_ranges(
     }
     // Unbounded-below sorts first (None < Some).
     units.sort_by(|a, b| a.from.cmp(&b.from));
+    let bounds: Vec<&RangeBound> = units
+        .iter()
+        .flat_map(|u| [&u.from, &u.to])
+        .flatten()
+        .collect();
+    let one_kind = bounds.windows(2).all(|w| w[0].same_kind(w[1]));
     let contiguous = !units.is_empty()
         && units
             .windows(2)
-            .all(|w| w[0].to.is_some() && w[0].to == w[1].from);
-    if !contiguous {
+            .all(|w| w[0].to.is_some() && w[0].to == w[1].from)
+        && units.iter().all(|u| match (&u.from, &u.to) {
+            (Some(from), Some(to)) => from < to,
+            _ => true,
+        });
+    if !one_kind || !contiguous {
         return Err(ShardError::config(
             format!("{MAP}[{group}]"),
             format!(
-                "the group's ranges in the bucket map are not contiguous: {}",
+                "the group's ranges in the bucket map are not contiguous ranges with bounds of one kind: {}",
                 units
                     .iter()
                     .map(ToString::to_string)

@@ -442,7 +442,7 @@ impl<G> Rebalance<G> {
         for (b, from) in &plan.buckets {
             let now_on = snapshot
                 .owner(*b)
-                .map_or("no shard (the range was split)", |s| {
+                .map_or("no shard (no such bucket or range)", |s| {
                     self.shards.shard_name(s)
                 });
             if now_on != from {
@@ -1579,7 +1579,16 @@ pub struct RangeSplit {
     pub right: RangeUnit,
     /// The map's epoch with the split.
     pub epoch: u64,
+    /// Whether the retired range is fenced on its shard already. When not
+    /// (the shard did not answer in time), an instance still routing by it
+    /// writes there unlogged until the next move start of the group fences
+    /// it, which every move start does first.
+    pub fenced: bool,
 }
+
+/// A claim's `move_id` for a range a split retired and fenced; `0` while
+/// it is not fenced yet.
+const SPLIT_FENCED: i64 = -1;
 
 impl<G: EntityGroup> Rebalance<G> {
     /// Splits the range holding `key` at `key` (a range group): the two
@@ -1599,13 +1608,10 @@ impl<G: EntityGroup> Rebalance<G> {
 
     /// A plan that moves the range holding `key` to shard `to`.
     pub async fn plan_range(&self, key: &G::Key, to: &str) -> Result<MovePlan> {
-        let at = RangeBound::at_key(key).ok_or_else(|| {
-            self.refuse(
-                None,
-                format!("{key:?} is in no range (integer bounds fit i64)"),
-            )
-        })?;
-        self.plan_range_at(&at, to).await
+        let units = self.ranges().await?;
+        let i = crate::topology::find_key(&units, key)
+            .map_err(|reason| self.refuse(None, format!("{key:?} is in no range: {reason}")))?;
+        self.plan_buckets([units[i].id], to).await
     }
 }
 
@@ -1619,8 +1625,24 @@ impl<G> Rebalance<G> {
         Ok(ranges.units().to_vec())
     }
 
-    /// [`plan_range`](Self::plan_range) with the key given as a bound (as
-    /// `shardctl` and the config write it).
+    /// A shard key given as text (an integer, a string, a UUID) as a range
+    /// bound of the group's key type (what `shardctl` passes on).
+    pub fn bound_at(&self, key: &str) -> Result<RangeBound> {
+        let entity = self.entities.first().ok_or_else(|| {
+            self.refuse(
+                None,
+                "no entity listed: add the group's entities with `.entity::<E>()`",
+            )
+        })?;
+        entity.bound_at(key).ok_or_else(|| {
+            self.refuse(
+                None,
+                format!("{key:?} is not a shard key of the group's key type"),
+            )
+        })
+    }
+
+    /// [`plan_range`](Self::plan_range) with the key given as a bound.
     pub async fn plan_range_at(&self, at: &RangeBound, to: &str) -> Result<MovePlan> {
         let units = self.ranges().await?;
         let i = find_bound(&units, at)
@@ -1629,14 +1651,18 @@ impl<G> Rebalance<G> {
     }
 
     /// [`split_at`](Self::split_at) with the split point given as a bound
-    /// (as `shardctl` and the config write it).
+    /// (see [`bound_at`](Self::bound_at)). The bound must be of the kind the
+    /// group's ranges and listed entities' keys are.
     pub async fn split_at_bound(&self, at: RangeBound) -> Result<RangeSplit> {
         let LiveMap::Ranges(ranges) = self.map()? else {
             return Err(self.refuse(None, "only range groups split; a hash group moves buckets"));
         };
         super::refresh(&self.shards, self.group).await?;
-        let units = ranges.units();
+        // The epoch before the ranges: ranges newer than the epoch only
+        // fail the epoch check below, never pass it with a stale range.
         let epoch = ranges.epoch();
+        let units = ranges.units();
+        self.check_kind(&units, &at)?;
         let i = find_bound(&units, &at)
             .map_err(|reason| self.refuse(None, format!("{at} is in no range: {reason}")))?;
         let old = units[i].clone();
@@ -1650,13 +1676,15 @@ impl<G> Rebalance<G> {
             .and_where(Expr::col(Alias::new("grp")).eq(self.group))
             .and_where(Expr::col(Alias::new("bucket")).eq(old.id as i32))
             .to_owned();
-        if db
+        if let Some(row) = db
             .query_one(&holder)
             .await
             .map_err(|e| db_err(name, CLAIMS, "read", e))?
-            .is_some()
         {
-            return Err(self.held(&old));
+            let by: i64 = row
+                .try_get("", "move_id")
+                .map_err(|e| db_err(name, CLAIMS, "read", e))?;
+            return Err(self.held(&old, by));
         }
         // 1. Two ids of the group's own, never handed out before.
         let first = self.allocate_range_ids(2).await?;
@@ -1694,7 +1722,12 @@ impl<G> Rebalance<G> {
             .to_owned();
         if let Err(e) = txn.execute(&claim).await {
             return Err(if crate::error::is_unique_violation(&e) {
-                self.held(&old)
+                self.refuse(
+                    None,
+                    format!(
+                        "{old} was taken by a move or a split meanwhile: look at the ranges again"
+                    ),
+                )
             } else {
                 db_err(name, CLAIMS, "split", e)
             });
@@ -1715,11 +1748,12 @@ impl<G> Rebalance<G> {
             .from_table(Alias::new(MAP))
             .and_where(Expr::col(Alias::new("grp")).eq(self.group))
             .and_where(Expr::col(Alias::new("bucket")).eq(old.id as i32))
+            .and_where(Expr::col(Alias::new("shard")).eq(self.shards.shard_name(old.shard)))
             .to_owned();
         if txn.execute(&delete).await.map_err(err)?.rows_affected() != 1 {
             return Err(self.refuse(
                 None,
-                format!("{old} is not in the map any more: split again"),
+                format!("{old} is not in the map as read any more: split again"),
             ));
         }
         super::map::insert_ranges(
@@ -1732,25 +1766,77 @@ impl<G> Rebalance<G> {
         .await?;
         txn.commit().await.map_err(err)?;
         tracing::info!(group = self.group, retired = %old, left = %left, right = %right, "range split");
+        // The split holds from here on: what follows can fail without
+        // undoing it (the next move start finishes it).
         // A process that dies here leaves the old range unfenced on its
-        // shard: the next split or move start fences it.
+        // shard: the next move start fences it.
         self.failpoint("split", 0, old.shard)?;
-        let epoch = super::refresh(&self.shards, self.group).await?;
         // 4. The old range is fenced on its shard: an instance that still
         //    routes by it is refused and reads the new map.
-        self.retire_split_ranges().await?;
+        let fenced = match self.fence_retired(&[old.id], &[old.shard]).await {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::warn!(group = self.group, range = %old, error = %e.report(), "split range not fenced yet; the next move start fences it");
+                false
+            }
+        };
+        let epoch = match super::refresh(&self.shards, self.group).await {
+            Ok(epoch) => epoch,
+            Err(e) => {
+                tracing::warn!(group = self.group, error = %e.report(), "map not read after the split");
+                epoch + 1
+            }
+        };
         Ok(RangeSplit {
             retired: old,
             left,
             right,
             epoch,
+            fenced,
         })
     }
 
-    fn held(&self, range: &RangeUnit) -> ShardError {
+    /// Refuses a split point of another kind than the group's bounds or
+    /// its key type: a map with mixed kinds routes no key.
+    fn check_kind(&self, units: &[RangeUnit], at: &RangeBound) -> Result<()> {
+        let bound = units.iter().flat_map(|u| [&u.from, &u.to]).flatten().next();
+        if let Some(b) = bound
+            && !b.same_kind(at)
+        {
+            let kinds = match b {
+                RangeBound::Int(_) => "integers",
+                RangeBound::Text(_) => "strings",
+            };
+            return Err(self.refuse(
+                None,
+                format!("the split point {at} is not of the kind of the group's bounds ({kinds})"),
+            ));
+        }
+        // The keys' kind, from a listed entity: the group's one range may
+        // have no bound yet.
+        if let Some(entity) = self.entities.first() {
+            let sample = match at {
+                RangeBound::Int(v) => entity.bound_at(&v.to_string()),
+                RangeBound::Text(t) => entity.bound_at(t),
+            };
+            if !sample.is_some_and(|s| s.same_kind(at)) {
+                return Err(self.refuse(
+                    None,
+                    format!("the split point {at} is not a shard key of the group's key type"),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn held(&self, range: &RangeUnit, by: i64) -> ShardError {
         self.refuse(
             None,
-            format!("{range} is held by a move that is not finished: run or abort it, then split"),
+            if by > 0 {
+                format!("{range} is held by move #{by}, which is not finished: let it finish (or abort it before its cut-over), then split")
+            } else {
+                format!("{range} was split already: look at the ranges again")
+            },
         )
     }
 
@@ -1777,8 +1863,10 @@ impl<G> Rebalance<G> {
         Ok(next - n)
     }
 
-    /// Fences every range a split retired on every shard that still owns
-    /// it (`owned` → `moved`, waiting for the writes that hold it).
+    /// Fences the ranges splits retired that are not fenced yet (a split
+    /// whose process stopped before it), on every shard: a move start of a
+    /// range group runs it first, so no half moves while an instance can
+    /// still write it unlogged by the old range.
     async fn retire_split_ranges(&self) -> Result<()> {
         let (db, name) = self.control()?;
         let stmt = Query::select()
@@ -1798,15 +1886,24 @@ impl<G> Rebalance<G> {
         if retired.is_empty() {
             return Ok(());
         }
+        let every: Vec<ShardId> = (0..self.shards.topology().shards().len() as u32)
+            .map(ShardId)
+            .collect();
+        self.fence_retired(&retired, &every).await
+    }
+
+    /// Sets `retired` ranges `owned` → `moved` on `shards` (waiting for the
+    /// writes that hold them), then marks their claims fenced.
+    async fn fence_retired(&self, retired: &[u32], shards: &[ShardId]) -> Result<()> {
         let wait = self.shards.rebalance_settings().cutover_wait;
-        for index in 0..self.shards.topology().shards().len() {
-            let conn = self.conn(ShardId(index as u32));
+        for &id in shards {
+            let conn = self.conn(id);
             let mut attempt = 0;
             loop {
                 let fenced = set_states(
                     conn,
                     self.group,
-                    &retired,
+                    retired,
                     &[BucketState::Owned],
                     BucketState::Moved,
                     None,
@@ -1825,6 +1922,17 @@ impl<G> Rebalance<G> {
                 }
             }
         }
-        Ok(())
+        let (db, name) = self.control()?;
+        let mark = Query::update()
+            .table(Alias::new(CLAIMS))
+            .value(Alias::new("move_id"), SPLIT_FENCED)
+            .and_where(Expr::col(Alias::new("grp")).eq(self.group))
+            .and_where(Expr::col(Alias::new("move_id")).eq(0i64))
+            .and_where(Expr::col(Alias::new("bucket")).is_in(retired.iter().map(|b| *b as i32)))
+            .to_owned();
+        db.execute(&mark)
+            .await
+            .map(drop)
+            .map_err(|e| db_err(name, CLAIMS, "update", e))
     }
 }

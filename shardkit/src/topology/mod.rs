@@ -11,8 +11,8 @@
 mod config;
 mod ranges;
 pub use crate::key::pghash;
-pub(crate) use ranges::find_bound;
 pub use ranges::{LiveMap, MapSnapshot, RangeOwners, RangeUnit};
+pub(crate) use ranges::{find_bound, find_key};
 mod url;
 
 pub use config::{

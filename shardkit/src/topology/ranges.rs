@@ -26,7 +26,7 @@ pub struct RangeUnit {
 
 impl RangeUnit {
     /// Whether `key` falls in this range.
-    pub fn holds<K: ShardKey + ?Sized>(&self, key: &K) -> bool {
+    pub fn holds<K: ShardKey>(&self, key: &K) -> bool {
         let above_from = self
             .from
             .as_ref()
@@ -123,21 +123,35 @@ impl RangeOwners {
         true
     }
 
-    /// The shard and range id of `key`.
+    /// The shard and range id of `key`. A `movable` group routes only by
+    /// ranges read from its map: a range's id is its position in the config
+    /// only until the first split, so the configured ranges could pass a
+    /// fence they should not.
     #[inline]
     pub(super) fn locate<K: ShardKey>(
         &self,
         group: &'static str,
         key: &K,
     ) -> crate::Result<(ShardId, u32)> {
-        let table = self.table.read().unwrap_or_else(|p| p.into_inner());
-        find(&table, |b| key_vs_bound(key, b))
-            .map(|i| (table[i].shard, table[i].id))
-            .map_err(|reason| crate::ShardError::Unroutable {
-                group,
-                key: format!("{key:?}"),
-                reason,
-            })
+        let unroutable = |reason: String| crate::ShardError::Unroutable {
+            group,
+            key: format!("{key:?}"),
+            reason,
+        };
+        let lookup = |units: &[RangeUnit]| {
+            find(units, |b| key_vs_bound(key, b))
+                .map(|i| (units[i].shard, units[i].id))
+                .map_err(unroutable)
+        };
+        if !self.movable {
+            return lookup(&self.configured);
+        }
+        if self.epoch() == 0 {
+            return Err(unroutable(
+                "the group's ranges have not been read from its control database yet (it is down, or not migrated): a movable range group routes only by its map".to_owned(),
+            ));
+        }
+        lookup(&self.table.read().unwrap_or_else(|p| p.into_inner()))
     }
 }
 
@@ -152,10 +166,7 @@ impl fmt::Debug for RangeOwners {
 }
 
 /// How a key orders against a bound (an error when their kinds differ).
-pub(crate) fn key_vs_bound<K: ShardKey + ?Sized>(
-    key: &K,
-    bound: &RangeBound,
-) -> Result<Ordering, String> {
+pub(crate) fn key_vs_bound<K: ShardKey>(key: &K, bound: &RangeBound) -> Result<Ordering, String> {
     match (key.key_ref(), bound) {
         (KeyRef::Int(k), RangeBound::Int(b)) => Ok(k.cmp(&i128::from(*b))),
         (KeyRef::Text(k), RangeBound::Text(b)) => Ok(k.cmp(b.as_str())),
@@ -194,14 +205,19 @@ pub(crate) fn find(
         }
     }
     let Some(i) = lo.checked_sub(1) else {
-        return Err("below the first configured range".to_owned());
+        return Err("below the group's first range".to_owned());
     };
     if let Some(to) = &units[i].to
         && compare(to)? != Ordering::Less
     {
-        return Err(format!("at or above {to}, past the last configured range"));
+        return Err(format!("at or above {to}, past the group's last range"));
     }
     Ok(i)
+}
+
+/// The index of the range holding `key`.
+pub(crate) fn find_key<K: ShardKey>(units: &[RangeUnit], key: &K) -> Result<usize, String> {
+    find(units, |b| key_vs_bound(key, b))
 }
 
 /// The index of the range holding `at` (a split point).
@@ -219,11 +235,20 @@ pub(crate) fn find_bound(units: &[RangeUnit], at: &RangeBound) -> Result<usize, 
 }
 
 impl RangeBound {
-    /// The bound as the bucket map stores it: `i:<integer>` or `t:<text>`.
+    /// The bound as the bucket map stores it: `i:<integer>`, or `t:` and
+    /// the text's UTF-8 bytes in hex (whatever the column's character set,
+    /// the bound comes back byte for byte).
     pub(crate) fn encode(&self) -> String {
         match self {
             RangeBound::Int(v) => format!("i:{v}"),
-            RangeBound::Text(v) => format!("t:{v}"),
+            RangeBound::Text(v) => {
+                let mut out = String::with_capacity(2 + 2 * v.len());
+                out.push_str("t:");
+                for b in v.as_bytes() {
+                    out.push_str(&format!("{b:02x}"));
+                }
+                out
+            }
         }
     }
 
@@ -231,14 +256,28 @@ impl RangeBound {
     pub(crate) fn decode(text: &str) -> Option<RangeBound> {
         match text.split_at_checked(2)? {
             ("i:", v) => v.parse().ok().map(RangeBound::Int),
-            ("t:", v) => Some(RangeBound::Text(v.to_owned())),
+            ("t:", v) if v.len() % 2 == 0 => {
+                let bytes = (0..v.len())
+                    .step_by(2)
+                    .map(|i| u8::from_str_radix(v.get(i..i + 2)?, 16).ok())
+                    .collect::<Option<Vec<u8>>>()?;
+                String::from_utf8(bytes).ok().map(RangeBound::Text)
+            }
             _ => None,
         }
     }
 
+    /// Whether two bounds are of one kind (both integers, or both text).
+    pub(crate) fn same_kind(&self, other: &RangeBound) -> bool {
+        matches!(
+            (self, other),
+            (RangeBound::Int(_), RangeBound::Int(_)) | (RangeBound::Text(_), RangeBound::Text(_))
+        )
+    }
+
     /// The bound at `key` (a split point): integers for integer keys (which
     /// must fit `i64`), text for text and UUID keys.
-    pub fn at_key<K: ShardKey + ?Sized>(key: &K) -> Option<RangeBound> {
+    pub fn at_key<K: ShardKey>(key: &K) -> Option<RangeBound> {
         match key.key_ref() {
             KeyRef::Int(v) => i64::try_from(v).ok().map(RangeBound::Int),
             KeyRef::Text(v) => Some(RangeBound::Text(v.to_owned())),
@@ -301,7 +340,7 @@ pub enum MapSnapshot {
 impl MapSnapshot {
     /// The shard that owns `key`'s rows (`None`: the key is outside every
     /// range).
-    pub fn owner_of<K: ShardKey + ?Sized>(&self, key: &K) -> Option<ShardId> {
+    pub fn owner_of<K: ShardKey>(&self, key: &K) -> Option<ShardId> {
         match self {
             MapSnapshot::Buckets(map) => {
                 let bucket = key.partition_hash() % map.len().max(1) as u64;
@@ -331,5 +370,82 @@ impl MapSnapshot {
             MapSnapshot::Buckets(map) => map.get(unit as usize).copied(),
             MapSnapshot::Ranges(units) => units.iter().find(|u| u.id == unit).map(|u| u.shard),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn unit(id: u32, from: Option<RangeBound>, to: Option<RangeBound>) -> RangeUnit {
+        RangeUnit {
+            id,
+            from,
+            to,
+            shard: ShardId(id),
+        }
+    }
+
+    #[test]
+    fn bounds_round_trip_byte_for_byte() {
+        for b in [
+            RangeBound::Int(i64::MIN),
+            RangeBound::Int(0),
+            RangeBound::Int(i64::MAX),
+            RangeBound::Text(String::new()),
+            RangeBound::Text("t:i:\u{0}é😀 ".to_owned()),
+        ] {
+            let text = b.encode();
+            assert!(text.is_ascii(), "{text}");
+            assert_eq!(RangeBound::decode(&text), Some(b));
+        }
+        for bad in ["", "i:", "i:x", "t:0", "t:zz", "t:ff", "x:1"] {
+            assert_eq!(RangeBound::decode(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn keys_at_bounds_belong_to_the_range_they_start() {
+        let int = |v| Some(RangeBound::Int(v));
+        let units = [
+            unit(0, None, int(10)),
+            unit(1, int(10), int(20)),
+            unit(2, int(20), None),
+        ];
+        for (key, at) in [
+            (i64::MIN, 0),
+            (9, 0),
+            (10, 1),
+            (19, 1),
+            (20, 2),
+            (i64::MAX, 2),
+        ] {
+            assert_eq!(find_key(&units, &key), Ok(at), "{key}");
+            assert!(units[at].holds(&key));
+            assert!(!units[(at + 1) % 3].holds(&key));
+        }
+        assert_eq!(find_bound(&units, &RangeBound::Int(10)), Ok(1));
+        // A u64 above i64::MAX is still a key of the last range.
+        assert_eq!(find_key(&units, &u64::MAX), Ok(2));
+        let bounded = [unit(0, int(0), int(10))];
+        assert!(find_key(&bounded, &-1i64).unwrap_err().contains("below"));
+        assert!(
+            find_key(&bounded, &10i64)
+                .unwrap_err()
+                .contains("at or above 10")
+        );
+    }
+
+    #[test]
+    fn a_bound_of_the_other_kind_is_an_error_not_a_range() {
+        let text = |v: &str| Some(RangeBound::Text(v.to_owned()));
+        let units = [unit(0, None, text("m")), unit(1, text("m"), None)];
+        assert_eq!(find_key(&units, &"apple".to_owned()), Ok(0));
+        assert_eq!(find_key(&units, &"m".to_owned()), Ok(1));
+        let uuid = uuid::Uuid::from_u128(u128::MAX);
+        assert_eq!(find_key(&units, &uuid), Ok(0), "ffffffff-… sorts below m");
+        assert!(find_key(&units, &5i64).unwrap_err().contains("integer"));
+        assert!(find_bound(&units, &RangeBound::Int(5)).is_err());
+        assert!(!RangeBound::Int(1).same_kind(&RangeBound::Text("1".to_owned())));
     }
 }
