@@ -361,6 +361,25 @@ async fn two_instances_write_while_a_quarter_of_the_buckets_move(dbs: &mut TestD
     // Scatter reads see each row once.
     let all = a.find::<customer::Entity>().scatter().all().await.unwrap();
     assert_eq!(all.len(), acked.lock().unwrap().customers.len());
+    // With no move left unfinished, counts and projections of every shard
+    // run as they always do.
+    let counted = a
+        .find::<customer::Entity>()
+        .scatter()
+        .count()
+        .await
+        .unwrap();
+    assert_eq!(counted as usize, all.len());
+    let names: Vec<String> = a
+        .find::<customer::Entity>()
+        .scatter()
+        .select_only()
+        .column(customer::Column::Name)
+        .into_tuple::<String>()
+        .all()
+        .await
+        .unwrap();
+    assert_eq!(names.len(), all.len());
     let on_s4 = customer::Entity::find()
         .all(a.connection("s4").unwrap())
         .await
@@ -711,6 +730,34 @@ async fn the_mover_killed_in_each_phase_is_resumed_by_another_process(dbs: &mut 
                 .unwrap()
                 .len();
             assert_eq!(n, acked.lock().unwrap().customers.len(), "{step}");
+            // So does a count, and the orders' too.
+            let counted = a
+                .find::<customer::Entity>()
+                .scatter()
+                .count()
+                .await
+                .unwrap();
+            assert_eq!(counted as usize, n, "{step}");
+            let orders = a.find::<order::Entity>().scatter().count().await.unwrap();
+            assert_eq!(
+                orders as usize,
+                acked.lock().unwrap().orders.len(),
+                "{step}"
+            );
+            // A projection cannot tell the copies apart: refused, saying why.
+            let projected = a
+                .find::<customer::Entity>()
+                .scatter()
+                .select_only()
+                .column(customer::Column::Name)
+                .into_tuple::<String>()
+                .all()
+                .await
+                .unwrap_err();
+            assert!(
+                matches!(&projected, ShardError::Unmergeable { reason, .. } if reason.contains("move")),
+                "{step}: {projected}"
+            );
             // A limited page from a shard holding copies it does not own
             // still merges right: the newest ten are the newest ten.
             let top: Vec<i64> = a

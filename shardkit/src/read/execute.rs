@@ -286,6 +286,21 @@ impl<E: ShardedEntity> Read<E> {
         Ok(rows)
     }
 
+    /// Whether rows of this (`movable`) group may be on two shards now: a
+    /// move of it is not finished (its moving buckets' rows are copied to
+    /// the target before the cut-over and leave the source only at
+    /// cleaning). A count or projection of several shards then has to tell
+    /// the copies apart by each row's key. A control database that cannot
+    /// say counts as yes.
+    pub(super) async fn rows_may_repeat(&self) -> bool {
+        if !self.shards.topology().is_movable(Self::group()) {
+            return false;
+        }
+        crate::rebalance::unfinished_moves(&self.shards, Self::group())
+            .await
+            .map_or(true, |n| n > 0)
+    }
+
     /// Runs a multi-shard plan of rows: gather, merge.
     pub(super) async fn rows(
         &self,

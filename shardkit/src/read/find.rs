@@ -244,6 +244,13 @@ impl<E: ShardedEntity, R> Find<E, R> {
                 .single::<R, _, _, _>(plan, "count", |s, conn| s.count(conn))
                 .await;
         }
+        if read.rows_may_repeat().await {
+            // A move of the group is under way: count whole rows, each
+            // once (on the shard that owns it), instead of summing counts
+            // that would see a moving row on its source and its target.
+            let (rows, gathered) = read.rows(plan, "count").await;
+            return R::finish(rows?.len() as u64, gathered);
+        }
         let asked = plan.asked;
         let (ok, mut failed, span) = read
             .gather(plan.parts, asked, "count", |s, conn| s.count(conn))
@@ -624,6 +631,19 @@ where
             return read
                 .single::<R, _, _, _>(plan, "all", |s, conn| into(s).all(conn))
                 .await;
+        }
+        if read.rows_may_repeat().await {
+            return Err(ShardError::Unmergeable {
+                table: table_name::<E>(),
+                reason: format!(
+                    "a projection of several shards while a move of group `{}` is not finished: \
+                     the moving buckets' rows are on two shards until the move is cleaned, and a \
+                     projection keeps no key to tell the copies apart; read whole rows with \
+                     `all()` (each is read once), project each key's rows with a keyed read, or \
+                     project after the move",
+                    <E::Group as EntityGroup>::NAME
+                ),
+            });
         }
         let asked = plan.asked;
         let (mut ok, mut failed, span) = read
