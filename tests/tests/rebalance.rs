@@ -1156,15 +1156,23 @@ async fn a_target_that_refuses_or_hangs_stops_the_mover_and_leaks_nothing(dbs: &
         Arc::clone(&stop),
     );
     let server = dbs.backend.server_address().unwrap();
-    for (i, hang) in [false, true].into_iter().enumerate() {
+    // The target refuses, or stops answering, once the copy has begun;
+    // or stops answering after the first replay round of catching up, so
+    // that the compare's reads wait on it.
+    let cases = [
+        (false, MovePhase::Copying, 1),
+        (true, MovePhase::Copying, 1),
+        (true, MovePhase::CatchingUp, 2),
+    ];
+    for (i, (hang, at, nth)) in cases.into_iter().enumerate() {
         let proxy = Arc::new(Proxy::start(server.clone()).await);
         let b = Cluster::connect(config_through(dbs, proxy.port))
             .await
             .unwrap();
-        // The target stops answering once the copy has begun.
         let cut = Arc::clone(&proxy);
+        let seen = std::sync::atomic::AtomicUsize::new(0);
         let m = mover(&b).on_progress(move |p| {
-            if p.phase == MovePhase::Copying {
+            if p.phase == at && seen.fetch_add(1, Ordering::SeqCst) + 1 == nth {
                 if hang {
                     cut.freeze();
                 } else {

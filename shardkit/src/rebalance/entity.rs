@@ -107,6 +107,7 @@ pub(crate) trait MoveEntity: Send + Sync {
         dst: (&'a DatabaseConnection, &'a str),
         chunk: u64,
         buckets: &'a Buckets,
+        step: Duration,
     ) -> BoxFuture<'a, Result<Compared>>;
 }
 
@@ -141,6 +142,24 @@ fn rows_per_insert<E: EntityTrait>(backend: DbBackend) -> usize {
         _ => 65_000,
     };
     (limit / columns).max(1)
+}
+
+/// `work` (one step of a move of `group` against `shard`) bounded by
+/// `step`: a shard that stops answering fails the mover instead of
+/// holding it.
+pub(crate) async fn bounded<T>(
+    group: &'static str,
+    step: Duration,
+    shard: &str,
+    work: impl std::future::Future<Output = Result<T>>,
+) -> Result<T> {
+    tokio::time::timeout(step, work)
+        .await
+        .map_err(|_| ShardError::Timeout {
+            group,
+            shard: shard.to_owned(),
+            after: step,
+        })?
 }
 
 /// Runs `work` again when the database aborted it (a deadlock with the
@@ -428,6 +447,7 @@ where
         dst: (&'a DatabaseConnection, &'a str),
         chunk: u64,
         buckets: &'a Buckets,
+        step: Duration,
     ) -> BoxFuture<'a, Result<Compared>> {
         Box::pin(async move {
             // Both sides walk the table in primary-key order over the same
@@ -435,21 +455,29 @@ where
             let mut out = Compared::default();
             let mut after: Option<Vec<Value>> = None;
             loop {
-                let rows = keyset::chunk::<E>(after.as_deref(), chunk)
-                    .all(src.0)
-                    .await
-                    .map_err(err::<E>(src.1, "verify"))?;
+                // Each chunk's read is a step, bounded like every other
+                // step of the mover against a shard.
+                let rows = bounded(<E::Group as EntityGroup>::NAME, step, src.1, async {
+                    keyset::chunk::<E>(after.as_deref(), chunk)
+                        .all(src.0)
+                        .await
+                        .map_err(err::<E>(src.1, "verify"))
+                })
+                .await?;
                 let last = (rows.len() as u64 == chunk)
                     .then(|| rows.last().map(model_pk_values::<E>))
                     .flatten();
-                let theirs = keyset::by_pk(
-                    E::find()
-                        .filter(keyset::after_condition::<E>(after.as_deref()))
-                        .filter(keyset::upto_condition::<E>(last.as_deref())),
-                )
-                .all(dst.0)
-                .await
-                .map_err(err::<E>(dst.1, "verify"))?;
+                let theirs = bounded(<E::Group as EntityGroup>::NAME, step, dst.1, async {
+                    keyset::by_pk(
+                        E::find()
+                            .filter(keyset::after_condition::<E>(after.as_deref()))
+                            .filter(keyset::upto_condition::<E>(last.as_deref())),
+                    )
+                    .all(dst.0)
+                    .await
+                    .map_err(err::<E>(dst.1, "verify"))
+                })
+                .await?;
                 let mine: std::collections::BTreeMap<String, (String, Vec<Value>)> = rows
                     .iter()
                     .filter(|m| buckets.holds(&E::shard_key(m)))

@@ -808,14 +808,8 @@ impl<G> Rebalance<G> {
         shard: &str,
         work: impl std::future::Future<Output = Result<T>>,
     ) -> Result<T> {
-        let after = self.shards.rebalance_settings().step_timeout;
-        tokio::time::timeout(after, work)
-            .await
-            .map_err(|_| ShardError::Timeout {
-                group: self.group,
-                shard: shard.to_owned(),
-                after,
-            })?
+        let step = self.shards.rebalance_settings().step_timeout;
+        super::entity::bounded(self.group, step, shard, work).await
     }
 
     fn conn(&self, id: ShardId) -> (&DatabaseConnection, &str) {
@@ -1156,7 +1150,15 @@ impl<G> Rebalance<G> {
             let only_here = self.moving(&buckets).await?;
             let source = self.conn(src);
             for entity in &self.entities {
-                let found = entity.compare(source, dst, chunk, &only_here).await?;
+                let found = entity
+                    .compare(
+                        source,
+                        dst,
+                        chunk,
+                        &only_here,
+                        self.shards.rebalance_settings().step_timeout,
+                    )
+                    .await?;
                 if found.keys.is_empty() {
                     continue;
                 }
@@ -1177,7 +1179,15 @@ impl<G> Rebalance<G> {
                     "rows differ without a logged change: copying them again"
                 );
                 self.sync_keys(source, dst, &unexplained).await?;
-                let again = entity.compare(source, dst, chunk, &only_here).await?;
+                let again = entity
+                    .compare(
+                        source,
+                        dst,
+                        chunk,
+                        &only_here,
+                        self.shards.rebalance_settings().step_timeout,
+                    )
+                    .await?;
                 let pending = self.pending_keys(source, status.id).await?;
                 let still = again.keys.iter().filter(|k| !pending.contains(*k)).count();
                 if still > 0 {
