@@ -82,6 +82,17 @@ impl crate::read::ReadGuard for ReadGuards {
             }) as futures::future::BoxFuture<'_, ()>
         })
     }
+
+    fn rows_may_repeat(&self, group: &'static str) -> Option<futures::future::BoxFuture<'_, bool>> {
+        self.shards.topology().is_movable(group).then(|| {
+            Box::pin(async move {
+                // A control database that cannot say counts as yes.
+                crate::rebalance::unfinished_moves(&self.shards, group)
+                    .await
+                    .map_or(true, |n| n > 0)
+            }) as futures::future::BoxFuture<'_, bool>
+        })
+    }
 }
 
 /// Builds a [`Cluster`] with options beyond the config file.

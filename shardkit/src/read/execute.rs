@@ -286,19 +286,20 @@ impl<E: ShardedEntity> Read<E> {
         Ok(rows)
     }
 
-    /// Whether rows of this (`movable`) group may be on two shards now: a
-    /// move of it is not finished (its moving buckets' rows are copied to
-    /// the target before the cut-over and leave the source only at
-    /// cleaning). A count or projection of several shards then has to tell
-    /// the copies apart by each row's key. A control database that cannot
-    /// say counts as yes.
+    /// Whether rows of this group may be on two shards now: a move of it
+    /// is not finished (its moving buckets' rows are copied to the target
+    /// before the cut-over and leave the source only at cleaning). A count
+    /// or projection of several shards then has to tell the copies apart by
+    /// each row's key.
     pub(super) async fn rows_may_repeat(&self) -> bool {
-        if !self.shards.topology().is_movable(Self::group()) {
-            return false;
+        match self
+            .guard
+            .as_ref()
+            .and_then(|g| g.rows_may_repeat(Self::group()))
+        {
+            Some(asked) => asked.await,
+            None => false,
         }
-        crate::rebalance::unfinished_moves(&self.shards, Self::group())
-            .await
-            .map_or(true, |n| n > 0)
     }
 
     /// Runs a multi-shard plan of rows: gather, merge.

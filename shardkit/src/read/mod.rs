@@ -48,6 +48,16 @@ pub(crate) trait ReadGuard: Send + Sync {
     fn before_routing(&self, _group: &'static str) -> Option<futures::future::BoxFuture<'_, ()>> {
         None
     }
+
+    /// Whether rows of `group` may be on two shards now (a bucket move of
+    /// it is not finished), so a count or projection of several shards
+    /// must tell the copies apart; `None`: never (not a movable group).
+    fn rows_may_repeat(
+        &self,
+        _group: &'static str,
+    ) -> Option<futures::future::BoxFuture<'_, bool>> {
+        None
+    }
 }
 
 /// Another table that answers an entity's reads in place of its own (a
