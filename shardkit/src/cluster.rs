@@ -83,14 +83,32 @@ impl crate::read::ReadGuard for ReadGuards {
         })
     }
 
-    fn rows_may_repeat(&self, group: &'static str) -> Option<futures::future::BoxFuture<'_, bool>> {
+    fn move_mark(
+        &self,
+        group: &'static str,
+    ) -> Option<futures::future::BoxFuture<'_, crate::read::MoveMark>> {
         self.shards.topology().is_movable(group).then(|| {
             Box::pin(async move {
-                // A control database that cannot say counts as yes.
-                crate::rebalance::unfinished_moves(&self.shards, group)
+                // Bounded like a read of the shard it asks.
+                let within = self
+                    .shards
+                    .read_settings()
+                    .timeout
+                    .unwrap_or(Duration::from_secs(5));
+                match tokio::time::timeout(within, crate::rebalance::move_mark(&self.shards, group))
                     .await
-                    .map_or(true, |n| n > 0)
-            }) as futures::future::BoxFuture<'_, bool>
+                {
+                    Ok(Ok(mark)) => Some(mark),
+                    Ok(Err(e)) => {
+                        tracing::warn!(group, error = %e.report(), "moves unknown: counting rows one by one, refusing projections");
+                        None
+                    }
+                    Err(_) => {
+                        tracing::warn!(group, ?within, "moves unknown (control database slow): counting rows one by one, refusing projections");
+                        None
+                    }
+                }
+            }) as futures::future::BoxFuture<'_, crate::read::MoveMark>
         })
     }
 }

@@ -738,6 +738,28 @@ async fn the_mover_killed_in_each_phase_is_resumed_by_another_process(dbs: &mut 
                 .await
                 .unwrap();
             assert_eq!(counted as usize, n, "{step}");
+            // A count has no limit or order, mid-move as at any time.
+            let limited = a
+                .find::<customer::Entity>()
+                .scatter()
+                .order_by_desc(customer::Column::Id)
+                .limit(3)
+                .count()
+                .await
+                .unwrap();
+            assert_eq!(limited as usize, n, "{step}");
+            // Reads by key ask each key's owner only: their projections run.
+            let keys: Vec<i64> = acked.lock().unwrap().customers.keys().copied().collect();
+            let names: Vec<String> = a
+                .find::<customer::Entity>()
+                .keys(keys.clone())
+                .select_only()
+                .column(customer::Column::Name)
+                .into_tuple::<String>()
+                .all()
+                .await
+                .unwrap();
+            assert_eq!(names.len(), keys.len(), "{step}");
             let orders = a.find::<order::Entity>().scatter().count().await.unwrap();
             assert_eq!(
                 orders as usize,

@@ -99,6 +99,7 @@ impl<E: ShardedEntity> Read<E> {
                 limit: self.limit,
                 offset,
                 lookup_failed: None,
+                owners: None,
             });
         }
         self.check_mergeable()?;
@@ -106,6 +107,13 @@ impl<E: ShardedEntity> Read<E> {
             RouteSpec::Many(keys) => PlannedRoute::Keys { keys: keys.len() },
             _ => PlannedRoute::Scatter,
         });
+        // Taken before the shards are chosen: a shard the map gives a
+        // bucket later is asked too, and the rows kept are those of the
+        // owners this map names (which keep them until cleaning).
+        let owners = match &spec {
+            RouteSpec::All => self.map_snapshot(),
+            _ => None,
+        };
         let mut parts = self.fan_out(*select, spec).await?;
         if let Some(failed) = &lookup_failed {
             // The shard whose index lookup failed is not asked again.
@@ -129,6 +137,7 @@ impl<E: ShardedEntity> Read<E> {
             limit,
             offset,
             lookup_failed,
+            owners,
         })
     }
 
@@ -286,20 +295,65 @@ impl<E: ShardedEntity> Read<E> {
         Ok(rows)
     }
 
-    /// Whether rows of this group may be on two shards now: a move of it
-    /// is not finished (its moving buckets' rows are copied to the target
-    /// before the cut-over and leave the source only at cleaning). A count
-    /// or projection of several shards then has to tell the copies apart by
-    /// each row's key.
-    pub(super) async fn rows_may_repeat(&self) -> bool {
-        match self
-            .guard
-            .as_ref()
-            .and_then(|g| g.rows_may_repeat(Self::group()))
-        {
-            Some(asked) => asked.await,
-            None => false,
+    /// A `movable` group's map now (`None` for other groups).
+    fn map_snapshot(&self) -> Option<crate::topology::MapSnapshot> {
+        let topology = self.shards.topology();
+        if !topology.is_movable(Self::group()) {
+            return None;
         }
+        topology
+            .live_owners(Self::group())
+            .ok()
+            .flatten()
+            .map(|map| map.snapshot())
+    }
+
+    /// The group's moves as a count or projection of a plan needs them:
+    /// `None` when the plan cannot see a row twice (not a scatter of a
+    /// `movable` group).
+    pub(super) async fn move_mark(&self, scatters_movable: bool) -> Option<MoveMark> {
+        if !scatters_movable {
+            return None;
+        }
+        match self.guard.as_ref().and_then(|g| g.move_mark(Self::group())) {
+            Some(asked) => Some(asked.await),
+            // No guard (not a cluster's read): nothing says there is no move.
+            None => Some(None),
+        }
+    }
+
+    /// Counts the plan's rows, each once: whole rows of every shard, kept
+    /// where the plan's map says they live, counted (no limit, offset or
+    /// order applies to a count).
+    pub(super) async fn count_owned(
+        &self,
+        parts: Vec<(ShardId, Select<E>)>,
+        asked: usize,
+        lookup_failed: Option<ShardFailure>,
+        owners: Option<&crate::topology::MapSnapshot>,
+    ) -> (Result<u64>, Gathered) {
+        let parts: Vec<(ShardId, Select<E>)> = parts
+            .into_iter()
+            .map(|(id, select)| {
+                (
+                    id,
+                    select
+                        .select_only()
+                        .columns(<E::Column as sea_orm::Iterable>::iter()),
+                )
+            })
+            .collect();
+        let (ok, mut failed, span) = self
+            .gather(parts, asked, "count", |s, conn| s.all(conn))
+            .await;
+        let asked = asked + usize::from(lookup_failed.is_some());
+        failed.extend(lookup_failed);
+        let n: u64 = owned_only::<E>(ok, owners)
+            .iter()
+            .map(|(_, rows)| rows.len() as u64)
+            .sum();
+        span.record("rows", n);
+        (Ok(n), self.gathered(asked, failed))
     }
 
     /// Runs a multi-shard plan of rows: gather, merge.
@@ -319,7 +373,7 @@ impl<E: ShardedEntity> Read<E> {
         // holds with the same values, which ranks the same there, so every
         // owned row the page lost ranks below the page's length of other
         // rows and is not in the merged result either.
-        let ok = self.owned_only(ok);
+        let ok = owned_only::<E>(ok, plan.owners.as_ref());
         let rows = self.merge(ok, plan.limit, plan.offset);
         if let Ok(rows) = &rows {
             span.record("rows", rows.len());
@@ -653,32 +707,6 @@ impl<E: ShardedEntity> Read<E> {
         (ok, failed, span)
     }
 
-    /// For a `movable` group, only each shard's rows of the buckets the map
-    /// says it owns: while a bucket moves, its rows are on the source and
-    /// (copied, or not yet cleaned) on the target, and a row must be read
-    /// once.
-    fn owned_only(&self, parts: Vec<(ShardId, Vec<E::Model>)>) -> Vec<(ShardId, Vec<E::Model>)> {
-        let topology = self.shards.topology();
-        if !topology.is_movable(Self::group()) {
-            return parts;
-        }
-        let Ok(Some(map)) = topology.live_owners(Self::group()) else {
-            return parts;
-        };
-        // One reading of the map for the whole result.
-        let map = map.snapshot();
-        parts
-            .into_iter()
-            .map(|(id, rows)| {
-                let rows = rows
-                    .into_iter()
-                    .filter(|m| map.owner_of(&E::shard_key(m)) == Some(id))
-                    .collect();
-                (id, rows)
-            })
-            .collect()
-    }
-
     /// Merges per-shard rows into one ordered, paged result.
     pub(super) fn merge(
         &self,
@@ -821,4 +849,27 @@ pub(crate) fn compare_values(a: &Value, b: &Value, nulls_high: bool) -> Option<O
         }
         _ => None,
     }
+}
+
+/// For a scatter of a `movable` group, only each shard's rows of the
+/// buckets `owners` (the plan's map) says it owns: while a bucket moves,
+/// its rows are on the source and (copied, or not yet cleaned) on the
+/// target, and a row must be read once.
+fn owned_only<E: ShardedEntity>(
+    parts: Vec<(ShardId, Vec<E::Model>)>,
+    owners: Option<&crate::topology::MapSnapshot>,
+) -> Vec<(ShardId, Vec<E::Model>)> {
+    let Some(map) = owners else {
+        return parts;
+    };
+    parts
+        .into_iter()
+        .map(|(id, rows)| {
+            let rows = rows
+                .into_iter()
+                .filter(|m| map.owner_of(&E::shard_key(m)) == Some(id))
+                .collect();
+            (id, rows)
+        })
+        .collect()
 }

@@ -244,17 +244,32 @@ impl<E: ShardedEntity, R> Find<E, R> {
                 .single::<R, _, _, _>(plan, "count", |s, conn| s.count(conn))
                 .await;
         }
-        if read.rows_may_repeat().await {
-            // A move of the group is under way: count whole rows, each
-            // once (on the shard that owns it), instead of summing counts
-            // that would see a moving row on its source and its target.
-            let (rows, gathered) = read.rows(plan, "count").await;
-            return R::finish(rows?.len() as u64, gathered);
+        // A scatter of a movable group sums `COUNT(*)`s only when no move
+        // of the group ran before or while they were taken; otherwise (a
+        // moving row is on its source and its target) it counts whole
+        // rows, each on the shard the plan's map says owns it.
+        let scatters_movable = plan.owners.is_some();
+        let before = read.move_mark(scatters_movable).await;
+        let owners = plan.owners.as_ref();
+        if before.is_some_and(|mark| !matches!(mark, Some((0, _)))) {
+            let (n, gathered) = read
+                .count_owned(plan.parts, plan.asked, plan.lookup_failed, owners)
+                .await;
+            return R::finish(n?, gathered);
         }
+        let again = scatters_movable.then(|| plan.parts.clone());
         let asked = plan.asked;
         let (ok, mut failed, span) = read
             .gather(plan.parts, asked, "count", |s, conn| s.count(conn))
             .await;
+        if let Some(parts) = again
+            && read.move_mark(true).await != before
+        {
+            let (n, gathered) = read
+                .count_owned(parts, asked, plan.lookup_failed, owners)
+                .await;
+            return R::finish(n?, gathered);
+        }
         let asked = asked + usize::from(plan.lookup_failed.is_some());
         failed.extend(plan.lookup_failed);
         let n: u64 = ok.into_iter().map(|(_, n)| n).sum();
@@ -632,23 +647,23 @@ where
                 .single::<R, _, _, _>(plan, "all", |s, conn| into(s).all(conn))
                 .await;
         }
-        if read.rows_may_repeat().await {
-            return Err(ShardError::Unmergeable {
-                table: table_name::<E>(),
-                reason: format!(
-                    "a projection of several shards while a move of group `{}` is not finished: \
-                     the moving buckets' rows are on two shards until the move is cleaned, and a \
-                     projection keeps no key to tell the copies apart; read whole rows with \
-                     `all()` (each is read once), project each key's rows with a keyed read, or \
-                     project after the move",
-                    <E::Group as EntityGroup>::NAME
-                ),
-            });
+        // A scatter of a movable group projects only when no move of the
+        // group ran before or while it read: a moving row is on two shards
+        // and a projection keeps no key to tell the copies apart.
+        let scatters_movable = plan.owners.is_some();
+        let before = read.move_mark(scatters_movable).await;
+        if let Some(mark) = before
+            && !matches!(mark, Some((0, _)))
+        {
+            return Err(moving_projection::<E>(mark.is_some()));
         }
         let asked = plan.asked;
         let (mut ok, mut failed, span) = read
             .gather(plan.parts, asked, "all", |s, conn| into(s).all(conn))
             .await;
+        if scatters_movable && read.move_mark(true).await != before {
+            return Err(moving_projection::<E>(true));
+        }
         let asked = asked + usize::from(plan.lookup_failed.is_some());
         failed.extend(plan.lookup_failed);
         ok.sort_by_key(|(id, _)| *id);
@@ -739,5 +754,26 @@ impl<E: ShardedEntity, S: SelectorTrait> KeyedSelect<E, S> {
         let plan = read.plan(select, spec, ReadOp::One).await?;
         read.single::<Keyed<KeyOf<E>>, _, _, _>(plan, "one", |s, conn| into(s).one(conn))
             .await
+    }
+}
+
+/// The refusal of a projection of several shards of a `movable` group
+/// while a move of it runs (`known`), or while its control database
+/// cannot say whether one does.
+fn moving_projection<E: ShardedEntity>(known: bool) -> ShardError {
+    let group = <E::Group as EntityGroup>::NAME;
+    let why = if known {
+        format!("a move of group `{group}` is not finished (or started while the read ran)")
+    } else {
+        format!("the control database of group `{group}` cannot say whether a move of it runs")
+    };
+    ShardError::Unmergeable {
+        table: table_name::<E>(),
+        reason: format!(
+            "a projection of several shards while {why}: the moving buckets' rows are on two \
+             shards until the move is cleaned, and a projection keeps no key to tell the copies \
+             apart; read whole rows with `all()` (each is read once), project each key's rows \
+             with a keyed read, or project after the move"
+        ),
     }
 }

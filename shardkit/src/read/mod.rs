@@ -49,16 +49,19 @@ pub(crate) trait ReadGuard: Send + Sync {
         None
     }
 
-    /// Whether rows of `group` may be on two shards now (a bucket move of
-    /// it is not finished), so a count or projection of several shards
-    /// must tell the copies apart; `None`: never (not a movable group).
-    fn rows_may_repeat(
-        &self,
-        _group: &'static str,
-    ) -> Option<futures::future::BoxFuture<'_, bool>> {
+    /// The moves of `group` (see [`MoveMark`]); `None`: it never moves
+    /// (rows are on one shard each).
+    fn move_mark(&self, _group: &'static str) -> Option<futures::future::BoxFuture<'_, MoveMark>> {
         None
     }
 }
+
+/// What a multi-shard count or projection of a `movable` group needs to
+/// know of its moves: `Some((unfinished, newest id))`, or `None` when the
+/// control database cannot say. Rows may be on two shards while a move is
+/// not finished; a count or projection that saw no unfinished move before
+/// and the same mark after its gather saw each row once.
+pub(crate) type MoveMark = Option<(u64, i64)>;
 
 /// Another table that answers an entity's reads in place of its own (a
 /// rollout's new table from `read_new` on), with its global indexes: an

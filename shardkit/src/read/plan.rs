@@ -31,6 +31,11 @@ pub(super) struct Plan<E: ShardedEntity> {
     /// The index lookup's failure, when the read scatters without the
     /// index (reported beside the shards' own failures).
     pub(super) lookup_failed: Option<ShardFailure>,
+    /// For a scatter of a `movable` group: the map as it was when the
+    /// shards were chosen, which decides the shard each row is read from
+    /// (a moving row is on its source and its target). `None`: each key
+    /// is read from its owner only.
+    pub(super) owners: Option<crate::topology::MapSnapshot>,
 }
 
 /// What a read will do, computed before any of its statements runs

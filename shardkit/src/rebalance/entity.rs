@@ -2,7 +2,7 @@
 //! the moving buckets, behind an object the mover calls by table.
 
 use super::*;
-use sea_orm::ActiveModelTrait;
+use sea_orm::{ActiveModelTrait, QuerySelect};
 
 /// The moving buckets of a hash group (a membership table over all
 /// buckets), or the moving ranges of a range group.
@@ -467,17 +467,31 @@ where
                 let last = (rows.len() as u64 == chunk)
                     .then(|| rows.last().map(model_pk_values::<E>))
                     .flatten();
-                let theirs = bounded(<E::Group as EntityGroup>::NAME, step, dst.1, async {
-                    keyset::by_pk(
-                        E::find()
-                            .filter(keyset::after_condition::<E>(after.as_deref()))
-                            .filter(keyset::upto_condition::<E>(last.as_deref())),
-                    )
-                    .all(dst.0)
-                    .await
-                    .map_err(err::<E>(dst.1, "verify"))
-                })
-                .await?;
+                // The target's rows in the same key range, in pages of
+                // `chunk` (the target may hold many rows of its own there),
+                // keeping those of the moving buckets.
+                let mut theirs: Vec<E::Model> = Vec::new();
+                let mut page_after = after.clone();
+                loop {
+                    let page = bounded(<E::Group as EntityGroup>::NAME, step, dst.1, async {
+                        keyset::by_pk(
+                            E::find()
+                                .filter(keyset::after_condition::<E>(page_after.as_deref()))
+                                .filter(keyset::upto_condition::<E>(last.as_deref())),
+                        )
+                        .limit(chunk)
+                        .all(dst.0)
+                        .await
+                        .map_err(err::<E>(dst.1, "verify"))
+                    })
+                    .await?;
+                    let more = page.len() as u64 == chunk;
+                    page_after = page.last().map(model_pk_values::<E>);
+                    theirs.extend(page.into_iter().filter(|m| buckets.holds(&E::shard_key(m))));
+                    if !more {
+                        break;
+                    }
+                }
                 let mine: std::collections::BTreeMap<String, (String, Vec<Value>)> = rows
                     .iter()
                     .filter(|m| buckets.holds(&E::shard_key(m)))

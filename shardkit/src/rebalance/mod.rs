@@ -157,6 +157,37 @@ pub(crate) async fn unfinished_moves(shards: &Shards, group: &str) -> Result<u64
     Ok(n as u64)
 }
 
+/// The moves of `group` as a multi-shard count or projection needs to
+/// know them: how many are not finished, and the newest move's id (a move
+/// registered while the read ran changes it).
+pub(crate) async fn move_mark(shards: &Shards, group: &str) -> Result<(u64, i64)> {
+    let id = map::control(shards, group)?;
+    let (db, name) = (shards.side_conn(id), shards.shard_name(id));
+    let err = |e| map::db_err(name, "shardkit_moves", "read", e);
+    // COUNT skips the NULL of a finished move's CASE.
+    let unfinished = Expr::case(
+        Expr::col(Alias::new("phase")).is_not_in(["done", "aborted"]),
+        1,
+    );
+    let stmt = Query::select()
+        .expr_as(Expr::expr(unfinished).count(), Alias::new("n"))
+        .expr_as(Expr::col(Alias::new("id")).max(), Alias::new("newest"))
+        .from(Alias::new("shardkit_moves"))
+        .and_where(Expr::col(Alias::new("grp")).eq(group))
+        .to_owned();
+    let row = db.query_one(&stmt).await.map_err(err)?;
+    let get = |column: &str| -> Result<i64> {
+        match &row {
+            Some(r) => Ok(r
+                .try_get::<Option<i64>>("", column)
+                .map_err(err)?
+                .unwrap_or(0)),
+            None => Ok(0),
+        }
+    };
+    Ok((get("n")? as u64, get("newest")?))
+}
+
 /// Whether a read of `group` must read the bucket map first: the map this
 /// instance holds was read longer ago than half the cleanup grace, so the
 /// shard it names may have given the bucket away and deleted its rows
