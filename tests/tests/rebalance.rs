@@ -760,11 +760,14 @@ async fn the_mover_killed_in_each_phase_is_resumed_by_another_process(dbs: &mut 
                 .await
                 .unwrap();
             assert_eq!(names.len(), keys.len(), "{step}");
-            let orders = a.find::<order::Entity>().scatter().count().await.unwrap();
-            assert_eq!(
-                orders as usize,
-                acked.lock().unwrap().orders.len(),
-                "{step}"
+            // Orders change under the writer (one transaction at a time,
+            // acknowledged after it commits): one off at most, where a
+            // count of both copies would be off by the moving buckets'.
+            let orders = a.find::<order::Entity>().scatter().count().await.unwrap() as i64;
+            let acked_orders = acked.lock().unwrap().orders.len() as i64;
+            assert!(
+                (orders - acked_orders).abs() <= 1,
+                "{step}: {orders} orders counted, {acked_orders} acknowledged"
             );
             // A projection cannot tell the copies apart: refused, saying why.
             let projected = a
