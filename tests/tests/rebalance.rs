@@ -187,6 +187,23 @@ fn writer(
     })
 }
 
+/// Eight writers, four per instance, each on its own keys of `keys` (the
+/// test configs give every shard a pool of 2).
+fn eight_writers(
+    instances: [&Cluster; 2],
+    acked: &Shared,
+    keys: std::ops::RangeInclusive<i64>,
+    stop: &Arc<AtomicBool>,
+) -> Vec<tokio::task::JoinHandle<i64>> {
+    (0..8i64)
+        .map(|w| {
+            let mine: Vec<i64> = keys.clone().filter(|k| k % 8 == w).collect();
+            let on = instances[(w % 2) as usize];
+            writer(on.clone(), Arc::clone(acked), mine, Arc::clone(stop))
+        })
+        .collect()
+}
+
 /// Every acknowledged row is on its bucket's owner (as `cluster`'s map says)
 /// exactly once, with what was acknowledged; no other row exists; the
 /// global indexes find every contact.
@@ -294,14 +311,7 @@ async fn two_instances_write_while_a_quarter_of_the_buckets_move(dbs: &mut TestD
     assert_eq!((epoch(&a), epoch(&b)), (1, 1));
 
     let stop = Arc::new(AtomicBool::new(false));
-    // Eight writers, four per instance, each on its own keys, on pools of 2.
-    let writers: Vec<_> = (0..8i64)
-        .map(|w| {
-            let keys: Vec<i64> = (1..=120).filter(|k| k % 8 == w).collect();
-            let on = if w % 2 == 0 { &a } else { &b };
-            writer(on.clone(), Arc::clone(&acked), keys, Arc::clone(&stop))
-        })
-        .collect();
+    let writers = eight_writers([&a, &b], &acked, 1..=120, &stop);
 
     let progress = Arc::new(Mutex::new(Vec::new()));
     let seen = Arc::clone(&progress);
@@ -450,14 +460,7 @@ async fn a_range_splits_and_half_of_it_moves_while_two_instances_write(dbs: &mut
     );
 
     let stop = Arc::new(AtomicBool::new(false));
-    // Eight writers, four per instance, on pools of 2, across every range.
-    let writers: Vec<_> = (0..8i64)
-        .map(|w| {
-            let keys: Vec<i64> = (1..=160).filter(|k| k % 8 == w).collect();
-            let on = if w % 2 == 0 { &a } else { &b };
-            writer(on.clone(), Arc::clone(&acked), keys, Arc::clone(&stop))
-        })
-        .collect();
+    let writers = eight_writers([&a, &b], &acked, 1..=160, &stop);
 
     // Split [80, 120) at 100: both halves stay on s2, under new ids; the
     // old range is fenced there, so `b`'s writes by range 2 are refused

@@ -1149,16 +1149,10 @@ impl<G> Rebalance<G> {
         for (src, buckets) in self.sources(status)? {
             let only_here = self.moving(&buckets).await?;
             let source = self.conn(src);
+            let step = self.shards.rebalance_settings().step_timeout;
             for entity in &self.entities {
-                let found = entity
-                    .compare(
-                        source,
-                        dst,
-                        chunk,
-                        &only_here,
-                        self.shards.rebalance_settings().step_timeout,
-                    )
-                    .await?;
+                let compare = || entity.compare(source, dst, chunk, &only_here, step);
+                let found = compare().await?;
                 if found.keys.is_empty() {
                     continue;
                 }
@@ -1179,15 +1173,7 @@ impl<G> Rebalance<G> {
                     "rows differ without a logged change: copying them again"
                 );
                 self.sync_keys(source, dst, &unexplained).await?;
-                let again = entity
-                    .compare(
-                        source,
-                        dst,
-                        chunk,
-                        &only_here,
-                        self.shards.rebalance_settings().step_timeout,
-                    )
-                    .await?;
+                let again = compare().await?;
                 let pending = self.pending_keys(source, status.id).await?;
                 let still = again.keys.iter().filter(|k| !pending.contains(*k)).count();
                 if still > 0 {
