@@ -187,6 +187,18 @@ fn writer(
     })
 }
 
+/// Every customer's name, projected from every shard.
+async fn scatter_names(cluster: &Cluster) -> Result<Vec<String>, ShardError> {
+    cluster
+        .find::<customer::Entity>()
+        .scatter()
+        .select_only()
+        .column(customer::Column::Name)
+        .into_tuple::<String>()
+        .all()
+        .await
+}
+
 /// Eight writers, four per instance, each on its own keys of `keys` (the
 /// test configs give every shard a pool of 2).
 fn eight_writers(
@@ -380,16 +392,7 @@ async fn two_instances_write_while_a_quarter_of_the_buckets_move(dbs: &mut TestD
         .await
         .unwrap();
     assert_eq!(counted as usize, all.len());
-    let names: Vec<String> = a
-        .find::<customer::Entity>()
-        .scatter()
-        .select_only()
-        .column(customer::Column::Name)
-        .into_tuple::<String>()
-        .all()
-        .await
-        .unwrap();
-    assert_eq!(names.len(), all.len());
+    assert_eq!(scatter_names(&a).await.unwrap().len(), all.len());
     let on_s4 = customer::Entity::find()
         .all(a.connection("s4").unwrap())
         .await
@@ -773,15 +776,7 @@ async fn the_mover_killed_in_each_phase_is_resumed_by_another_process(dbs: &mut 
                 "{step}: {orders} orders counted, {acked_orders} acknowledged"
             );
             // A projection cannot tell the copies apart: refused, saying why.
-            let projected = a
-                .find::<customer::Entity>()
-                .scatter()
-                .select_only()
-                .column(customer::Column::Name)
-                .into_tuple::<String>()
-                .all()
-                .await
-                .unwrap_err();
+            let projected = scatter_names(&a).await.unwrap_err();
             assert!(
                 matches!(&projected, ShardError::Unmergeable { reason, .. } if reason.contains("move")),
                 "{step}: {projected}"
