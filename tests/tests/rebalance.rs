@@ -29,8 +29,18 @@ const BUCKETS: u32 = 64;
 static FAILPOINTS: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 fn config(dbs: &TestDbs, refresh_ms: u64) -> ClusterConfig {
+    config_with(
+        dbs,
+        &format!("buckets = {BUCKETS}\nshards = [\"s0\", \"s1\", \"s2\", \"s3\"]"),
+        refresh_ms,
+    )
+}
+
+/// Five shards on pools of 2 and the movable Customer group placed by
+/// `placement` (its TOML lines).
+fn config_with(dbs: &TestDbs, placement: &str, refresh_ms: u64) -> ClusterConfig {
     let toml = format!(
-        "{}\n[groups.Customer]\nbuckets = {BUCKETS}\nshards = [\"s0\", \"s1\", \"s2\", \"s3\"]\nmovable = true\n\n[rebalance]\nrefresh_ms = {refresh_ms}\ncleanup_grace_ms = 0\nchunk = 40\n",
+        "{}\n[groups.Customer]\n{placement}\nmovable = true\n\n[rebalance]\nrefresh_ms = {refresh_ms}\ncleanup_grace_ms = 0\nchunk = 40\n",
         dbs.shards_toml(5)
             .replace("max_connections = 4", "max_connections = 2"),
     );
@@ -408,12 +418,11 @@ async fn two_instances_write_while_a_quarter_of_the_buckets_move(dbs: &mut TestD
 /// The Customer group as four key ranges of 40 (s0..s3, the last one
 /// unbounded above), `movable`.
 fn range_config(dbs: &TestDbs, refresh_ms: u64) -> ClusterConfig {
-    let toml = format!(
-        "{}\n[groups.Customer]\nplacement = \"range\"\nmovable = true\nranges = [\n  {{ shard = \"s0\", to = 40 }},\n  {{ shard = \"s1\", from = 40, to = 80 }},\n  {{ shard = \"s2\", from = 80, to = 120 }},\n  {{ shard = \"s3\", from = 120 }},\n]\n\n[rebalance]\nrefresh_ms = {refresh_ms}\ncleanup_grace_ms = 0\nchunk = 40\n",
-        dbs.shards_toml(5)
-            .replace("max_connections = 4", "max_connections = 2"),
-    );
-    ClusterConfig::from_toml(&toml).unwrap_or_else(|e| panic!("config: {e}\n{toml}"))
+    config_with(
+        dbs,
+        "placement = \"range\"\nranges = [\n  { shard = \"s0\", to = 40 },\n  { shard = \"s1\", from = 40, to = 80 },\n  { shard = \"s2\", from = 80, to = 120 },\n  { shard = \"s3\", from = 120 },\n]",
+        refresh_ms,
+    )
 }
 
 /// The group's ranges as `(id, from, to, shard)`.
