@@ -154,7 +154,10 @@ pub trait GroupKey<G: EntityGroup> {
 
 /// A SeaORM entity whose rows live on shards. Derive it on the `Model` with
 /// `#[derive(shardkit::Sharded)]`.
-pub trait ShardedEntity: EntityTrait {
+///
+/// Its models and active models can be shared between threads (as every
+/// SeaORM model of plain fields can), so a write's future is `Send`.
+pub trait ShardedEntity: EntityTrait<Model: Sync, ActiveModel: Send + Sync> {
     /// The transactional entity group the entity belongs to.
     type Group: EntityGroup;
     /// The Rust field name of the shard key.
@@ -187,7 +190,7 @@ pub trait ShardedEntity: EntityTrait {
 /// entity's own group only (a blanket impl would turn the error into a bare
 /// type mismatch).
 #[diagnostic::on_unimplemented(
-    message = "`{Self}` is not an entity of group `{G}`, so a `ShardTx<{G}>` cannot write it",
+    message = "`{Self}` is not an entity of group `{G}`, so a `ShardTx<{G}>` cannot read or write it",
     label = "belongs to another entity group",
     note = "a shardkit transaction is pinned to one group and one key; open a transaction for \
             the entity's own group with `cluster.begin::<ItsGroup>(key)`"

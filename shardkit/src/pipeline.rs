@@ -169,7 +169,7 @@ pub trait WriteStage: Send + Sync + 'static {
         _ctx: &WriteCtx<'_>,
         _op: WriteOp,
         _model: &mut E::ActiveModel,
-    ) -> impl Future<Output = Result<()>> {
+    ) -> impl Future<Output = Result<()>> + Send {
         async { Ok(()) }
     }
 
@@ -180,7 +180,7 @@ pub trait WriteStage: Send + Sync + 'static {
         _ctx: &WriteCtx<'_>,
         _op: WriteOp,
         _model: &E::ActiveModel,
-    ) -> impl Future<Output = Result<Option<Replaced<E::Model>>>> {
+    ) -> impl Future<Output = Result<Option<Replaced<E::Model>>>> + Send {
         async { Ok(None) }
     }
 
@@ -210,7 +210,7 @@ pub trait WriteStage: Send + Sync + 'static {
         _op: WriteOp,
         _model: &E::ActiveModel,
         _current: Option<&E::Model>,
-    ) -> impl Future<Output = Result<()>> {
+    ) -> impl Future<Output = Result<()>> + Send {
         async { Ok(()) }
     }
 
@@ -221,7 +221,7 @@ pub trait WriteStage: Send + Sync + 'static {
         _ctx: &WriteCtx<'_>,
         _op: WriteOp,
         _written: Written<'_, E>,
-    ) -> impl Future<Output = Result<()>> {
+    ) -> impl Future<Output = Result<()>> + Send {
         async { Ok(()) }
     }
 }

@@ -20,7 +20,16 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
     /// [`ActiveModelTrait::save`] does; both through the write pipeline
     /// (with `#[shardkit(id = "...")]`, an unset id is filled and the row
     /// inserted).
-    pub async fn save<A>(&self, model: A) -> Result<A>
+    pub fn save<A>(&self, model: A) -> BoxFuture<'_, Result<A>>
+    where
+        A: ActiveModelTrait + ActiveModelBehavior + Send + 'static,
+        A::Entity: InGroup<G> + EntityTrait<ActiveModel = A>,
+        <A::Entity as EntityTrait>::Model: IntoActiveModel<A>,
+    {
+        boxed(|| self.save_row(model))
+    }
+
+    async fn save_row<A>(&self, model: A) -> Result<A>
     where
         A: ActiveModelTrait + ActiveModelBehavior + Send + 'static,
         A::Entity: InGroup<G> + EntityTrait<ActiveModel = A>,
@@ -84,23 +93,31 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
     /// tx.commit().await?;
     /// # Ok(()) }
     /// ```
-    pub fn update_many<E: InGroup<G>>(&self) -> TxUpdateMany<'_, G, P, E> {
+    pub fn update_many<E: InGroup<G>>(&self) -> TxUpdateMany<'_, G, P, E>
+    where
+        E::Model: IntoActiveModel<E::ActiveModel>,
+    {
         TxUpdateMany {
             tx: self,
             set: E::ActiveModel::default(),
             exprs: Vec::new(),
             filter: Condition::all(),
+            run: |batch| boxed(|| batch.run()),
         }
     }
 
     /// Deletes every row of `E` of the transaction's key that the filters
     /// match, like SeaORM's [`EntityTrait::delete_many`]: the shard-key
     /// predicate is always added.
-    pub fn delete_many<E: InGroup<G>>(&self) -> TxDeleteMany<'_, G, P, E> {
+    pub fn delete_many<E: InGroup<G>>(&self) -> TxDeleteMany<'_, G, P, E>
+    where
+        E::Model: IntoActiveModel<E::ActiveModel>,
+    {
         TxDeleteMany {
             tx: self,
             filter: Condition::all(),
             entity: std::marker::PhantomData,
+            run: |batch| boxed(|| batch.run()),
         }
     }
 
@@ -134,18 +151,21 @@ fn unsupported<E: EntityTrait>(operation: &'static str, reason: String) -> Shard
 /// An update of the rows of one key that match its filters
 /// ([`ShardTx::update_many`]). Runs on [`exec`](Self::exec).
 #[must_use = "an update does nothing until `.exec()` runs it"]
-pub struct TxUpdateMany<'t, G: EntityGroup, P, E: InGroup<G>> {
+pub struct TxUpdateMany<'t, G: EntityGroup, P, E: ShardedEntity> {
     tx: &'t ShardTx<G, P>,
     set: E::ActiveModel,
     exprs: Vec<(E::Column, SimpleExpr)>,
     filter: Condition,
+    /// How `exec` runs it, chosen by `update_many` where `E` is known to be
+    /// of `G` (the builder's own methods need no such bound, so writing
+    /// another group's entity fails to compile once, at `update_many`).
+    run: BatchRun<'t, Self>,
 }
 
-impl<G: EntityGroup, P: WriteStage, E: InGroup<G>> TxUpdateMany<'_, G, P, E>
-where
-    E::Model: IntoActiveModel<E::ActiveModel>,
-    E::ActiveModel: ActiveModelBehavior + Send + 'static,
-{
+/// How a batch runs ([`TxUpdateMany::exec`], [`TxDeleteMany::exec`]).
+type BatchRun<'t, B> = fn(B) -> BoxFuture<'t, Result<u64>>;
+
+impl<'t, G: EntityGroup, P: WriteStage, E: ShardedEntity> TxUpdateMany<'t, G, P, E> {
     /// The values to set: every column `model` has `Set` (SeaORM's
     /// `UpdateMany::set`). Setting the shard key to another key is refused
     /// as a [`ShardError::CrossShardWrite`].
@@ -179,12 +199,22 @@ where
 
     /// Runs the update; returns how many rows it matched (SeaORM's
     /// `UpdateResult::rows_affected`).
-    pub async fn exec(self) -> Result<u64> {
+    pub fn exec(self) -> BoxFuture<'t, Result<u64>> {
+        (self.run)(self)
+    }
+}
+
+impl<'t, G: EntityGroup, P: WriteStage, E: InGroup<G>> TxUpdateMany<'t, G, P, E>
+where
+    E::Model: IntoActiveModel<E::ActiveModel>,
+{
+    async fn run(self) -> Result<u64> {
         let TxUpdateMany {
             tx,
             set,
             exprs,
             filter,
+            run: _,
         } = self;
         let op = "update_many";
         tx.ensure_open()?;
@@ -278,17 +308,15 @@ where
 /// A delete of the rows of one key that match its filters
 /// ([`ShardTx::delete_many`]). Runs on [`exec`](Self::exec).
 #[must_use = "a delete does nothing until `.exec()` runs it"]
-pub struct TxDeleteMany<'t, G: EntityGroup, P, E: InGroup<G>> {
+pub struct TxDeleteMany<'t, G: EntityGroup, P, E: ShardedEntity> {
     tx: &'t ShardTx<G, P>,
     filter: Condition,
     entity: std::marker::PhantomData<fn() -> E>,
+    /// As [`TxUpdateMany`]'s.
+    run: BatchRun<'t, Self>,
 }
 
-impl<G: EntityGroup, P: WriteStage, E: InGroup<G>> TxDeleteMany<'_, G, P, E>
-where
-    E::Model: IntoActiveModel<E::ActiveModel>,
-    E::ActiveModel: ActiveModelBehavior + Send + 'static,
-{
+impl<'t, G: EntityGroup, P: WriteStage, E: ShardedEntity> TxDeleteMany<'t, G, P, E> {
     /// Adds a condition (SeaORM's `QueryFilter::filter`); conditions are
     /// combined with `AND`, and always with the shard key's.
     pub fn filter(mut self, condition: impl IntoCondition) -> Self {
@@ -298,7 +326,16 @@ where
 
     /// Runs the delete; returns how many rows it removed (SeaORM's
     /// `DeleteResult::rows_affected`).
-    pub async fn exec(self) -> Result<u64> {
+    pub fn exec(self) -> BoxFuture<'t, Result<u64>> {
+        (self.run)(self)
+    }
+}
+
+impl<'t, G: EntityGroup, P: WriteStage, E: InGroup<G>> TxDeleteMany<'t, G, P, E>
+where
+    E::Model: IntoActiveModel<E::ActiveModel>,
+{
+    async fn run(self) -> Result<u64> {
         let TxDeleteMany { tx, filter, .. } = self;
         let op = "delete_many";
         tx.ensure_open()?;

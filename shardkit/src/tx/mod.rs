@@ -5,12 +5,13 @@
 //! key is refused even when it would land on the same database. Rows of other
 //! groups are refused at compile time (the [`InGroup`] bound).
 
-use crate::entity::{EntityGroup, InGroup, table_name};
+use crate::entity::{EntityGroup, InGroup, ShardedEntity, table_name};
 use crate::error::{Result, ShardError};
 use crate::exec::{Begun, Shards};
 use crate::pipeline::{AfterCommit, Replaced, WriteCtx, WriteOp, WriteStage, Written};
 use crate::read::TxFind;
 use crate::topology::Target;
+use futures::future::BoxFuture;
 use sea_orm::{
     ActiveModelBehavior, ActiveModelTrait, ColumnTrait, DatabaseTransaction, DbErr, EntityTrait,
     IntoActiveModel, QueryFilter,
@@ -64,6 +65,23 @@ impl<G: EntityGroup, P> std::fmt::Debug for ShardTx<G, P> {
             .field("target", &self.target)
             .finish_non_exhaustive()
     }
+}
+
+/// A write's future, boxed, as every public write method returns it.
+///
+/// Boxed because a concrete return type is what makes a write of another
+/// group's entity fail to compile with one error: an `impl Future` return
+/// repeats the failed bound at the call and at its `.await`. The future is
+/// built in its heap slot, allocated first: it is kilobytes, and built on the
+/// stack and then moved it would be copied on every write.
+#[inline(always)]
+pub(super) fn boxed<'a, F>(make: impl FnOnce() -> F) -> BoxFuture<'a, F::Output>
+where
+    F: Future + Send + 'a,
+{
+    let slot = Box::<F>::new_uninit();
+    let built: Box<F> = Box::write(slot, make());
+    Box::into_pin(built)
 }
 
 impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
@@ -256,18 +274,13 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
     /// The shard key is checked before anything runs, and again after
     /// `ActiveModelBehavior::before_save`, so a hook cannot move the row. An
     /// unset primary key with `#[shardkit(id = "...")]` is filled first.
-    pub fn insert<A>(
-        &self,
-        model: A,
-    ) -> impl Future<Output = Result<<A::Entity as EntityTrait>::Model>> + '_
+    pub fn insert<A>(&self, model: A) -> BoxFuture<'_, Result<<A::Entity as EntityTrait>::Model>>
     where
         A: ActiveModelTrait + ActiveModelBehavior + Send + 'static,
         A::Entity: InGroup<G> + EntityTrait<ActiveModel = A>,
         <A::Entity as EntityTrait>::Model: IntoActiveModel<A>,
     {
-        // The pipeline's future itself, not one wrapped around it: every
-        // wrapping layer is one more copy of the whole write's state.
-        self.write::<A::Entity>(WriteOp::Insert, model)
+        boxed(|| self.write::<A::Entity>(WriteOp::Insert, model))
     }
 
     /// Inserts rows of the transaction's key, in order; returns them as
@@ -278,10 +291,10 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
     /// transaction becomes rollback-only. Each row then takes the write
     /// pipeline like [`insert`](Self::insert) (ids, hooks, index rows,
     /// rollouts): one `INSERT` per row, inside this transaction.
-    pub async fn insert_many<A, I>(
+    pub fn insert_many<A, I>(
         &self,
         models: I,
-    ) -> Result<Vec<<A::Entity as EntityTrait>::Model>>
+    ) -> BoxFuture<'_, Result<Vec<<A::Entity as EntityTrait>::Model>>>
     where
         A: ActiveModelTrait + ActiveModelBehavior + Send + 'static,
         A::Entity: InGroup<G> + EntityTrait<ActiveModel = A>,
@@ -289,12 +302,20 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
         I: IntoIterator<Item = A>,
     {
         let models: Vec<A> = models.into_iter().collect();
+        boxed(|| self.insert_rows::<A::Entity>(models))
+    }
+
+    async fn insert_rows<E: InGroup<G>>(&self, models: Vec<E::ActiveModel>) -> Result<Vec<E::Model>>
+    where
+        E::Model: IntoActiveModel<E::ActiveModel>,
+        E::ActiveModel: Send + 'static,
+    {
         for model in &models {
-            self.check::<A::Entity>(model)?;
+            self.check::<E>(model)?;
         }
         let mut rows = Vec::with_capacity(models.len());
         for model in models {
-            rows.push(self.write::<A::Entity>(WriteOp::Insert, model).await?);
+            rows.push(self.write::<E>(WriteOp::Insert, model).await?);
         }
         Ok(rows)
     }
@@ -303,16 +324,13 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
     /// stored. The `UPDATE` also matches the shard key, so a row of another key
     /// with the same primary key is never touched (SeaORM's
     /// `RecordNotUpdated` is returned instead).
-    pub fn update<A>(
-        &self,
-        model: A,
-    ) -> impl Future<Output = Result<<A::Entity as EntityTrait>::Model>> + '_
+    pub fn update<A>(&self, model: A) -> BoxFuture<'_, Result<<A::Entity as EntityTrait>::Model>>
     where
         A: ActiveModelTrait + ActiveModelBehavior + Send + 'static,
         A::Entity: InGroup<G> + EntityTrait<ActiveModel = A>,
         <A::Entity as EntityTrait>::Model: IntoActiveModel<A>,
     {
-        self.write::<A::Entity>(WriteOp::Update, model)
+        boxed(|| self.write::<A::Entity>(WriteOp::Update, model))
     }
 
     /// An insert or an update, through the write pipeline (see
@@ -416,7 +434,15 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
 
     /// Deletes a row of the transaction's key by primary key; returns the
     /// number of rows deleted (0 or 1). The `DELETE` also matches the shard key.
-    pub async fn delete<A>(&self, model: A) -> Result<u64>
+    pub fn delete<A>(&self, model: A) -> BoxFuture<'_, Result<u64>>
+    where
+        A: ActiveModelTrait + ActiveModelBehavior + Send + 'static,
+        A::Entity: InGroup<G> + EntityTrait<ActiveModel = A>,
+    {
+        boxed(|| self.delete_row(model))
+    }
+
+    async fn delete_row<A>(&self, model: A) -> Result<u64>
     where
         A: ActiveModelTrait + ActiveModelBehavior + Send + 'static,
         A::Entity: InGroup<G> + EntityTrait<ActiveModel = A>,
