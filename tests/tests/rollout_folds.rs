@@ -8,7 +8,7 @@ use shardkit::{
     Cluster, ClusterConfig, ManualClock, Phase, Rollout, RolloutHandle, ShardError, VerifyOptions,
 };
 use shardkit_tests::models::*;
-use shardkit_tests::{Sent, TestDbs, backend_tests, count_rows, recording_cluster_with};
+use shardkit_tests::{Backend, Sent, TestDbs, backend_tests, count_rows, recording_cluster_with};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -525,9 +525,14 @@ async fn a_failed_part_dual_write_rolls_back_the_transaction(dbs: &mut TestDbs) 
     for _ in 0..2 {
         advance(&a, &b, &clock).await;
     }
-    // Its own key: the failpoint is the process's, and other scenarios run
-    // beside this one.
-    let customer = 900_001;
+    // Its own key: the failpoint is the process's, and other scenarios (and
+    // this one on the other backends) run beside this one.
+    let customer = 900_001
+        + match dbs.backend {
+            Backend::Sqlite => 0,
+            Backend::Postgres => 1,
+            Backend::MySql => 2,
+        };
     write_for(&a, 1, customer, &mut want, false).await;
     fail::cfg(
         "shardkit::rollout::write_new",
