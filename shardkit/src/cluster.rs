@@ -305,9 +305,9 @@ impl Cluster {
     where
         M: sea_orm::ModelTrait,
         M::Entity: ShardedEntity<Model = M> + sea_orm::Related<R>,
-        R: ShardedEntity<Group = <M::Entity as ShardedEntity>::Group>,
+        R: crate::InGroup<<M::Entity as ShardedEntity>::Group>,
     {
-        let key = <M::Entity as ShardedEntity>::shard_key(model);
+        let key = R::group_key_as_entity_key(&<M::Entity as ShardedEntity>::shard_key(model));
         let guard = self.read_guard();
         // The model's side is joined from the table its reads go to (a
         // rollout's new table); a refusal is reported when the read runs.
@@ -647,10 +647,10 @@ impl Cluster {
     /// this instance's cache TTL + refresh interval when that is longer.
     /// Refused when `Old` already has a rollout on this cluster, or when the
     /// two entities' primary keys have different numbers of columns.
-    pub async fn register_rollout<Old, New>(
+    pub fn register_rollout<Old, New>(
         &self,
         rollout: Rollout<Old, New>,
-    ) -> Result<RolloutHandle<Old, New>>
+    ) -> futures::future::BoxFuture<'_, Result<RolloutHandle<Old, New>>>
     where
         Old: ShardedEntity,
         New: ShardedEntity<Group = Old::Group>,
@@ -659,7 +659,8 @@ impl Cluster {
         New::Model: Sync + IntoActiveModel<New::ActiveModel>,
         New::ActiveModel: Send,
     {
-        self.rollouts().register(rollout).await
+        // Boxed so that a `New` of another group is one compile error.
+        crate::boxed::boxed(move || async move { self.rollouts().register(rollout).await })
     }
 
     /// The rollouts other instances registered whose old entity this

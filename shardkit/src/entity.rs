@@ -185,15 +185,17 @@ pub trait ShardedEntity: EntityTrait<Model: Sync, ActiveModel: Send + Sync> {
 }
 
 /// "`Self` is an entity of group `G`": the bound [`ShardTx<G>`](crate::ShardTx)
-/// puts on what it writes, so writing another group's entity fails to compile
-/// with a message that says so. `#[derive(Sharded)]` implements it for the
+/// puts on what it writes and reads, and relation reads on their related
+/// entity, so using another group's entity fails to compile with a message
+/// that says so. `#[derive(Sharded)]` implements it for the
 /// entity's own group only (a blanket impl would turn the error into a bare
 /// type mismatch).
 #[diagnostic::on_unimplemented(
-    message = "`{Self}` is not an entity of group `{G}`, so a `ShardTx<{G}>` cannot read or write it",
+    message = "`{Self}` is not an entity of group `{G}`, so it cannot be read or written inside a key of `{G}`",
     label = "belongs to another entity group",
-    note = "a shardkit transaction is pinned to one group and one key; open a transaction for \
-            the entity's own group with `cluster.begin::<ItsGroup>(key)`"
+    note = "shardkit works inside one group's key at a time (a `ShardTx<{G}>`, a keyed read, a \
+            relation read); write the entity in a transaction of its own group \
+            (`cluster.begin::<ItsGroup>(key)`) and read it with a keyed read of its own key"
 )]
 pub trait InGroup<G: EntityGroup>: ShardedEntity {
     /// The shard key of an ActiveModel, typed as `G`'s key.

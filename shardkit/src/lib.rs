@@ -172,6 +172,7 @@
 
 #![warn(missing_docs)]
 
+mod boxed;
 #[cfg(feature = "cli")]
 pub mod cli;
 pub mod clock;

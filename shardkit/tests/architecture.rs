@@ -11,7 +11,7 @@ const LAYERS: &[(&str, &[&str])] = &[
     (
         "core",
         &[
-            "entity", "error", "key", "clock", "phase", "id_spec", "trace", "metrics",
+            "entity", "error", "key", "clock", "phase", "id_spec", "trace", "metrics", "boxed",
         ],
     ),
     ("topology", &["topology"]),

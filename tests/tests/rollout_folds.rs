@@ -13,6 +13,9 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+/// The failpoint scenario's turn (its failpoint is the process's).
+static FAILPOINT: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 backend_tests!(4 =>
     fold_walk_with_two_instances,
     a_failed_part_dual_write_rolls_back_the_transaction,
@@ -534,6 +537,8 @@ async fn a_failed_part_dual_write_rolls_back_the_transaction(dbs: &mut TestDbs) 
             Backend::MySql => 2,
         };
     write_for(&a, 1, customer, &mut want, false).await;
+    // One failpoint for the process: the backends take turns with it.
+    let turn = FAILPOINT.lock().await;
     fail::cfg(
         "shardkit::rollout::write_new",
         &format!("return(orders_v2@{customer})"),
@@ -560,6 +565,7 @@ async fn a_failed_part_dual_write_rolls_back_the_transaction(dbs: &mut TestDbs) 
         })
         .await;
     fail::remove("shardkit::rollout::write_new");
+    drop(turn);
     let err = result.unwrap_err();
     assert!(err.to_string().contains("orders_v2"), "{err}");
     // Neither part changed, in the old tables or the new.

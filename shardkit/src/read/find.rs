@@ -442,56 +442,58 @@ impl<E: ShardedEntity> Find<E, Keyed<KeyOf<E>>> {
     /// relation says, not scoped: keep junction rows' foreign keys unique
     /// across keys. `limit`/`offset` are refused
     /// ([`ShardError::Unsupported`]): they would count joined rows.
-    pub async fn find_with_related<R>(self, _related: R) -> Result<Vec<(E::Model, Vec<R::Model>)>>
+    pub fn find_with_related<R>(self, _related: R) -> BoxFuture<'static, Result<WithRelated<E, R>>>
     where
-        R: ShardedEntity<Group = E::Group>,
+        R: InGroup<E::Group>,
         E: Related<R>,
     {
-        if self.limit.is_some() || self.offset.is_some() {
-            return Err(ShardError::Unsupported {
-                table: table_name::<E>(),
-                operation: "find_with_related",
-                reason: "`limit` and `offset` would count joined rows, cutting a row's related \
-                         rows short: page the rows in a read of their own and read each one's \
-                         related rows with `find_related`"
-                    .to_owned(),
-            });
-        }
-        let key = self.route.0.clone();
-        let (read, select, spec) = self.split();
-        let r_from = guard_check::<R>(read.guard.as_deref())?;
-        let plan = read.plan(select, spec, ReadOp::All).await?;
-        read.single::<Keyed<KeyOf<E>>, _, _, _>(plan, "all", move |s, conn| {
-            let backend = conn.get_database_backend();
-            join_related::<E, R>(s, JoinType::LeftJoin, &key, backend, r_from.as_ref())
-                .select_with(R::default())
-                .all(conn)
+        boxed(move || async move {
+            if self.limit.is_some() || self.offset.is_some() {
+                return Err(ShardError::Unsupported {
+                    table: table_name::<E>(),
+                    operation: "find_with_related",
+                    reason:
+                        "`limit` and `offset` would count joined rows, cutting a row's related \
+                             rows short: page the rows in a read of their own and read each one's \
+                             related rows with `find_related`"
+                            .to_owned(),
+                });
+            }
+            let key = self.route.0.clone();
+            let (read, select, spec) = self.split();
+            let r_from = guard_check::<R>(read.guard.as_deref())?;
+            let plan = read.plan(select, spec, ReadOp::All).await?;
+            read.single::<Keyed<KeyOf<E>>, _, _, _>(plan, "all", move |s, conn| {
+                let backend = conn.get_database_backend();
+                join_related::<E, R>(s, JoinType::LeftJoin, &key, backend, r_from.as_ref())
+                    .select_with(R::default())
+                    .all(conn)
+            })
+            .await
         })
-        .await
     }
 
     /// Each row of the key with its related row of `R`, if any, as SeaORM's
     /// [`Select::find_also_related`]; the related side scoped to the key in
     /// the join, as in [`find_with_related`](Self::find_with_related).
-    pub async fn find_also_related<R>(
-        self,
-        _related: R,
-    ) -> Result<Vec<(E::Model, Option<R::Model>)>>
+    pub fn find_also_related<R>(self, _related: R) -> BoxFuture<'static, Result<AlsoRelated<E, R>>>
     where
-        R: ShardedEntity<Group = E::Group>,
+        R: InGroup<E::Group>,
         E: Related<R>,
     {
-        let key = self.route.0.clone();
-        let (read, select, spec) = self.split();
-        let r_from = guard_check::<R>(read.guard.as_deref())?;
-        let plan = read.plan(select, spec, ReadOp::All).await?;
-        read.single::<Keyed<KeyOf<E>>, _, _, _>(plan, "all", move |s, conn| {
-            let backend = conn.get_database_backend();
-            join_related::<E, R>(s, JoinType::LeftJoin, &key, backend, r_from.as_ref())
-                .select_also(R::default())
-                .all(conn)
+        boxed(move || async move {
+            let key = self.route.0.clone();
+            let (read, select, spec) = self.split();
+            let r_from = guard_check::<R>(read.guard.as_deref())?;
+            let plan = read.plan(select, spec, ReadOp::All).await?;
+            read.single::<Keyed<KeyOf<E>>, _, _, _>(plan, "all", move |s, conn| {
+                let backend = conn.get_database_backend();
+                join_related::<E, R>(s, JoinType::LeftJoin, &key, backend, r_from.as_ref())
+                    .select_also(R::default())
+                    .all(conn)
+            })
+            .await
         })
-        .await
     }
 
     /// The rows of the key as a stream, like SeaORM's [`Select::stream`]:

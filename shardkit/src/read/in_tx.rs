@@ -114,7 +114,7 @@ impl<'t, E: ShardedEntity, C: ConnectionTrait> TxFind<'t, E, C> {
     /// connection and shard to run it on.
     fn joined<R>(mut self) -> Result<(Select<E>, &'t C, &'t str)>
     where
-        R: ShardedEntity<Group = E::Group>,
+        R: InGroup<E::Group>,
         E: Related<R>,
     {
         self.ready()?;
@@ -133,36 +133,39 @@ impl<'t, E: ShardedEntity, C: ConnectionTrait> TxFind<'t, E, C> {
     /// Each row of the transaction's key with its related rows of `R`
     /// (SeaORM's [`Select::find_with_related`]), the related side scoped to
     /// the key as in [`Find::find_with_related`].
-    pub async fn find_with_related<R>(self, _related: R) -> Result<Vec<(E::Model, Vec<R::Model>)>>
+    pub fn find_with_related<R>(self, _related: R) -> BoxFuture<'t, Result<WithRelated<E, R>>>
     where
-        R: ShardedEntity<Group = E::Group>,
+        R: InGroup<E::Group>,
         E: Related<R>,
+        C: Sync,
     {
-        let (select, conn, shard) = self.joined::<R>()?;
-        select
-            .select_with(R::default())
-            .all(conn)
-            .await
-            .map_err(|e| read_err::<E>(shard, e))
+        boxed(move || async move {
+            let (select, conn, shard) = self.joined::<R>()?;
+            select
+                .select_with(R::default())
+                .all(conn)
+                .await
+                .map_err(|e| read_err::<E>(shard, e))
+        })
     }
 
     /// Each row of the transaction's key with its related row of `R`, if
     /// any (SeaORM's [`Select::find_also_related`]), the related side scoped
     /// to the key.
-    pub async fn find_also_related<R>(
-        self,
-        _related: R,
-    ) -> Result<Vec<(E::Model, Option<R::Model>)>>
+    pub fn find_also_related<R>(self, _related: R) -> BoxFuture<'t, Result<AlsoRelated<E, R>>>
     where
-        R: ShardedEntity<Group = E::Group>,
+        R: InGroup<E::Group>,
         E: Related<R>,
+        C: Sync,
     {
-        let (select, conn, shard) = self.joined::<R>()?;
-        select
-            .select_also(R::default())
-            .all(conn)
-            .await
-            .map_err(|e| read_err::<E>(shard, e))
+        boxed(move || async move {
+            let (select, conn, shard) = self.joined::<R>()?;
+            select
+                .select_also(R::default())
+                .all(conn)
+                .await
+                .map_err(|e| read_err::<E>(shard, e))
+        })
     }
 
     /// All matching rows of the transaction's key.

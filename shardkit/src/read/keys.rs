@@ -110,7 +110,7 @@ pub(super) fn join_related<E, R>(
 ) -> Select<E>
 where
     E: ShardedEntity + Related<R>,
-    R: ShardedEntity<Group = E::Group>,
+    R: InGroup<E::Group>,
 {
     if let Some(via) = <E as Related<R>>::via() {
         select = QuerySelect::join(select, join, via);
@@ -121,7 +121,10 @@ where
     // it combines them), and the key.
     let on = Condition::all()
         .add(Condition::from(rel))
-        .add(key_condition::<R>(std::slice::from_ref(key), backend));
+        .add(key_condition::<R>(
+            &[R::group_key_as_entity_key(key)],
+            backend,
+        ));
     match r_from {
         // `R`'s reads go to another table (a rollout's new table): join it
         // under `R`'s name, so the condition still resolves.

@@ -14,11 +14,13 @@
 //! read ([`ShardError::ShardsFailed`] names every failed shard and why), unless
 //! the caller asked for partial results with [`Find::partial`].
 
-use crate::entity::{EntityGroup, KeyRef, ShardKey, ShardedEntity, table_name};
+use crate::boxed::boxed;
+use crate::entity::{EntityGroup, InGroup, KeyRef, ShardKey, ShardedEntity, table_name};
 use crate::error::{Result, ShardError, ShardFailure};
 use crate::exec::Shards;
 use crate::topology::{ShardId, Target};
 use futures::StreamExt;
+use futures::future::BoxFuture;
 use sea_orm::sea_query::JoinType;
 use sea_orm::sea_query::{Expr, SelectStatement};
 use sea_orm::{Condition, ExprTrait, IntoSimpleExpr};
@@ -107,4 +109,17 @@ pub(crate) use keys::{guard_check, key_condition, related_select};
 pub use plan::{MergePlan, PlannedRoute, PlannedStatement, ReadPlan};
 #[allow(unused_imports)]
 use route::*;
+
+/// What `find_with_related` returns: each row of `E` with its related rows.
+pub type WithRelated<E, R> = Vec<(
+    <E as sea_orm::EntityTrait>::Model,
+    Vec<<R as sea_orm::EntityTrait>::Model>,
+)>;
+
+/// What `find_also_related` returns: each row of `E` with its related row,
+/// if any.
+pub type AlsoRelated<E, R> = Vec<(
+    <E as sea_orm::EntityTrait>::Model,
+    Option<<R as sea_orm::EntityTrait>::Model>,
+)>;
 pub use route::{AllowPartial, ByIndex, Keyed, Keys, Partial, Scatter, Unkeyed};

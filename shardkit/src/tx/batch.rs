@@ -159,11 +159,8 @@ pub struct TxUpdateMany<'t, G: EntityGroup, P, E: ShardedEntity> {
     /// How `exec` runs it, chosen by `update_many` where `E` is known to be
     /// of `G` (the builder's own methods need no such bound, so writing
     /// another group's entity fails to compile once, at `update_many`).
-    run: BatchRun<'t, Self>,
+    run: for<'a> fn(TxUpdateMany<'a, G, P, E>) -> BoxFuture<'a, Result<u64>>,
 }
-
-/// How a batch runs ([`TxUpdateMany::exec`], [`TxDeleteMany::exec`]).
-type BatchRun<'t, B> = fn(B) -> BoxFuture<'t, Result<u64>>;
 
 impl<'t, G: EntityGroup, P: WriteStage, E: ShardedEntity> TxUpdateMany<'t, G, P, E> {
     /// The values to set: every column `model` has `Set` (SeaORM's
@@ -313,7 +310,7 @@ pub struct TxDeleteMany<'t, G: EntityGroup, P, E: ShardedEntity> {
     filter: Condition,
     entity: std::marker::PhantomData<fn() -> E>,
     /// As [`TxUpdateMany`]'s.
-    run: BatchRun<'t, Self>,
+    run: for<'a> fn(TxDeleteMany<'a, G, P, E>) -> BoxFuture<'a, Result<u64>>,
 }
 
 impl<'t, G: EntityGroup, P: WriteStage, E: ShardedEntity> TxDeleteMany<'t, G, P, E> {
@@ -357,7 +354,7 @@ where
         for row in rows {
             // All or nothing, as for `update_many`.
             deleted += tx
-                .delete(row.into_active_model())
+                .delete_row(row.into_active_model())
                 .await
                 .map_err(|e| tx.poison(e))?;
         }

@@ -5,6 +5,7 @@
 //! key is refused even when it would land on the same database. Rows of other
 //! groups are refused at compile time (the [`InGroup`] bound).
 
+use crate::boxed::boxed;
 use crate::entity::{EntityGroup, InGroup, ShardedEntity, table_name};
 use crate::error::{Result, ShardError};
 use crate::exec::{Begun, Shards};
@@ -16,7 +17,6 @@ use sea_orm::{
     ActiveModelBehavior, ActiveModelTrait, ColumnTrait, DatabaseTransaction, DbErr, EntityTrait,
     IntoActiveModel, QueryFilter,
 };
-use std::future::Future;
 use std::sync::{Arc, Mutex};
 
 mod batch;
@@ -65,23 +65,6 @@ impl<G: EntityGroup, P> std::fmt::Debug for ShardTx<G, P> {
             .field("target", &self.target)
             .finish_non_exhaustive()
     }
-}
-
-/// A write's future, boxed, as every public write method returns it.
-///
-/// Boxed because a concrete return type is what makes a write of another
-/// group's entity fail to compile with one error: an `impl Future` return
-/// repeats the failed bound at the call and at its `.await`. The future is
-/// built in its heap slot, allocated first: it is kilobytes, and built on the
-/// stack and then moved it would be copied on every write.
-#[inline(always)]
-pub(super) fn boxed<'a, F>(make: impl FnOnce() -> F) -> BoxFuture<'a, F::Output>
-where
-    F: Future + Send + 'a,
-{
-    let slot = Box::<F>::new_uninit();
-    let built: Box<F> = Box::write(slot, make());
-    Box::into_pin(built)
 }
 
 impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
@@ -290,7 +273,8 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
     /// [`ShardError::MissingShardKey`]), nothing is written and the
     /// transaction becomes rollback-only. Each row then takes the write
     /// pipeline like [`insert`](Self::insert) (ids, hooks, index rows,
-    /// rollouts): one `INSERT` per row, inside this transaction.
+    /// rollouts): one `INSERT` per row, inside this transaction. `models`
+    /// is collected when `insert_many` is called, before the first `.await`.
     pub fn insert_many<A, I>(
         &self,
         models: I,
