@@ -148,17 +148,7 @@ pub fn sharded(input: &DeriveInput) -> Result<TokenStream, TokenStream> {
                 }
             }
 
-            impl ::shardkit::InGroup<#group> for Entity {
-                #[inline]
-                fn group_key_of(model: &ActiveModel) -> ::core::option::Option<#key> {
-                    <Self as ::shardkit::ShardedEntity>::active_shard_key(model)
-                }
-
-                #[inline]
-                fn group_key_as_entity_key(key: &#key) -> #key {
-                    ::core::clone::Clone::clone(key)
-                }
-            }
+            impl ::shardkit::InGroup<#group> for Entity {}
         };
     })
 }

@@ -307,7 +307,7 @@ impl Cluster {
         M::Entity: ShardedEntity<Model = M> + sea_orm::Related<R>,
         R: crate::InGroup<<M::Entity as ShardedEntity>::Group>,
     {
-        let key = R::group_key_as_entity_key(&<M::Entity as ShardedEntity>::shard_key(model));
+        let key = <M::Entity as ShardedEntity>::shard_key(model);
         let guard = self.read_guard();
         // The model's side is joined from the table its reads go to (a
         // rollout's new table); a refusal is reported when the read runs.

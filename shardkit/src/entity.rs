@@ -189,8 +189,9 @@ pub trait ShardedEntity: EntityTrait<Model: Sync, ActiveModel: Send + Sync> {
 /// entity, so using another group's entity fails to compile with a message
 /// that says so. `#[derive(Sharded)]` implements it for the
 /// entity's own group only (a blanket impl would turn the error into a bare
-/// type mismatch); the supertrait's `Group = G` keeps a hand-written impl
-/// for another group from compiling.
+/// type mismatch). A marker: its supertrait's `Group = G` makes the
+/// entity's key `G::Key` and keeps a hand-written impl for another group
+/// from compiling.
 #[diagnostic::on_unimplemented(
     message = "`{Self}` is not an entity of group `{G}`, so it cannot be read or written inside a key of `{G}`",
     label = "belongs to another entity group",
@@ -198,12 +199,7 @@ pub trait ShardedEntity: EntityTrait<Model: Sync, ActiveModel: Send + Sync> {
             relation read); write the entity in a transaction of its own group \
             (`cluster.begin::<ItsGroup>(key)`) and read it with a keyed read of its own key"
 )]
-pub trait InGroup<G: EntityGroup>: ShardedEntity<Group = G> {
-    /// The shard key of an ActiveModel, typed as `G`'s key.
-    fn group_key_of(model: &<Self as EntityTrait>::ActiveModel) -> Option<G::Key>;
-    /// `G`'s key typed as the entity's own group key (they are the same type).
-    fn group_key_as_entity_key(key: &G::Key) -> <Self::Group as EntityGroup>::Key;
-}
+pub trait InGroup<G: EntityGroup>: ShardedEntity<Group = G> {}
 
 /// Support code for the derives; not part of the public API.
 #[doc(hidden)]

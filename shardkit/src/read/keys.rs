@@ -121,10 +121,7 @@ where
     // it combines them), and the key.
     let on = Condition::all()
         .add(Condition::from(rel))
-        .add(key_condition::<R>(
-            &[R::group_key_as_entity_key(key)],
-            backend,
-        ));
+        .add(key_condition::<R>(std::slice::from_ref(key), backend));
     match r_from {
         // `R`'s reads go to another table (a rollout's new table): join it
         // under `R`'s name, so the condition still resolves.

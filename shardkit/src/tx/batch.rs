@@ -215,7 +215,7 @@ where
         } = self;
         let op = "update_many";
         tx.ensure_open()?;
-        if let Some(found) = E::group_key_of(&set).filter(|k| *k != tx.key) {
+        if let Some(found) = E::active_shard_key(&set).filter(|k| *k != tx.key) {
             return Err(tx.poison(ShardError::CrossShardWrite {
                 entity: table_name::<E>(),
                 column: E::SHARD_KEY_FIELD,

@@ -150,7 +150,7 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
     /// Refuses a row whose shard key is missing or not the transaction's.
     fn check<E: InGroup<G>>(&self, model: &E::ActiveModel) -> Result<()> {
         self.ensure_open()?;
-        match E::group_key_of(model) {
+        match E::active_shard_key(model) {
             None => Err(self.poison(ShardError::MissingShardKey {
                 entity: table_name::<E>(),
                 column: E::SHARD_KEY_FIELD,
@@ -222,7 +222,7 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
     /// The transaction's key as a predicate on `E` (see [`crate::read`]).
     fn key_condition<E: InGroup<G>>(&self) -> sea_orm::Condition {
         crate::read::key_condition::<E>(
-            &[E::group_key_as_entity_key(&self.key)],
+            std::slice::from_ref(&self.key),
             sea_orm::ConnectionTrait::get_database_backend(&self.txn),
         )
     }
@@ -493,7 +493,7 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
         TxFind::new(
             &self.txn,
             self.shard(),
-            &E::group_key_as_entity_key(&self.key),
+            &self.key,
             &self.streams,
             self.guard.as_deref(),
         )
@@ -520,7 +520,7 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
         let mut find = TxFind::of(
             &self.txn,
             self.shard(),
-            &R::group_key_as_entity_key(&self.key),
+            &self.key,
             select,
             &self.streams,
             guard,
