@@ -29,6 +29,7 @@ pub mod m20261122_000004_create_rollout_state;
 pub mod m20261123_000005_create_rollout_instances;
 pub mod m20261123_000006_create_bucket_moves;
 pub mod m20261123_000007_add_range_bounds;
+pub mod m20261124_000008_create_ticket_place;
 
 /// shardkit's migrations, in order.
 pub fn migrations() -> Vec<Box<dyn MigrationTrait>> {
@@ -130,7 +131,7 @@ impl MigratorTrait for Migrator {
 }
 
 /// The migrator `Cluster::migrate` runs on ticket servers: shardkit's
-/// ticket registry and nothing else (the application's own migrator never
+/// ticket registry and each server's recorded place, and nothing else (the application's own migrator never
 /// reaches them). It records its progress in `shardkit_ticket_migrations`,
 /// apart from the application's `seaql_migrations`, so a ticket database
 /// an older release migrated with the application's migrator is not refused
@@ -140,7 +141,10 @@ pub struct TicketMigrator;
 #[async_trait::async_trait]
 impl MigratorTrait for TicketMigrator {
     fn migrations() -> Vec<Box<dyn MigrationTrait>> {
-        vec![Box::new(m20261122_000002_create_ticket_registry::Migration)]
+        vec![
+            Box::new(m20261122_000002_create_ticket_registry::Migration),
+            Box::new(m20261124_000008_create_ticket_place::Migration),
+        ]
     }
 
     fn migration_table_name() -> DynIden {

@@ -30,11 +30,13 @@ use crate::error::{Result, ShardError, Subsystem};
 
 /// The registry of sequences on every ticket server.
 const SEQUENCES_TABLE: &str = "shardkit_ticket_sequences";
+/// Each ticket server's recorded place among the servers.
+const PLACE_TABLE: &str = "shardkit_ticket_place";
 use crate::pipeline::{WriteCtx, WriteOp, WriteStage};
 use crate::topology::{IdsConfig, ShardId, Target, Topology};
 use sea_orm::{ConnectionTrait, DatabaseConnection, DbBackend, Statement};
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -70,6 +72,9 @@ pub(crate) struct TicketServer {
     pub(crate) name: String,
     pub(crate) conn: DatabaseConnection,
     down_until: Mutex<Option<Instant>>,
+    /// The server's recorded place matched this config's (checked once per
+    /// process; see [`TicketServer::check_place`]).
+    place_checked: AtomicBool,
 }
 
 impl TicketServer {
@@ -78,11 +83,198 @@ impl TicketServer {
             name,
             conn,
             down_until: Mutex::new(None),
+            place_checked: AtomicBool::new(false),
         }
     }
 
     fn is_down(&self, now: Instant) -> bool {
         lock(&self.down_until).is_some_and(|until| until > now)
+    }
+
+    fn db_error(&self, operation: &str, source: sea_orm::DbErr) -> ShardError {
+        ShardError::Db {
+            origin: Box::new(crate::error::Origin::table(Subsystem::Ids, PLACE_TABLE)),
+            shard: self.name.clone(),
+            operation: operation.into(),
+            source,
+        }
+    }
+
+    /// The place recorded on this server, and whether it is confirmed.
+    async fn recorded_place(&self, entry: &str) -> Result<Option<(Place, bool)>> {
+        let row = self
+            .conn
+            .query_one_raw(Statement::from_string(
+                self.conn.get_database_backend(),
+                format!("SELECT position, servers, confirmed FROM {PLACE_TABLE} WHERE stub = 'a'"),
+            ))
+            .await
+            .map_err(|source| {
+                if crate::error::is_missing_table(&source) {
+                    return ShardError::config(
+                        entry,
+                        format!(
+                            "ticket server `{}` has no table `{PLACE_TABLE}`: run \
+                             `cluster.migrate::<Migrator>()` with shardkit_migration's migrations",
+                            self.name
+                        ),
+                    );
+                }
+                self.db_error("read the ticket server's place", source)
+            })?;
+        let Some(row) = row else { return Ok(None) };
+        let read = |source| self.db_error("read the ticket server's place", source);
+        let place = Place {
+            position: row.try_get("", "position").map_err(read)?,
+            servers: row.try_get("", "servers").map_err(read)?,
+        };
+        Ok(Some((place, row.try_get("", "confirmed").map_err(read)?)))
+    }
+}
+
+/// A ticket server's place among the ticket servers, as
+/// `shardkit_ticket_place` records it: server `position` (1-based) of the
+/// list `servers` (their names, a JSON array), handing out tickets
+/// `≡ position (mod len)`.
+#[derive(Debug, PartialEq)]
+struct Place {
+    position: i32,
+    servers: String,
+}
+
+impl Tickets {
+    /// The place this config gives server `index`.
+    fn place(&self, index: usize) -> Place {
+        Place {
+            position: index as i32 + 1,
+            servers: self.roster.clone(),
+        }
+    }
+
+    fn entry(&self, index: usize) -> String {
+        format!("ids.servers[{index}] ({:?})", self.servers[index].name)
+    }
+
+    /// The error for server `index`, whose recorded place is `recorded`.
+    fn misplaced(&self, index: usize, recorded: &Place) -> ShardError {
+        let count =
+            |list: &str| serde_json::from_str::<Vec<String>>(list).map_or(0, |names| names.len());
+        ShardError::config(
+            self.entry(index),
+            format!(
+                "ticket server `{}` was set up as server {} of {} ({}), but this config lists \
+                 it as server {} of {} ({}): drawing tickets would hand out ids another server \
+                 has already given. Keep `ids.servers` as it was set up: the same servers, \
+                 names and order (a server that is down is skipped; it need not be removed)",
+                self.servers[index].name,
+                recorded.position,
+                count(&recorded.servers),
+                recorded.servers,
+                index + 1,
+                self.servers.len(),
+                self.roster,
+            ),
+        )
+    }
+
+    /// Makes sure server `index` holds the place this config gives it, with
+    /// every other server agreeing ([`Ids::record_places`] confirmed it),
+    /// before a ticket is drawn from it. A config that moved the server, or
+    /// added or removed one, would hand out tickets another server has
+    /// already given: refused. Once it matched, this process does not ask
+    /// again.
+    async fn check_place(&self, index: usize) -> Result<()> {
+        let server = &self.servers[index];
+        if server.place_checked.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let entry = self.entry(index);
+        match server.recorded_place(&entry).await? {
+            Some((recorded, _)) if recorded != self.place(index) => {
+                Err(self.misplaced(index, &recorded))
+            }
+            Some((_, true)) => {
+                server.place_checked.store(true, Ordering::Release);
+                Ok(())
+            }
+            _ => Err(ShardError::config(
+                entry,
+                format!(
+                    "ticket server `{}` has no confirmed place among the ticket servers: run \
+                     `cluster.migrate::<Migrator>()` or `cluster.ids().record_places()` with \
+                     every ticket server reachable",
+                    server.name
+                ),
+            )),
+        }
+    }
+
+    /// [`Ids::record_places`].
+    async fn record_places(&self) -> Result<()> {
+        if self
+            .servers
+            .iter()
+            .all(|s| s.place_checked.load(Ordering::Acquire))
+        {
+            return Ok(());
+        }
+        let col = sea_orm::sea_query::Alias::new;
+        // 1. Each server's place, written once: the first config to record
+        //    it wins. A no-op update rather than DO NOTHING: one form every
+        //    backend takes.
+        for (i, server) in self.servers.iter().enumerate() {
+            let place = self.place(i);
+            let record = sea_orm::sea_query::Query::insert()
+                .into_table(col(PLACE_TABLE))
+                .columns([col("stub"), col("position"), col("servers")])
+                .values_panic(["a".into(), place.position.into(), place.servers.into()])
+                .on_conflict(
+                    sea_orm::sea_query::OnConflict::column(col("stub"))
+                        .update_column(col("stub"))
+                        .to_owned(),
+                )
+                .to_owned();
+            if let Err(source) = server.conn.execute(&record).await {
+                // A missing table gets its own message from the read below.
+                if !crate::error::is_missing_table(&source) {
+                    return Err(server.db_error("record the ticket server's place", source));
+                }
+            }
+            // Tests: the process stops once this server's place is recorded.
+            #[cfg(feature = "failpoints")]
+            fail::fail_point!("shardkit::ids::place_recorded", |_| Err(server.db_error(
+                "record the ticket server's place",
+                sea_orm::DbErr::Custom("failpoint shardkit::ids::place_recorded".into()),
+            )));
+        }
+        // 2. Every record agrees with this config. Two configs recording at
+        //    once may each win some servers; then neither confirms any.
+        for (i, server) in self.servers.iter().enumerate() {
+            match server.recorded_place(&self.entry(i)).await? {
+                Some((recorded, _)) if recorded == self.place(i) => {}
+                Some((recorded, _)) => return Err(self.misplaced(i, &recorded)),
+                None => {
+                    return Err(server.db_error(
+                        "read the ticket server's place",
+                        sea_orm::DbErr::RecordNotFound(PLACE_TABLE.into()),
+                    ));
+                }
+            }
+        }
+        // 3. Confirmed: a server hands out tickets only now. A process that
+        //    dies before this step leaves the records unconfirmed; running
+        //    this again finishes it.
+        for server in &self.servers {
+            server
+                .conn
+                .execute_unprepared(&format!(
+                    "UPDATE {PLACE_TABLE} SET confirmed = TRUE WHERE stub = 'a'"
+                ))
+                .await
+                .map_err(|source| server.db_error("confirm the ticket server's place", source))?;
+            server.place_checked.store(true, Ordering::Release);
+        }
+        Ok(())
     }
 }
 
@@ -106,6 +298,9 @@ pub struct Ids {
 /// [`Sequence`] of a cluster shares.
 struct Tickets {
     servers: Vec<TicketServer>,
+    /// The servers' names in order, a JSON array: part of each server's
+    /// recorded place.
+    roster: String,
     next_server: AtomicUsize,
     config: IdsConfig,
     requests: AtomicU64,
@@ -148,6 +343,10 @@ impl Ids {
         let snowflake = Snowflake::new(layout, config.worker_id.unwrap_or(0), clock)?;
         Ok(Ids {
             tickets: Arc::new(Tickets {
+                roster: serde_json::to_string(
+                    &servers.iter().map(|s| s.name.as_str()).collect::<Vec<_>>(),
+                )
+                .expect("a list of strings serializes"),
                 servers,
                 next_server: AtomicUsize::new(0),
                 config,
@@ -175,6 +374,7 @@ impl Ids {
         if self.tickets.servers.is_empty() {
             return Ok(());
         }
+        self.record_places().await?;
         for name in self.tickets.config.sequences.keys() {
             self.create_sequence(name).await?;
         }
@@ -185,6 +385,7 @@ impl Ids {
     /// table and its registry row). Idempotent.
     pub async fn create_sequence(&self, name: &str) -> Result<()> {
         check_name(name)?;
+        self.record_places().await?;
         for server in &self.tickets.servers {
             let backend = server.conn.get_database_backend();
             let err = |source| ShardError::Db {
@@ -215,6 +416,22 @@ impl Ids {
             server.conn.execute(&insert).await.map_err(err)?;
         }
         Ok(())
+    }
+
+    /// Records each ticket server's place (server `i` of `n` hands out
+    /// tickets `≡ i + 1 (mod n)`) on the server, together with the whole
+    /// `ids.servers` list, and confirms it once every server's record agrees.
+    /// A server hands out tickets only to a config that matches its
+    /// confirmed record, so two processes whose `ids.servers` differ (a
+    /// server added, removed or moved) never draw the same id: the one that
+    /// does not match gets [`ShardError::Config`] naming `ids.servers[i]`.
+    ///
+    /// Every ticket server must be reachable. Idempotent; the first config
+    /// to record a server keeps it. [`Cluster::migrate`](crate::Cluster::migrate),
+    /// [`create_sequence`](Self::create_sequence) and
+    /// [`create_configured_sequences`](Self::create_configured_sequences) call it.
+    pub async fn record_places(&self) -> Result<()> {
+        self.tickets.record_places().await
     }
 
     /// The sequences the first reachable ticket server holds.
@@ -305,6 +522,7 @@ impl Ids {
         let servers = &self.tickets.servers;
         let n = servers.len();
         for (i, server) in servers.iter().enumerate() {
+            self.tickets.check_place(i).await?;
             let backend = server.conn.get_database_backend();
             let sql = match backend {
                 DbBackend::MySql => {
@@ -391,7 +609,14 @@ impl Tickets {
                 self.requests.fetch_add(1, Ordering::Relaxed);
                 crate::metrics::ticket_request(&server.name);
                 attempts += 1;
-                match tokio::time::timeout_at(deadline, ticket_from(server, i, n, name)).await {
+                let request = async {
+                    self.check_place(i).await.map_err(|err| match err {
+                        err @ ShardError::Config { .. } => TicketFailure::Config(err),
+                        err => TicketFailure::Failed(err),
+                    })?;
+                    ticket_from(server, i, n, name).await
+                };
+                match tokio::time::timeout_at(deadline, request).await {
                     // Concurrent `REPLACE INTO`s of one stub deadlock on
                     // MySQL/MariaDB (the server rolls one back): the server
                     // is fine, and the statement, its own transaction, is
@@ -409,6 +634,7 @@ impl Tickets {
                 }
                 // The server answered; the sequence is what is missing. Every
                 // server would say the same, and none of them is down.
+                Ok(Err(TicketFailure::Config(err))) => return Err(err),
                 Ok(Err(TicketFailure::NoSuchSequence)) => {
                     return Err(ShardError::config(
                         format!("ids.sequences.{name}"),
@@ -451,6 +677,9 @@ enum TicketFailure {
     /// The server has no `tickets_<sequence>` table: a configuration error,
     /// not an outage.
     NoSuchSequence,
+    /// The config is wrong for this server (see
+    /// [`TicketServer::check_place`]): no server is asked.
+    Config(ShardError),
     /// Anything else: the next server is asked.
     Failed(ShardError),
 }

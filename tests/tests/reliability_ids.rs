@@ -2,12 +2,14 @@
 //! dropped with ids drawn or a prefetch in flight (the ticket pools must
 //! close), a sequence whose table was never created (a configuration error,
 //! not an outage), servers that fail (one clear message), migrations (the
-//! application's tables never reach a ticket server) and Flickr mode under
-//! concurrency (requests run side by side).
+//! application's tables never reach a ticket server), Flickr mode under
+//! concurrency (requests run side by side) and configs whose `ids.servers`
+//! differ (a server refuses a list it was not set up with).
 
 use sea_orm::{ConnectionTrait, Database, DatabaseConnection, Statement};
+use sea_orm_migration::MigratorTrait;
 use shardkit::prelude::*;
-use shardkit::{Cluster, ClusterConfig};
+use shardkit::{Cluster, ClusterConfig, DatabaseUrl};
 use shardkit_tests::models::*;
 use shardkit_tests::{TestDbs, backend_tests};
 use std::collections::HashSet;
@@ -20,7 +22,13 @@ backend_tests!(2 =>
     migrate_runs_only_shardkit_migrations_on_ticket_servers,
     flickr_requests_run_concurrently,
     an_exhausted_sequence_is_refused_never_negative,
+    a_ticket_server_serves_only_the_list_it_was_set_up_with,
+    configs_setting_up_at_once_confirm_no_split_places,
 );
+
+/// Failpoints are process-wide and the backends' scenarios run at once:
+/// a scenario holds this while it has one configured.
+static FAILPOINT: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 /// Two ticket servers (databases of their own) with `ids` appended to
 /// `[ids]`; returns the config and the servers' URLs.
@@ -227,7 +235,7 @@ async fn failed_servers_are_reported_once(dbs: &mut TestDbs) {
 
 /// `Cluster::migrate` with the application's migrator creates the
 /// application's tables on the shards only; ticket servers get shardkit's
-/// ticket registry, reported as such.
+/// ticket registry and place table, reported as such.
 async fn migrate_runs_only_shardkit_migrations_on_ticket_servers(dbs: &mut TestDbs) {
     let (config, urls) = ticket_config(dbs, "").await;
     let cluster = Cluster::connect(config).await.unwrap();
@@ -246,7 +254,10 @@ async fn migrate_runs_only_shardkit_migrations_on_ticket_servers(dbs: &mut TestD
             .unwrap_or_else(|| panic!("{server} missing from {report}"));
         assert_eq!(
             status.applied,
-            vec!["m20261122_000002_create_ticket_registry".to_owned()],
+            vec![
+                "m20261122_000002_create_ticket_registry".to_owned(),
+                "m20261124_000008_create_ticket_place".to_owned()
+            ],
             "{server}"
         );
     }
@@ -283,6 +294,7 @@ async fn flickr_requests_run_concurrently(dbs: &mut TestDbs) {
 
     // One of eight concurrent requests (whichever comes first) waits a
     // minute before it asks a server; the other seven must not wait behind it.
+    let failpoint = FAILPOINT.lock().await;
     fail::cfg("shardkit::ids::ticket::photos", "1*return(60000)").unwrap();
     let mut callers = tokio::task::JoinSet::new();
     for _ in 0..8 {
@@ -302,13 +314,19 @@ async fn flickr_requests_run_concurrently(dbs: &mut TestDbs) {
     assert_eq!(callers.len(), 1, "the held request is still waiting");
     callers.abort_all();
     fail::remove("shardkit::ids::ticket::photos");
+    drop(failpoint);
     assert_eq!(ids.len(), 7);
 
     // 16 callers × 50 ids at once on a pool of 8 of one server (no other
-    // server to fall back on): all distinct, none refused.
+    // server to fall back on): all distinct, none refused. The one server is
+    // a ticket server of its own: the two above are set up as a pair and
+    // serve no other list.
     let mut one_server = config.clone();
     one_server.ids.servers.truncate(1);
+    one_server.ids.servers[0].name = "tickets_single".into();
+    one_server.ids.servers[0].url = Some(DatabaseUrl::new(dbs.extra("tickets_single").await));
     let single = Cluster::connect(one_server).await.unwrap();
+    single.migrate::<Migrator>().await.unwrap();
     let tasks: Vec<_> = (0..16)
         .map(|_| {
             let cluster = single.clone();
@@ -321,12 +339,181 @@ async fn flickr_requests_run_concurrently(dbs: &mut TestDbs) {
             })
         })
         .collect();
+    let mut ids = HashSet::new();
     for task in tasks {
         for id in task.await.unwrap() {
             assert!(ids.insert(id), "{id} handed out twice");
         }
     }
-    assert_eq!(ids.len(), 7 + 800);
+    assert_eq!(ids.len(), 800);
+}
+
+/// Each sequence's ticket row on each server, in server order.
+async fn ticket_rows(urls: &[String], sequence: &str) -> Vec<Option<i64>> {
+    let mut rows = Vec::new();
+    for url in urls {
+        let db = direct(url).await;
+        let row = db
+            .query_one_raw(Statement::from_string(
+                db.get_database_backend(),
+                format!("SELECT id FROM tickets_{sequence}"),
+            ))
+            .await
+            .unwrap();
+        rows.push(row.map(|r| r.try_get::<i64>("", "id").unwrap()));
+        db.close().await.unwrap();
+    }
+    rows
+}
+
+/// Server `i` of `n` hands out tickets `≡ i + 1 (mod n)`. A second process
+/// whose `ids.servers` lost a server (server 1 would go on in steps of 1,
+/// onto server 2's tickets) or swapped two (each would hand out the other's)
+/// draws no ticket, sets nothing up and moves no sequence: it gets a config
+/// error naming the server and both lists, while the process set up with
+/// the list goes on.
+async fn a_ticket_server_serves_only_the_list_it_was_set_up_with(dbs: &mut TestDbs) {
+    let (config, urls) = ticket_config(dbs, "[ids.sequences.photos]\nblock = 1\n").await;
+    let set_up = Cluster::connect(config.clone()).await.unwrap();
+    set_up.migrate::<Migrator>().await.unwrap();
+    let mut ids = HashSet::new();
+    for _ in 0..5 {
+        assert!(ids.insert(set_up.ids().next("photos").await.unwrap()));
+    }
+    let before = ticket_rows(&urls, "photos").await;
+
+    let mut removed = config.clone();
+    removed.ids.servers.truncate(1);
+    let mut swapped = config.clone();
+    swapped.ids.servers.swap(0, 1);
+    // The error names the server asked and both lists.
+    let expect =
+        |what: &str, result: Result<_, ShardError>, entries: &[&str], list: &str| match result {
+            Err(ShardError::Config { entry, message }) => {
+                assert!(entries.contains(&entry.as_str()), "{what}: {entry}");
+                assert!(
+                    message.contains(list)
+                        && message.contains(r#"of 2 (["tickets_a","tickets_b"])"#),
+                    "{what}: {message}"
+                );
+            }
+            other => panic!("{what}: expected a config error, got {other:?}"),
+        };
+    let first_a = r#"ids.servers[0] ("tickets_a")"#;
+    let first_b = r#"ids.servers[0] ("tickets_b")"#;
+    let second_a = r#"ids.servers[1] ("tickets_a")"#;
+    for (what, other, asked, list) in [
+        (
+            "removed",
+            removed,
+            &[first_a][..],
+            r#"server 1 of 1 (["tickets_a"])"#,
+        ),
+        (
+            "swapped",
+            swapped,
+            &[first_b, second_a][..],
+            r#"of 2 (["tickets_b","tickets_a"])"#,
+        ),
+    ] {
+        let other = Cluster::connect(other).await.unwrap();
+        for _ in 0..4 {
+            // Requests take turns over the servers: each one refuses.
+            let drawn = other.ids().next("photos").await.map(|_| ());
+            expect(what, drawn, asked, list);
+        }
+        // Set-up steps ask the first server first.
+        let asked = &asked[..1];
+        expect(
+            what,
+            other.migrate::<Migrator>().await.map(|_| ()),
+            asked,
+            list,
+        );
+        expect(what, other.ids().create_sequence("more").await, asked, list);
+        expect(
+            what,
+            other.ids().advance_past("photos", 1_000).await,
+            asked,
+            list,
+        );
+    }
+    assert_eq!(
+        ticket_rows(&urls, "photos").await,
+        before,
+        "a refused config drew or moved a ticket"
+    );
+    for _ in 0..5 {
+        let id = set_up.ids().next("photos").await.unwrap();
+        assert!(ids.insert(id), "{id} handed out twice");
+    }
+}
+
+/// Two processes with the servers in opposite orders set up at once. One
+/// stops after recording its place on its first server (a process that dies
+/// between two steps); the other records the rest. Each server's place is
+/// written once, so neither list holds every server: neither confirms, and
+/// neither draws a ticket (before the check, both would hand out 1, 3, 5...
+/// from different servers). The process that died cannot finish either.
+async fn configs_setting_up_at_once_confirm_no_split_places(dbs: &mut TestDbs) {
+    let (config, urls) = ticket_config(dbs, "[ids.sequences.photos]\nblock = 1\n").await;
+    let forward = Cluster::connect(config.clone()).await.unwrap();
+    let mut reversed_config = config.clone();
+    reversed_config.ids.servers.reverse();
+    let reversed = Cluster::connect(reversed_config).await.unwrap();
+    // The ticket servers' tables; no place recorded yet.
+    for url in &urls {
+        let db = direct(url).await;
+        shardkit_migration::TicketMigrator::up(&db, None)
+            .await
+            .unwrap();
+        db.close().await.unwrap();
+    }
+
+    let failpoint = FAILPOINT.lock().await;
+    fail::cfg("shardkit::ids::place_recorded", "1*return").unwrap();
+    let died = reversed.ids().record_places().await;
+    fail::remove("shardkit::ids::place_recorded");
+    drop(failpoint);
+    assert!(
+        matches!(&died, Err(ShardError::Db { source, .. }) if source.to_string().contains("place_recorded")),
+        "{died:?}"
+    );
+    // The reversed list's place on tickets_b stands (it was recorded first);
+    // the forward list records tickets_a and finds tickets_b taken.
+    match forward.migrate::<Migrator>().await {
+        Err(ShardError::Config { entry, message }) => {
+            assert_eq!(entry, r#"ids.servers[1] ("tickets_b")"#);
+            assert!(message.contains("set up as server 1 of 2"), "{message}");
+        }
+        other => panic!("expected a config error, got {other:?}"),
+    }
+    match reversed.ids().record_places().await {
+        Err(ShardError::Config { entry, .. }) => {
+            assert_eq!(entry, r#"ids.servers[1] ("tickets_a")"#)
+        }
+        other => panic!("expected a config error, got {other:?}"),
+    }
+    for (name, cluster) in [("forward", &forward), ("reversed", &reversed)] {
+        for _ in 0..4 {
+            match cluster.ids().next("photos").await {
+                Err(ShardError::Config { .. }) => {}
+                other => panic!("{name}: expected a config error, got {other:?}"),
+            }
+        }
+    }
+    // No ticket was drawn anywhere (the forward list's migrate stopped
+    // before creating the sequence's tables).
+    for url in &urls {
+        let db = direct(url).await;
+        let probe = db
+            .query_one_raw(Statement::from_string(
+                db.get_database_backend(),
+                "SELECT COUNT(*) AS n FROM tickets_photos",
+            ))
+            .await;
+        assert!(probe.is_err(), "{url}: tickets_photos exists");
+    }
 }
 
 /// The largest block a config may give, on a sequence advanced to the top of

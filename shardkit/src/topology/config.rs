@@ -130,7 +130,11 @@ pub struct GsiConfig {
 #[serde(deny_unknown_fields)]
 pub struct IdsConfig {
     /// Ticket servers. Server `i` of `n` hands out tickets `≡ i + 1 (mod n)`,
-    /// so the servers never overlap and either can serve alone.
+    /// so the servers never overlap and either can serve alone. The list is
+    /// fixed once set up: each server records its place
+    /// ([`Ids::record_places`](crate::ids::Ids::record_places)) and serves
+    /// only a config that matches it. Keep a server that is down; it is
+    /// skipped.
     #[serde(default)]
     pub servers: Vec<ShardConfig>,
     /// Per-sequence settings, keyed by sequence name (1-48 ASCII lowercase
