@@ -240,12 +240,16 @@ impl Tickets {
                     return Err(server.db_error("record the ticket server's place", source));
                 }
             }
-            // Tests: the process stops once this server's place is recorded.
+            // Tests: `shardkit::ids::place_recorded::<server>` stops the
+            // process once that server's place is recorded.
             #[cfg(feature = "failpoints")]
-            fail::fail_point!("shardkit::ids::place_recorded", |_| Err(server.db_error(
-                "record the ticket server's place",
-                sea_orm::DbErr::Custom("failpoint shardkit::ids::place_recorded".into()),
-            )));
+            fail::fail_point!(
+                &format!("shardkit::ids::place_recorded::{}", server.name),
+                |_| Err(server.db_error(
+                    "record the ticket server's place",
+                    sea_orm::DbErr::Custom("failpoint shardkit::ids::place_recorded".into()),
+                ))
+            );
         }
         // 2. Every record agrees with this config. Two configs recording at
         //    once may each win some servers; then neither confirms any.

@@ -373,14 +373,14 @@ async fn ticket_rows(urls: &[String], sequence: &str) -> Vec<Option<i64>> {
 /// error naming the server and both lists, while the process set up with
 /// the list goes on.
 async fn a_ticket_server_serves_only_the_list_it_was_set_up_with(dbs: &mut TestDbs) {
-    let (config, urls) = ticket_config(dbs, "[ids.sequences.photos]\nblock = 1\n").await;
+    let (config, urls) = ticket_config(dbs, "[ids.sequences.places]\nblock = 1\n").await;
     let set_up = Cluster::connect(config.clone()).await.unwrap();
     set_up.migrate::<Migrator>().await.unwrap();
     let mut ids = HashSet::new();
     for _ in 0..5 {
-        assert!(ids.insert(set_up.ids().next("photos").await.unwrap()));
+        assert!(ids.insert(set_up.ids().next("places").await.unwrap()));
     }
-    let before = ticket_rows(&urls, "photos").await;
+    let before = ticket_rows(&urls, "places").await;
 
     let mut removed = config.clone();
     removed.ids.servers.truncate(1);
@@ -419,7 +419,7 @@ async fn a_ticket_server_serves_only_the_list_it_was_set_up_with(dbs: &mut TestD
         let other = Cluster::connect(other).await.unwrap();
         for _ in 0..4 {
             // Requests take turns over the servers: each one refuses.
-            let drawn = other.ids().next("photos").await.map(|_| ());
+            let drawn = other.ids().next("places").await.map(|_| ());
             expect(what, drawn, asked, list);
         }
         // Set-up steps ask the first server first.
@@ -433,18 +433,18 @@ async fn a_ticket_server_serves_only_the_list_it_was_set_up_with(dbs: &mut TestD
         expect(what, other.ids().create_sequence("more").await, asked, list);
         expect(
             what,
-            other.ids().advance_past("photos", 1_000).await,
+            other.ids().advance_past("places", 1_000).await,
             asked,
             list,
         );
     }
     assert_eq!(
-        ticket_rows(&urls, "photos").await,
+        ticket_rows(&urls, "places").await,
         before,
         "a refused config drew or moved a ticket"
     );
     for _ in 0..5 {
-        let id = set_up.ids().next("photos").await.unwrap();
+        let id = set_up.ids().next("places").await.unwrap();
         assert!(ids.insert(id), "{id} handed out twice");
     }
 }
@@ -456,7 +456,16 @@ async fn a_ticket_server_serves_only_the_list_it_was_set_up_with(dbs: &mut TestD
 /// neither draws a ticket (before the check, both would hand out 1, 3, 5...
 /// from different servers). The process that died cannot finish either.
 async fn configs_setting_up_at_once_confirm_no_split_places(dbs: &mut TestDbs) {
-    let (config, urls) = ticket_config(dbs, "[ids.sequences.photos]\nblock = 1\n").await;
+    let (mut config, urls) = ticket_config(dbs, "[ids.sequences.split]\nblock = 1\n").await;
+    // Server names of this backend's own: the failpoint below names one.
+    let backend = format!("{:?}", dbs.backend).to_lowercase();
+    for server in &mut config.ids.servers {
+        server.name = format!("{}_{backend}", server.name);
+    }
+    let (a, b) = (
+        format!("tickets_a_{backend}"),
+        format!("tickets_b_{backend}"),
+    );
     let forward = Cluster::connect(config.clone()).await.unwrap();
     let mut reversed_config = config.clone();
     reversed_config.ids.servers.reverse();
@@ -470,33 +479,32 @@ async fn configs_setting_up_at_once_confirm_no_split_places(dbs: &mut TestDbs) {
         db.close().await.unwrap();
     }
 
-    let failpoint = FAILPOINT.lock().await;
-    fail::cfg("shardkit::ids::place_recorded", "1*return").unwrap();
+    let stop = format!("shardkit::ids::place_recorded::{b}");
+    fail::cfg(&stop, "return").unwrap();
     let died = reversed.ids().record_places().await;
-    fail::remove("shardkit::ids::place_recorded");
-    drop(failpoint);
+    fail::remove(&stop);
     assert!(
         matches!(&died, Err(ShardError::Db { source, .. }) if source.to_string().contains("place_recorded")),
         "{died:?}"
     );
-    // The reversed list's place on tickets_b stands (it was recorded first);
-    // the forward list records tickets_a and finds tickets_b taken.
+    // The reversed list's place on b stands (it was recorded first); the
+    // forward list records a and finds b taken.
     match forward.migrate::<Migrator>().await {
         Err(ShardError::Config { entry, message }) => {
-            assert_eq!(entry, r#"ids.servers[1] ("tickets_b")"#);
+            assert_eq!(entry, format!("ids.servers[1] ({b:?})"));
             assert!(message.contains("set up as server 1 of 2"), "{message}");
         }
         other => panic!("expected a config error, got {other:?}"),
     }
     match reversed.ids().record_places().await {
         Err(ShardError::Config { entry, .. }) => {
-            assert_eq!(entry, r#"ids.servers[1] ("tickets_a")"#)
+            assert_eq!(entry, format!("ids.servers[1] ({a:?})"))
         }
         other => panic!("expected a config error, got {other:?}"),
     }
     for (name, cluster) in [("forward", &forward), ("reversed", &reversed)] {
         for _ in 0..4 {
-            match cluster.ids().next("photos").await {
+            match cluster.ids().next("split").await {
                 Err(ShardError::Config { .. }) => {}
                 other => panic!("{name}: expected a config error, got {other:?}"),
             }
@@ -509,10 +517,10 @@ async fn configs_setting_up_at_once_confirm_no_split_places(dbs: &mut TestDbs) {
         let probe = db
             .query_one_raw(Statement::from_string(
                 db.get_database_backend(),
-                "SELECT COUNT(*) AS n FROM tickets_photos",
+                "SELECT COUNT(*) AS n FROM tickets_split",
             ))
             .await;
-        assert!(probe.is_err(), "{url}: tickets_photos exists");
+        assert!(probe.is_err(), "{url}: tickets_split exists");
     }
 }
 
