@@ -100,6 +100,57 @@ impl TicketServer {
         }
     }
 
+    /// The last ticket of each sequence on this server that has handed one
+    /// out (each `tickets_<name>` table's row).
+    async fn ticket_counters(&self) -> Result<Vec<(String, i64)>> {
+        let backend = self.conn.get_database_backend();
+        let err = |source| ShardError::Db {
+            origin: Box::new(crate::error::Origin::table(Subsystem::Ids, "tickets_*")),
+            shard: self.name.clone(),
+            operation: "read the ticket counters".into(),
+            source,
+        };
+        // `_` is a LIKE wildcard: the names are filtered again below.
+        let tables = match backend {
+            DbBackend::MySql => {
+                "SELECT TABLE_NAME AS name FROM information_schema.TABLES \
+                 WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME LIKE 'tickets_%'"
+            }
+            DbBackend::Postgres => {
+                "SELECT table_name::text AS name FROM information_schema.tables \
+                 WHERE table_schema = current_schema() AND table_name LIKE 'tickets_%'"
+            }
+            _ => "SELECT name FROM sqlite_master WHERE type = 'table' AND name LIKE 'tickets_%'",
+        };
+        let rows = self
+            .conn
+            .query_all_raw(Statement::from_string(backend, tables))
+            .await
+            .map_err(err)?;
+        let mut counters = Vec::new();
+        for row in rows {
+            let table: String = row.try_get("", "name").map_err(err)?;
+            let Some(name) = table.strip_prefix("tickets_") else {
+                continue;
+            };
+            if check_name(name).is_err() {
+                continue;
+            }
+            let last = self
+                .conn
+                .query_one_raw(Statement::from_string(
+                    backend,
+                    format!("SELECT id FROM {table}"),
+                ))
+                .await
+                .map_err(err)?;
+            if let Some(last) = last {
+                counters.push((table, last.try_get::<i64>("", "id").map_err(err)?));
+            }
+        }
+        Ok(counters)
+    }
+
     /// The place recorded on this server, and whether it is confirmed.
     async fn recorded_place(&self, entry: &str) -> Result<Option<(Place, bool)>> {
         let row = self
@@ -155,25 +206,43 @@ impl Tickets {
         format!("ids.servers[{index}] ({:?})", self.servers[index].name)
     }
 
-    /// The error for server `index`, whose recorded place is `recorded`.
-    fn misplaced(&self, index: usize, recorded: &Place) -> ShardError {
+    /// The error for server `index`, whose recorded place is `recorded`
+    /// (confirmed or not).
+    fn misplaced(&self, index: usize, recorded: &Place, confirmed: bool) -> ShardError {
         let count =
             |list: &str| serde_json::from_str::<Vec<String>>(list).map_or(0, |names| names.len());
+        let name = &self.servers[index].name;
+        let (position, of, list) = (
+            recorded.position,
+            count(&recorded.servers),
+            &recorded.servers,
+        );
+        let ours = format!(
+            "server {} of {} ({})",
+            index + 1,
+            self.servers.len(),
+            self.roster
+        );
         ShardError::config(
             self.entry(index),
-            format!(
-                "ticket server `{}` was set up as server {} of {} ({}), but this config lists \
-                 it as server {} of {} ({}): drawing tickets would hand out ids another server \
-                 has already given. Keep `ids.servers` as it was set up: the same servers, \
-                 names and order (a server that is down is skipped; it need not be removed)",
-                self.servers[index].name,
-                recorded.position,
-                count(&recorded.servers),
-                recorded.servers,
-                index + 1,
-                self.servers.len(),
-                self.roster,
-            ),
+            if confirmed {
+                format!(
+                    "ticket server `{name}` was set up as server {position} of {of} ({list}), but \
+                     this config lists it as {ours}: drawing tickets would hand out ids another \
+                     server has already given. Keep `ids.servers` as it was set up: the same \
+                     servers, names and order (a server that is down is skipped; it need not be \
+                     removed)"
+                )
+            } else {
+                format!(
+                    "ticket server `{name}` holds an unconfirmed place for another list, server \
+                     {position} of {of} ({list}), and this config lists it as {ours}: two set-ups \
+                     with different lists ran at once, or one stopped partway. No ticket has been \
+                     drawn from it. If this config's list is the right one, remove the \
+                     unconfirmed places with `cluster.ids().clear_unconfirmed_places()` (while \
+                     no set-up runs) and set up again"
+                )
+            },
         )
     }
 
@@ -190,8 +259,8 @@ impl Tickets {
         }
         let entry = self.entry(index);
         match server.recorded_place(&entry).await? {
-            Some((recorded, _)) if recorded != self.place(index) => {
-                Err(self.misplaced(index, &recorded))
+            Some((recorded, confirmed)) if recorded != self.place(index) => {
+                Err(self.misplaced(index, &recorded, confirmed))
             }
             Some((_, true)) => {
                 server.place_checked.store(true, Ordering::Release);
@@ -209,8 +278,9 @@ impl Tickets {
         }
     }
 
-    /// [`Ids::record_places`].
-    async fn record_places(&self) -> Result<()> {
+    /// [`Ids::record_places`], and with `adopt` [`Ids::adopt_places`].
+    async fn record_places(&self, adopt: bool) -> Result<()> {
+        use sea_orm::sea_query::ExprTrait;
         if self
             .servers
             .iter()
@@ -219,27 +289,65 @@ impl Tickets {
             return Ok(());
         }
         let col = sea_orm::sea_query::Alias::new;
-        // 1. Each server's place, written once: the first config to record
-        //    it wins. A no-op update rather than DO NOTHING: one form every
-        //    backend takes.
+        // 1. What every server holds, before anything is written: a server
+        //    recorded for another list stops the set-up here.
+        let mut held = Vec::with_capacity(self.servers.len());
         for (i, server) in self.servers.iter().enumerate() {
+            let recorded = server.recorded_place(&self.entry(i)).await?;
+            if let Some((place, confirmed)) = &recorded
+                && *place != self.place(i)
+            {
+                return Err(self.misplaced(i, place, *confirmed));
+            }
+            held.push(recorded);
+        }
+        // 2. A server without a record may get one only if it is new: no
+        //    other server of the list is confirmed yet (else its database is
+        //    not the one that was set up), and it has handed out no ticket
+        //    (else its place predates the records: `adopt` checks it).
+        let confirmed_peer = held.iter().position(|h| matches!(h, Some((_, true))));
+        for (i, server) in self.servers.iter().enumerate() {
+            if held[i].is_some() {
+                continue;
+            }
+            if let Some(peer) = confirmed_peer {
+                return Err(ShardError::config(
+                    self.entry(i),
+                    format!(
+                        "ticket server `{}` has no recorded place, but `{}` was confirmed with \
+                         this list: `{}` is not the database that was set up (a new database in \
+                         a ticket server's place would hand out the tickets its predecessor \
+                         gave). Point `ids.servers[{i}]` at the server's own database",
+                        server.name, self.servers[peer].name, server.name
+                    ),
+                ));
+            }
+            self.check_history(i, adopt).await?;
+        }
+        // 3. Record the missing places, each written once: when two lists
+        //    record at once, each server keeps the first.
+        for (i, server) in self.servers.iter().enumerate() {
+            if held[i].is_some() {
+                continue;
+            }
             let place = self.place(i);
             let record = sea_orm::sea_query::Query::insert()
                 .into_table(col(PLACE_TABLE))
                 .columns([col("stub"), col("position"), col("servers")])
                 .values_panic(["a".into(), place.position.into(), place.servers.into()])
+                // A no-op update rather than DO NOTHING: one form every
+                // backend takes.
                 .on_conflict(
                     sea_orm::sea_query::OnConflict::column(col("stub"))
                         .update_column(col("stub"))
                         .to_owned(),
                 )
                 .to_owned();
-            if let Err(source) = server.conn.execute(&record).await {
-                // A missing table gets its own message from the read below.
-                if !crate::error::is_missing_table(&source) {
-                    return Err(server.db_error("record the ticket server's place", source));
-                }
-            }
+            server
+                .conn
+                .execute(&record)
+                .await
+                .map_err(|source| server.db_error("record the ticket server's place", source))?;
             // Tests: `shardkit::ids::place_recorded::<server>` stops the
             // process once that server's place is recorded.
             #[cfg(feature = "failpoints")]
@@ -251,32 +359,95 @@ impl Tickets {
                 ))
             );
         }
-        // 2. Every record agrees with this config. Two configs recording at
-        //    once may each win some servers; then neither confirms any.
+        // 4. Every record agrees with this list. Two lists recording at once
+        //    may each have won some servers; then neither confirms any.
         for (i, server) in self.servers.iter().enumerate() {
             match server.recorded_place(&self.entry(i)).await? {
                 Some((recorded, _)) if recorded == self.place(i) => {}
-                Some((recorded, _)) => return Err(self.misplaced(i, &recorded)),
+                Some((recorded, confirmed)) => {
+                    return Err(self.misplaced(i, &recorded, confirmed));
+                }
                 None => {
-                    return Err(server.db_error(
-                        "read the ticket server's place",
-                        sea_orm::DbErr::RecordNotFound(PLACE_TABLE.into()),
+                    return Err(ShardError::config(
+                        self.entry(i),
+                        format!(
+                            "ticket server `{}`'s place was removed while it was being set up \
+                             (`clear_unconfirmed_places` ran at the same time): set up again",
+                            server.name
+                        ),
                     ));
                 }
             }
         }
-        // 3. Confirmed: a server hands out tickets only now. A process that
-        //    dies before this step leaves the records unconfirmed; running
-        //    this again finishes it.
-        for server in &self.servers {
+        // 5. Confirmed (this list's record only): a server hands out tickets
+        //    from now on. A process that dies before this step, or halfway
+        //    through it, leaves unconfirmed records; running this again
+        //    finishes it.
+        for (i, server) in self.servers.iter().enumerate() {
+            let place = self.place(i);
+            let confirm = sea_orm::sea_query::Query::update()
+                .table(col(PLACE_TABLE))
+                .value(col("confirmed"), true)
+                .and_where(sea_orm::sea_query::Expr::col(col("stub")).eq("a"))
+                .and_where(sea_orm::sea_query::Expr::col(col("position")).eq(place.position))
+                .and_where(sea_orm::sea_query::Expr::col(col("servers")).eq(place.servers))
+                .to_owned();
             server
                 .conn
-                .execute_unprepared(&format!(
-                    "UPDATE {PLACE_TABLE} SET confirmed = TRUE WHERE stub = 'a'"
-                ))
+                .execute(&confirm)
                 .await
                 .map_err(|source| server.db_error("confirm the ticket server's place", source))?;
+            // Tests: `shardkit::ids::place_confirmed::<server>` stops the
+            // process once that server's place is confirmed.
+            #[cfg(feature = "failpoints")]
+            fail::fail_point!(
+                &format!("shardkit::ids::place_confirmed::{}", server.name),
+                |_| Err(server.db_error(
+                    "confirm the ticket server's place",
+                    sea_orm::DbErr::Custom("failpoint shardkit::ids::place_confirmed".into()),
+                ))
+            );
             server.place_checked.store(true, Ordering::Release);
+        }
+        Ok(())
+    }
+
+    /// Refuses to record server `index`'s place if it has handed out
+    /// tickets already, unless `adopt`: then every sequence's counter must be
+    /// `≡ position (mod n)`, as it is on the server this list's place was
+    /// given to.
+    async fn check_history(&self, index: usize, adopt: bool) -> Result<()> {
+        let server = &self.servers[index];
+        let counters = server.ticket_counters().await?;
+        let Some((table, last)) = counters.first() else {
+            return Ok(());
+        };
+        if !adopt {
+            return Err(ShardError::config(
+                self.entry(index),
+                format!(
+                    "ticket server `{}` has handed out tickets (`{table}` is at {last}) but holds \
+                     no recorded place: it was set up before shardkit recorded ticket servers' \
+                     places. Make sure `ids.servers` lists the servers as they were set up (the \
+                     same servers, in the same order), then call `cluster.ids().adopt_places()` \
+                     once",
+                    server.name
+                ),
+            ));
+        }
+        let (position, n) = (index as i64 + 1, self.servers.len() as i64);
+        for (table, last) in &counters {
+            if last.rem_euclid(n) != position % n {
+                return Err(ShardError::config(
+                    self.entry(index),
+                    format!(
+                        "ticket server `{}`'s `{table}` is at {last}, which is not ≡ {position} \
+                         (mod {n}): the server was not set up as server {position} of {n}, so \
+                         this list ({}) is not the one it was set up with",
+                        server.name, self.roster
+                    ),
+                ));
+            }
         }
         Ok(())
     }
@@ -378,7 +549,7 @@ impl Ids {
         if self.tickets.servers.is_empty() {
             return Ok(());
         }
-        self.record_places().await?;
+        self.tickets.record_places(false).await?;
         for name in self.tickets.config.sequences.keys() {
             self.create_sequence(name).await?;
         }
@@ -389,7 +560,7 @@ impl Ids {
     /// table and its registry row). Idempotent.
     pub async fn create_sequence(&self, name: &str) -> Result<()> {
         check_name(name)?;
-        self.record_places().await?;
+        self.tickets.record_places(false).await?;
         for server in &self.tickets.servers {
             let backend = server.conn.get_database_backend();
             let err = |source| ShardError::Db {
@@ -435,7 +606,45 @@ impl Ids {
     /// [`create_sequence`](Self::create_sequence) and
     /// [`create_configured_sequences`](Self::create_configured_sequences) call it.
     pub async fn record_places(&self) -> Result<()> {
-        self.tickets.record_places().await
+        self.tickets.record_places(false).await
+    }
+
+    /// [`record_places`](Self::record_places) for ticket servers set up
+    /// before shardkit recorded places, which have handed out tickets but
+    /// hold no record (`record_places` refuses them, since the first list to
+    /// record would win, right or wrong). Call it once, with `ids.servers` as
+    /// the servers were set up; it checks what it can (each sequence's last
+    /// ticket is `≡ i + 1 (mod n)` on server `i`; nothing to check with one
+    /// server) and records the list.
+    pub async fn adopt_places(&self) -> Result<()> {
+        self.tickets.record_places(true).await
+    }
+
+    /// Removes every unconfirmed place record from every ticket server and
+    /// returns how many it removed. An unconfirmed record has never served
+    /// a ticket: it is left by a set-up that stopped partway, or by two
+    /// set-ups with different lists that ran at once (then neither list can
+    /// be confirmed until the records are gone). Run it while no set-up
+    /// runs, then set up again with the right list.
+    pub async fn clear_unconfirmed_places(&self) -> Result<u64> {
+        use sea_orm::sea_query::ExprTrait;
+        let mut removed = 0;
+        for server in &self.tickets.servers {
+            let delete = sea_orm::sea_query::Query::delete()
+                .from_table(sea_orm::sea_query::Alias::new(PLACE_TABLE))
+                .and_where(
+                    sea_orm::sea_query::Expr::col(sea_orm::sea_query::Alias::new("confirmed"))
+                        .eq(false),
+                )
+                .to_owned();
+            removed += server
+                .conn
+                .execute(&delete)
+                .await
+                .map_err(|source| server.db_error("clear an unconfirmed place", source))?
+                .rows_affected();
+        }
+        Ok(removed)
     }
 
     /// The sequences the first reachable ticket server holds.

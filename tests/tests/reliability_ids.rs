@@ -24,6 +24,8 @@ backend_tests!(2 =>
     an_exhausted_sequence_is_refused_never_negative,
     a_ticket_server_serves_only_the_list_it_was_set_up_with,
     configs_setting_up_at_once_confirm_no_split_places,
+    a_set_up_that_stops_while_confirming_is_finished_by_the_next,
+    servers_set_up_before_places_are_adopted_not_guessed,
 );
 
 /// Failpoints are process-wide and the backends' scenarios run at once:
@@ -348,6 +350,84 @@ async fn flickr_requests_run_concurrently(dbs: &mut TestDbs) {
     assert_eq!(ids.len(), 800);
 }
 
+/// [`ticket_config`] with server names of this backend's own
+/// (`tickets_a_sqlite`, ...), so a failpoint naming a server stops this
+/// backend's scenario only; returns the config, the URLs and the two names.
+async fn named_ticket_config(
+    dbs: &mut TestDbs,
+    ids: &str,
+) -> (ClusterConfig, Vec<String>, String, String) {
+    let (mut config, urls) = ticket_config(dbs, ids).await;
+    let backend = format!("{:?}", dbs.backend).to_lowercase();
+    for server in &mut config.ids.servers {
+        server.name = format!("{}_{backend}", server.name);
+    }
+    let (a, b) = (
+        format!("tickets_a_{backend}"),
+        format!("tickets_b_{backend}"),
+    );
+    (config, urls, a, b)
+}
+
+/// Creates the ticket servers' tables and sequence `sequence`'s, as an
+/// application's own migrations would (no place is recorded).
+async fn ticket_tables(urls: &[String], sequence: &str) {
+    for url in urls {
+        let db = direct(url).await;
+        shardkit_migration::TicketMigrator::up(&db, None)
+            .await
+            .unwrap();
+        let table = shardkit_migration::ticket_table(db.get_database_backend(), sequence);
+        db.execute(&table).await.unwrap();
+        db.close().await.unwrap();
+    }
+}
+
+/// Each server's place record (position, list, confirmed), in server order.
+async fn place_rows(urls: &[String]) -> Vec<Option<(i32, String, bool)>> {
+    let mut rows = Vec::new();
+    for url in urls {
+        let db = direct(url).await;
+        let row = db
+            .query_one_raw(Statement::from_string(
+                db.get_database_backend(),
+                "SELECT position, servers, confirmed FROM shardkit_ticket_place",
+            ))
+            .await
+            .unwrap();
+        rows.push(row.map(|r| {
+            (
+                r.try_get("", "position").unwrap(),
+                r.try_get("", "servers").unwrap(),
+                r.try_get("", "confirmed").unwrap(),
+            )
+        }));
+        db.close().await.unwrap();
+    }
+    rows
+}
+
+/// Runs `sql` on every server.
+async fn on_each(urls: &[String], sql: &str) {
+    for url in urls {
+        let db = direct(url).await;
+        db.execute_unprepared(sql).await.unwrap();
+        db.close().await.unwrap();
+    }
+}
+
+/// Expects a config error naming `entry` whose message holds `says`.
+#[track_caller]
+fn config_error<T: std::fmt::Debug>(result: Result<T, ShardError>, entry: &str, says: &str) {
+    match result {
+        Err(ShardError::Config { entry: e, message }) => {
+            assert_eq!(e, entry, "{message}");
+            assert!(message.contains(says), "{message}");
+        }
+        other => panic!("expected a config error naming {entry}, got {other:?}"),
+    }
+}
+
 /// Each sequence's ticket row on each server, in server order.
 async fn ticket_rows(urls: &[String], sequence: &str) -> Vec<Option<i64>> {
     let mut rows = Vec::new();
@@ -438,6 +518,18 @@ async fn a_ticket_server_serves_only_the_list_it_was_set_up_with(dbs: &mut TestD
             list,
         );
     }
+    // A new database under a set-up server's name (a server "replaced"):
+    // it would start again at its position, onto its predecessor's tickets.
+    let mut replaced = config.clone();
+    let fresh = dbs.extra("tickets_b_new").await;
+    replaced.ids.servers[1].url = Some(DatabaseUrl::new(fresh.clone()));
+    let replaced = Cluster::connect(replaced).await.unwrap();
+    config_error(
+        replaced.migrate::<Migrator>().await,
+        r#"ids.servers[1] ("tickets_b")"#,
+        "`tickets_a` was confirmed with this list",
+    );
+    assert_eq!(place_rows(&[fresh]).await, [None]);
     assert_eq!(
         ticket_rows(&urls, "places").await,
         before,
@@ -449,68 +541,52 @@ async fn a_ticket_server_serves_only_the_list_it_was_set_up_with(dbs: &mut TestD
     }
 }
 
-/// Two processes with the servers in opposite orders set up at once. One
-/// stops after recording its place on its first server (a process that dies
-/// between two steps); the other records the rest. Each server's place is
-/// written once, so neither list holds every server: neither confirms, and
-/// neither draws a ticket (before the check, both would hand out 1, 3, 5...
-/// from different servers). The process that died cannot finish either.
+/// Two processes with the servers in opposite orders set up. One stops
+/// after recording its place on its first server (a process that dies
+/// between two steps): the other is refused and writes nothing, until the
+/// unconfirmed record is cleared. Then the two set up at once, round after
+/// round: at most one list is confirmed, the other draws nothing (before the
+/// check, both would hand out 1, 3, 5... from different servers).
 async fn configs_setting_up_at_once_confirm_no_split_places(dbs: &mut TestDbs) {
-    let (mut config, urls) = ticket_config(dbs, "[ids.sequences.split]\nblock = 1\n").await;
-    // Server names of this backend's own: the failpoint below names one.
-    let backend = format!("{:?}", dbs.backend).to_lowercase();
-    for server in &mut config.ids.servers {
-        server.name = format!("{}_{backend}", server.name);
-    }
-    let (a, b) = (
-        format!("tickets_a_{backend}"),
-        format!("tickets_b_{backend}"),
-    );
-    let forward = Cluster::connect(config.clone()).await.unwrap();
+    let (config, urls, a, b) = named_ticket_config(dbs, "[ids.sequences.split]\nblock = 1\n").await;
     let mut reversed_config = config.clone();
     reversed_config.ids.servers.reverse();
-    let reversed = Cluster::connect(reversed_config).await.unwrap();
-    // The ticket servers' tables and the sequence's (as an application's
-    // own migration would create them); no place recorded yet.
-    for url in &urls {
-        let db = direct(url).await;
-        shardkit_migration::TicketMigrator::up(&db, None)
-            .await
-            .unwrap();
-        let table = shardkit_migration::ticket_table(db.get_database_backend(), "split");
-        db.execute(&table).await.unwrap();
-        db.close().await.unwrap();
-    }
+    ticket_tables(&urls, "split").await;
+    let forward = Cluster::connect(config.clone()).await.unwrap();
+    let reversed = Cluster::connect(reversed_config.clone()).await.unwrap();
 
-    let stop = format!("shardkit::ids::place_recorded::{b}");
+    let stop = format!("shardkit::ids::place_recorded::{a}");
     fail::cfg(&stop, "return").unwrap();
-    let died = reversed.ids().record_places().await;
+    let died = forward.ids().record_places().await;
     fail::remove(&stop);
     assert!(
         matches!(&died, Err(ShardError::Db { source, .. }) if source.to_string().contains("place_recorded")),
         "{died:?}"
     );
-    // The reversed list's place on b stands (it was recorded first); the
-    // forward list records a and finds b taken.
-    match forward.migrate::<Migrator>().await {
-        Err(ShardError::Config { entry, message }) => {
-            assert_eq!(entry, format!("ids.servers[1] ({b:?})"));
-            assert!(message.contains("set up as server 1 of 2"), "{message}");
-        }
-        other => panic!("expected a config error, got {other:?}"),
-    }
-    match reversed.ids().record_places().await {
-        Err(ShardError::Config { entry, .. }) => {
-            assert_eq!(entry, format!("ids.servers[1] ({a:?})"))
-        }
-        other => panic!("expected a config error, got {other:?}"),
-    }
+    let forward_list = format!(r#"["{a}","{b}"]"#);
+    assert_eq!(
+        place_rows(&urls).await,
+        [Some((1, forward_list.clone(), false)), None]
+    );
+    // The reversed list finds a taken before it writes anything.
+    let entry_a = format!("ids.servers[1] ({a:?})");
+    config_error(
+        reversed.ids().record_places().await,
+        &entry_a,
+        "holds an unconfirmed place for another list",
+    );
+    config_error(
+        reversed.migrate::<Migrator>().await,
+        &entry_a,
+        "clear_unconfirmed_places",
+    );
+    assert_eq!(place_rows(&urls).await[1], None);
     for (name, cluster) in [("forward", &forward), ("reversed", &reversed)] {
         for _ in 0..4 {
             match cluster.ids().next("split").await {
                 Err(ShardError::Config { message, .. })
                     if message.contains("no confirmed place")
-                        || message.contains("was set up as server") => {}
+                        || message.contains("unconfirmed place for another list") => {}
                 other => panic!("{name}: expected a config error, got {other:?}"),
             }
         }
@@ -519,6 +595,177 @@ async fn configs_setting_up_at_once_confirm_no_split_places(dbs: &mut TestDbs) {
         ticket_rows(&urls, "split").await,
         [None, None],
         "a ticket was drawn"
+    );
+    // Cleared, the reversed list sets up; the forward one is now refused.
+    assert_eq!(reversed.ids().clear_unconfirmed_places().await.unwrap(), 1);
+    reversed.ids().record_places().await.unwrap();
+    reversed.ids().next("split").await.unwrap();
+    config_error(
+        forward.ids().record_places().await,
+        &format!("ids.servers[0] ({a:?})"),
+        "was set up as server 2 of 2",
+    );
+
+    // Both at once, on fresh records, round after round.
+    let mut splits = 0;
+    for round in 0..12 {
+        // Fresh servers: no place, no ticket handed out.
+        on_each(&urls, "DELETE FROM shardkit_ticket_place").await;
+        on_each(&urls, "DELETE FROM tickets_split").await;
+        let forward = Cluster::connect(config.clone()).await.unwrap();
+        let reversed = Cluster::connect(reversed_config.clone()).await.unwrap();
+        let (f, r) = tokio::join!(
+            forward.ids().record_places(),
+            reversed.ids().record_places()
+        );
+        assert!(
+            !(f.is_ok() && r.is_ok()),
+            "round {round}: both lists confirmed"
+        );
+        for (result, cluster) in [(&f, &forward), (&r, &reversed)] {
+            match result {
+                Ok(()) => {
+                    cluster.ids().next("split").await.unwrap();
+                }
+                Err(ShardError::Config { .. }) => {
+                    for _ in 0..4 {
+                        let drawn = cluster.ids().next("split").await;
+                        assert!(
+                            matches!(drawn, Err(ShardError::Config { .. })),
+                            "round {round}: {drawn:?}"
+                        );
+                    }
+                }
+                Err(other) => panic!("round {round}: {other:?}"),
+            }
+        }
+        let rows = place_rows(&urls).await;
+        let confirmed: Vec<_> = rows.iter().flatten().filter(|r| r.2).collect();
+        assert!(
+            confirmed.iter().all(|r| r.1 == confirmed[0].1),
+            "round {round}: {rows:?}"
+        );
+        if f.is_err() && r.is_err() {
+            splits += 1;
+            assert!(confirmed.is_empty(), "round {round}: {rows:?}");
+        }
+    }
+    eprintln!("{splits} of 12 rounds split the servers between the lists");
+}
+
+/// A set-up that stops after confirming the first server: the second
+/// holds this list's record, unconfirmed, and serves no ticket; the first
+/// serves (its tickets are its own). Running the set-up again finishes it.
+async fn a_set_up_that_stops_while_confirming_is_finished_by_the_next(dbs: &mut TestDbs) {
+    let (config, urls, a, b) =
+        named_ticket_config(dbs, "[ids.sequences.halfway]\nblock = 1\n").await;
+    ticket_tables(&urls, "halfway").await;
+    let stopped = Cluster::connect(config.clone()).await.unwrap();
+    let stop = format!("shardkit::ids::place_confirmed::{a}");
+    fail::cfg(&stop, "return").unwrap();
+    let died = stopped.ids().record_places().await;
+    fail::remove(&stop);
+    assert!(
+        matches!(&died, Err(ShardError::Db { source, .. }) if source.to_string().contains("place_confirmed")),
+        "{died:?}"
+    );
+    let list = format!(r#"["{a}","{b}"]"#);
+    assert_eq!(
+        place_rows(&urls).await,
+        [
+            Some((1, list.clone(), true)),
+            Some((2, list.clone(), false))
+        ]
+    );
+    let next = Cluster::connect(config.clone()).await.unwrap();
+    let (mut drawn, mut refused) = (HashSet::new(), 0);
+    for _ in 0..6 {
+        match next.ids().next("halfway").await {
+            Ok(id) => {
+                assert_eq!(id % 2, 1, "{id} is not server a's");
+                assert!(drawn.insert(id));
+            }
+            Err(ShardError::Config { entry, message }) => {
+                assert_eq!(entry, format!("ids.servers[1] ({b:?})"));
+                assert!(message.contains("no confirmed place"), "{message}");
+                refused += 1;
+            }
+            Err(other) => panic!("{other:?}"),
+        }
+    }
+    assert_eq!((drawn.len(), refused), (3, 3));
+    next.ids().record_places().await.unwrap();
+    assert_eq!(
+        place_rows(&urls).await,
+        [Some((1, list.clone(), true)), Some((2, list, true))]
+    );
+    for _ in 0..6 {
+        let id = next.ids().next("halfway").await.unwrap();
+        assert!(drawn.insert(id), "{id} handed out twice");
+    }
+}
+
+/// Ticket servers set up before places were recorded: they have handed out
+/// tickets and hold no record. Set-up does not let the first list to come
+/// along record itself (a list with a server removed would go on in steps of
+/// 1); it asks for `adopt_places`, which refuses a list the counters
+/// contradict and writes nothing until it accepts one.
+async fn servers_set_up_before_places_are_adopted_not_guessed(dbs: &mut TestDbs) {
+    let (config, urls) = ticket_config(dbs, "[ids.sequences.old]\nblock = 1\n").await;
+    let before = Cluster::connect(config.clone()).await.unwrap();
+    before.migrate::<Migrator>().await.unwrap();
+    let mut ids = HashSet::new();
+    for _ in 0..6 {
+        assert!(ids.insert(before.ids().next("old").await.unwrap()));
+    }
+    drop(before);
+    // As an older release leaves them: the place table, empty.
+    on_each(&urls, "DELETE FROM shardkit_ticket_place").await;
+    let counters = ticket_rows(&urls, "old").await;
+
+    let same = Cluster::connect(config.clone()).await.unwrap();
+    config_error(
+        same.ids().next("old").await,
+        r#"ids.servers[0] ("tickets_a")"#,
+        "no confirmed place",
+    );
+    let mut removed = config.clone();
+    removed.ids.servers.truncate(1);
+    let removed = Cluster::connect(removed).await.unwrap();
+    config_error(
+        removed.migrate::<Migrator>().await,
+        r#"ids.servers[0] ("tickets_a")"#,
+        "adopt_places",
+    );
+    let mut swapped = config.clone();
+    swapped.ids.servers.swap(0, 1);
+    let swapped = Cluster::connect(swapped).await.unwrap();
+    config_error(
+        swapped.ids().adopt_places().await,
+        r#"ids.servers[0] ("tickets_b")"#,
+        "which is not ≡ 1 (mod 2)",
+    );
+    config_error(
+        same.ids().record_places().await,
+        r#"ids.servers[0] ("tickets_a")"#,
+        "adopt_places",
+    );
+    assert_eq!(
+        place_rows(&urls).await,
+        [None, None],
+        "a refused list wrote"
+    );
+    assert_eq!(ticket_rows(&urls, "old").await, counters);
+
+    same.ids().adopt_places().await.unwrap();
+    for _ in 0..6 {
+        let id = same.ids().next("old").await.unwrap();
+        assert!(ids.insert(id), "{id} handed out twice");
+    }
+    config_error(
+        removed.ids().next("old").await,
+        r#"ids.servers[0] ("tickets_a")"#,
+        "was set up as server 1 of 2",
     );
 }
 
