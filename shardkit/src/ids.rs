@@ -601,8 +601,16 @@ impl Ids {
     /// server added, removed or moved) never draw the same id: the one that
     /// does not match gets [`ShardError::Config`] naming `ids.servers[i]`.
     ///
-    /// Every ticket server must be reachable. Idempotent; the first config
-    /// to record a server keeps it. [`Cluster::migrate`](crate::Cluster::migrate),
+    /// Every ticket server must be reachable. Every server's record is read
+    /// before any is written, and a server without one gets one only if it
+    /// is new: none of its peers is confirmed yet (else it is not the
+    /// database that was set up) and it has handed out no ticket (a server
+    /// set up before places were recorded: see
+    /// [`adopt_places`](Self::adopt_places)). Idempotent; the first list to
+    /// record a server keeps it. A set-up that stopped partway is finished
+    /// by running it again; two lists that set up at once may split the
+    /// servers, and then neither is confirmed until
+    /// [`clear_unconfirmed_places`](Self::clear_unconfirmed_places). [`Cluster::migrate`](crate::Cluster::migrate),
     /// [`create_sequence`](Self::create_sequence) and
     /// [`create_configured_sequences`](Self::create_configured_sequences) call it.
     pub async fn record_places(&self) -> Result<()> {

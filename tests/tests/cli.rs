@@ -17,6 +17,7 @@ backend_tests!(2 =>
     gsi_commands_create_backfill_and_reconcile,
     rollout_commands_walk_backfill_and_verify,
     verify_shards_compares_one_bucket,
+    ids_commands_adopt_and_clear_ticket_places,
 );
 
 fn registry() -> Registry {
@@ -436,4 +437,86 @@ async fn verify_shards_compares_one_bucket(dbs: &mut TestDbs) {
     )
     .await;
     assert_eq!(code, 0, "{report:#}");
+}
+
+/// `ids adopt-places` takes ticket servers that handed out tickets before
+/// places were recorded; `ids clear-unconfirmed-places` undoes a set-up that
+/// stopped after recording one server, so another list can set up.
+async fn ids_commands_adopt_and_clear_ticket_places(dbs: &mut TestDbs) {
+    let backend = format!("{:?}", dbs.backend).to_lowercase();
+    let (a, b) = (format!("cli_a_{backend}"), format!("cli_b_{backend}"));
+    let mut servers = Vec::new();
+    let mut urls = Vec::new();
+    for name in [&a, &b] {
+        let url = dbs.extra(name).await;
+        servers.push(format!("{{ name = \"{name}\", url = \"{url}\" }}"));
+        urls.push(url);
+    }
+    let config = dbs.config(
+        2,
+        &format!(
+            "[groups.Customer]\nbuckets = 64\n[ids]\nservers = [{}]\n[ids.sequences.cli]\nblock = 1\n",
+            servers.join(", ")
+        ),
+    );
+    let on_each = |sql: &'static str| {
+        let urls = urls.clone();
+        async move {
+            for url in &urls {
+                let db = sea_orm::Database::connect(url).await.unwrap();
+                db.execute_unprepared(sql).await.unwrap();
+                db.close().await.unwrap();
+            }
+        }
+    };
+    let cluster = Cluster::connect(config.clone()).await.unwrap();
+    cluster.migrate::<Migrator>().await.unwrap();
+    let mut ids = std::collections::HashSet::new();
+    for _ in 0..4 {
+        assert!(ids.insert(cluster.ids().next("cli").await.unwrap()));
+    }
+    drop(cluster);
+    // As a release before recorded places leaves the servers.
+    on_each("DELETE FROM shardkit_ticket_place").await;
+    let (code, err) = shardctl(config.clone(), &["ids", "next", "cli"]).await;
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err["error"]
+            .as_str()
+            .unwrap()
+            .contains("no confirmed place"),
+        "{err}"
+    );
+    let (code, adopted) = shardctl(config.clone(), &["ids", "adopt-places"]).await;
+    assert_eq!(code, 0, "{adopted}");
+    assert_eq!(adopted["recorded"], serde_json::json!([a, b]));
+    let (code, next) = shardctl(config.clone(), &["ids", "next", "cli"]).await;
+    assert_eq!(code, 0, "{next}");
+    assert!(ids.insert(next["id"].as_i64().unwrap()), "{next}");
+
+    // A set-up of the reversed list that stopped after recording `b`.
+    on_each("DELETE FROM shardkit_ticket_place").await;
+    on_each("DELETE FROM tickets_cli").await;
+    let mut reversed = config.clone();
+    reversed.ids.servers.reverse();
+    let stop = format!("shardkit::ids::place_recorded::{b}");
+    fail::cfg(&stop, "return").unwrap();
+    let stopped = Cluster::connect(reversed).await.unwrap();
+    assert!(stopped.ids().record_places().await.is_err());
+    fail::remove(&stop);
+    let (code, err) = shardctl(config.clone(), &["ids", "adopt-places"]).await;
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err["error"]
+            .as_str()
+            .unwrap()
+            .contains("clear_unconfirmed_places"),
+        "{err}"
+    );
+    let (code, cleared) = shardctl(config.clone(), &["ids", "clear-unconfirmed-places"]).await;
+    assert_eq!(code, 0, "{cleared}");
+    assert_eq!(cleared["removed"], 1);
+    let cluster = Cluster::connect(config).await.unwrap();
+    cluster.ids().record_places().await.unwrap();
+    assert!(cluster.ids().next("cli").await.unwrap() > 0);
 }

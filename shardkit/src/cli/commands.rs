@@ -1134,5 +1134,22 @@ async fn ids(cluster: &Cluster, action: IdsAction) -> Result<Outcome> {
                 problem: false,
             })
         }
+        IdsAction::AdoptPlaces => {
+            cluster.ids().adopt_places().await?;
+            let servers: Vec<&str> = cluster.ids().servers().collect();
+            Ok(Outcome {
+                text: format!("ticket servers' places recorded: {}\n", servers.join(", ")),
+                json: json!({ "recorded": servers }),
+                problem: false,
+            })
+        }
+        IdsAction::ClearUnconfirmedPlaces => {
+            let removed = cluster.ids().clear_unconfirmed_places().await?;
+            Ok(Outcome {
+                text: format!("unconfirmed places removed: {removed}\n"),
+                json: json!({ "removed": removed }),
+                problem: false,
+            })
+        }
     }
 }

@@ -295,6 +295,14 @@ pub(crate) enum IdsAction {
     },
     /// Ticket servers and the sequences they hold.
     Status,
+    /// Record the places of ticket servers that handed out tickets before
+    /// shardkit recorded places, after checking each sequence's counter
+    /// against `ids.servers` (run once, with the list as it was set up).
+    AdoptPlaces,
+    /// Remove the unconfirmed place records a stopped set-up, or two lists
+    /// setting up at once, left behind; run while no set-up runs, then set
+    /// up again.
+    ClearUnconfirmedPlaces,
 }
 
 /// What a command printed, and whether it found a problem.
