@@ -32,6 +32,9 @@ use crate::error::{Result, ShardError, Subsystem};
 const SEQUENCES_TABLE: &str = "shardkit_ticket_sequences";
 /// Each ticket server's recorded place among the servers.
 const PLACE_TABLE: &str = "shardkit_ticket_place";
+const READ_PLACE: &str = "read the ticket server's place";
+const RECORD_PLACE: &str = "record the ticket server's place";
+const CONFIRM_PLACE: &str = "confirm the ticket server's place";
 use crate::pipeline::{WriteCtx, WriteOp, WriteStage};
 use crate::topology::{IdsConfig, ShardId, Target, Topology};
 use sea_orm::{ConnectionTrait, DatabaseConnection, DbBackend, Statement};
@@ -171,10 +174,10 @@ impl TicketServer {
                         ),
                     );
                 }
-                self.db_error("read the ticket server's place", source)
+                self.db_error(READ_PLACE, source)
             })?;
         let Some(row) = row else { return Ok(None) };
-        let read = |source| self.db_error("read the ticket server's place", source);
+        let read = |source| self.db_error(READ_PLACE, source);
         let place = Place {
             position: row.try_get("", "position").map_err(read)?,
             servers: row.try_get("", "servers").map_err(read)?,
@@ -200,6 +203,33 @@ impl Tickets {
             position: index as i32 + 1,
             servers: self.roster.clone(),
         }
+    }
+
+    /// How long one set-up step may wait on one server (`ids.timeout_ms`,
+    /// as a ticket request): a server that accepts and never answers fails
+    /// the set-up rather than hanging it.
+    fn step_timeout(&self) -> Duration {
+        Duration::from_millis(self.config.timeout_ms.unwrap_or(2000))
+    }
+
+    /// `step` on `server`, given up after [`step_timeout`](Self::step_timeout).
+    async fn within<T>(
+        &self,
+        server: &TicketServer,
+        operation: &str,
+        step: impl std::future::Future<Output = Result<T>>,
+    ) -> Result<T> {
+        let timeout = self.step_timeout();
+        tokio::time::timeout(timeout, step)
+            .await
+            .unwrap_or_else(|_| {
+                Err(server.db_error(
+                    operation,
+                    sea_orm::DbErr::Conn(sea_orm::RuntimeErr::Internal(format!(
+                        "no answer within {timeout:?}"
+                    ))),
+                ))
+            })
     }
 
     fn entry(&self, index: usize) -> String {
@@ -293,7 +323,9 @@ impl Tickets {
         //    recorded for another list stops the set-up here.
         let mut held = Vec::with_capacity(self.servers.len());
         for (i, server) in self.servers.iter().enumerate() {
-            let recorded = server.recorded_place(&self.entry(i)).await?;
+            let recorded = self
+                .within(server, READ_PLACE, server.recorded_place(&self.entry(i)))
+                .await?;
             if let Some((place, confirmed)) = &recorded
                 && *place != self.place(i)
             {
@@ -322,7 +354,12 @@ impl Tickets {
                     ),
                 ));
             }
-            self.check_history(i, adopt).await?;
+            self.within(
+                server,
+                "read the ticket counters",
+                self.check_history(i, adopt),
+            )
+            .await?;
         }
         // 3. Record the missing places, each written once: when two lists
         //    record at once, each server keeps the first.
@@ -343,18 +380,21 @@ impl Tickets {
                         .to_owned(),
                 )
                 .to_owned();
-            server
-                .conn
-                .execute(&record)
-                .await
-                .map_err(|source| server.db_error("record the ticket server's place", source))?;
+            self.within(server, RECORD_PLACE, async {
+                server
+                    .conn
+                    .execute(&record)
+                    .await
+                    .map_err(|source| server.db_error(RECORD_PLACE, source))
+            })
+            .await?;
             // Tests: `shardkit::ids::place_recorded::<server>` stops the
             // process once that server's place is recorded.
             #[cfg(feature = "failpoints")]
             fail::fail_point!(
                 &format!("shardkit::ids::place_recorded::{}", server.name),
                 |_| Err(server.db_error(
-                    "record the ticket server's place",
+                    RECORD_PLACE,
                     sea_orm::DbErr::Custom("failpoint shardkit::ids::place_recorded".into()),
                 ))
             );
@@ -362,7 +402,11 @@ impl Tickets {
         // 4. Every record agrees with this list. Two lists recording at once
         //    may each have won some servers; then neither confirms any.
         for (i, server) in self.servers.iter().enumerate() {
-            match server.recorded_place(&self.entry(i)).await? {
+            let entry = self.entry(i);
+            match self
+                .within(server, READ_PLACE, server.recorded_place(&entry))
+                .await?
+            {
                 Some((recorded, _)) if recorded == self.place(i) => {}
                 Some((recorded, confirmed)) => {
                     return Err(self.misplaced(i, &recorded, confirmed));
@@ -392,18 +436,21 @@ impl Tickets {
                 .and_where(sea_orm::sea_query::Expr::col(col("position")).eq(place.position))
                 .and_where(sea_orm::sea_query::Expr::col(col("servers")).eq(place.servers))
                 .to_owned();
-            server
-                .conn
-                .execute(&confirm)
-                .await
-                .map_err(|source| server.db_error("confirm the ticket server's place", source))?;
+            self.within(server, CONFIRM_PLACE, async {
+                server
+                    .conn
+                    .execute(&confirm)
+                    .await
+                    .map_err(|source| server.db_error(CONFIRM_PLACE, source))
+            })
+            .await?;
             // Tests: `shardkit::ids::place_confirmed::<server>` stops the
             // process once that server's place is confirmed.
             #[cfg(feature = "failpoints")]
             fail::fail_point!(
                 &format!("shardkit::ids::place_confirmed::{}", server.name),
                 |_| Err(server.db_error(
-                    "confirm the ticket server's place",
+                    CONFIRM_PLACE,
                     sea_orm::DbErr::Custom("failpoint shardkit::ids::place_confirmed".into()),
                 ))
             );
@@ -645,11 +692,17 @@ impl Ids {
                         .eq(false),
                 )
                 .to_owned();
-            removed += server
-                .conn
-                .execute(&delete)
-                .await
-                .map_err(|source| server.db_error("clear an unconfirmed place", source))?
+            let clear = "clear an unconfirmed place";
+            removed += self
+                .tickets
+                .within(server, clear, async {
+                    server
+                        .conn
+                        .execute(&delete)
+                        .await
+                        .map_err(|source| server.db_error(clear, source))
+                })
+                .await?
                 .rows_affected();
         }
         Ok(removed)

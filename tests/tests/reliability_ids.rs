@@ -11,7 +11,7 @@ use sea_orm_migration::MigratorTrait;
 use shardkit::prelude::*;
 use shardkit::{Cluster, ClusterConfig, DatabaseUrl};
 use shardkit_tests::models::*;
-use shardkit_tests::{TestDbs, backend_tests};
+use shardkit_tests::{Backend, Hung, TestDbs, backend_tests};
 use std::collections::HashSet;
 use std::time::Duration;
 
@@ -26,6 +26,7 @@ backend_tests!(2 =>
     configs_setting_up_at_once_confirm_no_split_places,
     a_set_up_that_stops_while_confirming_is_finished_by_the_next,
     servers_set_up_before_places_are_adopted_not_guessed,
+    [Postgres, MySql] a_hung_or_refusing_ticket_server_fails_set_up_not_tickets,
 );
 
 /// Failpoints are process-wide and the backends' scenarios run at once:
@@ -767,6 +768,70 @@ async fn servers_set_up_before_places_are_adopted_not_guessed(dbs: &mut TestDbs)
         r#"ids.servers[0] ("tickets_a")"#,
         "was set up as server 1 of 2",
     );
+}
+
+/// A process whose second ticket server hangs (accepts, never answers) or
+/// refuses connections: setting up fails within `timeout_ms`, naming the
+/// server, instead of hanging; tickets still come from the first server,
+/// whose place checks without the second; and once the cluster is gone no
+/// socket to the hung server is left open.
+async fn a_hung_or_refusing_ticket_server_fails_set_up_not_tickets(dbs: &mut TestDbs) {
+    let (config, _) = ticket_config(
+        dbs,
+        "timeout_ms = 500\nretry_after_ms = 600000\n[ids.sequences.hung]\nblock = 1\n",
+    )
+    .await;
+    let set_up = Cluster::connect(config.clone()).await.unwrap();
+    set_up.migrate::<Migrator>().await.unwrap();
+    let mut ids = HashSet::new();
+    for _ in 0..2 {
+        assert!(ids.insert(set_up.ids().next("hung").await.unwrap()));
+    }
+    drop(set_up);
+
+    let hung = Hung::start().await;
+    // Port 9 (discard) refuses connections.
+    let refusing = match dbs.backend {
+        Backend::MySql => "mysql://root@127.0.0.1:9/down",
+        _ => "postgres://postgres@127.0.0.1:9/down",
+    };
+    for (what, url) in [
+        ("hung", hung.url(dbs.backend)),
+        ("refusing", refusing.into()),
+    ] {
+        let mut broken = config.clone();
+        broken.ids.servers[1].url = Some(DatabaseUrl::new(url));
+        let cluster = Cluster::connect(broken).await.unwrap();
+        let set_up = tokio::time::timeout(Duration::from_secs(60), cluster.ids().record_places())
+            .await
+            .unwrap_or_else(|_| panic!("{what}: set-up hung"));
+        match set_up {
+            Err(ShardError::Db { shard, source, .. }) => {
+                assert_eq!(shard, "tickets_b", "{what}");
+                if what == "hung" {
+                    assert!(source.to_string().contains("no answer within"), "{source}");
+                }
+            }
+            other => panic!("{what}: expected the server's error, got {other:?}"),
+        }
+        for _ in 0..4 {
+            let id = tokio::time::timeout(Duration::from_secs(60), cluster.ids().next("hung"))
+                .await
+                .unwrap_or_else(|_| panic!("{what}: a ticket request hung"))
+                .unwrap();
+            assert_eq!(id % 2, 1, "{what}: {id} is not server a's");
+            assert!(ids.insert(id), "{what}: {id} handed out twice");
+        }
+        drop(cluster);
+    }
+    for _ in 0..500 {
+        if hung.open() == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(hung.open(), 0, "sockets left open to the hung server");
+    assert!(hung.accepted() > 0, "the hung server was never asked");
 }
 
 /// The largest block a config may give, on a sequence advanced to the top of

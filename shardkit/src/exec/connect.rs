@@ -67,11 +67,22 @@ impl Shards {
             )
         }));
         let count = topology.ticket_servers().len();
+        // Ticket servers back each other up: a process starts while one is
+        // down (or hung) and draws from the others, so their pools open on
+        // first use (an in-memory SQLite server excepted: it would be gone).
+        let lazy_tickets = PoolConfig {
+            connect_lazy: Some(true),
+            ..pool.clone()
+        };
         let ticket_conns = join_all(topology.ticket_servers().iter().enumerate().map(|(i, s)| {
             connect_one(
                 s.name.clone(),
                 &s.url,
-                pool,
+                if s.url.is_sqlite_in_memory() {
+                    pool
+                } else {
+                    &lazy_tickets
+                },
                 observer,
                 Some(crate::id_spec::mysql_session_sql(i, count)),
                 false,

@@ -351,7 +351,9 @@ pub struct PoolConfig {
     /// Open connections on first use instead of at [`Cluster::connect`]
     /// (default false). With it, a shard that is down does not stop the
     /// cluster from starting; reads that need it fail instead. (SQLite files
-    /// are still opened at connect: SeaORM reads their version.)
+    /// are still opened at connect: SeaORM reads their version.) Ticket
+    /// servers' pools always open on first use: a process starts while one
+    /// is down and draws from the others.
     ///
     /// [`Cluster::connect`]: crate::Cluster::connect
     pub connect_lazy: Option<bool>,
