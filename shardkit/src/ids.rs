@@ -232,6 +232,39 @@ impl Tickets {
             })
     }
 
+    /// `statement` on `server`, set-up step `operation`, within the step
+    /// timeout; the rows it touched. Tests: the failpoint
+    /// `shardkit::ids::<failpoint>::<server>` stops the process once the
+    /// step is done (`place_recorded`, `place_confirmed`, `place_cleared`).
+    async fn step(
+        &self,
+        server: &TicketServer,
+        operation: &str,
+        statement: &impl sea_orm::StatementBuilder,
+        failpoint: &str,
+    ) -> Result<u64> {
+        let done = self
+            .within(server, operation, async {
+                server
+                    .conn
+                    .execute(statement)
+                    .await
+                    .map_err(|source| server.db_error(operation, source))
+            })
+            .await?;
+        #[cfg(feature = "failpoints")]
+        fail::fail_point!(
+            &format!("shardkit::ids::{failpoint}::{}", server.name),
+            |_| Err(server.db_error(
+                operation,
+                sea_orm::DbErr::Custom(format!("failpoint shardkit::ids::{failpoint}")),
+            ))
+        );
+        #[cfg(not(feature = "failpoints"))]
+        let _ = failpoint;
+        Ok(done.rows_affected())
+    }
+
     fn entry(&self, index: usize) -> String {
         format!("ids.servers[{index}] ({:?})", self.servers[index].name)
     }
@@ -380,24 +413,8 @@ impl Tickets {
                         .to_owned(),
                 )
                 .to_owned();
-            self.within(server, RECORD_PLACE, async {
-                server
-                    .conn
-                    .execute(&record)
-                    .await
-                    .map_err(|source| server.db_error(RECORD_PLACE, source))
-            })
-            .await?;
-            // Tests: `shardkit::ids::place_recorded::<server>` stops the
-            // process once that server's place is recorded.
-            #[cfg(feature = "failpoints")]
-            fail::fail_point!(
-                &format!("shardkit::ids::place_recorded::{}", server.name),
-                |_| Err(server.db_error(
-                    RECORD_PLACE,
-                    sea_orm::DbErr::Custom("failpoint shardkit::ids::place_recorded".into()),
-                ))
-            );
+            self.step(server, RECORD_PLACE, &record, "place_recorded")
+                .await?;
         }
         // 4. Every record agrees with this list. Two lists recording at once
         //    may each have won some servers; then neither confirms any.
@@ -436,24 +453,8 @@ impl Tickets {
                 .and_where(sea_orm::sea_query::Expr::col(col("position")).eq(place.position))
                 .and_where(sea_orm::sea_query::Expr::col(col("servers")).eq(place.servers))
                 .to_owned();
-            self.within(server, CONFIRM_PLACE, async {
-                server
-                    .conn
-                    .execute(&confirm)
-                    .await
-                    .map_err(|source| server.db_error(CONFIRM_PLACE, source))
-            })
-            .await?;
-            // Tests: `shardkit::ids::place_confirmed::<server>` stops the
-            // process once that server's place is confirmed.
-            #[cfg(feature = "failpoints")]
-            fail::fail_point!(
-                &format!("shardkit::ids::place_confirmed::{}", server.name),
-                |_| Err(server.db_error(
-                    CONFIRM_PLACE,
-                    sea_orm::DbErr::Custom("failpoint shardkit::ids::place_confirmed".into()),
-                ))
-            );
+            self.step(server, CONFIRM_PLACE, &confirm, "place_confirmed")
+                .await?;
             server.place_checked.store(true, Ordering::Release);
         }
         Ok(())
@@ -692,18 +693,15 @@ impl Ids {
                         .eq(false),
                 )
                 .to_owned();
-            let clear = "clear an unconfirmed place";
             removed += self
                 .tickets
-                .within(server, clear, async {
-                    server
-                        .conn
-                        .execute(&delete)
-                        .await
-                        .map_err(|source| server.db_error(clear, source))
-                })
-                .await?
-                .rows_affected();
+                .step(
+                    server,
+                    "clear an unconfirmed place",
+                    &delete,
+                    "place_cleared",
+                )
+                .await?;
         }
         Ok(removed)
     }

@@ -408,6 +408,23 @@ async fn place_rows(urls: &[String]) -> Vec<Option<(i32, String, bool)>> {
     rows
 }
 
+/// Runs `set_up` with the failpoint `shardkit::ids::<point>::<server>` on:
+/// the process stops there, as if it died.
+async fn stop_at(
+    point: &str,
+    server: &str,
+    set_up: impl std::future::Future<Output = Result<(), ShardError>>,
+) {
+    let name = format!("shardkit::ids::{point}::{server}");
+    fail::cfg(&name, "return").unwrap();
+    let died = set_up.await;
+    fail::remove(&name);
+    assert!(
+        matches!(&died, Err(ShardError::Db { source, .. }) if source.to_string().contains(point)),
+        "{died:?}"
+    );
+}
+
 /// Runs `sql` on every server.
 async fn on_each(urls: &[String], sql: &str) {
     for url in urls {
@@ -556,14 +573,7 @@ async fn configs_setting_up_at_once_confirm_no_split_places(dbs: &mut TestDbs) {
     let forward = Cluster::connect(config.clone()).await.unwrap();
     let reversed = Cluster::connect(reversed_config.clone()).await.unwrap();
 
-    let stop = format!("shardkit::ids::place_recorded::{a}");
-    fail::cfg(&stop, "return").unwrap();
-    let died = forward.ids().record_places().await;
-    fail::remove(&stop);
-    assert!(
-        matches!(&died, Err(ShardError::Db { source, .. }) if source.to_string().contains("place_recorded")),
-        "{died:?}"
-    );
+    stop_at("place_recorded", &a, forward.ids().record_places()).await;
     let forward_list = format!(r#"["{a}","{b}"]"#);
     assert_eq!(
         place_rows(&urls).await,
@@ -662,14 +672,7 @@ async fn a_set_up_that_stops_while_confirming_is_finished_by_the_next(dbs: &mut 
         named_ticket_config(dbs, "[ids.sequences.halfway]\nblock = 1\n").await;
     ticket_tables(&urls, "halfway").await;
     let stopped = Cluster::connect(config.clone()).await.unwrap();
-    let stop = format!("shardkit::ids::place_confirmed::{a}");
-    fail::cfg(&stop, "return").unwrap();
-    let died = stopped.ids().record_places().await;
-    fail::remove(&stop);
-    assert!(
-        matches!(&died, Err(ShardError::Db { source, .. }) if source.to_string().contains("place_confirmed")),
-        "{died:?}"
-    );
+    stop_at("place_confirmed", &a, stopped.ids().record_places()).await;
     let list = format!(r#"["{a}","{b}"]"#);
     assert_eq!(
         place_rows(&urls).await,
