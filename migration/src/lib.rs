@@ -41,6 +41,9 @@ pub fn migrations() -> Vec<Box<dyn MigrationTrait>> {
         Box::new(m20261123_000005_create_rollout_instances::Migration),
         Box::new(m20261123_000006_create_bucket_moves::Migration),
         Box::new(m20261123_000007_add_range_bounds::Migration),
+        // For a ticket server that shares a shard's database (one database
+        // gets the application's migrator).
+        Box::new(m20261124_000008_create_ticket_place::Migration),
     ]
 }
 
@@ -79,7 +82,9 @@ pub fn ticket_table(
 
 /// A migration creating one ticket sequence's table, for a ticket server's
 /// own `Migrator` (sequences can also be created at run time with
-/// `cluster.ids().create_sequence(name)`).
+/// `cluster.ids().create_sequence(name)`). The servers hand out tickets only
+/// once their places are recorded: `cluster.migrate` or
+/// `cluster.ids().record_places()` does that.
 pub struct CreateTicketSequence {
     migration: String,
     sequence: String,

@@ -265,6 +265,18 @@ impl Tickets {
         Ok(done.rows_affected())
     }
 
+    /// Server `index`'s record went away during this set-up.
+    fn removed_while_set_up(&self, index: usize) -> ShardError {
+        ShardError::config(
+            self.entry(index),
+            format!(
+                "ticket server `{}`'s place was removed while it was being set up \
+                 (`clear_unconfirmed_places` ran at the same time): set up again",
+                self.servers[index].name
+            ),
+        )
+    }
+
     fn entry(&self, index: usize) -> String {
         format!("ids.servers[{index}] ({:?})", self.servers[index].name)
     }
@@ -302,8 +314,9 @@ impl Tickets {
                      {position} of {of} ({list}), and this config lists it as {ours}: two set-ups \
                      with different lists ran at once, or one stopped partway. No ticket has been \
                      drawn from it. If this config's list is the right one, remove the \
-                     unconfirmed places with `cluster.ids().clear_unconfirmed_places()` (while \
-                     no set-up runs) and set up again"
+                     unconfirmed places with `cluster.ids().clear_unconfirmed_places()` \
+                     (`shardctl ids clear-unconfirmed-places`, while no set-up runs) and set up \
+                     again"
                 )
             },
         )
@@ -315,21 +328,31 @@ impl Tickets {
     /// added or removed one, would hand out tickets another server has
     /// already given: refused. Once it matched, this process does not ask
     /// again.
-    async fn check_place(&self, index: usize) -> Result<()> {
+    async fn check_place(&self, index: usize) -> std::result::Result<(), PlaceCheck> {
         let server = &self.servers[index];
         if server.place_checked.load(Ordering::Acquire) {
             return Ok(());
         }
         let entry = self.entry(index);
-        match server.recorded_place(&entry).await? {
-            Some((recorded, confirmed)) if recorded != self.place(index) => {
-                Err(self.misplaced(index, &recorded, confirmed))
-            }
+        let recorded = server
+            .recorded_place(&entry)
+            .await
+            .map_err(|err| match err {
+                // No place table: every server would say the same.
+                err @ ShardError::Config { .. } => PlaceCheck::Refused(err),
+                err => PlaceCheck::Failed(err),
+            })?;
+        match recorded {
+            Some((recorded, confirmed)) if recorded != self.place(index) => Err(
+                PlaceCheck::Refused(self.misplaced(index, &recorded, confirmed)),
+            ),
             Some((_, true)) => {
                 server.place_checked.store(true, Ordering::Release);
                 Ok(())
             }
-            _ => Err(ShardError::config(
+            // This list's set-up has not finished here (or never ran): the
+            // server serves no ticket, its peers may.
+            _ => Err(PlaceCheck::Failed(ShardError::config(
                 entry,
                 format!(
                     "ticket server `{}` has no confirmed place among the ticket servers: run \
@@ -337,7 +360,7 @@ impl Tickets {
                      every ticket server reachable",
                     server.name
                 ),
-            )),
+            ))),
         }
     }
 
@@ -394,6 +417,13 @@ impl Tickets {
             )
             .await?;
         }
+        // Tests: `shardkit::ids::places_read::<first server>` runs between
+        // reading the servers and recording them.
+        #[cfg(feature = "failpoints")]
+        fail::fail_point!(&format!(
+            "shardkit::ids::places_read::{}",
+            self.servers[0].name
+        ));
         // 3. Record the missing places, each written once: when two lists
         //    record at once, each server keeps the first.
         for (i, server) in self.servers.iter().enumerate() {
@@ -428,16 +458,7 @@ impl Tickets {
                 Some((recorded, confirmed)) => {
                     return Err(self.misplaced(i, &recorded, confirmed));
                 }
-                None => {
-                    return Err(ShardError::config(
-                        self.entry(i),
-                        format!(
-                            "ticket server `{}`'s place was removed while it was being set up \
-                             (`clear_unconfirmed_places` ran at the same time): set up again",
-                            server.name
-                        ),
-                    ));
-                }
+                None => return Err(self.removed_while_set_up(i)),
             }
         }
         // 5. Confirmed (this list's record only): a server hands out tickets
@@ -455,7 +476,18 @@ impl Tickets {
                 .to_owned();
             self.step(server, CONFIRM_PLACE, &confirm, "place_confirmed")
                 .await?;
-            server.place_checked.store(true, Ordering::Release);
+            // Serve only what is on the server: a record cleared meanwhile
+            // was not confirmed by the update.
+            let entry = self.entry(i);
+            match self
+                .within(server, READ_PLACE, server.recorded_place(&entry))
+                .await?
+            {
+                Some((recorded, true)) if recorded == self.place(i) => {
+                    server.place_checked.store(true, Ordering::Release);
+                }
+                _ => return Err(self.removed_while_set_up(i)),
+            }
         }
         Ok(())
     }
@@ -478,7 +510,7 @@ impl Tickets {
                      no recorded place: it was set up before shardkit recorded ticket servers' \
                      places. Make sure `ids.servers` lists the servers as they were set up (the \
                      same servers, in the same order), then call `cluster.ids().adopt_places()` \
-                     once",
+                     (`shardctl ids adopt-places`) once",
                     server.name
                 ),
             ));
@@ -676,25 +708,80 @@ impl Ids {
         self.tickets.record_places(true).await
     }
 
-    /// Removes every unconfirmed place record from every ticket server and
+    /// Removes the unconfirmed place records of the ticket servers and
     /// returns how many it removed. An unconfirmed record has never served
-    /// a ticket: it is left by a set-up that stopped partway, or by two
-    /// set-ups with different lists that ran at once (then neither list can
-    /// be confirmed until the records are gone). Run it while no set-up
-    /// runs, then set up again with the right list.
+    /// a ticket: it is left by a set-up that stopped before confirming
+    /// anything, or by two set-ups with different lists that ran at once
+    /// (then neither list can be confirmed until the records are gone).
+    ///
+    /// Every server a record names must be in this config, and none of them
+    /// may hold that list's confirmed record: a set-up that confirmed some
+    /// servers before it stopped is finished by running it again with its
+    /// list, never cleared (clearing it would let another list give a
+    /// server the residue a confirmed one serves). Run it while no set-up
+    /// runs, then set up again with the right list. `shardctl ids
+    /// clear-unconfirmed-places` runs it.
     pub async fn clear_unconfirmed_places(&self) -> Result<u64> {
         use sea_orm::sea_query::ExprTrait;
+        let tickets = &self.tickets;
+        let mut held = Vec::with_capacity(tickets.servers.len());
+        for (i, server) in tickets.servers.iter().enumerate() {
+            let entry = tickets.entry(i);
+            held.push(
+                tickets
+                    .within(server, READ_PLACE, server.recorded_place(&entry))
+                    .await?,
+            );
+        }
+        for (i, record) in held.iter().enumerate() {
+            let Some((place, false)) = record else {
+                continue;
+            };
+            let names = serde_json::from_str::<Vec<String>>(&place.servers).unwrap_or_default();
+            if let Some(missing) = names
+                .iter()
+                .find(|name| !tickets.servers.iter().any(|s| &s.name == *name))
+            {
+                return Err(ShardError::config(
+                    tickets.entry(i),
+                    format!(
+                        "ticket server `{}` holds an unconfirmed place of the list {}, which \
+                         names `{missing}`, a server this config does not list: clear it from a \
+                         config that lists every server of that list",
+                        tickets.servers[i].name, place.servers
+                    ),
+                ));
+            }
+            if let Some(j) = held
+                .iter()
+                .position(|other| matches!(other, Some((p, true)) if p.servers == place.servers))
+            {
+                return Err(ShardError::config(
+                    tickets.entry(j),
+                    format!(
+                        "the set-up of the list {} confirmed ticket server `{}` before it \
+                         stopped: finish it by running the set-up again with that list \
+                         (`cluster.migrate`, `cluster.ids().record_places()`); its unconfirmed \
+                         places are not cleared",
+                        place.servers, tickets.servers[j].name
+                    ),
+                ));
+            }
+        }
+        let col = sea_orm::sea_query::Alias::new;
         let mut removed = 0;
-        for server in &self.tickets.servers {
+        for (server, record) in tickets.servers.iter().zip(&held) {
+            let Some((place, false)) = record else {
+                continue;
+            };
+            // Only the record read above, and only while unconfirmed.
             let delete = sea_orm::sea_query::Query::delete()
-                .from_table(sea_orm::sea_query::Alias::new(PLACE_TABLE))
-                .and_where(
-                    sea_orm::sea_query::Expr::col(sea_orm::sea_query::Alias::new("confirmed"))
-                        .eq(false),
-                )
+                .from_table(col(PLACE_TABLE))
+                .and_where(sea_orm::sea_query::Expr::col(col("confirmed")).eq(false))
+                .and_where(sea_orm::sea_query::Expr::col(col("position")).eq(place.position))
+                .and_where(sea_orm::sea_query::Expr::col(col("servers")).eq(place.servers.clone()))
                 .to_owned();
-            removed += self
-                .tickets
+            removed += tickets
                 .step(
                     server,
                     "clear an unconfirmed place",
@@ -794,7 +881,10 @@ impl Ids {
         let servers = &self.tickets.servers;
         let n = servers.len();
         for (i, server) in servers.iter().enumerate() {
-            self.tickets.check_place(i).await?;
+            self.tickets
+                .check_place(i)
+                .await
+                .map_err(ShardError::from)?;
             let backend = server.conn.get_database_backend();
             let sql = match backend {
                 DbBackend::MySql => {
@@ -882,9 +972,9 @@ impl Tickets {
                 crate::metrics::ticket_request(&server.name);
                 attempts += 1;
                 let request = async {
-                    self.check_place(i).await.map_err(|err| match err {
-                        err @ ShardError::Config { .. } => TicketFailure::Config(err),
-                        err => TicketFailure::Failed(err),
+                    self.check_place(i).await.map_err(|check| match check {
+                        PlaceCheck::Refused(err) => TicketFailure::Config(err),
+                        PlaceCheck::Failed(err) => TicketFailure::Failed(err),
                     })?;
                     ticket_from(server, i, n, name).await
                 };
@@ -943,6 +1033,23 @@ fn no_servers() -> ShardError {
 /// ticket statement (deadlock, serialization failure) before the next server
 /// is tried.
 const MAX_TICKET_ATTEMPTS: u32 = 20;
+
+/// Why a server's place did not check out.
+enum PlaceCheck {
+    /// The config is wrong for the server: no server is asked.
+    Refused(ShardError),
+    /// The server cannot serve now (unreachable, or this list's set-up has
+    /// not finished on it): the next one is asked.
+    Failed(ShardError),
+}
+
+impl From<PlaceCheck> for ShardError {
+    fn from(check: PlaceCheck) -> Self {
+        match check {
+            PlaceCheck::Refused(err) | PlaceCheck::Failed(err) => err,
+        }
+    }
+}
 
 /// Why one server gave no ticket.
 enum TicketFailure {

@@ -25,6 +25,7 @@ backend_tests!(2 =>
     a_ticket_server_serves_only_the_list_it_was_set_up_with,
     configs_setting_up_at_once_confirm_no_split_places,
     a_set_up_that_stops_while_confirming_is_finished_by_the_next,
+    a_list_that_sets_up_between_anothers_read_and_write_wins_alone,
     servers_set_up_before_places_are_adopted_not_guessed,
     [Postgres, MySql] a_hung_or_refusing_ticket_server_fails_set_up_not_tickets,
 );
@@ -88,6 +89,7 @@ async fn dropping_the_cluster_closes_the_ticket_pools(dbs: &mut TestDbs) {
     assert_eq!(baseline, 0, "connections left by the setup cluster");
 
     for case in ["flickr", "blocks", "prefetch in flight"] {
+        let failpoint = FAILPOINT.lock().await;
         let cluster = Cluster::connect(config.clone()).await.unwrap();
         match case {
             "flickr" => {
@@ -122,6 +124,7 @@ async fn dropping_the_cluster_closes_the_ticket_pools(dbs: &mut TestDbs) {
         drop(cluster);
         let left = dbs.settle_connections(0, Duration::from_secs(15)).await;
         fail::remove("shardkit::ids::ticket::blocks");
+        drop(failpoint);
         assert_eq!(left, 0, "{case}: connections still open after the drop");
     }
 }
@@ -351,21 +354,23 @@ async fn flickr_requests_run_concurrently(dbs: &mut TestDbs) {
     assert_eq!(ids.len(), 800);
 }
 
-/// [`ticket_config`] with server names of this backend's own
-/// (`tickets_a_sqlite`, ...), so a failpoint naming a server stops this
-/// backend's scenario only; returns the config, the URLs and the two names.
+/// [`ticket_config`] with one sequence `sequence` (block 1) and server names
+/// of this scenario and backend's own (`tickets_a_<sequence>_sqlite`, ...),
+/// so a failpoint naming a server stops this scenario only (scenarios and
+/// backends run at once); returns the config, the URLs and the two names.
 async fn named_ticket_config(
     dbs: &mut TestDbs,
-    ids: &str,
+    sequence: &str,
 ) -> (ClusterConfig, Vec<String>, String, String) {
-    let (mut config, urls) = ticket_config(dbs, ids).await;
+    let ids = format!("[ids.sequences.{sequence}]\nblock = 1\n");
+    let (mut config, urls) = ticket_config(dbs, &ids).await;
     let backend = format!("{:?}", dbs.backend).to_lowercase();
     for server in &mut config.ids.servers {
-        server.name = format!("{}_{backend}", server.name);
+        server.name = format!("{}_{sequence}_{backend}", server.name);
     }
     let (a, b) = (
-        format!("tickets_a_{backend}"),
-        format!("tickets_b_{backend}"),
+        format!("tickets_a_{sequence}_{backend}"),
+        format!("tickets_b_{sequence}_{backend}"),
     );
     (config, urls, a, b)
 }
@@ -423,6 +428,20 @@ async fn stop_at(
         matches!(&died, Err(ShardError::Db { source, .. }) if source.to_string().contains(point)),
         "{died:?}"
     );
+}
+
+/// Expects no ticket, for want of a place: a server recorded for another
+/// list refuses the config; servers whose place this list has not
+/// confirmed are passed over, and with none left no ticket is drawn.
+#[track_caller]
+fn no_ticket(what: &str, drawn: Result<i64, ShardError>) {
+    match drawn {
+        Err(ShardError::Config { message, .. })
+            if message.contains("another list") || message.contains("was set up as server") => {}
+        Err(ShardError::IdsUnavailable { causes, .. }) if causes.contains("no confirmed place") => {
+        }
+        other => panic!("{what}: expected no ticket for want of a place, got {other:?}"),
+    }
 }
 
 /// Runs `sql` on every server.
@@ -566,7 +585,7 @@ async fn a_ticket_server_serves_only_the_list_it_was_set_up_with(dbs: &mut TestD
 /// round: at most one list is confirmed, the other draws nothing (before the
 /// check, both would hand out 1, 3, 5... from different servers).
 async fn configs_setting_up_at_once_confirm_no_split_places(dbs: &mut TestDbs) {
-    let (config, urls, a, b) = named_ticket_config(dbs, "[ids.sequences.split]\nblock = 1\n").await;
+    let (config, urls, a, b) = named_ticket_config(dbs, "split").await;
     let mut reversed_config = config.clone();
     reversed_config.ids.servers.reverse();
     ticket_tables(&urls, "split").await;
@@ -594,12 +613,7 @@ async fn configs_setting_up_at_once_confirm_no_split_places(dbs: &mut TestDbs) {
     assert_eq!(place_rows(&urls).await[1], None);
     for (name, cluster) in [("forward", &forward), ("reversed", &reversed)] {
         for _ in 0..4 {
-            match cluster.ids().next("split").await {
-                Err(ShardError::Config { message, .. })
-                    if message.contains("no confirmed place")
-                        || message.contains("unconfirmed place for another list") => {}
-                other => panic!("{name}: expected a config error, got {other:?}"),
-            }
+            no_ticket(name, cluster.ids().next("split").await);
         }
     }
     assert_eq!(
@@ -640,11 +654,7 @@ async fn configs_setting_up_at_once_confirm_no_split_places(dbs: &mut TestDbs) {
                 }
                 Err(ShardError::Config { .. }) => {
                     for _ in 0..4 {
-                        let drawn = cluster.ids().next("split").await;
-                        assert!(
-                            matches!(drawn, Err(ShardError::Config { .. })),
-                            "round {round}: {drawn:?}"
-                        );
+                        no_ticket(&format!("round {round}"), cluster.ids().next("split").await);
                     }
                 }
                 Err(other) => panic!("round {round}: {other:?}"),
@@ -664,12 +674,66 @@ async fn configs_setting_up_at_once_confirm_no_split_places(dbs: &mut TestDbs) {
     eprintln!("{splits} of 12 rounds split the servers between the lists");
 }
 
+/// While one list's set-up is between reading the servers (nothing
+/// recorded) and recording them, the reversed list sets up from start to
+/// end. The first list's records are no-ops on servers already taken, and
+/// its read-back refuses it: only the reversed list serves.
+async fn a_list_that_sets_up_between_anothers_read_and_write_wins_alone(dbs: &mut TestDbs) {
+    let (config, urls, a, b) = named_ticket_config(dbs, "late").await;
+    ticket_tables(&urls, "late").await;
+    let mut reversed = config.clone();
+    reversed.ids.servers.reverse();
+    let point = format!("shardkit::ids::places_read::{a}");
+    // The callback runs inside the forward set-up, which waits for it: the
+    // reversed list sets up on a runtime of its own meanwhile.
+    let other = reversed.clone();
+    fail::cfg_callback(&point, move || {
+        let other = other.clone();
+        std::thread::spawn(move || {
+            tokio::runtime::Runtime::new()
+                .unwrap()
+                .block_on(async move {
+                    let cluster = Cluster::connect(other).await.unwrap();
+                    cluster.ids().record_places().await.unwrap();
+                })
+        })
+        .join()
+        .unwrap();
+    })
+    .unwrap();
+    let forward = Cluster::connect(config.clone()).await.unwrap();
+    let refused = forward.ids().record_places().await;
+    fail::remove(&point);
+    config_error(
+        refused,
+        &format!("ids.servers[0] ({a:?})"),
+        "was set up as server 2 of 2",
+    );
+    let reversed_list = format!(r#"["{b}","{a}"]"#);
+    assert_eq!(
+        place_rows(&urls).await,
+        [
+            Some((2, reversed_list.clone(), true)),
+            Some((1, reversed_list, true))
+        ]
+    );
+    let reversed = Cluster::connect(reversed).await.unwrap();
+    let mut ids = HashSet::new();
+    for _ in 0..4 {
+        assert!(ids.insert(reversed.ids().next("late").await.unwrap()));
+        assert!(matches!(
+            forward.ids().next("late").await,
+            Err(ShardError::Config { .. })
+        ));
+    }
+}
+
 /// A set-up that stops after confirming the first server: the second
-/// holds this list's record, unconfirmed, and serves no ticket; the first
-/// serves (its tickets are its own). Running the set-up again finishes it.
+/// holds this list's record, unconfirmed, and serves no ticket (requests go
+/// on to the first, whose tickets are its own). It cannot be cleared, only
+/// finished, and running the set-up again finishes it.
 async fn a_set_up_that_stops_while_confirming_is_finished_by_the_next(dbs: &mut TestDbs) {
-    let (config, urls, a, b) =
-        named_ticket_config(dbs, "[ids.sequences.halfway]\nblock = 1\n").await;
+    let (config, urls, a, b) = named_ticket_config(dbs, "halfway").await;
     ticket_tables(&urls, "halfway").await;
     let stopped = Cluster::connect(config.clone()).await.unwrap();
     stop_at("place_confirmed", &a, stopped.ids().record_places()).await;
@@ -681,23 +745,41 @@ async fn a_set_up_that_stops_while_confirming_is_finished_by_the_next(dbs: &mut 
             Some((2, list.clone(), false))
         ]
     );
+    // Requests that reach b go on to a: every ticket is a's.
     let next = Cluster::connect(config.clone()).await.unwrap();
-    let (mut drawn, mut refused) = (HashSet::new(), 0);
+    let mut drawn = HashSet::new();
     for _ in 0..6 {
-        match next.ids().next("halfway").await {
-            Ok(id) => {
-                assert_eq!(id % 2, 1, "{id} is not server a's");
-                assert!(drawn.insert(id));
-            }
-            Err(ShardError::Config { entry, message }) => {
-                assert_eq!(entry, format!("ids.servers[1] ({b:?})"));
-                assert!(message.contains("no confirmed place"), "{message}");
-                refused += 1;
-            }
-            Err(other) => panic!("{other:?}"),
-        }
+        let id = next.ids().next("halfway").await.unwrap();
+        assert_eq!(id % 2, 1, "{id} is not server a's");
+        assert!(drawn.insert(id));
     }
-    assert_eq!((drawn.len(), refused), (3, 3));
+    // Half confirmed, it is finished, never cleared: cleared, another list
+    // could give b the residue a serves. Nor does a config that does not
+    // list a clear it.
+    config_error(
+        next.ids().clear_unconfirmed_places().await,
+        &format!("ids.servers[0] ({a:?})"),
+        "finish it",
+    );
+    let mut elsewhere = config.clone();
+    elsewhere.ids.servers.swap(0, 1);
+    elsewhere.ids.servers[1].name = format!("{b}_c");
+    let c = dbs.extra("tickets_c").await;
+    ticket_tables(std::slice::from_ref(&c), "halfway").await;
+    elsewhere.ids.servers[1].url = Some(DatabaseUrl::new(c));
+    let elsewhere = Cluster::connect(elsewhere).await.unwrap();
+    config_error(
+        elsewhere.ids().clear_unconfirmed_places().await,
+        &format!("ids.servers[0] ({b:?})"),
+        &format!("names `{a}`, a server this config does not list"),
+    );
+    assert_eq!(
+        place_rows(&urls).await,
+        [
+            Some((1, list.clone(), true)),
+            Some((2, list.clone(), false))
+        ]
+    );
     next.ids().record_places().await.unwrap();
     assert_eq!(
         place_rows(&urls).await,
@@ -728,11 +810,12 @@ async fn servers_set_up_before_places_are_adopted_not_guessed(dbs: &mut TestDbs)
     let counters = ticket_rows(&urls, "old").await;
 
     let same = Cluster::connect(config.clone()).await.unwrap();
-    config_error(
-        same.ids().next("old").await,
-        r#"ids.servers[0] ("tickets_a")"#,
-        "no confirmed place",
-    );
+    match same.ids().next("old").await {
+        Err(ShardError::IdsUnavailable { causes, .. }) => {
+            assert!(causes.contains("no confirmed place"), "{causes}")
+        }
+        other => panic!("expected no ticket, got {other:?}"),
+    }
     let mut removed = config.clone();
     removed.ids.servers.truncate(1);
     let removed = Cluster::connect(removed).await.unwrap();
