@@ -186,6 +186,30 @@ impl TicketServer {
     }
 }
 
+/// A ticket server's place as it records it ([`Ids::places`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TicketPlace {
+    /// The server's place, from 1: it hands out tickets
+    /// `≡ position (mod servers.len())`.
+    pub position: u32,
+    /// The names of the ticket servers of the list it was set up with, in
+    /// order.
+    pub servers: Vec<String>,
+    /// Every server of that list agreed when it was set up.
+    pub confirmed: bool,
+}
+
+/// One ticket server as [`Ids::places`] finds it.
+#[derive(Debug)]
+pub struct ServerPlace {
+    /// The server's name (`ids.servers`).
+    pub name: String,
+    /// What it records (`None`: no place yet), or why it could not be read.
+    pub recorded: Result<Option<TicketPlace>>,
+    /// Its recorded place is this config's and confirmed: it serves tickets.
+    pub serves: bool,
+}
+
 /// A ticket server's place among the ticket servers, as
 /// `shardkit_ticket_place` records it: server `position` (1-based) of the
 /// list `servers` (their names, a JSON array), handing out tickets
@@ -791,6 +815,37 @@ impl Ids {
                 .await?;
         }
         Ok(removed)
+    }
+
+    /// Every ticket server's recorded place, read from all of them at once
+    /// (each within `ids.timeout_ms`), and whether it serves this config:
+    /// what an operator checks after set-up, and where a server this process
+    /// cannot reach shows (ticket pools open on first use, so
+    /// [`Cluster::connect`](crate::Cluster::connect) does not tell).
+    pub async fn places(&self) -> Vec<ServerPlace> {
+        let tickets = &self.tickets;
+        futures::future::join_all(tickets.servers.iter().enumerate().map(
+            |(i, server)| async move {
+                let entry = tickets.entry(i);
+                let recorded = tickets
+                    .within(server, READ_PLACE, server.recorded_place(&entry))
+                    .await;
+                let serves =
+                    matches!(&recorded, Ok(Some((place, true))) if *place == tickets.place(i));
+                ServerPlace {
+                    name: server.name.clone(),
+                    recorded: recorded.map(|held| {
+                        held.map(|(place, confirmed)| TicketPlace {
+                            position: u32::try_from(place.position).unwrap_or(0),
+                            servers: serde_json::from_str(&place.servers).unwrap_or_default(),
+                            confirmed,
+                        })
+                    }),
+                    serves,
+                }
+            },
+        ))
+        .await
     }
 
     /// The sequences the first reachable ticket server holds.

@@ -204,7 +204,7 @@ pub use cluster::{
 };
 pub use entity::{EntityGroup, GroupKey, InGroup, KeyRef, ShardKey, ShardedEntity};
 pub use error::{ErrorKind, Origin, Result, Retry, ShardError, ShardFailure, Subsystem};
-pub use ids::{Ids, Sequence, Snowflake, SnowflakeLayout, uuid_v7};
+pub use ids::{Ids, Sequence, ServerPlace, Snowflake, SnowflakeLayout, TicketPlace, uuid_v7};
 pub use read::{
     AllowPartial, ByIndex, Find, KeyOf, Keyed, KeyedPages, KeyedSelect, Keys, MergePlan,
     MultiSelect, MultiShard, Partial, PlannedRoute, PlannedStatement, ReadPlan, RowStream, Scatter,

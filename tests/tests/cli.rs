@@ -487,9 +487,25 @@ async fn ids_commands_adopt_and_clear_ticket_places(dbs: &mut TestDbs) {
             .contains("no confirmed place"),
         "{err}"
     );
+    let (code, status) = shardctl(config.clone(), &["ids", "status"]).await;
+    assert_eq!(code, 1, "{status:#}");
+    assert_eq!(status["places"][0]["serves"], false, "{status:#}");
+    assert_eq!(status["places"][1]["position"], Value::Null, "{status:#}");
     let (code, adopted) = shardctl(config.clone(), &["ids", "adopt-places"]).await;
     assert_eq!(code, 0, "{adopted}");
     assert_eq!(adopted["recorded"], serde_json::json!([a, b]));
+    let (code, status) = shardctl(config.clone(), &["ids", "status"]).await;
+    assert_eq!(code, 0, "{status:#}");
+    for (i, name) in [&a, &b].into_iter().enumerate() {
+        let place = &status["places"][i];
+        assert_eq!(place["name"], name.as_str(), "{status:#}");
+        assert_eq!(place["serves"], true, "{status:#}");
+        assert_eq!(place["position"], i + 1, "{status:#}");
+        assert_eq!(place["list"], serde_json::json!([a, b]), "{status:#}");
+    }
+    let (code, text) = shardctl_text(config.clone(), &["ids", "status"]).await;
+    assert_eq!(code, 0, "{text}");
+    assert!(text.contains(&format!("{b}: server 2 of 2")), "{text}");
     let (code, next) = shardctl(config.clone(), &["ids", "next", "cli"]).await;
     assert_eq!(code, 0, "{next}");
     assert!(ids.insert(next["id"].as_i64().unwrap()), "{next}");

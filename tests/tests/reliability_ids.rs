@@ -900,6 +900,13 @@ async fn a_hung_or_refusing_ticket_server_fails_set_up_not_tickets(dbs: &mut Tes
             }
             other => panic!("{what}: expected the server's error, got {other:?}"),
         }
+        // What an operator sees (`shardctl ids status`).
+        let places = cluster.ids().places().await;
+        assert!(places[0].serves, "{what}: {places:?}");
+        assert!(
+            !places[1].serves && places[1].recorded.is_err(),
+            "{what}: {places:?}"
+        );
         for _ in 0..4 {
             let id = tokio::time::timeout(Duration::from_secs(60), cluster.ids().next("hung"))
                 .await

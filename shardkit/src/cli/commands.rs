@@ -1112,26 +1112,70 @@ async fn ids(cluster: &Cluster, action: IdsAction) -> Result<Outcome> {
         IdsAction::Status => {
             let servers: Vec<&str> = cluster.ids().servers().collect();
             let sequences = if servers.is_empty() {
-                Vec::new()
+                Ok(Vec::new())
             } else {
-                cluster.ids().sequences().await?
+                cluster.ids().sequences().await
             };
+            let places = cluster.ids().places().await;
+            let mut text = format!(
+                "ticket servers: {}\nsequences: {}\n",
+                if servers.is_empty() {
+                    "none configured".to_owned()
+                } else {
+                    servers.join(", ")
+                },
+                match &sequences {
+                    Ok(names) if names.is_empty() => "none".to_owned(),
+                    Ok(names) => names.join(", "),
+                    Err(err) => format!("unknown ({})", err.report()),
+                }
+            );
+            let mut rows = Vec::new();
+            for server in &places {
+                let (state, row) = match &server.recorded {
+                    Err(err) => (
+                        format!("unreachable: {}", err.report()),
+                        json!({ "error": err.report().to_string() }),
+                    ),
+                    Ok(None) => ("no place recorded".to_owned(), json!({})),
+                    Ok(Some(place)) => (
+                        format!(
+                            "server {} of {} {}, {}",
+                            place.position,
+                            place.servers.len(),
+                            serde_json::to_string(&place.servers).unwrap_or_default(),
+                            if place.confirmed {
+                                "confirmed"
+                            } else {
+                                "unconfirmed"
+                            }
+                        ),
+                        json!({
+                            "position": place.position,
+                            "list": place.servers,
+                            "confirmed": place.confirmed,
+                        }),
+                    ),
+                };
+                let serves = if server.serves {
+                    "serves"
+                } else {
+                    "SERVES NO TICKET"
+                };
+                text.push_str(&format!("  {}: {state} ({serves})\n", server.name));
+                let mut row = row;
+                row["name"] = json!(server.name);
+                row["serves"] = json!(server.serves);
+                rows.push(row);
+            }
             Ok(Outcome {
-                text: format!(
-                    "ticket servers: {}\nsequences: {}\n",
-                    if servers.is_empty() {
-                        "none configured".to_owned()
-                    } else {
-                        servers.join(", ")
-                    },
-                    if sequences.is_empty() {
-                        "none".to_owned()
-                    } else {
-                        sequences.join(", ")
-                    }
-                ),
-                json: json!({ "servers": servers, "sequences": sequences }),
-                problem: false,
+                text,
+                json: json!({
+                    "servers": servers,
+                    "sequences": sequences.as_ref().ok(),
+                    "places": rows,
+                }),
+                problem: sequences.is_err() || places.iter().any(|p| !p.serves),
             })
         }
         IdsAction::AdoptPlaces => {
