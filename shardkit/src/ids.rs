@@ -220,6 +220,30 @@ struct Place {
     servers: String,
 }
 
+impl Place {
+    /// Records this place on a server that holds none; a no-op on one that
+    /// does (the first record stays).
+    fn record(&self) -> sea_orm::sea_query::InsertStatement {
+        let col = sea_orm::sea_query::Alias::new;
+        sea_orm::sea_query::Query::insert()
+            .into_table(col(PLACE_TABLE))
+            .columns([col("stub"), col("position"), col("servers")])
+            .values_panic([
+                "a".into(),
+                self.position.into(),
+                self.servers.clone().into(),
+            ])
+            // A no-op update rather than DO NOTHING: one form every backend
+            // takes.
+            .on_conflict(
+                sea_orm::sea_query::OnConflict::column(col("stub"))
+                    .update_column(col("stub"))
+                    .to_owned(),
+            )
+            .to_owned()
+    }
+}
+
 impl Tickets {
     /// The place this config gives server `index`.
     fn place(&self, index: usize) -> Place {
@@ -454,24 +478,17 @@ impl Tickets {
             if held[i].is_some() {
                 continue;
             }
-            let place = self.place(i);
-            let record = sea_orm::sea_query::Query::insert()
-                .into_table(col(PLACE_TABLE))
-                .columns([col("stub"), col("position"), col("servers")])
-                .values_panic(["a".into(), place.position.into(), place.servers.into()])
-                // A no-op update rather than DO NOTHING: one form every
-                // backend takes.
-                .on_conflict(
-                    sea_orm::sea_query::OnConflict::column(col("stub"))
-                        .update_column(col("stub"))
-                        .to_owned(),
-                )
-                .to_owned();
-            self.step(server, RECORD_PLACE, &record, "place_recorded")
-                .await?;
+            self.step(
+                server,
+                RECORD_PLACE,
+                &self.place(i).record(),
+                "place_recorded",
+            )
+            .await?;
         }
         // 4. Every record agrees with this list. Two lists recording at once
-        //    may each have won some servers; then neither confirms any.
+        //    may each have won some servers; a list confirms only if it won
+        //    every one of its servers.
         for (i, server) in self.servers.iter().enumerate() {
             let entry = self.entry(i);
             match self
@@ -498,19 +515,37 @@ impl Tickets {
                 .and_where(sea_orm::sea_query::Expr::col(col("position")).eq(place.position))
                 .and_where(sea_orm::sea_query::Expr::col(col("servers")).eq(place.servers))
                 .to_owned();
-            self.step(server, CONFIRM_PLACE, &confirm, "place_confirmed")
-                .await?;
-            // Serve only what is on the server: a record cleared meanwhile
-            // was not confirmed by the update.
             let entry = self.entry(i);
-            match self
-                .within(server, READ_PLACE, server.recorded_place(&entry))
-                .await?
-            {
-                Some((recorded, true)) if recorded == self.place(i) => {
-                    server.place_checked.store(true, Ordering::Release);
+            let mut recorded_again = false;
+            loop {
+                self.step(server, CONFIRM_PLACE, &confirm, "place_confirmed")
+                    .await?;
+                // Serve only what is on the server: a record cleared
+                // meanwhile was not confirmed by the update.
+                match self
+                    .within(server, READ_PLACE, server.recorded_place(&entry))
+                    .await?
+                {
+                    Some((recorded, true)) if recorded == self.place(i) => {
+                        server.place_checked.store(true, Ordering::Release);
+                        break;
+                    }
+                    // Cleared after step 4 read it here (a clear run during
+                    // this set-up), perhaps with a peer confirmed already:
+                    // left without a record, the server could be taken by
+                    // another list. It is this list's; recorded again.
+                    None if !recorded_again => {
+                        recorded_again = true;
+                        self.step(
+                            server,
+                            RECORD_PLACE,
+                            &self.place(i).record(),
+                            "place_recorded",
+                        )
+                        .await?;
+                    }
+                    _ => return Err(self.removed_while_set_up(i)),
                 }
-                _ => return Err(self.removed_while_set_up(i)),
             }
         }
         Ok(())
@@ -713,7 +748,8 @@ impl Ids {
     /// [`adopt_places`](Self::adopt_places)). Idempotent; the first list to
     /// record a server keeps it. A set-up that stopped partway is finished
     /// by running it again; two lists that set up at once may split the
-    /// servers, and then neither is confirmed until
+    /// servers (a list is confirmed only if it won all of its own), and
+    /// then the losing lists stay unconfirmed until
     /// [`clear_unconfirmed_places`](Self::clear_unconfirmed_places). [`Cluster::migrate`](crate::Cluster::migrate),
     /// [`create_sequence`](Self::create_sequence) and
     /// [`create_configured_sequences`](Self::create_configured_sequences) call it.
@@ -736,7 +772,8 @@ impl Ids {
     /// returns how many it removed. An unconfirmed record has never served
     /// a ticket: it is left by a set-up that stopped before confirming
     /// anything, or by two set-ups with different lists that ran at once
-    /// (then neither list can be confirmed until the records are gone).
+    /// (then a list that did not win all of its servers stays unconfirmed
+    /// until the records are gone).
     ///
     /// Every server a record names must be in this config, and none of them
     /// may hold that list's confirmed record: a set-up that confirmed some
@@ -794,7 +831,8 @@ impl Ids {
         }
         let col = sea_orm::sea_query::Alias::new;
         let mut removed = 0;
-        for (server, record) in tickets.servers.iter().zip(&held) {
+        let mut cleared = Vec::new();
+        for (i, (server, record)) in tickets.servers.iter().zip(&held).enumerate() {
             let Some((place, false)) = record else {
                 continue;
             };
@@ -805,7 +843,7 @@ impl Ids {
                 .and_where(sea_orm::sea_query::Expr::col(col("position")).eq(place.position))
                 .and_where(sea_orm::sea_query::Expr::col(col("servers")).eq(place.servers.clone()))
                 .to_owned();
-            removed += tickets
+            let gone = tickets
                 .step(
                     server,
                     "clear an unconfirmed place",
@@ -813,6 +851,38 @@ impl Ids {
                     "place_cleared",
                 )
                 .await?;
+            if gone > 0 {
+                cleared.push((i, place));
+            }
+            removed += gone;
+        }
+        // A set-up of a cleared list that ran meanwhile (against the advice
+        // above) may have confirmed one of its servers: its other servers
+        // get their records back, or another list could take them.
+        for (i, place) in &cleared {
+            for (j, server) in tickets.servers.iter().enumerate() {
+                let entry = tickets.entry(j);
+                let now = tickets
+                    .within(server, READ_PLACE, server.recorded_place(&entry))
+                    .await?;
+                if matches!(&now, Some((p, true)) if p.servers == place.servers) {
+                    for (k, place) in &cleared {
+                        let server = &tickets.servers[*k];
+                        tickets
+                            .step(server, RECORD_PLACE, &place.record(), "place_recorded")
+                            .await?;
+                    }
+                    return Err(ShardError::config(
+                        tickets.entry(*i),
+                        format!(
+                            "a set-up of the list {} confirmed ticket server `{}` while its \
+                             places were being cleared: the cleared places are restored; finish \
+                             that set-up (run it again with that list)",
+                            place.servers, server.name
+                        ),
+                    ));
+                }
+            }
         }
         Ok(removed)
     }

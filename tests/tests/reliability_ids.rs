@@ -26,6 +26,7 @@ backend_tests!(2 =>
     configs_setting_up_at_once_confirm_no_split_places,
     a_set_up_that_stops_while_confirming_is_finished_by_the_next,
     a_list_that_sets_up_between_anothers_read_and_write_wins_alone,
+    a_clear_that_races_a_set_up_leaves_no_server_without_its_place,
     servers_set_up_before_places_are_adopted_not_guessed,
     [Postgres, MySql] a_hung_or_refusing_ticket_server_fails_set_up_not_tickets,
 );
@@ -185,6 +186,9 @@ async fn a_missing_sequence_is_a_config_error_not_an_outage(dbs: &mut TestDbs) {
 /// Every server failing gives one `IdsUnavailable` whose message states its
 /// prefix once and names each server's failure.
 async fn failed_servers_are_reported_once(dbs: &mut TestDbs) {
+    // It draws `blocks`, whose ticket requests another scenario holds with a
+    // failpoint.
+    let _failpoint = FAILPOINT.lock().await;
     let (config, urls) = ticket_config(
         dbs,
         "retry_after_ms = 1\n[ids.sequences.flickr]\nblock = 1\n[ids.sequences.blocks]\nblock = 10\n",
@@ -689,16 +693,10 @@ async fn a_list_that_sets_up_between_anothers_read_and_write_wins_alone(dbs: &mu
     let other = reversed.clone();
     fail::cfg_callback(&point, move || {
         let other = other.clone();
-        std::thread::spawn(move || {
-            tokio::runtime::Runtime::new()
-                .unwrap()
-                .block_on(async move {
-                    let cluster = Cluster::connect(other).await.unwrap();
-                    cluster.ids().record_places().await.unwrap();
-                })
+        meanwhile(async move {
+            let cluster = Cluster::connect(other).await.unwrap();
+            cluster.ids().record_places().await.unwrap();
         })
-        .join()
-        .unwrap();
     })
     .unwrap();
     let forward = Cluster::connect(config.clone()).await.unwrap();
@@ -725,6 +723,80 @@ async fn a_list_that_sets_up_between_anothers_read_and_write_wins_alone(dbs: &mu
             forward.ids().next("late").await,
             Err(ShardError::Config { .. })
         ));
+    }
+}
+
+/// Runs `work` on a runtime of its own, on another thread, and waits:
+/// from a failpoint callback, which the scenario's set-up waits on.
+fn meanwhile<F: std::future::Future<Output = ()> + Send + 'static>(work: F) {
+    std::thread::spawn(move || tokio::runtime::Runtime::new().unwrap().block_on(work))
+        .join()
+        .unwrap();
+}
+
+/// `clear_unconfirmed_places` run while a set-up of the same list runs
+/// (which its docs advise against) must not leave a server of a list with
+/// a confirmed server without its record: another list could take it and
+/// serve its residue. Both orders: the clear deletes a record the set-up
+/// already read back (the set-up records it again), and a set-up confirms
+/// the list while the clear is under way (the clear restores what it
+/// deleted and says so).
+async fn a_clear_that_races_a_set_up_leaves_no_server_without_its_place(dbs: &mut TestDbs) {
+    let (config, urls, a, b) = named_ticket_config(dbs, "race").await;
+    ticket_tables(&urls, "race").await;
+    let list = format!(r#"["{a}","{b}"]"#);
+
+    // 1. The set-up has confirmed a; b's record goes (a clear's delete).
+    let point = format!("shardkit::ids::place_confirmed::{a}");
+    let b_url = urls[1].clone();
+    fail::cfg_callback(&point, move || {
+        let url = b_url.clone();
+        meanwhile(async move {
+            let db = Database::connect(&url).await.unwrap();
+            db.execute_unprepared("DELETE FROM shardkit_ticket_place")
+                .await
+                .unwrap();
+            db.close().await.unwrap();
+        })
+    })
+    .unwrap();
+    let set_up = Cluster::connect(config.clone()).await.unwrap();
+    let done = set_up.ids().record_places().await;
+    fail::remove(&point);
+    done.unwrap();
+    assert_eq!(
+        place_rows(&urls).await,
+        [Some((1, list.clone(), true)), Some((2, list.clone(), true))]
+    );
+
+    // 2. A clear has deleted a's unconfirmed record when the set-up of the
+    //    list runs and confirms both.
+    on_each(&urls, "UPDATE shardkit_ticket_place SET confirmed = FALSE").await;
+    let point = format!("shardkit::ids::place_cleared::{a}");
+    let other = config.clone();
+    fail::cfg_callback(&point, move || {
+        let other = other.clone();
+        meanwhile(async move {
+            let cluster = Cluster::connect(other).await.unwrap();
+            cluster.ids().record_places().await.unwrap();
+        })
+    })
+    .unwrap();
+    let clearing = Cluster::connect(config.clone()).await.unwrap();
+    let cleared = clearing.ids().clear_unconfirmed_places().await;
+    fail::remove(&point);
+    config_error(
+        cleared,
+        &format!("ids.servers[0] ({a:?})"),
+        "the cleared places are restored",
+    );
+    assert_eq!(
+        place_rows(&urls).await,
+        [Some((1, list.clone(), true)), Some((2, list, true))]
+    );
+    let mut ids = HashSet::new();
+    for _ in 0..4 {
+        assert!(ids.insert(clearing.ids().next("race").await.unwrap()));
     }
 }
 
@@ -864,7 +936,7 @@ async fn servers_set_up_before_places_are_adopted_not_guessed(dbs: &mut TestDbs)
 async fn a_hung_or_refusing_ticket_server_fails_set_up_not_tickets(dbs: &mut TestDbs) {
     let (config, _) = ticket_config(
         dbs,
-        "timeout_ms = 500\nretry_after_ms = 600000\n[ids.sequences.hung]\nblock = 1\n",
+        "timeout_ms = 3000\nretry_after_ms = 600000\n[ids.sequences.hung]\nblock = 1\n",
     )
     .await;
     let set_up = Cluster::connect(config.clone()).await.unwrap();
