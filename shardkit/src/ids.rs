@@ -313,6 +313,19 @@ impl Tickets {
         Ok(done.rows_affected())
     }
 
+    /// Records this list's place on server `index` (a no-op where a place
+    /// is recorded).
+    async fn record_place(&self, index: usize) -> Result<u64> {
+        let record = self.place(index).record();
+        self.step(
+            &self.servers[index],
+            RECORD_PLACE,
+            &record,
+            "place_recorded",
+        )
+        .await
+    }
+
     /// Server `index`'s record went away during this set-up.
     fn removed_while_set_up(&self, index: usize) -> ShardError {
         ShardError::config(
@@ -474,17 +487,10 @@ impl Tickets {
         ));
         // 3. Record the missing places, each written once: when two lists
         //    record at once, each server keeps the first.
-        for (i, server) in self.servers.iter().enumerate() {
-            if held[i].is_some() {
-                continue;
+        for (i, held) in held.iter().enumerate() {
+            if held.is_none() {
+                self.record_place(i).await?;
             }
-            self.step(
-                server,
-                RECORD_PLACE,
-                &self.place(i).record(),
-                "place_recorded",
-            )
-            .await?;
         }
         // 4. Every record agrees with this list. Two lists recording at once
         //    may each have won some servers; a list confirms only if it won
@@ -536,13 +542,7 @@ impl Tickets {
                     // another list. It is this list's; recorded again.
                     None if !recorded_again => {
                         recorded_again = true;
-                        self.step(
-                            server,
-                            RECORD_PLACE,
-                            &self.place(i).record(),
-                            "place_recorded",
-                        )
-                        .await?;
+                        self.record_place(i).await?;
                     }
                     _ => return Err(self.removed_while_set_up(i)),
                 }

@@ -688,17 +688,7 @@ async fn a_list_that_sets_up_between_anothers_read_and_write_wins_alone(dbs: &mu
     let mut reversed = config.clone();
     reversed.ids.servers.reverse();
     let point = format!("shardkit::ids::places_read::{a}");
-    // The callback runs inside the forward set-up, which waits for it: the
-    // reversed list sets up on a runtime of its own meanwhile.
-    let other = reversed.clone();
-    fail::cfg_callback(&point, move || {
-        let other = other.clone();
-        meanwhile(async move {
-            let cluster = Cluster::connect(other).await.unwrap();
-            cluster.ids().record_places().await.unwrap();
-        })
-    })
-    .unwrap();
+    set_up_meanwhile_at(&point, reversed.clone());
     let forward = Cluster::connect(config.clone()).await.unwrap();
     let refused = forward.ids().record_places().await;
     fail::remove(&point);
@@ -732,6 +722,19 @@ fn meanwhile<F: std::future::Future<Output = ()> + Send + 'static>(work: F) {
     std::thread::spawn(move || tokio::runtime::Runtime::new().unwrap().block_on(work))
         .join()
         .unwrap();
+}
+
+/// At failpoint `point`, a process with `config` sets up from start to end
+/// (and must succeed) while the one that reached the point waits.
+fn set_up_meanwhile_at(point: &str, config: ClusterConfig) {
+    fail::cfg_callback(point, move || {
+        let config = config.clone();
+        meanwhile(async move {
+            let cluster = Cluster::connect(config).await.unwrap();
+            cluster.ids().record_places().await.unwrap();
+        })
+    })
+    .unwrap();
 }
 
 /// `clear_unconfirmed_places` run while a set-up of the same list runs
@@ -773,15 +776,7 @@ async fn a_clear_that_races_a_set_up_leaves_no_server_without_its_place(dbs: &mu
     //    list runs and confirms both.
     on_each(&urls, "UPDATE shardkit_ticket_place SET confirmed = FALSE").await;
     let point = format!("shardkit::ids::place_cleared::{a}");
-    let other = config.clone();
-    fail::cfg_callback(&point, move || {
-        let other = other.clone();
-        meanwhile(async move {
-            let cluster = Cluster::connect(other).await.unwrap();
-            cluster.ids().record_places().await.unwrap();
-        })
-    })
-    .unwrap();
+    set_up_meanwhile_at(&point, config.clone());
     let clearing = Cluster::connect(config.clone()).await.unwrap();
     let cleared = clearing.ids().clear_unconfirmed_places().await;
     fail::remove(&point);
