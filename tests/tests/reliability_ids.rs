@@ -491,8 +491,8 @@ async fn ticket_rows(urls: &[String], sequence: &str) -> Vec<Option<i64>> {
 /// whose `ids.servers` lost a server (server 1 would go on in steps of 1,
 /// onto server 2's tickets) or swapped two (each would hand out the other's)
 /// draws no ticket, sets nothing up and moves no sequence: it gets a config
-/// error naming the server and both lists, while the process set up with
-/// the list goes on.
+/// error naming the server and both lists, while processes of the set-up
+/// list go on (one of them with 8 tasks on pools of 2).
 async fn a_ticket_server_serves_only_the_list_it_was_set_up_with(dbs: &mut TestDbs) {
     let (config, urls) = ticket_config(dbs, "[ids.sequences.places]\nblock = 1\n").await;
     let set_up = Cluster::connect(config.clone()).await.unwrap();
@@ -501,6 +501,29 @@ async fn a_ticket_server_serves_only_the_list_it_was_set_up_with(dbs: &mut TestD
     for _ in 0..5 {
         assert!(ids.insert(set_up.ids().next("places").await.unwrap()));
     }
+    // Another process of the same list, on pools of 2: 8 tasks draw at once
+    // while it checks each server's place for the first time.
+    let mut small = config.clone();
+    small.pool.max_connections = Some(2);
+    let small = Cluster::connect(small).await.unwrap();
+    let tasks: Vec<_> = (0..8)
+        .map(|_| {
+            let cluster = small.clone();
+            tokio::spawn(async move {
+                let mut got = Vec::new();
+                for _ in 0..25 {
+                    got.push(cluster.ids().next("places").await.unwrap());
+                }
+                got
+            })
+        })
+        .collect();
+    for task in tasks {
+        for id in task.await.unwrap() {
+            assert!(ids.insert(id), "{id} handed out twice");
+        }
+    }
+    drop(small);
     let before = ticket_rows(&urls, "places").await;
 
     let mut removed = config.clone();
