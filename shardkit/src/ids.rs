@@ -1105,11 +1105,15 @@ impl Tickets {
                 };
                 match tokio::time::timeout_at(deadline, request).await {
                     // Concurrent `REPLACE INTO`s of one stub deadlock on
-                    // MySQL/MariaDB (the server rolls one back): the server
-                    // is fine, and the statement, its own transaction, is
-                    // simply run again.
+                    // MySQL/MariaDB (the server rolls one back), and on
+                    // PostgreSQL two first tickets of a sequence both insert
+                    // its row, the second failing on the primary key
+                    // (`ON CONFLICT` covers only `stub`): the server is
+                    // fine, and the statement, its own transaction, is
+                    // simply run again (the row exists by then).
                     Ok(Err(TicketFailure::Failed(err)))
-                        if err.retry() == crate::error::Retry::Transaction
+                        if (err.retry() == crate::error::Retry::Transaction
+                            || is_first_ticket_race(&err))
                             && attempts < MAX_TICKET_ATTEMPTS => {}
                     result => break result,
                 }
@@ -1135,7 +1139,7 @@ impl Tickets {
                     ));
                 }
                 Ok(Err(TicketFailure::Failed(err))) => {
-                    causes.push(format!("{}: {err}", server.name))
+                    causes.push(format!("{}: {}", server.name, err.report()))
                 }
                 Err(_) => causes.push(format!("{}: no answer within {timeout:?}", server.name)),
             }
@@ -1152,6 +1156,12 @@ impl Tickets {
 
 fn no_servers() -> ShardError {
     ShardError::config("ids.servers", "no ticket servers are configured")
+}
+
+/// Whether a ticket statement failed on a unique key: the first tickets of
+/// a sequence racing to insert its row.
+fn is_first_ticket_race(err: &ShardError) -> bool {
+    matches!(err, ShardError::Db { source, .. } if crate::error::is_unique_violation(source))
 }
 
 /// How many times one server is asked in a row when the database aborts the
