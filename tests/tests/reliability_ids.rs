@@ -337,24 +337,8 @@ async fn flickr_requests_run_concurrently(dbs: &mut TestDbs) {
     one_server.ids.servers[0].url = Some(DatabaseUrl::new(dbs.extra("tickets_single").await));
     let single = Cluster::connect(one_server).await.unwrap();
     single.migrate::<Migrator>().await.unwrap();
-    let tasks: Vec<_> = (0..16)
-        .map(|_| {
-            let cluster = single.clone();
-            tokio::spawn(async move {
-                let mut got = Vec::new();
-                for _ in 0..50 {
-                    got.push(cluster.ids().next("photos").await.unwrap());
-                }
-                got
-            })
-        })
-        .collect();
     let mut ids = HashSet::new();
-    for task in tasks {
-        for id in task.await.unwrap() {
-            assert!(ids.insert(id), "{id} handed out twice");
-        }
-    }
+    draw_at_once(&single, "photos", 16, 50, &mut ids).await;
     assert_eq!(ids.len(), 800);
 }
 
@@ -469,6 +453,34 @@ fn config_error<T: std::fmt::Debug>(result: Result<T, ShardError>, entry: &str, 
     }
 }
 
+/// `tasks` tasks each draw `each` ids of `sequence` at once; every id must
+/// be new to `ids`, which gains them.
+async fn draw_at_once(
+    cluster: &Cluster,
+    sequence: &'static str,
+    tasks: usize,
+    each: usize,
+    ids: &mut HashSet<i64>,
+) {
+    let tasks: Vec<_> = (0..tasks)
+        .map(|_| {
+            let cluster = cluster.clone();
+            tokio::spawn(async move {
+                let mut got = Vec::with_capacity(each);
+                for _ in 0..each {
+                    got.push(cluster.ids().next(sequence).await.unwrap());
+                }
+                got
+            })
+        })
+        .collect();
+    for task in tasks {
+        for id in task.await.unwrap() {
+            assert!(ids.insert(id), "{id} handed out twice");
+        }
+    }
+}
+
 /// Each sequence's ticket row on each server, in server order.
 async fn ticket_rows(urls: &[String], sequence: &str) -> Vec<Option<i64>> {
     let mut rows = Vec::new();
@@ -506,23 +518,7 @@ async fn a_ticket_server_serves_only_the_list_it_was_set_up_with(dbs: &mut TestD
     let mut small = config.clone();
     small.pool.max_connections = Some(2);
     let small = Cluster::connect(small).await.unwrap();
-    let tasks: Vec<_> = (0..8)
-        .map(|_| {
-            let cluster = small.clone();
-            tokio::spawn(async move {
-                let mut got = Vec::new();
-                for _ in 0..25 {
-                    got.push(cluster.ids().next("places").await.unwrap());
-                }
-                got
-            })
-        })
-        .collect();
-    for task in tasks {
-        for id in task.await.unwrap() {
-            assert!(ids.insert(id), "{id} handed out twice");
-        }
-    }
+    draw_at_once(&small, "places", 8, 25, &mut ids).await;
     drop(small);
     let before = ticket_rows(&urls, "places").await;
 
