@@ -253,9 +253,9 @@ impl Tickets {
         }
     }
 
-    /// How long one set-up step may wait on one server (`ids.timeout_ms`,
-    /// as a ticket request): a server that accepts and never answers fails
-    /// the set-up rather than hanging it.
+    /// How long one ticket request or set-up step may wait on one server
+    /// (`ids.timeout_ms`, default 2 s): a server that accepts and never
+    /// answers is given up on rather than waited for.
     fn step_timeout(&self) -> Duration {
         Duration::from_millis(self.config.timeout_ms.unwrap_or(2000))
     }
@@ -1085,7 +1085,7 @@ impl Tickets {
                     .filter(|&i| self.servers[i].is_down(now)),
             )
             .collect();
-        let timeout = Duration::from_millis(self.config.timeout_ms.unwrap_or(2000));
+        let timeout = self.step_timeout();
         let retry_after = Duration::from_millis(self.config.retry_after_ms.unwrap_or(1000));
         let mut causes = Vec::new();
         for i in order {
