@@ -30,6 +30,7 @@ pub mod m20261123_000005_create_rollout_instances;
 pub mod m20261123_000006_create_bucket_moves;
 pub mod m20261123_000007_add_range_bounds;
 pub mod m20261124_000008_create_ticket_place;
+pub mod m20261125_000009_add_move_fencing;
 
 /// shardkit's migrations, in order.
 pub fn migrations() -> Vec<Box<dyn MigrationTrait>> {
@@ -44,6 +45,7 @@ pub fn migrations() -> Vec<Box<dyn MigrationTrait>> {
         // For a ticket server that shares a shard's database (one database
         // gets the application's migrator).
         Box::new(m20261124_000008_create_ticket_place::Migration),
+        Box::new(m20261125_000009_add_move_fencing::Migration),
     ]
 }
 

@@ -20,6 +20,7 @@ backend_tests!(5 =>
     a_range_splits_and_half_of_it_moves_while_two_instances_write,
     a_split_that_dies_before_fencing_is_finished_by_the_next_move,
     [Postgres, MySql] a_target_that_refuses_or_hangs_stops_the_mover_and_leaks_nothing,
+    a_mover_paused_past_its_hold_is_refused_where_it_writes,
 );
 
 const BUCKETS: u32 = 64;
@@ -1266,4 +1267,141 @@ async fn a_target_that_refuses_or_hangs_stops_the_mover_and_leaks_nothing(dbs: &
         after <= before,
         "server connections: {before} before, {after} after"
     );
+}
+
+/// Waits (at most 60 s, polling) until `done` says so; `what` names the wait.
+async fn until(what: &str, mut done: impl FnMut() -> bool) {
+    for _ in 0..6_000 {
+        if done() {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    panic!("gave up waiting: {what}");
+}
+
+/// Waits until the writer acknowledged a new write of one of `keys`.
+async fn written_again(acked: &Shared, keys: &[i64], what: &str) {
+    let before: Vec<Option<String>> = {
+        let a = acked.lock().unwrap();
+        keys.iter().map(|k| a.customers.get(k).cloned()).collect()
+    };
+    until(what, || {
+        let a = acked.lock().unwrap();
+        keys.iter()
+            .zip(&before)
+            .any(|(k, b)| a.customers.get(k) != b.as_ref())
+    })
+    .await;
+}
+
+/// A mover paused (a GC pause, a VM stall, a stopped process) before each
+/// kind of write it makes, past its hold: another process, whose clock is
+/// ahead, takes the move over and finishes it while a writer goes on
+/// writing the moving keys on their new owner. When the first mover goes on,
+/// the shard it writes refuses it: no acknowledged row goes back to an
+/// older version, no deleted row comes back, and no row is left on a shard
+/// that does not own its bucket.
+async fn a_mover_paused_past_its_hold_is_refused_where_it_writes(dbs: &mut TestDbs) {
+    let a = connect(dbs, 20).await;
+    let acked: Shared = Arc::default();
+    seed(&a, &acked, 1..=80).await;
+    let stop = Arc::new(AtomicBool::new(false));
+    let w = writer(
+        a.clone(),
+        Arc::clone(&acked),
+        (1..=80).collect(),
+        Arc::clone(&stop),
+    );
+    // To the second process, the first mover's hold lapsed long ago.
+    let ahead = Arc::new(shardkit::clock::ManualClock::new(
+        shardkit::Clock::now_millis(&shardkit::clock::SystemClock) + 600_000,
+    ));
+    let b = Cluster::builder(config(dbs, 20))
+        .clock(ahead)
+        .connect()
+        .await
+        .unwrap();
+    let target_db = dbs.names[4].clone();
+    let _turn = FAILPOINTS.lock().await;
+    let parked = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let count = Arc::clone(&parked);
+    fail::cfg_callback("shardkit::rebalance::parked", move || {
+        count.fetch_add(1, Ordering::SeqCst);
+    })
+    .unwrap();
+    let mut used = std::collections::BTreeSet::new();
+    for what in ["copy", "replay", "log", "states", "clean"] {
+        // Two buckets that hold written keys and have not moved yet.
+        let mut keys: Vec<i64> = Vec::new();
+        let mut buckets: Vec<u32> = Vec::new();
+        for k in 1..=80i64 {
+            let b = bucket(k);
+            if buckets.contains(&b) {
+                keys.push(k);
+            } else if buckets.len() < 2 && used.insert(b) {
+                buckets.push(b);
+                keys.push(k);
+            }
+        }
+        let m = mover(&a);
+        let id = m
+            .start(&m.plan_buckets(buckets.clone(), "s4").await.unwrap())
+            .await
+            .unwrap()
+            .id;
+        // Parked at its first copy write first, so the writer's writes of
+        // the moving keys are logged before the mover goes on to `what`.
+        let at_copy = "shardkit::rebalance::park::copy";
+        let at = format!("shardkit::rebalance::park::{what}");
+        let seen = parked.load(Ordering::SeqCst);
+        // Only the first mover (generation 1) parks.
+        fail::cfg(at_copy, &format!("return({target_db}@1)")).unwrap();
+        let first = tokio::spawn(async move { m.run(id).await });
+        until(&format!("{what}: parked at copy"), || {
+            parked.load(Ordering::SeqCst) > seen
+        })
+        .await;
+        written_again(&acked, &keys, &format!("{what}: a logged write")).await;
+        if what != "copy" {
+            let seen = parked.load(Ordering::SeqCst);
+            fail::cfg(&at, &format!("return({target_db}@1)")).unwrap();
+            fail::remove(at_copy);
+            until(&format!("{what}: parked"), || {
+                parked.load(Ordering::SeqCst) > seen
+            })
+            .await;
+        }
+        // The other process takes the move over and finishes it.
+        let done = mover(&b)
+            .run(id)
+            .await
+            .unwrap_or_else(|e| panic!("{what}: {}", e.report()));
+        assert_eq!(done.phase, MovePhase::Done, "{what}");
+        assert!(done.generation >= 2, "{what}: {done:?}");
+        // The writer writes the moved keys on their new owner.
+        written_again(&acked, &keys, &format!("{what}: a write after the move")).await;
+        // The first mover goes on: the shard it writes refuses it.
+        fail::remove(&at);
+        fail::remove(at_copy);
+        let err = first.await.unwrap().unwrap_err();
+        assert!(
+            matches!(&err, ShardError::Rebalance { id: Some(i), reason, .. }
+                if *i == id && reason.contains("took the move over")),
+            "{what}: {}",
+            err.report()
+        );
+        // Its error is not recorded over the finished move.
+        let after = mover(&a).status(id).await.unwrap();
+        assert_eq!(
+            (after.phase, after.error),
+            (MovePhase::Done, None),
+            "{what}"
+        );
+    }
+    fail::remove("shardkit::rebalance::parked");
+    stop.store(true, Ordering::SeqCst);
+    w.await.unwrap();
+    a.refresh_bucket_maps().await.unwrap();
+    check_placement(&a, &acked).await;
 }

@@ -168,7 +168,7 @@ impl Shards {
 pub(super) const SIDE_POOL_SIZE: u32 = 2;
 
 /// How long a side-pool statement waits for a row lock, in seconds.
-pub(super) const SIDE_LOCK_WAIT_SECS: u64 = 5;
+pub(crate) const SIDE_LOCK_WAIT_SECS: u64 = 5;
 
 /// The MySQL session setting of side-pool connections.
 pub(crate) const SIDE_MYSQL_SESSION: &str = "SET SESSION innodb_lock_wait_timeout = 5";

@@ -15,7 +15,7 @@ pub(crate) mod shards;
 pub use directory::Directory;
 pub use migrate::{DatabaseMigrationStatus, MigrationReport};
 
-pub(crate) use connect::SIDE_MYSQL_SESSION;
+pub(crate) use connect::{SIDE_LOCK_WAIT_SECS, SIDE_MYSQL_SESSION};
 pub(crate) use shards::{Begun, RebalanceSettings, Shards};
 
 use sea_orm::{DbErr, SqliteTransactionMode, TransactionOptions, TransactionTrait};

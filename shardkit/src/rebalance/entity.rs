@@ -1,6 +1,7 @@
 //! One entity's part in a move: copy, replay, compare and delete the rows of
 //! the moving buckets, behind an object the mover calls by table.
 
+use super::fencing::Token;
 use super::*;
 use sea_orm::{ActiveModelTrait, QuerySelect};
 
@@ -63,6 +64,7 @@ pub(crate) trait MoveEntity: Send + Sync {
     #[allow(clippy::too_many_arguments)]
     fn copy_chunks<'a>(
         &'a self,
+        token: &'a Token,
         src: (&'a DatabaseConnection, &'a str),
         dst: (&'a DatabaseConnection, &'a str),
         after: Option<&'a str>,
@@ -75,6 +77,7 @@ pub(crate) trait MoveEntity: Send + Sync {
     /// listed order: a row's parent first).
     fn upsert_keys<'a>(
         &'a self,
+        token: &'a Token,
         src: (&'a DatabaseConnection, &'a str),
         dst: (&'a DatabaseConnection, &'a str),
         keys: &'a [String],
@@ -84,6 +87,7 @@ pub(crate) trait MoveEntity: Send + Sync {
     /// (entities in reverse order: a row's children first).
     fn prune_keys<'a>(
         &'a self,
+        token: &'a Token,
         src: (&'a DatabaseConnection, &'a str),
         dst: (&'a DatabaseConnection, &'a str),
         keys: &'a [String],
@@ -94,6 +98,7 @@ pub(crate) trait MoveEntity: Send + Sync {
     /// there or all gone).
     fn delete_chunk<'a>(
         &'a self,
+        token: &'a Token,
         db: (&'a DatabaseConnection, &'a str),
         after: Option<&'a str>,
         chunk: u64,
@@ -183,8 +188,14 @@ where
 }
 
 /// Writes `rows` on `db` over whatever it has under their primary keys, in
-/// one transaction (run again when the database aborts it).
-async fn upsert_rows<E>(db: &DatabaseConnection, shard: &str, rows: Vec<E::Model>) -> Result<()>
+/// one transaction under the mover's fence (run again when the database
+/// aborts it).
+async fn upsert_rows<E>(
+    token: &Token,
+    (db, shard): (&DatabaseConnection, &str),
+    what: &str,
+    rows: Vec<E::Model>,
+) -> Result<()>
 where
     E: ShardedEntity,
     E::Model: IntoActiveModel<E::ActiveModel>,
@@ -194,12 +205,17 @@ where
         return Ok(());
     }
     again(table_name::<E>(), shard, || {
-        upsert_once::<E>(db, shard, rows.clone())
+        upsert_once::<E>(token, (db, shard), what, rows.clone())
     })
     .await
 }
 
-async fn upsert_once<E>(db: &DatabaseConnection, shard: &str, rows: Vec<E::Model>) -> Result<()>
+async fn upsert_once<E>(
+    token: &Token,
+    (db, shard): (&DatabaseConnection, &str),
+    what: &str,
+    rows: Vec<E::Model>,
+) -> Result<()>
 where
     E: ShardedEntity,
     E::Model: IntoActiveModel<E::ActiveModel>,
@@ -210,7 +226,7 @@ where
     let mut on_conflict = OnConflict::columns(pks.clone());
     // A table of primary-key columns only sets the key to itself.
     on_conflict.update_columns(if others.is_empty() { pks } else { others });
-    let txn = crate::exec::begin_write(db).await.map_err(&e)?;
+    let txn = token.begin((db, shard), what).await?;
     let per = rows_per_insert::<E>(db.get_database_backend());
     let mut rows = rows.into_iter().peekable();
     while rows.peek().is_some() {
@@ -228,10 +244,11 @@ where
     txn.commit().await.map_err(&e)
 }
 
-/// Deletes the rows of these primary keys on `db`.
+/// Deletes the rows of these primary keys on `db`, each batch in a
+/// transaction under the mover's fence.
 async fn delete_pks<E: ShardedEntity>(
-    db: &DatabaseConnection,
-    shard: &str,
+    token: &Token,
+    (db, shard): (&DatabaseConnection, &str),
     pks: &[Vec<Value>],
 ) -> Result<u64> {
     let single = <E::PrimaryKey as Iterable>::iter().count() == 1;
@@ -252,14 +269,18 @@ async fn delete_pks<E: ShardedEntity>(
             })
         };
         deleted += again(table_name::<E>(), shard, || async {
-            E::delete_many()
+            let e = err::<E>(shard, "delete from");
+            let txn = token.begin((db, shard), "prune").await?;
+            let n = E::delete_many()
                 .filter(cond.clone())
-                .exec(db)
+                .exec(&txn)
                 .await
-                .map_err(err::<E>(shard, "delete from"))
+                .map_err(&e)?
+                .rows_affected;
+            txn.commit().await.map_err(&e)?;
+            Ok(n)
         })
-        .await?
-        .rows_affected;
+        .await?;
     }
     Ok(deleted)
 }
@@ -308,6 +329,7 @@ where
 
     fn copy_chunks<'a>(
         &'a self,
+        token: &'a Token,
         src: (&'a DatabaseConnection, &'a str),
         dst: (&'a DatabaseConnection, &'a str),
         after: Option<&'a str>,
@@ -341,14 +363,14 @@ where
                 match next {
                     Some(next) if i + 1 < chunks => {
                         let (written, read_next) = futures::join!(
-                            upsert_rows::<E>(dst.0, dst.1, moving),
+                            upsert_rows::<E>(token, dst, "copy", moving),
                             read(Some(next))
                         );
                         written?;
                         current = read_next?;
                     }
                     next => {
-                        upsert_rows::<E>(dst.0, dst.1, moving).await?;
+                        upsert_rows::<E>(token, dst, "copy", moving).await?;
                         return Ok(Chunk {
                             rows: copied,
                             next: next.map(|pk| tuple_text(&pk)),
@@ -362,6 +384,7 @@ where
 
     fn upsert_keys<'a>(
         &'a self,
+        token: &'a Token,
         src: (&'a DatabaseConnection, &'a str),
         dst: (&'a DatabaseConnection, &'a str),
         keys: &'a [String],
@@ -369,13 +392,14 @@ where
         Box::pin(async move {
             let rows = rows_of_keys::<E>(src.0, src.1, keys).await?;
             let n = rows.len() as u64;
-            upsert_rows::<E>(dst.0, dst.1, rows).await?;
+            upsert_rows::<E>(token, dst, "replay", rows).await?;
             Ok(n)
         })
     }
 
     fn prune_keys<'a>(
         &'a self,
+        token: &'a Token,
         src: (&'a DatabaseConnection, &'a str),
         dst: (&'a DatabaseConnection, &'a str),
         keys: &'a [String],
@@ -392,12 +416,13 @@ where
                 .map(model_pk_values::<E>)
                 .filter(|pk| !there.contains(&tuple_text(pk)))
                 .collect();
-            delete_pks::<E>(dst.0, dst.1, &gone).await
+            delete_pks::<E>(token, dst, &gone).await
         })
     }
 
     fn delete_chunk<'a>(
         &'a self,
+        token: &'a Token,
         db: (&'a DatabaseConnection, &'a str),
         after: Option<&'a str>,
         chunk: u64,
@@ -422,17 +447,21 @@ where
             let mut deleted = 0;
             for keys in keys.chunks(500) {
                 deleted += again(table_name::<E>(), db.1, || async {
-                    E::delete_many()
+                    let e = err::<E>(db.1, "clean");
+                    let txn = token.begin(db, "clean").await?;
+                    let n = E::delete_many()
                         .filter(sea_orm::ColumnTrait::is_in(
                             &E::shard_key_column(),
                             keys.iter().cloned().map(Into::<Value>::into),
                         ))
-                        .exec(db.0)
+                        .exec(&txn)
                         .await
-                        .map_err(err::<E>(db.1, "clean"))
+                        .map_err(&e)?
+                        .rows_affected;
+                    txn.commit().await.map_err(&e)?;
+                    Ok(n)
                 })
-                .await?
-                .rows_affected;
+                .await?;
             }
             Ok(Chunk {
                 rows: deleted,

@@ -2,6 +2,7 @@
 //! bucket states: the fence a write transaction checks, and the change log
 //! it writes while its bucket moves away.
 
+use super::fencing::{Token, begin_fenced, lock_wait, reset_lock_wait};
 use super::*;
 
 pub(crate) const EPOCHS: &str = "shardkit_bucket_epochs";
@@ -40,18 +41,6 @@ impl BucketState {
             "none" => BucketState::None,
             _ => return None,
         })
-    }
-}
-
-pub(crate) fn db_err(shard: &str, table: &str, operation: &str, source: DbErr) -> ShardError {
-    ShardError::Db {
-        origin: Box::new(crate::error::Origin::table(
-            crate::error::Subsystem::Rebalance,
-            table,
-        )),
-        shard: shard.to_owned(),
-        operation: format!("{operation} {table}"),
-        source,
     }
 }
 
@@ -522,7 +511,9 @@ fn moved(group: &'static str, bucket: u32, shard: &str, state: BucketState) -> S
 /// Sets the state of `buckets` on one shard (only rows whose state is one
 /// of `from`), in its own transaction, waiting at most `wait` for the
 /// transactions that hold the rows' shared locks. Returns the rows changed.
+#[allow(clippy::too_many_arguments)]
 pub(crate) async fn set_states(
+    token: Option<&Token>,
     (db, shard): (&DatabaseConnection, &str),
     group: &str,
     buckets: &[u32],
@@ -532,31 +523,10 @@ pub(crate) async fn set_states(
     wait: Option<Duration>,
 ) -> Result<u64> {
     let err = |e| db_err(shard, STATES, "update", e);
-    let txn = crate::exec::begin_write(db).await.map_err(err)?;
-    let mysql = db.get_database_backend() == DbBackend::MySql;
-    if let Some(wait) = wait {
-        let ms = wait.as_millis().max(1);
-        let set = match db.get_database_backend() {
-            DbBackend::Postgres => Some(format!("SET LOCAL lock_timeout = '{ms}ms'")),
-            // MySQL counts whole seconds (at least 1).
-            DbBackend::MySql => Some(format!(
-                "SET SESSION innodb_lock_wait_timeout = {}",
-                ms.div_ceil(1000).max(1)
-            )),
-            _ => None,
-        };
-        if let Some(set) = set {
-            txn.execute_unprepared(&set).await.map_err(err)?;
-        }
-    }
+    let txn = begin_fenced(token, (db, shard), "states", STATES).await?;
+    lock_wait(&txn, wait).await.map_err(err)?;
     let updated = update_states(&txn, group, buckets, from, to, move_id).await;
-    if wait.is_some() && mysql {
-        // The connection goes back to the side pool: its own lock wait
-        // again, whether or not the update ran out of time.
-        txn.execute_unprepared(crate::exec::SIDE_MYSQL_SESSION)
-            .await
-            .map_err(err)?;
-    }
+    reset_lock_wait(&txn, wait).await.map_err(err)?;
     let changed = updated.map_err(err)?;
     txn.commit().await.map_err(err)?;
     Ok(changed)

@@ -36,6 +36,12 @@
 //! deleted). A bucket is held by one move at a time
 //! (`shardkit_move_buckets`).
 //!
+//! **Fencing tokens.** Every take-over of a move raises its generation, which
+//! the new mover installs on every shard the move writes before it writes
+//! there; each of a mover's writes checks it in the write's own transaction,
+//! so a mover paused past its hold that goes on is refused where its writes
+//! land.
+//!
 //! **Range groups.** Each range has an id fixed for its life, which plays
 //! the bucket's part in the map, the fence and the mover.
 //! [`Rebalance::split_at`] replaces a range by two halves on the same shard
@@ -58,12 +64,27 @@ use std::sync::Arc;
 use std::time::Duration;
 
 mod entity;
+mod fencing;
 mod map;
 mod mover;
 
 #[cfg(feature = "cli")]
 pub(crate) use entity::{MoveEntity, Mover};
 pub(crate) use map::{fence, refresh, seed_states};
+
+/// A failed statement of the bucket-move machinery on `shard`.
+pub(crate) fn db_err(shard: &str, table: &str, operation: &str, source: DbErr) -> ShardError {
+    ShardError::Db {
+        origin: Box::new(crate::error::Origin::table(
+            crate::error::Subsystem::Rebalance,
+            table,
+        )),
+        shard: shard.to_owned(),
+        operation: format!("{operation} {table}"),
+        source,
+    }
+}
+
 pub use mover::{AnyGroup, MovePhase, MovePlan, MoveProgress, MoveStatus, RangeSplit, Rebalance};
 
 /// How long [`Cluster::begin`](crate::Cluster::begin) keeps trying when a
@@ -151,7 +172,7 @@ pub(crate) async fn unfinished_moves(shards: &Shards, group: &str) -> Result<u64
     let n: i64 = db
         .query_one(&stmt)
         .await
-        .map_err(|e| map::db_err(name, "shardkit_moves", "read", e))?
+        .map_err(|e| db_err(name, "shardkit_moves", "read", e))?
         .and_then(|r| r.try_get("", "n").ok())
         .unwrap_or(0);
     Ok(n as u64)
@@ -163,7 +184,7 @@ pub(crate) async fn unfinished_moves(shards: &Shards, group: &str) -> Result<u64
 pub(crate) async fn move_mark(shards: &Shards, group: &str) -> Result<(u64, i64)> {
     let id = map::control(shards, group)?;
     let (db, name) = (shards.side_conn(id), shards.shard_name(id));
-    let err = |e| map::db_err(name, "shardkit_moves", "read", e);
+    let err = |e| db_err(name, "shardkit_moves", "read", e);
     // COUNT skips the NULL of a finished move's CASE.
     let unfinished = Expr::case(
         Expr::col(Alias::new("phase")).is_not_in(["done", "aborted"]),

@@ -1,7 +1,8 @@
 //! Planning, running, resuming and aborting bucket moves.
 
 use super::entity::{Buckets, MoveEntity, Mover};
-use super::map::{BucketState, CHANGES, EPOCHS, MAP, control, db_err, set_states};
+use super::fencing::Token;
+use super::map::{BucketState, CHANGES, EPOCHS, MAP, control, set_states};
 use super::*;
 use crate::topology::{MapSnapshot, find_bound};
 
@@ -111,6 +112,10 @@ pub struct MoveStatus {
     pub cutover_ms: Option<i64>,
     /// The last error the mover met (it stops there; run it again to resume).
     pub error: Option<String>,
+    /// How many times a mover took the move (`run`, `abort`): the fencing
+    /// token of its current or last mover. A mover whose generation is not
+    /// the newest is refused by every shard it writes.
+    pub generation: i64,
 }
 
 /// What a running move reports to [`Rebalance::on_progress`].
@@ -597,6 +602,7 @@ impl<G> Rebalance<G> {
                     "cutover_ms",
                     "error",
                     "tables",
+                    "generation",
                 ]
                 .map(Alias::new),
             )
@@ -643,12 +649,14 @@ impl<G> Rebalance<G> {
             pending_changes: 0,
             cutover_ms: row.try_get("", "cutover_ms").map_err(err)?,
             error: row.try_get("", "error").map_err(err)?,
+            generation: row.try_get("", "generation").map_err(err)?,
         };
         Ok((status, row.try_get("", "cursor").map_err(err)?))
     }
 
     async fn save(
         &self,
+        token: &Token,
         status: &MoveStatus,
         cursor: Option<&str>,
         extra: impl FnOnce(&mut sea_orm::sea_query::UpdateStatement),
@@ -664,7 +672,8 @@ impl<G> Rebalance<G> {
             .value(Alias::new("error"), status.error.clone())
             .value(Alias::new("lease_ms"), self.shards.now_ms() + LEASE_MS)
             .and_where(Expr::col(Alias::new("id")).eq(status.id))
-            .and_where(Expr::col(Alias::new("runner")).eq(self.token.as_str()));
+            .and_where(Expr::col(Alias::new("runner")).eq(self.token.as_str()))
+            .and_where(Expr::col(Alias::new("generation")).eq(token.generation()));
         extra(&mut stmt);
         let saved = db
             .execute(&stmt)
@@ -674,7 +683,7 @@ impl<G> Rebalance<G> {
         if saved != 1 {
             return Err(self.refuse(
                 Some(status.id),
-                "another process took the move over (this mover was silent past its lease); this one stops",
+                "another process took the move over (this mover was silent past its hold); this mover stops",
             ));
         }
         Ok(())
@@ -689,15 +698,22 @@ impl<G> Rebalance<G> {
             .join(",")
     }
 
-    /// Takes move `id` for this mover: refused while another runner's lease
-    /// holds. Returns `false` when the move is finished.
-    async fn acquire(&self, id: i64) -> Result<bool> {
+    /// Takes move `id` for this mover: refused while another runner's hold
+    /// lasts. Raises the move's generation and installs it on every shard
+    /// the move touches before anything is written there, so a mover that
+    /// held the move before is refused from then on. Returns `None` when the
+    /// move is finished.
+    async fn acquire(&self, id: i64) -> Result<Option<Token>> {
         let (db, name) = self.control()?;
         let now = self.shards.now_ms();
         let stmt = Query::update()
             .table(Alias::new(MOVES))
             .value(Alias::new("runner"), self.token.as_str())
             .value(Alias::new("lease_ms"), now + LEASE_MS)
+            .value(
+                Alias::new("generation"),
+                Expr::col(Alias::new("generation")).add(1),
+            )
             .and_where(Expr::col(Alias::new("id")).eq(id))
             .and_where(
                 Expr::col(Alias::new("phase"))
@@ -715,41 +731,90 @@ impl<G> Rebalance<G> {
             .await
             .map_err(|e| db_err(name, MOVES, "take", e))?
             .rows_affected();
-        if took == 1 {
-            return Ok(true);
+        if took != 1 {
+            let (status, _) = self.read(id).await?;
+            if status.phase.is_finished() {
+                return Ok(None);
+            }
+            return Err(self.refuse(
+                Some(id),
+                format!(
+                    "another process is running the move (it is {}); it stops with Ctrl-C, or its hold lapses {} s after its last step if it died",
+                    status.phase,
+                    LEASE_MS / 1000
+                ),
+            ));
         }
-        let (status, _) = self.read(id).await?;
-        if status.phase.is_finished() {
-            return Ok(false);
+        match self.fence_shards(id).await {
+            Ok(token) => Ok(Some(token)),
+            Err(e) => {
+                self.let_go(id, None).await;
+                Err(e)
+            }
         }
-        Err(self.refuse(
-            Some(id),
-            format!(
-                "another process is running the move (it is {}); it stops with Ctrl-C, or its hold lapses {} s after its last step if it died",
-                status.phase,
-                LEASE_MS / 1000
-            ),
-        ))
     }
 
-    /// Lets go of move `id`.
-    async fn let_go(&self, id: i64) {
+    /// Installs the generation this mover took move `id` at on every shard
+    /// the move writes.
+    async fn fence_shards(&self, id: i64) -> Result<Token> {
+        let (status, _) = self.read(id).await?;
+        let target = self.shard_id(&status.target)?;
+        let token = Token::new(
+            &self.shards,
+            self.group,
+            id,
+            status.generation,
+            target,
+            Duration::from_millis(LEASE_MS as u64),
+        );
+        // Every shard the move writes: the sources, the target, and the
+        // control database (its claims).
+        let mut shards: Vec<ShardId> = self.sources(&status)?.into_iter().map(|(s, _)| s).collect();
+        shards.push(target);
+        shards.push(control(&self.shards, self.group)?);
+        shards.sort();
+        shards.dedup();
+        // A paused mover's open transaction ends by the server's idle
+        // timeout, which is the hold's length.
+        let wait = Duration::from_millis(LEASE_MS as u64) + Duration::from_secs(5);
+        for shard in shards {
+            let (db, name) = self.conn(shard);
+            self.timed(name, token.install((db, name), wait)).await?;
+        }
+        tracing::debug!(
+            group = self.group,
+            id,
+            generation = token.generation(),
+            "move taken"
+        );
+        Ok(token)
+    }
+
+    /// Lets go of move `id` (held at `generation`, when known).
+    async fn let_go(&self, id: i64, generation: Option<i64>) {
         let Ok((db, _)) = self.control() else { return };
-        let stmt = Query::update()
-            .table(Alias::new(MOVES))
+        let mut stmt = Query::update();
+        stmt.table(Alias::new(MOVES))
             .value(Alias::new("runner"), Option::<String>::None)
             .value(Alias::new("lease_ms"), Option::<i64>::None)
             .and_where(Expr::col(Alias::new("id")).eq(id))
-            .and_where(Expr::col(Alias::new("runner")).eq(self.token.as_str()))
-            .to_owned();
+            .and_where(Expr::col(Alias::new("runner")).eq(self.token.as_str()));
+        if let Some(g) = generation {
+            stmt.and_where(Expr::col(Alias::new("generation")).eq(g));
+        }
         if let Err(e) = db.execute(&stmt).await {
             tracing::warn!(group = self.group, id, error = %e, "could not let go of the move (its hold lapses by itself)");
         }
     }
 
-    async fn set_phase(&self, status: &mut MoveStatus, phase: MovePhase) -> Result<()> {
+    async fn set_phase(
+        &self,
+        token: &Token,
+        status: &mut MoveStatus,
+        phase: MovePhase,
+    ) -> Result<()> {
         status.phase = phase;
-        self.save(status, None, |_| {}).await?;
+        self.save(token, status, None, |_| {}).await?;
         crate::metrics::move_phase(
             self.group,
             MovePhase::ALL.iter().position(|p| *p == phase).unwrap_or(0) as u8,
@@ -841,16 +906,17 @@ impl<G> Rebalance<G> {
     /// longer has deleted (children first).
     async fn sync_keys(
         &self,
+        token: &Token,
         source: (&DatabaseConnection, &str),
         target: (&DatabaseConnection, &str),
         keys: &[String],
     ) -> Result<()> {
         for entity in &self.entities {
-            self.timed(target.1, entity.upsert_keys(source, target, keys))
+            self.timed(target.1, entity.upsert_keys(token, source, target, keys))
                 .await?;
         }
         for entity in self.entities.iter().rev() {
-            self.timed(target.1, entity.prune_keys(source, target, keys))
+            self.timed(target.1, entity.prune_keys(token, source, target, keys))
                 .await?;
         }
         Ok(())
@@ -858,7 +924,12 @@ impl<G> Rebalance<G> {
 
     /// Replays up to `limit` logged keys per source (all of them when
     /// `None`); returns how many log entries it consumed.
-    async fn replay(&self, status: &mut MoveStatus, limit: Option<u64>) -> Result<u64> {
+    async fn replay(
+        &self,
+        token: &Token,
+        status: &mut MoveStatus,
+        limit: Option<u64>,
+    ) -> Result<u64> {
         let target = self.conn(self.shard_id(&status.target)?);
         let mut consumed = 0u64;
         for (src, _) in self.sources(status)? {
@@ -890,12 +961,14 @@ impl<G> Rebalance<G> {
                 }
                 keys.sort();
                 keys.dedup();
-                self.sync_keys(source, target, &keys).await?;
+                self.sync_keys(token, source, target, &keys).await?;
                 let delete = Query::delete()
                     .from_table(Alias::new(CHANGES))
                     .and_where(Expr::col(Alias::new("seq")).is_in(seqs.iter().copied()))
                     .to_owned();
-                db.execute(&delete).await.map_err(err)?;
+                let txn = token.begin(source, "log").await?;
+                txn.execute(&delete).await.map_err(err)?;
+                txn.commit().await.map_err(err)?;
                 let n = seqs.len() as u64;
                 done_here += n;
                 consumed += n;
@@ -944,22 +1017,22 @@ impl<G> Rebalance<G> {
                 "no entity listed: add every entity of the group with `.entity::<E>()`",
             ));
         }
-        if !self.acquire(id).await? {
+        let Some(token) = self.acquire(id).await? else {
             return self.status(id).await;
-        }
-        let result = self.run_inner(id).await;
+        };
+        let result = self.run_inner(&token, id).await;
         if let Err(e) = &result
             && let Ok((mut status, cursor)) = self.read(id).await
             && !status.phase.is_finished()
         {
             status.error = Some(e.report().to_string());
-            let _ = self.save(&status, cursor.as_deref(), |_| {}).await;
+            let _ = self.save(&token, &status, cursor.as_deref(), |_| {}).await;
         }
-        self.let_go(id).await;
+        self.let_go(id, Some(token.generation())).await;
         result
     }
 
-    async fn run_inner(&self, id: i64) -> Result<MoveStatus> {
+    async fn run_inner(&self, token: &Token, id: i64) -> Result<MoveStatus> {
         self.map()?;
         if self.entities.is_empty() {
             return Err(self.refuse(
@@ -983,6 +1056,7 @@ impl<G> Rebalance<G> {
                     for (src, buckets) in self.sources(&status)? {
                         let (db, name) = self.conn(src);
                         let moving = set_states(
+                            Some(token),
                             (db, name),
                             self.group,
                             &buckets,
@@ -1002,7 +1076,8 @@ impl<G> Rebalance<G> {
                             ));
                         }
                     }
-                    self.set_phase(&mut status, MovePhase::Copying).await?;
+                    self.set_phase(token, &mut status, MovePhase::Copying)
+                        .await?;
                 }
                 MovePhase::Copying => {
                     self.failpoint("copying", id, target)?;
@@ -1026,6 +1101,7 @@ impl<G> Rebalance<G> {
                                     self.timed(
                                         self.shards.shard_name(target),
                                         entity.copy_chunks(
+                                            token,
                                             self.conn(*src),
                                             self.conn(target),
                                             after.as_deref(),
@@ -1040,7 +1116,7 @@ impl<G> Rebalance<G> {
                                     // the parent's table was copied: the
                                     // log has both; replay it, then again.
                                     Err(e) if foreign_key(&e) => {
-                                        self.replay(&mut status, None).await?;
+                                        self.replay(token, &mut status, None).await?;
                                         copy().await?
                                     }
                                     other => other?,
@@ -1049,7 +1125,7 @@ impl<G> Rebalance<G> {
                                 crate::metrics::move_copied(self.group, chunk.rows);
                                 after = chunk.next;
                                 let c = copy_cursor(si, ei, after.as_deref());
-                                self.save(&status, Some(&c), |_| {}).await?;
+                                self.save(token, &status, Some(&c), |_| {}).await?;
                                 self.report(&status, started, estimated, 0);
                                 self.failpoint("copy_chunk", id, target)?;
                                 if after.is_none() {
@@ -1065,29 +1141,33 @@ impl<G> Rebalance<G> {
                         ei = 0;
                     }
                     cursor = None;
-                    self.set_phase(&mut status, MovePhase::CatchingUp).await?;
+                    self.set_phase(token, &mut status, MovePhase::CatchingUp)
+                        .await?;
                 }
                 MovePhase::CatchingUp => {
                     self.failpoint("catching_up", id, target)?;
                     // Replay until a round finds little left, then compare.
                     for _ in 0..100 {
-                        let n = self.replay(&mut status, Some(10_000)).await?;
+                        let n = self.replay(token, &mut status, Some(10_000)).await?;
                         let pending = self.pending(&status).await?;
-                        self.save(&status, None, |_| {}).await?;
+                        self.save(token, &status, None, |_| {}).await?;
                         self.report(&status, started, estimated, pending);
                         if n < 10_000 && pending < 1_000 {
                             break;
                         }
                     }
-                    self.compare(&mut status, target, settings.chunk).await?;
-                    self.set_phase(&mut status, MovePhase::Verified).await?;
+                    self.compare(token, &mut status, target, settings.chunk)
+                        .await?;
+                    self.set_phase(token, &mut status, MovePhase::Verified)
+                        .await?;
                 }
                 MovePhase::Verified => {
                     self.failpoint("verified", id, target)?;
-                    self.set_phase(&mut status, MovePhase::CuttingOver).await?;
+                    self.set_phase(token, &mut status, MovePhase::CuttingOver)
+                        .await?;
                 }
                 MovePhase::CuttingOver => {
-                    self.cut_over(&mut status, target, settings).await?;
+                    self.cut_over(token, &mut status, target, settings).await?;
                 }
                 MovePhase::Cleaning => {
                     self.failpoint("cleaning", id, target)?;
@@ -1101,8 +1181,8 @@ impl<G> Rebalance<G> {
                         tokio::time::sleep(Duration::from_millis((due - now) as u64)).await;
                         continue;
                     }
-                    self.clean(&mut status, cursor.take()).await?;
-                    self.set_phase(&mut status, MovePhase::Done).await?;
+                    self.clean(token, &mut status, cursor.take()).await?;
+                    self.set_phase(token, &mut status, MovePhase::Done).await?;
                 }
                 MovePhase::Done | MovePhase::Aborted => return self.status(id).await,
             }
@@ -1144,7 +1224,13 @@ impl<G> Rebalance<G> {
 
     /// Compares every moving bucket's rows; a key that differs and has no
     /// logged change pending is copied again and compared again.
-    async fn compare(&self, status: &mut MoveStatus, target: ShardId, chunk: u64) -> Result<()> {
+    async fn compare(
+        &self,
+        token: &Token,
+        status: &mut MoveStatus,
+        target: ShardId,
+        chunk: u64,
+    ) -> Result<()> {
         let dst = self.conn(target);
         for (src, buckets) in self.sources(status)? {
             let only_here = self.moving(&buckets).await?;
@@ -1172,7 +1258,7 @@ impl<G> Rebalance<G> {
                     keys = unexplained.len(),
                     "rows differ without a logged change: copying them again"
                 );
-                self.sync_keys(source, dst, &unexplained).await?;
+                self.sync_keys(token, source, dst, &unexplained).await?;
                 let again = compare().await?;
                 let pending = self.pending_keys(source, status.id).await?;
                 let still = again.keys.iter().filter(|k| !pending.contains(*k)).count();
@@ -1210,6 +1296,7 @@ impl<G> Rebalance<G> {
 
     async fn cut_over(
         &self,
+        token: &Token,
         status: &mut MoveStatus,
         target: ShardId,
         settings: &crate::exec::RebalanceSettings,
@@ -1220,7 +1307,7 @@ impl<G> Rebalance<G> {
         // Catch up first, so what is replayed behind the fence (while the
         // moving buckets' writes wait) is only what came in since.
         for _ in 0..10 {
-            let n = self.replay(status, Some(10_000)).await?;
+            let n = self.replay(token, status, Some(10_000)).await?;
             if n < 100 {
                 break;
             }
@@ -1234,6 +1321,7 @@ impl<G> Rebalance<G> {
             let (db, name) = self.conn(*src);
             loop {
                 match set_states(
+                    Some(token),
                     (db, name),
                     self.group,
                     buckets,
@@ -1259,13 +1347,14 @@ impl<G> Rebalance<G> {
                     Err(e) if attempt < 20 && e.kind() == crate::ErrorKind::Database => {
                         attempt += 1;
                         tracing::debug!(group = self.group, id, attempt, error = %e.report(), "fence waited too long; catching up and trying again");
-                        self.replay(status, None).await?;
+                        self.replay(token, status, None).await?;
                     }
                     Err(e) => {
                         // Writes of the buckets fenced so far go on until
                         // the move is run again.
                         for (src, buckets) in &sources {
                             let _ = set_states(
+                                Some(token),
                                 self.conn(*src),
                                 self.group,
                                 buckets,
@@ -1283,11 +1372,12 @@ impl<G> Rebalance<G> {
         }
         self.failpoint("fenced", id, target)?;
         // No write of the moving buckets can commit on a source now.
-        self.replay(status, None).await?;
+        self.replay(token, status, None).await?;
         let (db, name) = self.conn(target);
         let all: Vec<u32> = status.buckets.iter().map(|(b, _)| *b).collect();
         // `moved`: the target gave these buckets away in an earlier move.
         let owned = set_states(
+            Some(token),
             (db, name),
             self.group,
             &all,
@@ -1335,6 +1425,7 @@ impl<G> Rebalance<G> {
             .and_where(Expr::col(Alias::new("id")).eq(id))
             .and_where(Expr::col(Alias::new("phase")).eq(MovePhase::CuttingOver.as_str()))
             .and_where(Expr::col(Alias::new("runner")).eq(self.token.as_str()))
+            .and_where(Expr::col(Alias::new("generation")).eq(token.generation()))
             .to_owned();
         if txn.execute(&phase).await.map_err(err)?.rows_affected() != 1 {
             // Rolled back with the map unchanged.
@@ -1363,7 +1454,12 @@ impl<G> Rebalance<G> {
         Ok(())
     }
 
-    async fn clean(&self, status: &mut MoveStatus, cursor: Option<String>) -> Result<()> {
+    async fn clean(
+        &self,
+        token: &Token,
+        status: &mut MoveStatus,
+        cursor: Option<String>,
+    ) -> Result<()> {
         let chunk = self.shards.rebalance_settings().chunk;
         let sources = self.sources(status)?;
         let (mut si, mut ei, mut after) = parse_copy_cursor(cursor.as_deref());
@@ -1378,6 +1474,7 @@ impl<G> Rebalance<G> {
                         .timed(
                             self.shards.shard_name(*src),
                             entity.delete_chunk(
+                                token,
                                 self.conn(*src),
                                 after.as_deref(),
                                 chunk,
@@ -1387,7 +1484,7 @@ impl<G> Rebalance<G> {
                         .await?;
                     after = done.next;
                     let c = copy_cursor(si, ei, after.as_deref());
-                    self.save(status, Some(&c), |_| {}).await?;
+                    self.save(token, status, Some(&c), |_| {}).await?;
                     if after.is_none() {
                         break;
                     }
@@ -1397,17 +1494,12 @@ impl<G> Rebalance<G> {
             // The log is empty since the cut-over; drop what an abort or
             // crash left.
             let (db, name) = self.conn(*src);
-            let delete = Query::delete()
-                .from_table(Alias::new(CHANGES))
-                .and_where(Expr::col(Alias::new("move_id")).eq(status.id))
-                .to_owned();
-            db.execute(&delete)
-                .await
-                .map_err(|e| db_err(name, CHANGES, "clean", e))?;
+            self.drop_log(token, (db, name), "clean").await?;
             // The source neither owns nor fences these buckets any more in
             // its own name: `none` refuses their writes all the same, and a
             // later move may bring them back.
             set_states(
+                Some(token),
                 (db, name),
                 self.group,
                 buckets,
@@ -1420,19 +1512,36 @@ impl<G> Rebalance<G> {
             si += 1;
             ei = 0;
         }
-        self.release_buckets(status.id).await
+        self.release_buckets(token, status.id).await
     }
 
-    async fn release_buckets(&self, id: i64) -> Result<()> {
+    /// Drops the move's change log on one source, under the fence.
+    async fn drop_log(
+        &self,
+        token: &Token,
+        (db, name): (&DatabaseConnection, &str),
+        what: &str,
+    ) -> Result<()> {
+        let err = |e| db_err(name, CHANGES, what, e);
+        let delete = Query::delete()
+            .from_table(Alias::new(CHANGES))
+            .and_where(Expr::col(Alias::new("move_id")).eq(token.id()))
+            .to_owned();
+        let txn = token.begin((db, name), "log").await?;
+        txn.execute(&delete).await.map_err(err)?;
+        txn.commit().await.map_err(err)
+    }
+
+    async fn release_buckets(&self, token: &Token, id: i64) -> Result<()> {
         let (db, name) = self.control()?;
+        let err = |e| db_err(name, CLAIMS, "release", e);
         let stmt = Query::delete()
             .from_table(Alias::new(CLAIMS))
             .and_where(Expr::col(Alias::new("move_id")).eq(id))
             .to_owned();
-        db.execute(&stmt)
-            .await
-            .map(drop)
-            .map_err(|e| db_err(name, CLAIMS, "release", e))
+        let txn = token.begin((db, name), "release").await?;
+        txn.execute(&stmt).await.map_err(err)?;
+        txn.commit().await.map_err(err)
     }
 
     /// Aborts move `id` before its cut-over: the sources own the buckets
@@ -1442,7 +1551,7 @@ impl<G> Rebalance<G> {
     /// move's mover first.
     pub async fn abort(&self, id: i64) -> Result<MoveStatus> {
         self.map()?;
-        if !self.acquire(id).await? {
+        let Some(token) = self.acquire(id).await? else {
             let (status, _) = self.read(id).await?;
             return match status.phase {
                 MovePhase::Aborted => self.status(id).await,
@@ -1451,13 +1560,13 @@ impl<G> Rebalance<G> {
                     format!("the move is {}: the target owns the buckets; move them back with a new move", status.phase),
                 )),
             };
-        }
-        let result = self.abort_held(id).await;
-        self.let_go(id).await;
+        };
+        let result = self.abort_held(&token, id).await;
+        self.let_go(id, Some(token.generation())).await;
         result
     }
 
-    async fn abort_held(&self, id: i64) -> Result<MoveStatus> {
+    async fn abort_held(&self, token: &Token, id: i64) -> Result<MoveStatus> {
         let (mut status, _) = self.read(id).await?;
         match status.phase {
             MovePhase::Aborted => return self.status(id).await,
@@ -1474,6 +1583,7 @@ impl<G> Rebalance<G> {
         {
             let (db, name) = self.conn(target);
             set_states(
+                Some(token),
                 (db, name),
                 self.group,
                 &all,
@@ -1487,6 +1597,7 @@ impl<G> Rebalance<G> {
         for (src, buckets) in self.sources(&status)? {
             let (db, name) = self.conn(src);
             set_states(
+                Some(token),
                 (db, name),
                 self.group,
                 &buckets,
@@ -1496,13 +1607,7 @@ impl<G> Rebalance<G> {
                 None,
             )
             .await?;
-            let delete = Query::delete()
-                .from_table(Alias::new(CHANGES))
-                .and_where(Expr::col(Alias::new("move_id")).eq(id))
-                .to_owned();
-            db.execute(&delete)
-                .await
-                .map_err(|e| db_err(name, CHANGES, "abort", e))?;
+            self.drop_log(token, (db, name), "abort").await?;
         }
         let moving = self.moving(&all).await?;
         let chunk = self.shards.rebalance_settings().chunk;
@@ -1514,7 +1619,13 @@ impl<G> Rebalance<G> {
                 let done = self
                     .timed(
                         self.shards.shard_name(target),
-                        entity.delete_chunk(self.conn(target), after.as_deref(), chunk, &moving),
+                        entity.delete_chunk(
+                            token,
+                            self.conn(target),
+                            after.as_deref(),
+                            chunk,
+                            &moving,
+                        ),
                     )
                     .await?;
                 after = done.next;
@@ -1523,8 +1634,9 @@ impl<G> Rebalance<G> {
                 }
             }
         }
-        self.release_buckets(id).await?;
-        self.set_phase(&mut status, MovePhase::Aborted).await?;
+        self.release_buckets(token, id).await?;
+        self.set_phase(token, &mut status, MovePhase::Aborted)
+            .await?;
         tracing::info!(group = self.group, id, "move aborted");
         self.status(id).await
     }
@@ -1897,6 +2009,7 @@ impl<G> Rebalance<G> {
             let mut attempt = 0;
             loop {
                 let fenced = set_states(
+                    None,
                     conn,
                     self.group,
                     retired,

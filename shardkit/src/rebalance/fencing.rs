@@ -1,0 +1,299 @@
+//! Fencing tokens: every write a mover makes on a shard is refused by that
+//! shard, in the write's own transaction, once a newer mover took the move
+//! over.
+//!
+//! A mover's hold on a move (`shardkit_moves.runner`, `lease_ms`) is a
+//! lease: a mover that is paused (a long GC pause, a VM stall, a stopped
+//! process) does not know that its hold lapsed and another process took the
+//! move over. So the hold alone cannot keep its late writes out. Every
+//! take-over raises the move's generation on the control database
+//! (`shardkit_moves.generation`), and the new mover installs that
+//! generation on every shard the move touches (`shardkit_move_fences`)
+//! before it writes anything there. Each write transaction of a mover reads
+//! its move's fence row on the shard first, under a shared lock held to its
+//! end, and goes on only when the row holds its own generation. Installing
+//! a generation waits for the transactions holding that lock, so a write of
+//! the older mover either commits before the newer mover's first write
+//! there (which then redoes its work from the stored position) or is
+//! refused, nothing written.
+
+use super::db_err;
+use crate::error::{Result, ShardError};
+use crate::exec::Shards;
+use crate::topology::ShardId;
+use sea_orm::sea_query::{Alias, Expr, ExprTrait, Query};
+use sea_orm::{
+    ConnectionTrait, DatabaseConnection, DatabaseTransaction, DbBackend, DbErr, Statement,
+};
+use std::time::Duration;
+
+/// Each move's generation on each shard it touches.
+pub(crate) const FENCES: &str = "shardkit_move_fences";
+
+/// A mover's hold on one move: the move and the generation it took it at.
+pub(crate) struct Token {
+    group: &'static str,
+    id: i64,
+    generation: i64,
+    /// How long a mover's transaction may sit idle before the server ends
+    /// it (a paused mover must not hold its locks past its hold).
+    idle: Duration,
+    /// What a parking failpoint's argument is matched against: the move's
+    /// target database.
+    #[cfg(feature = "failpoints")]
+    scope: String,
+}
+
+impl Token {
+    pub(crate) fn new(
+        shards: &Shards,
+        group: &'static str,
+        id: i64,
+        generation: i64,
+        target: ShardId,
+        idle: Duration,
+    ) -> Self {
+        #[cfg(not(feature = "failpoints"))]
+        let _ = (shards, target);
+        Token {
+            group,
+            id,
+            generation,
+            idle,
+            #[cfg(feature = "failpoints")]
+            scope: shards.topology().shard(target).url.expose().to_owned(),
+        }
+    }
+
+    /// The move.
+    pub(crate) fn id(&self) -> i64 {
+        self.id
+    }
+
+    /// The generation this mover holds the move at.
+    pub(crate) fn generation(&self) -> i64 {
+        self.generation
+    }
+
+    fn taken_over(&self, shard: &str, theirs: Option<i64>) -> ShardError {
+        let reason = match theirs {
+            Some(g) => format!(
+                "another process took the move over (generation {g} on shard `{shard}`, this mover's is {}): this mover stops, and its write there was not made",
+                self.generation
+            ),
+            None => format!(
+                "shard `{shard}` holds no fence of this move for generation {}: this mover stops, and its write there was not made",
+                self.generation
+            ),
+        };
+        ShardError::Rebalance {
+            group: self.group.to_owned(),
+            id: Some(self.id),
+            reason,
+        }
+    }
+
+    fn select(&self, backend: DbBackend, lock: &str) -> Statement {
+        let (sql, lock) = match backend {
+            DbBackend::Postgres => ("grp = $1 AND move_id = $2", format!(" FOR {lock}")),
+            DbBackend::MySql if lock == "SHARE" => {
+                ("grp = ? AND move_id = ?", " LOCK IN SHARE MODE".to_owned())
+            }
+            DbBackend::MySql => ("grp = ? AND move_id = ?", " FOR UPDATE".to_owned()),
+            // SQLite's write transactions are serial.
+            _ => ("grp = ? AND move_id = ?", String::new()),
+        };
+        Statement::from_sql_and_values(
+            backend,
+            format!("SELECT generation FROM {FENCES} WHERE {sql}{lock}"),
+            [self.group.into(), self.id.into()],
+        )
+    }
+
+    /// Makes this generation the one shard `db` lets write for the move.
+    /// Waits (at most `wait`) for the write transactions of an older
+    /// generation in flight there; refused when a newer one is installed.
+    pub(crate) async fn install(
+        &self,
+        (db, shard): (&DatabaseConnection, &str),
+        wait: Duration,
+    ) -> Result<()> {
+        let err = |e| db_err(shard, FENCES, "install", e);
+        let mut attempt = 0;
+        loop {
+            let txn = crate::exec::begin_write(db).await.map_err(err)?;
+            lock_wait(&txn, Some(wait)).await.map_err(err)?;
+            let outcome = self.install_in(&txn, shard).await;
+            reset_lock_wait(&txn, Some(wait)).await.map_err(err)?;
+            match outcome {
+                Ok(()) => return txn.commit().await.map_err(err),
+                // Another mover inserted the row first: read it again.
+                Err(e) if attempt == 0 && unique(&e) => attempt += 1,
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    async fn install_in(&self, txn: &DatabaseTransaction, shard: &str) -> Result<()> {
+        let err = |e| db_err(shard, FENCES, "install", e);
+        let now = txn
+            .query_one_raw(self.select(txn.get_database_backend(), "UPDATE"))
+            .await
+            .map_err(err)?
+            .map(|row| row.try_get::<i64>("", "generation"))
+            .transpose()
+            .map_err(err)?;
+        match now {
+            Some(g) if g > self.generation => Err(self.taken_over(shard, Some(g))),
+            Some(_) => {
+                let stmt = Query::update()
+                    .table(Alias::new(FENCES))
+                    .value(Alias::new("generation"), self.generation)
+                    .and_where(Expr::col(Alias::new("grp")).eq(self.group))
+                    .and_where(Expr::col(Alias::new("move_id")).eq(self.id))
+                    .to_owned();
+                txn.execute(&stmt).await.map(drop).map_err(err)
+            }
+            None => {
+                let stmt = Query::insert()
+                    .into_table(Alias::new(FENCES))
+                    .columns(["grp", "move_id", "generation"].map(Alias::new))
+                    .values_panic([self.group.into(), self.id.into(), self.generation.into()])
+                    .to_owned();
+                txn.execute(&stmt).await.map(drop).map_err(err)
+            }
+        }
+    }
+
+    /// Begins a write transaction of this mover on `db`: refused (nothing
+    /// written) once a newer mover took the move over. `what` names the
+    /// write, for the parking failpoints.
+    pub(crate) async fn begin(
+        &self,
+        (db, shard): (&DatabaseConnection, &str),
+        what: &str,
+    ) -> Result<DatabaseTransaction> {
+        self.park(what).await;
+        let err = |e| db_err(shard, FENCES, "check", e);
+        let txn = crate::exec::begin_write(db).await.map_err(err)?;
+        let backend = txn.get_database_backend();
+        let idle = self.idle.as_millis().max(1000);
+        let set = match backend {
+            DbBackend::Postgres => Some(format!(
+                "SET LOCAL idle_in_transaction_session_timeout = '{idle}ms'"
+            )),
+            // MariaDB only (MySQL reads the comment as a comment).
+            DbBackend::MySql => Some(format!(
+                "SET SESSION /*M!100300 idle_transaction_timeout = {}, */ innodb_lock_wait_timeout = {}",
+                idle.div_ceil(1000),
+                crate::exec::SIDE_LOCK_WAIT_SECS
+            )),
+            _ => None,
+        };
+        if let Some(set) = set {
+            txn.execute_unprepared(&set).await.map_err(err)?;
+        }
+        let now = txn
+            .query_one_raw(self.select(backend, "SHARE"))
+            .await
+            .map_err(err)?
+            .map(|row| row.try_get::<i64>("", "generation"))
+            .transpose()
+            .map_err(err)?;
+        if now != Some(self.generation) {
+            let _ = txn.rollback().await;
+            return Err(self.taken_over(shard, now));
+        }
+        Ok(txn)
+    }
+
+    /// Fault injection: `shardkit::rebalance::park::<what>` parks the mover
+    /// before that write, for as long as the failpoint's argument is part of
+    /// the target database's URL (any move, without one); `<part>@<n>`
+    /// parks only the mover holding generation `n`. It evaluates
+    /// `shardkit::rebalance::parked` once when it parks.
+    #[allow(unused_variables)]
+    async fn park(&self, what: &str) {
+        #[cfg(feature = "failpoints")]
+        {
+            let name = format!("shardkit::rebalance::park::{what}");
+            let here = || {
+                fail::eval(&name, |arg| arg.unwrap_or_default()).is_some_and(|arg| {
+                    let (scope, generation) = match arg.rsplit_once('@') {
+                        Some((scope, g)) => (scope.to_owned(), g.parse::<i64>().ok()),
+                        None => (arg, None),
+                    };
+                    self.scope.contains(scope.as_str())
+                        && generation.is_none_or(|g| g == self.generation)
+                })
+            };
+            if !here() {
+                return;
+            }
+            tracing::warn!(
+                group = self.group,
+                id = self.id,
+                generation = self.generation,
+                what,
+                "mover parked at a failpoint"
+            );
+            fail::eval("shardkit::rebalance::parked", |_| ());
+            while here() {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        }
+    }
+}
+
+fn unique(e: &ShardError) -> bool {
+    matches!(e, ShardError::Db { source, .. } if crate::error::is_unique_violation(source))
+}
+
+/// Begins a write transaction on `db` under `token` when there is one.
+pub(crate) async fn begin_fenced(
+    token: Option<&Token>,
+    (db, shard): (&DatabaseConnection, &str),
+    what: &str,
+    table: &str,
+) -> Result<DatabaseTransaction> {
+    match token {
+        Some(token) => token.begin((db, shard), what).await,
+        None => crate::exec::begin_write(db)
+            .await
+            .map_err(|e| db_err(shard, table, "begin", e)),
+    }
+}
+
+/// Makes the transaction's statements wait at most `wait` for row locks
+/// (PostgreSQL's `lock_timeout`, MySQL's lock wait timeout in whole
+/// seconds); nothing without one.
+pub(crate) async fn lock_wait(
+    txn: &DatabaseTransaction,
+    wait: Option<Duration>,
+) -> std::result::Result<(), DbErr> {
+    let Some(wait) = wait else { return Ok(()) };
+    let ms = wait.as_millis().max(1);
+    let set = match txn.get_database_backend() {
+        DbBackend::Postgres => format!("SET LOCAL lock_timeout = '{ms}ms'"),
+        // MySQL counts whole seconds (at least 1).
+        DbBackend::MySql => format!(
+            "SET SESSION innodb_lock_wait_timeout = {}",
+            ms.div_ceil(1000).max(1)
+        ),
+        _ => return Ok(()),
+    };
+    txn.execute_unprepared(&set).await.map(drop)
+}
+
+/// After [`lock_wait`]: the connection goes back to the side pool with its
+/// own lock wait again (a MySQL session setting outlives the transaction).
+pub(crate) async fn reset_lock_wait(
+    txn: &DatabaseTransaction,
+    wait: Option<Duration>,
+) -> std::result::Result<(), DbErr> {
+    if wait.is_some() && txn.get_database_backend() == DbBackend::MySql {
+        txn.execute_unprepared(crate::exec::SIDE_MYSQL_SESSION)
+            .await?;
+    }
+    Ok(())
+}
