@@ -21,6 +21,7 @@ backend_tests!(5 =>
     a_split_that_dies_before_fencing_is_finished_by_the_next_move,
     [Postgres, MySql] a_target_that_refuses_or_hangs_stops_the_mover_and_leaks_nothing,
     a_mover_paused_past_its_hold_is_refused_where_it_writes,
+    a_copy_converges_while_writers_add_parents_and_children,
 );
 
 const BUCKETS: u32 = 64;
@@ -1404,4 +1405,188 @@ async fn a_mover_paused_past_its_hold_is_refused_where_it_writes(dbs: &mut TestD
     w.await.unwrap();
     a.refresh_bucket_maps().await.unwrap();
     check_placement(&a, &acked).await;
+}
+
+/// Carts and their items as acknowledged: cart id → (customer, label), item
+/// id → (customer, cart).
+#[derive(Default)]
+struct AckedCarts {
+    carts: BTreeMap<i64, (i64, String)>,
+    items: BTreeMap<i64, (i64, i64)>,
+}
+
+/// Writes to `keys` without a pause until `stop`: one transaction in ten
+/// adds a cart with two items (a parent and its children, joined by a
+/// foreign key), the others rename the cart's customer. Every write must
+/// succeed.
+fn cart_writer(
+    cluster: Cluster,
+    acked: Arc<Mutex<AckedCarts>>,
+    writer: i64,
+    keys: Vec<i64>,
+    stop: Arc<AtomicBool>,
+) -> tokio::task::JoinHandle<u64> {
+    tokio::spawn(async move {
+        let mut n = 0u64;
+        while !stop.load(Ordering::SeqCst) {
+            let key = keys[n as usize % keys.len()];
+            let id = writer * 1_000_000 + n as i64;
+            let label = format!("l{id}");
+            let result = if n % 10 == 0 {
+                cluster
+                    .transaction::<Customer, _, _>(key, |tx| {
+                        let label = label.clone();
+                        async move {
+                            tx.insert(cart::ActiveModel {
+                                id: Set(id),
+                                customer_id: Set(key),
+                                label: Set(label),
+                            })
+                            .await?;
+                            for item in [id * 2, id * 2 + 1] {
+                                tx.insert(cart_item::ActiveModel {
+                                    id: Set(item),
+                                    customer_id: Set(key),
+                                    cart_id: Set(id),
+                                    sku: Set(format!("sku{item}")),
+                                    quantity: Set(1),
+                                })
+                                .await?;
+                            }
+                            Ok(())
+                        }
+                    })
+                    .await
+            } else {
+                cluster
+                    .transaction::<Customer, _, _>(key, |tx| {
+                        let label = label.clone();
+                        async move {
+                            tx.update(customer::ActiveModel {
+                                id: sea_orm::ActiveValue::Unchanged(key),
+                                name: Set(label),
+                            })
+                            .await
+                            .map(drop)
+                        }
+                    })
+                    .await
+            };
+            if let Err(e) = result {
+                panic!(
+                    "writer {writer}, write {n} of customer {key}: {}",
+                    e.report()
+                );
+            }
+            if n % 10 == 0 {
+                let mut a = acked.lock().unwrap();
+                a.carts.insert(id, (key, format!("l{id}")));
+                a.items.insert(id * 2, (key, id));
+                a.items.insert(id * 2 + 1, (key, id));
+            }
+            n += 1;
+            tokio::task::yield_now().await;
+        }
+        n
+    })
+}
+
+/// A quarter of the buckets move while eight unthrottled writers (pools of
+/// 2) add carts with items, a parent and its children joined by a foreign
+/// key, to the moving keys: the copy finishes (the rows whose parent came
+/// after the parents' table was copied are left to the replay), and every
+/// acknowledged cart and item is on its owner once.
+async fn a_copy_converges_while_writers_add_parents_and_children(dbs: &mut TestDbs) {
+    let a = connect(dbs, 20).await;
+    let acked: Shared = Arc::default();
+    seed(&a, &acked, 1..=40).await;
+    let carts: Arc<Mutex<AckedCarts>> = Arc::default();
+    let stop = Arc::new(AtomicBool::new(false));
+    let writers: Vec<_> = (0..8i64)
+        .map(|w| {
+            let keys: Vec<i64> = (1..=40).filter(|k| k % 8 == w).collect();
+            cart_writer(
+                a.clone(),
+                Arc::clone(&carts),
+                w + 1,
+                keys,
+                Arc::clone(&stop),
+            )
+        })
+        .collect();
+    // Some carts exist before the move starts.
+    until("carts before the move", || {
+        carts.lock().unwrap().carts.len() >= 40
+    })
+    .await;
+    let m = mover(&a)
+        .entity::<cart::Entity>()
+        .entity::<cart_item::Entity>();
+    let plan = m.plan_buckets(quarter(), "s4").await.unwrap();
+    let id = m.start(&plan).await.unwrap().id;
+    let done = m
+        .run(id)
+        .await
+        .unwrap_or_else(|e| panic!("the move: {}", e.report()));
+    assert_eq!(done.phase, MovePhase::Done);
+    stop.store(true, Ordering::SeqCst);
+    let mut written = 0;
+    for w in writers {
+        written += w.await.unwrap();
+    }
+    assert!(written > 0);
+    a.refresh_bucket_maps().await.unwrap();
+    let map = a
+        .topology()
+        .live_owners("Customer")
+        .unwrap()
+        .unwrap()
+        .snapshot();
+    let owner = |key: i64| a.topology().shard(map.owner_of(&key).unwrap()).name.clone();
+    let mut found_carts: BTreeMap<i64, Vec<(String, i64, String)>> = BTreeMap::new();
+    let mut found_items: BTreeMap<i64, Vec<(String, i64, i64)>> = BTreeMap::new();
+    for shard in a.topology().shard_names() {
+        let db = a.connection(shard).unwrap();
+        for c in cart::Entity::find().all(db).await.unwrap() {
+            found_carts
+                .entry(c.id)
+                .or_default()
+                .push((shard.to_owned(), c.customer_id, c.label));
+        }
+        for i in cart_item::Entity::find().all(db).await.unwrap() {
+            found_items
+                .entry(i.id)
+                .or_default()
+                .push((shard.to_owned(), i.customer_id, i.cart_id));
+        }
+    }
+    let acked_carts = carts.lock().unwrap();
+    let moved = acked_carts
+        .carts
+        .values()
+        .filter(|(k, _)| quarter().contains(&bucket(*k)))
+        .count();
+    assert!(moved > 0, "no cart of a moving bucket");
+    for (id, (key, label)) in &acked_carts.carts {
+        assert_eq!(
+            found_carts.remove(id).unwrap_or_default(),
+            vec![(owner(*key), *key, label.clone())],
+            "cart {id} of customer {key}"
+        );
+    }
+    assert!(
+        found_carts.is_empty(),
+        "carts never acknowledged: {found_carts:?}"
+    );
+    for (id, (key, cart)) in &acked_carts.items {
+        assert_eq!(
+            found_items.remove(id).unwrap_or_default(),
+            vec![(owner(*key), *key, *cart)],
+            "item {id} of customer {key}"
+        );
+    }
+    assert!(
+        found_items.is_empty(),
+        "items never acknowledged: {found_items:?}"
+    );
 }

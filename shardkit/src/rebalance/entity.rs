@@ -60,7 +60,10 @@ pub(crate) trait MoveEntity: Send + Sync {
     /// Copies the moving buckets' rows of the next `chunks` source chunks
     /// (primary key after `after`) to the target, over what the target has
     /// under those primary keys; each chunk is read while the one before is
-    /// written.
+    /// written. With `skip_logged`, a row whose key has a pending entry in
+    /// the source's change log is left to the replay (which writes a key's
+    /// rows parents first): a row whose parent the target lacks was written
+    /// while its bucket moved, so its key is logged.
     #[allow(clippy::too_many_arguments)]
     fn copy_chunks<'a>(
         &'a self,
@@ -71,14 +74,17 @@ pub(crate) trait MoveEntity: Send + Sync {
         chunk: u64,
         chunks: usize,
         buckets: &'a Buckets,
+        skip_logged: bool,
     ) -> BoxFuture<'a, Result<Chunk>>;
 
     /// Writes the source's rows of `keys` on the target (entities in the
-    /// listed order: a row's parent first).
+    /// listed order: a row's parent first), read in `src`, one snapshot of
+    /// the source for every entity (a child read later than its parent
+    /// could have a parent that was not read).
     fn upsert_keys<'a>(
         &'a self,
         token: &'a Token,
-        src: (&'a DatabaseConnection, &'a str),
+        src: (&'a DatabaseTransaction, &'a str),
         dst: (&'a DatabaseConnection, &'a str),
         keys: &'a [String],
     ) -> BoxFuture<'a, Result<u64>>;
@@ -88,7 +94,7 @@ pub(crate) trait MoveEntity: Send + Sync {
     fn prune_keys<'a>(
         &'a self,
         token: &'a Token,
-        src: (&'a DatabaseConnection, &'a str),
+        src: (&'a DatabaseTransaction, &'a str),
         dst: (&'a DatabaseConnection, &'a str),
         keys: &'a [String],
     ) -> BoxFuture<'a, Result<u64>>;
@@ -285,9 +291,42 @@ async fn delete_pks<E: ShardedEntity>(
     Ok(deleted)
 }
 
+/// Which of `keys` have a pending entry in move `move_id`'s change log on
+/// `db`.
+async fn logged_keys(
+    (db, shard): (&DatabaseConnection, &str),
+    move_id: i64,
+    keys: &[String],
+) -> Result<std::collections::HashSet<String>> {
+    let mut keys = keys.to_vec();
+    keys.sort();
+    keys.dedup();
+    let mut logged = std::collections::HashSet::new();
+    for chunk in keys.chunks(500) {
+        let stmt = Query::select()
+            .distinct()
+            .column(Alias::new("key_text"))
+            .from(Alias::new(super::map::CHANGES))
+            .and_where(Expr::col(Alias::new("move_id")).eq(move_id))
+            .and_where(Expr::col(Alias::new("key_text")).is_in(chunk.iter().map(String::as_str)))
+            .to_owned();
+        let rows = db
+            .query_all(&stmt)
+            .await
+            .map_err(|e| db_err(shard, super::map::CHANGES, "read", e))?;
+        for row in rows {
+            logged.insert(
+                row.try_get::<String>("", "key_text")
+                    .map_err(|e| db_err(shard, super::map::CHANGES, "read", e))?,
+            );
+        }
+    }
+    Ok(logged)
+}
+
 /// The rows of `keys` on `db`.
-async fn rows_of_keys<E: ShardedEntity>(
-    db: &DatabaseConnection,
+async fn rows_of_keys<E: ShardedEntity, C: ConnectionTrait>(
+    db: &C,
     shard: &str,
     keys: &[String],
 ) -> Result<Vec<E::Model>> {
@@ -336,6 +375,7 @@ where
         chunk: u64,
         chunks: usize,
         buckets: &'a Buckets,
+        skip_logged: bool,
     ) -> BoxFuture<'a, Result<Chunk>> {
         Box::pin(async move {
             // Reads the chunk after `after`: its moving rows and where the
@@ -348,10 +388,20 @@ where
                 let next = (rows.len() as u64 == chunk)
                     .then(|| rows.last().map(model_pk_values::<E>))
                     .flatten();
-                let moving: Vec<E::Model> = rows
+                let mut moving: Vec<E::Model> = rows
                     .into_iter()
                     .filter(|m| buckets.holds(&E::shard_key(m)))
                     .collect();
+                if skip_logged && !moving.is_empty() {
+                    // Read after the chunk: the log entry of every row in
+                    // it committed with the row.
+                    let keys: Vec<String> = moving
+                        .iter()
+                        .map(|m| E::shard_key(m).to_directory_text())
+                        .collect();
+                    let logged = logged_keys(src, token.id(), &keys).await?;
+                    moving.retain(|m| !logged.contains(&E::shard_key(m).to_directory_text()));
+                }
                 Ok::<_, ShardError>((moving, next))
             };
             let mut copied = 0u64;
@@ -385,12 +435,12 @@ where
     fn upsert_keys<'a>(
         &'a self,
         token: &'a Token,
-        src: (&'a DatabaseConnection, &'a str),
+        src: (&'a DatabaseTransaction, &'a str),
         dst: (&'a DatabaseConnection, &'a str),
         keys: &'a [String],
     ) -> BoxFuture<'a, Result<u64>> {
         Box::pin(async move {
-            let rows = rows_of_keys::<E>(src.0, src.1, keys).await?;
+            let rows = rows_of_keys::<E, _>(src.0, src.1, keys).await?;
             let n = rows.len() as u64;
             upsert_rows::<E>(token, dst, "replay", rows).await?;
             Ok(n)
@@ -400,17 +450,17 @@ where
     fn prune_keys<'a>(
         &'a self,
         token: &'a Token,
-        src: (&'a DatabaseConnection, &'a str),
+        src: (&'a DatabaseTransaction, &'a str),
         dst: (&'a DatabaseConnection, &'a str),
         keys: &'a [String],
     ) -> BoxFuture<'a, Result<u64>> {
         Box::pin(async move {
-            let there: std::collections::HashSet<String> = rows_of_keys::<E>(src.0, src.1, keys)
+            let there: std::collections::HashSet<String> = rows_of_keys::<E, _>(src.0, src.1, keys)
                 .await?
                 .iter()
                 .map(|m| tuple_text(&model_pk_values::<E>(m)))
                 .collect();
-            let gone: Vec<Vec<Value>> = rows_of_keys::<E>(dst.0, dst.1, keys)
+            let gone: Vec<Vec<Value>> = rows_of_keys::<E, _>(dst.0, dst.1, keys)
                 .await?
                 .iter()
                 .map(model_pk_values::<E>)

@@ -903,7 +903,9 @@ impl<G> Rebalance<G> {
 
     /// Makes the target's rows of `keys` what the source holds now: every
     /// entity's rows written (parents first), then the rows the source no
-    /// longer has deleted (children first).
+    /// longer has deleted (children first), all read in one snapshot of the
+    /// source (writers that add a parent and its children meanwhile would
+    /// otherwise hand the target a child without its parent).
     async fn sync_keys(
         &self,
         token: &Token,
@@ -911,15 +913,30 @@ impl<G> Rebalance<G> {
         target: (&DatabaseConnection, &str),
         keys: &[String],
     ) -> Result<()> {
+        let err = |e| db_err(source.1, CHANGES, "read a snapshot of", e);
+        let snapshot = match source.0.get_database_backend() {
+            // A deferred transaction reads one snapshot (WAL).
+            DbBackend::Sqlite => sea_orm::TransactionTrait::begin(source.0).await,
+            _ => {
+                sea_orm::TransactionTrait::begin_with_config(
+                    source.0,
+                    Some(sea_orm::IsolationLevel::RepeatableRead),
+                    Some(sea_orm::AccessMode::ReadOnly),
+                )
+                .await
+            }
+        }
+        .map_err(err)?;
+        let src = (&snapshot, source.1);
         for entity in &self.entities {
-            self.timed(target.1, entity.upsert_keys(token, source, target, keys))
+            self.timed(target.1, entity.upsert_keys(token, src, target, keys))
                 .await?;
         }
         for entity in self.entities.iter().rev() {
-            self.timed(target.1, entity.prune_keys(token, source, target, keys))
+            self.timed(target.1, entity.prune_keys(token, src, target, keys))
                 .await?;
         }
-        Ok(())
+        snapshot.rollback().await.map_err(err)
     }
 
     /// Replays up to `limit` logged keys per source (all of them when
@@ -1097,7 +1114,7 @@ impl<G> Rebalance<G> {
                                 // runs of this many; the position is saved
                                 // after each run.
                                 const RUN: usize = 4;
-                                let copy = || {
+                                let copy = |skip_logged: bool| {
                                     self.timed(
                                         self.shards.shard_name(target),
                                         entity.copy_chunks(
@@ -1108,16 +1125,27 @@ impl<G> Rebalance<G> {
                                             settings.chunk,
                                             RUN,
                                             &only_here,
+                                            skip_logged,
                                         ),
                                     )
                                 };
-                                let chunk = match copy().await {
+                                let chunk = match copy(false).await {
                                     // A row whose parent was written after
-                                    // the parent's table was copied: the
-                                    // log has both; replay it, then again.
+                                    // the parent's table was copied: its key
+                                    // is logged. Replay the log, then copy
+                                    // again leaving logged keys to the
+                                    // replay (writers keep adding parents
+                                    // and children; a copy that waited for
+                                    // a quiet moment might never finish).
                                     Err(e) if foreign_key(&e) => {
+                                        tracing::debug!(
+                                            group = self.group,
+                                            id,
+                                            table = entity.table(),
+                                            "a copied row's parent is not on the target yet; replaying, then copying without logged keys"
+                                        );
                                         self.replay(token, &mut status, None).await?;
-                                        copy().await?
+                                        copy(true).await?
                                     }
                                     other => other?,
                                 };
