@@ -336,8 +336,9 @@ impl Cluster {
     /// For a `movable` group, the transaction first checks its bucket's fence
     /// on the shard (see [`crate::rebalance`]); when the bucket has moved, it
     /// refreshes the bucket map and begins again on the new owner (waiting,
-    /// for at most 5 s, while a cut-over is under way), so the program sees
-    /// a transaction on the right shard.
+    /// for at most 15 s, while a cut-over is under way: a mover that died
+    /// with the bucket fenced can be taken over 10 s after its last step),
+    /// so the program sees a transaction on the right shard.
     pub async fn begin<G: EntityGroup>(&self, key: G::Key) -> Result<ShardTx<G>> {
         let begun = self.begin_fenced::<G>(&key).await?;
         Ok(crate::tx::ShardTx::new(

@@ -22,6 +22,7 @@ backend_tests!(5 =>
     [Postgres, MySql] a_target_that_refuses_or_hangs_stops_the_mover_and_leaks_nothing,
     a_mover_paused_past_its_hold_is_refused_where_it_writes,
     a_copy_converges_while_writers_add_parents_and_children,
+    a_mover_dead_after_fencing_is_taken_over_once_its_hold_lapses,
 );
 
 const BUCKETS: u32 = 64;
@@ -1589,4 +1590,85 @@ async fn a_copy_converges_while_writers_add_parents_and_children(dbs: &mut TestD
         found_items.is_empty(),
         "items never acknowledged: {found_items:?}"
     );
+}
+
+/// A mover that dies with its source fenced (parked for good before it
+/// hands the bucket to the target, renewing nothing, as a killed process
+/// would) holds the bucket's writes back until its hold lapses (10 s after
+/// its last renewal); another process that keeps trying takes the move over
+/// then and finishes it. The writers of the bucket wait meanwhile (at most
+/// 15 s a write) instead of failing.
+async fn a_mover_dead_after_fencing_is_taken_over_once_its_hold_lapses(dbs: &mut TestDbs) {
+    let a = connect(dbs, 20).await;
+    let acked: Shared = Arc::default();
+    seed(&a, &acked, 1..=40).await;
+    let stop = Arc::new(AtomicBool::new(false));
+    let w = writer(
+        a.clone(),
+        Arc::clone(&acked),
+        (1..=40).collect(),
+        Arc::clone(&stop),
+    );
+    let target_db = dbs.names[4].clone();
+    let _turn = FAILPOINTS.lock().await;
+    let parked = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let count = Arc::clone(&parked);
+    fail::cfg_callback("shardkit::rebalance::parked", move || {
+        count.fetch_add(1, Ordering::SeqCst);
+    })
+    .unwrap();
+    // One bucket, from one source: its state changes are the source's
+    // `moving`, the source's fence, then the target's `owned`.
+    let m = mover(&a);
+    let id = m
+        .start(&m.plan_buckets([bucket(1)], "s4").await.unwrap())
+        .await
+        .unwrap()
+        .id;
+    let at = "shardkit::rebalance::park::states";
+    fail::cfg(at, &format!("2*off->return({target_db}@1)")).unwrap();
+    let first = tokio::spawn(async move { m.run(id).await });
+    until("parked with the source fenced", || {
+        parked.load(Ordering::SeqCst) > 0
+    })
+    .await;
+    let died = std::time::Instant::now();
+    // Another process tries until the dead mover's hold lapses.
+    let b = connect(dbs, 20).await;
+    let done = loop {
+        match mover(&b).run(id).await {
+            Ok(done) => break done,
+            Err(ShardError::Rebalance { reason, .. })
+                if reason.contains("another process is running the move") =>
+            {
+                assert!(
+                    died.elapsed() < std::time::Duration::from_secs(60),
+                    "the hold never lapsed"
+                );
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            }
+            Err(e) => panic!("take-over: {}", e.report()),
+        }
+    };
+    assert_eq!(done.phase, MovePhase::Done);
+    assert_eq!(done.generation, 2);
+    let took = died.elapsed();
+    assert!(
+        took >= std::time::Duration::from_secs(5),
+        "taken over after {took:?}, before the hold could lapse"
+    );
+    // The bucket's writes waited and went on on the new owner.
+    written_again(&acked, &[1], "a write of the moved bucket").await;
+    stop.store(true, Ordering::SeqCst);
+    w.await.unwrap();
+    fail::remove(at);
+    fail::remove("shardkit::rebalance::parked");
+    let err = first.await.unwrap().unwrap_err();
+    assert!(
+        matches!(&err, ShardError::Rebalance { reason, .. } if reason.contains("took the move over")),
+        "{}",
+        err.report()
+    );
+    a.refresh_bucket_maps().await.unwrap();
+    check_placement(&a, &acked).await;
 }

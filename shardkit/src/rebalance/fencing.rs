@@ -42,6 +42,9 @@ pub(crate) struct Token {
     /// target database.
     #[cfg(feature = "failpoints")]
     scope: String,
+    /// Parked at a failpoint: a paused process, which renews nothing.
+    #[cfg(feature = "failpoints")]
+    parked: std::sync::atomic::AtomicBool,
 }
 
 impl Token {
@@ -62,12 +65,23 @@ impl Token {
             idle,
             #[cfg(feature = "failpoints")]
             scope: shards.topology().shard(target).url.expose().to_owned(),
+            #[cfg(feature = "failpoints")]
+            parked: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
     /// The move.
     pub(crate) fn id(&self) -> i64 {
         self.id
+    }
+
+    /// Whether the mover is parked at a failpoint (always `false` without
+    /// the `failpoints` feature).
+    pub(crate) fn parked(&self) -> bool {
+        #[cfg(feature = "failpoints")]
+        return self.parked.load(std::sync::atomic::Ordering::Acquire);
+        #[cfg(not(feature = "failpoints"))]
+        false
     }
 
     /// The generation this mover holds the move at.
@@ -237,10 +251,14 @@ impl Token {
                 what,
                 "mover parked at a failpoint"
             );
+            self.parked
+                .store(true, std::sync::atomic::Ordering::Release);
             fail::eval("shardkit::rebalance::parked", |_| ());
             while here() {
                 tokio::time::sleep(Duration::from_millis(5)).await;
             }
+            self.parked
+                .store(false, std::sync::atomic::Ordering::Release);
         }
     }
 }

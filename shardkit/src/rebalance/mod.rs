@@ -89,8 +89,10 @@ pub use mover::{AnyGroup, MovePhase, MovePlan, MoveProgress, MoveStatus, RangeSp
 
 /// How long [`Cluster::begin`](crate::Cluster::begin) keeps trying when a
 /// fence refuses and the refreshed map still names the same shard (a
-/// cut-over in progress).
-pub(crate) const REROUTE_FOR: Duration = Duration::from_secs(5);
+/// cut-over in progress): past a mover's hold, so that a mover that died
+/// with the sources fenced can be taken over by another process before the
+/// writes it holds back fail.
+pub(crate) const REROUTE_FOR: Duration = Duration::from_millis(mover::LEASE_MS as u64 + 5_000);
 
 /// Reads every movable group's map (seeding it on first use) and gives every
 /// shard its bucket states. A group whose tables do not exist yet (a cluster

@@ -9,10 +9,12 @@ use crate::topology::{MapSnapshot, find_bound};
 const MOVES: &str = "shardkit_moves";
 const CLAIMS: &str = "shardkit_move_buckets";
 
-/// How long a mover's hold on a move lasts after its last step: another
+/// How long a mover's hold on a move lasts after it last renewed it: another
 /// process may take a move over (resume or abort it) once its runner has
-/// been silent this long (a mover that died).
-const LEASE_MS: i64 = 30_000;
+/// been silent this long (a mover that died or is paused). A running mover
+/// renews its hold every third of this; a mover paused past it is refused
+/// by the fencing tokens when it goes on.
+pub(crate) const LEASE_MS: i64 = 10_000;
 
 /// A move's phase, as `shardkit_moves.phase` stores it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -790,6 +792,62 @@ impl<G> Rebalance<G> {
         Ok(token)
     }
 
+    /// Runs `work` while renewing this mover's hold every third of the
+    /// hold's length; stops it when the hold was lost (another process took
+    /// the move over).
+    async fn holding<T>(
+        &self,
+        token: &Token,
+        work: impl std::future::Future<Output = Result<T>>,
+    ) -> Result<T> {
+        let beat = async {
+            loop {
+                tokio::time::sleep(Duration::from_millis(LEASE_MS as u64 / 3)).await;
+                if token.parked() {
+                    // A paused process renews nothing.
+                    continue;
+                }
+                match self.renew(token).await {
+                    Ok(true) => {}
+                    Ok(false) => {
+                        return self.refuse(
+                            Some(token.id()),
+                            "another process took the move over (this mover was silent past its hold); this mover stops",
+                        );
+                    }
+                    Err(e) => {
+                        tracing::warn!(group = self.group, id = token.id(), error = %e.report(), "could not renew the hold on the move; trying again");
+                    }
+                }
+            }
+        };
+        tokio::pin!(work);
+        tokio::select! {
+            biased;
+            done = &mut work => done,
+            lost = beat => Err(lost),
+        }
+    }
+
+    /// Renews this mover's hold; `false` when another process holds the
+    /// move now.
+    async fn renew(&self, token: &Token) -> Result<bool> {
+        let (db, name) = self.control()?;
+        let stmt = Query::update()
+            .table(Alias::new(MOVES))
+            .value(Alias::new("lease_ms"), self.shards.now_ms() + LEASE_MS)
+            .and_where(Expr::col(Alias::new("id")).eq(token.id()))
+            .and_where(Expr::col(Alias::new("runner")).eq(self.token.as_str()))
+            .and_where(Expr::col(Alias::new("generation")).eq(token.generation()))
+            .to_owned();
+        let renewed = db
+            .execute(&stmt)
+            .await
+            .map_err(|e| db_err(name, MOVES, "renew", e))?
+            .rows_affected();
+        Ok(renewed == 1)
+    }
+
     /// Lets go of move `id` (held at `generation`, when known).
     async fn let_go(&self, id: i64, generation: Option<i64>) {
         let Ok((db, _)) = self.control() else { return };
@@ -1037,7 +1095,7 @@ impl<G> Rebalance<G> {
         let Some(token) = self.acquire(id).await? else {
             return self.status(id).await;
         };
-        let result = self.run_inner(&token, id).await;
+        let result = self.holding(&token, self.run_inner(&token, id)).await;
         if let Err(e) = &result
             && let Ok((mut status, cursor)) = self.read(id).await
             && !status.phase.is_finished()
@@ -1589,7 +1647,7 @@ impl<G> Rebalance<G> {
                 )),
             };
         };
-        let result = self.abort_held(&token, id).await;
+        let result = self.holding(&token, self.abort_held(&token, id)).await;
         self.let_go(id, Some(token.generation())).await;
         result
     }
