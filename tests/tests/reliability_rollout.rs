@@ -15,6 +15,7 @@ backend_tests!(4 =>
     retreat_during_backfill_stops_it_and_voids_its_progress,
     backfill_waits_until_every_instance_dual_writes,
     new_only_write_that_moves_the_key_is_refused,
+    two_retreats_at_once_go_back_one_phase,
 );
 
 type People = RolloutHandle<person_v1::Entity, person_v2::Entity>;
@@ -233,6 +234,8 @@ async fn retreat_during_backfill_stops_it_and_voids_its_progress(dbs: &mut TestD
             if calls == 1 {
                 tokio::task::block_in_place(|| {
                     runtime.block_on(async {
+                        // B retreats from the phase it acts on: dual_write.
+                        assert_eq!(b.refresh().await.unwrap(), Phase::DualWrite);
                         assert_eq!(b.retreat().await.unwrap(), Phase::CacheBoth);
                         for id in 1..=ROWS {
                             set_city(&b_app, id, id, "Fresh").await;
@@ -476,4 +479,61 @@ async fn new_only_write_that_moves_the_key_is_refused(dbs: &mut TestDbs) {
         cities(&cluster, "people_v2").await,
         vec![(2, "Rome".to_owned())]
     );
+}
+
+/// Two retreats at once from dual_write: one goes back to cache_both, the
+/// other is refused with the refusal a losing advance gets, and the phase
+/// stays on cache_both (never `off`). Twenty pairs per backend, three ways:
+/// two calls on one instance, one call on each of two instances, and B
+/// retreating right after A although B still acts on dual_write (an
+/// operator who saw dual_write and asked for one step back).
+async fn two_retreats_at_once_go_back_one_phase(dbs: &mut TestDbs) {
+    const PAIRS: usize = 20;
+    let clock = Arc::new(ManualClock::starting_now());
+    // Neither instance re-reads the phase on its own: the test says when.
+    let (_a_app, _, a) = instance_refreshing(dbs, &clock, Duration::from_secs(3600)).await;
+    let (_b_app, _, b) = instance_refreshing(dbs, &clock, Duration::from_secs(3600)).await;
+    assert_eq!(advance(&a, &clock).await, Phase::CacheBoth);
+    let lost_race = "another instance changed the phase first; refresh and decide again";
+    let moved_meanwhile = "another instance moved the phase from dual_write to cache_both \
+                           meanwhile; refresh and decide again";
+    for pair in 0..PAIRS {
+        assert_eq!(advance(&a, &clock).await, Phase::DualWrite);
+        assert_eq!(b.refresh().await.unwrap(), Phase::DualWrite);
+        let (first, second) = match pair % 3 {
+            0 => tokio::join!(a.retreat(), a.retreat()),
+            1 => tokio::join!(a.retreat(), b.retreat()),
+            _ => {
+                let first = a.retreat().await;
+                assert_eq!(b.phase(), Phase::DualWrite, "B has not re-read the phase");
+                (first, b.retreat().await)
+            }
+        };
+        let (won, lost) = match (first, second) {
+            (Ok(won), Err(lost)) | (Err(lost), Ok(won)) => (won, lost),
+            other => panic!("pair {pair}: not exactly one retreat applied: {other:?}"),
+        };
+        assert_eq!(won, Phase::CacheBoth, "pair {pair}");
+        match &lost {
+            ShardError::Rollout {
+                rollout, reason, ..
+            } => {
+                assert_eq!(rollout, "people_v2", "pair {pair}");
+                if pair % 3 == 2 {
+                    assert_eq!(reason, moved_meanwhile, "pair {pair}");
+                } else {
+                    assert!(
+                        reason == lost_race || reason == moved_meanwhile,
+                        "pair {pair}: {reason}"
+                    );
+                }
+            }
+            other => panic!("pair {pair}: the refused retreat: {other:?}"),
+        }
+        assert_eq!(lost.kind(), shardkit::ErrorKind::Refused, "pair {pair}");
+        assert_eq!(a.refresh().await.unwrap(), Phase::CacheBoth, "pair {pair}");
+        assert_eq!(b.refresh().await.unwrap(), Phase::CacheBoth, "pair {pair}");
+    }
+    // The refused side retreats once it has seen the phase it goes back from.
+    assert_eq!(b.retreat().await.unwrap(), Phase::Off);
 }

@@ -155,8 +155,19 @@ where
     /// `new_only` leaves the old table without the writes made in
     /// `new_only`: repair it first with
     /// [`verify`](Self::verify) and [`VerifyOptions::from_new`](crate::verify::VerifyOptions::from_new).
-    pub async fn retreat(&self) -> Result<Phase> {
-        self.step(false).await
+    ///
+    /// It goes back from the phase this instance acts on
+    /// ([`phase`](Self::phase)) when it is called, and only from there:
+    /// refused ([`ShardError::Rollout`]) when the shared phase is no longer
+    /// that one (another instance, or another call on this one, moved it
+    /// meanwhile), the same refusal an [`advance`](Self::advance) racing
+    /// another gets. So two retreats at once go back one phase, not two;
+    /// the refused caller refreshes and decides again.
+    pub fn retreat(&self) -> impl std::future::Future<Output = Result<Phase>> + Send + '_ {
+        // Taken when called, not when first polled: a call racing this one
+        // cannot move it first.
+        let from = self.shared.phase();
+        self.step_from(false, Some(from))
     }
 
     /// Refuses ([`ShardError::RolloutTooSoon`]) what needs every instance
