@@ -16,6 +16,11 @@ const CLAIMS: &str = "shardkit_move_buckets";
 /// by the fencing tokens when it goes on.
 pub(crate) const LEASE_MS: i64 = 10_000;
 
+/// Log entries one catch-up round replays at most per source, while
+/// writers go on (a replay until the log is empty would never end under a
+/// steady write load on the moving buckets).
+const CATCH_UP: u64 = 10_000;
+
 /// A move's phase, as `shardkit_moves.phase` stores it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum MovePhase {
@@ -1202,7 +1207,9 @@ impl<G> Rebalance<G> {
                                             table = entity.table(),
                                             "a copied row's parent is not on the target yet; replaying, then copying without logged keys"
                                         );
-                                        self.replay(token, &mut status, None).await?;
+                                        // Bounded: under steady writes the
+                                        // log never empties.
+                                        self.replay(token, &mut status, Some(CATCH_UP)).await?;
                                         copy(true).await?
                                     }
                                     other => other?,
@@ -1234,7 +1241,7 @@ impl<G> Rebalance<G> {
                     self.failpoint("catching_up", id, target)?;
                     // Replay until a round finds little left, then compare.
                     for _ in 0..100 {
-                        let n = self.replay(token, &mut status, Some(10_000)).await?;
+                        let n = self.replay(token, &mut status, Some(CATCH_UP)).await?;
                         let pending = self.pending(&status).await?;
                         self.save(token, &status, None, |_| {}).await?;
                         self.report(&status, started, estimated, pending);
@@ -1393,7 +1400,7 @@ impl<G> Rebalance<G> {
         // Catch up first, so what is replayed behind the fence (while the
         // moving buckets' writes wait) is only what came in since.
         for _ in 0..10 {
-            let n = self.replay(token, status, Some(10_000)).await?;
+            let n = self.replay(token, status, Some(CATCH_UP)).await?;
             if n < 100 {
                 break;
             }
@@ -1433,7 +1440,9 @@ impl<G> Rebalance<G> {
                     Err(e) if attempt < 20 && e.kind() == crate::ErrorKind::Database => {
                         attempt += 1;
                         tracing::debug!(group = self.group, id, attempt, error = %e.report(), "fence waited too long; catching up and trying again");
-                        self.replay(token, status, None).await?;
+                        // Bounded: the writers go on meanwhile, so the log
+                        // never empties under a steady load.
+                        self.replay(token, status, Some(CATCH_UP)).await?;
                     }
                     Err(e) => {
                         // Writes of the buckets fenced so far go on until
