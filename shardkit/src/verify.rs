@@ -685,6 +685,41 @@ where
     }
 }
 
+/// Refuses a bucket `group` does not have (`entry` names where it was
+/// given): checking its rows would compare none and report no difference.
+/// A hash placement's buckets are `0..buckets`; a `movable` range group's
+/// are its ranges' ids; other placements have none.
+pub(crate) fn check_bucket(
+    topology: &crate::topology::Topology,
+    group: &str,
+    bucket: u32,
+    entry: &str,
+) -> Result<()> {
+    use crate::topology::Placement;
+    let message = match topology.placement(group)? {
+        Placement::Hash { buckets, .. } if bucket < *buckets => return Ok(()),
+        Placement::Hash { buckets, .. } => format!(
+            "bucket {bucket} is out of range: group {group} has buckets 0..={} ({buckets} buckets)",
+            buckets - 1
+        ),
+        Placement::Range { ranges } if ranges.is_movable() => {
+            let units = ranges.units();
+            if units.iter().any(|u| u.id == bucket) {
+                return Ok(());
+            }
+            let ids: Vec<String> = units.iter().map(|u| u.id.to_string()).collect();
+            format!(
+                "bucket {bucket} is not a range of group {group}: its ranges are {}",
+                ids.join(", ")
+            )
+        }
+        _ => format!(
+            "group {group} has no buckets (only hash placements and movable range groups do)"
+        ),
+    };
+    Err(ShardError::config(entry, message))
+}
+
 /// See [`Cluster::verify_shards`](crate::Cluster::verify_shards).
 pub(crate) async fn verify_shards<E>(
     shards: &crate::exec::Shards,
@@ -704,6 +739,9 @@ where
     };
     let (a, b) = (shard(source)?, shard(target)?);
     let group = <E::Group as crate::EntityGroup>::NAME;
+    if let Some(bucket) = bucket {
+        check_bucket(shards.topology(), group, bucket, "verify_shards(bucket)")?;
+    }
     let in_bucket = move |m: &E::Model| {
         let key = E::shard_key(m);
         matches!(shards.topology().locate(group, &key), Ok(crate::topology::Located::Target(t)) if t.bucket == bucket)

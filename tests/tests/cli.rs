@@ -18,6 +18,8 @@ backend_tests!(2 =>
     rollout_commands_walk_backfill_and_verify,
     verify_shards_compares_one_bucket,
     ids_commands_adopt_and_clear_ticket_places,
+    explain_of_hostile_keys_is_escaped_text_and_valid_json,
+    json_output_is_json_for_usage_errors_and_help,
 );
 
 fn registry() -> Registry {
@@ -62,6 +64,52 @@ async fn status_reports_shards_migrations_placements_indexes_and_rollouts(dbs: &
     let (code, status) = shardctl(config(dbs), &["status"]).await;
     assert_eq!(code, 1, "{status:#}");
     assert_eq!(status["migrations"]["current"], false);
+    // A database error says what failed, where, and the driver's message,
+    // once, in JSON and in text.
+    let cluster = Cluster::connect(config(dbs)).await.unwrap();
+    let url = cluster.topology().shards()[0].url.redacted();
+    let database = url.rsplit('/').next().unwrap().to_owned();
+    drop(cluster);
+    let driver = match dbs.backend {
+        Backend::Sqlite => "(code: 1) no such table: shardkit_rollouts".to_owned(),
+        Backend::Postgres => {
+            "relation \"shardkit_rollouts\" does not exist (SQLSTATE 42P01)".to_owned()
+        }
+        Backend::MySql => {
+            format!("1146 (42S02): Table '{database}.shardkit_rollouts' doesn't exist")
+        }
+    };
+    let message = format!(
+        "read shardkit_rollouts on `s0` (rollout table `shardkit_rollouts`) failed: {driver}"
+    );
+    assert_eq!(status["rollouts"][0]["error"], message.as_str());
+    let (code, text) = shardctl_text(config(dbs), &["rollout", "status", "people_v2"]).await;
+    assert_eq!(code, 1, "{text}");
+    assert_eq!(text, format!("error: {message}\n"));
+    let (code, json) = shardctl(config(dbs), &["rollout", "status", "people_v2"]).await;
+    assert_eq!(code, 1, "{json}");
+    assert_eq!(json, serde_json::json!({ "error": message }));
+    // What one instance of this config opens at most: per shard its pool
+    // (4), its side pool (2) and, on a server, the breaker's probe.
+    let (server, probe) = match dbs.backend {
+        Backend::Sqlite => ("sqlite".to_owned(), 0),
+        backend => (backend.server_address().unwrap(), 1),
+    };
+    assert_eq!(
+        status["connection_budget"],
+        serde_json::json!({
+            "total": 2 * (4 + 2 + probe),
+            "max_connections": 4,
+            "side_connections": 2,
+            "servers": [{
+                "server": server,
+                "shards": 2,
+                "directories": 0,
+                "ticket_servers": 0,
+                "connections": 2 * (4 + 2 + probe),
+            }],
+        })
+    );
     assert!(
         status["migrations"]["databases"]
             .as_array()
@@ -437,6 +485,207 @@ async fn verify_shards_compares_one_bucket(dbs: &mut TestDbs) {
     )
     .await;
     assert_eq!(code, 0, "{report:#}");
+    // A bucket the group does not have is a usage error naming the range,
+    // not a clean report of no rows.
+    let range = "invalid shardkit config at --bucket: bucket 99999999 is out of range: group \
+                 Customer has buckets 0..=63 (64 buckets)";
+    let args = [
+        "verify", "shards", "contacts", &source, &other, "--bucket", "99999999",
+    ];
+    let (code, err) = shardctl(config(dbs), &args).await;
+    assert_eq!(code, 2, "{err:#}");
+    assert_eq!(err, serde_json::json!({ "error": range, "usage": true }));
+    let (code, text) = shardctl_text(config(dbs), &args).await;
+    assert_eq!((code, text), (2, format!("error: {range}\n")));
+    let (code, _) = shardctl(
+        config(dbs),
+        &args.map(|a| if a == "99999999" { "64" } else { a }),
+    )
+    .await;
+    assert_eq!(code, 2);
+}
+
+/// Shard keys an operator may paste: a newline, an escape byte, a quote, a
+/// backslash, a bidirectional override.
+const HOSTILE_KEYS: [&str; 6] = [
+    "a\ns1: DELETE FROM notes",
+    "\u{1b}[2J\u{1b}[31mred",
+    "it's \"quoted\"",
+    "back\\slash\\",
+    "tab\there\r\n",
+    "\u{202e}desrever",
+];
+
+/// A registry and config with a group keyed by text (notes, by tenant).
+fn tenant_registry() -> Registry {
+    registry().entity::<note::Entity>()
+}
+
+async fn shardctl_tenants(dbs: &TestDbs, json: bool, args: &[&str]) -> (u8, String) {
+    let config = dbs.config(
+        2,
+        "[groups.Customer]\nbuckets = 64\n[groups.Tenant]\nbuckets = 64\n",
+    );
+    let mut out: Vec<u8> = Vec::new();
+    let argv = ["shardctl"]
+        .into_iter()
+        .chain(json.then_some("--json"))
+        .chain(args.iter().copied());
+    let code = shardkit::cli::run_with(argv, config, tenant_registry(), &mut out).await;
+    (code, String::from_utf8(out).unwrap())
+}
+
+/// `explain` of keys holding newlines, escape bytes, quotes and backslashes:
+/// the text is one line per statement with no control character in it, and
+/// `--json` is valid JSON whose statements hold each key's SQL as the
+/// backend quotes it.
+async fn explain_of_hostile_keys_is_escaped_text_and_valid_json(dbs: &mut TestDbs) {
+    let cluster = Cluster::connect(dbs.config(
+        2,
+        "[groups.Customer]\nbuckets = 64\n[groups.Tenant]\nbuckets = 64\n",
+    ))
+    .await
+    .unwrap();
+    let no_control = |text: &str| {
+        !text
+            .chars()
+            .any(|c| (c.is_control() && c != '\n') || ('\u{202a}'..='\u{202e}').contains(&c))
+    };
+    for key in HOSTILE_KEYS {
+        let plan = cluster
+            .find::<note::Entity>()
+            .key(key.to_owned())
+            .explain()
+            .await
+            .unwrap();
+        assert_eq!(plan.statements.len(), 1);
+        let shard = cluster.shard_of::<Tenant>(&key.to_owned()).await.unwrap();
+        // The library's plan prints the same lines as the command.
+        let lines: Vec<String> = plan.to_string().lines().map(str::to_owned).collect();
+        assert_eq!(lines.len(), 2, "{key:?}: {lines:#?}");
+        assert!(
+            lines[0].starts_with("read notes (group Tenant) by key, bucket "),
+            "{lines:?}"
+        );
+        assert!(
+            lines[1].starts_with(&format!("  {shard}: SELECT ")),
+            "{lines:?}"
+        );
+        assert!(no_control(&plan.to_string()), "{key:?}: {plan}");
+
+        let (code, text) = shardctl_tenants(dbs, false, &["explain", "notes", "--key", key]).await;
+        assert_eq!(code, 0, "{text}");
+        assert_eq!(text, format!("{plan}\n"), "{key:?}");
+
+        let (code, out) = shardctl_tenants(dbs, true, &["explain", "notes", "--key", key]).await;
+        assert_eq!(code, 0, "{out}");
+        let value: Value =
+            serde_json::from_str(&out).unwrap_or_else(|e| panic!("{key:?}: not JSON ({e}): {out}"));
+        // serde_json escapes every control character (the bidirectional
+        // override is valid JSON as it is).
+        assert!(
+            !out.chars().any(|c| c.is_control() && c != '\n'),
+            "{key:?}: raw control characters in JSON: {out:?}"
+        );
+        assert_eq!(value["plan"], plan.to_string(), "{key:?}");
+        assert_eq!(value["route"]["by"], "key");
+        assert_eq!(
+            value["statements"],
+            serde_json::json!([{ "shard": shard, "sql": plan.statements[0].sql }]),
+            "{key:?}"
+        );
+    }
+    // Every key at once: one line per statement, then the merge.
+    let mut args = vec!["explain", "notes"];
+    for key in HOSTILE_KEYS {
+        args.extend(["--key", key]);
+    }
+    let plan = cluster
+        .find::<note::Entity>()
+        .keys(HOSTILE_KEYS.map(str::to_owned))
+        .explain()
+        .await
+        .unwrap();
+    let (code, text) = shardctl_tenants(dbs, false, &args).await;
+    assert_eq!(code, 0, "{text}");
+    assert_eq!(text, format!("{plan}\n"));
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines.len(), 1 + plan.statements.len() + 1, "{lines:#?}");
+    for (line, statement) in lines[1..].iter().zip(&plan.statements) {
+        assert!(
+            line.starts_with(&format!("  {}: SELECT ", statement.shard)),
+            "{line}"
+        );
+    }
+    assert!(lines.last().unwrap().starts_with("  merge"), "{text}");
+    assert!(no_control(&text), "{text:?}");
+    let (code, out) = shardctl_tenants(dbs, true, &args).await;
+    assert_eq!(code, 0, "{out}");
+    let value: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(
+        value["statements"].as_array().unwrap().len(),
+        plan.statements.len()
+    );
+    // An error quoting a hostile key: one line of text, valid JSON.
+    for key in HOSTILE_KEYS {
+        let (code, text) = shardctl_tenants(dbs, false, &["route", "Customer", key]).await;
+        assert_eq!(code, 1, "{text}");
+        assert_eq!(text.lines().count(), 1, "{text:?}");
+        assert!(text.starts_with("error: ") && no_control(&text), "{text:?}");
+        let (code, out) = shardctl_tenants(dbs, true, &["route", "Customer", key]).await;
+        assert_eq!(code, 1, "{out}");
+        let value: Value = serde_json::from_str(&out).unwrap();
+        assert!(value["error"].as_str().unwrap().contains(key), "{value:#}");
+    }
+}
+
+/// With `--json` every output is one JSON object: a command line that does
+/// not parse (exit code 2), `--help` and `--version` (exit code 0).
+async fn json_output_is_json_for_usage_errors_and_help(dbs: &mut TestDbs) {
+    for (args, code) in [
+        (&["route"][..], 2),
+        (&["explain", "contacts"][..], 2),
+        (&["explain", "contacts", "--key", "1", "--scatter"][..], 2),
+        (&["no-such-command"][..], 2),
+        (
+            &["verify", "shards", "contacts", "s0", "s1", "--bucket", "x"][..],
+            2,
+        ),
+        (&["--help"][..], 0),
+        (&["route", "--help"][..], 0),
+        (&["--version"][..], 0),
+    ] {
+        let (got, value) = shardctl(config(dbs), args).await;
+        assert_eq!(got, code, "{args:?}: {value:#}");
+        let object = value.as_object().unwrap();
+        if code == 2 {
+            assert_eq!(object.len(), 2, "{value:#}");
+            assert_eq!(value["usage"], true);
+            let message = value["error"].as_str().unwrap();
+            assert!(!message.starts_with("error:"), "{message}");
+            assert!(!message.is_empty());
+        } else {
+            assert_eq!(object.len(), 1, "{value:#}");
+            assert!(!value["help"].as_str().unwrap().is_empty(), "{value:#}");
+        }
+    }
+    let (_, value) = shardctl(config(dbs), &["route"]).await;
+    let message = value["error"].as_str().unwrap();
+    assert!(
+        message.starts_with("the following required arguments were not provided:")
+            && message.contains("<GROUP>")
+            && message.contains("\n\nUsage: shardctl route <GROUP> <KEY>\n"),
+        "{message}"
+    );
+    // `--json` after the command's arguments counts too.
+    let (code, value) = shardctl_text(config(dbs), &["route", "--json"]).await;
+    assert_eq!(code, 2);
+    let value: Value = serde_json::from_str(&value).unwrap();
+    assert_eq!(value["usage"], true);
+    // Without `--json`, clap's text.
+    let (code, text) = shardctl_text(config(dbs), &["route"]).await;
+    assert_eq!(code, 2);
+    assert!(text.starts_with("error: "), "{text}");
 }
 
 /// `ids adopt-places` takes ticket servers that handed out tickets before

@@ -16,6 +16,54 @@ use serde_json::{Value, json};
 use std::fmt::Write as _;
 use std::time::{Duration, Instant};
 
+/// Where a `--bucket` the group does not have is reported: an error naming
+/// it is a usage error ([`is_usage`]).
+const USAGE_BUCKET: &str = "--bucket";
+
+/// Whether `err` is about a command-line option's value (exit code 2, like
+/// the errors of parsing the command line), not about the fleet.
+pub(super) fn is_usage(err: &ShardError) -> bool {
+    matches!(err, ShardError::Config { entry, .. } if entry == USAGE_BUCKET)
+}
+
+/// A read's plan for `--json`: the text `explain` prints (`plan`) and its
+/// parts, each statement's SQL as the backend quotes its values.
+fn plan_json(table: &str, plan: &crate::ReadPlan) -> Value {
+    let route = match &plan.route {
+        crate::PlannedRoute::Key { bucket } => json!({ "by": "key", "bucket": bucket }),
+        crate::PlannedRoute::Keys { keys } => json!({ "by": "keys", "keys": keys }),
+        crate::PlannedRoute::Scatter => json!({ "by": "scatter" }),
+        crate::PlannedRoute::Index { index, keys } => {
+            json!({ "by": "index", "index": index, "keys": keys })
+        }
+    };
+    let merge = plan.merge.as_ref().map(|m| {
+        json!({
+            "order": m
+                .order
+                .iter()
+                .map(|(column, desc)| json!({ "column": column, "desc": desc }))
+                .collect::<Vec<_>>(),
+            "limit": m.limit,
+            "offset": m.offset,
+        })
+    });
+    json!({
+        "table": table,
+        "plan": plan.to_string(),
+        "route": route,
+        "statements": plan
+            .statements
+            .iter()
+            .map(|s| json!({ "shard": s.shard, "sql": s.sql }))
+            .collect::<Vec<_>>(),
+        "merge": merge,
+        "partial": plan.partial,
+        "timeout_ms": plan.timeout.map(|t| t.as_millis() as u64),
+        "max_concurrency": plan.max_concurrency,
+    })
+}
+
 /// How long `status` waits for one shard.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -44,7 +92,7 @@ pub(super) async fn execute(
                 .explain(&cluster, &keys)
                 .await?;
             Ok(Outcome {
-                json: json!({ "table": table, "plan": plan }),
+                json: plan_json(&table, &plan),
                 text: format!("{plan}\n"),
                 problem: false,
             })
@@ -66,8 +114,17 @@ pub(super) async fn execute(
             if repair {
                 opts = opts.repair();
             }
-            let report = registry
-                .entity_named(&table)?
+            let entity = registry.entity_named(&table)?;
+            if let Some(bucket) = bucket {
+                // A usage error (exit code 2), before anything is read.
+                crate::verify::check_bucket(
+                    cluster.topology(),
+                    entity.group(),
+                    bucket,
+                    USAGE_BUCKET,
+                )?;
+            }
+            let report = entity
                 .verify_shards(&cluster, &source, &target, bucket, opts)
                 .await?;
             Ok(verify_outcome(

@@ -29,7 +29,8 @@
 //! }
 //! ```
 //!
-//! Commands (`--help` lists them; every one takes `--json` for scripts):
+//! Commands (`--help` lists them; every one takes `--json` for scripts, and
+//! with it prints one JSON value whatever happens, usage errors included):
 //!
 //! | command | what it does |
 //! |---|---|
@@ -326,7 +327,9 @@ pub async fn run(config: ClusterConfig, registry: Registry) -> ExitCode {
 
 /// [`run`] with the arguments given (the first is the program's name) and
 /// output to `out`; returns the exit code. Errors go to `out` too, as
-/// `error: ...` (or `{"error": ...}` with `--json`). For tests and for
+/// `error: ...` (or `{"error": ...}` with `--json`; a usage error as
+/// `{"error": ..., "usage": true}`, `--help` as `{"help": ...}`). With
+/// `--json` the output is always one JSON value. For tests and for
 /// embedding the commands in another program.
 pub async fn run_with<I, T>(
     args: I,
@@ -338,11 +341,32 @@ where
     I: IntoIterator<Item = T>,
     T: Into<OsString> + Clone,
 {
-    let cli = match Cli::try_parse_from(args) {
+    let args: Vec<OsString> = args.into_iter().map(Into::into).collect();
+    let cli = match Cli::try_parse_from(&args) {
         Ok(cli) => cli,
         Err(err) => {
-            let code = if err.use_stderr() { 2 } else { 0 };
-            let _ = write!(out, "{}", err.render());
+            let usage = err.use_stderr();
+            let code = if usage { 2 } else { 0 };
+            // `--json` asked for (anywhere: it is global) although the rest
+            // did not parse: scripts still get one JSON object.
+            let body = if args.iter().skip(1).any(|a| a == "--json") {
+                let text = err.render().to_string();
+                let text = text.trim_end();
+                let value = if usage {
+                    serde_json::json!({
+                        "error": text.strip_prefix("error: ").unwrap_or(text),
+                        "usage": true,
+                    })
+                } else {
+                    // `--help`, `--version`.
+                    serde_json::json!({ "help": text })
+                };
+                value.to_string() + "\n"
+            } else {
+                err.render().to_string()
+            };
+            let _ = out.write_all(body.as_bytes());
+            let _ = out.flush();
             return code;
         }
     };
@@ -363,12 +387,17 @@ where
         }
         Err(err) => {
             let message = err.to_string();
-            let body = if json {
+            let usage = commands::is_usage(&err);
+            let body = if json && usage {
+                serde_json::json!({ "error": message, "usage": true }).to_string() + "\n"
+            } else if json {
                 serde_json::json!({ "error": message }).to_string() + "\n"
             } else {
-                format!("error: {message}\n")
+                // One line, whatever the message quotes (a key the
+                // operator typed may hold a newline or a terminal escape).
+                format!("error: {}\n", crate::read::escape_controls(&message))
             };
-            (body, 1)
+            (body, if usage { 2 } else { 1 })
         }
     };
     let _ = out.write_all(body.as_bytes());

@@ -140,7 +140,7 @@ pub(super) trait AdminEntity: Send + Sync {
         &'a self,
         cluster: &'a Cluster,
         keys: &'a [String],
-    ) -> BoxFuture<'a, Result<String>>;
+    ) -> BoxFuture<'a, Result<crate::ReadPlan>>;
     fn index_state<'a>(
         &'a self,
         cluster: &'a Cluster,
@@ -251,7 +251,7 @@ where
         &'a self,
         cluster: &'a Cluster,
         keys: &'a [String],
-    ) -> BoxFuture<'a, Result<String>> {
+    ) -> BoxFuture<'a, Result<crate::ReadPlan>> {
         Box::pin(async move {
             let plan = match keys {
                 [] => cluster.find::<E>().scatter().explain().await?,
@@ -264,7 +264,7 @@ where
                     cluster.find::<E>().keys(keys).explain().await?
                 }
             };
-            Ok(plan.to_string())
+            Ok(plan)
         })
     }
 

@@ -95,7 +95,9 @@ pub struct PlannedStatement {
     /// The shard it runs on.
     pub shard: String,
     /// The SQL, with its values inlined for reading (it is sent with bound
-    /// parameters).
+    /// parameters). Values are as the backend quotes them, so a string
+    /// value may hold a newline or an escape byte; the plan's `Display`
+    /// shows such characters escaped (`\n`, `\u{1b}`).
     pub sql: String,
 }
 
@@ -121,10 +123,12 @@ impl std::fmt::Display for ReadPlan {
             PlannedRoute::Index {
                 index,
                 keys: Some(n),
-            } => write!(f, "through index {index} ({n} keys)")?,
-            PlannedRoute::Index { index, keys: None } => {
-                write!(f, "through index {index} (write_only: every shard)")?
-            }
+            } => write!(f, "through index {} ({n} keys)", escape_controls(index))?,
+            PlannedRoute::Index { index, keys: None } => write!(
+                f,
+                "through index {} (write_only: every shard)",
+                escape_controls(index)
+            )?,
         }
         let shards: std::collections::BTreeSet<&str> =
             self.statements.iter().map(|s| s.shard.as_str()).collect();
@@ -143,8 +147,15 @@ impl std::fmt::Display for ReadPlan {
                 "any failed shard fails the read"
             }
         )?;
+        // One line per statement, whatever its values hold: a key with a
+        // newline or a terminal escape must not print a line of its own.
         for statement in &self.statements {
-            write!(f, "\n  {}: {}", statement.shard, statement.sql)?;
+            write!(
+                f,
+                "\n  {}: {}",
+                escape_controls(&statement.shard),
+                escape_controls(&statement.sql)
+            )?;
         }
         if let Some(merge) = &self.merge {
             write!(f, "\n  merge")?;
@@ -164,4 +175,43 @@ impl std::fmt::Display for ReadPlan {
         }
         Ok(())
     }
+}
+
+/// `text` with every control character (newlines, tabs, escape bytes, C1
+/// controls) and every character that reorders or breaks lines on a
+/// terminal (bidirectional overrides and isolates, line and paragraph
+/// separators) written as an escape: `\n`, `\r`, `\t`, otherwise
+/// `\u{1b}`. What a plan prints of a value can then not pass for a line of
+/// the plan, nor drive the terminal it is printed on. Other text, quotes and
+/// backslashes included, is unchanged.
+pub(crate) fn escape_controls(text: &str) -> std::borrow::Cow<'_, str> {
+    fn hostile(c: char) -> bool {
+        c.is_control()
+            || matches!(
+                c,
+                '\u{200e}'
+                    | '\u{200f}'
+                    | '\u{2028}'
+                    | '\u{2029}'
+                    | '\u{202a}'..='\u{202e}'
+                    | '\u{2066}'..='\u{2069}'
+            )
+    }
+    if !text.chars().any(hostile) {
+        return std::borrow::Cow::Borrowed(text);
+    }
+    let mut out = String::with_capacity(text.len() + 8);
+    for c in text.chars() {
+        match c {
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c if hostile(c) => {
+                use std::fmt::Write as _;
+                let _ = write!(out, "\\u{{{:x}}}", c as u32);
+            }
+            c => out.push(c),
+        }
+    }
+    std::borrow::Cow::Owned(out)
 }
