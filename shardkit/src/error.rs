@@ -39,10 +39,13 @@ pub enum ShardError {
     },
 
     /// A statement failed on a shard (or a directory database or ticket
-    /// server). The driver's error is the [`source`](std::error::Error::source),
-    /// not part of this message, so a chain printer (`{:#}`, `anyhow`) shows
-    /// it once.
-    #[error("{operation} on `{shard}` ({origin}) failed")]
+    /// server). The message ends with the driver's own error, once: its
+    /// message and code (`(code: 5) database is locked` on SQLite,
+    /// `deadlock detected (SQLSTATE 40P01)` on PostgreSQL, `1213 (40001):
+    /// Deadlock found ...` on MySQL/MariaDB). SeaORM's error stays the
+    /// [`source`](std::error::Error::source), for code that inspects it;
+    /// [`ShardError::report`] does not print it again.
+    #[error("{operation} on `{shard}` ({origin}) failed: {}", DriverCause(source))]
     Db {
         /// Whose statement it was: an entity group's rows, or which
         /// subsystem's table.
@@ -319,8 +322,9 @@ pub enum ShardError {
         reason: String,
     },
 
-    /// Applying migrations to a shard failed.
-    #[error("migrating shard `{shard}` failed: {source}")]
+    /// Applying migrations to a shard failed. Like [`ShardError::Db`], the
+    /// message ends with the driver's own error.
+    #[error("migrating shard `{shard}` failed: {}", DriverCause(source))]
     Migration {
         /// The shard (or directory database) being migrated.
         shard: String,
@@ -392,7 +396,10 @@ impl ShardError {
     /// `40P01` (deadlock), MySQL/MariaDB errors 1213 (deadlock) and 1205
     /// (lock wait timeout) abort the transaction ([`Retry::Transaction`]);
     /// SQLite's `SQLITE_BUSY`/`SQLITE_LOCKED`, a lost connection and a pool
-    /// timeout are transient ([`Retry::Now`]); a shard marked down
+    /// timeout are transient ([`Retry::Now`]); a server at its connection
+    /// limit (PostgreSQL `53300` "too many clients", MySQL/MariaDB 1040
+    /// "Too many connections" and 1203) is [`Retry::After`] a short wait
+    /// (100 ms), and does not mark the shard down; a shard marked down
     /// ([`ShardError::Unavailable`]) is [`Retry::After`] its next probe; a unique or foreign-key
     /// violation and every other statement error are [`Retry::Never`].
     pub fn retry(&self) -> Retry {
@@ -435,9 +442,17 @@ impl ShardError {
         }
     }
 
-    /// The message followed by every cause (`a: b: c`), for logs and
-    /// reports: [`ShardError::Db`]'s own message leaves the driver's error to
-    /// [`source`](std::error::Error::source), so `{}` alone does not show it.
+    /// The message with every cause, each once, for logs and reports.
+    ///
+    /// Every variant's message already ends with its root cause (the
+    /// driver's message for [`ShardError::Db`] and [`ShardError::Migration`];
+    /// a scrubbed cause for [`ShardError::Connect`] and
+    /// [`ShardError::Unavailable`]), so this is the message: the typed
+    /// [`source`](std::error::Error::source) kept beside it (SeaORM's
+    /// `DbErr`, whose own message repeats the driver's at every level) is
+    /// not printed again. A chain printer that walks `source()` (`{:#}` of
+    /// `anyhow`) shows the driver's message more than once; log this
+    /// instead.
     pub fn report(&self) -> Report<'_> {
         Report(self)
     }
@@ -450,18 +465,68 @@ impl ShardError {
     }
 }
 
-/// An error and its causes, joined by `: ` ([`ShardError::report`]).
-pub struct Report<'a>(&'a (dyn std::error::Error + 'static));
+/// An error with every cause, each once ([`ShardError::report`]).
+pub struct Report<'a>(&'a ShardError);
 
 impl std::fmt::Display for Report<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}", self.0)?;
-        let mut cause = self.0.source();
-        while let Some(err) = cause {
-            write!(f, ": {err}")?;
-            cause = err.source();
+        // The message names the root cause (see `report`); the sources
+        // behind it only repeat it.
+        write!(f, "{}", self.0)
+    }
+}
+
+/// The driver's own error inside a [`DbErr`], once: what the database or
+/// the connection said, with its code, without SeaORM's and SQLx's
+/// wrappers (`Execution Error: error returned from database: ...`), which
+/// repeat it at every level of the source chain.
+///
+/// PostgreSQL's message is followed by its SQLSTATE (SQLx's own text adds
+/// the line of the server's C source instead); MySQL/MariaDB's and
+/// SQLite's keep SQLx's form, which leads with the code. Details that may
+/// quote row values (PostgreSQL's `DETAIL`) are left out.
+pub(crate) struct DriverCause<'a>(pub(crate) &'a DbErr);
+
+impl std::fmt::Display for DriverCause<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        use sea_orm::RuntimeErr;
+        let runtime = match self.0 {
+            DbErr::Conn(r) | DbErr::Exec(r) | DbErr::Query(r) => r,
+            other => return write!(f, "{other}"),
+        };
+        match runtime {
+            RuntimeErr::SqlxError(e) => write!(f, "{}", SqlxCause(e)),
+            RuntimeErr::Internal(message) => f.write_str(message),
         }
-        Ok(())
+    }
+}
+
+/// [`DriverCause`] of SQLx's error (a probe's or a pool's connection
+/// attempt): a database's error by its message and code, any other by
+/// SQLx's message (`error communicating with database: Connection refused
+/// (os error 111)`).
+pub(crate) struct SqlxCause<'a>(pub(crate) &'a sea_orm::sqlx::Error);
+
+impl std::fmt::Display for SqlxCause<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        use sea_orm::sqlx;
+        let sqlx::Error::Database(db) = self.0 else {
+            return write!(f, "{}", self.0);
+        };
+        if let Some(pg) = db.try_downcast_ref::<sqlx::postgres::PgDatabaseError>() {
+            return write!(f, "{} (SQLSTATE {})", pg.message(), pg.code());
+        }
+        if db
+            .try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>()
+            .is_some()
+            || db.try_downcast_ref::<sqlx::sqlite::SqliteError>().is_some()
+        {
+            return write!(f, "{db}");
+        }
+        match db.code() {
+            Some(code) => write!(f, "{} (code {code})", db.message()),
+            None => f.write_str(db.message()),
+        }
     }
 }
 
@@ -571,6 +636,53 @@ pub(crate) fn is_unique_violation(e: &DbErr) -> bool {
     )
 }
 
+/// How long a caller waits before retrying after a server refused a
+/// connection for having too many ([`is_capacity`]).
+pub(crate) const CAPACITY_WAIT: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// Whether the server refused a connection because it has too many: it is
+/// up, and answers again once others close (PostgreSQL SQLSTATE `53300`,
+/// `too_many_connections`, for the server, a database or a role;
+/// MySQL/MariaDB 1040, `Too many connections`, and 1203, a user's
+/// `max_user_connections`). Such an error must not mark the shard down.
+pub(crate) fn is_capacity(err: &DbErr) -> bool {
+    use sea_orm::RuntimeErr;
+    match err {
+        DbErr::Conn(RuntimeErr::SqlxError(e))
+        | DbErr::Exec(RuntimeErr::SqlxError(e))
+        | DbErr::Query(RuntimeErr::SqlxError(e)) => sqlx_is_capacity(e),
+        _ => false,
+    }
+}
+
+/// [`is_capacity`] of SQLx's error (a probe's connection attempt).
+pub(crate) fn sqlx_is_capacity(err: &sea_orm::sqlx::Error) -> bool {
+    match err {
+        sea_orm::sqlx::Error::Database(db) => database_is_capacity(&**db),
+        _ => false,
+    }
+}
+
+/// [`is_capacity`] of the database's own error.
+pub(crate) fn database_is_capacity(db: &dyn sea_orm::sqlx::error::DatabaseError) -> bool {
+    if let Some(mysql) = db.try_downcast_ref::<sea_orm::sqlx::mysql::MySqlDatabaseError>() {
+        return mysql_is_capacity(mysql.number());
+    }
+    if db
+        .try_downcast_ref::<sea_orm::sqlx::sqlite::SqliteError>()
+        .is_some()
+    {
+        return false;
+    }
+    db.code().as_deref() == Some("53300")
+}
+
+/// MySQL/MariaDB's `ER_CON_COUNT_ERROR` (1040) and
+/// `ER_TOO_MANY_USER_CONNECTIONS` (1203).
+fn mysql_is_capacity(number: u16) -> bool {
+    matches!(number, 1040 | 1203)
+}
+
 /// Classifies a driver error by its code (see [`ShardError::retry`]).
 pub(crate) fn db_retry(err: &DbErr) -> Retry {
     use sea_orm::{RuntimeErr, SqlErr, sqlx};
@@ -579,6 +691,9 @@ pub(crate) fn db_retry(err: &DbErr) -> Retry {
         Some(SqlErr::UniqueConstraintViolation(_) | SqlErr::ForeignKeyConstraintViolation(_))
     ) {
         return Retry::Never;
+    }
+    if is_capacity(err) {
+        return Retry::After(CAPACITY_WAIT);
     }
     let runtime = match err {
         DbErr::ConnectionAcquire(_) => return Retry::Now,
@@ -709,4 +824,145 @@ pub(crate) fn is_missing_table(err: &sea_orm::DbErr) -> bool {
     }
     // PostgreSQL's undefined_table.
     db.code().as_deref() == Some("42P01")
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use sea_orm::sqlx::error::{DatabaseError, ErrorKind as SqlxKind};
+    use sea_orm::{RuntimeErr, sqlx};
+    use std::borrow::Cow;
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    /// A database's error with a code, as a driver other than SQLite's and
+    /// MySQL's reports it (PostgreSQL's cannot be built outside SQLx).
+    #[derive(Debug)]
+    pub(crate) struct Coded(pub(crate) &'static str, pub(crate) &'static str);
+
+    impl std::fmt::Display for Coded {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str(self.1)
+        }
+    }
+
+    impl std::error::Error for Coded {}
+
+    impl DatabaseError for Coded {
+        fn message(&self) -> &str {
+            self.1
+        }
+        fn code(&self) -> Option<Cow<'_, str>> {
+            Some(Cow::Borrowed(self.0))
+        }
+        fn as_error(&self) -> &(dyn std::error::Error + Send + Sync + 'static) {
+            self
+        }
+        fn as_error_mut(&mut self) -> &mut (dyn std::error::Error + Send + Sync + 'static) {
+            self
+        }
+        fn into_error(self: Box<Self>) -> Box<dyn std::error::Error + Send + Sync + 'static> {
+            self
+        }
+        fn kind(&self) -> SqlxKind {
+            SqlxKind::Other
+        }
+    }
+
+    pub(crate) fn conn_err(e: sqlx::Error) -> DbErr {
+        DbErr::Conn(RuntimeErr::SqlxError(Arc::new(e)))
+    }
+
+    pub(crate) fn too_many_clients() -> DbErr {
+        conn_err(sqlx::Error::Database(Box::new(Coded(
+            "53300",
+            "sorry, too many clients already",
+        ))))
+    }
+
+    fn db(source: DbErr) -> ShardError {
+        ShardError::Db {
+            origin: Box::new(Origin::Group("Customer")),
+            shard: "s1".to_owned(),
+            operation: "begin".to_owned(),
+            source,
+        }
+    }
+
+    #[test]
+    fn a_server_at_its_connection_limit_is_retried_after_a_short_wait() {
+        let err = db(too_many_clients());
+        assert!(is_capacity(&too_many_clients()));
+        assert_eq!(err.retry(), Retry::After(Duration::from_millis(100)));
+        assert_eq!(err.kind(), ErrorKind::Database);
+        // The same code from a statement (a role's or database's limit
+        // reached by a `dblink`, say) is one too.
+        let exec = DbErr::Exec(RuntimeErr::SqlxError(Arc::new(sqlx::Error::Database(
+            Box::new(Coded("53300", "too many connections for role \"app\"")),
+        ))));
+        assert!(is_capacity(&exec));
+        // Other errors are not.
+        let refused = conn_err(sqlx::Error::Io(std::io::Error::from(
+            std::io::ErrorKind::ConnectionRefused,
+        )));
+        assert!(!is_capacity(&refused));
+        assert_eq!(db(refused).retry(), Retry::Now);
+        let deadlock = conn_err(sqlx::Error::Database(Box::new(Coded(
+            "40P01",
+            "deadlock detected",
+        ))));
+        assert!(!is_capacity(&deadlock));
+        assert_eq!(db(deadlock).retry(), Retry::Transaction);
+        assert!(!is_capacity(&DbErr::ConnectionAcquire(
+            sea_orm::error::ConnAcquireErr::Timeout
+        )));
+    }
+
+    #[test]
+    fn mysql_capacity_errors_are_1040_and_1203() {
+        assert!(mysql_is_capacity(1040));
+        assert!(mysql_is_capacity(1203));
+        assert!(!mysql_is_capacity(1213));
+        assert!(!mysql_is_capacity(1205));
+        assert!(!mysql_is_capacity(1045));
+    }
+
+    #[test]
+    fn a_db_error_says_what_where_and_the_driver_message_once() {
+        let err = db(too_many_clients());
+        assert_eq!(
+            err.to_string(),
+            "begin on `s1` (group `Customer`) failed: sorry, too many clients already (code 53300)"
+        );
+        assert_eq!(err.report().to_string(), err.to_string());
+        // SeaORM's error is still the source, for code that inspects it.
+        let source = std::error::Error::source(&err).and_then(|s| s.downcast_ref::<DbErr>());
+        assert!(matches!(source, Some(DbErr::Conn(_))), "{err:?}");
+
+        let lost = db(conn_err(sqlx::Error::Io(std::io::Error::new(
+            std::io::ErrorKind::ConnectionReset,
+            "connection reset by peer",
+        ))));
+        assert_eq!(
+            lost.report().to_string(),
+            "begin on `s1` (group `Customer`) failed: error communicating with database: \
+             connection reset by peer"
+        );
+        let pool = db(DbErr::ConnectionAcquire(
+            sea_orm::error::ConnAcquireErr::Timeout,
+        ));
+        assert_eq!(
+            pool.report().to_string(),
+            "begin on `s1` (group `Customer`) failed: Failed to acquire connection from pool: \
+             Connection pool timed out"
+        );
+        let migration = ShardError::Migration {
+            shard: "s2".to_owned(),
+            source: DbErr::Migration("table `orders` exists".to_owned()),
+        };
+        assert_eq!(
+            migration.report().to_string(),
+            "migrating shard `s2` failed: Migration Error: table `orders` exists"
+        );
+    }
 }

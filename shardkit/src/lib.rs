@@ -214,7 +214,7 @@ pub use rollout::{
     Parts, Phase, Rollout, RolloutBackfill, RolloutHandle, RolloutInstance, RolloutStatus,
 };
 pub use shardkit_derive::{EntityGroup, Sharded};
-pub use topology::{ClusterConfig, DatabaseUrl, ShardId, Target, Topology};
+pub use topology::{ClusterConfig, ConnectionBudget, DatabaseUrl, ShardId, Target, Topology};
 pub use tx::{TxDeleteMany, TxUpdateMany};
 pub use verify::{RowDiff, VerifyOptions, VerifyReport};
 

@@ -456,6 +456,8 @@ fn every_setting_is_bounded_and_named() {
             "pool.min_connections",
         ),
         ("[pool]\nmin_connections = 11", "pool.min_connections"),
+        ("[pool]\nside_connections = 0", "pool.side_connections"),
+        ("[pool]\nside_connections = 10001", "pool.side_connections"),
         (
             "[pool]\nconnect_timeout_secs = 9223372036854775807",
             "pool.connect_timeout_secs",
@@ -537,7 +539,7 @@ fn every_setting_is_bounded_and_named() {
 
     // The bounds themselves are accepted.
     ClusterConfig::from_toml(&format!(
-        "{FOUR}\n[pool]\nmax_connections = 10000\nmin_connections = 10000\nconnect_timeout_secs = 3600\nacquire_timeout_secs = 3600\n\
+        "{FOUR}\n[pool]\nmax_connections = 10000\nmin_connections = 10000\nside_connections = 10000\nconnect_timeout_secs = 3600\nacquire_timeout_secs = 3600\n\
          [read]\ntimeout_ms = 86400000\nmax_concurrency = 10000\n[gsi]\ngrace_ms = 1000\n\
          [ids]\ntimeout_ms = 600000\nretry_after_ms = 3600000\nworker_id = 1023\n\
          [ids.sequences.big]\nblock = 1000000000\n[ids.sequences.flickr]\nblock = 1\n"
@@ -562,4 +564,86 @@ async fn the_largest_settings_connect() {
         .unwrap();
     drop(cluster);
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The most connections one instance opens, per server: per shard its pool,
+/// its side pool and (on a server) the breaker's probe; per directory and
+/// ticket server one pool.
+#[test]
+fn the_connection_budget_counts_every_pool_per_server() {
+    let config = ClusterConfig::from_toml(
+        r#"
+[[hosts]]
+name = "pg"
+url = "postgres://app:secret@db1:5432"
+[[shards]]
+name = "s0"
+host = "pg"
+database = "shop0"
+[[shards]]
+name = "s1"
+host = "pg"
+database = "shop1"
+[[shards]]
+name = "s2"
+url = "mysql://root@db2:3306/shop2"
+[[shards]]
+name = "s3"
+url = "sqlite://s3.db"
+[[shards]]
+name = "s4"
+url = "sqlite::memory:"
+[pool]
+max_connections = 5
+side_connections = 3
+[groups.Customer]
+shards = ["s0", "s1"]
+[groups.Tenant]
+placement = "directory"
+directory = { host = "pg", database = "dir" }
+[[ids.servers]]
+name = "t0"
+url = "mysql://root@db2:3306/tickets"
+[[ids.servers]]
+name = "t1"
+host = "pg"
+database = "tickets"
+"#,
+    )
+    .unwrap();
+    let budget = config.connection_budget().unwrap();
+    assert_eq!((budget.max_connections, budget.side_connections), (5, 3));
+    let servers: Vec<_> = budget
+        .servers
+        .iter()
+        .map(|s| {
+            (
+                s.server.as_str(),
+                s.shards,
+                s.directories,
+                s.ticket_servers,
+                s.connections,
+            )
+        })
+        .collect();
+    assert_eq!(
+        servers,
+        [
+            // 2 × (5 + 3 + 1) + directory 5 + tickets 5
+            ("db1:5432", 2, 1, 1, 28),
+            // 5 + 3 + 1 + tickets 5
+            ("db2:3306", 1, 0, 1, 14),
+            // a file: 5 + 3; a private in-memory database: 1
+            ("sqlite", 2, 0, 0, 9),
+        ]
+    );
+    assert_eq!(budget.total(), 51);
+
+    // The defaults: 10 per pool, 2 per side pool.
+    let budget = ClusterConfig::from_toml(FOUR)
+        .unwrap()
+        .connection_budget()
+        .unwrap();
+    assert_eq!((budget.max_connections, budget.side_connections), (10, 2));
+    assert_eq!(budget.total(), 4 * 12);
 }

@@ -14,6 +14,7 @@ backend_tests!(2 =>
     closure_commits_on_ok_and_rolls_back_on_err,
     aborted_transactions_run_again_within_the_bound,
     driver_errors_are_classified_by_code,
+    errors_say_what_failed_where_and_the_drivers_cause_once,
     insert_many_checks_every_row_first,
 );
 
@@ -193,6 +194,190 @@ async fn driver_errors_are_classified_by_code(dbs: &mut TestDbs) {
     let err = lazy.begin::<Customer>(5).await.unwrap_err();
     assert!(matches!(err, ShardError::Unavailable { .. }), "{err:?}");
     assert!(matches!(err.retry(), Retry::After(_)), "{err}");
+}
+
+/// A database error's message says what failed, on which shard, and the
+/// driver's own message with its code, once; `report()` adds nothing to it.
+/// Checked word for word on a unique violation, a deadlock (SQLite: a busy
+/// database) and a refused connection, each raised by the real database.
+async fn errors_say_what_failed_where_and_the_drivers_cause_once(dbs: &mut TestDbs) {
+    let cluster = dbs.cluster(2, "[groups.Customer]\n").await;
+    cluster.migrate::<Migrator>().await.unwrap();
+    let tx = cluster.begin::<Customer>(5).await.unwrap();
+    let shard = tx.shard().to_owned();
+    tx.insert(order_row(1, 5)).await.unwrap();
+    tx.insert(order_row(2, 5)).await.unwrap();
+    tx.commit().await.unwrap();
+    let once = |err: &ShardError, cause: &str| {
+        assert!(matches!(err, ShardError::Db { .. }), "{err:?}");
+        assert_eq!(err.to_string(), cause);
+        assert_eq!(err.report().to_string(), err.to_string());
+    };
+
+    // A unique violation.
+    let tx = cluster.begin::<Customer>(5).await.unwrap();
+    let err = tx.insert(order_row(1, 5)).await.unwrap_err();
+    drop(tx);
+    let driver = match dbs.backend {
+        Backend::Sqlite => "(code: 1555) UNIQUE constraint failed: orders.id",
+        Backend::Postgres => {
+            "duplicate key value violates unique constraint \"orders_pkey\" (SQLSTATE 23505)"
+        }
+        Backend::MySql => "1062 (23000): Duplicate entry '1' for key 'PRIMARY'",
+    };
+    once(
+        &err,
+        &format!("insert orders on `{shard}` (group `Customer`) failed: {driver}"),
+    );
+
+    // A deadlock: A holds order 1 and waits for order 2, which B holds;
+    // then B asks for order 1. B is the victim: on PostgreSQL it checks for
+    // deadlocks first (its `deadlock_timeout` is the shorter), on
+    // MySQL/MariaDB it has changed fewer rows. SQLite has one writer at a
+    // time, so a second writer finds the database busy instead.
+    if dbs.backend == Backend::Sqlite {
+        let a = cluster.begin::<Customer>(5).await.unwrap();
+        a.insert(order_row(3, 5)).await.unwrap();
+        let other = sea_orm::TransactionTrait::begin(cluster.connection(&shard).unwrap())
+            .await
+            .unwrap();
+        other
+            .execute_unprepared("PRAGMA busy_timeout = 0")
+            .await
+            .unwrap();
+        let source = other
+            .execute_unprepared("UPDATE orders SET total_cents = 7 WHERE id = 1")
+            .await
+            .unwrap_err();
+        other
+            .execute_unprepared("PRAGMA busy_timeout = 5000")
+            .await
+            .unwrap();
+        drop(other);
+        drop(a);
+        let err = ShardError::Db {
+            origin: Box::new(shardkit::Origin::Group("Customer")),
+            shard: shard.clone(),
+            operation: "update orders".to_owned(),
+            source,
+        };
+        assert_eq!(err.retry(), Retry::Now, "{err}");
+        once(
+            &err,
+            &format!(
+                "update orders on `{shard}` (group `Customer`) failed: (code: 5) database is locked"
+            ),
+        );
+    } else {
+        let a = cluster.begin::<Customer>(5).await.unwrap();
+        let b = cluster.begin::<Customer>(5).await.unwrap();
+        let pg = dbs.backend == Backend::Postgres;
+        let (whoami, waiting) = if pg {
+            (
+                "SELECT pg_backend_pid()::bigint AS id",
+                "SELECT COUNT(*)::bigint AS n FROM pg_stat_activity WHERE pid = $1 \
+                 AND wait_event_type = 'Lock'",
+            )
+        } else {
+            (
+                "SELECT CAST(CONNECTION_ID() AS SIGNED) AS id",
+                "SELECT COUNT(*) AS n FROM information_schema.innodb_trx \
+                 WHERE trx_mysql_thread_id = ? AND trx_state = 'LOCK WAIT'",
+            )
+        };
+        if pg {
+            for (tx, after) in [(&a, "10s"), (&b, "10ms")] {
+                tx.unchecked_connection()
+                    .execute_unprepared(&format!("SET LOCAL deadlock_timeout = '{after}'"))
+                    .await
+                    .unwrap();
+            }
+        }
+        let backend = a.unchecked_connection().get_database_backend();
+        let a_id: i64 = a
+            .unchecked_connection()
+            .query_one_raw(sea_orm::Statement::from_string(backend, whoami))
+            .await
+            .unwrap()
+            .unwrap()
+            .try_get("", "id")
+            .unwrap();
+        let set_total = |id: i64, cents: i64| order::ActiveModel {
+            id: Set(id),
+            customer_id: Set(5),
+            total_cents: Set(cents),
+        };
+        a.update(set_total(1, 10)).await.unwrap();
+        for id in 10..14 {
+            a.insert(order_row(id, 5)).await.unwrap();
+        }
+        b.update(set_total(2, 20)).await.unwrap();
+        let watcher = cluster.connection(&shard).unwrap();
+        let (a_result, b_result) = tokio::join!(a.update(set_total(2, 11)), async {
+            // B asks only once A waits for it.
+            loop {
+                let row = watcher
+                    .query_one_raw(sea_orm::Statement::from_sql_and_values(
+                        backend,
+                        waiting,
+                        [a_id.into()],
+                    ))
+                    .await
+                    .unwrap()
+                    .unwrap();
+                if row.try_get::<i64>("", "n").unwrap() > 0 {
+                    break;
+                }
+                tokio::task::yield_now().await;
+            }
+            let result = b.update(set_total(1, 21)).await;
+            drop(b);
+            result
+        });
+        a_result.unwrap();
+        drop(a);
+        let err = b_result.unwrap_err();
+        assert_eq!(err.retry(), Retry::Transaction, "{err}");
+        let driver = if pg {
+            "deadlock detected (SQLSTATE 40P01)"
+        } else {
+            "1213 (40001): Deadlock found when trying to get lock; try restarting transaction"
+        };
+        once(
+            &err,
+            &format!("update orders on `{shard}` (group `Customer`) failed: {driver}"),
+        );
+    }
+
+    // A connection refused (SQLite: a file that cannot be opened): the URL
+    // with its password hidden, and the driver's cause.
+    let (url, redacted, cause) = match dbs.backend {
+        Backend::Sqlite => (
+            "sqlite:///nonexistent/shardkit/s0.db?mode=rwc",
+            "sqlite:///nonexistent/shardkit/s0.db?mode=rwc",
+            "(code: 14) unable to open database file",
+        ),
+        Backend::Postgres => (
+            "postgres://postgres:hunter2@127.0.0.1:9/down",
+            "postgres://postgres:***@127.0.0.1:9/down",
+            "error communicating with database: Connection refused (os error 111)",
+        ),
+        Backend::MySql => (
+            "mysql://root:hunter2@127.0.0.1:9/down",
+            "mysql://root:***@127.0.0.1:9/down",
+            "error communicating with database: Connection refused (os error 111)",
+        ),
+    };
+    let toml = format!("[[shards]]\nname = \"s0\"\nurl = \"{url}\"\n[groups.Customer]\n");
+    let err = Cluster::connect(ClusterConfig::from_toml(&toml).unwrap())
+        .await
+        .unwrap_err();
+    assert!(matches!(err, ShardError::Connect { .. }), "{err:?}");
+    assert_eq!(
+        err.to_string(),
+        format!("cannot connect to shard `s0` at {redacted}: {cause}")
+    );
+    assert_eq!(err.report().to_string(), err.to_string());
 }
 
 /// `insert_many` refuses a batch with one row of another key before any

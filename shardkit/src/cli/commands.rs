@@ -77,10 +77,12 @@ pub(super) async fn execute(
     // Lazily: `status` must report a shard that is down, not fail on it;
     // every other command fails on the first statement it sends there.
     let mut config = config;
+    // The application's budget: the same config, before `connect_lazy`.
+    let budget = config.connection_budget()?;
     config.pool.connect_lazy = Some(true);
     let cluster = Cluster::connect(config).await?;
     match cli.command {
-        Command::Status => status(&cluster, &registry).await,
+        Command::Status => status(&cluster, &registry, &budget).await,
         Command::Route { group, key } => route(&cluster, &registry, &group, &key).await,
         Command::Explain {
             table,
@@ -426,7 +428,11 @@ async fn probe(cluster: &Cluster, name: &str) -> Value {
                 row.and_then(|r| r.try_get::<String>("", "v").ok()),
                 None,
             ),
-            Ok(Err(err)) => (false, None, Some(err.to_string())),
+            Ok(Err(err)) => (
+                false,
+                None,
+                Some(crate::error::DriverCause(&err).to_string()),
+            ),
             Err(_) => (
                 false,
                 None,
@@ -462,7 +468,11 @@ async fn probe(cluster: &Cluster, name: &str) -> Value {
     })
 }
 
-async fn status(cluster: &Cluster, registry: &Registry) -> Result<Outcome> {
+async fn status(
+    cluster: &Cluster,
+    registry: &Registry,
+    budget: &crate::ConnectionBudget,
+) -> Result<Outcome> {
     let mut problem = false;
     let mut text = String::new();
 
@@ -499,6 +509,10 @@ async fn status(cluster: &Cluster, registry: &Registry) -> Result<Outcome> {
     }
     let _ = writeln!(text, "shards\n{t}");
 
+    // The connection budget: what one instance of this config may open.
+    let (budget_json, budget_text) = budget_status(budget);
+    let _ = writeln!(text, "\n{budget_text}");
+
     // Migrations (they read every database: skipped while one is down).
     let down: Vec<&str> = shards
         .iter()
@@ -520,8 +534,8 @@ async fn status(cluster: &Cluster, registry: &Registry) -> Result<Outcome> {
             }
             Err(err) => {
                 problem = true;
-                let _ = writeln!(text, "\nmigrations: {err}");
-                json!({ "error": err.to_string() })
+                let _ = writeln!(text, "\nmigrations: {}", err.report());
+                json!({ "error": err.report().to_string() })
             }
         },
         None => {
@@ -602,7 +616,7 @@ async fn status(cluster: &Cluster, registry: &Registry) -> Result<Outcome> {
                 Ok(state) => state.to_string(),
                 Err(err) => {
                     problem = true;
-                    format!("error: {err}")
+                    format!("error: {}", err.report())
                 }
             };
             t.add_row(vec![
@@ -628,8 +642,8 @@ async fn status(cluster: &Cluster, registry: &Registry) -> Result<Outcome> {
             Err(err) => {
                 problem = true;
                 (
-                    json!({ "name": decl.name(), "error": err.to_string() }),
-                    format!("{}: {err}\n", decl.name()),
+                    json!({ "name": decl.name(), "error": err.report().to_string() }),
+                    format!("{}: {}\n", decl.name(), err.report()),
                 )
             }
         };
@@ -653,8 +667,8 @@ async fn status(cluster: &Cluster, registry: &Registry) -> Result<Outcome> {
             }
             Err(err) => {
                 problem = true;
-                moves.push(json!({ "group": group, "error": err.to_string() }));
-                let _ = writeln!(text, "\nmoves of {group}: {err}");
+                moves.push(json!({ "group": group, "error": err.report().to_string() }));
+                let _ = writeln!(text, "\nmoves of {group}: {}", err.report());
             }
         }
     }
@@ -664,6 +678,7 @@ async fn status(cluster: &Cluster, registry: &Registry) -> Result<Outcome> {
     Ok(Outcome {
         json: json!({
             "shards": shards,
+            "connection_budget": budget_json,
             "migrations": migrations,
             "groups": groups,
             "indexes": indexes,
@@ -673,6 +688,46 @@ async fn status(cluster: &Cluster, registry: &Registry) -> Result<Outcome> {
         text,
         problem,
     })
+}
+
+/// `status`'s connection budget: JSON and a table with its formula.
+fn budget_status(budget: &crate::ConnectionBudget) -> (Value, String) {
+    let (main, side) = (budget.max_connections, budget.side_connections);
+    let mut t = table(&[
+        "server",
+        "shards",
+        "directories",
+        "ticket servers",
+        "connections",
+    ]);
+    for s in &budget.servers {
+        t.add_row(vec![
+            s.server.clone(),
+            s.shards.to_string(),
+            s.directories.to_string(),
+            s.ticket_servers.to_string(),
+            s.connections.to_string(),
+        ]);
+    }
+    let text = format!(
+        "connections one instance opens at most: {} (per server: shards x (max_connections {main} \
+         + side_connections {side} + 1 probe) + (directories + ticket servers) x {main}; \
+         times the number of instances)\n{t}",
+        budget.total()
+    );
+    let json = json!({
+        "total": budget.total(),
+        "max_connections": main,
+        "side_connections": side,
+        "servers": budget.servers.iter().map(|s| json!({
+            "server": s.server,
+            "shards": s.shards,
+            "directories": s.directories,
+            "ticket_servers": s.ticket_servers,
+            "connections": s.connections,
+        })).collect::<Vec<_>>(),
+    });
+    (json, text)
 }
 
 async fn rollout_status(

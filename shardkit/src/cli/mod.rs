@@ -386,7 +386,9 @@ where
             (body, u8::from(outcome.problem))
         }
         Err(err) => {
-            let message = err.to_string();
+            // The message with its root cause (a database error's driver
+            // message), once.
+            let message = err.report().to_string();
             let usage = commands::is_usage(&err);
             let body = if json && usage {
                 serde_json::json!({ "error": message, "usage": true }).to_string() + "\n"

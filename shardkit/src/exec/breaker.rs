@@ -3,7 +3,7 @@
 
 use super::shards::Shards;
 use crate::error::{Result, ShardError};
-use crate::exec::health::{HEALTHY_FOR, REPROBE, SUSPECT_AFTER};
+use crate::exec::health::{HEALTHY_FOR, REPROBE, SUSPECT_AFTER, suspects_down};
 use crate::topology::ShardId;
 use std::future::Future;
 use std::sync::Arc;
@@ -38,11 +38,9 @@ impl Shards {
                 biased;
                 result = fut => match result {
                     // The pool gave up connecting (its own timeout may be
-                    // shorter than the probe's): ask the probe why.
-                    Err(ShardError::Db {
-                        source: sea_orm::DbErr::ConnectionAcquire(_) | sea_orm::DbErr::Conn(_),
-                        ..
-                    }) if health.can_probe() => {
+                    // shorter than the probe's): ask the probe why. (Not
+                    // for a server at its connection limit: it is up.)
+                    Err(ref err) if suspects_down(err) && health.can_probe() => {
                         match self.probe_shared(id).await {
                             Err(cause) => Err(ShardError::Unavailable {
                                 shard: shard.to_owned(),

@@ -5,7 +5,7 @@ use super::shards::{
     Inner, ReadSettings, RebalanceSettings, Shards, StatementEvent, StatementObserver,
 };
 use crate::clock::Clock;
-use crate::error::{Result, ShardError};
+use crate::error::{DriverCause, Result, ShardError};
 use crate::topology::{ClusterConfig, DatabaseUrl, PoolConfig, Topology};
 use futures::future::join_all;
 use sea_orm::{ConnectOptions, Database, DatabaseConnection};
@@ -36,13 +36,15 @@ impl Shards {
             // connect timeout with the driver's cause, where the pool would
             // retry a refused connection until its acquire timeout and then
             // say only "pool timed out".
-            let probes = join_all(health.iter().map(|h| h.probe_once())).await;
+            // A server at its connection limit fails here too: the pool
+            // would retry it (PostgreSQL) until its acquire timeout.
+            let probes = join_all(health.iter().map(|h| h.connect_once())).await;
             for (spec, probe) in topology.shards().iter().zip(probes) {
-                if let Err(cause) = probe {
+                if let Err(failure) = probe {
                     return Err(ShardError::Connect {
                         shard: spec.name.clone(),
                         url: spec.url.redacted(),
-                        cause,
+                        cause: failure.into_cause(),
                     });
                 }
             }
@@ -164,8 +166,9 @@ impl Shards {
     }
 }
 
-/// Connections per shard in the side pool ([`Cluster::side_conn`]).
-pub(super) const SIDE_POOL_SIZE: u32 = 2;
+/// Connections per shard in the side pool ([`Cluster::side_conn`]) unless
+/// `[pool] side_connections` says otherwise.
+pub(crate) const SIDE_POOL_SIZE: u32 = crate::topology::DEFAULT_SIDE_CONNECTIONS;
 
 /// How long a side-pool statement waits for a row lock, in seconds.
 pub(crate) const SIDE_LOCK_WAIT_SECS: u64 = 5;
@@ -173,11 +176,11 @@ pub(crate) const SIDE_LOCK_WAIT_SECS: u64 = 5;
 /// The MySQL session setting of side-pool connections.
 pub(crate) const SIDE_MYSQL_SESSION: &str = "SET SESSION innodb_lock_wait_timeout = 5";
 
-/// The side pool's settings: the shards' timeouts, a few connections opened
-/// on first use.
+/// The side pool's settings: the shards' timeouts, `side_connections`
+/// (default [`SIDE_POOL_SIZE`]) opened on first use.
 pub(super) fn side_pool_config(pool: &PoolConfig) -> PoolConfig {
     PoolConfig {
-        max_connections: Some(SIDE_POOL_SIZE),
+        max_connections: Some(pool.side_connections.unwrap_or(SIDE_POOL_SIZE)),
         min_connections: None,
         connect_lazy: Some(true),
         ..pool.clone()
@@ -212,7 +215,7 @@ async fn create_databases(topology: &Topology, pool: &PoolConfig) -> Result<()> 
                 ShardError::Db { source, .. } => ShardError::Connect {
                     shard: name.clone(),
                     url: server.redacted(),
-                    cause: server.scrub(&source.to_string()),
+                    cause: server.scrub(&DriverCause(&source).to_string()),
                 },
                 other => other,
             })?;
@@ -223,7 +226,7 @@ async fn create_databases(topology: &Topology, pool: &PoolConfig) -> Result<()> 
             url: url.redacted(),
             cause: format!(
                 "database does not exist and could not be created: {}",
-                server.scrub(&source.to_string())
+                server.scrub(&DriverCause(&source).to_string())
             ),
         })?;
     }
@@ -370,7 +373,7 @@ pub(super) async fn connect_one(
         .map_err(|err| ShardError::Connect {
             shard: name.clone(),
             url: url.redacted(),
-            cause: url.scrub(&err.to_string()),
+            cause: url.scrub(&DriverCause(&err).to_string()),
         })?;
     // Every statement reaches the `metrics` recorder (see `crate::metrics`)
     // and the application's observer, if it set one.

@@ -341,6 +341,12 @@ pub struct PoolConfig {
     pub max_connections: Option<u32>,
     /// Minimum idle connections per shard (at most `max_connections`).
     pub min_connections: Option<u32>,
+    /// Connections per shard in its side pool, besides `max_connections`
+    /// (default 2; 1 to 10,000): single autocommitted statements of
+    /// shardkit's own (global-index claims and removals, bucket-map reads,
+    /// owner checks), opened on first use. See the README's connection
+    /// budget.
+    pub side_connections: Option<u32>,
     /// Seconds to wait for a new connection (1 to 3,600).
     pub connect_timeout_secs: Option<u64>,
     /// Seconds to wait for a pooled connection (1 to 3,600).
@@ -364,6 +370,129 @@ pub struct PoolConfig {
     /// runs `CREATE DATABASE`; the user needs that privilege. SQLite files
     /// are created by the URL's `mode=rwc`.
     pub create_databases: Option<bool>,
+}
+
+/// Connections per shard in its side pool when `[pool] side_connections`
+/// is not set.
+pub(crate) const DEFAULT_SIDE_CONNECTIONS: u32 = 2;
+
+/// The most connections one instance of a cluster holds open at once, per
+/// database server ([`ClusterConfig::connection_budget`]).
+///
+/// On each server: every shard's pool (`max_connections`) and side pool
+/// (`side_connections`), one breaker probe per shard (opened while the
+/// shard is checked, then closed), and every directory's and ticket
+/// server's pool (`max_connections` each). A private in-memory SQLite
+/// shard has one connection and no side pool; SQLite files have no server
+/// and are listed as `sqlite`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ConnectionBudget {
+    /// `[pool] max_connections` (or its default, 10).
+    pub max_connections: u32,
+    /// `[pool] side_connections` (or its default, 2).
+    pub side_connections: u32,
+    /// Each server (`host:port`, or `sqlite`), in the order first named.
+    pub servers: Vec<ServerBudget>,
+}
+
+/// One server's part of a [`ConnectionBudget`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ServerBudget {
+    /// `host:port`, or `sqlite` for SQLite files.
+    pub server: String,
+    /// Shards on it.
+    pub shards: u32,
+    /// Directory databases on it.
+    pub directories: u32,
+    /// Ticket servers on it.
+    pub ticket_servers: u32,
+    /// The most connections one instance opens to it.
+    pub connections: u32,
+}
+
+impl ConnectionBudget {
+    /// Every server's connections added up.
+    pub fn total(&self) -> u32 {
+        self.servers.iter().map(|s| s.connections).sum()
+    }
+}
+
+impl ClusterConfig {
+    /// The most connections one instance of this cluster opens, per
+    /// server: per shard `max_connections + side_connections + 1` (the
+    /// breaker's probe), plus `max_connections` per directory and per
+    /// ticket server on that server. Multiply by the number of instances
+    /// (application processes, `shardctl`) and keep it under the server's
+    /// own limit (`max_connections` on PostgreSQL and MySQL/MariaDB).
+    pub fn connection_budget(&self) -> Result<ConnectionBudget> {
+        let topology = super::Topology::build(self)?;
+        let main = self.pool.max_connections.unwrap_or(SQLX_MAX_CONNECTIONS);
+        let side = self
+            .pool
+            .side_connections
+            .unwrap_or(DEFAULT_SIDE_CONNECTIONS);
+        let mut servers: Vec<ServerBudget> = Vec::new();
+        let mut entry = |url: &DatabaseUrl| -> usize {
+            let server = url.host().unwrap_or_else(|| "sqlite".to_owned());
+            match servers.iter().position(|s| s.server == server) {
+                Some(i) => i,
+                None => {
+                    servers.push(ServerBudget {
+                        server,
+                        shards: 0,
+                        directories: 0,
+                        ticket_servers: 0,
+                        connections: 0,
+                    });
+                    servers.len() - 1
+                }
+            }
+        };
+        let mut add = Vec::new();
+        for shard in topology.shards() {
+            let url = &shard.url;
+            let connections = if url.is_sqlite_memory() {
+                1
+            } else if url.host().is_none() {
+                main + side
+            } else {
+                main + side + 1
+            };
+            add.push((entry(url), 0, connections));
+        }
+        for directory in topology.directories() {
+            add.push((entry(&directory.url), 1, pool_size(&directory.url, main)));
+        }
+        for tickets in topology.ticket_servers() {
+            add.push((entry(&tickets.url), 2, pool_size(&tickets.url, main)));
+        }
+        for (i, kind, connections) in add {
+            let server = &mut servers[i];
+            match kind {
+                0 => server.shards += 1,
+                1 => server.directories += 1,
+                _ => server.ticket_servers += 1,
+            }
+            server.connections += connections;
+        }
+        Ok(ConnectionBudget {
+            max_connections: main,
+            side_connections: side,
+            servers,
+        })
+    }
+}
+
+/// One pool's size: `max_connections`, one for a private in-memory SQLite
+/// database.
+fn pool_size(url: &DatabaseUrl, max_connections: u32) -> u32 {
+    if url.is_sqlite_memory() {
+        1
+    } else {
+        max_connections
+    }
 }
 
 impl ClusterConfig {
@@ -436,6 +565,12 @@ impl ClusterConfig {
                 ),
             )
         })?;
+        within(
+            "pool.side_connections",
+            pool.side_connections,
+            1,
+            MAX_CONNECTIONS,
+        )?;
         within(
             "pool.connect_timeout_secs",
             pool.connect_timeout_secs,

@@ -15,10 +15,11 @@ pub use ranges::{LiveMap, MapSnapshot, RangeOwners, RangeUnit};
 pub(crate) use ranges::{find_bound, find_key};
 mod url;
 
+pub(crate) use config::DEFAULT_SIDE_CONNECTIONS;
 pub use config::{
-    BucketRange, ClusterConfig, DirectoryConfig, GroupConfig, HostConfig, IdsConfig, KeyRange,
-    PlacementKind, PoolConfig, RangeBound, ReadConfig, RebalanceConfig, SequenceConfig,
-    ShardConfig, SnowflakeConfig,
+    BucketRange, ClusterConfig, ConnectionBudget, DirectoryConfig, GroupConfig, HostConfig,
+    IdsConfig, KeyRange, PlacementKind, PoolConfig, RangeBound, ReadConfig, RebalanceConfig,
+    SequenceConfig, ServerBudget, ShardConfig, SnowflakeConfig,
 };
 pub use url::DatabaseUrl;
 
