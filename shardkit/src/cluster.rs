@@ -371,7 +371,7 @@ impl Cluster {
                     let crate::exec::Begun { txn, writer, .. } = begun;
                     let _ = txn.rollback().await;
                     drop(writer);
-                    crate::rebalance::refresh(&self.shards, G::NAME).await?;
+                    crate::rebalance::after_refusal(&self.shards, G::NAME, shard).await?;
                     // A new shard, or a new range id (a split) on the same
                     // shard: begin again at once.
                     let now_at = self.shards.route_now::<G>(key)?;
@@ -595,14 +595,28 @@ impl Cluster {
     /// `[ids.sequences]` names ([`Ids::create_configured_sequences`]) and
     /// reports each database's status. Fails with [`ShardError::Migration`]
     /// naming a database whose migration failed, after every other one has
-    /// had its turn.
+    /// had its turn. The `movable` groups' bucket maps and every shard's
+    /// bucket states are prepared whatever failed (a shard added to the
+    /// config gets its states here, so moves can hand it buckets).
     ///
     /// What shardkit keeps beside an entity's own table (index tables, the
     /// ticket sequences its ids draw from) is created per entity by
     /// [`setup`](Self::setup); a write that finds such a table missing fails
     /// with an error that names that call.
     pub async fn migrate<M: MigratorTrait>(&self) -> Result<MigrationReport> {
-        let report = self.shards.migrate::<M>().await?;
+        let migrated = self.shards.migrate::<M>().await;
+        // The movable groups' maps and every shard's bucket states (a shard
+        // added to the config gets its own), even when a database failed
+        // (a ticket server down): a half-done set-up must not leave a map
+        // whose fences refuse every write.
+        match crate::rebalance::load_maps(&self.shards).await {
+            Err(e) if migrated.is_ok() => return Err(e),
+            Err(e) => {
+                tracing::warn!(error = %e.report(), "bucket maps not prepared; the migration failed too")
+            }
+            Ok(()) => {}
+        }
+        let report = migrated?;
         self.features.ids.create_configured_sequences().await?;
         Ok(report)
     }

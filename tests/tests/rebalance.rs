@@ -23,6 +23,8 @@ backend_tests!(5 =>
     a_mover_paused_past_its_hold_is_refused_where_it_writes,
     a_copy_converges_while_writers_add_parents_and_children,
     a_mover_dead_after_fencing_is_taken_over_once_its_hold_lapses,
+    a_shard_added_to_the_config_connects_unmigrated_and_takes_buckets_after_migrate,
+    a_migrate_that_fails_on_a_ticket_server_leaves_the_movable_group_writable,
 );
 
 const BUCKETS: u32 = 64;
@@ -42,12 +44,16 @@ fn config(dbs: &TestDbs, refresh_ms: u64) -> ClusterConfig {
 /// Five shards on pools of 2 and the movable Customer group placed by
 /// `placement` (its TOML lines).
 fn config_with(dbs: &TestDbs, placement: &str, refresh_ms: u64) -> ClusterConfig {
-    let toml = format!(
+    let toml = toml_with(dbs, placement, refresh_ms);
+    ClusterConfig::from_toml(&toml).unwrap_or_else(|e| panic!("config: {e}\n{toml}"))
+}
+
+fn toml_with(dbs: &TestDbs, placement: &str, refresh_ms: u64) -> String {
+    format!(
         "{}\n[groups.Customer]\n{placement}\nmovable = true\n\n[rebalance]\nrefresh_ms = {refresh_ms}\ncleanup_grace_ms = 0\nchunk = 40\n",
         dbs.shards_toml(5)
             .replace("max_connections = 4", "max_connections = 2"),
-    );
-    ClusterConfig::from_toml(&toml).unwrap_or_else(|e| panic!("config: {e}\n{toml}"))
+    )
 }
 
 async fn connect(dbs: &TestDbs, refresh_ms: u64) -> Cluster {
@@ -1433,7 +1439,7 @@ fn cart_writer(
             let key = keys[n as usize % keys.len()];
             let id = writer * 1_000_000 + n as i64;
             let label = format!("l{id}");
-            let result = if n % 10 == 0 {
+            let result = if n.is_multiple_of(10) {
                 cluster
                     .transaction::<Customer, _, _>(key, |tx| {
                         let label = label.clone();
@@ -1479,7 +1485,7 @@ fn cart_writer(
                     e.report()
                 );
             }
-            if n % 10 == 0 {
+            if n.is_multiple_of(10) {
                 let mut a = acked.lock().unwrap();
                 a.carts.insert(id, (key, format!("l{id}")));
                 a.items.insert(id * 2, (key, id));
@@ -1680,4 +1686,92 @@ async fn a_mover_dead_after_fencing_is_taken_over_once_its_hold_lapses(dbs: &mut
     );
     a.refresh_bucket_maps().await.unwrap();
     check_placement(&a, &acked).await;
+}
+
+/// A fifth shard, empty and not migrated, added to the config of a running
+/// movable group: instances connect (the new shard holds no bucket), writes
+/// go on, `migrate` prepares it (tables and bucket states), and a move hands
+/// it buckets.
+async fn a_shard_added_to_the_config_connects_unmigrated_and_takes_buckets_after_migrate(
+    dbs: &mut TestDbs,
+) {
+    let four = ClusterConfig::from_toml(&format!(
+        "{}\n[groups.Customer]\nbuckets = {BUCKETS}\nshards = [\"s0\", \"s1\", \"s2\", \"s3\"]\nmovable = true\n\n[rebalance]\ncleanup_grace_ms = 0\n",
+        dbs.shards_toml(4)
+    ))
+    .unwrap();
+    let old = Cluster::connect(four).await.unwrap();
+    let acked: Shared = Arc::default();
+    seed(&old, &acked, 1..=20).await;
+    // s4 joins the config, its database empty.
+    let grown = Cluster::connect(config(dbs, 20))
+        .await
+        .unwrap_or_else(|e| panic!("connect with an unmigrated shard: {}", e.report()));
+    grown.refresh_bucket_maps().await.unwrap();
+    for k in 1..=20 {
+        write_round(&grown, &acked, k, 1).await.unwrap();
+    }
+    // A move to it before it is migrated is refused, naming what to do.
+    let m = mover(&grown);
+    let plan = m.plan_buckets([bucket(1)], "s4").await.unwrap();
+    let early = m.start(&plan).await.unwrap();
+    let err = m.run(early.id).await.unwrap_err();
+    assert!(
+        matches!(&err, ShardError::Rebalance { reason, .. }
+            if reason.contains("shard `s4` is not migrated") && reason.contains("run `migrate`")),
+        "{}",
+        err.report()
+    );
+    let report = grown.migrate::<Migrator>().await.unwrap();
+    assert!(report.is_current(), "{report:?}");
+    let id = early.id;
+    let done = m.run(id).await.unwrap_or_else(|e| panic!("{}", e.report()));
+    assert_eq!(done.phase, MovePhase::Done);
+    assert_eq!(grown.shard_of_now::<Customer>(&1).unwrap(), Some("s4"));
+    for k in 1..=20 {
+        write_round(&grown, &acked, k, 2).await.unwrap();
+    }
+    check_placement(&grown, &acked).await;
+}
+
+/// `migrate` on a fresh movable group whose ticket server is down fails,
+/// naming the server, and leaves the group writable (its map and every
+/// shard's bucket states prepared): a half-done set-up refused every write
+/// of the group as moved.
+async fn a_migrate_that_fails_on_a_ticket_server_leaves_the_movable_group_writable(
+    dbs: &mut TestDbs,
+) {
+    let toml = format!(
+        "{}\n[ids]\nservers = [{{ name = \"tickets_down\", url = \"postgres://postgres@127.0.0.1:9/down\" }}]\n",
+        toml_with(
+            dbs,
+            &format!("buckets = {BUCKETS}\nshards = [\"s0\", \"s1\", \"s2\", \"s3\"]"),
+            20
+        )
+    );
+    // The down server is given up on after 2 s, not the default 30.
+    let toml = toml.replace(
+        "max_connections = 2",
+        "max_connections = 2\nconnect_timeout_secs = 2\nacquire_timeout_secs = 2",
+    );
+    let config = ClusterConfig::from_toml(&toml).unwrap_or_else(|e| panic!("{e}\n{toml}"));
+    let cluster = Cluster::connect(config).await.unwrap();
+    let err = cluster.migrate::<Migrator>().await.unwrap_err();
+    assert!(
+        err.report().to_string().contains("tickets_down"),
+        "{}",
+        err.report()
+    );
+    cluster.setup::<contact::Entity>().await.unwrap();
+    let acked: Shared = Arc::default();
+    for k in 1..=20 {
+        insert_customer(&cluster, &acked, k).await;
+    }
+    for k in 1..=20 {
+        write_round(&cluster, &acked, k, 1)
+            .await
+            .unwrap_or_else(|e| panic!("customer {k}: {}", e.report()));
+    }
+    cluster.refresh_bucket_maps().await.unwrap();
+    check_placement(&cluster, &acked).await;
 }

@@ -74,7 +74,13 @@ pub(crate) async fn refresh(shards: &Shards, group: &str) -> Result<u64> {
     };
     let epoch = match read_epoch(db, name, group, buckets).await? {
         Some((epoch, _)) => epoch,
-        None => seed_map(shards, group, map).await?,
+        None => {
+            let epoch = seed_map(shards, group, map).await?;
+            // Every shard's fence with the map, in the same step: a map
+            // without states would refuse every write.
+            seed_states(shards, group).await?;
+            epoch
+        }
     };
     if epoch > map.epoch() {
         let mut stmt = Query::select();
@@ -368,9 +374,44 @@ pub(crate) async fn seed_states(shards: &Shards, group: &str) -> Result<()> {
     insert_states(shards, group, &units, complete).await
 }
 
+/// After a fence refused a write of `group` on `shard`: reads the map
+/// again, and seeds the states when the shard has none of the group (a
+/// set-up that stopped between seeding the map and the states, or a shard
+/// added to the config since). Returns the epoch in use.
+pub(crate) async fn after_refusal(shards: &Shards, group: &str, shard: ShardId) -> Result<u64> {
+    let epoch = refresh(shards, group).await?;
+    let (db, name) = (shards.side_conn(shard), shards.shard_name(shard));
+    if state_rows(db, name, group).await? == 0 {
+        tracing::info!(
+            group,
+            shard = name,
+            "the shard has no bucket states: seeding them"
+        );
+        seed_states(shards, group).await?;
+    }
+    Ok(epoch)
+}
+
+async fn state_rows(db: &DatabaseConnection, name: &str, group: &str) -> Result<i64> {
+    let count = Query::select()
+        .expr_as(Expr::col(Alias::new("bucket")).count(), Alias::new("n"))
+        .from(Alias::new(STATES))
+        .and_where(Expr::col(Alias::new("grp")).eq(group))
+        .to_owned();
+    Ok(db
+        .query_one(&count)
+        .await
+        .map_err(|e| db_err(name, STATES, "read", e))?
+        .and_then(|row| row.try_get("", "n").ok())
+        .unwrap_or(0))
+}
+
 /// Gives every shard a state row for each of `units` it lacks (`owned` on
 /// the unit's owner, `none` elsewhere); a shard that has `complete` rows
-/// of the group is skipped.
+/// of the group is skipped. A shard that owns none of `units` and cannot
+/// take them (not migrated yet: a shard just added to the config; or down)
+/// is left out and reported: it gets its rows once migrated, from the next
+/// `migrate` or connect, before any move can hand it a bucket.
 pub(crate) async fn insert_states(
     shards: &Shards,
     group: &str,
@@ -380,17 +421,25 @@ pub(crate) async fn insert_states(
     for (index, _) in shards.topology().shards().iter().enumerate() {
         let id = ShardId(index as u32);
         let (db, name) = (shards.side_conn(id), shards.shard_name(id));
-        let count = Query::select()
-            .expr_as(Expr::col(Alias::new("bucket")).count(), Alias::new("n"))
-            .from(Alias::new(STATES))
-            .and_where(Expr::col(Alias::new("grp")).eq(group))
-            .to_owned();
-        let n: i64 = db
-            .query_one(&count)
-            .await
-            .map_err(|e| db_err(name, STATES, "read", e))?
-            .and_then(|row| row.try_get("", "n").ok())
-            .unwrap_or(0);
+        let n = match state_rows(db, name, group).await {
+            Ok(n) => n,
+            Err(e)
+                if e.kind() == crate::ErrorKind::Database
+                    && !units.iter().any(|(_, owner)| *owner == id) =>
+            {
+                if super::missing_table(&e) {
+                    tracing::warn!(
+                        group,
+                        shard = name,
+                        "shard is not migrated yet and owns no bucket: run `migrate` before moving buckets to it"
+                    );
+                } else {
+                    tracing::warn!(group, shard = name, error = %e.report(), "shard unreachable and owns no bucket: its bucket states are seeded later");
+                }
+                continue;
+            }
+            Err(e) => return Err(e),
+        };
         if complete.is_some_and(|all| n >= all) {
             continue;
         }

@@ -70,7 +70,7 @@ mod mover;
 
 #[cfg(feature = "cli")]
 pub(crate) use entity::{MoveEntity, Mover};
-pub(crate) use map::{fence, refresh, seed_states};
+pub(crate) use map::{after_refusal, fence, refresh, seed_states};
 
 /// A failed statement of the bucket-move machinery on `shard`.
 pub(crate) fn db_err(shard: &str, table: &str, operation: &str, source: DbErr) -> ShardError {
