@@ -312,6 +312,14 @@ async fn grow(cluster: &Cluster) -> shardkit::Result<MoveStatus> {
     moves.run(started.id).await                            // copy, catch up, verify, cut over, clean
 }
 
+/// README.md, "Moving buckets": adding a shard.
+#[rustfmt::skip]
+async fn add_shard(config: ClusterConfig) -> shardkit::Result<MoveStatus> {
+    let cluster = Cluster::connect(config).await?;         // s4 listed, its database empty
+    cluster.migrate::<migration::Migrator>().await?;       // s4's tables and bucket states
+    grow(&cluster).await                                   // then moves hand it buckets
+}
+
 /// The application's migrations the README's `migration::Migrator` stands
 /// for: shardkit's tables, then one table per entity above.
 mod migration {
@@ -679,6 +687,65 @@ async fn rollouts_advance_backfill_and_verify() {
         report.is_consistent(),
         "the backfill copied every person: {report:?}"
     );
+}
+
+#[tokio::test]
+async fn a_shard_added_to_a_running_cluster_is_migrated_and_takes_buckets() {
+    let scratch = Scratch::new("add");
+    let shards = scratch
+        .cluster_toml(4)
+        .split("[groups.Customer]")
+        .next()
+        .unwrap()
+        .to_owned();
+    let group = "[groups.Customer]\nbuckets = 64\nshards = [\"s0\", \"s1\", \"s2\", \"s3\"]\nmovable = true\n[rebalance]\ncleanup_grace_ms = 0\n";
+    {
+        let running = migrated(&format!("{shards}{group}")).await;
+        running.refresh_bucket_maps().await.unwrap();
+        for order in seeded_orders() {
+            let tx = running.begin::<Customer>(order.customer_id).await.unwrap();
+            tx.insert(order::ActiveModel::from(order)).await.unwrap();
+            tx.commit().await.unwrap();
+        }
+    }
+    let grown = format!(
+        "{shards}[[shards]]\nname = \"s4\"\nurl = \"{}\"\n\n{group}",
+        scratch.url("s4")
+    );
+    let config = ClusterConfig::from_toml(&grown).unwrap();
+    // An instance with the new shard listed connects before it is migrated.
+    let early = Cluster::connect(config.clone()).await.unwrap();
+    let tx = early.begin::<Customer>(1).await.unwrap();
+    tx.commit().await.unwrap();
+    drop(early);
+
+    let done = add_shard(config.clone()).await.unwrap();
+
+    assert_eq!(done.phase, MovePhase::Done);
+    assert_eq!(
+        done.buckets.len(),
+        64 / 5,
+        "s4 takes a fifth of the buckets"
+    );
+    let cluster = Cluster::connect(config).await.unwrap();
+    let all = cluster
+        .find::<order::Entity>()
+        .scatter()
+        .all()
+        .await
+        .unwrap();
+    assert_eq!(sorted(all), seeded_orders(), "every order, each once");
+    let on_s4 = order::Entity::find()
+        .all(cluster.connection("s4").unwrap())
+        .await
+        .unwrap();
+    assert!(!on_s4.is_empty(), "s4 holds orders");
+    for o in &on_s4 {
+        assert_eq!(
+            cluster.shard_of_now::<Customer>(&o.customer_id).unwrap(),
+            Some("s4")
+        );
+    }
 }
 
 #[tokio::test]
