@@ -25,6 +25,7 @@ backend_tests!(5 =>
     a_mover_dead_after_fencing_is_taken_over_once_its_hold_lapses,
     a_shard_added_to_the_config_connects_unmigrated_and_takes_buckets_after_migrate,
     a_migrate_that_fails_on_a_ticket_server_leaves_the_movable_group_writable,
+    an_instance_that_has_not_refreshed_reads_a_moved_row_as_at_the_flip,
 );
 
 const BUCKETS: u32 = 64;
@@ -1774,4 +1775,60 @@ async fn a_migrate_that_fails_on_a_ticket_server_leaves_the_movable_group_writab
     }
     cluster.refresh_bucket_maps().await.unwrap();
     check_placement(&cluster, &acked).await;
+}
+
+/// After a move's flip, an instance that has not read the map since reads a
+/// moved key from the old owner: the row as it was at the flip, never
+/// missing while the old copies wait out `cleanup_grace_ms`. A read inside a
+/// transaction is the owner's (the transaction checks the bucket's fence on
+/// its shard and is rerouted), and the instance's reads follow from then on.
+async fn an_instance_that_has_not_refreshed_reads_a_moved_row_as_at_the_flip(dbs: &mut TestDbs) {
+    let toml = toml_with(
+        dbs,
+        &format!("buckets = {BUCKETS}\nshards = [\"s0\", \"s1\", \"s2\", \"s3\"]"),
+        0,
+    )
+    .replace("cleanup_grace_ms = 0", "cleanup_grace_ms = 600000");
+    let config = ClusterConfig::from_toml(&toml).unwrap();
+    let a = Cluster::connect(config.clone()).await.unwrap();
+    let acked: Shared = Arc::default();
+    seed(&a, &acked, 1..=20).await;
+    let stale = Cluster::connect(config).await.unwrap();
+    stale.refresh_bucket_maps().await.unwrap();
+    let read = |c: &Cluster| {
+        let c = c.clone();
+        async move {
+            c.find::<customer::Entity>()
+                .key(1)
+                .one()
+                .await
+                .unwrap()
+                .map(|m| m.name)
+        }
+    };
+    assert_eq!(read(&stale).await.as_deref(), Some("c1"));
+    let m = mover(&a);
+    let id = m
+        .start(&m.plan_buckets([bucket(1)], "s4").await.unwrap())
+        .await
+        .unwrap()
+        .id;
+    // The old copies wait out the grace period.
+    assert_eq!(m.run(id).await.unwrap().phase, MovePhase::Cleaning);
+    a.refresh_bucket_maps().await.unwrap();
+    write_round(&a, &acked, 1, 1).await.unwrap();
+    // The stale instance reads the row as it was at the flip.
+    assert_eq!(read(&stale).await.as_deref(), Some("c1"));
+    // A transaction reads the owner's row.
+    let inside = stale
+        .transaction::<Customer, _, _>(
+            1,
+            |tx| async move { tx.find::<customer::Entity>().one().await },
+        )
+        .await
+        .unwrap()
+        .map(|m| m.name);
+    assert_eq!(inside.as_deref(), Some("c1-r1"));
+    // The rerouted transaction refreshed the map: reads follow.
+    assert_eq!(read(&stale).await.as_deref(), Some("c1-r1"));
 }
