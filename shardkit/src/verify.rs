@@ -22,10 +22,11 @@
 
 use crate::entity::{ShardedEntity, table_name};
 use crate::error::{Result, ShardError};
+use crate::exec::keyset::pk_condition;
 use crate::exec::keyset::{
     after_condition, by_pk, format_cursor, model_pk_values, parse_cursor, upto_condition,
 };
-use crate::rollout::{RolloutHandle, pk_condition};
+use crate::rollout::RolloutHandle;
 use sea_orm::sea_query::{Alias, Expr, Query};
 use sea_orm::{
     ConnectionTrait, DatabaseConnection, DbBackend, DbErr, EntityTrait, IdenStatic,

@@ -100,3 +100,12 @@ pub(crate) fn after_columns(columns: &[&str], after: &[Value]) -> Condition {
     let right = Expr::tuple(after.iter().map(|v| SimpleExpr::from(Expr::val(v.clone()))));
     Condition::all().add(left.gt(right))
 }
+
+/// `E`'s primary key columns equal to `values`, in order.
+pub(crate) fn pk_condition<E: EntityTrait>(values: &[Value]) -> Condition {
+    <E::PrimaryKey as Iterable>::iter()
+        .zip(values)
+        .fold(Condition::all(), |cond, (pk, v)| {
+            cond.add(pk.into_column().eq(v.clone()))
+        })
+}

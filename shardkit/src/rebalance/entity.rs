@@ -271,7 +271,7 @@ async fn delete_pks<E: ShardedEntity>(
             ))
         } else {
             pks.iter().fold(Condition::any(), |c, pk| {
-                c.add(crate::rollout::pk_condition::<E>(pk))
+                c.add(keyset::pk_condition::<E>(pk))
             })
         };
         deleted += again(table_name::<E>(), shard, || async {

@@ -143,7 +143,7 @@ use crate::entity::{EntityGroup, ShardKey, ShardedEntity, table_name};
 use crate::error::{Result, ShardError};
 use crate::exec::Shards;
 pub(crate) use crate::exec::keyset::{
-    after_condition, by_pk, format_cursor, model_pk_values, parse_cursor, tuple_text,
+    after_condition, by_pk, format_cursor, model_pk_values, parse_cursor, pk_condition, tuple_text,
 };
 use crate::gsi::GsiState;
 pub use crate::phase::Phase;
@@ -152,7 +152,7 @@ use crate::topology::ShardId;
 use futures::future::BoxFuture;
 use sea_orm::sea_query::{Alias, Expr, ExprTrait, OnConflict, Query};
 use sea_orm::{
-    ActiveModelTrait, ActiveValue, ColumnTrait, Condition, ConnectionTrait, DatabaseConnection,
+    ActiveModelTrait, ActiveValue, ColumnTrait, ConnectionTrait, DatabaseConnection,
     DatabaseTransaction, DbErr, EntityTrait, IntoActiveModel, Iterable, ModelTrait,
     PrimaryKeyToColumn, PrimaryKeyTrait, QueryFilter, TryIntoModel, Value,
     sea_query::IntoValueTuple,
@@ -646,15 +646,6 @@ fn model_from_values<E: ShardedEntity>(values: RowValues) -> std::result::Result
 /// The cache key of a row: shard key and primary key, as text.
 fn cache_key(key: &str, pk: &str) -> String {
     format!("{key}\u{1f}{pk}")
-}
-
-/// `E`'s primary key columns equal to `values`, in order.
-pub(crate) fn pk_condition<E: EntityTrait>(values: &[Value]) -> Condition {
-    <E::PrimaryKey as Iterable>::iter()
-        .zip(values)
-        .fold(Condition::all(), |cond, (pk, v)| {
-            cond.add(pk.into_column().eq(v.clone()))
-        })
 }
 
 /// `E`'s primary key column names, as a tuple when there are several.
