@@ -647,3 +647,101 @@ database = "tickets"
     assert_eq!((budget.max_connections, budget.side_connections), (10, 2));
     assert_eq!(budget.total(), 4 * 12);
 }
+
+/// PostgreSQL keeps a name's first 63 bytes and truncates the rest without an
+/// error: with `create_databases` a longer name was created truncated and
+/// every restart failed ("already exists"), and two names equal in their
+/// first 63 bytes were one database. Such names are refused, as are MySQL
+/// names over its 64 characters, in every form a database is named.
+#[test]
+fn database_names_over_the_servers_limit_are_refused() {
+    let long = "d".repeat(64);
+    let (entry, message) = rejected(&format!(
+        "[[hosts]]\nname = \"pg\"\nurl = \"postgres://app:hunter2@127.0.0.1:5432\"\n\
+         [[shards]]\nname = \"s0\"\nhost = \"pg\"\ndatabase = \"orders_0\"\n\
+         [[shards]]\nname = \"s1\"\nhost = \"pg\"\ndatabase = \"orders_1\"\n\
+         [[shards]]\nname = \"s2\"\nhost = \"pg\"\ndatabase = \"{long}\"\n"
+    ));
+    assert_eq!(entry, "shards[2] (\"s2\")");
+    assert_eq!(
+        message,
+        format!(
+            "database name \"{long}\" is 64 bytes long; PostgreSQL keeps at most 63 bytes of a \
+             name and would silently truncate it"
+        )
+    );
+
+    // Bytes, not characters: 32 two-byte characters are 64 bytes. In a
+    // full URL the name is read percent-decoded, as the driver reads it.
+    let (entry, message) = rejected(&format!(
+        "[[shards]]\nname = \"s0\"\nurl = \"postgresql://app@127.0.0.1/{}?sslmode=disable\"\n",
+        "%C3%A9".repeat(32)
+    ));
+    assert_eq!(entry, "shards[0] (\"s0\")");
+    assert_eq!(
+        message,
+        format!(
+            "database name \"{}\" is 64 bytes long; PostgreSQL keeps at most 63 bytes of a name \
+             and would silently truncate it",
+            "é".repeat(32)
+        )
+    );
+
+    // Ticket servers and directories too.
+    let (entry, _) = rejected(&format!(
+        "[[shards]]\nname = \"s0\"\nurl = \"sqlite::memory:\"\n\
+         [ids]\nservers = [{{ name = \"t0\", url = \"postgres://app@127.0.0.1/{long}\" }}]\n"
+    ));
+    assert_eq!(entry, "ids.servers[0] (\"t0\")");
+    let (entry, _) = rejected(&format!(
+        "[[shards]]\nname = \"s0\"\nurl = \"sqlite::memory:\"\n\
+         [groups.M]\nplacement = \"directory\"\n\
+         directory = {{ url = \"postgres://app@127.0.0.1/{long}\" }}\n"
+    ));
+    assert_eq!(entry, "groups.M.directory");
+
+    // 63 bytes is fine on PostgreSQL; MySQL takes 64 characters, not 65.
+    let ok = |url: String| {
+        ClusterConfig::from_toml(&format!("[[shards]]\nname = \"s0\"\nurl = \"{url}\"\n"))
+            .unwrap_or_else(|err| panic!("{url}: {err}"));
+    };
+    ok(format!("postgres://app@127.0.0.1/{}", "d".repeat(63)));
+    ok(format!("mysql://root@127.0.0.1/{long}"));
+    ok(format!("mysql://root@127.0.0.1/{}", "%C3%A9".repeat(64)));
+    let (entry, message) = rejected(&format!(
+        "[[hosts]]\nname = \"my\"\nurl = \"mysql://root@127.0.0.1:3306\"\n\
+         [[shards]]\nname = \"s0\"\nhost = \"my\"\ndatabase = \"{long}x\"\n"
+    ));
+    assert_eq!(entry, "shards[0] (\"s0\")");
+    assert_eq!(
+        message,
+        format!(
+            "database name \"{long}x\" is 65 characters long; MySQL and MariaDB accept at most 64"
+        )
+    );
+}
+
+/// `database` in the `[[hosts]]` form is a plain name: `x%41` used to be read
+/// as percent-encoding and name `xA`. A `%` is refused there; a `url` names
+/// any database, percent-encoded.
+#[test]
+fn a_database_name_is_not_percent_decoded() {
+    let (entry, message) = rejected(
+        "[[hosts]]\nname = \"pg\"\nurl = \"postgres://app@127.0.0.1:5432\"\n\
+         [[shards]]\nname = \"s0\"\nhost = \"pg\"\ndatabase = \"x%41\"\n",
+    );
+    assert_eq!(entry, "shards[0] (\"s0\")");
+    assert_eq!(
+        message,
+        "invalid database name \"x%41\": `database` takes a plain name and `%` is not allowed \
+         in it; for such a name give the shard a `url` with the name percent-encoded (`%25` for \
+         `%`)"
+    );
+    // Other characters are taken as written (a space is encoded in the URL
+    // and decoded by the driver).
+    ClusterConfig::from_toml(
+        "[[hosts]]\nname = \"pg\"\nurl = \"postgres://app@127.0.0.1:5432\"\n\
+         [[shards]]\nname = \"s0\"\nhost = \"pg\"\ndatabase = \"orders 0\"\n",
+    )
+    .unwrap();
+}

@@ -676,6 +676,45 @@ where
     }
 }
 
+/// The longest database name PostgreSQL keeps, in bytes (`NAMEDATALEN - 1`);
+/// it truncates a longer one without an error.
+pub(super) const POSTGRES_MAX_NAME_BYTES: usize = 63;
+/// The longest database name MySQL and MariaDB accept, in characters.
+pub(super) const MYSQL_MAX_NAME_CHARS: usize = 64;
+
+/// Checks the database name a PostgreSQL or MySQL/MariaDB URL names
+/// (percent-decoded, as the driver reads it) against the server's limit.
+/// PostgreSQL truncates a longer name silently, so `create_databases`
+/// would create one database and every later start find it under another
+/// name, and two names sharing their first 63 bytes would be one database.
+pub(super) fn check_database_name(entry: &str, url: &DatabaseUrl) -> Result<()> {
+    let Some((_, name)) = url.server_and_database() else {
+        return Ok(());
+    };
+    let postgres = matches!(url.scheme(), Some("postgres" | "postgresql"));
+    if postgres && name.len() > POSTGRES_MAX_NAME_BYTES {
+        return Err(ShardError::config(
+            entry,
+            format!(
+                "database name {name:?} is {} bytes long; PostgreSQL keeps at most \
+                 {POSTGRES_MAX_NAME_BYTES} bytes of a name and would silently truncate it",
+                name.len()
+            ),
+        ));
+    }
+    let chars = name.chars().count();
+    if !postgres && chars > MYSQL_MAX_NAME_CHARS {
+        return Err(ShardError::config(
+            entry,
+            format!(
+                "database name {name:?} is {chars} characters long; MySQL and MariaDB accept \
+                 at most {MYSQL_MAX_NAME_CHARS}"
+            ),
+        ));
+    }
+    Ok(())
+}
+
 pub(super) const SUPPORTED_SCHEMES: &[&str] = &["sqlite", "postgres", "postgresql", "mysql"];
 
 /// Checks a URL's syntax and scheme without ever printing it.

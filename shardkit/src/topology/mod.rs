@@ -853,6 +853,18 @@ fn locate_database(
     host: &Option<String>,
     database: &Option<String>,
 ) -> Result<DatabaseUrl> {
+    let url = locate_url(entry, hosts, url, host, database)?;
+    config::check_database_name(entry, &url)?;
+    Ok(url)
+}
+
+fn locate_url(
+    entry: &str,
+    hosts: &HashMap<&str, &DatabaseUrl>,
+    url: &Option<DatabaseUrl>,
+    host: &Option<String>,
+    database: &Option<String>,
+) -> Result<DatabaseUrl> {
     match (url, host, database) {
         (Some(url), None, None) => {
             check_url(entry, url)?;
@@ -869,6 +881,18 @@ fn locate_database(
                 return Err(ShardError::config(
                     entry,
                     format!("invalid database name {database:?}"),
+                ));
+            }
+            // `database` is a name, not a piece of URL: a `%` would be read
+            // as percent-encoding (`x%41` naming `xA`).
+            if database.contains('%') {
+                return Err(ShardError::config(
+                    entry,
+                    format!(
+                        "invalid database name {database:?}: `database` takes a plain name and \
+                         `%` is not allowed in it; for such a name give the shard a `url` with \
+                         the name percent-encoded (`%25` for `%`)"
+                    ),
                 ));
             }
             let mut parsed = ::url::Url::parse(base.expose())
