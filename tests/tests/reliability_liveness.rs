@@ -3,7 +3,7 @@
 //! comes back once reachable), and index reads with `.partial()` report a
 //! down index shard instead of failing or hanging.
 
-use sea_orm::{ActiveValue::Unchanged, Set};
+use sea_orm::{ActiveValue::Unchanged, EntityTrait, Set};
 use shardkit::topology::pghash::partition_hash_bytes;
 use shardkit::{Cluster, ClusterConfig, ShardError};
 use shardkit_tests::models::*;
@@ -16,6 +16,7 @@ backend_tests!(2 =>
     [Postgres, MySql] refused_shard_fails_fast_with_its_cause,
     [Postgres, MySql] hung_shard_fails_fast_with_its_cause,
     [Postgres, MySql] down_shard_comes_back_once_reachable,
+    [Postgres, MySql] create_databases_skips_a_lazy_shard_that_is_down,
     index_read_partial_reports_a_down_index_shard,
 );
 
@@ -281,6 +282,95 @@ async fn refused_shard_fails_fast_with_its_cause(dbs: &mut TestDbs) {
     // The healthy shard is unaffected (its table is missing: migrate
     // stopped at s1, so only the routing is checked here).
     assert_eq!(cluster.shard_of::<Customer>(&up).await.unwrap(), "s0");
+}
+
+/// `create_databases` with `connect_lazy`: a shard on a closed port or on a
+/// server that never answers used to hold `Cluster::connect` for the whole
+/// acquire timeout (30 s) and then fail with "database does not exist and
+/// could not be created: ... pool timed out". Now the lazy shard is passed
+/// over (with a warning) within the connect timeout and the reachable shard
+/// works; without `connect_lazy` the connect fails with the driver's own
+/// cause. A ticket server down never stops the connect.
+async fn create_databases_skips_a_lazy_shard_that_is_down(dbs: &mut TestDbs) {
+    // s0's tables, by a cluster of s0 alone.
+    let alone = ClusterConfig::from_toml(&format!(
+        "{}
+[groups.Customer]
+",
+        dbs.shards_toml(1)
+    ))
+    .unwrap();
+    Cluster::connect(alone)
+        .await
+        .unwrap()
+        .migrate::<Migrator>()
+        .await
+        .unwrap();
+
+    let hung = Hung::start().await;
+    let refused = closed_port_url(dbs.backend);
+    let tickets = format!("[ids]\nservers = [{{ name = \"t0\", url = \"{refused}\" }}]\n");
+    let lazy = "connect_timeout_secs = 1\ncreate_databases = true\nconnect_lazy = true\n";
+    for (url, cause_says) in [
+        (refused.to_owned(), "refused"),
+        (hung.url(dbs.backend), "within 1000 ms"),
+    ] {
+        let started = Instant::now();
+        let cluster = Cluster::connect(config_with_s1(dbs, lazy, &url, &tickets))
+            .await
+            .unwrap_or_else(|e| panic!("{url}: {}", e.report()));
+        let took = started.elapsed();
+        assert!(
+            took < Duration::from_secs(4),
+            "{url}: connect took {took:?}"
+        );
+
+        let up = key_on(&cluster, "s0").await;
+        let tx = cluster.begin::<Customer>(up).await.unwrap();
+        tx.insert(customer::ActiveModel {
+            id: Set(up),
+            name: Set("up".into()),
+        })
+        .await
+        .unwrap();
+        tx.commit().await.unwrap();
+        let found = cluster
+            .find::<customer::Entity>()
+            .key(up)
+            .all()
+            .await
+            .unwrap();
+        assert_eq!(found.len(), 1);
+        customer::Entity::delete_by_id(up)
+            .exec(cluster.connection("s0").unwrap())
+            .await
+            .unwrap();
+
+        let down = key_on(&cluster, "s1").await;
+        let err = cluster.begin::<Customer>(down).await.unwrap_err();
+        assert_unavailable(&err, "s1", &[cause_says]);
+        println!("{:?}: lazy connect with s1 at {url}: {took:?}", dbs.backend);
+
+        // Not lazy: the shard's own cause, at once, not "could not be created".
+        let eager = "connect_timeout_secs = 1\ncreate_databases = true\n";
+        let started = Instant::now();
+        let err = Cluster::connect(config_with_s1(dbs, eager, &url, ""))
+            .await
+            .unwrap_err();
+        let took = started.elapsed();
+        match &err {
+            ShardError::Connect { shard, cause, .. } => {
+                assert_eq!(shard, "s1");
+                assert!(cause.to_lowercase().contains(cause_says), "{cause}");
+                assert!(!cause.contains("could not be created"), "{cause}");
+            }
+            other => panic!("expected Connect, got {other:?}"),
+        }
+        assert!(
+            took < Duration::from_secs(4),
+            "{url}: connect took {took:?}"
+        );
+    }
 }
 
 /// A shard that accepts connections and never answers: the first request

@@ -29,7 +29,7 @@ impl Shards {
             .map(|s| Arc::new(crate::exec::health::ShardHealth::new(&s.url, probe_timeout)))
             .collect();
         if pool.create_databases.unwrap_or(false) {
-            create_databases(&topology, pool).await?;
+            create_databases(&topology, pool, probe_timeout).await?;
         }
         if !pool.connect_lazy.unwrap_or(false) {
             // One direct connection per shard first: it fails within the
@@ -190,26 +190,72 @@ pub(super) fn side_pool_config(pool: &PoolConfig) -> PoolConfig {
 /// `[pool] create_databases`: every PostgreSQL and MySQL/MariaDB database
 /// of the topology (shards, directories, ticket servers) that does not
 /// exist yet is created, through the server's maintenance database.
-async fn create_databases(topology: &Topology, pool: &PoolConfig) -> Result<()> {
-    let shards = topology.shards().iter().map(|s| (s.name.clone(), &s.url));
+///
+/// Every server is first reached with one direct connection, all at once
+/// and each within `timeout` (a pool would retry a refused connection until
+/// its acquire timeout and say only "pool timed out"). One that cannot be
+/// reached fails the connect, except where its pool would open on first
+/// use anyway (`connect_lazy`, and ticket servers always): that database
+/// is left unchecked with a warning, and its requests fail until it
+/// answers.
+async fn create_databases(topology: &Topology, pool: &PoolConfig, timeout: Duration) -> Result<()> {
+    let lazy = pool.connect_lazy.unwrap_or(false);
+    let shards = topology
+        .shards()
+        .iter()
+        .map(|s| (s.name.clone(), &s.url, lazy));
     let directories = topology
         .directories()
         .iter()
-        .map(|d| (format!("directory:{}", d.group), &d.url));
+        .map(|d| (format!("directory:{}", d.group), &d.url, lazy));
     let tickets = topology
         .ticket_servers()
         .iter()
-        .map(|t| (format!("ids:{}", t.name), &t.url));
+        .map(|t| (format!("ids:{}", t.name), &t.url, true));
     let mut done: Vec<&DatabaseUrl> = Vec::new();
-    for (name, url) in shards.chain(directories).chain(tickets) {
+    let mut todo = Vec::new();
+    for (name, url, lazy) in shards.chain(directories).chain(tickets) {
         if done.contains(&url) {
             continue;
         }
         done.push(url);
-        let Some((server, database)) = url.server_and_database() else {
-            continue;
-        };
-        let conn = connect_one(name.clone(), &server, pool, None, None, false)
+        if let Some((server, database)) = url.server_and_database() {
+            todo.push((name, url, server, database, lazy));
+        }
+    }
+    let reached = join_all(todo.iter().map(|(_, _, server, _, _)| async move {
+        crate::exec::health::ShardHealth::new(server, timeout)
+            .connect_once()
+            .await
+    }))
+    .await;
+    // One connection, opened now: the server was just reached.
+    let direct = PoolConfig {
+        max_connections: Some(1),
+        min_connections: None,
+        connect_lazy: Some(false),
+        ..pool.clone()
+    };
+    for ((name, url, server, database, lazy), reached) in todo.into_iter().zip(reached) {
+        if let Err(failure) = reached {
+            let cause = failure.into_cause();
+            if lazy {
+                tracing::warn!(
+                    shard = %name,
+                    url = %server.redacted(),
+                    %cause,
+                    "server unreachable: database {database:?} not checked or created; \
+                     its pool opens on first use"
+                );
+                continue;
+            }
+            return Err(ShardError::Connect {
+                shard: name,
+                url: server.redacted(),
+                cause,
+            });
+        }
+        let conn = connect_one(name.clone(), &server, &direct, None, None, false)
             .await
             .map_err(|err| match err {
                 ShardError::Db { source, .. } => ShardError::Connect {

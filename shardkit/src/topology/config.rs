@@ -368,7 +368,12 @@ pub struct PoolConfig {
     /// false). shardkit connects to the server's `postgres` database
     /// (PostgreSQL) or to no database (MySQL) with the same credentials and
     /// runs `CREATE DATABASE`; the user needs that privilege. SQLite files
-    /// are created by the URL's `mode=rwc`.
+    /// are created by the URL's `mode=rwc`. Each server is reached first,
+    /// all at once, within `connect_timeout_secs`: one that cannot be
+    /// reached fails the connect with its cause, except a ticket server or,
+    /// with `connect_lazy`, any database, which is passed over with a
+    /// warning (its requests fail until it answers; its database is created
+    /// by a later connect).
     pub create_databases: Option<bool>,
 }
 
