@@ -327,6 +327,42 @@ async fn seed(cluster: &Cluster, acked: &Shared, keys: impl IntoIterator<Item = 
     }
 }
 
+/// An instance (refreshing every 20 ms) with customers `1..=n` seeded and a
+/// writer writing all of them until the flag is set.
+async fn seeded_with_writer(
+    dbs: &TestDbs,
+    n: i64,
+) -> (
+    Cluster,
+    Shared,
+    Arc<AtomicBool>,
+    tokio::task::JoinHandle<i64>,
+) {
+    let a = connect(dbs, 20).await;
+    let acked: Shared = Arc::default();
+    seed(&a, &acked, 1..=n).await;
+    let stop = Arc::new(AtomicBool::new(false));
+    let w = writer(
+        a.clone(),
+        Arc::clone(&acked),
+        (1..=n).collect(),
+        Arc::clone(&stop),
+    );
+    (a, acked, stop, w)
+}
+
+/// Counts the movers that park at a `shardkit::rebalance::park::*`
+/// failpoint (until the failpoint `shardkit::rebalance::parked` is removed).
+fn count_parks() -> Arc<std::sync::atomic::AtomicUsize> {
+    let parked = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let count = Arc::clone(&parked);
+    fail::cfg_callback("shardkit::rebalance::parked", move || {
+        count.fetch_add(1, Ordering::SeqCst);
+    })
+    .unwrap();
+    parked
+}
+
 /// Every fourth bucket: 16 of 64, four from each of s0..s3.
 fn quarter() -> Vec<u32> {
     (0..BUCKETS).step_by(4).collect()
@@ -703,16 +739,7 @@ async fn a_split_that_dies_before_fencing_is_finished_by_the_next_move(dbs: &mut
 }
 
 async fn the_mover_killed_in_each_phase_is_resumed_by_another_process(dbs: &mut TestDbs) {
-    let a = connect(dbs, 20).await;
-    let acked: Shared = Arc::default();
-    seed(&a, &acked, 1..=80).await;
-    let stop = Arc::new(AtomicBool::new(false));
-    let w = writer(
-        a.clone(),
-        Arc::clone(&acked),
-        (1..=80).collect(),
-        Arc::clone(&stop),
-    );
+    let (a, acked, stop, w) = seeded_with_writer(dbs, 80).await;
     let target_db = dbs.names[4].clone();
     let steps = [
         "registered",
@@ -841,16 +868,7 @@ async fn the_mover_killed_in_each_phase_is_resumed_by_another_process(dbs: &mut 
 }
 
 async fn abort_in_each_phase_leaves_the_source_the_owner(dbs: &mut TestDbs) {
-    let a = connect(dbs, 20).await;
-    let acked: Shared = Arc::default();
-    seed(&a, &acked, 1..=80).await;
-    let stop = Arc::new(AtomicBool::new(false));
-    let w = writer(
-        a.clone(),
-        Arc::clone(&acked),
-        (1..=80).collect(),
-        Arc::clone(&stop),
-    );
+    let (a, acked, stop, w) = seeded_with_writer(dbs, 80).await;
     let target_db = dbs.names[4].clone();
     let buckets = quarter();
     // Held to the end: another backend's run of a scenario may name the same database.
@@ -1312,16 +1330,7 @@ async fn written_again(acked: &Shared, keys: &[i64], what: &str) {
 /// older version, no deleted row comes back, and no row is left on a shard
 /// that does not own its bucket.
 async fn a_mover_paused_past_its_hold_is_refused_where_it_writes(dbs: &mut TestDbs) {
-    let a = connect(dbs, 20).await;
-    let acked: Shared = Arc::default();
-    seed(&a, &acked, 1..=80).await;
-    let stop = Arc::new(AtomicBool::new(false));
-    let w = writer(
-        a.clone(),
-        Arc::clone(&acked),
-        (1..=80).collect(),
-        Arc::clone(&stop),
-    );
+    let (a, acked, stop, w) = seeded_with_writer(dbs, 80).await;
     // To the second process, the first mover's hold lapsed long ago.
     let ahead = Arc::new(shardkit::clock::ManualClock::new(
         shardkit::Clock::now_millis(&shardkit::clock::SystemClock) + 600_000,
@@ -1333,12 +1342,7 @@ async fn a_mover_paused_past_its_hold_is_refused_where_it_writes(dbs: &mut TestD
         .unwrap();
     let target_db = dbs.names[4].clone();
     let _turn = FAILPOINTS.lock().await;
-    let parked = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let count = Arc::clone(&parked);
-    fail::cfg_callback("shardkit::rebalance::parked", move || {
-        count.fetch_add(1, Ordering::SeqCst);
-    })
-    .unwrap();
+    let parked = count_parks();
     let mut used = std::collections::BTreeSet::new();
     for what in ["copy", "replay", "log", "states", "clean"] {
         // Two buckets that hold written keys and have not moved yet.
@@ -1615,24 +1619,10 @@ async fn a_copy_converges_while_writers_add_parents_and_children(dbs: &mut TestD
 /// then and finishes it. The writers of the bucket wait meanwhile (at most
 /// 15 s a write) instead of failing.
 async fn a_mover_dead_after_fencing_is_taken_over_once_its_hold_lapses(dbs: &mut TestDbs) {
-    let a = connect(dbs, 20).await;
-    let acked: Shared = Arc::default();
-    seed(&a, &acked, 1..=40).await;
-    let stop = Arc::new(AtomicBool::new(false));
-    let w = writer(
-        a.clone(),
-        Arc::clone(&acked),
-        (1..=40).collect(),
-        Arc::clone(&stop),
-    );
+    let (a, acked, stop, w) = seeded_with_writer(dbs, 40).await;
     let target_db = dbs.names[4].clone();
     let _turn = FAILPOINTS.lock().await;
-    let parked = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let count = Arc::clone(&parked);
-    fail::cfg_callback("shardkit::rebalance::parked", move || {
-        count.fetch_add(1, Ordering::SeqCst);
-    })
-    .unwrap();
+    let parked = count_parks();
     // One bucket, from one source: its state changes are the source's
     // `moving`, the source's fence, then the target's `owned`.
     let m = mover(&a);
