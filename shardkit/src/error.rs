@@ -243,6 +243,24 @@ pub enum ShardError {
         causes: String,
     },
 
+    /// A ticket sequence has no ids left: its next block, `ticket × block`,
+    /// would pass `i64::MAX`. No id was handed out (ids never wrap
+    /// negative), and retrying never helps: the sequence's counter only
+    /// grows. Its users need a new sequence (or a wider id).
+    #[error(
+        "sequence `{sequence}` is exhausted: ticket {ticket} × block {block} is past the largest \
+         id, {}",
+        i64::MAX
+    )]
+    SequenceExhausted {
+        /// The sequence.
+        sequence: String,
+        /// The ticket drawn.
+        ticket: u64,
+        /// Ids per ticket (`[ids.sequences.<name>] block`).
+        block: u64,
+    },
+
     /// The clock stepped back further than the snowflake generator waits out;
     /// no id was made (it could have repeated one).
     #[error("the clock moved back {millis} ms; refusing to make snowflake ids until it catches up")]
@@ -344,7 +362,8 @@ pub enum ErrorKind {
     /// A database could not be reached or a statement failed; may be transient.
     Database,
     /// The program asked for something shardkit refuses (cross-shard write,
-    /// missing key, poisoned transaction); retrying the same call will not help.
+    /// missing key, poisoned transaction), or a sequence is exhausted;
+    /// retrying the same call will not help.
     Refused,
     /// The key has no shard.
     Routing,
@@ -383,6 +402,7 @@ impl ShardError {
             | ShardError::IndexValueTooLong { .. }
             | ShardError::RolloutTooSoon { .. }
             | ShardError::Rebalance { .. }
+            | ShardError::SequenceExhausted { .. }
             | ShardError::Rollout { .. } => ErrorKind::Refused,
             ShardError::Unroutable { .. } | ShardError::BucketMoved { .. } => ErrorKind::Routing,
         }
@@ -438,6 +458,7 @@ impl ShardError {
             | ShardError::IndexValueTooLong { .. }
             | ShardError::Rollout { .. }
             | ShardError::Rebalance { .. }
+            | ShardError::SequenceExhausted { .. }
             | ShardError::Unroutable { .. } => Retry::Never,
         }
     }

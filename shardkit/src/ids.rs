@@ -1420,15 +1420,10 @@ impl Sequence {
             .checked_mul(self.block)
             .and_then(|start| Some((start, start.checked_add(self.block)?)))
             .filter(|&(_, end)| end - 1 <= i64::MAX as u64)
-            .ok_or_else(|| {
-                ShardError::config(
-                    format!("ids.sequences.{}", self.name),
-                    format!(
-                        "the sequence is exhausted: ticket {ticket} × block {} is past the largest id, {}",
-                        self.block,
-                        i64::MAX
-                    ),
-                )
+            .ok_or_else(|| ShardError::SequenceExhausted {
+                sequence: self.name.clone(),
+                ticket,
+                block: self.block,
             })
     }
 
@@ -1445,8 +1440,10 @@ impl Sequence {
 
 /// A failed fetch, kept to be reported to every caller that waited on it.
 enum FetchError {
-    /// A [`ShardError::Config`] (no such sequence, an exhausted sequence).
+    /// A [`ShardError::Config`] (no such sequence).
     Config { entry: String, message: String },
+    /// A [`ShardError::SequenceExhausted`].
+    Exhausted { ticket: u64, block: u64 },
     /// The causes of an [`ShardError::IdsUnavailable`].
     Unavailable(String),
 }
@@ -1456,6 +1453,10 @@ fn recordable(err: &ShardError) -> FetchError {
         ShardError::Config { entry, message } => FetchError::Config {
             entry: entry.clone(),
             message: message.clone(),
+        },
+        ShardError::SequenceExhausted { ticket, block, .. } => FetchError::Exhausted {
+            ticket: *ticket,
+            block: *block,
         },
         ShardError::IdsUnavailable { causes, .. } => FetchError::Unavailable(causes.clone()),
         other => FetchError::Unavailable(other.to_string()),
@@ -1468,6 +1469,11 @@ impl Sequence {
             FetchError::Config { entry, message } => {
                 ShardError::config(entry.clone(), message.clone())
             }
+            FetchError::Exhausted { ticket, block } => ShardError::SequenceExhausted {
+                sequence: self.name.clone(),
+                ticket: *ticket,
+                block: *block,
+            },
             FetchError::Unavailable(causes) => ShardError::IdsUnavailable {
                 sequence: self.name.clone(),
                 causes: causes.clone(),

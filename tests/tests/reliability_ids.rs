@@ -1025,11 +1025,40 @@ async fn an_exhausted_sequence_is_refused_never_negative(dbs: &mut TestDbs) {
     let first = ids.next("big").await.unwrap();
     assert!(first >= 1_000_000_000, "{first}");
     ids.advance_past("big", i64::MAX - 10).await.unwrap();
-    match ids.next("big").await {
-        Err(ShardError::Config { entry, message }) => {
-            assert_eq!(entry, "ids.sequences.big");
-            assert!(message.contains("exhausted"), "{message}");
+    // Its own error, never retried (it used to be a `Config` error).
+    let err = ids.next("big").await.unwrap_err();
+    let ticket = match &err {
+        ShardError::SequenceExhausted {
+            sequence,
+            ticket,
+            block,
+        } => {
+            assert_eq!(sequence, "big");
+            assert_eq!(*block, 1_000_000_000);
+            assert!(
+                (ticket + 1)
+                    .checked_mul(*block)
+                    .is_none_or(|end| end - 1 > i64::MAX as u64),
+                "{ticket}"
+            );
+            *ticket
         }
         other => panic!("expected an exhausted sequence, got {other:?}"),
-    }
+    };
+    assert_eq!(err.retry(), shardkit::Retry::Never);
+    assert_eq!(err.kind(), shardkit::ErrorKind::Refused);
+    assert_eq!(
+        err.to_string(),
+        format!(
+            "sequence `big` is exhausted: ticket {ticket} × block 1000000000 is past the largest \
+             id, 9223372036854775807"
+        )
+    );
+    // A second call (the failure replayed to waiters, or a new fetch) says
+    // the same.
+    let again = ids.next("big").await.unwrap_err();
+    assert!(
+        matches!(&again, ShardError::SequenceExhausted { sequence, .. } if sequence == "big"),
+        "{again:?}"
+    );
 }
