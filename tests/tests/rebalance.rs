@@ -26,6 +26,7 @@ backend_tests!(5 =>
     a_shard_added_to_the_config_connects_unmigrated_and_takes_buckets_after_migrate,
     a_migrate_that_fails_on_a_ticket_server_leaves_the_movable_group_writable,
     an_instance_that_has_not_refreshed_reads_a_moved_row_as_at_the_flip,
+    [Postgres, MySql] a_mover_paused_inside_its_transaction_does_not_block_the_next,
 );
 
 const BUCKETS: u32 = 64;
@@ -1821,4 +1822,59 @@ async fn an_instance_that_has_not_refreshed_reads_a_moved_row_as_at_the_flip(dbs
     assert_eq!(inside.as_deref(), Some("c1-r1"));
     // The rerouted transaction refreshed the map: reads follow.
     assert_eq!(read(&stale).await.as_deref(), Some("c1-r1"));
+}
+
+/// A mover paused inside its write transaction (holding the fence's shared
+/// lock, as a process stopped mid-statement would) does not block the
+/// process that takes the move over: the server ends the idle transaction
+/// after the hold's length (PostgreSQL's
+/// `idle_in_transaction_session_timeout`, MariaDB's
+/// `idle_transaction_timeout`), the new mover's fence goes in and it
+/// finishes the move; the paused mover's write never lands.
+async fn a_mover_paused_inside_its_transaction_does_not_block_the_next(dbs: &mut TestDbs) {
+    let (a, acked, stop, w) = seeded_with_writer(dbs, 40).await;
+    let ahead = Arc::new(shardkit::clock::ManualClock::new(
+        shardkit::Clock::now_millis(&shardkit::clock::SystemClock) + 600_000,
+    ));
+    let b = Cluster::builder(config(dbs, 20))
+        .clock(ahead)
+        .connect()
+        .await
+        .unwrap();
+    let target_db = dbs.names[4].clone();
+    let _turn = FAILPOINTS.lock().await;
+    let parked = count_parks();
+    let m = mover(&a);
+    let id = m
+        .start(&m.plan_buckets([bucket(1), bucket(2)], "s4").await.unwrap())
+        .await
+        .unwrap()
+        .id;
+    let at = "shardkit::rebalance::park_open::copy";
+    fail::cfg(at, &format!("return({target_db}@1)")).unwrap();
+    let first = tokio::spawn(async move { m.run(id).await });
+    until("parked inside its transaction", || {
+        parked.load(Ordering::SeqCst) > 0
+    })
+    .await;
+    let started = std::time::Instant::now();
+    let done = mover(&b)
+        .run(id)
+        .await
+        .unwrap_or_else(|e| panic!("take-over: {}", e.report()));
+    assert_eq!(done.phase, MovePhase::Done);
+    let took = started.elapsed();
+    assert!(
+        took < std::time::Duration::from_secs(40),
+        "the take-over waited {took:?}"
+    );
+    written_again(&acked, &[1, 2], "a write after the move").await;
+    fail::remove(at);
+    fail::remove("shardkit::rebalance::parked");
+    // Its connection was closed by the server, or its write refused.
+    assert!(first.await.unwrap().is_err());
+    stop.store(true, Ordering::SeqCst);
+    w.await.unwrap();
+    a.refresh_bucket_maps().await.unwrap();
+    check_placement(&a, &acked).await;
 }

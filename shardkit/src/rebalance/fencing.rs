@@ -196,7 +196,7 @@ impl Token {
         (db, shard): (&DatabaseConnection, &str),
         what: &str,
     ) -> Result<DatabaseTransaction> {
-        self.park(what).await;
+        self.park("park", what).await;
         let err = |e| db_err(shard, FENCES, "check", e);
         let txn = crate::exec::begin_write(db).await.map_err(err)?;
         let backend = txn.get_database_backend();
@@ -227,19 +227,22 @@ impl Token {
             let _ = txn.rollback().await;
             return Err(self.taken_over(shard, now));
         }
+        // A paused process inside its transaction, holding the fence's lock.
+        self.park("park_open", what).await;
         Ok(txn)
     }
 
     /// Fault injection: `shardkit::rebalance::park::<what>` parks the mover
-    /// before that write, for as long as the failpoint's argument is part of
-    /// the target database's URL (any move, without one); `<part>@<n>`
+    /// before that write (`park_open::<what>`: inside its transaction, the
+    /// fence's lock held), for as long as the failpoint's argument is part
+    /// of the target database's URL (any move, without one); `<part>@<n>`
     /// parks only the mover holding generation `n`. It evaluates
     /// `shardkit::rebalance::parked` once when it parks.
     #[allow(unused_variables)]
-    async fn park(&self, what: &str) {
+    async fn park(&self, kind: &str, what: &str) {
         #[cfg(feature = "failpoints")]
         {
-            let name = format!("shardkit::rebalance::park::{what}");
+            let name = format!("shardkit::rebalance::{kind}::{what}");
             let here = || {
                 fail::eval(&name, |arg| arg.unwrap_or_default()).is_some_and(|arg| {
                     let (scope, generation) = match arg.rsplit_once('@') {
