@@ -29,6 +29,7 @@ backend_tests!(2 =>
     a_clear_that_races_a_set_up_leaves_no_server_without_its_place,
     servers_set_up_before_places_are_adopted_not_guessed,
     [Postgres, MySql] a_hung_or_refusing_ticket_server_fails_set_up_not_tickets,
+    [Sqlite] a_sqlite_ticket_server_that_cannot_be_opened_is_opened_on_first_use,
 );
 
 /// Failpoints are process-wide and the backends' scenarios run at once:
@@ -1061,4 +1062,51 @@ async fn an_exhausted_sequence_is_refused_never_negative(dbs: &mut TestDbs) {
         matches!(&again, ShardError::SequenceExhausted { sequence, .. } if sequence == "big"),
         "{again:?}"
     );
+}
+
+/// A SQLite ticket server whose file cannot be opened yet (its directory is
+/// missing) used to fail `Cluster::connect` ("unable to open database
+/// file"), although ticket pools open on first use so that a process starts
+/// while a server is down. Now the cluster connects, set-up reports the
+/// server, and once the directory exists the same cluster opens the file on
+/// first use and draws from it.
+async fn a_sqlite_ticket_server_that_cannot_be_opened_is_opened_on_first_use(dbs: &mut TestDbs) {
+    let a = dbs.extra("tickets_a").await;
+    let path_a = a.trim_start_matches("sqlite://").split('?').next().unwrap();
+    let later = std::path::Path::new(path_a).parent().unwrap().join("later");
+    let _ = std::fs::remove_dir_all(&later);
+    let b = format!("sqlite://{}?mode=rwc", later.join("tickets_b.db").display());
+    let toml = format!(
+        "{}\n[groups.Customer]\n[ids]\nservers = [{{ name = \"tickets_a\", url = \"{a}\" }}, \
+         {{ name = \"tickets_b\", url = \"{b}\" }}]\n",
+        dbs.shards_toml(2)
+    );
+    let config = ClusterConfig::from_toml(&toml).unwrap_or_else(|e| panic!("{e}\n{toml}"));
+    let cluster = Cluster::connect(config)
+        .await
+        .unwrap_or_else(|e| panic!("connect: {}", e.report()));
+    let err = cluster.migrate::<Migrator>().await.unwrap_err();
+    let report = err.report().to_string();
+    assert!(report.contains("tickets_b"), "{report}");
+    assert!(report.contains("unable to open database file"), "{report}");
+
+    std::fs::create_dir_all(&later).unwrap();
+    cluster
+        .migrate::<Migrator>()
+        .await
+        .unwrap_or_else(|e| panic!("migrate: {}", e.report()));
+    let ids = cluster.ids();
+    ids.create_sequence("orders").await.unwrap();
+    let places = ids.places().await;
+    assert_eq!(
+        places
+            .iter()
+            .map(|p| (p.name.as_str(), p.serves))
+            .collect::<Vec<_>>(),
+        [("tickets_a", true), ("tickets_b", true)]
+    );
+    let mut seen = HashSet::new();
+    for _ in 0..5 {
+        assert!(seen.insert(ids.next("orders").await.unwrap()));
+    }
 }

@@ -104,7 +104,26 @@ impl Shards {
         // After the main pools: opening a SQLite file while another
         // connection switches it to WAL fails with `database is locked`.
         let side = side_conns.await;
-        let tickets = tickets.into_iter().collect::<Result<Vec<_>>>()?;
+        let tickets = tickets
+            .into_iter()
+            .zip(topology.ticket_servers())
+            .map(|(conn, spec)| match conn {
+                // SeaORM opens a SQLite file at connect (to read its version)
+                // even for a lazy pool: a ticket server's file that cannot be
+                // opened now is opened on first use, like any ticket server.
+                Err(err)
+                    if spec.url.scheme() == Some("sqlite") && !spec.url.is_sqlite_in_memory() =>
+                {
+                    tracing::warn!(
+                        server = %spec.name,
+                        error = %err.report(),
+                        "ticket server not opened; it is tried again on first use"
+                    );
+                    lazy_sqlite(spec.name.clone(), &spec.url, pool, observer)
+                }
+                other => other,
+            })
+            .collect::<Result<Vec<_>>>()?;
         let shards = shards.into_iter().collect::<Result<Vec<_>>>()?;
         let side = side
             .into_iter()
@@ -421,8 +440,51 @@ pub(super) async fn connect_one(
             url: url.redacted(),
             cause: url.scrub(&DriverCause(&err).to_string()),
         })?;
-    // Every statement reaches the `metrics` recorder (see `crate::metrics`)
-    // and the application's observer, if it set one.
+    observe(&mut conn, name, observer);
+    Ok(conn)
+}
+
+/// A pool on a SQLite file that opens it on first use: what
+/// [`connect_one`] builds for a lazy pool (the same URL, WAL unless the URL
+/// names a journal mode, pool size and acquire timeout), without SeaORM's
+/// connect, which opens the file to read its version.
+fn lazy_sqlite(
+    name: String,
+    url: &DatabaseUrl,
+    pool: &PoolConfig,
+    observer: Option<&StatementObserver>,
+) -> Result<DatabaseConnection> {
+    use sea_orm::sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
+    use std::str::FromStr;
+    let raw = url.expose();
+    let mut options = SqliteConnectOptions::from_str(raw).map_err(|err| ShardError::Connect {
+        shard: name.clone(),
+        url: url.redacted(),
+        cause: url.scrub(&err.to_string()),
+    })?;
+    if !raw.contains("journal_mode") {
+        options = options.journal_mode(SqliteJournalMode::Wal);
+    }
+    // SeaORM's default for SQLite: one connection.
+    let mut pool_options = SqlitePoolOptions::new()
+        .max_connections(pool.max_connections.unwrap_or(1))
+        .min_connections(0);
+    if let Some(secs) = pool.acquire_timeout_secs {
+        pool_options = pool_options.acquire_timeout(Duration::from_secs(secs));
+    }
+    if let Some(test) = pool.test_before_acquire {
+        pool_options = pool_options.test_before_acquire(test);
+    }
+    let mut conn = sea_orm::SqlxSqliteConnector::from_sqlx_sqlite_pool(
+        pool_options.connect_lazy_with(options),
+    );
+    observe(&mut conn, name, observer);
+    Ok(conn)
+}
+
+/// Every statement on `conn` reaches the `metrics` recorder (see
+/// `crate::metrics`) and the application's observer, if it set one.
+fn observe(conn: &mut DatabaseConnection, name: String, observer: Option<&StatementObserver>) {
     let metrics = crate::metrics::ShardMetrics::new(&name);
     let observer = observer.map(Arc::clone);
     conn.set_metric_callback(move |info| {
@@ -436,5 +498,4 @@ pub(super) async fn connect_one(
             })
         }
     });
-    Ok(conn)
 }
