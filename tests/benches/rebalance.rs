@@ -106,11 +106,21 @@ async fn copy(rows: i64) {
     let s = std::mem::take(&mut *phases.lock().unwrap());
     let copy_start = s.first.get(&MovePhase::Copying).copied().unwrap_or(t0);
     let copy_time = s.copied.1.unwrap_or(copy_start) - copy_start;
+    let rate = s.copied.0 as f64 / copy_time.as_secs_f64().max(1e-9);
     println!(
-        "rebalance/postgres/copy: {rows} rows in {:.2} s = {:.0} rows/s (target >= 100,000)",
+        "rebalance/postgres/copy: {rows} rows in {:.2} s = {rate:.0} rows/s (target >= 100,000)",
         copy_time.as_secs_f64(),
-        s.copied.0 as f64 / copy_time.as_secs_f64().max(1e-9)
     );
+    // The server's own COPY of the same rows between the same two
+    // databases, in the same run: s1 now holds every row, s0 none.
+    if let Some(raw) = raw_copy(&dbs.names[1], &dbs.names[0]) {
+        let raw_rate = rows as f64 / raw.as_secs_f64().max(1e-9);
+        println!(
+            "rebalance/postgres/copy: raw COPY TO STDOUT | COPY FROM STDIN of the same rows {:.2} s = {raw_rate:.0} rows/s; the move's copy is {:.2}x of it (goal >= 0.8x)",
+            raw.as_secs_f64(),
+            rate / raw_rate
+        );
+    }
     let mut marks: Vec<(MovePhase, Instant)> = s.first.iter().map(|(p, t)| (*p, *t)).collect();
     marks.sort_by_key(|(_, t)| *t);
     let mut line = String::new();
@@ -127,6 +137,27 @@ async fn copy(rows: i64) {
     );
     drop(cluster);
     dbs.cleanup().await;
+}
+
+/// `COPY orders TO STDOUT` on database `from` piped into `COPY orders FROM
+/// STDIN` on `to` with psql; `None` (and a line saying why) without psql.
+fn raw_copy(from: &str, to: &str) -> Option<Duration> {
+    let server = Backend::Postgres.server_url()?;
+    let pipe = format!(
+        "psql -q -v ON_ERROR_STOP=1 '{server}/{from}' -c 'COPY orders TO STDOUT' | psql -q -v ON_ERROR_STOP=1 '{server}/{to}' -c 'COPY orders FROM STDIN'"
+    );
+    let t = Instant::now();
+    match std::process::Command::new("sh")
+        .arg("-c")
+        .arg(&pipe)
+        .status()
+    {
+        Ok(status) if status.success() => Some(t.elapsed()),
+        other => {
+            println!("rebalance/postgres/copy: raw COPY skipped ({other:?})");
+            None
+        }
+    }
 }
 
 fn percentile(sorted: &[Duration], p: f64) -> Duration {
