@@ -128,9 +128,10 @@ fn db_name(test: &str, suffix: &str) -> String {
 impl TestShards {
     /// Creates `shards` fresh databases for `test` (plus nothing else).
     ///
-    /// Panics when the backend's server cannot be reached: [`backend_tests!`]
-    /// marks the scenarios of an unreachable server ignored before they
-    /// start, so a scenario that gets here expects its server.
+    /// Panics when the backend's server cannot be reached: check
+    /// [`Backend::reachable`] first (shardkit's own test harness marks the
+    /// scenarios of an unreachable server ignored before they start), or
+    /// use [`create_if_reachable`](Self::create_if_reachable).
     pub async fn create(backend: Backend, test: &str, shards: usize) -> Self {
         let Some(admin_url) = backend.admin_url() else {
             let dir = std::env::temp_dir()
