@@ -26,28 +26,25 @@ use crate::exec::keyset::pk_condition;
 use crate::exec::keyset::{
     after_condition, by_pk, format_cursor, model_pk_values, parse_cursor, upto_condition,
 };
-use crate::rollout::RolloutHandle;
 use sea_orm::sea_query::{Alias, Expr, Query};
 use sea_orm::{
     ConnectionTrait, DatabaseConnection, DbBackend, DbErr, EntityTrait, IdenStatic,
     IntoActiveModel, Iterable, PrimaryKeyToColumn, PrimaryKeyTrait, QueryFilter, QuerySelect,
-    TryIntoModel, Value, sea_query::IntoValueTuple,
+    Value, sea_query::IntoValueTuple,
 };
 use std::collections::HashMap;
 use std::hash::Hasher;
-use std::ops::ControlFlow;
-use std::time::Duration;
 
 /// How a verification runs.
 #[derive(Clone, Debug)]
 pub struct VerifyOptions {
-    chunk: u64,
-    repair: bool,
-    resume: bool,
-    from_new: bool,
-    in_database: bool,
-    max_chunks: Option<u64>,
-    start_at: Option<String>,
+    pub(crate) chunk: u64,
+    pub(crate) repair: bool,
+    pub(crate) resume: bool,
+    pub(crate) from_new: bool,
+    pub(crate) in_database: bool,
+    pub(crate) max_chunks: Option<u64>,
+    pub(crate) start_at: Option<String>,
 }
 
 impl Default for VerifyOptions {
@@ -506,7 +503,7 @@ where
                     .convert_rows(&on_source, std::slice::from_ref(&row))
                     .await?;
                 let row = converted.pop().expect("one row, one model");
-                crate::rollout::upsert::<D, _>(conn, row)
+                crate::exec::keyset::upsert::<D, _>(conn, row)
                     .await
                     .map_err(terr)?
             }
@@ -523,167 +520,6 @@ where
         txn.commit().await.map_err(terr)?;
     }
     src_txn.commit().await.map_err(serr)
-}
-
-impl<Old, New> RolloutHandle<Old, New>
-where
-    Old: ShardedEntity,
-    New: ShardedEntity<Group = Old::Group>,
-    Old::Model: Sync + IntoActiveModel<Old::ActiveModel>,
-    Old::ActiveModel: TryIntoModel<Old::Model> + Send + Sync,
-    New::Model: Sync + IntoActiveModel<New::ActiveModel>,
-    New::ActiveModel: Send,
-{
-    /// Compares the old table, converted, with the new table on every shard
-    /// of the group (or, with [`VerifyOptions::from_new`], the new table
-    /// converted back with the old), chunk by chunk, and reports every row
-    /// that differs. With [`VerifyOptions::repair`] it fixes them from the
-    /// source. Its position is saved in `shardkit_rollouts` after each chunk;
-    /// [`VerifyOptions::resume`] continues from there.
-    pub async fn verify(&self, opts: VerifyOptions) -> Result<VerifyReport> {
-        self.verify_with(opts, |_| ControlFlow::Continue(())).await
-    }
-
-    /// [`verify`](Self::verify), calling `on_progress` with the report so
-    /// far after every chunk (as [`backfill_with`](Self::backfill_with)
-    /// does); `ControlFlow::Break` stops after that chunk, with the position
-    /// saved and in [`VerifyReport::cursor`] for a resume.
-    pub async fn verify_with(
-        &self,
-        opts: VerifyOptions,
-        mut on_progress: impl FnMut(&VerifyReport) -> ControlFlow<()>,
-    ) -> Result<VerifyReport> {
-        let shared = self.shared();
-        let (state_conn, state_shard) = crate::rollout::state_db::<Old>(self.shards())?;
-        let saved = if opts.resume {
-            crate::rollout::read_state(state_conn, state_shard, self.name())
-                .await?
-                .and_then(|s| s.verify)
-        } else {
-            opts.start_at.clone()
-        };
-        let shards = self
-            .shards()
-            .topology()
-            .scatter_shards(<Old::Group as crate::EntityGroup>::NAME)?;
-        let mut report = VerifyReport::default();
-        let (start, mut after) = if opts.from_new {
-            parse_cursor::<New>(saved.as_deref())
-        } else {
-            parse_cursor::<Old>(saved.as_deref())
-        };
-        let to_old = shared.to_old_fn();
-        if opts.from_new && to_old.is_none() {
-            return Err(shared.refused_err("verifying from the new table needs Rollout::to_old"));
-        }
-        if opts.from_new && shared.folds() {
-            // Only the root would be compared and repaired: the parts
-            // written since new_only would stay missing from their tables.
-            return Err(shared.refused_err(
-                "verifying (and repairing) the old tables from a folded new table is not                  supported: it would compare the root table only, and the part tables would                  miss what was written since new_only. To go back from new_only, repair the                  old tables from get_old / get_parts before retreating",
-            ));
-        }
-        for (i, id) in shards.iter().enumerate().skip(start) {
-            let db = self.shards().shard_conn(*id);
-            let shard = self.shards().shard_name(*id);
-            let target = Target { db, shard };
-            loop {
-                if opts.max_chunks.is_some_and(|m| report.chunks >= m) {
-                    let cursor = format_cursor(i, after.as_deref());
-                    crate::rollout::save_progress(
-                        state_conn,
-                        state_shard,
-                        self.name(),
-                        "verify",
-                        Some(cursor.clone()),
-                    )
-                    .await?;
-                    report.cursor = Some(cursor);
-                    return Ok(report);
-                }
-                let next = if let Some(to_old) = to_old.filter(|_| opts.from_new) {
-                    let source = Source::<New, Old> {
-                        db,
-                        shard,
-                        convert: Conversion::Row(to_old),
-                        same_table: false,
-                    };
-                    verify_chunk(&source, &target, None, after.as_deref(), &opts, &mut report)
-                        .await?
-                } else {
-                    let source = Source::<Old, New> {
-                        db,
-                        shard,
-                        convert: Conversion::Fold(shared),
-                        same_table: false,
-                    };
-                    verify_chunk(&source, &target, None, after.as_deref(), &opts, &mut report)
-                        .await?
-                };
-                after = next;
-                let cursor = match &after {
-                    Some(pk) => format_cursor(i, Some(pk)),
-                    None => format_cursor(i + 1, None),
-                };
-                crate::rollout::save_progress(
-                    state_conn,
-                    state_shard,
-                    self.name(),
-                    "verify",
-                    Some(cursor.clone()),
-                )
-                .await?;
-                let last = after.is_none() && i + 1 == shards.len();
-                if on_progress(&report).is_break() && !last {
-                    report.cursor = Some(cursor);
-                    return Ok(report);
-                }
-                if after.is_none() {
-                    break;
-                }
-            }
-        }
-        crate::rollout::save_progress(state_conn, state_shard, self.name(), "verify", None).await?;
-        report.finished = true;
-        Ok(report)
-    }
-
-    /// Runs [`verify`](Self::verify) every `interval` (the first pass at
-    /// once) until the handle is aborted or the cluster is dropped (the task
-    /// does not keep the cluster alive; PayPal's consistency daemon); each
-    /// pass's counts are logged, differences at `warn`.
-    pub fn verify_every(
-        &self,
-        interval: Duration,
-        opts: VerifyOptions,
-    ) -> tokio::task::JoinHandle<()> {
-        self.spawn_every(
-            interval,
-            crate::exec::periodic::FirstPass::Now,
-            move |this| {
-                let opts = opts.clone();
-                async move {
-                    match this.verify(opts).await {
-                        Ok(r) if r.is_consistent() => {
-                            tracing::info!(rollout = %this.name(), rows = r.rows, chunks = r.chunks, "rollout verify: consistent")
-                        }
-                        Ok(r) => tracing::warn!(
-                            rollout = %this.name(),
-                            missing = r.missing.len(),
-                            extra = r.extra.len(),
-                            different = r.different.len(),
-                            repaired = r.repaired,
-                            "rollout verify: differences"
-                        ),
-                        Err(err) => {
-                            tracing::warn!(rollout = %this.name(), error = %err.report(), "rollout verify failed")
-                        }
-                    }
-                    std::ops::ControlFlow::Continue(())
-                }
-            },
-        )
-    }
 }
 
 /// Refuses a bucket `group` does not have (`entry` names where it was

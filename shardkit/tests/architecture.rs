@@ -256,3 +256,31 @@ fn no_import_cycle_between_files() {
         }
     }
 }
+
+#[test]
+fn top_level_modules_import_one_way() {
+    // The file graph folded to top-level modules (`rollout::fold` →
+    // `rollout`): a feature may use another feature, never both ways.
+    let mut folded: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for (module, to) in imports() {
+        let top = |m: &str| m.split("::").next().unwrap_or(m).to_owned();
+        let entry = folded.entry(top(&module)).or_default();
+        for target in to {
+            if top(&target) != top(&module) {
+                entry.insert(top(&target));
+            }
+        }
+    }
+    let mut both = Vec::new();
+    for (a, to) in &folded {
+        for b in to {
+            if a < b && folded.get(b).is_some_and(|back| back.contains(a)) {
+                both.push(format!("{a} ⇄ {b}"));
+            }
+        }
+    }
+    assert!(
+        both.is_empty(),
+        "top-level modules that import each other: {both:?}"
+    );
+}

@@ -8,10 +8,10 @@
 
 use crate::entity::ShardedEntity;
 pub(crate) use crate::key::{model_pk_values, tuple_text};
-use sea_orm::sea_query::{Alias, Expr, ExprTrait, SimpleExpr};
+use sea_orm::sea_query::{Alias, Expr, ExprTrait, OnConflict, SimpleExpr};
 use sea_orm::{
-    ColumnTrait, Condition, EntityTrait, Iterable, PrimaryKeyToColumn, QueryFilter, QuerySelect,
-    Value,
+    ActiveModelTrait, ColumnTrait, Condition, ConnectionTrait, DbErr, EntityTrait, IntoActiveModel,
+    Iterable, PrimaryKeyToColumn, QueryFilter, QuerySelect, Value,
 };
 
 /// A resumable position: `<shard index>:<primary key text>` (an empty key is
@@ -108,4 +108,52 @@ pub(crate) fn pk_condition<E: EntityTrait>(values: &[Value]) -> Condition {
         .fold(Condition::all(), |cond, (pk, v)| {
             cond.add(pk.into_column().eq(v.clone()))
         })
+}
+
+/// Inserts `model`, or overwrites the row with its primary key.
+///
+/// PostgreSQL and SQLite use `ON CONFLICT (<primary key>) DO UPDATE`, which
+/// fires on the primary key only. MySQL's `ON DUPLICATE KEY UPDATE` fires on
+/// *any* unique key and would overwrite another row that merely shares a
+/// unique value, so there it is an `UPDATE` by primary key (SQLx reports
+/// matched rows) and, when none matched, an `INSERT`.
+pub(crate) async fn upsert<E, C>(db: &C, model: E::Model) -> std::result::Result<(), DbErr>
+where
+    E: EntityTrait,
+    E::Model: IntoActiveModel<E::ActiveModel>,
+    C: ConnectionTrait,
+{
+    let active = model.into_active_model().reset_all();
+    if db.get_database_backend() == sea_orm::DbBackend::MySql {
+        let pk: Vec<Value> = <E::PrimaryKey as Iterable>::iter()
+            .map(|c| {
+                active
+                    .get(c.into_column())
+                    .into_value()
+                    .unwrap_or(Value::Bool(None))
+            })
+            .collect();
+        let matched = E::update_many()
+            .set(active.clone())
+            .filter(pk_condition::<E>(&pk))
+            .exec(db)
+            .await?
+            .rows_affected;
+        if matched > 0 {
+            return Ok(());
+        }
+        return E::insert(active).exec_without_returning(db).await.map(drop);
+    }
+    let (pks, others) = crate::key::key_and_other_columns::<E>();
+    let mut on_conflict = OnConflict::columns(pks);
+    if others.is_empty() {
+        on_conflict.do_nothing();
+    } else {
+        on_conflict.update_columns(others);
+    }
+    E::insert(active)
+        .on_conflict(on_conflict)
+        .exec_without_returning(db)
+        .await
+        .map(drop)
 }
