@@ -425,7 +425,10 @@ impl Cluster {
     /// again (in a new transaction, up to 3 attempts in all) when the
     /// database aborted the transaction — a deadlock or serialization
     /// failure, [`Retry::Transaction`](crate::Retry::Transaction) — in the
-    /// work or in the commit. Any other error is returned at once.
+    /// work or in the commit, or, after its short wait, when SQLite said
+    /// `database is locked` (another writer, maybe another process, held a
+    /// file's lock for the whole busy timeout). Any other error is returned
+    /// at once.
     ///
     /// ```
     /// # use shardkit::prelude::*;
@@ -502,6 +505,13 @@ impl Cluster {
             match result {
                 Err(err) if attempt < attempts && err.retry() == crate::Retry::Transaction => {
                     tracing::debug!(group = G::NAME, attempt, error = %err.report(), "transaction retried");
+                    attempt += 1;
+                }
+                Err(err) if attempt < attempts && err.is_sqlite_busy() => {
+                    tracing::debug!(group = G::NAME, attempt, error = %err.report(), "transaction retried after a wait");
+                    if let crate::Retry::After(wait) = err.retry() {
+                        tokio::time::sleep(wait).await;
+                    }
                     attempt += 1;
                 }
                 result => return result,

@@ -415,8 +415,11 @@ impl ShardError {
     /// message text: PostgreSQL SQLSTATE `40001` (serialization failure) and
     /// `40P01` (deadlock), MySQL/MariaDB errors 1213 (deadlock) and 1205
     /// (lock wait timeout) abort the transaction ([`Retry::Transaction`]);
-    /// SQLite's `SQLITE_BUSY`/`SQLITE_LOCKED`, a lost connection and a pool
-    /// timeout are transient ([`Retry::Now`]); a server at its connection
+    /// a lost connection and a pool timeout are transient ([`Retry::Now`]);
+    /// SQLite's `SQLITE_BUSY`/`SQLITE_LOCKED` (`database is locked`: another
+    /// writer, maybe another process, held the file's write lock for the
+    /// whole busy timeout) is [`Retry::After`] a short wait (50 ms; retrying
+    /// at once meets the same writer); a server at its connection
     /// limit (PostgreSQL `53300` "too many clients", MySQL/MariaDB 1040
     /// "Too many connections" and 1203) is [`Retry::After`] a short wait
     /// (100 ms), and does not mark the shard down; a shard marked down
@@ -461,6 +464,12 @@ impl ShardError {
             | ShardError::SequenceExhausted { .. }
             | ShardError::Unroutable { .. } => Retry::Never,
         }
+    }
+
+    /// Whether this is SQLite's `database is locked` (see
+    /// [`retry`](Self::retry)).
+    pub(crate) fn is_sqlite_busy(&self) -> bool {
+        matches!(self, ShardError::Db { source, .. } if is_sqlite_busy(source))
     }
 
     /// The message with every cause, each once, for logs and reports.
@@ -704,6 +713,64 @@ fn mysql_is_capacity(number: u16) -> bool {
     matches!(number, 1040 | 1203)
 }
 
+/// How long a caller waits before retrying after SQLite said `database is
+/// locked` ([`ShardError::retry`]).
+pub(crate) const SQLITE_BUSY_WAIT: std::time::Duration = std::time::Duration::from_millis(50);
+
+/// SQLite's `database is locked` for a write transaction that waited the
+/// whole busy timeout for the write slot the cluster's SQLite files share
+/// (`crate::exec::sqlite`) and never reached SQLite: classified like
+/// SQLite's own `SQLITE_BUSY` (code 5).
+#[derive(Debug)]
+pub(crate) struct SqliteBusy {
+    message: String,
+}
+
+impl SqliteBusy {
+    /// The error of a wait of `waited` for the slot.
+    pub(crate) fn slot(waited: std::time::Duration) -> DbErr {
+        let busy = SqliteBusy {
+            message: format!(
+                "database is locked: waited {waited:?} (the busy timeout) for the write slot the \
+                 cluster's SQLite files share; another write transaction, of this process or \
+                 another, held it"
+            ),
+        };
+        DbErr::Exec(sea_orm::RuntimeErr::SqlxError(std::sync::Arc::new(
+            sea_orm::sqlx::Error::Database(Box::new(busy)),
+        )))
+    }
+}
+
+impl std::fmt::Display for SqliteBusy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for SqliteBusy {}
+
+impl sea_orm::sqlx::error::DatabaseError for SqliteBusy {
+    fn message(&self) -> &str {
+        &self.message
+    }
+    fn code(&self) -> Option<std::borrow::Cow<'_, str>> {
+        Some("5".into())
+    }
+    fn as_error(&self) -> &(dyn std::error::Error + Send + Sync + 'static) {
+        self
+    }
+    fn as_error_mut(&mut self) -> &mut (dyn std::error::Error + Send + Sync + 'static) {
+        self
+    }
+    fn into_error(self: Box<Self>) -> Box<dyn std::error::Error + Send + Sync + 'static> {
+        self
+    }
+    fn kind(&self) -> sea_orm::sqlx::error::ErrorKind {
+        sea_orm::sqlx::error::ErrorKind::Other
+    }
+}
+
 /// Classifies a driver error by its code (see [`ShardError::retry`]).
 pub(crate) fn db_retry(err: &DbErr) -> Retry {
     use sea_orm::{RuntimeErr, SqlErr, sqlx};
@@ -738,21 +805,44 @@ pub(crate) fn db_retry(err: &DbErr) -> Retry {
                     _ => Retry::Never,
                 };
             }
+            if database_is_sqlite_busy(&**db) {
+                return Retry::After(SQLITE_BUSY_WAIT);
+            }
             match db.code().as_deref() {
                 Some("40001" | "40P01") => Retry::Transaction,
-                // SQLITE_BUSY and SQLITE_LOCKED, with their extended codes
-                // (the low byte is the primary code).
-                Some(code)
-                    if db.try_downcast_ref::<sqlx::sqlite::SqliteError>().is_some()
-                        && code.parse::<i32>().is_ok_and(|c| matches!(c & 0xff, 5 | 6)) =>
-                {
-                    Retry::Now
-                }
                 _ => Retry::Never,
             }
         }
         _ => Retry::Never,
     }
+}
+
+/// Whether SQLite said `database is locked`: `SQLITE_BUSY` or
+/// `SQLITE_LOCKED` with their extended codes (the low byte is the primary
+/// code), or the cluster's write slot waited out ([`SqliteBusy`]).
+pub(crate) fn is_sqlite_busy(err: &DbErr) -> bool {
+    use sea_orm::RuntimeErr;
+    match err {
+        DbErr::Conn(RuntimeErr::SqlxError(e))
+        | DbErr::Exec(RuntimeErr::SqlxError(e))
+        | DbErr::Query(RuntimeErr::SqlxError(e)) => match &**e {
+            sea_orm::sqlx::Error::Database(db) => database_is_sqlite_busy(&**db),
+            _ => false,
+        },
+        _ => false,
+    }
+}
+
+fn database_is_sqlite_busy(db: &dyn sea_orm::sqlx::error::DatabaseError) -> bool {
+    if db.try_downcast_ref::<SqliteBusy>().is_some() {
+        return true;
+    }
+    db.try_downcast_ref::<sea_orm::sqlx::sqlite::SqliteError>()
+        .is_some()
+        && db
+            .code()
+            .and_then(|code| code.parse::<i32>().ok())
+            .is_some_and(|c| matches!(c & 0xff, 5 | 6))
 }
 
 /// How many characters of a user's value an error message quotes.
@@ -908,6 +998,21 @@ pub(crate) mod tests {
             operation: "begin".to_owned(),
             source,
         }
+    }
+
+    #[test]
+    fn a_sqlite_write_slot_waited_out_is_database_is_locked_retried_after_a_short_wait() {
+        let err = db(SqliteBusy::slot(Duration::from_secs(5)));
+        assert!(err.is_sqlite_busy());
+        assert_eq!(err.retry(), Retry::After(Duration::from_millis(50)));
+        assert_eq!(err.kind(), ErrorKind::Database);
+        assert_eq!(
+            err.to_string(),
+            "begin on `s1` (group `Customer`) failed: database is locked: waited 5s (the busy \
+             timeout) for the write slot the cluster's SQLite files share; another write \
+             transaction, of this process or another, held it (code 5)"
+        );
+        assert!(!db(too_many_clients()).is_sqlite_busy());
     }
 
     #[test]

@@ -4,6 +4,7 @@
 use super::shards::{
     Inner, ReadSettings, RebalanceSettings, Shards, StatementEvent, StatementObserver,
 };
+use super::sqlite::{BUSY_TIMEOUT, WriterSlot};
 use crate::clock::Clock;
 use crate::error::{DriverCause, Result, ShardError};
 use crate::topology::{ClusterConfig, DatabaseUrl, PoolConfig, Topology};
@@ -143,6 +144,16 @@ impl Shards {
             .iter()
             .filter(|c| c.get_database_backend() == sea_orm::DbBackend::Sqlite)
             .count();
+        // Shared with every instance on the same files: the lock file sits
+        // beside the first file-backed SQLite shard (opened above, so it
+        // exists).
+        let sqlite_writer = (sqlite_shards > 1).then(|| {
+            let first = topology
+                .shards()
+                .iter()
+                .find_map(|s| super::sqlite::database_file(&s.url));
+            Arc::new(WriterSlot::new(first.as_deref(), BUSY_TIMEOUT))
+        });
         let directories = directories.into_iter().collect::<Result<Vec<_>>>()?;
         let read = ReadSettings {
             timeout: config.read.timeout_ms.map(Duration::from_millis),
@@ -156,9 +167,7 @@ impl Shards {
                 topology,
                 shards,
                 side,
-                sqlite_writer: (sqlite_shards > 1)
-                    .then(|| Arc::new(tokio::sync::Semaphore::new(1))),
-                sqlite_writer_wait: Duration::from_secs(pool.acquire_timeout_secs.unwrap_or(30)),
+                sqlite_writer,
                 health,
                 directories,
                 read,
@@ -386,8 +395,18 @@ pub(super) async fn connect_one(
     if let Some(secs) = pool.connect_timeout_secs {
         options.connect_timeout(Duration::from_secs(secs));
     }
-    if let Some(secs) = pool.acquire_timeout_secs {
-        options.acquire_timeout(Duration::from_secs(secs));
+    let raw = url.expose();
+    let sqlite = raw.starts_with("sqlite:");
+    match pool.acquire_timeout_secs {
+        Some(secs) => {
+            options.acquire_timeout(Duration::from_secs(secs));
+        }
+        // A SQLite connection is busy only while its holder works: waiting
+        // for one is waiting for a writer, bounded like SQLite's own waits.
+        None if sqlite => {
+            options.acquire_timeout(BUSY_TIMEOUT);
+        }
+        None => {}
     }
     if let Some(test) = pool.test_before_acquire {
         options.test_before_acquire(test);
@@ -395,7 +414,6 @@ pub(super) async fn connect_one(
     if let Some(lazy) = pool.connect_lazy {
         options.connect_lazy(lazy);
     }
-    let raw = url.expose();
     if url.is_sqlite_in_memory() {
         // An in-memory database is gone once its last connection closes:
         // keep one for the pool's life, whatever `[pool]` says.
@@ -408,11 +426,20 @@ pub(super) async fn connect_one(
         // Each connection to a private one is a database of its own.
         options.max_connections(1);
     }
-    if raw.starts_with("sqlite:") && !raw.contains("journal_mode") && !url.is_sqlite_in_memory() {
-        // WAL lets readers run beside the one writer; a URL that names its
-        // own journal mode keeps it.
-        options.map_sqlx_sqlite_opts(|opts| {
-            opts.journal_mode(sea_orm::sqlx::sqlite::SqliteJournalMode::Wal)
+    if sqlite {
+        // One closure (SeaORM keeps only the last one set): every connection
+        // waits out another's lock for the busy timeout, this process's or
+        // another's, and a file is in WAL mode, which lets readers run
+        // beside the one writer (a URL that names its own journal mode
+        // keeps it).
+        let wal = !raw.contains("journal_mode") && !url.is_sqlite_in_memory();
+        options.map_sqlx_sqlite_opts(move |opts| {
+            let opts = opts.busy_timeout(BUSY_TIMEOUT);
+            if wal {
+                opts.journal_mode(sea_orm::sqlx::sqlite::SqliteJournalMode::Wal)
+            } else {
+                opts
+            }
         });
     }
     if let Some(sql) = mysql_session {
@@ -446,8 +473,8 @@ pub(super) async fn connect_one(
 
 /// A pool on a SQLite file that opens it on first use: what
 /// [`connect_one`] builds for a lazy pool (the same URL, WAL unless the URL
-/// names a journal mode, pool size and acquire timeout), without SeaORM's
-/// connect, which opens the file to read its version.
+/// names a journal mode, the busy timeout, pool size and acquire timeout),
+/// without SeaORM's connect, which opens the file to read its version.
 fn lazy_sqlite(
     name: String,
     url: &DatabaseUrl,
@@ -462,6 +489,7 @@ fn lazy_sqlite(
         url: url.redacted(),
         cause: url.scrub(&err.to_string()),
     })?;
+    options = options.busy_timeout(BUSY_TIMEOUT);
     if !raw.contains("journal_mode") {
         options = options.journal_mode(SqliteJournalMode::Wal);
     }
@@ -469,9 +497,10 @@ fn lazy_sqlite(
     let mut pool_options = SqlitePoolOptions::new()
         .max_connections(pool.max_connections.unwrap_or(1))
         .min_connections(0);
-    if let Some(secs) = pool.acquire_timeout_secs {
-        pool_options = pool_options.acquire_timeout(Duration::from_secs(secs));
-    }
+    pool_options = pool_options.acquire_timeout(
+        pool.acquire_timeout_secs
+            .map_or(BUSY_TIMEOUT, Duration::from_secs),
+    );
     if let Some(test) = pool.test_before_acquire {
         pool_options = pool_options.test_before_acquire(test);
     }

@@ -11,6 +11,7 @@ pub(crate) mod keyset;
 mod migrate;
 pub(crate) mod periodic;
 pub(crate) mod shards;
+pub(crate) mod sqlite;
 
 pub use directory::Directory;
 pub use migrate::{DatabaseMigrationStatus, MigrationReport};
@@ -22,9 +23,11 @@ use sea_orm::{DbErr, SqliteTransactionMode, TransactionOptions, TransactionTrait
 
 /// Opens a transaction that may write. On SQLite it takes the write lock up
 /// front (`BEGIN IMMEDIATE`), waiting out other writers with the busy
-/// timeout: a deferred transaction that reads and then writes cannot wait
-/// (SQLite refuses the upgrade at once with `database is locked`, since
-/// waiting could deadlock). Other backends begin as usual, and inside a
+/// timeout ([`sqlite::BUSY_TIMEOUT`]; a transaction that may write another
+/// file while it holds this one's takes the cluster's write slot first,
+/// [`Shards::sqlite_write_slot`]): a deferred transaction that reads and
+/// then writes cannot wait (SQLite refuses the upgrade at once with
+/// `database is locked`, since waiting could deadlock). Other backends begin as usual, and inside a
 /// transaction this is a savepoint.
 pub(crate) async fn begin_write<C: TransactionTrait>(db: &C) -> Result<C::Transaction, DbErr> {
     db.begin_with_options(TransactionOptions {

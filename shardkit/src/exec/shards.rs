@@ -30,10 +30,9 @@ pub(super) struct Inner {
     /// checks (see [`Cluster::side_conn`]).
     pub(super) side: Vec<DatabaseConnection>,
     /// With two or more SQLite shards: one write transaction at a time
-    /// across them (see [`Cluster::begin`]).
-    pub(super) sqlite_writer: Option<Arc<tokio::sync::Semaphore>>,
-    /// How long `begin` waits for `sqlite_writer`.
-    pub(super) sqlite_writer_wait: Duration,
+    /// across them, in this process and every other instance on the same
+    /// files (see [`crate::exec::sqlite`]).
+    pub(super) sqlite_writer: Option<Arc<crate::exec::sqlite::WriterSlot>>,
     /// Per shard, its circuit breaker.
     pub(super) health: Vec<Arc<crate::exec::health::ShardHealth>>,
     pub(super) directories: Vec<DatabaseConnection>,
@@ -303,28 +302,20 @@ impl Shards {
         }
         tracing::debug!(parent: &span, key = ?key, "begin");
         let conn = self.shard_conn(target.shard);
-        let writer = match &self.inner.sqlite_writer {
-            Some(gate) if conn.get_database_backend() == sea_orm::DbBackend::Sqlite => {
-                // A SQLite transaction holds its file's write lock from
-                // `begin`, and its index rows may need another file's: two
-                // such transactions on two files would each wait for the
-                // other's lock. One SQLite write transaction at a time
-                // across the cluster's files makes that wait impossible.
-                let wait = self.inner.sqlite_writer_wait;
-                let permit = tokio::time::timeout(wait, Arc::clone(gate).acquire_owned())
-                    .await
-                    .ok()
-                    .and_then(|p| p.ok())
-                    .ok_or_else(|| ShardError::Db {
-                        origin: Box::new(crate::error::Origin::Group(G::NAME)),
-                        shard: shard.to_owned(),
-                        operation: "begin".to_owned(),
-                        source: sea_orm::DbErr::ConnectionAcquire(sea_orm::ConnAcquireErr::Timeout),
-                    })?;
-                Some(permit)
-            }
-            _ => None,
-        };
+        // A SQLite transaction holds its file's write lock from `begin`, and
+        // its index rows may need another file's: two such transactions on
+        // two files would each wait for the other's lock. One SQLite write
+        // transaction at a time across the cluster's files, in every
+        // instance, makes that wait impossible.
+        let writer = self
+            .sqlite_write_slot(target.shard)
+            .await
+            .map_err(|source| ShardError::Db {
+                origin: Box::new(crate::error::Origin::Group(G::NAME)),
+                shard: shard.to_owned(),
+                operation: "begin".to_owned(),
+                source,
+            })?;
         // Under the shard's breaker: a shard that refuses or hangs fails the
         // begin with its cause instead of after the pool's acquire timeout.
         let begin = async {
@@ -349,13 +340,32 @@ impl Shards {
     }
 }
 
+impl Shards {
+    /// The cluster's SQLite write slot (see [`crate::exec::sqlite`]), for a
+    /// write transaction on shard `id` that may write another file while it
+    /// holds this one's lock; `None` when the shard is not SQLite or the
+    /// cluster has one SQLite shard. Waits at most the busy timeout, then
+    /// fails with SQLite's `database is locked`.
+    pub(crate) async fn sqlite_write_slot(
+        &self,
+        id: ShardId,
+    ) -> std::result::Result<Option<crate::exec::sqlite::WriterPermit>, sea_orm::DbErr> {
+        match &self.inner.sqlite_writer {
+            Some(slot) if self.shard_conn(id).get_database_backend() == DbBackend::Sqlite => {
+                slot.acquire().await.map(Some)
+            }
+            _ => Ok(None),
+        }
+    }
+}
+
 /// A write transaction [`Shards::begin`] opened.
 pub(crate) struct Begun {
     pub(crate) txn: sea_orm::DatabaseTransaction,
     pub(crate) target: Target,
     pub(crate) span: tracing::Span,
     /// The cluster's SQLite write slot, to hold until the transaction ends.
-    pub(crate) writer: Option<tokio::sync::OwnedSemaphorePermit>,
+    pub(crate) writer: Option<crate::exec::sqlite::WriterPermit>,
 }
 
 /// The ticket servers' pools, in config order.

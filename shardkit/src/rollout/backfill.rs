@@ -17,7 +17,8 @@ where
     }
 
     /// Copies old rows to the new table, shard by shard, `chunk` rows per
-    /// transaction, in primary-key order. Each chunk's old rows are read
+    /// transaction (at most 100 on SQLite, whose transaction holds the
+    /// file's write lock), in primary-key order. Each chunk's old rows are read
     /// `FOR UPDATE` (PostgreSQL, MySQL) so a dual write to them waits for the
     /// copy instead of being overwritten by it. Progress is saved after every
     /// chunk and a rerun resumes there; `on_progress` is called after every
@@ -80,6 +81,14 @@ where
         for (i, id) in shards.iter().enumerate().skip(start) {
             let db = self.shards.shard_conn(*id);
             let shard = self.shards.shard_name(*id);
+            // On SQLite a chunk's transaction holds the file's write lock
+            // (and the cluster's write slot): short ones, so writers of
+            // every instance wait far less than the busy timeout.
+            let chunk = if db.get_database_backend() == sea_orm::DbBackend::Sqlite {
+                Ord::min(chunk, crate::exec::sqlite::LONG_JOB_CHUNK)
+            } else {
+                chunk
+            };
             loop {
                 // The phase may have moved on any instance since the last
                 // chunk: copying on after a retreat below dual_write would
@@ -201,6 +210,9 @@ where
             self.shared
                 .db_err(shard, format!("backfill {}", table_name::<New>()), e)
         };
+        // Its index rows may need another SQLite file's lock: the cluster's
+        // write slot first, as every SQLite write transaction that may.
+        let _writer = self.shards.sqlite_write_slot(id).await.map_err(err)?;
         let txn = crate::exec::begin_write(db).await.map_err(err)?;
         let rows = by_pk(Old::find().filter(after_condition::<Old>(after)))
             .limit(chunk)

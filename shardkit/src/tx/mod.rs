@@ -54,7 +54,7 @@ pub struct ShardTx<G: EntityGroup, P> {
     /// The cluster's SQLite write slot, held until the transaction ends
     /// (see [`Cluster::begin`](crate::Cluster::begin)). Declared after `txn`
     /// so the transaction rolls back before the slot is released.
-    _writer: Option<tokio::sync::OwnedSemaphorePermit>,
+    _writer: Option<crate::exec::sqlite::WriterPermit>,
 }
 
 impl<G: EntityGroup, P> std::fmt::Debug for ShardTx<G, P> {
