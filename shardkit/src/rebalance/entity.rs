@@ -174,8 +174,10 @@ pub(crate) async fn bounded<T>(
 }
 
 /// Runs `work` again when the database aborted it (a deadlock with the
-/// shard's own writers of other buckets, on MySQL/MariaDB's gap locks): at
-/// most 5 attempts.
+/// shard's own writers of other buckets, on MySQL/MariaDB's gap locks), or
+/// after the wait it asks for when the database was busy (SQLite's
+/// `database is locked`: another instance's writer held the file for the
+/// whole busy timeout): at most 5 attempts.
 async fn again<T, F, Fut>(table: &str, shard: &str, mut work: F) -> Result<T>
 where
     F: FnMut() -> Fut,
@@ -184,8 +186,14 @@ where
     let mut attempt = 1;
     loop {
         match work().await {
-            Err(e) if attempt < 5 && e.retry() == crate::Retry::Transaction => {
-                tracing::debug!(table, shard, attempt, error = %e.report(), "move statement aborted by the database; again");
+            Err(e) if attempt < 5 => {
+                let wait = match e.retry() {
+                    crate::Retry::Transaction => Duration::ZERO,
+                    crate::Retry::After(wait) => wait,
+                    _ => return Err(e),
+                };
+                tracing::debug!(table, shard, attempt, error = %e.report(), ?wait, "move statement aborted or refused by a busy database; again");
+                tokio::time::sleep(wait).await;
                 attempt += 1;
             }
             other => return other,
