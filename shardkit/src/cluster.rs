@@ -26,6 +26,10 @@ use std::time::Duration;
 pub use crate::exec::shards::{StatementEvent, StatementObserver};
 pub use crate::exec::{DatabaseMigrationStatus, Directory, MigrationReport};
 
+/// How many times `Cluster::begin` begins again when the database aborts a
+/// movable group's fence read (a deadlock during a move).
+const FENCE_ABORTS_RETRIED: u32 = 5;
+
 /// A transaction pinned to one key of group `G` (see [`crate::tx::ShardTx`]),
 /// whose writes run through the cluster's [`Stages`].
 pub type ShardTx<G> = crate::tx::ShardTx<G, Stages>;
@@ -350,6 +354,10 @@ impl Cluster {
         ))
     }
 
+    /// `begin`, with the fence of a movable group: refused by a shard
+    /// that no longer owns the bucket, it refreshes the map and begins on
+    /// the new owner; a fence the database aborted (deadlock, serialization
+    /// failure) begins again, up to [`FENCE_ABORTS_RETRIED`] times.
     async fn begin_fenced<G: EntityGroup>(&self, key: &G::Key) -> Result<crate::exec::Begun> {
         if !self.shards.topology().is_movable(G::NAME) {
             return self.shards.begin::<G>(key).await;
@@ -357,12 +365,32 @@ impl Cluster {
         let key_text = key.to_directory_text();
         let deadline = tokio::time::Instant::now() + crate::rebalance::REROUTE_FOR;
         let mut delay = Duration::from_millis(1);
+        let mut aborted = 0;
         loop {
             let begun = self.shards.begin::<G>(key).await?;
             let shard = begun.target.shard;
             let bucket = begun.target.bucket.unwrap_or_default();
             let name = self.shards.shard_name(shard);
-            match crate::rebalance::fence(&begun.txn, name, G::NAME, bucket, &key_text).await {
+            let fenced =
+                crate::rebalance::fence(&begun.txn, name, G::NAME, bucket, &key_text).await;
+            // Fault injection: the database aborts the fence read of the key
+            // the failpoint's argument names.
+            #[cfg(feature = "failpoints")]
+            let fenced = match fenced {
+                Ok(_)
+                    if fail::eval("shardkit::begin::fence_aborted", |arg| arg)
+                        .is_some_and(|arg| arg.as_deref() == Some(key_text.as_str())) =>
+                {
+                    Err(crate::rebalance::db_err(
+                        name,
+                        "shardkit_bucket_states",
+                        "read",
+                        crate::error::SimulatedAbort::db_err(),
+                    ))
+                }
+                other => other,
+            };
+            match fenced {
                 Ok(_) => return Ok(begun),
                 Err(err @ ShardError::BucketMoved { .. }) => {
                     crate::metrics::fenced(G::NAME);
@@ -387,6 +415,29 @@ impl Cluster {
                     if tokio::time::Instant::now() >= deadline {
                         return Err(err);
                     }
+                    tokio::time::sleep(delay).await;
+                    delay = (delay * 2).min(Duration::from_millis(20));
+                }
+                // The fence is shardkit's own statement, the transaction's
+                // first: when the database aborts it (a deadlock with a
+                // mover's state change, MariaDB's 1213), nothing of the
+                // caller's is lost, so it begins again instead of handing
+                // the caller a transaction to retry.
+                Err(err)
+                    if err.retry() == crate::Retry::Transaction
+                        && aborted < FENCE_ABORTS_RETRIED =>
+                {
+                    aborted += 1;
+                    tracing::debug!(
+                        group = G::NAME,
+                        bucket,
+                        shard = name,
+                        error = %err.report(),
+                        "fence aborted by the database: beginning again"
+                    );
+                    let crate::exec::Begun { txn, writer, .. } = begun;
+                    let _ = txn.rollback().await;
+                    drop(writer);
                     tokio::time::sleep(delay).await;
                     delay = (delay * 2).min(Duration::from_millis(20));
                 }

@@ -713,6 +713,54 @@ fn mysql_is_capacity(number: u16) -> bool {
     matches!(number, 1040 | 1203)
 }
 
+/// A serialization failure (SQLSTATE `40001`) made up by the failpoint
+/// `shardkit::begin::fence_aborted`, for tests of what shardkit does when a
+/// database aborts its statement: classified as the database's own.
+#[cfg(feature = "failpoints")]
+#[derive(Debug)]
+pub(crate) struct SimulatedAbort;
+
+#[cfg(feature = "failpoints")]
+impl SimulatedAbort {
+    pub(crate) fn db_err() -> DbErr {
+        DbErr::Query(sea_orm::RuntimeErr::SqlxError(std::sync::Arc::new(
+            sea_orm::sqlx::Error::Database(Box::new(SimulatedAbort)),
+        )))
+    }
+}
+
+#[cfg(feature = "failpoints")]
+impl std::fmt::Display for SimulatedAbort {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("could not serialize access (failpoint shardkit::begin::fence_aborted)")
+    }
+}
+
+#[cfg(feature = "failpoints")]
+impl std::error::Error for SimulatedAbort {}
+
+#[cfg(feature = "failpoints")]
+impl sea_orm::sqlx::error::DatabaseError for SimulatedAbort {
+    fn message(&self) -> &str {
+        "could not serialize access (failpoint shardkit::begin::fence_aborted)"
+    }
+    fn code(&self) -> Option<std::borrow::Cow<'_, str>> {
+        Some("40001".into())
+    }
+    fn as_error(&self) -> &(dyn std::error::Error + Send + Sync + 'static) {
+        self
+    }
+    fn as_error_mut(&mut self) -> &mut (dyn std::error::Error + Send + Sync + 'static) {
+        self
+    }
+    fn into_error(self: Box<Self>) -> Box<dyn std::error::Error + Send + Sync + 'static> {
+        self
+    }
+    fn kind(&self) -> sea_orm::sqlx::error::ErrorKind {
+        sea_orm::sqlx::error::ErrorKind::Other
+    }
+}
+
 /// How long a caller waits before retrying after SQLite said `database is
 /// locked` ([`ShardError::retry`]).
 pub(crate) const SQLITE_BUSY_WAIT: std::time::Duration = std::time::Duration::from_millis(50);

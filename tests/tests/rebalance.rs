@@ -27,6 +27,7 @@ backend_tests!(5 =>
     a_migrate_that_fails_on_a_ticket_server_leaves_the_movable_group_writable,
     an_instance_that_has_not_refreshed_reads_a_moved_row_as_at_the_flip,
     [Postgres, MySql] a_mover_paused_inside_its_transaction_does_not_block_the_next,
+    a_begin_whose_fence_read_the_database_aborts_begins_again,
 );
 
 const BUCKETS: u32 = 64;
@@ -1877,4 +1878,47 @@ async fn a_mover_paused_inside_its_transaction_does_not_block_the_next(dbs: &mut
     w.await.unwrap();
     a.refresh_bucket_maps().await.unwrap();
     check_placement(&a, &acked).await;
+}
+
+/// When the database aborts the fence read that opens a write transaction
+/// of a movable group (a deadlock with a mover: MariaDB's 1213 during a
+/// move; simulated by a failpoint), `begin` rolls back and begins again, at
+/// most 5 times: the caller gets its transaction. Past that, the error says
+/// to run the transaction again.
+async fn a_begin_whose_fence_read_the_database_aborts_begins_again(dbs: &mut TestDbs) {
+    const KEY: i64 = 9_999_937;
+    let a = connect(dbs, 20).await;
+    let acked: Shared = Arc::default();
+    seed(&a, &acked, [KEY]).await;
+    let _turn = FAILPOINTS.lock().await;
+    let at = "shardkit::begin::fence_aborted";
+    fail::cfg(at, &format!("3*return({KEY})")).unwrap();
+    let tx = a
+        .begin::<Customer>(KEY)
+        .await
+        .unwrap_or_else(|e| panic!("begin after three aborts: {}", e.report()));
+    tx.update(customer::ActiveModel {
+        id: sea_orm::ActiveValue::Unchanged(KEY),
+        name: Set("renamed".into()),
+    })
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    fail::cfg(at, &format!("return({KEY})")).unwrap();
+    let err = a.begin::<Customer>(KEY).await.unwrap_err();
+    fail::remove(at);
+    assert!(
+        matches!(&err, ShardError::Db { operation, .. } if operation == "read shardkit_bucket_states")
+            && err.retry() == shardkit::Retry::Transaction,
+        "{}",
+        err.report()
+    );
+    let name = a
+        .find::<customer::Entity>()
+        .key(KEY)
+        .one()
+        .await
+        .unwrap()
+        .map(|c| c.name);
+    assert_eq!(name.as_deref(), Some("renamed"));
 }
