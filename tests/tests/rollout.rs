@@ -20,6 +20,7 @@ backend_tests!(4 =>
     verify_finds_injected_differences,
     verify_shards_compares_copies,
     advance_when_ready_waits_out_the_gap,
+    backfill_when_ready_waits_out_the_gap_and_resumes_after_a_timeout,
     old_reads_follow_the_phase,
     old_index_reads_follow_the_phase,
     status_lists_the_instances,
@@ -1136,4 +1137,41 @@ async fn an_instance_without_the_rollout_is_visible(dbs: &mut TestDbs) {
         tx.commit().await.unwrap();
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+}
+
+/// `backfill_when_ready` waits out the gap after `dual_write` on the
+/// cluster's clock (where `backfill` is refused as too soon), and resumes
+/// from its saved position after chunks that fail with an error that says to
+/// retry (a shard that stopped answering, twice); every person is copied.
+async fn backfill_when_ready_waits_out_the_gap_and_resumes_after_a_timeout(dbs: &mut TestDbs) {
+    let clock = test_clock();
+    let (app, _, people) = instance(dbs, &clock).await;
+    for i in 1..=30 {
+        put(&app, &person(i, i % 7, &format!("f{i}"), "l", "c"))
+            .await
+            .unwrap();
+    }
+    clock.advance(TTL + REFRESH);
+    assert_eq!(people.advance().await.unwrap(), Phase::CacheBoth);
+    clock.advance(TTL + REFRESH);
+    assert_eq!(people.advance().await.unwrap(), Phase::DualWrite);
+    let err = people.backfill().await.unwrap_err();
+    assert!(matches!(err, ShardError::RolloutTooSoon { .. }), "{err:?}");
+    let at = "shardkit::rollout::backfill_chunk";
+    fail::cfg(at, &format!("2*return({})", dbs.names[1])).unwrap();
+    let task = {
+        let people = people.clone();
+        tokio::spawn(async move { people.backfill_when_ready().await })
+    };
+    tokio::task::yield_now().await;
+    assert!(!task.is_finished(), "it waits for the gap");
+    clock.advance(TTL + REFRESH);
+    let done = tokio::time::timeout(Duration::from_secs(30), task)
+        .await
+        .expect("backfill_when_ready returns once the gap has passed")
+        .unwrap();
+    fail::remove(at);
+    let done = done.unwrap_or_else(|e| panic!("{}", e.report()));
+    assert!(done.finished, "{done:?}");
+    assert_eq!(count_rows(&app, "people_v2").await, 30);
 }

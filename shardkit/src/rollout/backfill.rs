@@ -1,6 +1,7 @@
 //! Copying old rows into the new table in keyset chunks, resumably.
 
 use super::*;
+use crate::error::Retry;
 
 impl<Old, New> RolloutHandle<Old, New>
 where
@@ -14,6 +15,39 @@ where
     /// Copies every old row to the new table (see [`backfill_with`](Self::backfill_with)).
     pub async fn backfill(&self) -> Result<RolloutBackfill> {
         self.backfill_with(500, |_| ControlFlow::Continue(())).await
+    }
+
+    /// [`backfill`](Self::backfill) once it may run, and through the errors
+    /// that say to retry: in `dual_write` it first waits out the rollout's
+    /// gap on the cluster's clock (as
+    /// [`advance_when_ready`](Self::advance_when_ready) does) instead of
+    /// returning [`ShardError::RolloutTooSoon`]; a chunk that fails with an
+    /// error whose [`retry`](ShardError::retry) is not `Never` (a lost
+    /// connection, a shard that stopped answering, a busy database, an
+    /// aborted transaction) is run again, from the saved position, after
+    /// the wait the error asks for (100 ms otherwise), at most 5 times in a
+    /// row. Any other error comes back as it is.
+    pub async fn backfill_when_ready(&self) -> Result<RolloutBackfill> {
+        let clock = self.shards.clock();
+        let mut failures = 0;
+        loop {
+            match self.backfill().await {
+                Err(ShardError::RolloutTooSoon { wait_ms, .. }) => {
+                    let until = clock.now_millis().saturating_add(wait_ms);
+                    clock.sleep_until(until).await;
+                }
+                Err(e) if failures < 5 && e.retry() != Retry::Never => {
+                    failures += 1;
+                    let wait = match e.retry() {
+                        Retry::After(wait) => wait,
+                        _ => Duration::from_millis(100),
+                    };
+                    tracing::warn!(rollout = %self.name(), attempt = failures, error = %e.report(), ?wait, "rollout backfill failed; resuming after a wait");
+                    tokio::time::sleep(wait).await;
+                }
+                done => return done,
+            }
+        }
     }
 
     /// Copies old rows to the new table, shard by shard, `chunk` rows per
@@ -94,6 +128,26 @@ where
                 // chunk: copying on after a retreat below dual_write would
                 // miss the writes made meanwhile.
                 self.backfill_still_valid(&start_state).await?;
+                // Fault injection: the shard stops answering for this chunk
+                // (when the failpoint's argument is part of its URL).
+                #[cfg(feature = "failpoints")]
+                if fail::eval("shardkit::rollout::backfill_chunk", |arg| {
+                    arg.unwrap_or_default()
+                })
+                .is_some_and(|arg| {
+                    self.shards
+                        .topology()
+                        .shard(*id)
+                        .url
+                        .expose()
+                        .contains(arg.as_str())
+                }) {
+                    return Err(ShardError::Timeout {
+                        group: <Old::Group as EntityGroup>::NAME,
+                        shard: shard.to_owned(),
+                        after: Duration::ZERO,
+                    });
+                }
                 let copied = self
                     .backfill_chunk(*id, db, shard, after.as_deref(), chunk)
                     .await?;
