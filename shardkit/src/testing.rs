@@ -105,8 +105,12 @@ pub struct TestShards {
     admin: Option<DatabaseConnection>,
 }
 
-/// A database name unique to the test, within the 63 characters PostgreSQL allows.
-fn db_name(test: &str, suffix: &str) -> String {
+/// The prefix of the databases [`TestShards::create`] makes.
+pub const DEFAULT_PREFIX: &str = "sk";
+
+/// A database name unique to the test, `<prefix>_<test>_<hash>_<suffix>`,
+/// within the 63 bytes PostgreSQL allows.
+fn db_name(prefix: &str, test: &str, suffix: &str) -> String {
     let mut base: String = test
         .chars()
         .map(|c| {
@@ -121,9 +125,12 @@ fn db_name(test: &str, suffix: &str) -> String {
     let hash = test.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
         (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
     });
-    base.truncate(36);
-    format!("sk_{base}_{:06x}_{suffix}", hash & 0xff_ffff)
+    base.truncate(38 - prefix.len().min(MAX_PREFIX));
+    format!("{prefix}_{base}_{:06x}_{suffix}", hash & 0xff_ffff)
 }
+
+/// The longest prefix [`TestShards::create_prefixed`] takes.
+const MAX_PREFIX: usize = 16;
 
 impl TestShards {
     /// Creates `shards` fresh databases for `test` (plus nothing else).
@@ -133,10 +140,34 @@ impl TestShards {
     /// scenarios of an unreachable server ignored before they start), or
     /// use [`create_if_reachable`](Self::create_if_reachable).
     pub async fn create(backend: Backend, test: &str, shards: usize) -> Self {
+        Self::create_prefixed(backend, DEFAULT_PREFIX, test, shards).await
+    }
+
+    /// [`create`](Self::create) with database names (and the SQLite
+    /// directory) starting `<prefix>_` instead of `sk_`: tests of several
+    /// applications, or of several checkouts, on one server keep apart, and
+    /// a server's test databases are found (and dropped) by their prefix.
+    ///
+    /// Panics when `prefix` is empty, longer than 16 bytes, or has anything
+    /// but ASCII letters, digits and `_`.
+    pub async fn create_prefixed(
+        backend: Backend,
+        prefix: &str,
+        test: &str,
+        shards: usize,
+    ) -> Self {
+        assert!(
+            !prefix.is_empty()
+                && prefix.len() <= MAX_PREFIX
+                && prefix
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'_'),
+            "test database prefix {prefix:?}: 1 to {MAX_PREFIX} ASCII letters, digits or `_`"
+        );
         let Some(admin_url) = backend.admin_url() else {
             let dir = std::env::temp_dir()
                 .join("shardkit-tests")
-                .join(db_name(test, "sqlite"));
+                .join(db_name(prefix, test, "sqlite"));
             let _ = std::fs::remove_dir_all(&dir);
             std::fs::create_dir_all(&dir).expect("create the test's SQLite directory");
             let names = (0..shards)
@@ -157,7 +188,9 @@ impl TestShards {
         let admin = Database::connect(admin_url.as_str())
             .await
             .unwrap_or_else(|err| panic!("{backend:?} is unreachable at {admin_url}: {err}"));
-        let names: Vec<String> = (0..shards).map(|i| db_name(test, &i.to_string())).collect();
+        let names: Vec<String> = (0..shards)
+            .map(|i| db_name(prefix, test, &i.to_string()))
+            .collect();
         let dbs = TestShards {
             backend,
             names,

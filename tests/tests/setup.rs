@@ -10,6 +10,7 @@ use shardkit_tests::{TestDbs, backend_tests, count_rows};
 
 backend_tests!(2 =>
     setup_creates_index_tables_and_sequences,
+    test_databases_take_a_prefix,
 );
 
 async fn setup_creates_index_tables_and_sequences(dbs: &mut TestDbs) {
@@ -116,4 +117,31 @@ async fn setup_creates_index_tables_and_sequences(dbs: &mut TestDbs) {
         .await
         .unwrap_err();
     assert!(matches!(err, ShardError::UniqueViolation { .. }), "{err:?}");
+}
+
+/// `TestShards::create_prefixed` names its databases (or, on SQLite, their
+/// directory) `<prefix>_...`, and a cluster runs on them.
+async fn test_databases_take_a_prefix(dbs: &mut TestDbs) {
+    let mine =
+        shardkit::testing::TestShards::create_prefixed(dbs.backend, "myapp_ci", "prefixed", 2)
+            .await;
+    for name in &mine.names {
+        let name = match dbs.backend {
+            shardkit_tests::Backend::Sqlite => std::path::Path::new(name)
+                .parent()
+                .and_then(|dir| dir.file_name())
+                .map(|dir| dir.to_string_lossy().into_owned())
+                .unwrap_or_default(),
+            _ => name.clone(),
+        };
+        assert!(name.starts_with("myapp_ci_prefixed_"), "{name}");
+        assert!(name.len() <= 63, "{name}");
+    }
+    let toml = format!("{}\n[groups.Customer]\n", mine.shards_toml(2));
+    let cluster = Cluster::connect(ClusterConfig::from_toml(&toml).unwrap())
+        .await
+        .unwrap();
+    cluster.migrate::<Migrator>().await.unwrap();
+    drop(cluster);
+    mine.cleanup().await;
 }
