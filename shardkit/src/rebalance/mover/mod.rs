@@ -742,7 +742,11 @@ impl<G> Rebalance<G> {
     ///
     /// One process runs a move at a time: another `run` or `abort` of it is
     /// refused while this one holds it (it lets go when it returns, and its
-    /// hold lapses 30 s after its last step if the process dies).
+    /// hold lapses 10 s after its last renewal if the process dies; it renews
+    /// it every 3 s while it runs). A mover that goes on after another process
+    /// took the move over (it was paused past its hold) is refused by every
+    /// shard it writes, nothing written: the fencing tokens of
+    /// [`crate::rebalance`].
     pub async fn run(&self, id: i64) -> Result<MoveStatus> {
         if self.entities.is_empty() {
             return Err(self.refuse(
