@@ -3,7 +3,7 @@
 
 use super::shards::Shards;
 use crate::error::{Result, ShardError};
-use crate::exec::health::{HEALTHY_FOR, REPROBE, SUSPECT_AFTER, suspects_down};
+use crate::exec::health::{Gate, HEALTHY_FOR, REPROBE, SUSPECT_AFTER, suspects_down};
 use crate::topology::ShardId;
 use std::future::Future;
 use std::sync::Arc;
@@ -12,10 +12,14 @@ use std::time::Duration;
 /// The breaker around every request (see [`crate::exec::health`]).
 impl Shards {
     /// Runs `fut`, a request that needs a connection of shard `id`, under
-    /// the shard's breaker and `timeout`: fails at once with
-    /// [`ShardError::Unavailable`] while the shard is down, and as soon as a
-    /// probe started while `fut` waits finds it down; otherwise `fut`
-    /// decides (or the timeout, [`ShardError::Timeout`]).
+    /// the shard's breaker and `timeout`. While the shard is down the
+    /// request waits on the probe that it starts or finds started (half-open,
+    /// at most [`HALF_OPEN_WAIT`](crate::exec::health::HALF_OPEN_WAIT) from
+    /// the probe's start) and runs if the probe finds the shard up; it fails
+    /// with [`ShardError::Unavailable`] if the probe finds it down, and at
+    /// once when no probe is due. While the shard is up it fails with
+    /// `Unavailable` as soon as a probe started while `fut` waits finds it
+    /// down; otherwise `fut` decides (or the timeout, [`ShardError::Timeout`]).
     pub(crate) async fn bounded<T>(
         &self,
         id: ShardId,
@@ -25,15 +29,33 @@ impl Shards {
     ) -> Result<T> {
         let health = self.health(id);
         let shard = self.shard_name(id);
-        if let Some(cause) = health.down_cause() {
-            let err = ShardError::Unavailable {
+        let unavailable = |cause: String| {
+            self.reprobe(id, &cause);
+            ShardError::Unavailable {
                 shard: shard.to_owned(),
                 cause,
-            };
-            crate::metrics::request_failed(shard, &err);
-            return Err(err);
-        }
+            }
+        };
         let watched = async {
+            match health.gate(self.clock()) {
+                Gate::Closed => {}
+                Gate::Open(cause) => return Err(unavailable(cause)),
+                Gate::HalfOpen { until, probe } => {
+                    match tokio::time::timeout_at(until, probe).await {
+                        // Seen up just now: the request goes on.
+                        Ok(Ok(())) => {}
+                        Ok(Err(cause)) => return Err(unavailable(cause)),
+                        // The probe runs on (it may hang for the connect
+                        // timeout); this request does not wait for it.
+                        // (Unless it found the shard up at that moment.)
+                        Err(_) => {
+                            if let Some(cause) = health.down_cause() {
+                                return Err(unavailable(cause));
+                            }
+                        }
+                    }
+                }
+            }
             tokio::select! {
                 biased;
                 result = fut => match result {
@@ -42,19 +64,13 @@ impl Shards {
                     // for a server at its connection limit: it is up.)
                     Err(ref err) if suspects_down(err) && health.can_probe() => {
                         match self.probe_shared(id).await {
-                            Err(cause) => Err(ShardError::Unavailable {
-                                shard: shard.to_owned(),
-                                cause,
-                            }),
+                            Err(cause) => Err(unavailable(cause)),
                             Ok(()) => result,
                         }
                     }
                     other => other,
                 },
-                cause = self.watch(id) => Err(ShardError::Unavailable {
-                    shard: shard.to_owned(),
-                    cause,
-                }),
+                cause = self.watch(id) => Err(unavailable(cause)),
             }
         };
         let result = match timeout {
@@ -86,33 +102,24 @@ impl Shards {
         }
     }
 
-    /// Shard `id`'s state from a recent or new probe, marking it down when
-    /// the probe fails.
+    /// Shard `id`'s state from a recent, running or new probe (a failure
+    /// marks it down).
     async fn probe_shared(&self, id: ShardId) -> std::result::Result<(), String> {
         let health = Arc::clone(self.health(id));
-        // In a task of its own: a request that gives up (its timeout) must
-        // not cancel the probe that would mark the shard down.
-        let probe = tokio::spawn(async move { health.check().await });
-        match probe.await {
-            Ok(Err(cause)) => {
-                self.shard_down(id, &cause);
-                Err(cause)
-            }
-            Ok(Ok(())) | Err(_) => Ok(()),
-        }
+        health.check_on(self.clock()).await
     }
 
-    /// Marks shard `id` down and, if it was up, starts the probe that
-    /// brings it back.
-    pub(crate) fn shard_down(&self, id: ShardId, cause: &str) {
+    /// Shard `id` was found down: unless one runs, starts the background
+    /// probe that brings it back when no request needs it.
+    fn reprobe(&self, id: ShardId, cause: &str) {
         let health = self.health(id);
-        if !health.mark_down(cause) {
+        if health.down_cause().is_none() || !health.start_reprobing() {
             return;
         }
         tracing::warn!(
             shard = self.shard_name(id),
             cause,
-            "shard down: requests fail fast until a probe reaches it"
+            "shard down: requests fail fast, except while a probe runs, until a probe reaches it"
         );
         crate::exec::periodic::spawn(
             self,
@@ -120,17 +127,19 @@ impl Shards {
             crate::exec::periodic::FirstPass::AfterInterval,
             move |shards: Shards| async move {
                 let health = Arc::clone(shards.health(id));
-                match health.probe_once().await {
-                    Ok(()) => {
-                        health.mark_up();
-                        tracing::info!(shard = shards.shard_name(id), "shard back up");
-                        std::ops::ControlFlow::Break(())
-                    }
-                    Err(cause) => {
-                        health.mark_down(&cause);
-                        std::ops::ControlFlow::Continue(())
-                    }
+                if let Some(probe) = health.probe_if_due(shards.clock()) {
+                    let _ = probe.await;
                 }
+                if health.down_cause().is_some() {
+                    return std::ops::ControlFlow::Continue(());
+                }
+                health.stop_reprobing();
+                // Down again since: go on unless another task took over.
+                if health.down_cause().is_some() && health.start_reprobing() {
+                    return std::ops::ControlFlow::Continue(());
+                }
+                tracing::info!(shard = shards.shard_name(id), "shard back up");
+                std::ops::ControlFlow::Break(())
             },
         );
     }

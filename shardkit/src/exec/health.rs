@@ -4,13 +4,25 @@
 //! retries until its acquire timeout (30 s by default) and then reports only
 //! "pool timed out". shardkit instead watches every request that waits on a
 //! shard: one still waiting after [`SUSPECT_AFTER`] starts a probe (one
-//! connection opened directly, bounded by the connect timeout, shared by
-//! every waiter of the shard). A failed probe marks the shard down with the
-//! driver's own cause ("connection refused", "no answer within 1 s"): the
-//! waiting requests fail with [`ShardError::Unavailable`](crate::ShardError::Unavailable), and so does every
-//! later request of that shard, at once and without I/O, until a background
-//! probe (every [`REPROBE`], stopped when the cluster is dropped) reaches
-//! the server again.
+//! connection opened directly, bounded by the connect timeout). One probe
+//! runs at a time per shard, shared by everyone who asks. A failed probe
+//! marks the shard down with the driver's own cause ("connection refused",
+//! "no answer within 1 s"): the waiting requests fail with
+//! [`ShardError::Unavailable`](crate::ShardError::Unavailable).
+//!
+//! While the shard is down its breaker is half-open: a request that needs
+//! the shard starts the next probe itself (when the last one ended long
+//! enough ago: [`PROBE_GAP`], growing to a quarter of the outage, at most
+//! [`REPROBE`], on the cluster's clock) and waits on it; requests arriving
+//! while it runs wait on the same probe, each until [`HALF_OPEN_WAIT`]
+//! after the probe started. A probe that finds the shard up closes the
+//! breaker and the requests waiting on it go on; otherwise they fail with
+//! the cause, and so does every other request, at once and without I/O. So
+//! a shard back from a short cut serves the first request that needs it,
+//! and a shard that refuses or hangs costs one probe per gap, never a wait
+//! of the connect timeout per request. A background probe (every
+//! [`REPROBE`] when due, stopped when the cluster is dropped) brings back a
+//! shard no request needs.
 //!
 //! A server at its connection limit (PostgreSQL's "too many clients",
 //! MySQL/MariaDB's "Too many connections") answered: neither a request
@@ -19,9 +31,13 @@
 //! database's error, which is [`Retry::After`](crate::Retry::After) a short
 //! wait.
 
+use crate::clock::{Clock, SystemClock};
 use crate::error::{ShardError, SqlxCause, is_capacity, sqlx_is_capacity};
 use crate::topology::DatabaseUrl;
-use std::sync::{Arc, Mutex};
+use futures::FutureExt as _;
+use futures::future::{BoxFuture, Shared};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 /// How long a request waits on a shard before its health is checked.
@@ -31,6 +47,21 @@ pub(crate) use crate::error::REPROBE;
 
 /// How long a successful probe vouches for a shard.
 pub(crate) const HEALTHY_FOR: Duration = Duration::from_secs(1);
+
+/// How long, from a probe's start, requests of a down shard wait on its
+/// result (half-open); later ones fail at once.
+pub(crate) const HALF_OPEN_WAIT: Duration = SUSPECT_AFTER;
+
+/// The least time between the end of a failed probe and the next probe of a
+/// down shard. The gap grows with the outage: a quarter of the time the
+/// shard has been down, between this and [`REPROBE`].
+pub(crate) const PROBE_GAP: Duration = Duration::from_millis(50);
+
+/// A probe's outcome: the cause (password scrubbed) when the shard is down.
+pub(crate) type ProbeResult = std::result::Result<(), String>;
+
+/// The result of the one probe running, for every request that waits on it.
+pub(crate) type SharedProbe = Shared<BoxFuture<'static, ProbeResult>>;
 
 /// How one shard is probed.
 enum Probe {
@@ -45,12 +76,38 @@ pub(crate) struct ShardHealth {
     probe: Probe,
     timeout: Duration,
     url: DatabaseUrl,
-    /// Why the shard is down, if it is.
-    down: Mutex<Option<String>>,
-    /// The last probe's time and outcome.
-    last: Mutex<Option<(Instant, std::result::Result<(), String>)>>,
-    /// One probe at a time.
-    probing: tokio::sync::Mutex<()>,
+    state: Mutex<State>,
+    /// Whether a background probe task runs for this shard.
+    reprobing: AtomicBool,
+}
+
+/// A breaker's state. Only a probe's end changes whether the shard is down,
+/// and one probe runs at a time, so outcomes apply in the order they end.
+#[derive(Default)]
+struct State {
+    /// Why the shard is down and since when (the cluster clock's ms).
+    down: Option<(String, u64)>,
+    /// The last probe: when it ended (real time, and the clock's ms), and
+    /// its outcome.
+    last: Option<(Instant, u64, ProbeResult)>,
+    /// The probe running, and when it started.
+    running: Option<(tokio::time::Instant, SharedProbe)>,
+    /// The clock the breaker was last asked with (for [`ShardHealth::check`]).
+    clock: Option<Arc<dyn Clock>>,
+}
+
+/// What a request of a shard does, by its breaker ([`ShardHealth::gate`]).
+pub(crate) enum Gate {
+    /// The shard is up: go on.
+    Closed,
+    /// The shard is down: fail at once with the cause.
+    Open(String),
+    /// The shard is down and a probe runs: wait on its result until
+    /// `until`, go on if it finds the shard up.
+    HalfOpen {
+        until: tokio::time::Instant,
+        probe: SharedProbe,
+    },
 }
 
 impl ShardHealth {
@@ -87,22 +144,125 @@ impl ShardHealth {
             probe,
             timeout,
             url: url.clone(),
-            down: Mutex::new(None),
-            last: Mutex::new(None),
-            probing: tokio::sync::Mutex::new(()),
+            state: Mutex::new(State::default()),
+            reprobing: AtomicBool::new(false),
         }
+    }
+
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Why the shard is down, if it is.
     pub(crate) fn down_cause(&self) -> Option<String> {
-        self.down.lock().unwrap_or_else(|p| p.into_inner()).clone()
+        self.state().down.as_ref().map(|(cause, _)| cause.clone())
+    }
+
+    /// What a request of the shard does now. Up: it goes on. Down: it waits
+    /// on the running probe if that started less than [`HALF_OPEN_WAIT`]
+    /// ago, else starts one if the last ended long enough ago (see
+    /// [`PROBE_GAP`]) and waits on it, else fails at once.
+    pub(crate) fn gate(self: &Arc<Self>, clock: &Arc<dyn Clock>) -> Gate {
+        let mut state = self.state();
+        state.clock = Some(Arc::clone(clock));
+        let Some((cause, _)) = &state.down else {
+            return Gate::Closed;
+        };
+        let cause = cause.clone();
+        if let Some((started, probe)) = &state.running {
+            let until = *started + HALF_OPEN_WAIT;
+            return if tokio::time::Instant::now() < until {
+                Gate::HalfOpen {
+                    until,
+                    probe: probe.clone(),
+                }
+            } else {
+                Gate::Open(cause)
+            };
+        }
+        if !due(&state, clock.now_millis()) {
+            return Gate::Open(cause);
+        }
+        let probe = self.start(&mut state, clock);
+        Gate::HalfOpen {
+            until: tokio::time::Instant::now() + HALF_OPEN_WAIT,
+            probe,
+        }
+    }
+
+    /// The running probe, or a new one if the shard is down and the last
+    /// probe ended long enough ago; `None` otherwise (the background probe).
+    pub(crate) fn probe_if_due(self: &Arc<Self>, clock: &Arc<dyn Clock>) -> Option<SharedProbe> {
+        let mut state = self.state();
+        if let Some((_, probe)) = &state.running {
+            return Some(probe.clone());
+        }
+        if state.down.is_none() || !due(&state, clock.now_millis()) {
+            return None;
+        }
+        Some(self.start(&mut state, clock))
+    }
+
+    /// Starts the probe (in a task of its own: a request that gives up must
+    /// not cancel the probe that would mark the shard down or up).
+    fn start(self: &Arc<Self>, state: &mut State, clock: &Arc<dyn Clock>) -> SharedProbe {
+        /// Applies the probe's outcome, or only ends the probe if it never
+        /// finished (the runtime shut down).
+        struct Finish {
+            health: Arc<ShardHealth>,
+            clock: Arc<dyn Clock>,
+            result: Option<ProbeResult>,
+        }
+        impl Drop for Finish {
+            fn drop(&mut self) {
+                let now = self.clock.now_millis();
+                let mut state = self.health.state();
+                state.running = None;
+                let Some(result) = self.result.take() else {
+                    return;
+                };
+                match &result {
+                    Ok(()) => state.down = None,
+                    Err(cause) => {
+                        let since = state.down.as_ref().map_or(now, |(_, since)| *since);
+                        state.down = Some((cause.clone(), since));
+                    }
+                }
+                state.last = Some((Instant::now(), now, result));
+            }
+        }
+        let mut finish = Finish {
+            health: Arc::clone(self),
+            clock: Arc::clone(clock),
+            result: None,
+        };
+        let task = tokio::spawn(async move {
+            let result = finish.health.probe_once().await;
+            finish.result = Some(result.clone());
+            drop(finish);
+            result
+        });
+        // A probe task that never finished found nothing.
+        let probe = async move { task.await.unwrap_or(Ok(())) }.boxed().shared();
+        state.running = Some((tokio::time::Instant::now(), probe.clone()));
+        probe
+    }
+
+    /// Claims the background probe of this down shard: `true` if none ran.
+    pub(crate) fn start_reprobing(&self) -> bool {
+        !self.reprobing.swap(true, Ordering::AcqRel)
+    }
+
+    /// The background probe stops.
+    pub(crate) fn stop_reprobing(&self) {
+        self.reprobing.store(false, Ordering::Release);
     }
 
     /// The breaker's probe: opens one connection and closes it; the cause
     /// (password scrubbed) when that fails or takes longer than the
     /// timeout. A server that refuses the connection for having too many
     /// ([`ProbeFailure::Full`]) answered: it is up.
-    pub(crate) async fn probe_once(&self) -> std::result::Result<(), String> {
+    pub(crate) async fn probe_once(&self) -> ProbeResult {
         match self.connect_once().await {
             Ok(()) | Err(ProbeFailure::Full(_)) => Ok(()),
             Err(ProbeFailure::Down(cause)) => Err(cause),
@@ -143,33 +303,46 @@ impl ShardHealth {
         })
     }
 
-    /// The shard's state as of a probe at most [`HEALTHY_FOR`] old (running
-    /// one when there is none); a failure marks it down.
-    pub(crate) async fn check(self: &Arc<Self>) -> std::result::Result<(), String> {
-        let _one = self.probing.lock().await;
-        if let Some((at, result)) = &*self.last.lock().unwrap_or_else(|p| p.into_inner())
-            && at.elapsed() < HEALTHY_FOR
-        {
-            return result.clone();
-        }
-        let result = self.probe_once().await;
-        *self.last.lock().unwrap_or_else(|p| p.into_inner()) =
-            Some((Instant::now(), result.clone()));
-        result
+    /// The shard's state as of a probe at most [`HEALTHY_FOR`] old (waiting
+    /// on the running probe, or running one, when there is none); a failure
+    /// marks it down, a success up. Times are read on the clock the breaker
+    /// was last asked with (the system clock before that).
+    pub(crate) async fn check(self: &Arc<Self>) -> ProbeResult {
+        let clock = self
+            .state()
+            .clock
+            .clone()
+            .unwrap_or_else(|| Arc::new(SystemClock));
+        self.check_on(&clock).await
     }
 
-    /// Marks the shard down; `true` if it was up.
-    pub(crate) fn mark_down(&self, cause: &str) -> bool {
-        let mut down = self.down.lock().unwrap_or_else(|p| p.into_inner());
-        let was_up = down.is_none();
-        *down = Some(cause.to_owned());
-        was_up
+    /// [`check`](Self::check), on `clock`.
+    pub(crate) async fn check_on(self: &Arc<Self>, clock: &Arc<dyn Clock>) -> ProbeResult {
+        let probe = {
+            let mut state = self.state();
+            state.clock = Some(Arc::clone(clock));
+            match (&state.running, &state.last) {
+                (Some((_, probe)), _) => probe.clone(),
+                (None, Some((at, _, result))) if at.elapsed() < HEALTHY_FOR => {
+                    return result.clone();
+                }
+                (None, _) => self.start(&mut state, clock),
+            }
+        };
+        probe.await
     }
+}
 
-    pub(crate) fn mark_up(&self) {
-        *self.down.lock().unwrap_or_else(|p| p.into_inner()) = None;
-        *self.last.lock().unwrap_or_else(|p| p.into_inner()) = None;
-    }
+/// Whether a down shard may be probed again at `now` (the clock's ms): the
+/// last probe ended at least a quarter of the outage ago, at least
+/// [`PROBE_GAP`] and at most [`REPROBE`].
+fn due(state: &State, now: u64) -> bool {
+    let (Some((_, since)), Some((_, ended, _))) = (&state.down, &state.last) else {
+        return true;
+    };
+    let millis = |d: Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
+    let gap = (now.saturating_sub(*since) / 4).clamp(millis(PROBE_GAP), millis(REPROBE));
+    now.saturating_sub(*ended) >= gap
 }
 
 /// Why a probe's connection failed.
