@@ -385,7 +385,7 @@ impl Cluster {
                         name,
                         "shardkit_bucket_states",
                         "read",
-                        crate::error::SimulatedAbort::db_err(),
+                        crate::error::Synthetic::aborted("shardkit::begin::fence_aborted"),
                     ))
                 }
                 other => other,

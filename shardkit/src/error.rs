@@ -713,97 +713,65 @@ fn mysql_is_capacity(number: u16) -> bool {
     matches!(number, 1040 | 1203)
 }
 
-/// A serialization failure (SQLSTATE `40001`) made up by the failpoint
-/// `shardkit::begin::fence_aborted`, for tests of what shardkit does when a
-/// database aborts its statement: classified as the database's own.
-#[cfg(feature = "failpoints")]
-#[derive(Debug)]
-pub(crate) struct SimulatedAbort;
-
-#[cfg(feature = "failpoints")]
-impl SimulatedAbort {
-    pub(crate) fn db_err() -> DbErr {
-        DbErr::Query(sea_orm::RuntimeErr::SqlxError(std::sync::Arc::new(
-            sea_orm::sqlx::Error::Database(Box::new(SimulatedAbort)),
-        )))
-    }
-}
-
-#[cfg(feature = "failpoints")]
-impl std::fmt::Display for SimulatedAbort {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("could not serialize access (failpoint shardkit::begin::fence_aborted)")
-    }
-}
-
-#[cfg(feature = "failpoints")]
-impl std::error::Error for SimulatedAbort {}
-
-#[cfg(feature = "failpoints")]
-impl sea_orm::sqlx::error::DatabaseError for SimulatedAbort {
-    fn message(&self) -> &str {
-        "could not serialize access (failpoint shardkit::begin::fence_aborted)"
-    }
-    fn code(&self) -> Option<std::borrow::Cow<'_, str>> {
-        Some("40001".into())
-    }
-    fn as_error(&self) -> &(dyn std::error::Error + Send + Sync + 'static) {
-        self
-    }
-    fn as_error_mut(&mut self) -> &mut (dyn std::error::Error + Send + Sync + 'static) {
-        self
-    }
-    fn into_error(self: Box<Self>) -> Box<dyn std::error::Error + Send + Sync + 'static> {
-        self
-    }
-    fn kind(&self) -> sea_orm::sqlx::error::ErrorKind {
-        sea_orm::sqlx::error::ErrorKind::Other
-    }
-}
-
 /// How long a caller waits before retrying after SQLite said `database is
 /// locked` ([`ShardError::retry`]).
 pub(crate) const SQLITE_BUSY_WAIT: std::time::Duration = std::time::Duration::from_millis(50);
 
-/// SQLite's `database is locked` for a write transaction that waited the
-/// whole busy timeout for the write slot the cluster's SQLite files share
-/// (`crate::exec::sqlite`) and never reached SQLite: classified like
-/// SQLite's own `SQLITE_BUSY` (code 5).
+/// A database error shardkit makes itself, classified by its code like the
+/// server's own: SQLite's `database is locked` (code 5) for a write
+/// transaction that waited the whole busy timeout for the write slot the
+/// cluster's SQLite files share (`crate::exec::sqlite`) and never reached
+/// SQLite; with the `failpoints` feature, a statement the database aborted.
 #[derive(Debug)]
-pub(crate) struct SqliteBusy {
+pub(crate) struct Synthetic {
+    code: &'static str,
     message: String,
 }
 
-impl SqliteBusy {
-    /// The error of a wait of `waited` for the slot.
-    pub(crate) fn slot(waited: std::time::Duration) -> DbErr {
-        let busy = SqliteBusy {
-            message: format!(
+impl Synthetic {
+    fn db_err(code: &'static str, message: String) -> DbErr {
+        DbErr::Exec(sea_orm::RuntimeErr::SqlxError(std::sync::Arc::new(
+            sea_orm::sqlx::Error::Database(Box::new(Synthetic { code, message })),
+        )))
+    }
+
+    /// The error of a wait of `waited` for the SQLite write slot.
+    pub(crate) fn sqlite_slot(waited: std::time::Duration) -> DbErr {
+        Self::db_err(
+            "5",
+            format!(
                 "database is locked: waited {waited:?} (the busy timeout) for the write slot the \
                  cluster's SQLite files share; another write transaction, of this process or \
                  another, held it"
             ),
-        };
-        DbErr::Exec(sea_orm::RuntimeErr::SqlxError(std::sync::Arc::new(
-            sea_orm::sqlx::Error::Database(Box::new(busy)),
-        )))
+        )
+    }
+
+    /// A serialization failure (SQLSTATE `40001`) made up by failpoint
+    /// `failpoint`.
+    #[cfg(feature = "failpoints")]
+    pub(crate) fn aborted(failpoint: &str) -> DbErr {
+        Self::db_err(
+            "40001",
+            format!("could not serialize access (failpoint {failpoint})"),
+        )
     }
 }
 
-impl std::fmt::Display for SqliteBusy {
+impl std::fmt::Display for Synthetic {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(&self.message)
     }
 }
 
-impl std::error::Error for SqliteBusy {}
+impl std::error::Error for Synthetic {}
 
-impl sea_orm::sqlx::error::DatabaseError for SqliteBusy {
+impl sea_orm::sqlx::error::DatabaseError for Synthetic {
     fn message(&self) -> &str {
         &self.message
     }
     fn code(&self) -> Option<std::borrow::Cow<'_, str>> {
-        Some("5".into())
+        Some(self.code.into())
     }
     fn as_error(&self) -> &(dyn std::error::Error + Send + Sync + 'static) {
         self
@@ -867,7 +835,7 @@ pub(crate) fn db_retry(err: &DbErr) -> Retry {
 
 /// Whether SQLite said `database is locked`: `SQLITE_BUSY` or
 /// `SQLITE_LOCKED` with their extended codes (the low byte is the primary
-/// code), or the cluster's write slot waited out ([`SqliteBusy`]).
+/// code), or the cluster's write slot waited out ([`Synthetic::sqlite_slot`]).
 pub(crate) fn is_sqlite_busy(err: &DbErr) -> bool {
     use sea_orm::RuntimeErr;
     match err {
@@ -882,7 +850,10 @@ pub(crate) fn is_sqlite_busy(err: &DbErr) -> bool {
 }
 
 fn database_is_sqlite_busy(db: &dyn sea_orm::sqlx::error::DatabaseError) -> bool {
-    if db.try_downcast_ref::<SqliteBusy>().is_some() {
+    if db
+        .try_downcast_ref::<Synthetic>()
+        .is_some_and(|s| s.code == "5")
+    {
         return true;
     }
     db.try_downcast_ref::<sea_orm::sqlx::sqlite::SqliteError>()
@@ -1050,7 +1021,7 @@ pub(crate) mod tests {
 
     #[test]
     fn a_sqlite_write_slot_waited_out_is_database_is_locked_retried_after_a_short_wait() {
-        let err = db(SqliteBusy::slot(Duration::from_secs(5)));
+        let err = db(Synthetic::sqlite_slot(Duration::from_secs(5)));
         assert!(err.is_sqlite_busy());
         assert_eq!(err.retry(), Retry::After(Duration::from_millis(50)));
         assert_eq!(err.kind(), ErrorKind::Database);

@@ -31,7 +31,7 @@
 //! database's error, which is [`Retry::After`](crate::Retry::After) a short
 //! wait.
 
-use crate::clock::{Clock, SystemClock};
+use crate::clock::Clock;
 use crate::error::{ShardError, SqlxCause, is_capacity, sqlx_is_capacity};
 use crate::topology::DatabaseUrl;
 use futures::FutureExt as _;
@@ -307,12 +307,13 @@ impl ShardHealth {
     /// on the running probe, or running one, when there is none); a failure
     /// marks it down, a success up. Times are read on the clock the breaker
     /// was last asked with (the system clock before that).
+    #[cfg(any(feature = "cli", test))]
     pub(crate) async fn check(self: &Arc<Self>) -> ProbeResult {
         let clock = self
             .state()
             .clock
             .clone()
-            .unwrap_or_else(|| Arc::new(SystemClock));
+            .unwrap_or_else(|| Arc::new(crate::clock::SystemClock));
         self.check_on(&clock).await
     }
 

@@ -12,9 +12,9 @@
 //! (`<file>.shardkit-write.lock`; never the database file itself, whose
 //! locks are SQLite's). Waiting for the slot is bounded by the busy timeout,
 //! like waiting for SQLite's own lock; a wait that runs out is SQLite's
-//! `database is locked` ([`SqliteBusy`]).
+//! `database is locked` ([`Synthetic::sqlite_slot`]).
 
-use crate::error::SqliteBusy;
+use crate::error::Synthetic;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -96,10 +96,10 @@ impl WriterSlot {
     }
 
     /// Waits for the slot, at most the busy timeout; after that, SQLite's
-    /// `database is locked` ([`SqliteBusy`]).
+    /// `database is locked` ([`Synthetic::sqlite_slot`]).
     pub(crate) async fn acquire(&self) -> Result<WriterPermit, sea_orm::DbErr> {
         let deadline = tokio::time::Instant::now() + self.wait;
-        let busy = || SqliteBusy::slot(self.wait);
+        let busy = || Synthetic::sqlite_slot(self.wait);
         let permit = tokio::time::timeout_at(deadline, Arc::clone(&self.gate).acquire_owned())
             .await
             .ok()
