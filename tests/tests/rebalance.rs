@@ -28,6 +28,8 @@ backend_tests!(5 =>
     an_instance_that_has_not_refreshed_reads_a_moved_row_as_at_the_flip,
     [Postgres, MySql] a_mover_paused_inside_its_transaction_does_not_block_the_next,
     a_begin_whose_fence_read_the_database_aborts_begins_again,
+    [Sqlite] a_move_run_by_another_process_on_the_same_sqlite_files,
+    [Sqlite] child_process_mover,
 );
 
 const BUCKETS: u32 = 64;
@@ -1921,4 +1923,83 @@ async fn a_begin_whose_fence_read_the_database_aborts_begins_again(dbs: &mut Tes
         .unwrap()
         .map(|c| c.name);
     assert_eq!(name.as_deref(), Some("renamed"));
+}
+
+/// The config (TOML) and the move the child process of
+/// [`a_move_run_by_another_process_on_the_same_sqlite_files`] runs.
+const CHILD_CONFIG: &str = "SHARDKIT_TEST_MOVE_CONFIG";
+const CHILD_MOVE: &str = "SHARDKIT_TEST_MOVE_ID";
+
+/// Two processes on one set of SQLite files: this one writes with eight
+/// writers on two instances (pools of 2), another OS process (this test
+/// binary run again) runs a move of a quarter of the buckets. The move
+/// finishes, no write fails, and every acknowledged row is on its owner.
+async fn a_move_run_by_another_process_on_the_same_sqlite_files(dbs: &mut TestDbs) {
+    let toml = toml_with(
+        dbs,
+        &format!("buckets = {BUCKETS}\nshards = [\"s0\", \"s1\", \"s2\", \"s3\"]"),
+        20,
+    );
+    let a = Cluster::connect(ClusterConfig::from_toml(&toml).unwrap())
+        .await
+        .unwrap();
+    let acked: Shared = Arc::default();
+    seed(&a, &acked, 1..=80).await;
+    let b = connect(dbs, 20).await;
+    let m = mover(&a);
+    let id = m
+        .start(&m.plan_buckets(quarter(), "s4").await.unwrap())
+        .await
+        .unwrap()
+        .id;
+    let stop = Arc::new(AtomicBool::new(false));
+    let writers = eight_writers([&a, &b], &acked, 1..=80, &stop);
+    let exe = std::env::current_exe().unwrap();
+    let child = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(exe)
+            .args([
+                "child_process_mover::sqlite",
+                "--exact",
+                "--test-threads",
+                "1",
+            ])
+            .env(CHILD_CONFIG, toml)
+            .env(CHILD_MOVE, id.to_string())
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    stop.store(true, Ordering::SeqCst);
+    for w in writers {
+        w.await.unwrap();
+    }
+    let out = String::from_utf8_lossy(&child.stdout);
+    assert!(
+        child.status.success() && out.contains("MOVED done"),
+        "the other process: {}\n{out}\n{}",
+        child.status,
+        String::from_utf8_lossy(&child.stderr)
+    );
+    assert_eq!(mover(&a).status(id).await.unwrap().phase, MovePhase::Done);
+    a.refresh_bucket_maps().await.unwrap();
+    check_placement(&a, &acked).await;
+}
+
+/// The other process of the scenario above (nothing to do when this binary
+/// runs as itself): runs the move the parent registered and prints its
+/// phase.
+async fn child_process_mover(_dbs: &mut TestDbs) {
+    let Ok(toml) = std::env::var(CHILD_CONFIG) else {
+        return;
+    };
+    let id: i64 = std::env::var(CHILD_MOVE).unwrap().parse().unwrap();
+    let cluster = Cluster::connect(ClusterConfig::from_toml(&toml).unwrap())
+        .await
+        .unwrap();
+    let done = mover(&cluster)
+        .run(id)
+        .await
+        .unwrap_or_else(|e| panic!("the move: {}", e.report()));
+    println!("\nMOVED {}", done.phase);
 }
