@@ -355,6 +355,20 @@ async fn seeded_with_writer(
     (a, acked, stop, w)
 }
 
+/// Another instance whose clock is 10 minutes ahead: to it, a mover's hold
+/// taken by an instance on the system clock lapsed long ago (a mover frozen
+/// past its hold, without waiting for it).
+async fn ahead_instance(dbs: &TestDbs) -> Cluster {
+    let ahead = Arc::new(shardkit::clock::ManualClock::new(
+        shardkit::Clock::now_millis(&shardkit::clock::SystemClock) + 600_000,
+    ));
+    Cluster::builder(config(dbs, 20))
+        .clock(ahead)
+        .connect()
+        .await
+        .unwrap()
+}
+
 /// Counts the movers that park at a `shardkit::rebalance::park::*`
 /// failpoint (until the failpoint `shardkit::rebalance::parked` is removed).
 fn count_parks() -> Arc<std::sync::atomic::AtomicUsize> {
@@ -1335,15 +1349,7 @@ async fn written_again(acked: &Shared, keys: &[i64], what: &str) {
 /// that does not own its bucket.
 async fn a_mover_paused_past_its_hold_is_refused_where_it_writes(dbs: &mut TestDbs) {
     let (a, acked, stop, w) = seeded_with_writer(dbs, 80).await;
-    // To the second process, the first mover's hold lapsed long ago.
-    let ahead = Arc::new(shardkit::clock::ManualClock::new(
-        shardkit::Clock::now_millis(&shardkit::clock::SystemClock) + 600_000,
-    ));
-    let b = Cluster::builder(config(dbs, 20))
-        .clock(ahead)
-        .connect()
-        .await
-        .unwrap();
+    let b = ahead_instance(dbs).await;
     let target_db = dbs.names[4].clone();
     let _turn = FAILPOINTS.lock().await;
     let parked = count_parks();
@@ -1836,14 +1842,7 @@ async fn an_instance_that_has_not_refreshed_reads_a_moved_row_as_at_the_flip(dbs
 /// finishes the move; the paused mover's write never lands.
 async fn a_mover_paused_inside_its_transaction_does_not_block_the_next(dbs: &mut TestDbs) {
     let (a, acked, stop, w) = seeded_with_writer(dbs, 40).await;
-    let ahead = Arc::new(shardkit::clock::ManualClock::new(
-        shardkit::Clock::now_millis(&shardkit::clock::SystemClock) + 600_000,
-    ));
-    let b = Cluster::builder(config(dbs, 20))
-        .clock(ahead)
-        .connect()
-        .await
-        .unwrap();
+    let b = ahead_instance(dbs).await;
     let target_db = dbs.names[4].clone();
     let _turn = FAILPOINTS.lock().await;
     let parked = count_parks();
