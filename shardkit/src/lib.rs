@@ -171,6 +171,7 @@
 //! missing, duplicated, nullable or mistyped shard key.
 
 #![warn(missing_docs)]
+#![deny(clippy::wildcard_imports)]
 
 mod boxed;
 #[cfg(feature = "cli")]
@@ -238,4 +239,74 @@ pub mod prelude {
     pub use sea_orm::{
         ActiveValue::Set, ColumnTrait, EntityTrait, QueryFilter, QueryOrder, QuerySelect,
     };
+}
+
+/// Where the guide's chapter links point in rustdoc. Each chapter ends with
+/// its own definitions for GitHub (`[gsi]: gsi.md`); these come first in
+/// each module's docs, and the first definition of a label wins.
+#[cfg(all(doc, not(doctest)))]
+macro_rules! guide_links {
+    () => {
+        "[readme]: https://github.com/shardkit/shardkit#readme\n\
+         [architecture]: https://github.com/shardkit/shardkit/blob/main/ARCHITECTURE.md\n\
+         [benchmarks]: https://github.com/shardkit/shardkit/blob/main/BENCHMARKS.md\n\
+         [tests-readme]: https://github.com/shardkit/shardkit/blob/main/tests/README.md\n\
+         [readme-test]: https://github.com/shardkit/shardkit/blob/main/examples/tests/readme.rs\n\
+         [guide]: crate::guide\n[basics]: crate::guide::basics\n[seaorm]: crate::guide::seaorm\n\
+         [topology]: crate::guide::topology\n[gsi]: crate::guide::gsi\n\
+         [rollouts]: crate::guide::rollouts\n[ids]: crate::guide::ids\n\
+         [rebalance]: crate::guide::rebalance\n[cli]: crate::guide::cli\n\
+         [troubleshooting]: crate::guide::troubleshooting\n\
+         [contributing]: crate::guide::contributing\n\
+         [sqlite]: crate::guide::troubleshooting#several-instances-on-sqlite\n\
+         [budget]: crate::guide::troubleshooting#connection-budget\n\
+         [adding]: crate::guide::rebalance#adding-a-shard\n\n"
+    };
+}
+
+/// The guide: `shardkit/docs/*.md`, one module per chapter.
+#[cfg(all(doc, not(doctest)))]
+pub mod guide {
+    #![doc = guide_links!()]
+    #![doc = include_str!("../docs/README.md")]
+    pub mod basics {
+        #![doc = guide_links!()]
+        #![doc = include_str!("../docs/basics.md")]
+    }
+    pub mod seaorm {
+        #![doc = guide_links!()]
+        #![doc = include_str!("../docs/seaorm.md")]
+    }
+    pub mod topology {
+        #![doc = guide_links!()]
+        #![doc = include_str!("../docs/topology.md")]
+    }
+    pub mod gsi {
+        #![doc = guide_links!()]
+        #![doc = include_str!("../docs/gsi.md")]
+    }
+    pub mod rollouts {
+        #![doc = guide_links!()]
+        #![doc = include_str!("../docs/rollouts.md")]
+    }
+    pub mod ids {
+        #![doc = guide_links!()]
+        #![doc = include_str!("../docs/ids.md")]
+    }
+    pub mod rebalance {
+        #![doc = guide_links!()]
+        #![doc = include_str!("../docs/rebalance.md")]
+    }
+    pub mod cli {
+        #![doc = guide_links!()]
+        #![doc = include_str!("../docs/cli.md")]
+    }
+    pub mod troubleshooting {
+        #![doc = guide_links!()]
+        #![doc = include_str!("../docs/troubleshooting.md")]
+    }
+    pub mod contributing {
+        #![doc = guide_links!()]
+        #![doc = include_str!("../docs/contributing.md")]
+    }
 }

@@ -1,8 +1,8 @@
 //! What each command does, and what it prints.
 
-use super::progress::Progress;
-use super::registry::{AdminRollout, Registry};
-use super::{
+use crate::cli::progress::Progress;
+use crate::cli::registry::{AdminRollout, Registry};
+use crate::cli::{
     Cli, Command, GsiAction, IdsAction, MigrateAction, Outcome, RebalanceAction, RolloutAction,
     VerifyAction,
 };

@@ -1,9 +1,9 @@
 //! Every request to a shard runs under the shard's circuit breaker
 //! ([`crate::exec::health`]).
 
-use super::shards::Shards;
 use crate::error::{Result, ShardError};
 use crate::exec::health::{Gate, HEALTHY_FOR, REPROBE, SUSPECT_AFTER, suspects_down};
+use crate::exec::shards::Shards;
 use crate::topology::ShardId;
 use std::future::Future;
 use std::sync::Arc;

@@ -1,12 +1,12 @@
 //! Connecting a cluster's databases: validated config → one pool per
 //! shard, a side pool per shard, directory and ticket-server pools.
 
-use super::shards::{
-    Inner, ReadSettings, RebalanceSettings, Shards, StatementEvent, StatementObserver,
-};
-use super::sqlite::{BUSY_TIMEOUT, WriterSlot};
 use crate::clock::Clock;
 use crate::error::{DriverCause, Result, ShardError};
+use crate::exec::shards::{
+    Inner, ReadSettings, RebalanceSettings, Shards, StatementEvent, StatementObserver,
+};
+use crate::exec::sqlite::{BUSY_TIMEOUT, WriterSlot};
 use crate::topology::{ClusterConfig, DatabaseUrl, PoolConfig, Topology};
 use futures::future::join_all;
 use sea_orm::{ConnectOptions, Database, DatabaseConnection};

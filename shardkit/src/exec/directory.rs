@@ -1,8 +1,8 @@
 //! The lookup tables of directory-placed groups ([`Directory`]).
 
-use super::shards::Shards;
 use crate::entity::{EntityGroup, ShardKey};
 use crate::error::{Result, ShardError};
+use crate::exec::shards::Shards;
 use crate::topology::Target;
 use sea_orm::sea_query::{Alias, Expr, OnConflict, Query};
 use sea_orm::{ConnectionTrait, DatabaseConnection, ExprTrait};

@@ -1,7 +1,7 @@
 //! Migrations on every database of a cluster, and their report.
 
-use super::shards::Shards;
 use crate::error::{Result, ShardError};
+use crate::exec::shards::Shards;
 use crate::topology::DatabaseUrl;
 use futures::future::join_all;
 use sea_orm::DatabaseConnection;

@@ -1,6 +1,12 @@
 //! Filling an index from the primary tables in keyset chunks, resumably.
 
-use super::*;
+use crate::entity::{EntityGroup, ShardKey, ShardedEntity};
+use crate::error::Result;
+use crate::exec::keyset;
+use crate::gsi::{BACKFILL_CURSOR, BackfillProgress, Gsi, IndexDef, IndexState, gsi_err};
+use crate::key::{model_pk, value_text};
+use sea_orm::ModelTrait;
+use std::ops::ControlFlow;
 
 impl<'c> Gsi<'c> {
     /// Fills `E`'s index on `column` from the primary tables, shard by shard in

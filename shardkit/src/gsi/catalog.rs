@@ -1,7 +1,15 @@
 //! The index catalog: creating index tables and reading and setting an
 //! index's state (`write_only` → `active`).
 
-use super::*;
+use crate::entity::{EntityGroup, ShardedEntity, table_name};
+use crate::error::{Result, ShardError};
+use crate::gsi::{
+    CATALOG_TABLE, Gsi, IndexDef, IndexState, STATE_TTL, convert_to_collation, gsi_err,
+    mysql_exact_collation,
+};
+use sea_orm::sea_query::{Alias, Expr, OnConflict, Query};
+use sea_orm::{ConnectionTrait, DbBackend, ExprTrait};
+use std::time::Instant;
 
 impl<'c> Gsi<'c> {
     /// Creates the index tables of `E` on every shard of its group and

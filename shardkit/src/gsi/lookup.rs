@@ -1,7 +1,16 @@
 //! Index reads: the keys an active index lists for a value, and the read
 //! planner's index step ([`GsiLookup`]).
 
-use super::*;
+use crate::error::Result;
+use crate::exec::Shards;
+use crate::gsi::write::MAX_VALUE_CHARS;
+use crate::gsi::{Gsi, GsiState, IndexDef, IndexState, gsi_err, index_of};
+use crate::key::value_text;
+use crate::read::{IndexLookup, IndexQuery};
+use crate::topology::ShardId;
+use sea_orm::sea_query::{Alias, Expr, Query};
+use sea_orm::{ConnectionTrait, ExprTrait, Value};
+use std::sync::Arc;
 
 impl<'c> Gsi<'c> {
     /// The shard keys an active index lists for `value`, or `None` while the

@@ -33,25 +33,16 @@
 //! index and its state: `write_only` while [`Gsi::backfill`] fills it
 //! (lookups fall back to a scatter read), `active` after.
 
-use crate::entity::{EntityGroup, ShardKey, ShardedEntity, table_name};
-use crate::error::{Result, Retry, ShardError};
+use crate::entity::{EntityGroup, ShardedEntity, table_name};
+use crate::error::{Result, ShardError};
 use crate::exec::Shards;
-use crate::exec::keyset;
-pub(crate) use crate::key::{active_pk as owner_pk, model_pk, typed_value, value_text};
-use crate::pipeline::{WriteCtx, WriteOp, WriteStage, Written};
-use crate::read::{IndexLookup, IndexQuery, KeyOf, exact_eq, key_condition};
+use crate::read::IndexQuery;
 use crate::topology::ShardId;
 use crate::topology::pghash::partition_hash_bytes;
-use sea_orm::sea_query::{
-    Alias, Expr, OnConflict, PostgresQueryBuilder, Query, QueryStatementWriter,
-};
 use sea_orm::{
-    ActiveModelTrait, ActiveValue, ConnectionTrait, DatabaseConnection, DbBackend, DbErr,
-    ExprTrait, IdenStatic, ModelTrait, QueryFilter, Statement, StatementBuilder,
-    TransactionSession, TransactionTrait, Value,
+    ConnectionTrait, DatabaseConnection, DbBackend, DbErr, IdenStatic, Statement, Value,
 };
 use std::collections::HashMap;
-use std::ops::ControlFlow;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 

@@ -1,7 +1,18 @@
 //! Reconciliation: removing dangling index rows past the grace period and
 //! adding rows for owners that have none, once or periodically.
 
-use super::*;
+use crate::entity::{EntityGroup, ShardKey, ShardedEntity, table_name};
+use crate::error::{Result, ShardError};
+use crate::exec::{Shards, keyset};
+use crate::gsi::{
+    Gsi, IndexDef, RECONCILE_CHUNK, ReconcileConflict, ReconcileReport, Removal, gsi_err,
+};
+use crate::key::{model_pk, typed_value, value_text};
+use sea_orm::sea_query::{Alias, Expr, Query};
+use sea_orm::{ConnectionTrait, ExprTrait, ModelTrait, Value};
+use std::ops::ControlFlow;
+use std::sync::Arc;
+use std::time::Duration;
 
 impl<'c> Gsi<'c> {
     /// Removes dangling index rows of `E` older than the grace period and adds

@@ -1,6 +1,13 @@
 //! The write stage of global indexes ([`IndexFirst`]).
 
-use super::*;
+use crate::entity::ShardedEntity;
+use crate::error::Result;
+use crate::gsi::{Gsi, GsiState, IndexDef};
+use crate::key::active_pk as owner_pk;
+use crate::key::{model_pk, value_text};
+use crate::pipeline::{WriteCtx, WriteOp, WriteStage, Written};
+use sea_orm::{ActiveModelTrait, ActiveValue, IdenStatic, ModelTrait};
+use std::sync::Arc;
 
 /// The write stage of global indexes (see [`crate::pipeline`]): an insert's
 /// or update's index rows are written before the row (index-first), and an
@@ -89,11 +96,13 @@ impl IndexFirst {
             .await?;
         }
         fail::fail_point!("shardkit::gsi::after_index_write", |_| Err(
-            ShardError::Db {
-                origin: Box::new(crate::error::Origin::Group(<E::Group as EntityGroup>::NAME)),
+            crate::error::ShardError::Db {
+                origin: Box::new(crate::error::Origin::Group(
+                    <E::Group as crate::entity::EntityGroup>::NAME
+                )),
                 shard: ctx.shard_name.to_owned(),
-                operation: format!("{} {}", op.as_str(), table_name::<E>()),
-                source: DbErr::Custom("failpoint shardkit::gsi::after_index_write".into()),
+                operation: format!("{} {}", op.as_str(), crate::entity::table_name::<E>()),
+                source: sea_orm::DbErr::Custom("failpoint shardkit::gsi::after_index_write".into()),
             }
         ));
         if let Some(current) = current {

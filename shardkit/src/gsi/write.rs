@@ -2,7 +2,20 @@
 //! dangling row older than the grace period), index-first writes from a
 //! shard transaction, and removals after the owner's commit.
 
-use super::*;
+use crate::entity::{EntityGroup, ShardKey, ShardedEntity, table_name};
+use crate::error::{Result, Retry, ShardError};
+use crate::gsi::{Durability, Gsi, IndexDef, Removal, gsi_err};
+use crate::key::value_text;
+use crate::read::{KeyOf, exact_eq, key_condition};
+use crate::topology::ShardId;
+use sea_orm::sea_query::{
+    Alias, Expr, OnConflict, PostgresQueryBuilder, Query, QueryStatementWriter,
+};
+use sea_orm::{
+    ConnectionTrait, DbBackend, DbErr, ExprTrait, QueryFilter, Statement, StatementBuilder,
+    TransactionSession, TransactionTrait, Value,
+};
+use std::time::{Duration, Instant};
 
 impl<'c> Gsi<'c> {
     /// Whether the owner row of an index entry exists: a row of shard key

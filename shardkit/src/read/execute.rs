@@ -1,7 +1,32 @@
 //! The one executor of read plans: routing, fan-out under each shard's
 //! breaker and the read's timeout, and the merge.
 
-use super::*;
+use crate::entity::{EntityGroup, ShardKey, ShardedEntity, table_name};
+use crate::error::{Result, ShardError, ShardFailure};
+use crate::exec::Shards;
+use crate::read::find::RowStream;
+use crate::read::index::{IndexLookup, IndexQuery, exact_eq};
+use crate::read::keys::{
+    add_key, binary_text_keys, key_condition, keyed_select, read_err, read_span,
+};
+use crate::read::plan::{MergePlan, Plan, PlannedRoute, PlannedStatement, ReadOp, ReadPlan};
+use crate::read::route::{Gathered, RouteSpec, Routed};
+use crate::read::{KeyOf, MoveMark, ReadFrom, ReadGuard, read_from};
+use crate::topology::ShardId;
+use futures::StreamExt;
+use sea_orm::sea_query::Expr;
+use sea_orm::{
+    DatabaseConnection, DbBackend, DbErr, IdenStatic, IntoSimpleExpr, ModelTrait, Order,
+    QueryFilter, QuerySelect, QueryTrait, Select, Selector, SelectorTrait, Value,
+};
+use std::cmp::Ordering;
+use std::collections::{BTreeMap, HashSet};
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::AtomicUsize;
+use std::sync::atomic::Ordering as AtomicOrdering;
+use std::time::Duration;
+use tracing::Instrument;
 
 /// A read with its routing taken out: what every execution path shares.
 pub(super) struct Read<E: ShardedEntity> {

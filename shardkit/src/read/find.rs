@@ -1,6 +1,24 @@
 //! [`Find`], the read a user builds, and the single-key SeaORM selects.
 
-use super::*;
+use crate::boxed::boxed;
+use crate::entity::{EntityGroup, InGroup, ShardedEntity, table_name};
+use crate::error::{Result, ShardError};
+use crate::exec::Shards;
+use crate::read::execute::Read;
+use crate::read::index::IndexLookup;
+use crate::read::keys::{guard_check, join_related};
+use crate::read::plan::{ReadOp, ReadPlan};
+use crate::read::route::{AllowPartial, ByIndex, Keyed, Keys, RouteSpec, Routed, Scatter, Unkeyed};
+use crate::read::{AlsoRelated, KeyOf, ReadGuard, WithRelated};
+use futures::future::BoxFuture;
+use sea_orm::sea_query::JoinType;
+use sea_orm::{
+    FromQueryResult, IdenStatic, Order, PaginatorTrait, QuerySelect, Related, Select,
+    SelectGetableTuple, SelectModel, Selector, SelectorTrait, TryGetableMany, Value,
+};
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
 
 /// A read of entity `E` through the cluster: a SeaORM [`Select`] plus routing.
 ///

@@ -1,7 +1,21 @@
 //! Reads inside a [`ShardTx`](crate::ShardTx): the transaction's key,
 //! its connection.
 
-use super::*;
+use crate::boxed::boxed;
+use crate::entity::{EntityGroup, InGroup, ShardedEntity, table_name};
+use crate::error::{Result, ShardError};
+use crate::read::find::RowStream;
+use crate::read::keys::{guard_check, join_related, keyed_select, read_err, select_err};
+use crate::read::{AlsoRelated, KeyOf, ReadGuard, WithRelated, read_from};
+use futures::StreamExt;
+use futures::future::BoxFuture;
+use sea_orm::sea_query::JoinType;
+use sea_orm::{
+    ConnectionTrait, FromQueryResult, PaginatorTrait, Related, Select, SelectGetableTuple,
+    SelectModel, Selector, SelectorTrait, TryGetableMany,
+};
+use std::sync::atomic::AtomicUsize;
+use std::sync::atomic::Ordering as AtomicOrdering;
 
 /// A read inside a [`ShardTx`](crate::ShardTx): already pinned to the
 /// transaction's key and run on its connection.

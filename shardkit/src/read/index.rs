@@ -1,7 +1,11 @@
 //! Planning's index step: how a read finds the keys of an indexed value
 //! ([`IndexLookup`], which the global-index feature implements).
 
-use super::*;
+use crate::error::Result;
+use crate::exec::Shards;
+use crate::topology::ShardId;
+use sea_orm::sea_query::Expr;
+use sea_orm::{Condition, DbBackend, ExprTrait, Value};
 
 /// An index read's question (see [`IndexLookup`]).
 pub(crate) struct IndexQuery {

@@ -1,6 +1,13 @@
 //! The shard key as a predicate, and the errors and spans of reads.
 
-use super::*;
+use crate::entity::{EntityGroup, InGroup, KeyRef, ShardKey, ShardedEntity, table_name};
+use crate::error::{Result, ShardError};
+use crate::read::{KeyOf, ReadFrom, ReadGuard};
+use sea_orm::sea_query::{Expr, JoinType};
+use sea_orm::{
+    Condition, DbBackend, DbErr, ExprTrait, ModelTrait, QueryFilter, QuerySelect, QueryTrait,
+    Related, Select,
+};
 
 /// The shard-key predicate of a read or write: `key = ?` or `key IN (...)`.
 ///

@@ -14,28 +14,10 @@
 //! read ([`ShardError::ShardsFailed`] names every failed shard and why), unless
 //! the caller asked for partial results with [`Find::partial`].
 
-use crate::boxed::boxed;
-use crate::entity::{EntityGroup, InGroup, KeyRef, ShardKey, ShardedEntity, table_name};
-use crate::error::{Result, ShardError, ShardFailure};
-use crate::exec::Shards;
-use crate::topology::{ShardId, Target};
-use futures::StreamExt;
-use futures::future::BoxFuture;
-use sea_orm::sea_query::JoinType;
-use sea_orm::sea_query::{Expr, SelectStatement};
-use sea_orm::{Condition, ExprTrait, IntoSimpleExpr};
-use sea_orm::{
-    ConnectionTrait, DatabaseConnection, DbBackend, DbErr, FromQueryResult, IdenStatic, ModelTrait,
-    Order, PaginatorTrait, QueryFilter, QueryOrder, QuerySelect, QueryTrait, Related, Select,
-    SelectGetableTuple, SelectModel, Selector, SelectorTrait, TryGetableMany, Value,
-};
-use std::cmp::Ordering;
-use std::collections::{BTreeMap, HashSet};
-use std::future::Future;
+use crate::entity::{EntityGroup, ShardedEntity};
+use crate::error::Result;
+use sea_orm::{QueryTrait, Select};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering as AtomicOrdering};
-use std::time::Duration;
-use tracing::Instrument;
 
 /// A check a feature makes before a read of an entity runs: a rollout
 /// serves reads of an old entity whose table it no longer writes from the
@@ -96,10 +78,6 @@ mod plan;
 mod route;
 mod traits;
 
-// The parts share their helpers through this module.
-#[allow(unused_imports)]
-use {execute::*, keys::*, plan::*};
-
 pub(crate) use execute::compare_values;
 pub use find::{Find, KeyedPages, KeyedSelect, MultiSelect, MultiShard, RowStream};
 pub(crate) use in_tx::stream_open;
@@ -109,8 +87,6 @@ pub(crate) use keys::{guard_check, key_condition, related_select};
 #[cfg(feature = "cli")]
 pub(crate) use plan::escape_controls;
 pub use plan::{MergePlan, PlannedRoute, PlannedStatement, ReadPlan};
-#[allow(unused_imports)]
-use route::*;
 
 /// What `find_with_related` returns: each row of `E` with its related rows.
 pub type WithRelated<E, R> = Vec<(

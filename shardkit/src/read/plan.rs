@@ -1,6 +1,10 @@
 //! Reads planned as data: [`ReadPlan`], what `.explain()` prints.
 
-use super::*;
+use crate::entity::ShardedEntity;
+use crate::error::ShardFailure;
+use crate::topology::{ShardId, Target};
+use sea_orm::Select;
+use std::time::Duration;
 
 /// Which statement shape a read runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -1,7 +1,10 @@
 //! What a read names before it runs (one key, several, every shard, an
 //! index value), and how a multi-shard read reports failed shards.
 
-use super::*;
+use crate::entity::ShardedEntity;
+use crate::error::{Result, ShardError, ShardFailure};
+use crate::read::KeyOf;
+use sea_orm::Value;
 
 /// A read that has no shard key yet: add `.key(k)`, `.keys(..)` or `.scatter()`.
 #[derive(Clone, Copy, Debug, Default)]

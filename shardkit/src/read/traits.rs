@@ -1,6 +1,11 @@
 //! SeaORM's query traits on shardkit's reads.
 
-use super::*;
+use crate::entity::ShardedEntity;
+use crate::read::find::Find;
+use crate::read::in_tx::TxFind;
+use crate::read::route::Keyed;
+use sea_orm::sea_query::SelectStatement;
+use sea_orm::{QueryFilter, QueryOrder, QuerySelect, QueryTrait};
 
 macro_rules! select_traits {
     ($ty:ty, [$($generics:tt)*]) => {

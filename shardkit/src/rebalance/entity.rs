@@ -1,9 +1,21 @@
 //! One entity's part in a move: copy, replay, compare and delete the rows of
 //! the moving buckets, behind an object the mover calls by table.
 
-use super::fencing::Token;
-use super::*;
+use crate::entity::{EntityGroup, ShardKey, ShardedEntity, table_name};
+use crate::error::{Result, ShardError};
+use crate::exec::keyset;
+use crate::exec::keyset::{model_pk_values, tuple_text};
+use crate::rebalance::db_err;
+use crate::rebalance::fencing::Token;
+use crate::topology::{RangeBound, RangeUnit};
+use futures::future::BoxFuture;
+use sea_orm::sea_query::{Alias, Expr, ExprTrait, OnConflict, Query};
 use sea_orm::{ActiveModelTrait, QuerySelect};
+use sea_orm::{
+    Condition, ConnectionTrait, DatabaseConnection, DatabaseTransaction, DbBackend, DbErr,
+    EntityTrait, IntoActiveModel, Iterable, PrimaryKeyToColumn, QueryFilter, Value,
+};
+use std::time::Duration;
 
 /// The moving buckets of a hash group (a membership table over all
 /// buckets), or the moving ranges of a range group.

@@ -17,9 +17,9 @@
 //! there (which then redoes its work from the stored position) or is
 //! refused, nothing written.
 
-use super::db_err;
 use crate::error::{Result, ShardError};
 use crate::exec::Shards;
+use crate::rebalance::db_err;
 use crate::topology::ShardId;
 use sea_orm::sea_query::{Alias, Expr, ExprTrait, Query};
 use sea_orm::{

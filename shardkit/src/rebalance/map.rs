@@ -2,8 +2,16 @@
 //! bucket states: the fence a write transaction checks, and the change log
 //! it writes while its bucket moves away.
 
-use super::fencing::{Token, begin_fenced, lock_wait, reset_lock_wait};
-use super::*;
+use crate::error::{Result, ShardError};
+use crate::exec::Shards;
+use crate::rebalance::db_err;
+use crate::rebalance::fencing::{Token, begin_fenced, lock_wait, reset_lock_wait};
+use crate::topology::{BucketOwners, LiveMap, RangeBound, RangeOwners, RangeUnit, ShardId};
+use sea_orm::sea_query::{Alias, Expr, ExprTrait, OnConflict, Query};
+use sea_orm::{
+    ConnectionTrait, DatabaseConnection, DatabaseTransaction, DbBackend, DbErr, Statement,
+};
+use std::time::Duration;
 
 pub(crate) const EPOCHS: &str = "shardkit_bucket_epochs";
 pub(crate) const MAP: &str = "shardkit_bucket_map";

@@ -49,18 +49,10 @@
 //! instance still routing by it is refused and rerouted;
 //! [`Rebalance::plan_range`] plans the move of the range holding a key.
 
-use crate::entity::{EntityGroup, ShardKey, ShardedEntity, table_name};
 use crate::error::{Result, ShardError};
 use crate::exec::Shards;
-use crate::exec::keyset::{self, model_pk_values, tuple_text};
-use crate::topology::{BucketOwners, LiveMap, RangeBound, RangeOwners, RangeUnit, ShardId};
-use futures::future::BoxFuture;
-use sea_orm::sea_query::{Alias, Expr, ExprTrait, OnConflict, Query};
-use sea_orm::{
-    Condition, ConnectionTrait, DatabaseConnection, DatabaseTransaction, DbBackend, DbErr,
-    EntityTrait, IntoActiveModel, Iterable, PrimaryKeyToColumn, QueryFilter, Statement, Value,
-};
-use std::sync::Arc;
+use sea_orm::sea_query::{Alias, Expr, ExprTrait, Query};
+use sea_orm::{ConnectionTrait, DbErr};
 use std::time::Duration;
 
 mod entity;

@@ -1,7 +1,21 @@
 //! Copying old rows into the new table in keyset chunks, resumably.
 
-use super::*;
+use crate::entity::{EntityGroup, ShardedEntity, table_name};
 use crate::error::Retry;
+use crate::error::{Result, ShardError};
+use crate::exec::keyset::{after_condition, by_pk, format_cursor, model_pk_values, parse_cursor};
+use crate::phase::Phase;
+use crate::rollout::state::{
+    BACKFILL_DONE, STATE_TABLE, StateRow, read_state, state_db, state_err,
+};
+use crate::rollout::{RolloutBackfill, RolloutHandle, WriteCtx, pk_names};
+use crate::topology::ShardId;
+use sea_orm::sea_query::{Alias, Expr, ExprTrait, Query};
+use sea_orm::{
+    ConnectionTrait, DatabaseConnection, IntoActiveModel, QueryFilter, TryIntoModel, Value,
+};
+use std::ops::ControlFlow;
+use std::time::Duration;
 
 impl<Old, New> RolloutHandle<Old, New>
 where

@@ -2,7 +2,26 @@
 //! transaction, `new_only` translation, cache fills, and the write stage
 //! ([`DualWrite`]) that calls them for every write of a rollout's old entity.
 
-use super::*;
+use crate::entity::{EntityGroup, ShardKey, ShardedEntity, table_name};
+use crate::error::{Result, ShardError};
+use crate::exec::keyset::{pk_condition, tuple_text, upsert};
+use crate::gsi::GsiState;
+use crate::phase::Phase;
+use crate::pipeline::{Replaced, WriteOp, WriteStage, Written};
+use crate::rollout::fold::Parts;
+use crate::rollout::registry::Registry;
+use crate::rollout::{
+    ActiveValues, AfterCommit, ConvertFn, KeyOf, OldReads, OldWrites, RowValues, Shared, WriteCtx,
+    cache_key, model_from_values,
+};
+use futures::future::BoxFuture;
+use sea_orm::{
+    ActiveModelTrait, ConnectionTrait, DbErr, IntoActiveModel, Iterable, ModelTrait, QueryFilter,
+    TryIntoModel, Value,
+};
+use std::any::{Any, TypeId};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
 
 impl<Old, New> Shared<Old, New>
 where

@@ -30,8 +30,23 @@
 //! which read the parts with that locking read, could otherwise wait for it
 //! in turn.
 
-use super::*;
+use crate::entity::{ShardKey, ShardedEntity, table_name};
+use crate::error::{Result, ShardError};
+use crate::exec::keyset::{by_pk, pk_condition, tuple_text};
+use crate::phase::Phase;
+use crate::rollout::{
+    ActiveValues, AfterCommit, KeyOf, OldReads, OldWrites, RowValues, Shared, WriteCtx, cache_key,
+};
+use futures::future::BoxFuture;
+use sea_orm::{
+    ActiveModelTrait, ActiveValue, ColumnTrait, ConnectionTrait, DatabaseTransaction, DbErr,
+    EntityTrait, IntoActiveModel, Iterable, ModelTrait, PrimaryKeyToColumn, QueryFilter,
+    TryIntoModel, Value,
+};
 use sea_orm::{DatabaseExecutor, QuerySelect};
+use std::any::{Any, TypeId};
+use std::collections::HashMap;
+use std::sync::Arc;
 
 /// The rows folded into one root row, by entity: what a fold's `to_new`
 /// reads ([`Rollout::fold`]) and its `to_old_parts` builds

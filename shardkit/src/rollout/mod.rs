@@ -139,29 +139,20 @@
 //! [moka]: https://docs.rs/moka
 
 use crate::clock::Clock;
-use crate::entity::{EntityGroup, ShardKey, ShardedEntity, table_name};
-use crate::error::{Result, ShardError};
+use crate::entity::{EntityGroup, ShardedEntity, table_name};
+use crate::error::Result;
 use crate::exec::Shards;
-pub(crate) use crate::exec::keyset::{
-    after_condition, by_pk, format_cursor, model_pk_values, parse_cursor, pk_condition, tuple_text,
-    upsert,
-};
 use crate::gsi::GsiState;
 pub use crate::phase::Phase;
-use crate::pipeline::{Replaced, WriteOp, WriteStage, Written};
+use crate::pipeline::WriteOp;
 use crate::topology::ShardId;
 use futures::future::BoxFuture;
-use sea_orm::sea_query::{Alias, Expr, ExprTrait, OnConflict, Query};
 use sea_orm::{
-    ActiveModelTrait, ActiveValue, ColumnTrait, ConnectionTrait, DatabaseConnection,
-    DatabaseTransaction, DbErr, EntityTrait, IntoActiveModel, Iterable, ModelTrait,
-    PrimaryKeyToColumn, PrimaryKeyTrait, QueryFilter, TryIntoModel, Value,
-    sea_query::IntoValueTuple,
+    ActiveValue, DatabaseTransaction, DbErr, EntityTrait, IntoActiveModel, Iterable,
+    PrimaryKeyToColumn, Value,
 };
-use std::any::{Any, TypeId};
-use std::collections::HashMap;
-use std::ops::ControlFlow;
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::any::Any;
+use std::sync::atomic::AtomicU8;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
@@ -674,13 +665,8 @@ mod state;
 mod verify;
 mod watch;
 
-// The parts share their helpers through this module.
-#[allow(unused_imports)]
-use {dual::*, fold::*, registry::*, state::*, watch::*};
-
 pub use fold::Parts;
+use fold::{PartDef, PartOf};
 
 pub use dual::DualWrite;
 pub(crate) use registry::{Registry, Rollouts};
-pub(crate) use state::{read_state, save_progress, state_db};
-pub(crate) use watch::Watch;

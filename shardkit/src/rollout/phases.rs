@@ -1,6 +1,18 @@
 //! Moving a rollout between phases, one step at a time, after the gap.
 
-use super::*;
+use crate::entity::ShardedEntity;
+use crate::error::{Result, ShardError};
+use crate::exec::Shards;
+use crate::phase::Phase;
+use crate::rollout::state::{
+    BACKFILL_DONE, STATE_TABLE, StateRow, read_instances, read_state, state_db, state_err,
+};
+use crate::rollout::{RolloutHandle, RolloutStatus, Shared};
+use sea_orm::sea_query::{Alias, Expr, ExprTrait, Query};
+use sea_orm::{ConnectionTrait, IntoActiveModel, TryIntoModel};
+use std::ops::ControlFlow;
+use std::sync::Arc;
+use std::time::Duration;
 
 impl<Old, New> RolloutHandle<Old, New>
 where

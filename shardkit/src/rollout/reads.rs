@@ -1,6 +1,13 @@
 //! Phase-aware reads through the caches: `get_old` and `get_new`.
 
-use super::*;
+use crate::entity::{EntityGroup, ShardKey, ShardedEntity};
+use crate::error::Result;
+use crate::exec::keyset::{pk_condition, tuple_text};
+use crate::phase::Phase;
+use crate::rollout::fold::Parts;
+use crate::rollout::{KeyOf, RolloutHandle, cache_key};
+use sea_orm::sea_query::IntoValueTuple;
+use sea_orm::{IntoActiveModel, PrimaryKeyTrait, QueryFilter, TryIntoModel, Value};
 
 impl<Old, New> RolloutHandle<Old, New>
 where

@@ -1,6 +1,26 @@
 //! Registering rollouts and finding them by the old entity's type.
 
-use super::*;
+use crate::entity::{ShardedEntity, table_name};
+use crate::error::{Result, ShardError};
+use crate::exec::Shards;
+use crate::gsi::GsiState;
+use crate::phase::Phase;
+use crate::rollout::fold::PartWrites;
+use crate::rollout::state::{
+    InstanceRow, STATE_TABLE, instance_seen, read_state, register_instance, state_db, state_err,
+};
+use crate::rollout::watch::Watch;
+use crate::rollout::{
+    OldReads, OldWrites, Rollout, RolloutHandle, Shared, TimedCache, pk_arity, read_new_table,
+};
+use sea_orm::sea_query::{Alias, Expr, ExprTrait, Query};
+use sea_orm::{ConnectionTrait, DbErr, IntoActiveModel, TryIntoModel};
+use std::any::TypeId;
+use std::collections::HashMap;
+use std::ops::ControlFlow;
+use std::sync::Arc;
+use std::sync::atomic::AtomicU8;
+use std::time::Duration;
 
 /// The rollouts registered on a cluster, by the old entity's type.
 #[derive(Default)]

@@ -1,6 +1,13 @@
 //! A rollout's shared state: its row in `shardkit_rollouts`.
 
-use super::*;
+use crate::entity::{EntityGroup, ShardedEntity};
+use crate::error::{Result, ShardError};
+use crate::exec::Shards;
+use crate::phase::Phase;
+use crate::rollout::RolloutInstance;
+use sea_orm::sea_query::{Alias, Expr, ExprTrait, OnConflict, Query};
+use sea_orm::{ConnectionTrait, DatabaseConnection, DbErr};
+use std::time::Duration;
 
 pub(super) const STATE_TABLE: &str = "shardkit_rollouts";
 pub(super) const BACKFILL_DONE: &str = "done";

@@ -2,9 +2,11 @@
 //! the new one on every shard, chunk by chunk, with its position saved in
 //! the rollout's state row; the comparison itself is `crate::verify`'s.
 
-use super::{RolloutHandle, format_cursor, parse_cursor, read_state, save_progress, state_db};
 use crate::entity::ShardedEntity;
 use crate::error::Result;
+use crate::exec::keyset::{format_cursor, parse_cursor};
+use crate::rollout::RolloutHandle;
+use crate::rollout::state::{read_state, save_progress, state_db};
 use crate::verify::{Conversion, Source, Target, VerifyOptions, VerifyReport, verify_chunk};
 use sea_orm::{IntoActiveModel, TryIntoModel};
 use std::ops::ControlFlow;

@@ -11,10 +11,18 @@
 //! [`Cluster::rollouts_not_registered`](crate::Cluster::rollouts_not_registered).
 //! Until a read finds a live row, a write pays two atomic loads here.
 
-use super::*;
+use crate::entity::{ShardedEntity, table_name};
+use crate::exec::Shards;
+use crate::rollout::state::INSTANCES_TABLE;
+use sea_orm::ConnectionTrait;
+use sea_orm::sea_query::{Alias, Query};
+use std::collections::HashMap;
 use std::collections::HashSet;
+use std::sync::Arc;
 use std::sync::Mutex;
+use std::sync::atomic::Ordering;
 use std::sync::atomic::{AtomicBool, AtomicU64};
+use std::time::Duration;
 use std::time::Instant;
 
 /// How often the rows are re-read.

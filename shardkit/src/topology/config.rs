@@ -23,8 +23,8 @@
 //! ]
 //! ```
 
-use super::url::{DatabaseUrl, redact_urls};
 use crate::error::{Result, ShardError};
+use crate::topology::url::{DatabaseUrl, redact_urls};
 use serde::Deserialize;
 use std::collections::BTreeMap;
 

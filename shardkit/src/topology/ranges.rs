@@ -1,8 +1,9 @@
 //! A range placement's ranges, and the live map of a `movable` group (its
 //! buckets or its ranges) as routing, reads and the mover see it.
 
-use super::{BucketOwners, RangeBound, ShardId};
 use crate::entity::{KeyRef, ShardKey};
+use crate::topology::config::RangeBound;
+use crate::topology::{BucketOwners, ShardId};
 use std::cmp::Ordering;
 use std::fmt;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering as AtomicOrdering};

@@ -9,9 +9,15 @@
 //! that fails row by row makes the transaction rollback-only, so it is all
 //! or nothing like the one statement.
 
-use super::*;
+use crate::boxed::boxed;
+use crate::entity::{EntityGroup, InGroup, ShardedEntity, table_name};
+use crate::error::{Result, ShardError};
 use crate::pipeline::Batch;
+use crate::pipeline::{WriteOp, WriteStage};
+use crate::tx::ShardTx;
+use futures::future::BoxFuture;
 use sea_orm::sea_query::{IntoCondition, SimpleExpr};
+use sea_orm::{ActiveModelBehavior, ActiveModelTrait, EntityTrait, IntoActiveModel, QueryFilter};
 use sea_orm::{ActiveValue, Condition, IdenStatic, Iterable, QuerySelect};
 
 impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {

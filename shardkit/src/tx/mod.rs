@@ -6,7 +6,7 @@
 //! groups are refused at compile time (the [`InGroup`] bound).
 
 use crate::boxed::boxed;
-use crate::entity::{EntityGroup, InGroup, ShardedEntity, table_name};
+use crate::entity::{EntityGroup, InGroup, table_name};
 use crate::error::{Result, ShardError};
 use crate::exec::{Begun, Shards};
 use crate::pipeline::{AfterCommit, Replaced, WriteCtx, WriteOp, WriteStage, Written};

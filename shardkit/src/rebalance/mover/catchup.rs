@@ -1,10 +1,11 @@
 //! Catching up: the logged keys replayed from a consistent snapshot of
 //! each source, and the comparison of source and target.
 
-use super::{CHANGES, MoveStatus, Rebalance};
 use crate::error::Result;
 use crate::rebalance::db_err;
 use crate::rebalance::fencing::Token;
+use crate::rebalance::map::CHANGES;
+use crate::rebalance::mover::{MoveStatus, Rebalance};
 use crate::topology::ShardId;
 use sea_orm::sea_query::{Alias, Expr, ExprTrait, Query};
 use sea_orm::{ConnectionTrait, DatabaseConnection, DbBackend};

@@ -1,14 +1,15 @@
 //! The cut-over (fence the sources, replay the last keys, flip the map),
 //! cleaning the sources, and aborting a move before its cut-over.
 
-use super::{
-    CATCH_UP, CHANGES, CLAIMS, MOVES, MovePhase, MoveProgress, MoveStatus, Rebalance, copy_cursor,
-    parse_copy_cursor,
-};
 use crate::error::Result;
 use crate::rebalance::db_err;
 use crate::rebalance::fencing::Token;
+use crate::rebalance::map::CHANGES;
 use crate::rebalance::map::{BucketState, set_states};
+use crate::rebalance::mover::{
+    CATCH_UP, CLAIMS, MOVES, MovePhase, MoveProgress, MoveStatus, Rebalance, copy_cursor,
+    parse_copy_cursor,
+};
 use crate::topology::ShardId;
 use sea_orm::sea_query::{Alias, Expr, ExprTrait, Query};
 use sea_orm::{ConnectionTrait, DatabaseConnection};

@@ -2,11 +2,11 @@
 //! every shard the move writes), renewing it while the mover works, saving
 //! steps only while it holds, letting go.
 
-use super::{LEASE_MS, MOVES, MovePhase, MoveProgress, MoveStatus, Rebalance};
 use crate::error::Result;
 use crate::rebalance::db_err;
 use crate::rebalance::fencing::Token;
 use crate::rebalance::map::control;
+use crate::rebalance::mover::{LEASE_MS, MOVES, MovePhase, MoveProgress, MoveStatus, Rebalance};
 use crate::topology::ShardId;
 use sea_orm::sea_query::{Alias, Expr, ExprTrait, Query};
 use sea_orm::{Condition, ConnectionTrait};

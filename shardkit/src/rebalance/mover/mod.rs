@@ -1,10 +1,19 @@
 //! Planning, running, resuming and aborting bucket moves.
 
-use super::entity::{Buckets, MoveEntity, Mover};
-use super::fencing::Token;
-use super::map::{BucketState, CHANGES, EPOCHS, MAP, control, set_states};
-use super::*;
+use crate::entity::{EntityGroup, ShardedEntity, table_name};
+use crate::error::{Result, ShardError};
+use crate::exec::Shards;
+use crate::rebalance::entity::{Buckets, MoveEntity, Mover};
+use crate::rebalance::fencing::Token;
+use crate::rebalance::map::refresh;
+use crate::rebalance::map::{BucketState, control, set_states};
+use crate::rebalance::{db_err, map};
 use crate::topology::MapSnapshot;
+use crate::topology::{LiveMap, RangeUnit, ShardId};
+use sea_orm::sea_query::{Alias, Expr, ExprTrait, Query};
+use sea_orm::{ConnectionTrait, DatabaseConnection, DbBackend, DbErr, IntoActiveModel, Statement};
+use std::sync::Arc;
+use std::time::Duration;
 
 mod catchup;
 mod cutover;

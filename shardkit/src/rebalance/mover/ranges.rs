@@ -1,11 +1,12 @@
 //! Range groups: splitting a range in two on its shard, and planning the
 //! move of a range.
 
-use super::{CLAIMS, EPOCHS, MAP, MovePlan, Rebalance};
 use crate::entity::EntityGroup;
 use crate::error::{Result, ShardError};
 use crate::rebalance::db_err;
 use crate::rebalance::map::{BucketState, set_states};
+use crate::rebalance::map::{EPOCHS, MAP};
+use crate::rebalance::mover::{CLAIMS, MovePlan, Rebalance};
 use crate::topology::ShardId;
 use crate::topology::{LiveMap, RangeBound, RangeUnit, find_bound};
 use sea_orm::ConnectionTrait;
