@@ -2,7 +2,7 @@
 
 use crate::entity::{EntityGroup, InGroup, KeyRef, ShardKey, ShardedEntity, table_name};
 use crate::error::{Result, ShardError};
-use crate::read::{KeyOf, ReadFrom, ReadGuard};
+use crate::read::{ReadFrom, ReadGuard};
 use sea_orm::sea_query::{Expr, JoinType};
 use sea_orm::{
     Condition, DbBackend, DbErr, ExprTrait, ModelTrait, QueryFilter, QuerySelect, QueryTrait,
@@ -179,3 +179,6 @@ where
     );
     select.belongs_to(model)
 }
+
+/// The shard key type of entity `E`.
+pub type KeyOf<E> = <<E as ShardedEntity>::Group as EntityGroup>::Key;

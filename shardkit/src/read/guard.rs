@@ -1,0 +1,55 @@
+//! What features check before a read runs ([`ReadGuard`]): a rollout
+//! reading another table in place of an entity's own ([`ReadFrom`]), and
+//! the move mark of a `movable` group.
+
+use crate::entity::ShardedEntity;
+use crate::error::Result;
+use sea_orm::{QueryTrait, Select};
+use std::sync::Arc;
+
+/// A check a feature makes before a read of an entity runs: a rollout
+/// serves reads of an old entity whose table it no longer writes from the
+/// new table, or refuses them.
+pub(crate) trait ReadGuard: Send + Sync {
+    /// `Ok(None)`: read the entity's own table; `Ok(Some(r))`: read table
+    /// `r.table` in its place (`FROM t AS <own table>`); `Err`: refused.
+    fn check(&self, entity: std::any::TypeId, table: &'static str) -> Result<Option<ReadFrom>>;
+
+    /// Work to await before routing a read of `group` (a bucket map read
+    /// long ago is read again); `None` when there is none.
+    fn before_routing(&self, _group: &'static str) -> Option<futures::future::BoxFuture<'_, ()>> {
+        None
+    }
+
+    /// The moves of `group` (see [`MoveMark`]); `None`: it never moves
+    /// (rows are on one shard each).
+    fn move_mark(&self, _group: &'static str) -> Option<futures::future::BoxFuture<'_, MoveMark>> {
+        None
+    }
+}
+
+/// What a multi-shard count or projection of a `movable` group needs to
+/// know of its moves: `Some((unfinished, newest id))`, or `None` when the
+/// control database cannot say. Rows may be on two shards while a move is
+/// not finished; a count or projection that saw no unfinished move before
+/// and the same mark after its gather saw each row once.
+pub(crate) type MoveMark = Option<(u64, i64)>;
+
+/// Another table that answers an entity's reads in place of its own (a
+/// rollout's new table from `read_new` on), with its global indexes: an
+/// index read uses the other table's index on the same column, which is
+/// the one its writes keep.
+#[derive(Clone, Debug)]
+pub struct ReadFrom {
+    pub(crate) table: &'static str,
+    /// Its indexed columns, and whether each is unique.
+    pub(crate) indexes: Arc<[(&'static str, bool)]>,
+}
+
+/// Reads table `from` in place of `E`'s own: `FROM from AS e_table`, so the
+/// statement's column references still resolve.
+pub(crate) fn read_from<E: ShardedEntity>(select: &mut Select<E>, from: &'static str) {
+    QueryTrait::query(select)
+        .from_clear()
+        .from_as(sea_orm::sea_query::Alias::new(from), E::default());
+}
