@@ -10,21 +10,9 @@ use shardkit::gsi::IndexState;
 use shardkit::{Cluster, ClusterBuilder, ManualClock, ShardError};
 use shardkit_tests::models::*;
 use shardkit_tests::{
-    Backend, IndexWrite, Sent, TestDbs, backend_tests, index_writes, recording_cluster,
-    recording_cluster_with,
+    Backend, IndexWrite, Sent, TestDbs, index_writes, recording_cluster, recording_cluster_with,
 };
 use std::collections::BTreeSet;
-
-backend_tests!(4 =>
-    lookups_follow_the_index,
-    unique_violation_and_takeover,
-    write_only_scatters_until_backfilled,
-    reconcile_removes_dangling_and_adds_missing,
-    pinned_index_lives_on_one_shard,
-    index_rows_beside_their_owner_commit_relaxed,
-    by_index_reports_a_failed_owner_shard,
-    a_failed_index_write_names_its_table,
-);
 
 async fn gsi_cluster(dbs: &TestDbs, extra: &str) -> (Cluster, Sent) {
     gsi_cluster_with(dbs, extra, |b| b).await
@@ -94,7 +82,7 @@ async fn index_rows(cluster: &Cluster, table: &str) -> BTreeSet<(String, String)
     rows
 }
 
-async fn lookups_follow_the_index(dbs: &mut TestDbs) {
+pub(crate) async fn lookups_follow_the_index(dbs: &mut TestDbs) {
     let (cluster, sent) = gsi_cluster(dbs, "").await;
     cluster
         .gsi()
@@ -234,7 +222,7 @@ async fn lookups_follow_the_index(dbs: &mut TestDbs) {
     );
 }
 
-async fn unique_violation_and_takeover(dbs: &mut TestDbs) {
+pub(crate) async fn unique_violation_and_takeover(dbs: &mut TestDbs) {
     let clock = std::sync::Arc::new(ManualClock::starting_now());
     let grace = std::time::Duration::from_millis(1000);
     let shared = std::sync::Arc::clone(&clock);
@@ -330,7 +318,7 @@ async fn unique_violation_and_takeover(dbs: &mut TestDbs) {
     );
 }
 
-async fn write_only_scatters_until_backfilled(dbs: &mut TestDbs) {
+pub(crate) async fn write_only_scatters_until_backfilled(dbs: &mut TestDbs) {
     let (cluster, sent) = gsi_cluster(dbs, "").await;
     // Rows written before the index existed: no index rows for them.
     for i in 1..=12_i64 {
@@ -438,7 +426,7 @@ async fn write_only_scatters_until_backfilled(dbs: &mut TestDbs) {
     assert_eq!(index_rows(&cluster, "gsi_contacts_email").await.len(), 12);
 }
 
-async fn reconcile_removes_dangling_and_adds_missing(dbs: &mut TestDbs) {
+pub(crate) async fn reconcile_removes_dangling_and_adds_missing(dbs: &mut TestDbs) {
     let clock = std::sync::Arc::new(ManualClock::starting_now());
     let shared = std::sync::Arc::clone(&clock);
     let (cluster, _) = gsi_cluster_with(dbs, "", move |b| b.clock(shared)).await;
@@ -516,7 +504,7 @@ async fn reconcile_removes_dangling_and_adds_missing(dbs: &mut TestDbs) {
     assert_eq!(found.map(|r| r.id), Some(20));
 }
 
-async fn pinned_index_lives_on_one_shard(dbs: &mut TestDbs) {
+pub(crate) async fn pinned_index_lives_on_one_shard(dbs: &mut TestDbs) {
     let clock = std::sync::Arc::new(ManualClock::starting_now());
     let shared = std::sync::Arc::clone(&clock);
     let (cluster, _) = gsi_cluster_with(
@@ -606,7 +594,7 @@ async fn pinned_index_lives_on_one_shard(dbs: &mut TestDbs) {
 /// the commit are relaxed too. SQLite and MySQL/MariaDB always flush, and
 /// `[gsi] relaxed_commit = false` turns it off. Values travel inlined on the
 /// relaxed path and must arrive exactly.
-async fn index_rows_beside_their_owner_commit_relaxed(dbs: &mut TestDbs) {
+pub(crate) async fn index_rows_beside_their_owner_commit_relaxed(dbs: &mut TestDbs) {
     let (cluster, sent) = gsi_cluster(dbs, "").await;
     let pg =
         cluster.connection("s0").unwrap().get_database_backend() == sea_orm::DbBackend::Postgres;
@@ -730,7 +718,7 @@ async fn index_home(cluster: &Cluster, table: &str, value: &str) -> String {
 /// `ShardsFailed` naming it, or with `.partial()` lists it and returns the
 /// rows of the shards that answered — whether the index lists one shard key
 /// (the single-shard path) or several.
-async fn by_index_reports_a_failed_owner_shard(dbs: &mut TestDbs) {
+pub(crate) async fn by_index_reports_a_failed_owner_shard(dbs: &mut TestDbs) {
     let (healthy, _) = gsi_cluster(dbs, "").await;
     let shard_of = |k: i64| {
         let healthy = healthy.clone();
@@ -849,7 +837,7 @@ async fn by_index_reports_a_failed_owner_shard(dbs: &mut TestDbs) {
 /// subsystem and the table, the message ends with the driver's own message
 /// (once, and `report()` does not repeat it), SeaORM's error is the typed
 /// `source()`; the row is not written.
-async fn a_failed_index_write_names_its_table(dbs: &mut TestDbs) {
+pub(crate) async fn a_failed_index_write_names_its_table(dbs: &mut TestDbs) {
     let (cluster, _) = gsi_cluster(dbs, "").await;
     for shard in cluster.topology().shard_names() {
         cluster

@@ -10,20 +10,9 @@ use shardkit::error::Retry;
 use shardkit::gsi::IndexState;
 use shardkit::{Cluster, ShardError};
 use shardkit_tests::models::*;
-use shardkit_tests::{TestDbs, backend_tests, contacts_by_index};
+use shardkit_tests::{TestDbs, contacts_by_index};
 use std::collections::BTreeSet;
 use std::ops::ControlFlow;
-
-backend_tests!(4 =>
-    update_race_keeps_the_unique_index_row,
-    reconcile_reports_unique_conflicts_and_goes_on,
-    index_values_compare_byte_for_byte,
-    [MySql] index_tables_of_an_older_release_are_converted,
-    backfill_indexes_every_owner_despite_concurrent_deletes,
-    unique_race_reports_only_real_duplicates,
-    failed_claim_is_not_a_duplicate,
-    long_value_is_refused_with_a_bounded_message,
-);
 
 async fn gsi_cluster(dbs: &TestDbs, extra: &str) -> Cluster {
     let cluster = dbs.cluster(4, &format!("[groups.Customer]\n{extra}")).await;
@@ -109,7 +98,7 @@ async fn all_contacts(cluster: &Cluster) -> Vec<contact::Model> {
 /// to e0 meanwhile; T1 commits (and removes e0's index row after), then T2.
 /// The row holds e0, so e0's index row must be there, and a second owner
 /// must not get e0.
-async fn update_race_keeps_the_unique_index_row(dbs: &mut TestDbs) {
+pub(crate) async fn update_race_keeps_the_unique_index_row(dbs: &mut TestDbs) {
     let cluster = gsi_cluster(dbs, "").await;
     activate(&cluster).await;
     for round in 0..20_i64 {
@@ -162,7 +151,7 @@ async fn update_race_keeps_the_unique_index_row(dbs: &mut TestDbs) {
 /// Two live rows hold one unique value (written behind shardkit's back):
 /// reconcile reports the one left without an index row and still adds the
 /// index rows other owners miss.
-async fn reconcile_reports_unique_conflicts_and_goes_on(dbs: &mut TestDbs) {
+pub(crate) async fn reconcile_reports_unique_conflicts_and_goes_on(dbs: &mut TestDbs) {
     let cluster = gsi_cluster(dbs, "").await;
     activate(&cluster).await;
     add(&cluster, 1, 1, "dup@x", "p1").await.unwrap();
@@ -208,7 +197,7 @@ async fn reconcile_reports_unique_conflicts_and_goes_on(dbs: &mut TestDbs) {
 /// `a@x`, `A@X` and `a@x ` are three values on every backend: three owners,
 /// three index rows, each found by its own value only; an update that only
 /// changes case or trailing space moves the row's index entry.
-async fn index_values_compare_byte_for_byte(dbs: &mut TestDbs) {
+pub(crate) async fn index_values_compare_byte_for_byte(dbs: &mut TestDbs) {
     let cluster = gsi_cluster(dbs, "").await;
     activate(&cluster).await;
     let values = ["a@x", "A@X", "a@x "];
@@ -253,7 +242,7 @@ async fn index_values_compare_byte_for_byte(dbs: &mut TestDbs) {
 /// An index table created by an older release on MySQL/MariaDB (text columns
 /// in the server's default collation) is converted by `gsi().create`, rows
 /// kept; reconcile then adds the rows such a table had merged.
-async fn index_tables_of_an_older_release_are_converted(dbs: &mut TestDbs) {
+pub(crate) async fn index_tables_of_an_older_release_are_converted(dbs: &mut TestDbs) {
     let cluster = dbs.cluster(4, "[groups.Customer]\n").await;
     cluster.migrate::<Migrator>().await.unwrap();
     for shard in cluster.topology().shard_names() {
@@ -293,7 +282,7 @@ async fn index_tables_of_an_older_release_are_converted(dbs: &mut TestDbs) {
 /// Rows deleted behind the backfill's position and rows inserted during it:
 /// when the index turns active every surviving owner is in it. Driven from
 /// the progress callback after every chunk.
-async fn backfill_indexes_every_owner_despite_concurrent_deletes(dbs: &mut TestDbs) {
+pub(crate) async fn backfill_indexes_every_owner_despite_concurrent_deletes(dbs: &mut TestDbs) {
     let cluster = gsi_cluster(dbs, "").await;
     for id in 1..=120_i64 {
         add(&cluster, id, id % 16, &format!("b{id}@x"), "p")
@@ -391,7 +380,7 @@ async fn backfill_indexes_every_owner_despite_concurrent_deletes(dbs: &mut TestD
 /// say it can be retried, and retrying the whole transaction succeeds or
 /// meets the owner. Exactly one owner per value, and every connection is
 /// still usable afterwards.
-async fn unique_race_reports_only_real_duplicates(dbs: &mut TestDbs) {
+pub(crate) async fn unique_race_reports_only_real_duplicates(dbs: &mut TestDbs) {
     let cluster = gsi_cluster(
         dbs,
         "[gsi]\npin = { gsi_contacts_email = \"s1\", gsi_contacts_phone = \"s1\" }\n",
@@ -495,7 +484,7 @@ async fn race(cluster: &Cluster, phase: &'static str, writers: &[i64]) {
 /// `shardkit::gsi::claim`, armed for one never-used value) is a database
 /// error that may be retried, not a duplicate; nothing is written, and the
 /// same write then succeeds.
-async fn failed_claim_is_not_a_duplicate(dbs: &mut TestDbs) {
+pub(crate) async fn failed_claim_is_not_a_duplicate(dbs: &mut TestDbs) {
     // The index lives on the owner's own shard, so the claim runs inside the
     // owner's transaction.
     let cluster = gsi_cluster(dbs, "[gsi]\npin = { gsi_contacts_email = \"s1\" }\n").await;
@@ -530,7 +519,7 @@ async fn customers_on(cluster: &Cluster, shard: &str, n: usize) -> Vec<i64> {
 
 /// A 1 MB value is refused before any I/O on every backend, as too long,
 /// with a message that quotes only its start; nothing is written.
-async fn long_value_is_refused_with_a_bounded_message(dbs: &mut TestDbs) {
+pub(crate) async fn long_value_is_refused_with_a_bounded_message(dbs: &mut TestDbs) {
     let cluster = gsi_cluster(dbs, "").await;
     activate(&cluster).await;
     let long = format!("{}@x", "v".repeat(1 << 20));
