@@ -6,17 +6,10 @@
 use sea_orm::{ActiveValue::NotSet, EntityTrait, Set};
 use shardkit::{Cluster, ClusterConfig, ShardError};
 use shardkit_tests::models::*;
-use shardkit_tests::{Backend, Proxy, TestDbs, backend_tests};
+use shardkit_tests::{Backend, Proxy, TestDbs};
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-
-backend_tests!(2 =>
-    tickets_survive_losing_a_server,
-    ticket_round_trips_are_counted,
-    flickr_mode_and_advance_past,
-    generated_primary_keys_and_shard_encoded_ids,
-);
 
 /// Two ticket servers (databases of their own); on server backends each sits
 /// behind a [`Proxy`] the test can cut.
@@ -50,7 +43,7 @@ async fn ticket_cluster(dbs: &mut TestDbs, ids: &str) -> (Cluster, Vec<Proxy>) {
     (cluster, proxies)
 }
 
-async fn tickets_survive_losing_a_server(dbs: &mut TestDbs) {
+pub(crate) async fn tickets_survive_losing_a_server(dbs: &mut TestDbs) {
     let (cluster, proxies) = ticket_cluster(dbs, "[ids.sequences.load]\nblock = 50\n").await;
     cluster.ids().create_sequence("load").await.unwrap();
     assert_eq!(
@@ -111,7 +104,7 @@ impl Not for bool {
     }
 }
 
-async fn ticket_round_trips_are_counted(dbs: &mut TestDbs) {
+pub(crate) async fn ticket_round_trips_are_counted(dbs: &mut TestDbs) {
     let (cluster, _proxies) = ticket_cluster(dbs, "[ids.sequences.rt]\nblock = 100\n").await;
     let ids = cluster.ids();
     ids.create_sequence("rt").await.unwrap();
@@ -135,7 +128,7 @@ async fn ticket_round_trips_are_counted(dbs: &mut TestDbs) {
     assert!(got.windows(2).filter(|w| w[1] != w[0] + 1).count() <= 10);
 }
 
-async fn flickr_mode_and_advance_past(dbs: &mut TestDbs) {
+pub(crate) async fn flickr_mode_and_advance_past(dbs: &mut TestDbs) {
     let (cluster, _proxies) = ticket_cluster(
         dbs,
         "[ids.sequences.photos]\nblock = 1\n[ids.sequences.accounts]\nblock = 10\n",
@@ -179,7 +172,7 @@ async fn flickr_mode_and_advance_past(dbs: &mut TestDbs) {
     ));
 }
 
-async fn generated_primary_keys_and_shard_encoded_ids(dbs: &mut TestDbs) {
+pub(crate) async fn generated_primary_keys_and_shard_encoded_ids(dbs: &mut TestDbs) {
     let (cluster, _proxies) = ticket_cluster(dbs, "[ids.sequences.invoices]\nblock = 20\n").await;
     // `invoices` is configured, so `migrate` created it; `orders` is not.
     cluster.ids().create_sequence("orders").await.unwrap();

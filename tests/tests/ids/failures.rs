@@ -11,26 +11,9 @@ use sea_orm_migration::MigratorTrait;
 use shardkit::prelude::*;
 use shardkit::{Cluster, ClusterConfig, DatabaseUrl};
 use shardkit_tests::models::*;
-use shardkit_tests::{Backend, Hung, TestDbs, backend_tests};
+use shardkit_tests::{Backend, Hung, TestDbs};
 use std::collections::HashSet;
 use std::time::Duration;
-
-backend_tests!(2 =>
-    [Postgres, MySql] dropping_the_cluster_closes_the_ticket_pools,
-    a_missing_sequence_is_a_config_error_not_an_outage,
-    failed_servers_are_reported_once,
-    migrate_runs_only_shardkit_migrations_on_ticket_servers,
-    flickr_requests_run_concurrently,
-    an_exhausted_sequence_is_refused_never_negative,
-    a_ticket_server_serves_only_the_list_it_was_set_up_with,
-    configs_setting_up_at_once_confirm_no_split_places,
-    a_set_up_that_stops_while_confirming_is_finished_by_the_next,
-    a_list_that_sets_up_between_anothers_read_and_write_wins_alone,
-    a_clear_that_races_a_set_up_leaves_no_server_without_its_place,
-    servers_set_up_before_places_are_adopted_not_guessed,
-    [Postgres, MySql] a_hung_or_refusing_ticket_server_fails_set_up_not_tickets,
-    [Sqlite] a_sqlite_ticket_server_that_cannot_be_opened_is_opened_on_first_use,
-);
 
 /// Failpoints are process-wide and the backends' scenarios run at once:
 /// a scenario holds this while it has one configured.
@@ -75,7 +58,7 @@ async fn direct(url: &str) -> DatabaseConnection {
 
 /// Dropping the cluster and every handle closes the ticket pools: after
 /// Flickr ids, after blocks, and while a prefetch is still in flight.
-async fn dropping_the_cluster_closes_the_ticket_pools(dbs: &mut TestDbs) {
+pub(crate) async fn dropping_the_cluster_closes_the_ticket_pools(dbs: &mut TestDbs) {
     let (config, _) = ticket_config(
         dbs,
         "[ids.sequences.flickr]\nblock = 1\n[ids.sequences.blocks]\nblock = 100\n",
@@ -134,7 +117,7 @@ async fn dropping_the_cluster_closes_the_ticket_pools(dbs: &mut TestDbs) {
 /// A sequence whose `tickets_<name>` table does not exist is refused as a
 /// configuration error naming `create_sequence`, and no server is marked
 /// down for it: the next ids still come from both servers.
-async fn a_missing_sequence_is_a_config_error_not_an_outage(dbs: &mut TestDbs) {
+pub(crate) async fn a_missing_sequence_is_a_config_error_not_an_outage(dbs: &mut TestDbs) {
     let (config, urls) = ticket_config(
         dbs,
         "retry_after_ms = 600000\n[ids.sequences.real]\nblock = 1\n[ids.sequences.ghost]\nblock = 1\n[ids.sequences.ghost_blocks]\nblock = 10\n",
@@ -186,7 +169,7 @@ async fn a_missing_sequence_is_a_config_error_not_an_outage(dbs: &mut TestDbs) {
 
 /// Every server failing gives one `IdsUnavailable` whose message states its
 /// prefix once and names each server's failure.
-async fn failed_servers_are_reported_once(dbs: &mut TestDbs) {
+pub(crate) async fn failed_servers_are_reported_once(dbs: &mut TestDbs) {
     // It draws `blocks`, whose ticket requests another scenario holds with a
     // failpoint.
     let _failpoint = FAILPOINT.lock().await;
@@ -247,7 +230,7 @@ async fn failed_servers_are_reported_once(dbs: &mut TestDbs) {
 /// `Cluster::migrate` with the application's migrator creates the
 /// application's tables on the shards only; ticket servers get shardkit's
 /// ticket registry and place table, reported as such.
-async fn migrate_runs_only_shardkit_migrations_on_ticket_servers(dbs: &mut TestDbs) {
+pub(crate) async fn migrate_runs_only_shardkit_migrations_on_ticket_servers(dbs: &mut TestDbs) {
     let (config, urls) = ticket_config(dbs, "").await;
     let cluster = Cluster::connect(config).await.unwrap();
     let report = cluster.migrate::<Migrator>().await.unwrap();
@@ -297,20 +280,23 @@ async fn migrate_runs_only_shardkit_migrations_on_ticket_servers(dbs: &mut TestD
 /// request does not stop the others, and concurrent callers all get
 /// distinct ids (on MariaDB, concurrent `REPLACE INTO`s of one stub deadlock
 /// now and then: the statement is run again, the server is not given up).
-async fn flickr_requests_run_concurrently(dbs: &mut TestDbs) {
-    let (config, _) = ticket_config_with_pool(dbs, "[ids.sequences.photos]\nblock = 1\n", 8).await;
+pub(crate) async fn flickr_requests_run_concurrently(dbs: &mut TestDbs) {
+    let (config, _) =
+        ticket_config_with_pool(dbs, "[ids.sequences.held_photos]\nblock = 1\n", 8).await;
     let cluster = Cluster::connect(config.clone()).await.unwrap();
     cluster.migrate::<Migrator>().await.unwrap();
-    cluster.ids().create_sequence("photos").await.unwrap();
+    cluster.ids().create_sequence("held_photos").await.unwrap();
 
     // One of eight concurrent requests (whichever comes first) waits a
     // minute before it asks a server; the other seven must not wait behind it.
+    // The failpoint is the process's: its sequence is named for this
+    // scenario, so the other scenarios of the binary never meet it.
     let failpoint = FAILPOINT.lock().await;
-    fail::cfg("shardkit::ids::ticket::photos", "1*return(60000)").unwrap();
+    fail::cfg("shardkit::ids::ticket::held_photos", "1*return(60000)").unwrap();
     let mut callers = tokio::task::JoinSet::new();
     for _ in 0..8 {
         let cluster = cluster.clone();
-        callers.spawn(async move { cluster.ids().next("photos").await });
+        callers.spawn(async move { cluster.ids().next("held_photos").await });
     }
     let mut ids = HashSet::new();
     for _ in 0..7 {
@@ -324,7 +310,7 @@ async fn flickr_requests_run_concurrently(dbs: &mut TestDbs) {
     }
     assert_eq!(callers.len(), 1, "the held request is still waiting");
     callers.abort_all();
-    fail::remove("shardkit::ids::ticket::photos");
+    fail::remove("shardkit::ids::ticket::held_photos");
     drop(failpoint);
     assert_eq!(ids.len(), 7);
 
@@ -339,7 +325,7 @@ async fn flickr_requests_run_concurrently(dbs: &mut TestDbs) {
     let single = Cluster::connect(one_server).await.unwrap();
     single.migrate::<Migrator>().await.unwrap();
     let mut ids = HashSet::new();
-    draw_at_once(&single, "photos", 16, 50, &mut ids).await;
+    draw_at_once(&single, "held_photos", 16, 50, &mut ids).await;
     assert_eq!(ids.len(), 800);
 }
 
@@ -506,7 +492,7 @@ async fn ticket_rows(urls: &[String], sequence: &str) -> Vec<Option<i64>> {
 /// draws no ticket, sets nothing up and moves no sequence: it gets a config
 /// error naming the server and both lists, while processes of the set-up
 /// list go on (one of them with 8 tasks on pools of 2).
-async fn a_ticket_server_serves_only_the_list_it_was_set_up_with(dbs: &mut TestDbs) {
+pub(crate) async fn a_ticket_server_serves_only_the_list_it_was_set_up_with(dbs: &mut TestDbs) {
     let (config, urls) = ticket_config(dbs, "[ids.sequences.places]\nblock = 1\n").await;
     let set_up = Cluster::connect(config.clone()).await.unwrap();
     set_up.migrate::<Migrator>().await.unwrap();
@@ -608,7 +594,7 @@ async fn a_ticket_server_serves_only_the_list_it_was_set_up_with(dbs: &mut TestD
 /// unconfirmed record is cleared. Then the two set up at once, round after
 /// round: at most one list is confirmed, the other draws nothing (before the
 /// check, both would hand out 1, 3, 5... from different servers).
-async fn configs_setting_up_at_once_confirm_no_split_places(dbs: &mut TestDbs) {
+pub(crate) async fn configs_setting_up_at_once_confirm_no_split_places(dbs: &mut TestDbs) {
     let (config, urls, a, b) = named_ticket_config(dbs, "split").await;
     let mut reversed_config = config.clone();
     reversed_config.ids.servers.reverse();
@@ -702,7 +688,9 @@ async fn configs_setting_up_at_once_confirm_no_split_places(dbs: &mut TestDbs) {
 /// recorded) and recording them, the reversed list sets up from start to
 /// end. The first list's records are no-ops on servers already taken, and
 /// its read-back refuses it: only the reversed list serves.
-async fn a_list_that_sets_up_between_anothers_read_and_write_wins_alone(dbs: &mut TestDbs) {
+pub(crate) async fn a_list_that_sets_up_between_anothers_read_and_write_wins_alone(
+    dbs: &mut TestDbs,
+) {
     let (config, urls, a, b) = named_ticket_config(dbs, "late").await;
     ticket_tables(&urls, "late").await;
     let mut reversed = config.clone();
@@ -764,7 +752,9 @@ fn set_up_meanwhile_at(point: &str, config: ClusterConfig) {
 /// already read back (the set-up records it again), and a set-up confirms
 /// the list while the clear is under way (the clear restores what it
 /// deleted and says so).
-async fn a_clear_that_races_a_set_up_leaves_no_server_without_its_place(dbs: &mut TestDbs) {
+pub(crate) async fn a_clear_that_races_a_set_up_leaves_no_server_without_its_place(
+    dbs: &mut TestDbs,
+) {
     let (config, urls, a, b) = named_ticket_config(dbs, "race").await;
     ticket_tables(&urls, "race").await;
     let list = format!(r#"["{a}","{b}"]"#);
@@ -819,7 +809,9 @@ async fn a_clear_that_races_a_set_up_leaves_no_server_without_its_place(dbs: &mu
 /// holds this list's record, unconfirmed, and serves no ticket (requests go
 /// on to the first, whose tickets are its own). It cannot be cleared, only
 /// finished, and running the set-up again finishes it.
-async fn a_set_up_that_stops_while_confirming_is_finished_by_the_next(dbs: &mut TestDbs) {
+pub(crate) async fn a_set_up_that_stops_while_confirming_is_finished_by_the_next(
+    dbs: &mut TestDbs,
+) {
     let (config, urls, a, b) = named_ticket_config(dbs, "halfway").await;
     ticket_tables(&urls, "halfway").await;
     let stopped = Cluster::connect(config.clone()).await.unwrap();
@@ -883,7 +875,7 @@ async fn a_set_up_that_stops_while_confirming_is_finished_by_the_next(dbs: &mut 
 /// along record itself (a list with a server removed would go on in steps of
 /// 1); it asks for `adopt_places`, which refuses a list the counters
 /// contradict and writes nothing until it accepts one.
-async fn servers_set_up_before_places_are_adopted_not_guessed(dbs: &mut TestDbs) {
+pub(crate) async fn servers_set_up_before_places_are_adopted_not_guessed(dbs: &mut TestDbs) {
     let (config, urls) = ticket_config(dbs, "[ids.sequences.old]\nblock = 1\n").await;
     let before = Cluster::connect(config.clone()).await.unwrap();
     before.migrate::<Migrator>().await.unwrap();
@@ -948,7 +940,7 @@ async fn servers_set_up_before_places_are_adopted_not_guessed(dbs: &mut TestDbs)
 /// server, instead of hanging; tickets still come from the first server,
 /// whose place checks without the second; and once the cluster is gone no
 /// socket to the hung server is left open.
-async fn a_hung_or_refusing_ticket_server_fails_set_up_not_tickets(dbs: &mut TestDbs) {
+pub(crate) async fn a_hung_or_refusing_ticket_server_fails_set_up_not_tickets(dbs: &mut TestDbs) {
     let (config, _) = ticket_config(
         dbs,
         "timeout_ms = 3000\nretry_after_ms = 600000\n[ids.sequences.hung]\nblock = 1\n",
@@ -1017,7 +1009,7 @@ async fn a_hung_or_refusing_ticket_server_fails_set_up_not_tickets(dbs: &mut Tes
 /// The largest block a config may give, on a sequence advanced to the top of
 /// the `i64` range: the next block would pass `i64::MAX`, so the sequence is
 /// refused as exhausted instead of handing out ids that wrapped negative.
-async fn an_exhausted_sequence_is_refused_never_negative(dbs: &mut TestDbs) {
+pub(crate) async fn an_exhausted_sequence_is_refused_never_negative(dbs: &mut TestDbs) {
     let (config, _) = ticket_config(dbs, "[ids.sequences.big]\nblock = 1000000000\n").await;
     let cluster = Cluster::connect(config).await.unwrap();
     cluster.migrate::<Migrator>().await.unwrap();
@@ -1070,7 +1062,9 @@ async fn an_exhausted_sequence_is_refused_never_negative(dbs: &mut TestDbs) {
 /// while a server is down. Now the cluster connects, set-up reports the
 /// server, and once the directory exists the same cluster opens the file on
 /// first use and draws from it.
-async fn a_sqlite_ticket_server_that_cannot_be_opened_is_opened_on_first_use(dbs: &mut TestDbs) {
+pub(crate) async fn a_sqlite_ticket_server_that_cannot_be_opened_is_opened_on_first_use(
+    dbs: &mut TestDbs,
+) {
     let a = dbs.extra("tickets_a").await;
     let path_a = a.trim_start_matches("sqlite://").split('?').next().unwrap();
     let later = std::path::Path::new(path_a).parent().unwrap().join("later");
