@@ -6,11 +6,9 @@ use sea_orm::ConnectionTrait;
 use shardkit::prelude::*;
 use shardkit::{ManualClock, Phase, Rollout, RolloutHandle};
 use shardkit_tests::models::*;
-use shardkit_tests::{TestDbs, backend_tests, count_rows};
+use shardkit_tests::{TestDbs, count_rows};
 use std::sync::Arc;
 use std::time::Duration;
-
-backend_tests!(4 => conversion_that_moves_the_key_is_refused);
 
 type Moving = RolloutHandle<person_v1::Entity, person_v2::Entity>;
 
@@ -46,7 +44,7 @@ fn person(id: i64, customer: i64) -> person_v1::ActiveModel {
     }
 }
 
-async fn conversion_that_moves_the_key_is_refused(dbs: &mut TestDbs) {
+pub(crate) async fn conversion_that_moves_the_key_is_refused(dbs: &mut TestDbs) {
     let clock = Arc::new(ManualClock::starting_now());
     let cluster = Cluster::builder(dbs.config(4, "[groups.Customer]\n"))
         .clock(clock.clone())

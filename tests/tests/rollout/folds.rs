@@ -8,23 +8,13 @@ use shardkit::{
     Cluster, ClusterConfig, ManualClock, Phase, Rollout, RolloutHandle, ShardError, VerifyOptions,
 };
 use shardkit_tests::models::*;
-use shardkit_tests::{Backend, Sent, TestDbs, backend_tests, count_rows, recording_cluster_with};
+use shardkit_tests::{Backend, Sent, TestDbs, count_rows, recording_cluster_with};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// The failpoint scenario's turn (its failpoint is the process's).
 static FAILPOINT: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
-backend_tests!(4 =>
-    fold_walk_with_two_instances,
-    a_failed_part_dual_write_rolls_back_the_transaction,
-    concurrent_part_writes_on_a_small_pool_fold_every_line,
-    fold_declarations_are_checked,
-    verify_and_repair_the_folded_form,
-    part_writes_and_root_writes_never_deadlock,
-    new_only_part_inserts_keep_primary_key_order,
-);
 
 type Users = RolloutHandle<user::Entity, user_v2::Entity>;
 type Orders = RolloutHandle<order::Entity, order_v2::Entity>;
@@ -301,7 +291,7 @@ async fn advance(by: &App, other: &App, clock: &ManualClock) -> Phase {
     phase
 }
 
-async fn fold_walk_with_two_instances(dbs: &mut TestDbs) {
+pub(crate) async fn fold_walk_with_two_instances(dbs: &mut TestDbs) {
     let clock = Arc::new(ManualClock::starting_now());
     let a = app(dbs, &clock, None).await;
     let b = app(dbs, &clock, None).await;
@@ -520,7 +510,7 @@ async fn fold_walk_with_two_instances(dbs: &mut TestDbs) {
 
 /// A failed dual write of a part's fold rolls back the whole transaction:
 /// the other part written before it in the same transaction too.
-async fn a_failed_part_dual_write_rolls_back_the_transaction(dbs: &mut TestDbs) {
+pub(crate) async fn a_failed_part_dual_write_rolls_back_the_transaction(dbs: &mut TestDbs) {
     let clock = Arc::new(ManualClock::starting_now());
     let a = app(dbs, &clock, None).await;
     let b = app(dbs, &clock, None).await;
@@ -592,7 +582,7 @@ async fn a_failed_part_dual_write_rolls_back_the_transaction(dbs: &mut TestDbs) 
 /// folded row is the fold of the rows as committed (no fold computed from
 /// what a transaction saw before another committed; a later write would
 /// hide such a loss, so each round is checked before the next).
-async fn concurrent_part_writes_on_a_small_pool_fold_every_line(dbs: &mut TestDbs) {
+pub(crate) async fn concurrent_part_writes_on_a_small_pool_fold_every_line(dbs: &mut TestDbs) {
     let clock = Arc::new(ManualClock::starting_now());
     let toml = format!(
         "{}\n[groups.Customer]\n",
@@ -712,7 +702,7 @@ async fn concurrent_part_writes_on_a_small_pool_fold_every_line(dbs: &mut TestDb
 
 /// A part declared twice, or a part that already belongs to another
 /// rollout, is refused at registration, before anything is recorded.
-async fn fold_declarations_are_checked(dbs: &mut TestDbs) {
+pub(crate) async fn fold_declarations_are_checked(dbs: &mut TestDbs) {
     let clock = Arc::new(ManualClock::starting_now());
     let a = app(dbs, &clock, None).await;
     let twice = Rollout::<user::Entity, user_v2::Entity>::fold("twice", user_fold)
@@ -743,7 +733,7 @@ async fn fold_declarations_are_checked(dbs: &mut TestDbs) {
 /// A line changed behind shardkit's back (raw SQL on the old table) makes
 /// its order's folded row differ: verify names that order, in a chunk of
 /// its own, and repair re-folds it from the old tables.
-async fn verify_and_repair_the_folded_form(dbs: &mut TestDbs) {
+pub(crate) async fn verify_and_repair_the_folded_form(dbs: &mut TestDbs) {
     let clock = Arc::new(ManualClock::starting_now());
     let a = app(dbs, &clock, None).await;
     let b = app(dbs, &clock, None).await;
@@ -852,7 +842,7 @@ async fn assert_order_matches_tables(cluster: &Cluster, customer: i64, id: i64, 
 /// retry): none deadlocks or fails, and after each round both folded orders
 /// match their tables. A part's write locks its roots (sorted) before its
 /// own row, as the root's writes do.
-async fn part_writes_and_root_writes_never_deadlock(dbs: &mut TestDbs) {
+pub(crate) async fn part_writes_and_root_writes_never_deadlock(dbs: &mut TestDbs) {
     let clock = Arc::new(ManualClock::starting_now());
     let a = app(dbs, &clock, None).await;
     let b = app(dbs, &clock, None).await;
@@ -962,7 +952,7 @@ async fn part_writes_and_root_writes_never_deadlock(dbs: &mut TestDbs) {
 /// it (10 after 9, as the table orders them), exactly as the backfill of
 /// the same rows folds them; and the folded row is what a re-derivation
 /// from the split gives.
-async fn new_only_part_inserts_keep_primary_key_order(dbs: &mut TestDbs) {
+pub(crate) async fn new_only_part_inserts_keep_primary_key_order(dbs: &mut TestDbs) {
     let clock = Arc::new(ManualClock::starting_now());
     let a = app(dbs, &clock, None).await;
     let b = app(dbs, &clock, None).await;

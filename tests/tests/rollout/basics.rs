@@ -9,23 +9,9 @@ use sea_orm::{
 use shardkit::clock::Clock;
 use shardkit::{Cluster, ManualClock, Phase, Rollout, RolloutHandle, ShardError, VerifyOptions};
 use shardkit_tests::models::*;
-use shardkit_tests::{Sent, TestDbs, backend_tests, count_rows, recording_cluster_with};
+use shardkit_tests::{Sent, TestDbs, count_rows, recording_cluster_with};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-backend_tests!(4 =>
-    full_rollout_walk,
-    failed_new_write_rolls_back_old,
-    phase_gap_is_enforced,
-    verify_finds_injected_differences,
-    verify_shards_compares_copies,
-    advance_when_ready_waits_out_the_gap,
-    backfill_when_ready_waits_out_the_gap_and_resumes_after_a_timeout,
-    old_reads_follow_the_phase,
-    old_index_reads_follow_the_phase,
-    status_lists_the_instances,
-    an_instance_without_the_rollout_is_visible,
-);
 
 type People = RolloutHandle<person_v1::Entity, person_v2::Entity>;
 
@@ -177,7 +163,7 @@ async fn raw_city(cluster: &Cluster, table: &str, customer: i64, id: i64) -> Opt
     .map(|r| r.try_get::<String>("", "city").unwrap())
 }
 
-async fn full_rollout_walk(dbs: &mut TestDbs) {
+pub(crate) async fn full_rollout_walk(dbs: &mut TestDbs) {
     let clock = test_clock();
     // Two instances: "old code" writes and reads the old model; "new code"
     // reads the new one. Both have the rollout registered.
@@ -398,7 +384,7 @@ async fn full_rollout_walk(dbs: &mut TestDbs) {
     );
 }
 
-async fn failed_new_write_rolls_back_old(dbs: &mut TestDbs) {
+pub(crate) async fn failed_new_write_rolls_back_old(dbs: &mut TestDbs) {
     let clock = test_clock();
     let (app, _, people) = instance(dbs, &clock).await;
     advance(&people, &clock).await;
@@ -465,7 +451,7 @@ async fn failed_new_write_rolls_back_old(dbs: &mut TestDbs) {
     );
 }
 
-async fn phase_gap_is_enforced(dbs: &mut TestDbs) {
+pub(crate) async fn phase_gap_is_enforced(dbs: &mut TestDbs) {
     let clock = test_clock();
     let (app, _, people) = instance(dbs, &clock).await;
     // The first step has no previous change to wait for.
@@ -528,7 +514,7 @@ async fn exec_on(cluster: &Cluster, customer: i64, sql: &str) {
     assert_eq!(res.rows_affected(), 1, "{sql}");
 }
 
-async fn verify_finds_injected_differences(dbs: &mut TestDbs) {
+pub(crate) async fn verify_finds_injected_differences(dbs: &mut TestDbs) {
     let clock = test_clock();
     let (app, _, people) = instance(dbs, &clock).await;
     advance(&people, &clock).await;
@@ -628,7 +614,7 @@ async fn verify_finds_injected_differences(dbs: &mut TestDbs) {
     assert_eq!(raw_city(&app, "people_v2", 5, 99).await, None);
 }
 
-async fn verify_shards_compares_copies(dbs: &mut TestDbs) {
+pub(crate) async fn verify_shards_compares_copies(dbs: &mut TestDbs) {
     let clock = test_clock();
     let (app, _, _) = instance(dbs, &clock).await;
     for id in 1..=120 {
@@ -722,7 +708,7 @@ async fn verify_shards_compares_copies(dbs: &mut TestDbs) {
 /// `advance_when_ready` waits out the gap on the cluster's clock (no retry
 /// loop in the caller), says how long it waits, and returns other refusals
 /// as they are.
-async fn advance_when_ready_waits_out_the_gap(dbs: &mut TestDbs) {
+pub(crate) async fn advance_when_ready_waits_out_the_gap(dbs: &mut TestDbs) {
     let clock = test_clock();
     let (_app, _, people) = instance(dbs, &clock).await;
     assert_eq!(people.advance_when_ready().await.unwrap(), Phase::CacheBoth);
@@ -795,7 +781,7 @@ async fn advance_when_ready_waits_out_the_gap(dbs: &mut TestDbs) {
 /// `new_only` on, when the old table is no longer written, its reads (keyed,
 /// scatter, counts, projections, inside a transaction) are served from the
 /// new table.
-async fn old_reads_follow_the_phase(dbs: &mut TestDbs) {
+pub(crate) async fn old_reads_follow_the_phase(dbs: &mut TestDbs) {
     let clock = test_clock();
     let (app, _, people) = instance(dbs, &clock).await;
     put(&app, &person(1, 5, "Ann", "Lee", "Oslo"))
@@ -909,7 +895,7 @@ fn login(id: i64, customer: i64, email: &str) -> login_v1::ActiveModel {
 /// In new_only a login inserted through the old entity is found by index
 /// reads of both entities: the old entity's read goes to the new table and
 /// its index, which the new-only write keeps.
-async fn old_index_reads_follow_the_phase(dbs: &mut TestDbs) {
+pub(crate) async fn old_index_reads_follow_the_phase(dbs: &mut TestDbs) {
     let clock = test_clock();
     let (app, _) = connect(dbs, &clock).await;
     app.migrate::<Migrator>().await.unwrap();
@@ -999,7 +985,7 @@ async fn old_index_reads_follow_the_phase(dbs: &mut TestDbs) {
 /// `status()` shows the shared state and every instance that registered the
 /// rollout, with its cache TTL and refresh interval, and when it last
 /// re-read the phase.
-async fn status_lists_the_instances(dbs: &mut TestDbs) {
+pub(crate) async fn status_lists_the_instances(dbs: &mut TestDbs) {
     let clock = test_clock();
     let (app, _) = connect(dbs, &clock).await;
     app.migrate::<Migrator>().await.unwrap();
@@ -1084,7 +1070,7 @@ async fn status_lists_the_instances(dbs: &mut TestDbs) {
 /// An instance that writes a rollout's old entity without having registered
 /// the rollout (its writes are neither dual-written nor cached) finds out
 /// from the shared state: it lists the rollout and warns once.
-async fn an_instance_without_the_rollout_is_visible(dbs: &mut TestDbs) {
+pub(crate) async fn an_instance_without_the_rollout_is_visible(dbs: &mut TestDbs) {
     let clock = test_clock();
     let (registered, _, _people) = instance(dbs, &clock).await;
     let (unaware, _) = connect(dbs, &clock).await;
@@ -1143,7 +1129,9 @@ async fn an_instance_without_the_rollout_is_visible(dbs: &mut TestDbs) {
 /// cluster's clock (where `backfill` is refused as too soon), and resumes
 /// from its saved position after chunks that fail with an error that says to
 /// retry (a shard that stopped answering, twice); every person is copied.
-async fn backfill_when_ready_waits_out_the_gap_and_resumes_after_a_timeout(dbs: &mut TestDbs) {
+pub(crate) async fn backfill_when_ready_waits_out_the_gap_and_resumes_after_a_timeout(
+    dbs: &mut TestDbs,
+) {
     let clock = test_clock();
     let (app, _, people) = instance(dbs, &clock).await;
     for i in 1..=30 {

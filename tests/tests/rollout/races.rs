@@ -6,17 +6,9 @@ use sea_orm::ActiveValue::{Set, Unchanged};
 use sea_orm::{ConnectionTrait, Statement};
 use shardkit::{Cluster, ManualClock, Phase, Rollout, RolloutHandle, ShardError, VerifyOptions};
 use shardkit_tests::models::*;
-use shardkit_tests::{Sent, TestDbs, backend_tests, recording_cluster_with};
+use shardkit_tests::{Sent, TestDbs, recording_cluster_with};
 use std::sync::Arc;
 use std::time::Duration;
-
-backend_tests!(4 =>
-    dropping_the_cluster_stops_its_tasks_and_closes_its_pools,
-    retreat_during_backfill_stops_it_and_voids_its_progress,
-    backfill_waits_until_every_instance_dual_writes,
-    new_only_write_that_moves_the_key_is_refused,
-    two_retreats_at_once_go_back_one_phase,
-);
 
 type People = RolloutHandle<person_v1::Entity, person_v2::Entity>;
 
@@ -160,7 +152,7 @@ async fn eventually(what: &str, mut done: impl FnMut() -> bool) {
 /// A cluster that ran a reconciler, a verifier and a rollout's phase
 /// refresh: dropping its last handle ends all three tasks and closes every
 /// connection it opened (the server's own count is back to where it was).
-async fn dropping_the_cluster_stops_its_tasks_and_closes_its_pools(dbs: &mut TestDbs) {
+pub(crate) async fn dropping_the_cluster_stops_its_tasks_and_closes_its_pools(dbs: &mut TestDbs) {
     let baseline = dbs.server_connections().await;
     let clock = Arc::new(ManualClock::starting_now());
     let (cluster, sent, people) = instance(dbs, &clock).await;
@@ -211,7 +203,7 @@ async fn dropping_the_cluster_stops_its_tasks_and_closes_its_pools(dbs: &mut Tes
 /// refusal naming the phase, records neither progress nor `done`, and after
 /// the fleet is back in dual_write a new backfill copies every row from the
 /// start, so read_new serves the updates.
-async fn retreat_during_backfill_stops_it_and_voids_its_progress(dbs: &mut TestDbs) {
+pub(crate) async fn retreat_during_backfill_stops_it_and_voids_its_progress(dbs: &mut TestDbs) {
     const ROWS: i64 = 12;
     let clock = Arc::new(ManualClock::starting_now());
     let (a_app, _, a) = instance(dbs, &clock).await;
@@ -285,7 +277,7 @@ async fn retreat_during_backfill_stops_it_and_voids_its_progress(dbs: &mut TestD
 /// the meantime reach only the old table. Once the gap has passed (and B has
 /// re-read the phase, as it must have by then), A's backfill copies them and
 /// read_new serves every row as B last wrote it.
-async fn backfill_waits_until_every_instance_dual_writes(dbs: &mut TestDbs) {
+pub(crate) async fn backfill_waits_until_every_instance_dual_writes(dbs: &mut TestDbs) {
     const ROWS: i64 = 10;
     let clock = Arc::new(ManualClock::starting_now());
     let (a_app, _, a) = instance(dbs, &clock).await;
@@ -345,7 +337,7 @@ async fn backfill_waits_until_every_instance_dual_writes(dbs: &mut TestDbs) {
 /// conversion; a conversion that moves the row to another shard key is
 /// refused there too (insert and update alike): `CrossShardWrite`, the
 /// transaction rollback-only, nothing written.
-async fn new_only_write_that_moves_the_key_is_refused(dbs: &mut TestDbs) {
+pub(crate) async fn new_only_write_that_moves_the_key_is_refused(dbs: &mut TestDbs) {
     fn moving(old: &person_v1::Model) -> person_v2::Model {
         let mut new = person_to_v2(old);
         if old.customer_id >= 100 {
@@ -487,7 +479,7 @@ async fn new_only_write_that_moves_the_key_is_refused(dbs: &mut TestDbs) {
 /// two calls on one instance, one call on each of two instances, and B
 /// retreating right after A although B still acts on dual_write (an
 /// operator who saw dual_write and asked for one step back).
-async fn two_retreats_at_once_go_back_one_phase(dbs: &mut TestDbs) {
+pub(crate) async fn two_retreats_at_once_go_back_one_phase(dbs: &mut TestDbs) {
     const PAIRS: usize = 20;
     let clock = Arc::new(ManualClock::starting_now());
     // Neither instance re-reads the phase on its own: the test says when.
