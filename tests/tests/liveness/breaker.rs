@@ -6,16 +6,10 @@
 use sea_orm::ActiveValue::Set;
 use shardkit::{Cluster, ClusterConfig, ManualClock, ShardError};
 use shardkit_tests::models::*;
-use shardkit_tests::{Backend, Hung, Proxy, TestDbs, backend_tests};
+use shardkit_tests::{Backend, Hung, Proxy, TestDbs};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
-
-backend_tests!(2 =>
-    [Postgres, MySql] short_cuts_fail_requests_only_until_the_shard_answers,
-    [Postgres, MySql] a_refused_shard_fails_fast_and_the_probing_request_succeeds,
-    [Postgres, MySql] a_hung_shard_fails_fast_one_probe_at_a_time,
-);
 
 /// A key of `Customer` that lives on `shard`.
 async fn key_on(cluster: &Cluster, shard: &str) -> i64 {
@@ -82,7 +76,7 @@ struct Op {
 /// first moments after it: [`RECOVER`]); after each cut the shard serves
 /// reads again within [`RECOVER`], and no read issued after the first one
 /// it served fails; nothing stays connected once the cluster is dropped.
-async fn short_cuts_fail_requests_only_until_the_shard_answers(dbs: &mut TestDbs) {
+pub(crate) async fn short_cuts_fail_requests_only_until_the_shard_answers(dbs: &mut TestDbs) {
     let server = dbs.backend.server_address().unwrap();
     let before = dbs.server_connections().await;
     let mut proxy = Proxy::start(server.clone()).await;
@@ -221,7 +215,7 @@ async fn short_cuts_fail_requests_only_until_the_shard_answers(dbs: &mut TestDbs
 /// at once. The cluster's clock decides when the next probe is due: while
 /// it stands, requests fail without I/O, also once the shard is back; once
 /// it moves on, the next request probes, finds the shard up and succeeds.
-async fn a_refused_shard_fails_fast_and_the_probing_request_succeeds(dbs: &mut TestDbs) {
+pub(crate) async fn a_refused_shard_fails_fast_and_the_probing_request_succeeds(dbs: &mut TestDbs) {
     let server = dbs.backend.server_address().unwrap();
     let before = dbs.server_connections().await;
     let proxy = Proxy::start(server.clone()).await;
@@ -298,7 +292,7 @@ async fn a_refused_shard_fails_fast_and_the_probing_request_succeeds(dbs: &mut T
 /// without a connection. A request that finds a probe due starts it and
 /// waits at most 150 ms for it; requests while it runs fail at once, and
 /// no second probe starts: one connection per probe, each closed.
-async fn a_hung_shard_fails_fast_one_probe_at_a_time(dbs: &mut TestDbs) {
+pub(crate) async fn a_hung_shard_fails_fast_one_probe_at_a_time(dbs: &mut TestDbs) {
     let hung = Hung::start().await;
     let clock = Arc::new(ManualClock::starting_now());
     let pool = "connect_timeout_secs = 1\nconnect_lazy = true\n";

@@ -7,18 +7,9 @@ use sea_orm::{ActiveValue::Unchanged, EntityTrait, Set};
 use shardkit::topology::pghash::partition_hash_bytes;
 use shardkit::{Cluster, ClusterConfig, ShardError};
 use shardkit_tests::models::*;
-use shardkit_tests::{Backend, Hung, Proxy, TestDbs, backend_tests, count_rows};
+use shardkit_tests::{Backend, Hung, Proxy, TestDbs, count_rows};
 use std::time::Duration;
 use std::time::Instant;
-
-backend_tests!(2 =>
-    index_first_writes_on_small_pools_all_complete,
-    [Postgres, MySql] refused_shard_fails_fast_with_its_cause,
-    [Postgres, MySql] hung_shard_fails_fast_with_its_cause,
-    [Postgres, MySql] down_shard_comes_back_once_reachable,
-    [Postgres, MySql] create_databases_skips_a_lazy_shard_that_is_down,
-    index_read_partial_reports_a_down_index_shard,
-);
 
 /// The shard (by name) that index rows of `value` live on.
 fn index_shard_of(cluster: &Cluster, value: &str) -> String {
@@ -43,7 +34,7 @@ fn value_elsewhere(cluster: &Cluster, prefix: &str, owner: &str, from: &mut u32)
 /// writes index rows on the other one. Every insert and every update that
 /// moves the unique value must complete, and nothing stays connected once
 /// the cluster is dropped.
-async fn index_first_writes_on_small_pools_all_complete(dbs: &mut TestDbs) {
+pub(crate) async fn index_first_writes_on_small_pools_all_complete(dbs: &mut TestDbs) {
     let toml = format!(
         "{}\n[groups.Customer]\n",
         dbs.shards_toml(2)
@@ -219,7 +210,7 @@ fn closed_port_url(backend: Backend) -> &'static str {
 /// timeout with "connection refused" (not the pool's 30 s "timed out"); a
 /// lazily connected cluster fails the first keyed read, `begin` and
 /// `.partial()` read with the cause, and every later one at once.
-async fn refused_shard_fails_fast_with_its_cause(dbs: &mut TestDbs) {
+pub(crate) async fn refused_shard_fails_fast_with_its_cause(dbs: &mut TestDbs) {
     let refused = ["refused"];
     let url = closed_port_url(dbs.backend);
     let started = Instant::now();
@@ -291,7 +282,7 @@ async fn refused_shard_fails_fast_with_its_cause(dbs: &mut TestDbs) {
 /// over (with a warning) within the connect timeout and the reachable shard
 /// works; without `connect_lazy` the connect fails with the driver's own
 /// cause. A ticket server down never stops the connect.
-async fn create_databases_skips_a_lazy_shard_that_is_down(dbs: &mut TestDbs) {
+pub(crate) async fn create_databases_skips_a_lazy_shard_that_is_down(dbs: &mut TestDbs) {
     // s0's tables, by a cluster of s0 alone.
     let alone = ClusterConfig::from_toml(&format!(
         "{}
@@ -376,7 +367,7 @@ async fn create_databases_skips_a_lazy_shard_that_is_down(dbs: &mut TestDbs) {
 /// A shard that accepts connections and never answers: the first request
 /// fails after the connect timeout (1 s here) instead of the acquire
 /// timeout, later ones at once and without opening a connection.
-async fn hung_shard_fails_fast_with_its_cause(dbs: &mut TestDbs) {
+pub(crate) async fn hung_shard_fails_fast_with_its_cause(dbs: &mut TestDbs) {
     let hung = Hung::start().await;
     let url = hung.url(dbs.backend);
     let pool = "connect_timeout_secs = 1\n";
@@ -441,7 +432,7 @@ async fn hung_shard_fails_fast_with_its_cause(dbs: &mut TestDbs) {
 
 /// A shard cut off (its proxy killed) is marked down; once the proxy
 /// listens again, the background probe brings it back and requests succeed.
-async fn down_shard_comes_back_once_reachable(dbs: &mut TestDbs) {
+pub(crate) async fn down_shard_comes_back_once_reachable(dbs: &mut TestDbs) {
     let server = dbs.backend.server_address().unwrap();
     let proxy = Proxy::start(server.clone()).await;
     let port = proxy.port;
@@ -494,7 +485,7 @@ async fn down_shard_comes_back_once_reachable(dbs: &mut TestDbs) {
 /// (refused, an empty SQLite file) or hung: the healthy owners' rows come
 /// back with that shard in `failed`, within the read's timeout; a strict
 /// read fails naming it.
-async fn index_read_partial_reports_a_down_index_shard(dbs: &mut TestDbs) {
+pub(crate) async fn index_read_partial_reports_a_down_index_shard(dbs: &mut TestDbs) {
     let cluster = dbs.cluster(2, "[groups.Customer]\n").await;
     cluster.migrate::<Migrator>().await.unwrap();
     cluster.gsi().create::<contact::Entity>().await.unwrap();
