@@ -6,21 +6,8 @@ use futures::TryStreamExt;
 use sea_orm::ExprTrait;
 use shardkit::prelude::*;
 use shardkit_tests::models::*;
-use shardkit_tests::{
-    Backend, Proxy, TestDbs, backend_tests, contacts_by_index, recording_cluster,
-};
+use shardkit_tests::{Backend, Proxy, TestDbs, contacts_by_index, recording_cluster};
 use std::time::Duration;
-
-backend_tests!(2 =>
-    related_reads_stay_within_the_key,
-    keyed_streams_return_the_keys_rows,
-    [Postgres, MySql] a_stream_from_a_shard_that_hangs_mid_statement_fails,
-    batch_writes_touch_only_the_key,
-    batch_writes_keep_global_indexes,
-    save_inserts_or_updates,
-    batch_writes_on_a_small_pool_all_complete,
-    multi_shard_projections_merge_or_refuse,
-);
 
 /// Two customers whose rows share a shard.
 async fn neighbours(cluster: &Cluster) -> (i64, i64) {
@@ -83,7 +70,7 @@ fn skus(items: &[cart_item::Model]) -> Vec<&str> {
     skus
 }
 
-async fn related_reads_stay_within_the_key(dbs: &mut TestDbs) {
+pub(crate) async fn related_reads_stay_within_the_key(dbs: &mut TestDbs) {
     let cluster = dbs.cluster(2, "[groups.Customer]\n").await;
     cluster.migrate::<Migrator>().await.unwrap();
     let (a, b) = neighbours(&cluster).await;
@@ -225,7 +212,7 @@ async fn related_reads_stay_within_the_key(dbs: &mut TestDbs) {
     tx.rollback().await.unwrap();
 }
 
-async fn keyed_streams_return_the_keys_rows(dbs: &mut TestDbs) {
+pub(crate) async fn keyed_streams_return_the_keys_rows(dbs: &mut TestDbs) {
     let cluster = dbs.cluster(2, "[groups.Customer]\n").await;
     cluster.migrate::<Migrator>().await.unwrap();
     let (a, b) = neighbours(&cluster).await;
@@ -334,7 +321,7 @@ async fn keyed_streams_return_the_keys_rows(dbs: &mut TestDbs) {
 /// A shard that stops answering in the middle of a stream: the stream ends
 /// with the shard's error within the read's timeout instead of hanging, and
 /// once the cluster is dropped no server connection is left.
-async fn a_stream_from_a_shard_that_hangs_mid_statement_fails(dbs: &mut TestDbs) {
+pub(crate) async fn a_stream_from_a_shard_that_hangs_mid_statement_fails(dbs: &mut TestDbs) {
     let before = dbs.server_connections().await;
     let server = dbs.backend.server_address().unwrap();
     let proxy = Proxy::start(server).await;
@@ -408,7 +395,7 @@ async fn a_stream_from_a_shard_that_hangs_mid_statement_fails(dbs: &mut TestDbs)
     );
 }
 
-async fn batch_writes_touch_only_the_key(dbs: &mut TestDbs) {
+pub(crate) async fn batch_writes_touch_only_the_key(dbs: &mut TestDbs) {
     let cluster = dbs.cluster(2, "[groups.Customer]\n").await;
     cluster.migrate::<Migrator>().await.unwrap();
     let (a, b) = neighbours(&cluster).await;
@@ -541,7 +528,7 @@ async fn phone_owners(cluster: &Cluster, phone: &str) -> Vec<i64> {
 
 /// On an entity with global indexes, batch writes go row by row through the
 /// pipeline: index rows follow every change and every delete.
-async fn batch_writes_keep_global_indexes(dbs: &mut TestDbs) {
+pub(crate) async fn batch_writes_keep_global_indexes(dbs: &mut TestDbs) {
     let cluster = dbs.cluster(2, "[groups.Customer]\n").await;
     indexed_contacts(&cluster).await;
     let (a, b) = neighbours(&cluster).await;
@@ -682,7 +669,7 @@ async fn batch_writes_keep_global_indexes(dbs: &mut TestDbs) {
     tx.commit().await.unwrap();
 }
 
-async fn save_inserts_or_updates(dbs: &mut TestDbs) {
+pub(crate) async fn save_inserts_or_updates(dbs: &mut TestDbs) {
     let cluster = dbs.cluster(2, "[groups.Customer]\n").await;
     cluster.migrate::<Migrator>().await.unwrap();
     let tx = cluster.begin::<Customer>(9).await.unwrap();
@@ -732,7 +719,7 @@ async fn save_inserts_or_updates(dbs: &mut TestDbs) {
 /// 8 writers on a pool of 2 per shard, each batch-updating and deleting
 /// its own key's indexed rows (index rows on both shards): every batch
 /// completes, and only its own rows change.
-async fn batch_writes_on_a_small_pool_all_complete(dbs: &mut TestDbs) {
+pub(crate) async fn batch_writes_on_a_small_pool_all_complete(dbs: &mut TestDbs) {
     let toml = format!(
         "{}\n[groups.Customer]\n",
         dbs.shards_toml(2)
@@ -786,7 +773,7 @@ async fn batch_writes_on_a_small_pool_all_complete(dbs: &mut TestDbs) {
 
 /// Projections of several shards: the union of every shard's rows when
 /// nothing orders them; an ordered one is refused before any statement runs.
-async fn multi_shard_projections_merge_or_refuse(dbs: &mut TestDbs) {
+pub(crate) async fn multi_shard_projections_merge_or_refuse(dbs: &mut TestDbs) {
     let (cluster, sent) = recording_cluster(dbs, 2, "[groups.Customer]\n").await;
     cluster.migrate::<Migrator>().await.unwrap();
     // Customers 1..=6 on both shards, 3 carts each.

@@ -6,13 +6,7 @@
 use sea_orm::{ConnectionTrait, DbBackend, FromQueryResult, QuerySelect, Schema};
 use shardkit::prelude::*;
 use shardkit_tests::models::*;
-use shardkit_tests::{Backend, TestDbs, backend_tests};
-
-backend_tests!(2 =>
-    keyed_partial_selects_decode_projections,
-    u64_keys_above_i64_max,
-    keyed_reads_paginate_within_their_key,
-);
+use shardkit_tests::{Backend, TestDbs};
 
 #[derive(Debug, PartialEq, Eq, FromQueryResult)]
 struct OrderTotal {
@@ -20,7 +14,7 @@ struct OrderTotal {
     total_cents: i64,
 }
 
-async fn keyed_partial_selects_decode_projections(dbs: &mut TestDbs) {
+pub(crate) async fn keyed_partial_selects_decode_projections(dbs: &mut TestDbs) {
     let cluster = dbs.cluster(2, "[groups.Customer]\n").await;
     cluster.migrate::<Migrator>().await.unwrap();
     for (customer, ids) in [(7_i64, [1_i64, 2]), (8, [3, 4])] {
@@ -160,7 +154,7 @@ mod gauge_reading {
     impl ActiveModelBehavior for ActiveModel {}
 }
 
-async fn u64_keys_above_i64_max(dbs: &mut TestDbs) {
+pub(crate) async fn u64_keys_above_i64_max(dbs: &mut TestDbs) {
     let cluster = dbs.cluster(2, "[groups.Gauge]\n").await;
     for shard in ["s0", "s1"] {
         let db = cluster.connection(shard).unwrap();
@@ -253,7 +247,7 @@ async fn u64_keys_above_i64_max(dbs: &mut TestDbs) {
 
 /// `find().key(k).paginate(n)`: pages of the key's rows only (another key's
 /// rows on the same shard never appear), in the read's order.
-async fn keyed_reads_paginate_within_their_key(dbs: &mut TestDbs) {
+pub(crate) async fn keyed_reads_paginate_within_their_key(dbs: &mut TestDbs) {
     // One shard: both keys' rows share it, so the key filter is what keeps
     // key 8's rows out of key 7's pages.
     let cluster = dbs.cluster(1, "[groups.Customer]\n").await;
