@@ -10,10 +10,10 @@ use crate::rebalance::fencing::Token;
 use crate::topology::{RangeBound, RangeUnit};
 use futures::future::BoxFuture;
 use sea_orm::sea_query::{Alias, Expr, ExprTrait, OnConflict, Query};
-use sea_orm::{ActiveModelTrait, QuerySelect};
 use sea_orm::{
-    Condition, ConnectionTrait, DatabaseConnection, DatabaseTransaction, DbBackend, DbErr,
-    EntityTrait, IntoActiveModel, Iterable, PrimaryKeyToColumn, QueryFilter, Value,
+    ActiveModelTrait, Condition, ConnectionTrait, DatabaseConnection, DatabaseTransaction,
+    DbBackend, DbErr, EntityTrait, IntoActiveModel, Iterable, PrimaryKeyToColumn, QueryFilter,
+    QuerySelect, Value,
 };
 use std::time::Duration;
 

@@ -49,173 +49,17 @@
 //! instance still routing by it is refused and rerouted;
 //! [`Rebalance::plan_range`] plans the move of the range holding a key.
 
-use crate::error::{Result, ShardError};
-use crate::exec::Shards;
-use sea_orm::sea_query::{Alias, Expr, ExprTrait, Query};
-use sea_orm::{ConnectionTrait, DbErr};
-use std::time::Duration;
-
 mod entity;
 mod fencing;
+mod live;
 mod map;
 mod mover;
 
 #[cfg(feature = "cli")]
 pub(crate) use entity::{MoveEntity, Mover};
+pub(crate) use live::{
+    REROUTE_FOR, db_err, load_maps, missing_table, move_mark, read_needs_refresh, refresh_all,
+    unfinished_moves,
+};
 pub(crate) use map::{after_refusal, fence, refresh, seed_states};
-
-/// A failed statement of the bucket-move machinery on `shard`.
-pub(crate) fn db_err(shard: &str, table: &str, operation: &str, source: DbErr) -> ShardError {
-    ShardError::Db {
-        origin: Box::new(crate::error::Origin::table(
-            crate::error::Subsystem::Rebalance,
-            table,
-        )),
-        shard: shard.to_owned(),
-        operation: format!("{operation} {table}"),
-        source,
-    }
-}
-
 pub use mover::{AnyGroup, MovePhase, MovePlan, MoveProgress, MoveStatus, RangeSplit, Rebalance};
-
-/// How long [`Cluster::begin`](crate::Cluster::begin) keeps trying when a
-/// fence refuses and the refreshed map still names the same shard (a
-/// cut-over in progress): past a mover's hold, so that a mover that died
-/// with the sources fenced can be taken over by another process before the
-/// writes it holds back fail.
-pub(crate) const REROUTE_FOR: Duration = Duration::from_millis(mover::LEASE_MS as u64 + 5_000);
-
-/// Reads every movable group's map (seeding it on first use) and gives every
-/// shard its bucket states. A group whose tables do not exist yet (a cluster
-/// not migrated) keeps the configured spread until the next refresh.
-pub(crate) async fn load_maps(shards: &Shards) -> Result<()> {
-    let groups = movable_groups(shards);
-    for group in groups {
-        match refresh(shards, &group).await {
-            Ok(_) => seed_states(shards, &group).await?,
-            Err(e) if missing_table(&e) => {
-                tracing::debug!(group, error = %e.report(), "bucket map not there yet (run migrate)");
-            }
-            // The control shard is down: route by the configured spread
-            // (every shard's fence still refuses what it does not own) and
-            // read the map at the next refresh.
-            Err(e) if e.kind() == crate::ErrorKind::Database => {
-                tracing::warn!(group, error = %e.report(), "bucket map unreadable; routing by the configured spread until the next refresh");
-            }
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
-}
-
-/// The movable groups' names (owned: the caller awaits between them).
-fn movable_groups(shards: &Shards) -> Vec<String> {
-    shards
-        .topology()
-        .movable_groups()
-        .map(str::to_owned)
-        .collect()
-}
-
-/// Whether an error says a shardkit table does not exist (a cluster not
-/// migrated yet).
-pub(crate) fn missing_table(e: &ShardError) -> bool {
-    let text = e.report().to_string().to_ascii_lowercase();
-    text.contains("no such table")
-        || text.contains("does not exist")
-        || text.contains("doesn't exist")
-}
-
-/// Refreshes every movable group's map (the periodic pass).
-pub(crate) async fn refresh_all(shards: &Shards) {
-    let groups = movable_groups(shards);
-    for group in groups {
-        let first = shards
-            .topology()
-            .live_owners(&group)
-            .ok()
-            .flatten()
-            .is_some_and(|map| map.epoch() == 0);
-        let result = if first {
-            load_maps(shards).await
-        } else {
-            refresh(shards, &group).await.map(drop)
-        };
-        if let Err(e) = result {
-            tracing::warn!(group, error = %e.report(), "bucket map refresh failed");
-        }
-    }
-}
-
-/// How many moves of `group` are not finished (0 for a group that is not
-/// movable): work that writes a group's rows outside its write
-/// transactions (a rollout backfill) waits for them.
-pub(crate) async fn unfinished_moves(shards: &Shards, group: &str) -> Result<u64> {
-    if !shards.topology().is_movable(group) {
-        return Ok(0);
-    }
-    let id = map::control(shards, group)?;
-    let (db, name) = (shards.side_conn(id), shards.shard_name(id));
-    let stmt = Query::select()
-        .expr_as(Expr::col(Alias::new("id")).count(), Alias::new("n"))
-        .from(Alias::new("shardkit_moves"))
-        .and_where(Expr::col(Alias::new("grp")).eq(group))
-        .and_where(Expr::col(Alias::new("phase")).is_not_in(["done", "aborted"]))
-        .to_owned();
-    let n: i64 = db
-        .query_one(&stmt)
-        .await
-        .map_err(|e| db_err(name, "shardkit_moves", "read", e))?
-        .and_then(|r| r.try_get("", "n").ok())
-        .unwrap_or(0);
-    Ok(n as u64)
-}
-
-/// The moves of `group` as a multi-shard count or projection needs to
-/// know them: how many are not finished, and the newest move's id (a move
-/// registered while the read ran changes it).
-pub(crate) async fn move_mark(shards: &Shards, group: &str) -> Result<(u64, i64)> {
-    let id = map::control(shards, group)?;
-    let (db, name) = (shards.side_conn(id), shards.shard_name(id));
-    let err = |e| db_err(name, "shardkit_moves", "read", e);
-    // COUNT skips the NULL of a finished move's CASE.
-    let unfinished = Expr::case(
-        Expr::col(Alias::new("phase")).is_not_in(["done", "aborted"]),
-        1,
-    );
-    let stmt = Query::select()
-        .expr_as(Expr::expr(unfinished).count(), Alias::new("n"))
-        .expr_as(Expr::col(Alias::new("id")).max(), Alias::new("newest"))
-        .from(Alias::new("shardkit_moves"))
-        .and_where(Expr::col(Alias::new("grp")).eq(group))
-        .to_owned();
-    let row = db.query_one(&stmt).await.map_err(err)?;
-    let get = |column: &str| -> Result<i64> {
-        match &row {
-            Some(r) => Ok(r
-                .try_get::<Option<i64>>("", column)
-                .map_err(err)?
-                .unwrap_or(0)),
-            None => Ok(0),
-        }
-    };
-    Ok((get("n")? as u64, get("newest")?))
-}
-
-/// Whether a read of `group` must read the bucket map first: the map this
-/// instance holds was read longer ago than half the cleanup grace, so the
-/// shard it names may have given the bucket away and deleted its rows
-/// (an instance with periodic refresh off, or one whose refreshes failed).
-/// Reads then refresh first and are routed by the new map: a read never
-/// finds a cleaned source.
-pub(crate) fn read_needs_refresh(shards: &Shards, group: &str) -> bool {
-    if !shards.topology().is_movable(group) {
-        return false;
-    }
-    let Ok(Some(owners)) = shards.topology().live_owners(group) else {
-        return false;
-    };
-    let half_grace = shards.rebalance_settings().cleanup_grace.as_millis() as i64 / 2;
-    shards.now_ms() - owners.read_at_ms() > half_grace
-}

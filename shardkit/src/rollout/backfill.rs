@@ -1,8 +1,7 @@
 //! Copying old rows into the new table in keyset chunks, resumably.
 
 use crate::entity::{EntityGroup, ShardedEntity, table_name};
-use crate::error::Retry;
-use crate::error::{Result, ShardError};
+use crate::error::{Result, Retry, ShardError};
 use crate::exec::keyset::{after_condition, by_pk, format_cursor, model_pk_values, parse_cursor};
 use crate::phase::Phase;
 use crate::rollout::state::{

@@ -39,11 +39,10 @@ use crate::rollout::{
 };
 use futures::future::BoxFuture;
 use sea_orm::{
-    ActiveModelTrait, ActiveValue, ColumnTrait, ConnectionTrait, DatabaseTransaction, DbErr,
-    EntityTrait, IntoActiveModel, Iterable, ModelTrait, PrimaryKeyToColumn, QueryFilter,
-    TryIntoModel, Value,
+    ActiveModelTrait, ActiveValue, ColumnTrait, ConnectionTrait, DatabaseExecutor,
+    DatabaseTransaction, DbErr, EntityTrait, IntoActiveModel, Iterable, ModelTrait,
+    PrimaryKeyToColumn, QueryFilter, QuerySelect, TryIntoModel, Value,
 };
-use sea_orm::{DatabaseExecutor, QuerySelect};
 use std::any::{Any, TypeId};
 use std::collections::HashMap;
 use std::sync::Arc;

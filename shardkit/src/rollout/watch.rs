@@ -16,14 +16,10 @@ use crate::exec::Shards;
 use crate::rollout::state::INSTANCES_TABLE;
 use sea_orm::ConnectionTrait;
 use sea_orm::sea_query::{Alias, Query};
-use std::collections::HashMap;
-use std::collections::HashSet;
-use std::sync::Arc;
-use std::sync::Mutex;
-use std::sync::atomic::Ordering;
-use std::sync::atomic::{AtomicBool, AtomicU64};
-use std::time::Duration;
-use std::time::Instant;
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 /// How often the rows are re-read.
 pub(crate) const RECHECK: Duration = Duration::from_secs(30);

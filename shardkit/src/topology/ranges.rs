@@ -6,7 +6,8 @@ use crate::topology::config::RangeBound;
 use crate::topology::{BucketOwners, ShardId};
 use std::cmp::Ordering;
 use std::fmt;
-use std::sync::atomic::{AtomicI64, AtomicU64, Ordering as AtomicOrdering};
+use std::sync::atomic::Ordering as AtomicOrdering;
+use std::sync::atomic::{AtomicI64, AtomicU64};
 use std::sync::{Arc, Mutex, RwLock};
 
 /// One range of a range placement: keys in `[from, to)` (an absent bound is

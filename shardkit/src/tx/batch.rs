@@ -12,13 +12,14 @@
 use crate::boxed::boxed;
 use crate::entity::{EntityGroup, InGroup, ShardedEntity, table_name};
 use crate::error::{Result, ShardError};
-use crate::pipeline::Batch;
-use crate::pipeline::{WriteOp, WriteStage};
+use crate::pipeline::{Batch, WriteOp, WriteStage};
 use crate::tx::ShardTx;
 use futures::future::BoxFuture;
 use sea_orm::sea_query::{IntoCondition, SimpleExpr};
-use sea_orm::{ActiveModelBehavior, ActiveModelTrait, EntityTrait, IntoActiveModel, QueryFilter};
-use sea_orm::{ActiveValue, Condition, IdenStatic, Iterable, QuerySelect};
+use sea_orm::{
+    ActiveModelBehavior, ActiveModelTrait, ActiveValue, Condition, EntityTrait, IdenStatic,
+    IntoActiveModel, Iterable, QueryFilter, QuerySelect,
+};
 
 impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
     /// Inserts the row when its primary key is not fully set, updates it

@@ -4,8 +4,7 @@
 use crate::error::Result;
 use crate::rebalance::db_err;
 use crate::rebalance::fencing::Token;
-use crate::rebalance::map::CHANGES;
-use crate::rebalance::map::{BucketState, set_states};
+use crate::rebalance::map::{BucketState, CHANGES, set_states};
 use crate::rebalance::mover::{
     CATCH_UP, CLAIMS, MOVES, MovePhase, MoveProgress, MoveStatus, Rebalance, copy_cursor,
     parse_copy_cursor,

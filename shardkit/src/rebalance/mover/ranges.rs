@@ -4,11 +4,9 @@
 use crate::entity::EntityGroup;
 use crate::error::{Result, ShardError};
 use crate::rebalance::db_err;
-use crate::rebalance::map::{BucketState, set_states};
-use crate::rebalance::map::{EPOCHS, MAP};
+use crate::rebalance::map::{BucketState, EPOCHS, MAP, set_states};
 use crate::rebalance::mover::{CLAIMS, MovePlan, Rebalance};
-use crate::topology::ShardId;
-use crate::topology::{LiveMap, RangeBound, RangeUnit, find_bound};
+use crate::topology::{LiveMap, RangeBound, RangeUnit, ShardId, find_bound};
 use sea_orm::ConnectionTrait;
 use sea_orm::sea_query::{Alias, Expr, ExprTrait, Query};
 

@@ -1,0 +1,929 @@
+//! The topology: shards, buckets and who owns them, and locating a key.
+
+use crate::entity::{KeyRef, ShardKey};
+use crate::error::{Result, ShardError};
+use crate::topology::BucketRange;
+use crate::topology::GroupConfig;
+use crate::topology::KeyRange;
+use crate::topology::LiveMap;
+use crate::topology::PlacementKind;
+use crate::topology::RangeBound;
+use crate::topology::RangeOwners;
+use crate::topology::RangeUnit;
+use crate::topology::config;
+use crate::topology::config::ClusterConfig;
+use crate::topology::url::DatabaseUrl;
+use config::check_url;
+use std::collections::{BTreeMap, HashMap};
+use std::fmt;
+use std::sync::Arc;
+use std::sync::atomic::Ordering as AtomicOrdering;
+use std::sync::atomic::{AtomicU32, AtomicU64};
+
+/// The owner of each bucket of a hash placement, and the epoch of the map
+/// they came from. Routing reads it without a lock; a `movable` group's
+/// owners change when the cluster reads a newer map from the database.
+pub struct BucketOwners {
+    epoch: AtomicU64,
+    owner: Box<[AtomicU32]>,
+    /// The owners as configured (what the map is seeded from).
+    configured: Box<[ShardId]>,
+    /// One install at a time, so a map is never a mix of two epochs' and
+    /// the epoch never goes back.
+    installing: std::sync::Mutex<()>,
+    /// When the map was last read (or tried), clock ms.
+    read_ms: std::sync::atomic::AtomicI64,
+}
+
+impl BucketOwners {
+    fn new(owner: Box<[ShardId]>) -> Self {
+        BucketOwners {
+            epoch: AtomicU64::new(0),
+            owner: owner.iter().map(|s| AtomicU32::new(s.0)).collect(),
+            configured: owner,
+            installing: std::sync::Mutex::new(()),
+            read_ms: std::sync::atomic::AtomicI64::new(0),
+        }
+    }
+
+    /// The shard that owns `bucket` now.
+    #[inline]
+    pub fn get(&self, bucket: u32) -> ShardId {
+        ShardId(self.owner[bucket as usize].load(AtomicOrdering::Acquire))
+    }
+
+    /// The number of buckets.
+    pub fn len(&self) -> usize {
+        self.owner.len()
+    }
+
+    /// Whether there are no buckets (never, for a validated placement).
+    pub fn is_empty(&self) -> bool {
+        self.owner.is_empty()
+    }
+
+    /// The epoch of the bucket map these owners came from: 0 for the
+    /// configured spread, then the database's epoch for a `movable` group.
+    pub fn epoch(&self) -> u64 {
+        self.epoch.load(AtomicOrdering::Acquire)
+    }
+
+    /// Every bucket's owner, in bucket order.
+    pub fn to_vec(&self) -> Vec<ShardId> {
+        (0..self.owner.len() as u32).map(|b| self.get(b)).collect()
+    }
+
+    /// The owners the config file gives (the map's seed).
+    pub fn configured(&self) -> &[ShardId] {
+        &self.configured
+    }
+
+    /// When the map's epoch was last read from the database (or tried),
+    /// in clock ms; 0 before the first time.
+    pub fn read_at_ms(&self) -> i64 {
+        self.read_ms.load(AtomicOrdering::Acquire)
+    }
+
+    pub(crate) fn mark_read(&self, now_ms: i64) {
+        self.read_ms.store(now_ms, AtomicOrdering::Release);
+    }
+
+    /// Installs a newer map; an older or equal epoch changes nothing.
+    /// Returns whether it was installed.
+    pub(crate) fn install(&self, epoch: u64, owners: &[ShardId]) -> bool {
+        let _one = self.installing.lock().unwrap_or_else(|p| p.into_inner());
+        if owners.len() != self.owner.len() || epoch <= self.epoch() {
+            return false;
+        }
+        for (slot, shard) in self.owner.iter().zip(owners) {
+            slot.store(shard.0, AtomicOrdering::Release);
+        }
+        self.epoch.store(epoch, AtomicOrdering::Release);
+        true
+    }
+}
+
+impl fmt::Debug for BucketOwners {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("BucketOwners")
+            .field("epoch", &self.epoch())
+            .field("buckets", &self.owner.len())
+            .finish()
+    }
+}
+
+/// Index of a logical shard in the cluster (its position in `[[shards]]`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ShardId(pub u32);
+
+impl ShardId {
+    /// The index as `usize`.
+    #[inline]
+    pub fn index(self) -> usize {
+        self.0 as usize
+    }
+}
+
+/// Where one key's rows live: computed before any statement runs, printable
+/// and testable on its own.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Target {
+    /// The logical shard.
+    pub shard: ShardId,
+    /// The bucket, for hash placements; the range's id, for `movable`
+    /// range placements (what their fence and moves know it by).
+    pub bucket: Option<u32>,
+}
+
+/// A logical shard as the topology knows it.
+#[derive(Clone, Debug)]
+pub struct ShardSpec {
+    /// The shard's name.
+    pub name: String,
+    /// Its database URL (prints redacted).
+    pub url: DatabaseUrl,
+    /// The `[[hosts]]` entry it lives on, if it was configured through one.
+    pub host: Option<String>,
+}
+
+/// A directory placement's lookup database.
+#[derive(Clone, Debug)]
+pub struct DirectorySpec {
+    /// The group it serves.
+    pub group: String,
+    /// Its database URL (prints redacted).
+    pub url: DatabaseUrl,
+    /// The lookup table.
+    pub table: String,
+}
+
+/// One group's validated placement.
+#[derive(Clone, Debug)]
+pub enum Placement {
+    /// `bucket = partition_hash(key) % buckets`, then `owner.get(bucket)`.
+    Hash {
+        /// Number of buckets.
+        buckets: u32,
+        /// Owning shard of each bucket: the configured spread, or, for a
+        /// `movable` group, the bucket map as last read from the database.
+        owner: Arc<BucketOwners>,
+    },
+    /// Sorted, contiguous `[from, to)` ranges.
+    Range {
+        /// The ranges in key order: as configured, or, for a `movable`
+        /// group, as last read from the database.
+        ranges: Arc<RangeOwners>,
+    },
+    /// `key mod shards.len()` indexes `shards`.
+    Modulo {
+        /// The shards, in order.
+        shards: Vec<ShardId>,
+    },
+    /// `key → shard` rows in a lookup table.
+    Directory {
+        /// Index into [`Topology::directories`].
+        directory: usize,
+    },
+}
+
+/// The result of placing a key without I/O.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Located {
+    /// The shard is known.
+    Target(Target),
+    /// The shard must be read from this directory database.
+    Directory(usize),
+}
+
+/// The validated cluster layout. Built from a [`ClusterConfig`]; immutable.
+#[derive(Clone, Debug)]
+pub struct Topology {
+    shards: Vec<ShardSpec>,
+    ticket_servers: Vec<ShardSpec>,
+    by_name: HashMap<String, ShardId>,
+    /// By group name. A `BTreeMap`: a cluster has a few groups, and every
+    /// routed request looks its group up, where a couple of string
+    /// comparisons cost less than hashing the name.
+    groups: BTreeMap<String, Placement>,
+    /// Every shard each group can have rows on (what a scatter asks).
+    group_shards: HashMap<String, Vec<ShardId>>,
+    /// The `movable` groups.
+    movable: Vec<String>,
+    directories: Vec<DirectorySpec>,
+}
+
+/// The default number of buckets of a hash placement.
+pub const DEFAULT_BUCKETS: u32 = 1024;
+
+/// The most buckets a hash placement may have (its routing table is an array).
+pub const MAX_BUCKETS: u32 = 1 << 20;
+
+/// The default directory table name.
+pub const DEFAULT_DIRECTORY_TABLE: &str = "shardkit_directory";
+
+impl Topology {
+    /// Validates a config and builds the routing tables.
+    pub fn build(config: &ClusterConfig) -> Result<Self> {
+        config.check_settings()?;
+        let mut hosts: HashMap<&str, &DatabaseUrl> = HashMap::new();
+        for (i, host) in config.hosts.iter().enumerate() {
+            let entry = format!("hosts[{i}] ({:?})", host.name);
+            if host.name.is_empty() {
+                return Err(ShardError::config(entry, "a host needs a non-empty `name`"));
+            }
+            check_url(&entry, &host.url)?;
+            if hosts.insert(&host.name, &host.url).is_some() {
+                return Err(ShardError::config(
+                    entry,
+                    format!("host `{}` is defined twice", host.name),
+                ));
+            }
+        }
+
+        if config.shards.is_empty() {
+            return Err(ShardError::config(
+                "shards",
+                "define at least one `[[shards]]` entry",
+            ));
+        }
+        if config.shards.len() > u32::MAX as usize {
+            return Err(ShardError::config("shards", "too many shards"));
+        }
+        let mut shards = Vec::with_capacity(config.shards.len());
+        let mut by_name = HashMap::new();
+        for (i, shard) in config.shards.iter().enumerate() {
+            let entry = format!("shards[{i}] ({:?})", shard.name);
+            if shard.name.is_empty() {
+                return Err(ShardError::config(
+                    entry,
+                    "a shard needs a non-empty `name`",
+                ));
+            }
+            if let Some(&ShardId(first)) = by_name.get(&shard.name) {
+                return Err(ShardError::config(
+                    entry,
+                    format!(
+                        "shard `{}` is defined twice (first at shards[{first}])",
+                        shard.name
+                    ),
+                ));
+            }
+            let url = locate_database(&entry, &hosts, &shard.url, &shard.host, &shard.database)?;
+            // Two names for one database would make every scatter read it twice.
+            // (Each `sqlite::memory:` connection is a database of its own.)
+            let in_memory =
+                url.expose().contains(":memory:") || url.expose().contains("mode=memory");
+            if let Some(other) = shards
+                .iter()
+                .position(|s: &ShardSpec| s.url == url)
+                .filter(|_| !in_memory)
+            {
+                return Err(ShardError::config(
+                    entry,
+                    format!(
+                        "shard `{}` is the same database as shards[{other}]",
+                        shard.name
+                    ),
+                ));
+            }
+            by_name.insert(shard.name.clone(), ShardId(i as u32));
+            shards.push(ShardSpec {
+                name: shard.name.clone(),
+                url,
+                host: shard.host.clone(),
+            });
+        }
+
+        let mut ticket_servers: Vec<ShardSpec> = Vec::new();
+        for (i, server) in config.ids.servers.iter().enumerate() {
+            let entry = format!("ids.servers[{i}] ({:?})", server.name);
+            if server.name.is_empty() {
+                return Err(ShardError::config(
+                    entry,
+                    "a ticket server needs a non-empty `name`",
+                ));
+            }
+            if ticket_servers.iter().any(|s| s.name == server.name) {
+                return Err(ShardError::config(
+                    entry,
+                    format!("ticket server `{}` is defined twice", server.name),
+                ));
+            }
+            let url = locate_database(&entry, &hosts, &server.url, &server.host, &server.database)?;
+            ticket_servers.push(ShardSpec {
+                name: server.name.clone(),
+                url,
+                host: server.host.clone(),
+            });
+        }
+
+        for (index, shard) in &config.gsi.pin {
+            if !by_name.contains_key(shard) {
+                return Err(ShardError::config(
+                    format!("gsi.pin.{index}"),
+                    format!("shard `{shard}` is referenced but not defined"),
+                ));
+            }
+        }
+
+        let mut topology = Topology {
+            shards,
+            ticket_servers,
+            by_name,
+            groups: BTreeMap::new(),
+            group_shards: HashMap::new(),
+            movable: Vec::new(),
+            directories: Vec::new(),
+        };
+        for (name, group) in &config.groups {
+            let placement = topology.build_placement(name, group, &hosts)?;
+            let shards = topology.compute_shards_of(&placement);
+            topology.groups.insert(name.clone(), placement);
+            topology.group_shards.insert(name.clone(), shards);
+            if group.movable {
+                topology.movable.push(name.clone());
+            }
+        }
+        Ok(topology)
+    }
+
+    fn shard_ref(&self, entry: &str, name: &str) -> Result<ShardId> {
+        self.by_name.get(name).copied().ok_or_else(|| {
+            ShardError::config(
+                entry,
+                format!(
+                    "shard `{name}` is referenced but not defined; defined shards: {}",
+                    self.shard_names().collect::<Vec<_>>().join(", ")
+                ),
+            )
+        })
+    }
+
+    fn build_placement(
+        &mut self,
+        name: &str,
+        group: &GroupConfig,
+        hosts: &HashMap<&str, &DatabaseUrl>,
+    ) -> Result<Placement> {
+        let base = format!("groups.{name}");
+        let only = |field: &str, present: bool, kinds: &str| -> Result<()> {
+            if present {
+                Err(ShardError::config(
+                    format!("{base}.{field}"),
+                    format!("`{field}` applies only to placement = {kinds}"),
+                ))
+            } else {
+                Ok(())
+            }
+        };
+        let kind = group.placement;
+        only(
+            "buckets",
+            group.buckets.is_some() && kind != PlacementKind::Hash,
+            "\"hash\"",
+        )?;
+        only(
+            "bucket_ranges",
+            group.bucket_ranges.is_some() && kind != PlacementKind::Hash,
+            "\"hash\"",
+        )?;
+        only(
+            "ranges",
+            group.ranges.is_some() && kind != PlacementKind::Range,
+            "\"range\"",
+        )?;
+        only(
+            "shards",
+            group.shards.is_some() && !matches!(kind, PlacementKind::Hash | PlacementKind::Modulo),
+            "\"hash\" or \"modulo\"",
+        )?;
+        only(
+            "directory",
+            group.directory.is_some() && kind != PlacementKind::Directory,
+            "\"directory\"",
+        )?;
+        only(
+            "movable",
+            group.movable && !matches!(kind, PlacementKind::Hash | PlacementKind::Range),
+            "\"hash\" or \"range\"",
+        )?;
+
+        match kind {
+            PlacementKind::Hash => {
+                let buckets = group.buckets.unwrap_or(DEFAULT_BUCKETS);
+                if buckets == 0 {
+                    return Err(ShardError::config(
+                        format!("{base}.buckets"),
+                        "zero buckets: a hash placement needs at least one bucket (default 1024)",
+                    ));
+                }
+                if buckets > MAX_BUCKETS {
+                    return Err(ShardError::config(
+                        format!("{base}.buckets"),
+                        format!(
+                            "{buckets} buckets is more than the {MAX_BUCKETS} shardkit keeps in its routing table"
+                        ),
+                    ));
+                }
+                let owner = match &group.bucket_ranges {
+                    Some(ranges) => {
+                        if group.shards.is_some() {
+                            return Err(ShardError::config(
+                                format!("{base}.shards"),
+                                "give either `bucket_ranges` or `shards`, not both",
+                            ));
+                        }
+                        self.bucket_owners(&base, buckets, ranges)?
+                    }
+                    None => {
+                        let ids = match &group.shards {
+                            Some(names) if names.is_empty() => {
+                                return Err(ShardError::config(
+                                    format!("{base}.shards"),
+                                    "an empty shard list places no bucket; list shards or omit `shards`",
+                                ));
+                            }
+                            Some(names) => self.shard_list(&format!("{base}.shards"), names)?,
+                            None => (0..self.shards.len() as u32).map(ShardId).collect(),
+                        };
+                        spread(buckets, &ids)
+                    }
+                };
+                Ok(Placement::Hash {
+                    buckets,
+                    owner: Arc::new(BucketOwners::new(owner)),
+                })
+            }
+            PlacementKind::Range => {
+                let ranges = group.ranges.as_ref().filter(|r| !r.is_empty()).ok_or_else(|| {
+                    ShardError::config(
+                        format!("{base}.ranges"),
+                        "a range placement needs `ranges = [{ shard = \"...\", from = ..., to = ... }, ...]`",
+                    )
+                })?;
+                self.key_ranges(&base, ranges, group.movable)
+            }
+            PlacementKind::Modulo => {
+                let names = group
+                    .shards
+                    .as_ref()
+                    .filter(|s| !s.is_empty())
+                    .ok_or_else(|| {
+                        ShardError::config(
+                            format!("{base}.shards"),
+                            "a modulo placement needs `shards = [\"s0\", \"s1\", ...]`",
+                        )
+                    })?;
+                let shards = self.shard_list(&format!("{base}.shards"), names)?;
+                Ok(Placement::Modulo { shards })
+            }
+            PlacementKind::Directory => {
+                let entry = format!("{base}.directory");
+                let dir = group.directory.as_ref().ok_or_else(|| {
+                    ShardError::config(
+                        &entry,
+                        "a directory placement needs `directory = { url = \"...\" }` (or `host` and `database`)",
+                    )
+                })?;
+                let url = locate_database(&entry, hosts, &dir.url, &dir.host, &dir.database)?;
+                let table = dir
+                    .table
+                    .clone()
+                    .unwrap_or_else(|| DEFAULT_DIRECTORY_TABLE.to_owned());
+                if table.is_empty() || !table.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+                {
+                    return Err(ShardError::config(
+                        format!("{entry}.table"),
+                        "the directory table name may contain only ASCII letters, digits and `_`",
+                    ));
+                }
+                self.directories.push(DirectorySpec {
+                    group: name.to_owned(),
+                    url,
+                    table,
+                });
+                Ok(Placement::Directory {
+                    directory: self.directories.len() - 1,
+                })
+            }
+        }
+    }
+
+    fn shard_list(&self, entry: &str, names: &[String]) -> Result<Vec<ShardId>> {
+        let mut seen = BTreeMap::new();
+        names
+            .iter()
+            .enumerate()
+            .map(|(i, name)| {
+                if let Some(first) = seen.insert(name.as_str(), i) {
+                    return Err(ShardError::config(
+                        format!("{entry}[{i}]"),
+                        format!("shard `{name}` is listed twice (also at [{first}])"),
+                    ));
+                }
+                self.shard_ref(&format!("{entry}[{i}]"), name)
+            })
+            .collect()
+    }
+
+    fn bucket_owners(
+        &self,
+        base: &str,
+        buckets: u32,
+        ranges: &[BucketRange],
+    ) -> Result<Box<[ShardId]>> {
+        let mut sorted: Vec<(usize, &BucketRange)> = ranges.iter().enumerate().collect();
+        sorted.sort_by_key(|(_, r)| (r.first, r.last));
+        let mut owner = Vec::with_capacity(buckets as usize);
+        let mut next = 0u32;
+        let mut previous: Option<usize> = None;
+        for (i, range) in sorted {
+            let entry = format!("{base}.bucket_ranges[{i}]");
+            let shard = self.shard_ref(&entry, &range.shard)?;
+            if range.last < range.first {
+                return Err(ShardError::config(
+                    entry,
+                    format!(
+                        "`last` ({}) is before `first` ({})",
+                        range.last, range.first
+                    ),
+                ));
+            }
+            if range.last >= buckets {
+                return Err(ShardError::config(
+                    entry,
+                    format!(
+                        "bucket {} is out of range: the group has {buckets} buckets (0..={})",
+                        range.last,
+                        buckets - 1
+                    ),
+                ));
+            }
+            if range.first < next {
+                let other = previous.map_or(String::new(), |p| format!(" and bucket_ranges[{p}]"));
+                return Err(ShardError::config(
+                    entry,
+                    format!(
+                        "buckets {}..={} overlap{other}: bucket {} is assigned twice",
+                        range.first, range.last, range.first
+                    ),
+                ));
+            }
+            if range.first > next {
+                return Err(ShardError::config(
+                    entry,
+                    format!(
+                        "buckets {next}..={} are not assigned to any shard",
+                        range.first - 1
+                    ),
+                ));
+            }
+            owner.extend(std::iter::repeat_n(
+                shard,
+                (range.last - range.first + 1) as usize,
+            ));
+            next = range.last + 1;
+            previous = Some(i);
+        }
+        if next < buckets {
+            return Err(ShardError::config(
+                format!("{base}.bucket_ranges"),
+                format!(
+                    "buckets {next}..={} are not assigned to any shard",
+                    buckets - 1
+                ),
+            ));
+        }
+        Ok(owner.into_boxed_slice())
+    }
+
+    fn key_ranges(&self, base: &str, ranges: &[KeyRange], movable: bool) -> Result<Placement> {
+        let mut out = Vec::with_capacity(ranges.len());
+        let int_bounds = ranges
+            .iter()
+            .flat_map(|r| [&r.from, &r.to])
+            .flatten()
+            .map(|b| matches!(b, RangeBound::Int(_)))
+            .collect::<Vec<_>>();
+        if int_bounds.iter().any(|&b| b) && int_bounds.iter().any(|&b| !b) {
+            return Err(ShardError::config(
+                format!("{base}.ranges"),
+                "range bounds mix integers and strings; use one kind for the whole group",
+            ));
+        }
+        let mut sorted: Vec<(usize, &KeyRange)> = ranges.iter().enumerate().collect();
+        // Unbounded-below sorts first (None < Some).
+        sorted.sort_by(|a, b| a.1.from.cmp(&b.1.from));
+        let last = sorted.len() - 1;
+        for (pos, &(i, range)) in sorted.iter().enumerate() {
+            let entry = format!("{base}.ranges[{i}]");
+            let shard = self.shard_ref(&entry, &range.shard)?;
+            if let (Some(from), Some(to)) = (&range.from, &range.to)
+                && from >= to
+            {
+                return Err(ShardError::config(
+                    entry,
+                    format!("empty range: `from` ({from}) must be below `to` ({to})"),
+                ));
+            }
+            if range.from.is_none() && pos != 0 {
+                return Err(ShardError::config(
+                    entry,
+                    "only one range may be unbounded below (omit `from`)",
+                ));
+            }
+            if range.to.is_none() && pos != last {
+                let (j, next) = sorted[pos + 1];
+                return Err(ShardError::config(
+                    entry,
+                    format!(
+                        "unbounded above (no `to`) but ranges[{j}] starts at {} after it: the ranges overlap",
+                        next.from
+                            .as_ref()
+                            .map_or("-inf".to_owned(), |b| b.to_string())
+                    ),
+                ));
+            }
+            if pos < last {
+                let (j, next) = sorted[pos + 1];
+                let (Some(to), Some(next_from)) = (&range.to, &next.from) else {
+                    // `to` is present (checked above); a later range without
+                    // `from` overlaps everything below it.
+                    return Err(ShardError::config(
+                        format!("{base}.ranges[{j}]"),
+                        "only one range may be unbounded below (omit `from`)",
+                    ));
+                };
+                if to < next_from {
+                    return Err(ShardError::config(
+                        entry,
+                        format!(
+                            "gap between ranges: keys in [{to}, {next_from}) belong to no range (next is ranges[{j}])"
+                        ),
+                    ));
+                }
+                if to > next_from {
+                    return Err(ShardError::config(
+                        entry,
+                        format!(
+                            "ranges overlap: this range ends at {to} but ranges[{j}] starts at {next_from}"
+                        ),
+                    ));
+                }
+            }
+            out.push(RangeUnit {
+                id: pos as u32,
+                from: range.from.clone(),
+                to: range.to.clone(),
+                shard,
+            });
+        }
+        Ok(Placement::Range {
+            ranges: Arc::new(RangeOwners::new(out, movable)),
+        })
+    }
+
+    /// The logical shards, in config order.
+    pub fn shards(&self) -> &[ShardSpec] {
+        &self.shards
+    }
+
+    /// The shard names, in config order.
+    pub fn shard_names(&self) -> impl Iterator<Item = &str> {
+        self.shards.iter().map(|s| s.name.as_str())
+    }
+
+    /// A shard by name.
+    pub fn shard_id(&self, name: &str) -> Option<ShardId> {
+        self.by_name.get(name).copied()
+    }
+
+    /// A shard's spec.
+    pub fn shard(&self, id: ShardId) -> &ShardSpec {
+        &self.shards[id.index()]
+    }
+
+    /// The ticket servers of `[ids]`, in order (server `i` hands out tickets
+    /// `≡ i + 1 (mod n)`).
+    pub fn ticket_servers(&self) -> &[ShardSpec] {
+        &self.ticket_servers
+    }
+
+    /// The directory databases of `directory` placements.
+    pub fn directories(&self) -> &[DirectorySpec] {
+        &self.directories
+    }
+
+    /// The configured groups' names.
+    pub fn group_names(&self) -> impl Iterator<Item = &str> {
+        self.groups.keys().map(String::as_str)
+    }
+
+    /// A group's placement.
+    pub fn placement(&self, group: &str) -> Result<&Placement> {
+        self.groups
+            .get(group)
+            .ok_or_else(|| ShardError::UnknownGroup {
+                group: group.to_owned(),
+                configured: {
+                    let mut names: Vec<&str> = self.groups.keys().map(String::as_str).collect();
+                    names.sort_unstable();
+                    if names.is_empty() {
+                        "none".to_owned()
+                    } else {
+                        names.join(", ")
+                    }
+                },
+            })
+    }
+
+    /// The shards the config gives `group`, in shard order. They do not
+    /// change while the cluster runs, so what is placed over them stays put
+    /// when buckets move: the group's global-index rows (by value hash) and
+    /// its rollouts' shared rows (on the first).
+    pub fn shards_of(&self, group: &str) -> Result<&[ShardId]> {
+        self.placement(group)?;
+        Ok(self.group_shards.get(group).map_or(&[], Vec::as_slice))
+    }
+
+    /// Every shard that can hold rows of `group` now, in shard order: the
+    /// shards a scatter read asks. For a `movable` group, the configured
+    /// shards and every shard the bucket map names (a shard a move added).
+    pub fn scatter_shards(&self, group: &str) -> Result<Vec<ShardId>> {
+        let configured = self.shards_of(group)?;
+        match self.live_owners(group)? {
+            Some(map) if map.epoch() > 0 => {
+                let mut ids: Vec<ShardId> =
+                    map.snapshot().units().into_iter().map(|(_, s)| s).collect();
+                ids.extend_from_slice(configured);
+                ids.sort_unstable();
+                ids.dedup();
+                Ok(ids)
+            }
+            _ => Ok(configured.to_vec()),
+        }
+    }
+
+    /// Whether `group`'s buckets can move (`movable = true`).
+    pub fn is_movable(&self, group: &str) -> bool {
+        self.movable.iter().any(|g| g == group)
+    }
+
+    /// The `movable` groups.
+    pub fn movable_groups(&self) -> impl Iterator<Item = &str> {
+        self.movable.iter().map(String::as_str)
+    }
+
+    /// The live map of a hash placement (its bucket owners) or a range
+    /// placement (its ranges); `None` for other placements.
+    pub fn live_owners(&self, group: &str) -> Result<Option<LiveMap<'_>>> {
+        Ok(match self.placement(group)? {
+            Placement::Hash { owner, .. } => Some(LiveMap::Buckets(owner)),
+            Placement::Range { ranges } => Some(LiveMap::Ranges(ranges)),
+            _ => None,
+        })
+    }
+
+    fn compute_shards_of(&self, placement: &Placement) -> Vec<ShardId> {
+        let mut ids: Vec<ShardId> = match placement {
+            Placement::Hash { owner, .. } => owner.configured().to_vec(),
+            Placement::Range { ranges } => ranges.configured().iter().map(|u| u.shard).collect(),
+            Placement::Modulo { shards } => shards.clone(),
+            // Any shard may appear in the lookup table.
+            Placement::Directory { .. } => (0..self.shards.len() as u32).map(ShardId).collect(),
+        };
+        ids.sort_unstable();
+        ids.dedup();
+        ids
+    }
+
+    /// Places a key without I/O: the target shard, or the directory to ask.
+    #[inline]
+    pub fn locate<K: ShardKey>(&self, group: &'static str, key: &K) -> Result<Located> {
+        match self.placement(group)? {
+            Placement::Hash { buckets, owner } => {
+                let bucket = (key.partition_hash() % u64::from(*buckets)) as u32;
+                Ok(Located::Target(Target {
+                    shard: owner.get(bucket),
+                    bucket: Some(bucket),
+                }))
+            }
+            Placement::Range { ranges } => {
+                let (shard, id) = ranges.locate(group, key)?;
+                Ok(Located::Target(Target {
+                    shard,
+                    bucket: ranges.is_movable().then_some(id),
+                }))
+            }
+            Placement::Modulo { shards } => match key.key_ref() {
+                KeyRef::Int(v) => {
+                    let index = v.rem_euclid(shards.len() as i128) as usize;
+                    Ok(Located::Target(Target {
+                        shard: shards[index],
+                        bucket: None,
+                    }))
+                }
+                _ => Err(ShardError::Unroutable {
+                    group,
+                    key: format!("{key:?}"),
+                    reason: "a modulo placement needs an integer shard key; use hash for text and UUID keys".to_owned(),
+                }),
+            },
+            Placement::Directory { directory } => Ok(Located::Directory(*directory)),
+        }
+    }
+}
+
+/// Builds a shard URL from either `url` or `host` + `database`.
+pub(super) fn locate_database(
+    entry: &str,
+    hosts: &HashMap<&str, &DatabaseUrl>,
+    url: &Option<DatabaseUrl>,
+    host: &Option<String>,
+    database: &Option<String>,
+) -> Result<DatabaseUrl> {
+    let url = locate_url(entry, hosts, url, host, database)?;
+    config::check_database_name(entry, &url)?;
+    Ok(url)
+}
+
+pub(super) fn locate_url(
+    entry: &str,
+    hosts: &HashMap<&str, &DatabaseUrl>,
+    url: &Option<DatabaseUrl>,
+    host: &Option<String>,
+    database: &Option<String>,
+) -> Result<DatabaseUrl> {
+    match (url, host, database) {
+        (Some(url), None, None) => {
+            check_url(entry, url)?;
+            Ok(url.clone())
+        }
+        (None, Some(host), Some(database)) => {
+            let base = hosts.get(host.as_str()).ok_or_else(|| {
+                ShardError::config(
+                    entry,
+                    format!("host `{host}` is referenced but not defined in `[[hosts]]`"),
+                )
+            })?;
+            if database.is_empty() || database.contains(['/', '?', '#']) {
+                return Err(ShardError::config(
+                    entry,
+                    format!("invalid database name {database:?}"),
+                ));
+            }
+            // `database` is a name, not a piece of URL: a `%` would be read
+            // as percent-encoding (`x%41` naming `xA`).
+            if database.contains('%') {
+                return Err(ShardError::config(
+                    entry,
+                    format!(
+                        "invalid database name {database:?}: `database` takes a plain name and \
+                         `%` is not allowed in it; for such a name give the shard a `url` with \
+                         the name percent-encoded (`%25` for `%`)"
+                    ),
+                ));
+            }
+            let mut parsed = ::url::Url::parse(base.expose())
+                .map_err(|err| ShardError::config(entry, format!("malformed host URL ({err})")))?;
+            if parsed.scheme() == "sqlite" {
+                return Err(ShardError::config(
+                    entry,
+                    "a sqlite database has no server: give the shard its own `url`",
+                ));
+            }
+            parsed.set_path(database);
+            Ok(DatabaseUrl::new(String::from(parsed)))
+        }
+        (Some(_), _, _) => Err(ShardError::config(
+            entry,
+            "give either `url`, or `host` and `database`, not both",
+        )),
+        (None, Some(_), None) => Err(ShardError::config(
+            entry,
+            "`host` needs a `database` name too",
+        )),
+        (None, None, Some(_)) => Err(ShardError::config(entry, "`database` needs a `host` too")),
+        (None, None, None) => Err(ShardError::config(
+            entry,
+            "missing location: give `url`, or `host` and `database`",
+        )),
+    }
+}
+
+/// Spreads `buckets` evenly over `shards` in contiguous runs.
+pub(super) fn spread(buckets: u32, shards: &[ShardId]) -> Box<[ShardId]> {
+    let n = shards.len() as u64;
+    (0..u64::from(buckets))
+        .map(|b| shards[(b * n / u64::from(buckets)) as usize])
+        .collect()
+}
+
+impl fmt::Display for Target {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.bucket {
+            Some(b) => write!(f, "shard #{} (bucket {b})", self.shard.0),
+            None => write!(f, "shard #{}", self.shard.0),
+        }
+    }
+}

@@ -1,0 +1,580 @@
+//! A transaction pinned to one shard key ([`ShardTx`]).
+
+use crate::boxed::boxed;
+use crate::entity::{EntityGroup, InGroup, table_name};
+use crate::error::{Result, ShardError};
+use crate::exec::{Begun, Shards};
+use crate::pipeline::{AfterCommit, Replaced, WriteCtx, WriteOp, WriteStage, Written};
+use crate::read::TxFind;
+use crate::topology::Target;
+use futures::future::BoxFuture;
+use sea_orm::{
+    ActiveModelBehavior, ActiveModelTrait, ColumnTrait, DatabaseTransaction, DbErr, EntityTrait,
+    IntoActiveModel, QueryFilter,
+};
+use std::sync::{Arc, Mutex};
+
+/// A transaction on the shard of one key of group `G`, whose writes pass
+/// through the write pipeline `P` (see [`crate::pipeline`]). Programs name
+/// it [`shardkit::ShardTx<G>`](crate::ShardTx): `P` is the cluster's stages.
+///
+/// Open it with [`Cluster::begin`](crate::Cluster::begin). Writes take SeaORM
+/// ActiveModels of `G`'s entities. Before any SQL runs, each write's shard key
+/// is checked: a missing key is [`ShardError::MissingShardKey`], a different
+/// key is [`ShardError::CrossShardWrite`]. Either refusal makes the
+/// transaction rollback-only: later writes and [`commit`](Self::commit) return
+/// [`ShardError::RollbackOnly`] and nothing is written. Dropping it without
+/// committing rolls it back.
+pub struct ShardTx<G: EntityGroup, P> {
+    pub(super) txn: DatabaseTransaction,
+    shards: Shards,
+    pub(super) stages: Arc<P>,
+    /// Work the stages queued for after the commit, in order.
+    after_commit: Mutex<Vec<AfterCommit>>,
+    pub(super) key: G::Key,
+    /// `key` as the text stages store, made when first needed.
+    key_text: std::sync::OnceLock<String>,
+    target: Target,
+    poisoned: std::sync::OnceLock<String>,
+    /// Streams of this transaction still open (see [`TxFind::stream`]).
+    streams: std::sync::atomic::AtomicUsize,
+    /// What the features say of reads (a rollout's old entity from
+    /// `read_new` on).
+    guard: Option<Arc<dyn crate::read::ReadGuard>>,
+    span: tracing::Span,
+    /// The cluster's SQLite write slot, held until the transaction ends
+    /// (see [`Cluster::begin`](crate::Cluster::begin)). Declared after `txn`
+    /// so the transaction rolls back before the slot is released.
+    _writer: Option<crate::exec::sqlite::WriterPermit>,
+}
+
+impl<G: EntityGroup, P> std::fmt::Debug for ShardTx<G, P> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShardTx")
+            .field("group", &G::NAME)
+            .field("shard", &self.shards.shard_name(self.target.shard))
+            .field("target", &self.target)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
+    pub(crate) fn new(
+        begun: Begun,
+        shards: Shards,
+        stages: Arc<P>,
+        guard: Option<Arc<dyn crate::read::ReadGuard>>,
+        key: G::Key,
+    ) -> Self {
+        let Begun {
+            txn,
+            target,
+            span,
+            writer,
+        } = begun;
+        ShardTx {
+            txn,
+            shards,
+            stages,
+            after_commit: Mutex::new(Vec::new()),
+            key_text: std::sync::OnceLock::new(),
+            key,
+            target,
+            poisoned: std::sync::OnceLock::new(),
+            streams: std::sync::atomic::AtomicUsize::new(0),
+            guard,
+            span,
+            _writer: writer,
+        }
+    }
+
+    /// The key the transaction is pinned to.
+    pub fn key(&self) -> &G::Key {
+        &self.key
+    }
+
+    /// The name of the shard it runs on.
+    pub fn shard(&self) -> &str {
+        self.shards.shard_name(self.target.shard)
+    }
+
+    /// Where its key was routed.
+    pub fn target(&self) -> Target {
+        self.target
+    }
+
+    /// The transaction's own connection, for statements shardkit cannot check
+    /// (shard-wide aggregates, locks, per-shard counters). What runs through
+    /// it is not limited to the transaction's key: keep writes of rows on the
+    /// typed methods.
+    pub fn unchecked_connection(&self) -> &DatabaseTransaction {
+        &self.txn
+    }
+
+    /// Whether an earlier refusal made it rollback-only.
+    pub fn is_rollback_only(&self) -> bool {
+        self.poisoned.get().is_some()
+    }
+
+    fn poison_reason(&self) -> Option<String> {
+        self.poisoned.get().cloned()
+    }
+
+    pub(super) fn poison(&self, err: ShardError) -> ShardError {
+        // The first refusal is the reason; later ones keep it.
+        let _ = self.poisoned.set(err.to_string());
+        err
+    }
+
+    pub(super) fn ensure_open(&self) -> Result<()> {
+        crate::read::stream_open(&self.streams, G::NAME)?;
+        match self.poisoned.get() {
+            Some(reason) => Err(ShardError::RollbackOnly {
+                group: G::NAME,
+                shard: self.shard().to_owned(),
+                reason: reason.clone(),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// Refuses a row whose shard key is missing or not the transaction's.
+    fn check<E: InGroup<G>>(&self, model: &E::ActiveModel) -> Result<()> {
+        self.ensure_open()?;
+        match E::active_shard_key(model) {
+            None => Err(self.poison(ShardError::MissingShardKey {
+                entity: table_name::<E>(),
+                column: E::SHARD_KEY_FIELD,
+            })),
+            Some(found) if found != self.key => Err(self.poison(ShardError::CrossShardWrite {
+                entity: table_name::<E>(),
+                column: E::SHARD_KEY_FIELD,
+                expected: format!("{:?}", self.key),
+                found: format!("{found:?}"),
+            })),
+            Some(_) => Ok(()),
+        }
+    }
+
+    /// A read of the row `model` names (primary key) within the key.
+    fn row_select<E: InGroup<G>>(
+        &self,
+        model: &E::ActiveModel,
+        op: &str,
+    ) -> Result<sea_orm::Select<E>> {
+        let mut select = E::find().filter(self.key_condition::<E>());
+        for key in <E::PrimaryKey as sea_orm::Iterable>::iter() {
+            let column = sea_orm::PrimaryKeyToColumn::into_column(key);
+            match model.get(column) {
+                sea_orm::ActiveValue::Set(v) | sea_orm::ActiveValue::Unchanged(v) => {
+                    select = select.filter(column.eq(v));
+                }
+                sea_orm::ActiveValue::NotSet => {
+                    return Err(self.write_err::<E>(op, DbErr::PrimaryKeyNotSet { ctx: "ShardTx" }));
+                }
+            }
+        }
+        Ok(select)
+    }
+
+    /// The current row `model` names, read under the row lock the write will
+    /// take (`FOR UPDATE` on PostgreSQL and MySQL; SQLite's write lock is
+    /// held from `BEGIN IMMEDIATE`): a concurrent write of the same row
+    /// waits for this transaction instead of deciding its index rows from a
+    /// value this one is about to change.
+    async fn current_row<E: InGroup<G>>(
+        &self,
+        model: &E::ActiveModel,
+        op: &str,
+    ) -> Result<Option<E::Model>> {
+        let mut select = self.row_select::<E>(model, op)?;
+        if sea_orm::ConnectionTrait::get_database_backend(&self.txn) != sea_orm::DbBackend::Sqlite {
+            select = sea_orm::QuerySelect::lock_exclusive(select);
+        }
+        select
+            .one(&self.txn)
+            .await
+            .map_err(|e| self.write_err::<E>(op, e))
+    }
+
+    /// A database that aborted the transaction (a deadlock, a serialization
+    /// failure: [`Retry::Transaction`](crate::error::Retry::Transaction))
+    /// has rolled back everything it did, on MySQL/MariaDB at once: later
+    /// statements would run outside it. It becomes rollback-only, and the
+    /// error (which says to run the transaction again) goes to the caller.
+    pub(super) fn poison_if_aborted(&self, err: ShardError) -> ShardError {
+        if err.retry() == crate::error::Retry::Transaction {
+            self.poison(err)
+        } else {
+            err
+        }
+    }
+
+    /// The transaction's key as a predicate on `E` (see [`crate::read`]).
+    pub(super) fn key_condition<E: InGroup<G>>(&self) -> sea_orm::Condition {
+        crate::read::key_condition::<E>(
+            std::slice::from_ref(&self.key),
+            sea_orm::ConnectionTrait::get_database_backend(&self.txn),
+        )
+    }
+
+    pub(super) fn ctx(&self) -> WriteCtx<'_> {
+        WriteCtx {
+            shards: &self.shards,
+            txn: &self.txn,
+            shard: self.target.shard,
+            shard_name: self.shard(),
+            key: &self.key,
+            key_text: &self.key_text,
+            after_commit: &self.after_commit,
+        }
+    }
+
+    pub(super) fn write_err<E: EntityTrait>(&self, op: &str, source: DbErr) -> ShardError {
+        ShardError::Db {
+            origin: Box::new(crate::error::Origin::Group(G::NAME)),
+            shard: self.shard().to_owned(),
+            operation: format!("{op} {}", table_name::<E>()),
+            source,
+        }
+    }
+
+    fn write_span<E: EntityTrait>(&self, op: &'static str) -> tracing::Span {
+        tracing::info_span!(parent: &self.span, "shardkit.write", op = op, table = table_name::<E>())
+    }
+
+    /// Inserts a row of the transaction's key; returns it as stored.
+    ///
+    /// The shard key is checked before anything runs, and again after
+    /// `ActiveModelBehavior::before_save`, so a hook cannot move the row. An
+    /// unset primary key with `#[shardkit(id = "...")]` is filled first.
+    pub fn insert<A>(&self, model: A) -> BoxFuture<'_, Result<<A::Entity as EntityTrait>::Model>>
+    where
+        A: ActiveModelTrait + ActiveModelBehavior + Send + 'static,
+        A::Entity: InGroup<G> + EntityTrait<ActiveModel = A>,
+        <A::Entity as EntityTrait>::Model: IntoActiveModel<A>,
+    {
+        boxed(|| self.write::<A::Entity>(WriteOp::Insert, model))
+    }
+
+    /// Inserts rows of the transaction's key, in order; returns them as
+    /// stored. Every row's shard key is checked before anything runs: one
+    /// row of another key (or with none) refuses the whole batch with
+    /// [`ShardError::CrossShardWrite`] (or
+    /// [`ShardError::MissingShardKey`]), nothing is written and the
+    /// transaction becomes rollback-only. Each row then takes the write
+    /// pipeline like [`insert`](Self::insert) (ids, hooks, index rows,
+    /// rollouts): one `INSERT` per row, inside this transaction. `models`
+    /// is collected when `insert_many` is called, before the first `.await`.
+    pub fn insert_many<A, I>(
+        &self,
+        models: I,
+    ) -> BoxFuture<'_, Result<Vec<<A::Entity as EntityTrait>::Model>>>
+    where
+        A: ActiveModelTrait + ActiveModelBehavior + Send + 'static,
+        A::Entity: InGroup<G> + EntityTrait<ActiveModel = A>,
+        <A::Entity as EntityTrait>::Model: IntoActiveModel<A>,
+        I: IntoIterator<Item = A>,
+    {
+        let models: Vec<A> = models.into_iter().collect();
+        boxed(|| self.insert_rows::<A::Entity>(models))
+    }
+
+    async fn insert_rows<E: InGroup<G>>(&self, models: Vec<E::ActiveModel>) -> Result<Vec<E::Model>>
+    where
+        E::Model: IntoActiveModel<E::ActiveModel>,
+        E::ActiveModel: Send + 'static,
+    {
+        for model in &models {
+            self.check::<E>(model)?;
+        }
+        let mut rows = Vec::with_capacity(models.len());
+        for model in models {
+            rows.push(self.write::<E>(WriteOp::Insert, model).await?);
+        }
+        Ok(rows)
+    }
+
+    /// Updates a row of the transaction's key by primary key; returns it as
+    /// stored. The `UPDATE` also matches the shard key, so a row of another key
+    /// with the same primary key is never touched (SeaORM's
+    /// `RecordNotUpdated` is returned instead).
+    pub fn update<A>(&self, model: A) -> BoxFuture<'_, Result<<A::Entity as EntityTrait>::Model>>
+    where
+        A: ActiveModelTrait + ActiveModelBehavior + Send + 'static,
+        A::Entity: InGroup<G> + EntityTrait<ActiveModel = A>,
+        <A::Entity as EntityTrait>::Model: IntoActiveModel<A>,
+    {
+        boxed(|| self.write::<A::Entity>(WriteOp::Update, model))
+    }
+
+    /// An insert or an update, through the write pipeline (see
+    /// [`crate::pipeline`] for the steps).
+    pub(crate) async fn write<E: InGroup<G>>(
+        &self,
+        op: WriteOp,
+        mut model: E::ActiveModel,
+    ) -> Result<E::Model>
+    where
+        E::Model: IntoActiveModel<E::ActiveModel>,
+        E::ActiveModel: Send + 'static,
+    {
+        let name = op.as_str();
+        self.check::<E>(&model)?;
+        let ctx = self.ctx();
+        self.stages.prepare::<E>(&ctx, op, &mut model).await?;
+        crate::trace::in_span(self.write_span::<E>(name), async {
+            let insert = op == WriteOp::Insert;
+            let model =
+                <E::ActiveModel as ActiveModelBehavior>::before_save(model, &self.txn, insert)
+                    .await
+                    .map_err(|e| self.write_err::<E>(name, e))?;
+            self.check::<E>(&model)?;
+            let row = match self
+                .stages
+                .replace::<E>(&ctx, op, &model)
+                .await
+                .map_err(|e| self.poison(e))?
+            {
+                Some(Replaced::Saved(row)) => row,
+                Some(Replaced::Deleted(_)) => {
+                    return Err(self.poison(ShardError::config(
+                        table_name::<E>(),
+                        "internal: a write stage answered a save with a delete",
+                    )));
+                }
+                None if insert => {
+                    self.stages
+                        .before_write::<E>(&ctx, op, &model, None)
+                        .await
+                        .map_err(|e| self.poison_if_aborted(e))?;
+                    let row = E::insert(model)
+                        .exec_with_returning(&self.txn)
+                        .await
+                        .map_err(|e| self.write_err::<E>(name, e))?;
+                    let written = Written::Saved {
+                        row: &row,
+                        current: None,
+                    };
+                    self.stages
+                        .after_write::<E>(&ctx, op, written)
+                        .await
+                        .map_err(|e| self.poison(e))?;
+                    row
+                }
+                None if !model.is_changed() => {
+                    // Nothing to set: SeaORM would answer with a primary-key
+                    // read that ignores the shard key. Read within the key.
+                    self.row_select::<E>(&model, name)?
+                        .one(&self.txn)
+                        .await
+                        .map_err(|e| self.write_err::<E>(name, e))?
+                        .ok_or_else(|| self.write_err::<E>(name, DbErr::RecordNotUpdated))?
+                }
+                None => {
+                    let current = if self.stages.needs_current::<E>(op) {
+                        self.current_row::<E>(&model, name).await?
+                    } else {
+                        None
+                    };
+                    self.stages
+                        .before_write::<E>(&ctx, op, &model, current.as_ref())
+                        .await
+                        .map_err(|e| self.poison_if_aborted(e))?;
+                    let update = E::update(model)
+                        .validate()
+                        .map_err(|e| self.write_err::<E>(name, e))?
+                        .filter(self.key_condition::<E>());
+                    let row = update
+                        .exec(&self.txn)
+                        .await
+                        .map_err(|e| self.write_err::<E>(name, e))?;
+                    let written = Written::Saved {
+                        row: &row,
+                        current: current.as_ref(),
+                    };
+                    self.stages
+                        .after_write::<E>(&ctx, op, written)
+                        .await
+                        .map_err(|e| self.poison(e))?;
+                    row
+                }
+            };
+            <E::ActiveModel as ActiveModelBehavior>::after_save(row, &self.txn, insert)
+                .await
+                .map_err(|e| self.write_err::<E>(name, e))
+        })
+        .await
+    }
+
+    /// Deletes a row of the transaction's key by primary key; returns the
+    /// number of rows deleted (0 or 1). The `DELETE` also matches the shard key.
+    pub fn delete<A>(&self, model: A) -> BoxFuture<'_, Result<u64>>
+    where
+        A: ActiveModelTrait + ActiveModelBehavior + Send + 'static,
+        A::Entity: InGroup<G> + EntityTrait<ActiveModel = A>,
+    {
+        boxed(|| self.delete_row(model))
+    }
+
+    pub(super) async fn delete_row<A>(&self, model: A) -> Result<u64>
+    where
+        A: ActiveModelTrait + ActiveModelBehavior + Send + 'static,
+        A::Entity: InGroup<G> + EntityTrait<ActiveModel = A>,
+    {
+        let op = WriteOp::Delete;
+        let name = op.as_str();
+        self.check::<A::Entity>(&model)?;
+        let ctx = self.ctx();
+        crate::trace::in_span(self.write_span::<A::Entity>(name), async {
+            let model = A::before_delete(model, &self.txn)
+                .await
+                .map_err(|e| self.write_err::<A::Entity>(name, e))?;
+            self.check::<A::Entity>(&model)?;
+            let replaced = self
+                .stages
+                .replace::<A::Entity>(&ctx, op, &model)
+                .await
+                .map_err(|e| self.poison(e))?;
+            let deleted = match replaced {
+                Some(Replaced::Deleted(rows)) => rows,
+                Some(Replaced::Saved(_)) => {
+                    return Err(self.poison(ShardError::config(
+                        table_name::<A::Entity>(),
+                        "internal: a write stage answered a delete with a saved row",
+                    )));
+                }
+                None => {
+                    let current = if self.stages.needs_current::<A::Entity>(op) {
+                        self.current_row::<A::Entity>(&model, name).await?
+                    } else {
+                        None
+                    };
+                    let delete = <A::Entity as EntityTrait>::delete(model.clone())
+                        .validate()
+                        .map_err(|e| self.write_err::<A::Entity>(name, e))?
+                        .filter(self.key_condition::<A::Entity>());
+                    let rows = delete
+                        .exec(&self.txn)
+                        .await
+                        .map_err(|e| self.write_err::<A::Entity>(name, e))?
+                        .rows_affected;
+                    let written = Written::Deleted {
+                        model: &model,
+                        current: current.as_ref(),
+                        rows,
+                    };
+                    self.stages
+                        .after_write::<A::Entity>(&ctx, op, written)
+                        .await
+                        .map_err(|e| self.poison(e))?;
+                    rows
+                }
+            };
+            A::after_delete(model, &self.txn)
+                .await
+                .map_err(|e| self.write_err::<A::Entity>(name, e))?;
+            Ok(deleted)
+        })
+        .await
+    }
+
+    /// Reads rows of the transaction's key, inside the transaction.
+    pub fn find<E: InGroup<G>>(&self) -> TxFind<'_, E, DatabaseTransaction> {
+        TxFind::new(
+            &self.txn,
+            self.shard(),
+            &self.key,
+            &self.streams,
+            self.guard.as_deref(),
+        )
+    }
+
+    /// The rows of `R` related to `model` (SeaORM's
+    /// [`ModelTrait::find_related`](sea_orm::ModelTrait::find_related)),
+    /// inside the transaction: `R`'s rows of the transaction's key only,
+    /// whatever key `model` carries.
+    pub fn find_related<M, R>(&self, model: &M, related: R) -> TxFind<'_, R, DatabaseTransaction>
+    where
+        M: sea_orm::ModelTrait,
+        M::Entity: crate::entity::ShardedEntity + sea_orm::Related<R>,
+        R: InGroup<G>,
+    {
+        let guard = self.guard.as_deref();
+        let (select, refused) = match crate::read::guard_check::<M::Entity>(guard) {
+            Ok(m_from) => (
+                crate::read::related_select(model, related, m_from.as_ref()),
+                None,
+            ),
+            Err(err) => (model.find_related(related), Some(err)),
+        };
+        let mut find = TxFind::of(
+            &self.txn,
+            self.shard(),
+            &self.key,
+            select,
+            &self.streams,
+            guard,
+        );
+        if let Some(err) = refused {
+            find.refuse(err);
+        }
+        find
+    }
+
+    /// Commits. If a write was refused, rolls back instead and returns
+    /// [`ShardError::RollbackOnly`]. Once committed, runs the work the
+    /// write stages queued (cache fills, removal of replaced index rows).
+    pub async fn commit(self) -> Result<()> {
+        if let Some(reason) = self.poison_reason() {
+            let shard = self.shard().to_owned();
+            let ShardTx { txn, .. } = self;
+            txn.rollback().await.map_err(|source| ShardError::Db {
+                origin: Box::new(crate::error::Origin::Group(G::NAME)),
+                shard: shard.clone(),
+                operation: "rollback".to_owned(),
+                source,
+            })?;
+            return Err(ShardError::RollbackOnly {
+                group: G::NAME,
+                shard,
+                reason,
+            });
+        }
+        let ShardTx {
+            txn,
+            shards,
+            target,
+            span,
+            after_commit,
+            _writer: writer,
+            ..
+        } = self;
+        crate::trace::in_span(span, txn.commit())
+            .await
+            .map_err(|source| ShardError::Db {
+                origin: Box::new(crate::error::Origin::Group(G::NAME)),
+                shard: shards.shard_name(target.shard).to_owned(),
+                operation: "commit".to_owned(),
+                source,
+            })?;
+        // The SQLite write lock is released; so is the cluster's slot.
+        drop(writer);
+        for work in after_commit.into_inner().unwrap_or_else(|p| p.into_inner()) {
+            work.await;
+        }
+        Ok(())
+    }
+
+    /// Rolls back.
+    pub async fn rollback(self) -> Result<()> {
+        let shard = self.shard().to_owned();
+        let ShardTx { txn, .. } = self;
+        txn.rollback().await.map_err(|source| ShardError::Db {
+            origin: Box::new(crate::error::Origin::Group(G::NAME)),
+            shard,
+            operation: "rollback".to_owned(),
+            source,
+        })
+    }
+}
