@@ -142,7 +142,7 @@ mod gauge_reading {
     #[sea_orm::model]
     #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel, shardkit::Sharded)]
     #[sea_orm(table_name = "gauge_readings")]
-    #[shardkit(group = crate::Gauge)]
+    #[shardkit(group = crate::reads::Gauge)]
     pub struct Model {
         #[sea_orm(primary_key, auto_increment = false)]
         pub id: i64,
