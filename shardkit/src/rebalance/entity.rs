@@ -326,18 +326,18 @@ async fn logged_keys(
         let stmt = Query::select()
             .distinct()
             .column(Alias::new("key_text"))
-            .from(Alias::new(super::map::CHANGES))
+            .from(Alias::new(crate::rebalance::map::CHANGES))
             .and_where(Expr::col(Alias::new("move_id")).eq(move_id))
             .and_where(Expr::col(Alias::new("key_text")).is_in(chunk.iter().map(String::as_str)))
             .to_owned();
         let rows = db
             .query_all(&stmt)
             .await
-            .map_err(|e| db_err(shard, super::map::CHANGES, "read", e))?;
+            .map_err(|e| db_err(shard, crate::rebalance::map::CHANGES, "read", e))?;
         for row in rows {
             logged.insert(
                 row.try_get::<String>("", "key_text")
-                    .map_err(|e| db_err(shard, super::map::CHANGES, "read", e))?,
+                    .map_err(|e| db_err(shard, crate::rebalance::map::CHANGES, "read", e))?,
             );
         }
     }

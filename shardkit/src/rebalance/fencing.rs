@@ -138,13 +138,15 @@ impl Token {
             let txn = crate::exec::begin_write(db).await.map_err(err)?;
             lock_wait(&txn, Some(wait)).await.map_err(err)?;
             let outcome = match self.install_in(&txn, shard).await {
-                Err(e) if super::missing_table(&e) => Err(ShardError::Rebalance {
-                    group: self.group.to_owned(),
-                    id: Some(self.id),
-                    reason: format!(
-                        "shard `{shard}` is not migrated (it has no `{FENCES}` table): run `migrate` (`shardctl migrate`), then run the move again"
-                    ),
-                }),
+                Err(e) if crate::rebalance::errors::missing_table(&e) => {
+                    Err(ShardError::Rebalance {
+                        group: self.group.to_owned(),
+                        id: Some(self.id),
+                        reason: format!(
+                            "shard `{shard}` is not migrated (it has no `{FENCES}` table): run `migrate` (`shardctl migrate`), then run the move again"
+                        ),
+                    })
+                }
                 other => other,
             };
             reset_lock_wait(&txn, Some(wait)).await.map_err(err)?;

@@ -1,27 +1,11 @@
 //! The cluster-wide view of moves: loading and refreshing bucket maps, unfinished moves, and the errors of move statements.
 
-use crate::error::{Result, ShardError};
+use crate::error::Result;
 use crate::exec::Shards;
-use crate::rebalance::map;
-use crate::rebalance::mover;
-use crate::rebalance::refresh;
-use crate::rebalance::seed_states;
+use crate::rebalance::{db_err, map, missing_table, mover, refresh, seed_states};
+use sea_orm::ConnectionTrait;
 use sea_orm::sea_query::{Alias, Expr, ExprTrait, Query};
-use sea_orm::{ConnectionTrait, DbErr};
 use std::time::Duration;
-
-/// A failed statement of the bucket-move machinery on `shard`.
-pub(crate) fn db_err(shard: &str, table: &str, operation: &str, source: DbErr) -> ShardError {
-    ShardError::Db {
-        origin: Box::new(crate::error::Origin::table(
-            crate::error::Subsystem::Rebalance,
-            table,
-        )),
-        shard: shard.to_owned(),
-        operation: format!("{operation} {table}"),
-        source,
-    }
-}
 
 /// How long [`Cluster::begin`](crate::Cluster::begin) keeps trying when a
 /// fence refuses and the refreshed map still names the same shard (a
@@ -60,15 +44,6 @@ pub(super) fn movable_groups(shards: &Shards) -> Vec<String> {
         .movable_groups()
         .map(str::to_owned)
         .collect()
-}
-
-/// Whether an error says a shardkit table does not exist (a cluster not
-/// migrated yet).
-pub(crate) fn missing_table(e: &ShardError) -> bool {
-    let text = e.report().to_string().to_ascii_lowercase();
-    text.contains("no such table")
-        || text.contains("does not exist")
-        || text.contains("doesn't exist")
 }
 
 /// Refreshes every movable group's map (the periodic pass).

@@ -435,7 +435,7 @@ pub(crate) async fn insert_states(
                 if e.kind() == crate::ErrorKind::Database
                     && !units.iter().any(|(_, owner)| *owner == id) =>
             {
-                if super::missing_table(&e) {
+                if crate::rebalance::errors::missing_table(&e) {
                     tracing::warn!(
                         group,
                         shard = name,

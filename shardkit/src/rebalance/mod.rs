@@ -50,6 +50,7 @@
 //! [`Rebalance::plan_range`] plans the move of the range holding a key.
 
 mod entity;
+mod errors;
 mod fencing;
 mod live;
 mod map;
@@ -57,9 +58,9 @@ mod mover;
 
 #[cfg(feature = "cli")]
 pub(crate) use entity::{MoveEntity, Mover};
+pub(crate) use errors::{db_err, missing_table};
 pub(crate) use live::{
-    REROUTE_FOR, db_err, load_maps, missing_table, move_mark, read_needs_refresh, refresh_all,
-    unfinished_moves,
+    REROUTE_FOR, load_maps, move_mark, read_needs_refresh, refresh_all, unfinished_moves,
 };
 pub(crate) use map::{after_refusal, fence, refresh, seed_states};
 pub use mover::{AnyGroup, MovePhase, MovePlan, MoveProgress, MoveStatus, RangeSplit, Rebalance};

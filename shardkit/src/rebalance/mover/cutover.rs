@@ -120,11 +120,11 @@ impl<G> Rebalance<G> {
         }
         // Flip the map and end the phase in one transaction.
         let (cdb, cname) = self.control()?;
-        let err = |e| db_err(cname, super::map::MAP, "cut over", e);
+        let err = |e| db_err(cname, crate::rebalance::map::MAP, "cut over", e);
         let txn = crate::exec::begin_write(cdb).await.map_err(err)?;
         for chunk in all.chunks(500) {
             let stmt = Query::update()
-                .table(Alias::new(super::map::MAP))
+                .table(Alias::new(crate::rebalance::map::MAP))
                 .value(Alias::new("shard"), status.target.clone())
                 .and_where(Expr::col(Alias::new("grp")).eq(self.group))
                 .and_where(Expr::col(Alias::new("bucket")).is_in(chunk.iter().map(|b| *b as i32)))
@@ -132,7 +132,7 @@ impl<G> Rebalance<G> {
             txn.execute(&stmt).await.map_err(err)?;
         }
         let bump = Query::update()
-            .table(Alias::new(super::map::EPOCHS))
+            .table(Alias::new(crate::rebalance::map::EPOCHS))
             .value(Alias::new("epoch"), Expr::col(Alias::new("epoch")).add(1))
             .and_where(Expr::col(Alias::new("grp")).eq(self.group))
             .to_owned();
@@ -171,7 +171,7 @@ impl<G> Rebalance<G> {
                 eta: None,
             });
         }
-        let epoch = super::refresh(&self.shards, self.group).await?;
+        let epoch = crate::rebalance::map::refresh(&self.shards, self.group).await?;
         tracing::info!(group = self.group, id, epoch, "move cut over");
         Ok(())
     }

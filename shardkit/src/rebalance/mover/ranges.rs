@@ -64,7 +64,7 @@ impl<G> Rebalance<G> {
         let LiveMap::Ranges(ranges) = self.map()? else {
             return Err(self.refuse(None, "a hash group has buckets, not ranges"));
         };
-        super::refresh(&self.shards, self.group).await?;
+        crate::rebalance::map::refresh(&self.shards, self.group).await?;
         Ok(ranges.units().to_vec())
     }
 
@@ -100,7 +100,7 @@ impl<G> Rebalance<G> {
         let LiveMap::Ranges(ranges) = self.map()? else {
             return Err(self.refuse(None, "only range groups split; a hash group moves buckets"));
         };
-        super::refresh(&self.shards, self.group).await?;
+        crate::rebalance::map::refresh(&self.shards, self.group).await?;
         // The epoch before the ranges: ranges newer than the epoch only
         // fail the epoch check below, never pass it with a stale range.
         let epoch = ranges.epoch();
@@ -145,7 +145,7 @@ impl<G> Rebalance<G> {
         };
         // 2. Every shard knows the halves (the old range's shard owns them)
         //    before any instance routes by them.
-        super::map::insert_states(
+        crate::rebalance::map::insert_states(
             &self.shards,
             self.group,
             &[(left.id, old.shard), (right.id, old.shard)],
@@ -199,7 +199,7 @@ impl<G> Rebalance<G> {
                 format!("{old} is not in the map as read any more: split again"),
             ));
         }
-        super::map::insert_ranges(
+        crate::rebalance::map::insert_ranges(
             &self.shards,
             &txn,
             name,
@@ -223,7 +223,7 @@ impl<G> Rebalance<G> {
                 false
             }
         };
-        let epoch = match super::refresh(&self.shards, self.group).await {
+        let epoch = match crate::rebalance::map::refresh(&self.shards, self.group).await {
             Ok(epoch) => epoch,
             Err(e) => {
                 tracing::warn!(group = self.group, error = %e.report(), "map not read after the split");
@@ -297,7 +297,7 @@ impl<G> Rebalance<G> {
             .and_where(Expr::col(Alias::new("grp")).eq(self.group))
             .to_owned();
         txn.execute(&bump).await.map_err(err)?;
-        let (_, next) = super::map::read_epoch(&txn, name, self.group, None)
+        let (_, next) = crate::rebalance::map::read_epoch(&txn, name, self.group, None)
             .await?
             .ok_or_else(|| {
                 self.refuse(None, "the group has no map yet: connect an instance first")

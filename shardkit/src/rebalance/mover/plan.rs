@@ -1,0 +1,248 @@
+//! What a move is: its plan, phases, status and progress, and the
+//! [`Rebalance`] handle that runs moves of a group.
+
+use crate::entity::{EntityGroup, ShardedEntity, table_name};
+use crate::error::ShardError;
+use crate::exec::Shards;
+use crate::rebalance::entity::{MoveEntity, Mover};
+use sea_orm::IntoActiveModel;
+use std::sync::Arc;
+use std::time::Duration;
+
+pub(super) const MOVES: &str = "shardkit_moves";
+pub(super) const CLAIMS: &str = "shardkit_move_buckets";
+
+/// How long a mover's hold on a move lasts after it last renewed it: another
+/// process may take a move over (resume or abort it) once its runner has
+/// been silent this long (a mover that died or is paused). A running mover
+/// renews its hold every third of this; a mover paused past it is refused
+/// by the fencing tokens when it goes on.
+pub(crate) const LEASE_MS: i64 = 10_000;
+
+/// Log entries one catch-up round replays at most per source, while
+/// writers go on (a replay until the log is empty would never end under a
+/// steady write load on the moving buckets).
+pub(super) const CATCH_UP: u64 = 10_000;
+
+/// A move's phase, as `shardkit_moves.phase` stores it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum MovePhase {
+    /// Recorded; its buckets are held.
+    Registered,
+    /// The sources log writes; rows are being copied.
+    Copying,
+    /// Logged keys are being replayed.
+    CatchingUp,
+    /// Source and target compared equal.
+    Verified,
+    /// Writes are fenced; the last keys are replayed and the map flips.
+    CuttingOver,
+    /// The target owns the buckets; the sources' copies wait for the grace
+    /// period, then are deleted.
+    Cleaning,
+    /// Finished.
+    Done,
+    /// Aborted before the cut-over: the sources still own the buckets.
+    Aborted,
+}
+
+impl MovePhase {
+    pub(super) const ALL: [MovePhase; 8] = [
+        MovePhase::Registered,
+        MovePhase::Copying,
+        MovePhase::CatchingUp,
+        MovePhase::Verified,
+        MovePhase::CuttingOver,
+        MovePhase::Cleaning,
+        MovePhase::Done,
+        MovePhase::Aborted,
+    ];
+
+    /// The stored name (`registered`, `copying`, ...).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            MovePhase::Registered => "registered",
+            MovePhase::Copying => "copying",
+            MovePhase::CatchingUp => "catching_up",
+            MovePhase::Verified => "verified",
+            MovePhase::CuttingOver => "cutting_over",
+            MovePhase::Cleaning => "cleaning",
+            MovePhase::Done => "done",
+            MovePhase::Aborted => "aborted",
+        }
+    }
+
+    pub(super) fn parse(text: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|p| p.as_str() == text)
+    }
+
+    /// Whether the move is over (done or aborted).
+    pub fn is_finished(self) -> bool {
+        matches!(self, MovePhase::Done | MovePhase::Aborted)
+    }
+}
+
+impl std::fmt::Display for MovePhase {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The buckets a move takes, where each comes from, and where they go.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MovePlan {
+    /// The group.
+    pub group: String,
+    /// The shard the buckets move to.
+    pub target: String,
+    /// Each moving bucket and the shard that owns it now.
+    pub buckets: Vec<(u32, String)>,
+}
+
+/// A move as stored.
+#[derive(Clone, Debug)]
+pub struct MoveStatus {
+    /// Its id.
+    pub id: i64,
+    /// The group.
+    pub group: String,
+    /// Where the buckets go.
+    pub target: String,
+    /// Each bucket and where it comes from.
+    pub buckets: Vec<(u32, String)>,
+    /// The phase.
+    pub phase: MovePhase,
+    /// Rows copied so far.
+    pub rows_copied: u64,
+    /// Logged keys replayed so far.
+    pub changes_applied: u64,
+    /// Logged keys not yet replayed (the lag); read when the status is.
+    pub pending_changes: u64,
+    /// When the map flipped (clock ms), from `cleaning` on.
+    pub cutover_ms: Option<i64>,
+    /// The last error the mover met (it stops there; run it again to resume).
+    pub error: Option<String>,
+    /// How many times a mover took the move (`run`, `abort`): the fencing
+    /// token of its current or last mover. A mover whose generation is not
+    /// the newest is refused by every shard it writes.
+    pub generation: i64,
+}
+
+/// What a running move reports to [`Rebalance::on_progress`].
+#[derive(Clone, Debug)]
+pub struct MoveProgress {
+    /// The move.
+    pub id: i64,
+    /// Its phase.
+    pub phase: MovePhase,
+    /// Rows copied so far.
+    pub rows_copied: u64,
+    /// Copy rate since this run started.
+    pub rows_per_sec: f64,
+    /// Rows of the moving buckets the sources held at the start of the copy
+    /// (an estimate: the sources' row counts times the moving share).
+    pub rows_estimated: u64,
+    /// Logged keys not yet replayed.
+    pub pending_changes: u64,
+    /// Time the copy still needs at the current rate.
+    pub eta: Option<Duration>,
+}
+
+pub(super) type ProgressFn = Arc<dyn Fn(&MoveProgress) + Send + Sync>;
+
+/// Bucket moves of group `G` ([`Cluster::rebalance`](crate::Cluster::rebalance)).
+///
+/// List every entity of the group with [`entity`](Self::entity), each
+/// after the entities its foreign keys point at (customers before their
+/// orders): a move copies, replays and deletes the rows of the entities it
+/// knows, writing parents first and deleting children first, and is
+/// refused without any.
+pub struct Rebalance<G> {
+    pub(super) group: &'static str,
+    pub(super) shards: Shards,
+    pub(super) entities: Vec<Arc<dyn MoveEntity>>,
+    pub(super) progress: Option<ProgressFn>,
+    pub(super) wait_for_grace: bool,
+    pub(super) stop: Option<Arc<std::sync::atomic::AtomicBool>>,
+    /// This mover's name in `shardkit_moves.runner` while it holds a move.
+    pub(super) token: String,
+    _group: std::marker::PhantomData<fn() -> G>,
+}
+
+impl<G> std::fmt::Debug for Rebalance<G> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Rebalance")
+            .field("group", &self.group)
+            .field(
+                "entities",
+                &self.entities.iter().map(|e| e.table()).collect::<Vec<_>>(),
+            )
+            .finish()
+    }
+}
+
+pub(super) fn refused(
+    id: Option<i64>,
+    reason: impl Into<String>,
+) -> impl FnOnce(&str) -> ShardError {
+    let reason = reason.into();
+    move |group| ShardError::Rebalance {
+        group: group.to_owned(),
+        id,
+        reason,
+    }
+}
+
+/// The group of a [`Rebalance`] built by name (the operator's command
+/// line), whose entities come as objects.
+#[derive(Debug)]
+pub enum AnyGroup {}
+
+impl Rebalance<AnyGroup> {
+    /// Moves of the group named `group`, carrying `entities`.
+    #[cfg(feature = "cli")]
+    pub(crate) fn named(
+        shards: Shards,
+        group: &'static str,
+        entities: Vec<Arc<dyn MoveEntity>>,
+    ) -> Self {
+        Rebalance {
+            group,
+            shards,
+            entities,
+            progress: None,
+            wait_for_grace: false,
+            stop: None,
+            token: crate::uuid_v7().to_string(),
+            _group: std::marker::PhantomData,
+        }
+    }
+}
+
+impl<G: EntityGroup> Rebalance<G> {
+    pub(crate) fn new(shards: Shards) -> Self {
+        Rebalance {
+            group: G::NAME,
+            stop: None,
+            token: crate::uuid_v7().to_string(),
+            shards,
+            entities: Vec::new(),
+            progress: None,
+            wait_for_grace: false,
+            _group: std::marker::PhantomData,
+        }
+    }
+
+    /// Adds an entity of the group to what moves carry.
+    pub fn entity<E>(mut self) -> Self
+    where
+        E: ShardedEntity<Group = G>,
+        E::Model: IntoActiveModel<E::ActiveModel> + Sync,
+        E::ActiveModel: Send,
+    {
+        if !self.entities.iter().any(|e| e.table() == table_name::<E>()) {
+            self.entities.push(Arc::new(Mover::<E>::new()));
+        }
+        self
+    }
+}
