@@ -2,9 +2,10 @@
 //! [`Rebalance`] handle that runs moves of a group.
 
 use crate::entity::{EntityGroup, ShardedEntity, table_name};
-use crate::error::ShardError;
+use crate::error::{Result, ShardError};
 use crate::exec::Shards;
 use crate::rebalance::entity::{MoveEntity, Mover};
+use crate::topology::{LiveMap, MapSnapshot, ShardId};
 use sea_orm::IntoActiveModel;
 use std::sync::Arc;
 use std::time::Duration;
@@ -244,5 +245,93 @@ impl<G: EntityGroup> Rebalance<G> {
             self.entities.push(Arc::new(Mover::<E>::new()));
         }
         self
+    }
+}
+
+impl<G> Rebalance<G> {
+    /// A plan that moves `buckets` to shard `to`, each from its owner in
+    /// the current map (read from the database first).
+    pub async fn plan_buckets(
+        &self,
+        buckets: impl IntoIterator<Item = u32>,
+        to: &str,
+    ) -> Result<MovePlan> {
+        let map = self.map()?;
+        crate::rebalance::map::refresh(&self.shards, self.group).await?;
+        let snapshot = map.snapshot();
+        let target = self.shard_id(to)?;
+        let mut out = Vec::new();
+        for b in buckets {
+            let Some(from) = snapshot.owner(b) else {
+                return Err(self.refuse(
+                    None,
+                    match snapshot {
+                        MapSnapshot::Buckets(all) => format!(
+                            "bucket {b} is out of range: the group has {} buckets",
+                            all.len()
+                        ),
+                        MapSnapshot::Ranges(units) => format!(
+                            "no range has id {b}; the group's ranges: {}",
+                            units
+                                .iter()
+                                .map(ToString::to_string)
+                                .collect::<Vec<_>>()
+                                .join(", ")
+                        ),
+                    },
+                ));
+            };
+            if from == target {
+                return Err(self.refuse(None, format!("bucket {b} is already on `{to}`")));
+            }
+            out.push((b, self.shards.shard_name(from).to_owned()));
+        }
+        out.sort();
+        out.dedup();
+        if out.is_empty() {
+            return Err(self.refuse(None, "the plan moves no bucket"));
+        }
+        Ok(MovePlan {
+            group: self.group.to_owned(),
+            target: to.to_owned(),
+            buckets: out,
+        })
+    }
+
+    /// The fewest bucket moves that give shard `to` (a shard the map does
+    /// not use yet, or one with fewer buckets) its even share: the owners
+    /// with the most buckets give their last ones until every shard holds
+    /// `buckets / shards` or one more.
+    pub async fn plan_even_out(&self, to: &str) -> Result<MovePlan> {
+        let LiveMap::Buckets(owners) = self.map()? else {
+            return Err(self.refuse(
+                None,
+                "a range group is evened out by splitting ranges (`split_at`) and moving them (`plan_range`)",
+            ));
+        };
+        let count = owners.len() as u32;
+        crate::rebalance::map::refresh(&self.shards, self.group).await?;
+        let target = self.shard_id(to)?;
+        let map = owners.to_vec();
+        let mut held: std::collections::BTreeMap<ShardId, Vec<u32>> = Default::default();
+        held.entry(target).or_default();
+        for (b, s) in map.iter().enumerate() {
+            held.entry(*s).or_default().push(b as u32);
+        }
+        let share = count as usize / held.len();
+        let mut moving = Vec::new();
+        let mut have = held[&target].len();
+        while have < share {
+            // The shard holding the most buckets gives its highest one.
+            let (_, buckets) = held
+                .iter_mut()
+                .filter(|(s, _)| **s != target)
+                .max_by_key(|(s, b)| (b.len(), std::cmp::Reverse(**s)))
+                .expect("another shard");
+            let Some(b) = buckets.pop() else { break };
+            moving.push(b);
+            have += 1;
+        }
+        self.plan_buckets(moving, to).await
     }
 }
