@@ -84,9 +84,7 @@ pub(crate) use in_tx::stream_open;
 pub use in_tx::{TxFind, TxSelect};
 pub(crate) use index::{IndexLookup, IndexQuery, exact_eq};
 pub(crate) use keys::{guard_check, key_condition, related_select};
-#[cfg(feature = "cli")]
-pub(crate) use plan::escape_controls;
-pub use plan::{MergePlan, PlannedRoute, PlannedStatement, ReadPlan};
+pub use plan::{MergePlan, PlannedRoute, PlannedStatement, ReadPlan, escape_controls};
 
 /// What `find_with_related` returns: each row of `E` with its related rows.
 pub type WithRelated<E, R> = Vec<(

@@ -60,8 +60,6 @@ mod fencing;
 mod map;
 mod mover;
 
-#[cfg(feature = "cli")]
-pub(crate) use entity::{MoveEntity, Mover};
 pub(crate) use map::{after_refusal, fence, refresh, seed_states};
 
 /// A failed statement of the bucket-move machinery on `shard`.
