@@ -86,7 +86,7 @@ pub(crate) enum RebalanceAction {
         range_at: Option<String>,
     },
     /// Register a move and run it (Ctrl-C stops at a chunk boundary;
-    /// `resume` goes on).
+    /// `run` goes on).
     Start {
         /// The group.
         group: String,
@@ -118,7 +118,8 @@ pub(crate) enum RebalanceAction {
         all: bool,
     },
     /// Run a move from its stored phase (after a crash, a Ctrl-C, an error).
-    Resume {
+    #[command(visible_alias = "resume")]
+    Run {
         /// The group.
         group: String,
         /// The move's id.

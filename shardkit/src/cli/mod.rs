@@ -42,7 +42,7 @@
 //! | `rollout status` / `advance` / `retreat` / `backfill` / `verify` | registered rollouts |
 //! | `verify shards <table> <source> <target>` | one entity's rows on two shards |
 //! | `ids next <sequence>` / `ids status` | ticket sequences and servers |
-//! | `rebalance plan` / `start` / `split` / `status` / `resume` / `abort` | bucket moves of a `movable` group |
+//! | `rebalance plan` / `start` / `split` / `status` / `run` / `abort` | bucket moves of a `movable` group (`resume` is another name for `run`) |
 //!
 //! The exit code is 0 on success, 1 when a command failed or found a
 //! problem (an unreachable shard, a database behind on migrations, a

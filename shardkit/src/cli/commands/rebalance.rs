@@ -1,4 +1,4 @@
-//! `rebalance plan`, `start`, `split`, `status`, `resume` and `abort`: bucket
+//! `rebalance plan`, `start`, `split`, `status`, `run` and `abort`: bucket
 //! moves of a `movable` group, and the moves `status` lists.
 
 use crate::cli::args::RebalanceAction;
@@ -115,7 +115,7 @@ pub(super) async fn rebalance(
             let started = moves.start(&plan).await?;
             run_move(moves, started.id, json).await
         }
-        RebalanceAction::Resume { group, id } => {
+        RebalanceAction::Run { group, id } => {
             run_move(moves_of(cluster, registry, &group)?, id, json).await
         }
         RebalanceAction::Abort { group, id } => {
@@ -249,7 +249,7 @@ async fn run_move(moves: Rebalance<AnyGroup>, id: i64, json: bool) -> Result<Out
         )
     } else {
         format!(
-            "move #{id}: stopped in {} (rebalance resume to go on)\n",
+            "move #{id}: stopped in {} (rebalance run to go on)\n",
             done.phase
         )
     };
