@@ -238,11 +238,14 @@ impl Cluster {
         self.shards.clock()
     }
 
-    /// Whether shard `name` answers a fresh connection now (its circuit
-    /// breaker's probe; a failure marks it down, so later statements to it
-    /// fail at once). `Err` holds the cause, password scrubbed.
-    #[cfg(feature = "cli")]
-    pub(crate) async fn probe_shard(&self, name: &str) -> std::result::Result<(), String> {
+    /// Whether shard `name` answers a fresh connection now: its circuit
+    /// breaker's probe (the one running, or one that ended less than a
+    /// second ago, answers instead of a new one). A failure marks the shard
+    /// down, so later statements to it fail at once; a success marks it up.
+    /// `Err` holds the cause as text, password scrubbed (`no shard ...` for
+    /// a name the topology does not have), for a health page or an
+    /// operator's `status`.
+    pub async fn probe_shard(&self, name: &str) -> std::result::Result<(), String> {
         let id = self
             .shards
             .topology()
@@ -451,17 +454,6 @@ impl Cluster {
     /// [`crate::rebalance`]).
     pub fn rebalance<G: EntityGroup>(&self) -> crate::rebalance::Rebalance<G> {
         crate::rebalance::Rebalance::new(self.shards.clone())
-    }
-
-    /// Moves of the group named `group` carrying `entities` (for the
-    /// operator's command line, which knows entities as objects).
-    #[cfg(feature = "cli")]
-    pub(crate) fn rebalance_named(
-        &self,
-        group: &'static str,
-        entities: Vec<Arc<dyn crate::rebalance::MoveEntity>>,
-    ) -> crate::rebalance::Rebalance<crate::rebalance::AnyGroup> {
-        crate::rebalance::Rebalance::named(self.shards.clone(), group, entities)
     }
 
     /// Reads every `movable` group's bucket map now (seeding it on first

@@ -487,7 +487,10 @@ impl ShardError {
         Report(self)
     }
 
-    pub(crate) fn config(entry: impl Into<String>, message: impl Into<String>) -> Self {
+    /// A [`ShardError::Config`]: `entry` names where the value was given
+    /// (a key of the config, a command-line option such as `--bucket`),
+    /// `message` what is wrong with it and how to fix it.
+    pub fn config(entry: impl Into<String>, message: impl Into<String>) -> Self {
         ShardError::Config {
             entry: entry.into(),
             message: message.into(),
@@ -515,7 +518,18 @@ impl std::fmt::Display for Report<'_> {
 /// the line of the server's C source instead); MySQL/MariaDB's and
 /// SQLite's keep SQLx's form, which leads with the code. Details that may
 /// quote row values (PostgreSQL's `DETAIL`) are left out.
-pub(crate) struct DriverCause<'a>(pub(crate) &'a DbErr);
+///
+/// For printing a [`DbErr`] of a statement sent through
+/// [`Cluster::connection`](crate::Cluster::connection) the way shardkit's
+/// own errors print theirs (the operator's `status` prints a failed
+/// server-version query so):
+///
+/// ```
+/// # use shardkit::error::DriverCause;
+/// let err = sea_orm::DbErr::Custom("no such table: notes".into());
+/// assert_eq!(DriverCause(&err).to_string(), "Custom Error: no such table: notes");
+/// ```
+pub struct DriverCause<'a>(pub &'a DbErr);
 
 impl std::fmt::Display for DriverCause<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

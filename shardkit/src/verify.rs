@@ -526,7 +526,13 @@ where
 /// given): checking its rows would compare none and report no difference.
 /// A hash placement's buckets are `0..buckets`; a `movable` range group's
 /// are its ranges' ids; other placements have none.
-pub(crate) fn check_bucket(
+///
+/// [`Cluster::verify_shards`](crate::Cluster::verify_shards) checks its
+/// bucket so itself (as `verify_shards(bucket)`), after the shard names;
+/// call this first to refuse a bucket someone typed under the name they
+/// typed it as (the operator's `--bucket`), before anything is read.
+/// The error is a [`ShardError::Config`] at `entry`.
+pub fn check_bucket(
     topology: &crate::topology::Topology,
     group: &str,
     bucket: u32,

@@ -42,7 +42,7 @@
 //! | `rollout status` / `advance` / `retreat` / `backfill` / `verify` | registered rollouts |
 //! | `verify shards <table> <source> <target>` | one entity's rows on two shards |
 //! | `ids next <sequence>` / `ids status` | ticket sequences and servers |
-//! | `rebalance plan` / `start` / `status` / `resume` / `abort` | bucket moves of a `movable` group |
+//! | `rebalance plan` / `start` / `split` / `status` / `run` / `abort` | bucket moves of a `movable` group (`resume` is another name for `run`) |
 //!
 //! The exit code is 0 on success, 1 when a command failed or found a
 //! problem (an unreachable shard, a database behind on migrations, a
@@ -51,271 +51,25 @@
 //! seconds otherwise; Ctrl-C stops it at the next chunk boundary, and the
 //! same command resumes it.
 
+mod args;
 mod commands;
 mod progress;
 mod registry;
 
 pub use registry::Registry;
 
-use crate::ClusterConfig;
-use clap::{Parser, Subcommand};
+use crate::cli::args::Cli;
+use crate::cli::commands::dispatch::execute;
+use crate::cli::commands::output::Outcome;
+use crate::cli::commands::usage::is_usage;
+use crate::error::Result;
+use crate::read::escape_controls;
+use crate::topology::ClusterConfig;
+use clap::Parser;
+use futures::future::BoxFuture;
 use std::ffi::OsString;
 use std::io::Write;
 use std::process::ExitCode;
-
-/// The command line (see the [module docs](self)).
-#[derive(Debug, Parser)]
-#[command(name = "shardctl", about = "See and drive a shardkit fleet", version)]
-pub(crate) struct Cli {
-    /// Print JSON instead of tables.
-    #[arg(long, global = true)]
-    json: bool,
-    #[command(subcommand)]
-    command: Command,
-}
-
-#[derive(Debug, Subcommand)]
-pub(crate) enum Command {
-    /// Shards, migrations, placements, indexes and rollouts.
-    Status,
-    /// Where a key lives: bucket, shard and host.
-    Route {
-        /// The entity group's name (as in `[groups.<name>]`).
-        group: String,
-        /// The shard key, as text.
-        key: String,
-    },
-    /// The plan of a read of a registered entity.
-    Explain {
-        /// The entity's table.
-        table: String,
-        /// Shard keys to read (repeat for several).
-        #[arg(long = "key", required_unless_present = "scatter")]
-        keys: Vec<String>,
-        /// Read every shard of the group.
-        #[arg(long, conflicts_with = "keys")]
-        scatter: bool,
-    },
-    /// The registered migrator on every database.
-    Migrate {
-        #[command(subcommand)]
-        action: MigrateAction,
-    },
-    /// Global secondary indexes of registered entities.
-    Gsi {
-        #[command(subcommand)]
-        action: GsiAction,
-    },
-    /// Registered rollouts.
-    Rollout {
-        #[command(subcommand)]
-        action: RolloutAction,
-    },
-    /// Compare copies of rows.
-    Verify {
-        #[command(subcommand)]
-        action: VerifyAction,
-    },
-    /// Ticket sequences and servers.
-    Ids {
-        #[command(subcommand)]
-        action: IdsAction,
-    },
-    /// Bucket moves of a `movable` group (its entities registered).
-    Rebalance {
-        #[command(subcommand)]
-        action: RebalanceAction,
-    },
-}
-
-#[derive(Debug, Subcommand)]
-pub(crate) enum RebalanceAction {
-    /// The buckets a move would take: the given ones, or the fewest that
-    /// even the shards out with `--to`.
-    Plan {
-        /// The group.
-        group: String,
-        /// The shard the buckets go to.
-        #[arg(long)]
-        to: String,
-        /// These buckets (comma-separated) instead of an even-out plan.
-        #[arg(long, value_delimiter = ',', conflicts_with = "range_at")]
-        buckets: Vec<u32>,
-        /// A range group: the range holding this key.
-        #[arg(long)]
-        range_at: Option<String>,
-    },
-    /// Register a move and run it (Ctrl-C stops at a chunk boundary;
-    /// `resume` goes on).
-    Start {
-        /// The group.
-        group: String,
-        /// The shard the buckets go to.
-        #[arg(long)]
-        to: String,
-        /// These buckets (comma-separated) instead of an even-out plan.
-        #[arg(long, value_delimiter = ',', conflicts_with = "range_at")]
-        buckets: Vec<u32>,
-        /// A range group: the range holding this key.
-        #[arg(long)]
-        range_at: Option<String>,
-    },
-    /// Split a range group's range at a key: both halves stay on its shard
-    /// (no row is copied) and can then move on their own.
-    Split {
-        /// The group.
-        group: String,
-        /// The key the right half starts at.
-        #[arg(long)]
-        at: String,
-    },
-    /// The group's moves that are not finished (`--all`: every move).
-    Status {
-        /// The group.
-        group: String,
-        /// Finished moves too.
-        #[arg(long)]
-        all: bool,
-    },
-    /// Run a move from its stored phase (after a crash, a Ctrl-C, an error).
-    Resume {
-        /// The group.
-        group: String,
-        /// The move's id.
-        id: i64,
-    },
-    /// Abort a move before its cut-over: the sources keep the buckets.
-    Abort {
-        /// The group.
-        group: String,
-        /// The move's id.
-        id: i64,
-    },
-}
-
-#[derive(Debug, Subcommand)]
-pub(crate) enum MigrateAction {
-    /// Apply pending migrations on every shard, directory and ticket server.
-    Up,
-    /// Applied and pending migrations per database.
-    Status,
-}
-
-#[derive(Debug, Subcommand)]
-pub(crate) enum GsiAction {
-    /// Each index's state (`write_only` or `active`).
-    Status,
-    /// Create the index tables and catalog rows.
-    Create {
-        /// Only this entity's table.
-        table: Option<String>,
-    },
-    /// Fill indexes from the primary tables (resumable), then mark them active.
-    Backfill {
-        /// The entity's table.
-        table: String,
-        /// Only this column's index.
-        column: Option<String>,
-        /// Primary rows per chunk.
-        #[arg(long, default_value_t = 500)]
-        chunk: u64,
-    },
-    /// Remove dangling index rows and add missing ones.
-    Reconcile {
-        /// Only this entity's table.
-        table: Option<String>,
-    },
-}
-
-#[derive(Debug, Subcommand)]
-pub(crate) enum RolloutAction {
-    /// Phase, gap, backfill state and registered instances.
-    Status {
-        /// Only this rollout.
-        name: Option<String>,
-    },
-    /// One phase forward, waiting out the gap.
-    Advance {
-        /// The rollout's name.
-        name: String,
-    },
-    /// One phase back, at once.
-    Retreat {
-        /// The rollout's name.
-        name: String,
-    },
-    /// Copy old rows into the new table (resumable).
-    Backfill {
-        /// The rollout's name.
-        name: String,
-        /// Old rows per chunk.
-        #[arg(long, default_value_t = 500)]
-        chunk: u64,
-    },
-    /// Compare old (converted) and new rows.
-    Verify {
-        /// The rollout's name.
-        name: String,
-        /// Fix every difference from the old rows.
-        #[arg(long)]
-        repair: bool,
-        /// Continue where the last run stopped.
-        #[arg(long)]
-        resume: bool,
-        /// Keys per chunk.
-        #[arg(long, default_value_t = 1_000)]
-        chunk: u64,
-    },
-}
-
-#[derive(Debug, Subcommand)]
-pub(crate) enum VerifyAction {
-    /// One registered entity's rows on two shards (or one bucket's).
-    Shards {
-        /// The entity's table.
-        table: String,
-        /// The shard whose rows are the truth.
-        source: String,
-        /// The shard checked against it.
-        target: String,
-        /// Only rows of this bucket.
-        #[arg(long)]
-        bucket: Option<u32>,
-        /// Make the target match.
-        #[arg(long)]
-        repair: bool,
-    },
-}
-
-#[derive(Debug, Subcommand)]
-pub(crate) enum IdsAction {
-    /// Draw the next id of a ticket sequence.
-    Next {
-        /// The sequence's name.
-        sequence: String,
-    },
-    /// Ticket servers and the sequences they hold.
-    Status,
-    /// Record the places of ticket servers that handed out tickets before
-    /// shardkit recorded places, after checking each sequence's counter
-    /// against `ids.servers` (run once, with the list as it was set up).
-    AdoptPlaces,
-    /// Remove the unconfirmed place records a stopped set-up, or two lists
-    /// setting up at once, left behind; run while no set-up runs, then set
-    /// up again.
-    ClearUnconfirmedPlaces,
-}
-
-/// What a command printed, and whether it found a problem.
-pub(crate) struct Outcome {
-    /// For `--json`.
-    pub(crate) json: serde_json::Value,
-    /// For a reader.
-    pub(crate) text: String,
-    /// Exit with 1 although the command ran (an unreachable shard, a
-    /// difference found).
-    pub(crate) problem: bool,
-}
 
 /// Runs the command line of this process against `config`'s cluster, with
 /// `registry`'s typed things, printing to stdout (errors to stderr).
@@ -373,9 +127,8 @@ where
     let json = cli.json;
     // Boxed as a trait object: the commands' futures nest deeply, and an
     // admin binary's `main` should not need a raised `recursion_limit`.
-    let execute: futures::future::BoxFuture<'_, crate::Result<Outcome>> =
-        Box::pin(commands::execute(cli, config, registry, out));
-    let result = execute.await;
+    let command: BoxFuture<'_, Result<Outcome>> = Box::pin(execute(cli, config, registry, out));
+    let result = command.await;
     let (body, code) = match result {
         Ok(outcome) => {
             let body = if json {
@@ -389,7 +142,7 @@ where
             // The message with its root cause (a database error's driver
             // message), once.
             let message = err.report().to_string();
-            let usage = commands::is_usage(&err);
+            let usage = is_usage(&err);
             let body = if json && usage {
                 serde_json::json!({ "error": message, "usage": true }).to_string() + "\n"
             } else if json {
@@ -397,7 +150,7 @@ where
             } else {
                 // One line, whatever the message quotes (a key the
                 // operator typed may hold a newline or a terminal escape).
-                format!("error: {}\n", crate::read::escape_controls(&message))
+                format!("error: {}\n", escape_controls(&message))
             };
             (body, if usage { 2 } else { 1 })
         }

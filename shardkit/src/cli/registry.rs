@@ -1,15 +1,20 @@
 //! The typed things the commands act on, behind objects the command line
 //! can call by name.
 
-use crate::entity::{EntityGroup, ShardedEntity, table_name};
+use crate::cluster::{Cluster, MigrationReport};
+use crate::entity::{EntityGroup, ShardedEntity};
 use crate::error::{Result, ShardError};
 use crate::gsi::{BackfillProgress, IndexState, ReconcileReport};
-use crate::{Cluster, Rollout, RolloutHandle, RolloutStatus, VerifyOptions, VerifyReport};
+use crate::read::ReadPlan;
+use crate::rebalance::{AnyGroup, Rebalance};
+use crate::rollout::{Phase, Rollout, RolloutBackfill, RolloutHandle, RolloutStatus};
+use crate::topology::Target;
+use crate::verify::{VerifyOptions, VerifyReport};
 use futures::future::BoxFuture;
 use sea_orm::{IntoActiveModel, TryIntoModel};
 use std::ops::ControlFlow;
 use std::str::FromStr;
-use std::sync::Arc;
+use std::time::Duration;
 
 type KeyOf<E> = <<E as ShardedEntity>::Group as EntityGroup>::Key;
 
@@ -94,30 +99,18 @@ impl Registry {
 
 /// A migrator, by type.
 pub(super) trait AdminMigrator: Send + Sync {
-    fn up<'a>(
-        &'a self,
-        cluster: &'a Cluster,
-    ) -> BoxFuture<'a, Result<crate::exec::MigrationReport>>;
-    fn status<'a>(
-        &'a self,
-        cluster: &'a Cluster,
-    ) -> BoxFuture<'a, Result<crate::exec::MigrationReport>>;
+    fn up<'a>(&'a self, cluster: &'a Cluster) -> BoxFuture<'a, Result<MigrationReport>>;
+    fn status<'a>(&'a self, cluster: &'a Cluster) -> BoxFuture<'a, Result<MigrationReport>>;
 }
 
 struct MigratorOf<M>(std::marker::PhantomData<fn() -> M>);
 
 impl<M: sea_orm_migration::MigratorTrait + 'static> AdminMigrator for MigratorOf<M> {
-    fn up<'a>(
-        &'a self,
-        cluster: &'a Cluster,
-    ) -> BoxFuture<'a, Result<crate::exec::MigrationReport>> {
+    fn up<'a>(&'a self, cluster: &'a Cluster) -> BoxFuture<'a, Result<MigrationReport>> {
         Box::pin(cluster.migrate::<M>())
     }
 
-    fn status<'a>(
-        &'a self,
-        cluster: &'a Cluster,
-    ) -> BoxFuture<'a, Result<crate::exec::MigrationReport>> {
+    fn status<'a>(&'a self, cluster: &'a Cluster) -> BoxFuture<'a, Result<MigrationReport>> {
         Box::pin(cluster.migration_status::<M>())
     }
 }
@@ -126,21 +119,20 @@ impl<M: sea_orm_migration::MigratorTrait + 'static> AdminMigrator for MigratorOf
 pub(super) trait AdminEntity: Send + Sync {
     fn table(&self) -> &'static str;
     fn group(&self) -> &'static str;
-    /// Its part in bucket moves.
-    fn mover(&self) -> Arc<dyn crate::rebalance::MoveEntity>;
+    /// Moves of its group carrying it.
+    fn moves(&self, cluster: &Cluster) -> Rebalance<AnyGroup>;
+    /// `moves` (of its group) carrying it too, after the entities they
+    /// carry already.
+    fn carried_by(&self, moves: Rebalance<AnyGroup>) -> Result<Rebalance<AnyGroup>>;
     /// Its global indexes: column and whether unique.
     fn indexes(&self) -> Vec<(&'static str, bool)>;
     /// Where `key` (as text) of the entity's group lives.
-    fn route<'a>(
-        &'a self,
-        cluster: &'a Cluster,
-        key: &'a str,
-    ) -> BoxFuture<'a, Result<crate::Target>>;
+    fn route<'a>(&'a self, cluster: &'a Cluster, key: &'a str) -> BoxFuture<'a, Result<Target>>;
     fn explain<'a>(
         &'a self,
         cluster: &'a Cluster,
         keys: &'a [String],
-    ) -> BoxFuture<'a, Result<crate::ReadPlan>>;
+    ) -> BoxFuture<'a, Result<ReadPlan>>;
     fn index_state<'a>(
         &'a self,
         cluster: &'a Cluster,
@@ -198,7 +190,7 @@ where
                     "shardctl",
                     format!(
                         "`{}` has no global index on `{name}` (indexed: {})",
-                        table_name::<E>(),
+                        E::default().table_name(),
                         E::GLOBAL_INDEXES
                             .iter()
                             .map(|(c, _)| sea_orm::IdenStatic::as_str(c))
@@ -218,11 +210,15 @@ where
     KeyOf<E>: FromStr,
 {
     fn table(&self) -> &'static str {
-        table_name::<E>()
+        E::default().table_name()
     }
 
-    fn mover(&self) -> Arc<dyn crate::rebalance::MoveEntity> {
-        Arc::new(crate::rebalance::Mover::<E>::new())
+    fn moves(&self, cluster: &Cluster) -> Rebalance<AnyGroup> {
+        cluster.rebalance::<E::Group>().entity::<E>().into_any()
+    }
+
+    fn carried_by(&self, moves: Rebalance<AnyGroup>) -> Result<Rebalance<AnyGroup>> {
+        moves.try_entity::<E>()
     }
 
     fn group(&self) -> &'static str {
@@ -236,11 +232,7 @@ where
             .collect()
     }
 
-    fn route<'a>(
-        &'a self,
-        cluster: &'a Cluster,
-        key: &'a str,
-    ) -> BoxFuture<'a, Result<crate::Target>> {
+    fn route<'a>(&'a self, cluster: &'a Cluster, key: &'a str) -> BoxFuture<'a, Result<Target>> {
         Box::pin(async move {
             let key = Self::key(key)?;
             cluster.route::<E::Group>(&key).await
@@ -251,7 +243,7 @@ where
         &'a self,
         cluster: &'a Cluster,
         keys: &'a [String],
-    ) -> BoxFuture<'a, Result<crate::ReadPlan>> {
+    ) -> BoxFuture<'a, Result<ReadPlan>> {
         Box::pin(async move {
             let plan = match keys {
                 [] => cluster.find::<E>().scatter().explain().await?,
@@ -355,7 +347,7 @@ where
                         "already registered by this command line",
                     )
                 })?;
-            let rollout = if rollout.has_instance() {
+            let rollout = if rollout.instance_name().is_some() {
                 rollout
             } else {
                 rollout.instance("shardctl")
@@ -371,14 +363,14 @@ pub(super) trait AdminRollout: Send + Sync {
     fn status(&self) -> BoxFuture<'_, Result<RolloutStatus>>;
     fn advance<'a>(
         &'a self,
-        on_wait: &'a mut (dyn FnMut(crate::Phase, std::time::Duration) + Send),
-    ) -> BoxFuture<'a, Result<crate::Phase>>;
-    fn retreat(&self) -> BoxFuture<'_, Result<crate::Phase>>;
+        on_wait: &'a mut (dyn FnMut(Phase, Duration) + Send),
+    ) -> BoxFuture<'a, Result<Phase>>;
+    fn retreat(&self) -> BoxFuture<'_, Result<Phase>>;
     fn backfill<'a>(
         &'a self,
         chunk: u64,
-        on_progress: &'a mut (dyn FnMut(crate::RolloutBackfill) -> ControlFlow<()> + Send),
-    ) -> BoxFuture<'a, Result<crate::RolloutBackfill>>;
+        on_progress: &'a mut (dyn FnMut(RolloutBackfill) -> ControlFlow<()> + Send),
+    ) -> BoxFuture<'a, Result<RolloutBackfill>>;
     fn verify<'a>(
         &'a self,
         opts: VerifyOptions,
@@ -401,20 +393,20 @@ where
 
     fn advance<'a>(
         &'a self,
-        on_wait: &'a mut (dyn FnMut(crate::Phase, std::time::Duration) + Send),
-    ) -> BoxFuture<'a, Result<crate::Phase>> {
+        on_wait: &'a mut (dyn FnMut(Phase, Duration) + Send),
+    ) -> BoxFuture<'a, Result<Phase>> {
         Box::pin(self.advance_when_ready_with(on_wait))
     }
 
-    fn retreat(&self) -> BoxFuture<'_, Result<crate::Phase>> {
+    fn retreat(&self) -> BoxFuture<'_, Result<Phase>> {
         Box::pin(RolloutHandle::retreat(self))
     }
 
     fn backfill<'a>(
         &'a self,
         chunk: u64,
-        on_progress: &'a mut (dyn FnMut(crate::RolloutBackfill) -> ControlFlow<()> + Send),
-    ) -> BoxFuture<'a, Result<crate::RolloutBackfill>> {
+        on_progress: &'a mut (dyn FnMut(RolloutBackfill) -> ControlFlow<()> + Send),
+    ) -> BoxFuture<'a, Result<RolloutBackfill>> {
         Box::pin(self.backfill_with(chunk, on_progress))
     }
 

@@ -307,7 +307,6 @@ impl ShardHealth {
     /// on the running probe, or running one, when there is none); a failure
     /// marks it down, a success up. Times are read on the clock the breaker
     /// was last asked with (the system clock before that).
-    #[cfg(any(feature = "cli", test))]
     pub(crate) async fn check(self: &Arc<Self>) -> ProbeResult {
         let clock = self
             .state()

@@ -37,9 +37,7 @@ pub(crate) use index::{IndexLookup, IndexQuery, exact_eq};
 pub use keys::KeyOf;
 pub(crate) use keys::{guard_check, key_condition, related_select};
 pub(crate) use merge::compare_values;
-#[cfg(feature = "cli")]
-pub(crate) use plan::escape_controls;
-pub use plan::{MergePlan, PlannedRoute, PlannedStatement, ReadPlan};
+pub use plan::{MergePlan, PlannedRoute, PlannedStatement, ReadPlan, escape_controls};
 pub use related::{AlsoRelated, WithRelated};
 
 pub use route::{AllowPartial, ByIndex, Keyed, Keys, Partial, Scatter, Unkeyed};

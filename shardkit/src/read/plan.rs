@@ -194,8 +194,16 @@ impl std::fmt::Display for ReadPlan {
 /// separators) written as an escape: `\n`, `\r`, `\t`, otherwise
 /// `\u{1b}`. What a plan prints of a value can then not pass for a line of
 /// the plan, nor drive the terminal it is printed on. Other text, quotes and
-/// backslashes included, is unchanged.
-pub(crate) fn escape_controls(text: &str) -> std::borrow::Cow<'_, str> {
+/// backslashes included, is unchanged. Print any text a user typed or a
+/// database returned through it to keep it on one line (the operator's
+/// command line prints its errors so).
+///
+/// ```
+/// use shardkit::read::escape_controls;
+/// assert_eq!(escape_controls("plain 'text'"), "plain 'text'");
+/// assert_eq!(escape_controls("a\nb\u{1b}[2J"), "a\\nb\\u{1b}[2J");
+/// ```
+pub fn escape_controls(text: &str) -> std::borrow::Cow<'_, str> {
     fn hostile(c: char) -> bool {
         c.is_control()
             || matches!(

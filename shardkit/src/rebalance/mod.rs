@@ -56,8 +56,6 @@ mod live;
 mod map;
 mod mover;
 
-#[cfg(feature = "cli")]
-pub(crate) use entity::{MoveEntity, Mover};
 pub(crate) use errors::{db_err, missing_table};
 pub(crate) use live::{
     REROUTE_FOR, load_maps, move_mark, read_needs_refresh, refresh_all, unfinished_moves,

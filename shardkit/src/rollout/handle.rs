@@ -143,10 +143,9 @@ impl<Old: ShardedEntity, New: ShardedEntity> Rollout<Old, New> {
         &self.name
     }
 
-    /// Whether [`instance`](Self::instance) named this instance.
-    #[cfg(feature = "cli")]
-    pub(crate) fn has_instance(&self) -> bool {
-        self.instance.is_some()
+    /// The name [`instance`](Self::instance) gave this instance, if any.
+    pub fn instance_name(&self) -> Option<&str> {
+        self.instance.as_deref()
     }
 
     /// This instance's name in [`RolloutHandle::status`] (at most 128

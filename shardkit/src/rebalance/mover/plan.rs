@@ -194,29 +194,48 @@ pub(super) fn refused(
     }
 }
 
-/// The group of a [`Rebalance`] built by name (the operator's command
-/// line), whose entities come as objects.
+/// Adds `E`'s part in moves after the entities listed before, once.
+fn carry<E>(entities: &mut Vec<Arc<dyn MoveEntity>>)
+where
+    E: ShardedEntity,
+    E::Model: IntoActiveModel<E::ActiveModel> + Sync,
+    E::ActiveModel: Send,
+{
+    if !entities.iter().any(|e| e.table() == table_name::<E>()) {
+        entities.push(Arc::new(Mover::<E>::new()));
+    }
+}
+
+/// The group of a [`Rebalance`] whose group is known by name only
+/// ([`Rebalance::into_any`]): code that handles the entities of several
+/// groups as objects (an operator's command line, an admin tool) holds
+/// their moves in one type.
 #[derive(Debug)]
 pub enum AnyGroup {}
 
 impl Rebalance<AnyGroup> {
-    /// Moves of the group named `group`, carrying `entities`.
-    #[cfg(feature = "cli")]
-    pub(crate) fn named(
-        shards: Shards,
-        group: &'static str,
-        entities: Vec<Arc<dyn MoveEntity>>,
-    ) -> Self {
-        Rebalance {
-            group,
-            shards,
-            entities,
-            progress: None,
-            wait_for_grace: false,
-            stop: None,
-            token: crate::uuid_v7().to_string(),
-            _group: std::marker::PhantomData,
+    /// Adds entity `E` to what moves carry, like [`Rebalance::entity`] on
+    /// the typed moves (after the entities added before, once). Refused
+    /// with [`ShardError::Rebalance`] when `E` belongs to another group
+    /// than these moves.
+    pub fn try_entity<E>(mut self) -> Result<Self>
+    where
+        E: ShardedEntity,
+        E::Model: IntoActiveModel<E::ActiveModel> + Sync,
+        E::ActiveModel: Send,
+    {
+        let group = <E::Group as EntityGroup>::NAME;
+        if group != self.group {
+            return Err(self.refuse(
+                None,
+                format!(
+                    "`{}` belongs to group {group}, not to the group moved",
+                    table_name::<E>()
+                ),
+            ));
         }
+        carry::<E>(&mut self.entities);
+        Ok(self)
     }
 }
 
@@ -241,10 +260,25 @@ impl<G: EntityGroup> Rebalance<G> {
         E::Model: IntoActiveModel<E::ActiveModel> + Sync,
         E::ActiveModel: Send,
     {
-        if !self.entities.iter().any(|e| e.table() == table_name::<E>()) {
-            self.entities.push(Arc::new(Mover::<E>::new()));
-        }
+        carry::<E>(&mut self.entities);
         self
+    }
+
+    /// The same moves, entities and settings with the group's type
+    /// forgotten: a [`Rebalance<AnyGroup>`](AnyGroup) of group `G`, for code
+    /// that holds the moves of several groups in one type. Add entities to
+    /// it with [`try_entity`](Rebalance::try_entity).
+    pub fn into_any(self) -> Rebalance<AnyGroup> {
+        Rebalance {
+            group: self.group,
+            shards: self.shards,
+            entities: self.entities,
+            progress: self.progress,
+            wait_for_grace: self.wait_for_grace,
+            stop: self.stop,
+            token: self.token,
+            _group: std::marker::PhantomData,
+        }
     }
 }
 

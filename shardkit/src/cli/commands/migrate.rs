@@ -1,0 +1,71 @@
+//! `migrate up` and `migrate status`, and the migration report `status`
+//! shows too.
+
+use crate::cli::args::MigrateAction;
+use crate::cli::commands::output::{Outcome, table};
+use crate::cli::registry::Registry;
+use crate::cluster::{Cluster, MigrationReport};
+use crate::error::{Result, ShardError};
+use comfy_table::Table;
+use serde_json::{Value, json};
+
+/// Runs the registered migrator (`up`) or reads where it stands (`status`)
+/// on every database.
+pub(super) async fn migrate(
+    cluster: &Cluster,
+    registry: &Registry,
+    action: MigrateAction,
+) -> Result<Outcome> {
+    let migrator = registry.migrator.as_ref().ok_or_else(|| {
+        ShardError::config(
+            "shardctl",
+            "no migrator registered; add one with Registry::migrator::<Migrator>()",
+        )
+    })?;
+    let report = match action {
+        MigrateAction::Up => migrator.up(cluster).await?,
+        MigrateAction::Status => migrator.status(cluster).await?,
+    };
+    Ok(Outcome {
+        json: migration_json(&report),
+        text: format!("{}\n", migration_table(&report)),
+        problem: !report.is_current(),
+    })
+}
+
+/// A migration report for `--json`: each database's applied and pending
+/// migrations, and whether it is behind.
+pub(super) fn migration_json(report: &MigrationReport) -> Value {
+    let behind: Vec<&str> = report.behind().iter().map(|d| d.name.as_str()).collect();
+    json!({
+        "current": report.is_current(),
+        "databases": report.databases.iter().map(|d| json!({
+            "name": d.name,
+            "applied": d.applied,
+            "pending": d.pending,
+            "behind": behind.contains(&d.name.as_str()),
+        })).collect::<Vec<_>>(),
+    })
+}
+
+/// A migration report as a table, one database a row, drift marked.
+pub(super) fn migration_table(report: &MigrationReport) -> Table {
+    let mut t = table(&["database", "applied", "pending", "drift"]);
+    for d in &report.databases {
+        t.add_row(vec![
+            d.name.clone(),
+            d.applied.len().to_string(),
+            if d.pending.is_empty() {
+                "0".to_owned()
+            } else {
+                format!("{} ({})", d.pending.len(), d.pending.join(", "))
+            },
+            if d.pending.is_empty() {
+                String::new()
+            } else {
+                "BEHIND".to_owned()
+            },
+        ]);
+    }
+    t
+}

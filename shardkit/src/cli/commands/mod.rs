@@ -1,0 +1,15 @@
+//! What each command does, and what it prints: one file per command,
+//! [`dispatch`] choosing one, [`output`] the shape of what they print.
+
+pub(super) mod dispatch;
+mod explain;
+mod gsi;
+mod ids;
+mod migrate;
+pub(super) mod output;
+mod rebalance;
+mod rollout;
+mod route;
+mod status;
+pub(super) mod usage;
+mod verify;
