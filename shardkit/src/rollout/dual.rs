@@ -8,10 +8,11 @@ use crate::exec::keyset::{pk_condition, tuple_text, upsert};
 use crate::gsi::GsiState;
 use crate::phase::Phase;
 use crate::pipeline::{Replaced, WriteOp, WriteStage, Written};
-use crate::rollout::fold::Parts;
+use crate::read::KeyOf;
+use crate::rollout::parts::Parts;
 use crate::rollout::registry::Registry;
 use crate::rollout::{
-    ActiveValues, AfterCommit, ConvertFn, KeyOf, OldReads, OldWrites, RowValues, Shared, WriteCtx,
+    ActiveValues, AfterCommit, ConvertFn, OldReads, OldWrites, RowValues, Shared, WriteCtx,
     cache_key, model_from_values,
 };
 use futures::future::BoxFuture;

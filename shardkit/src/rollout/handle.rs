@@ -1,21 +1,12 @@
 //! A rollout, its handle and its write context.
 
-use crate::clock::Clock;
-use crate::entity::{EntityGroup, ShardedEntity, table_name};
-use crate::error::Result;
+use crate::entity::{ShardedEntity, table_name};
 use crate::exec::Shards;
 use crate::gsi::GsiState;
 use crate::phase::Phase;
-use crate::pipeline::WriteOp;
-use crate::rollout::fold::Parts;
-use crate::rollout::fold::{PartDef, PartOf};
-use crate::topology::ShardId;
-use futures::future::BoxFuture;
-use sea_orm::{
-    ActiveValue, DatabaseTransaction, DbErr, EntityTrait, IntoActiveModel, Iterable,
-    PrimaryKeyToColumn, Value,
-};
-use std::any::Any;
+use crate::rollout::TimedCache;
+use crate::rollout::parts::{PartDef, PartOf, Parts};
+use sea_orm::{EntityTrait, IntoActiveModel, Iterable};
 use std::sync::atomic::AtomicU8;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
@@ -28,7 +19,6 @@ pub(crate) type FoldFn<A, B> = dyn Fn(&A, &Parts) -> B + Send + Sync;
 /// A user-supplied split of a new model into the parts folded into it.
 pub(crate) type SplitFn<B> = dyn Fn(&B) -> Parts + Send + Sync;
 pub(super) type ModelOf<E> = <E as EntityTrait>::Model;
-pub(super) type KeyOf<E> = <<E as ShardedEntity>::Group as EntityGroup>::Key;
 
 /// The declaration of a rollout from entity `Old` to entity `New` (same group,
 /// same primary key values). Register it with [`Cluster::register_rollout`].
@@ -217,17 +207,6 @@ impl<Old: ShardedEntity, New: ShardedEntity> Rollout<Old, New> {
     }
 }
 
-/// Where reads of a rollout's old entity go.
-pub(crate) enum OldReads {
-    /// The old table: it is still written.
-    Old,
-    /// The new table, in place of the old one (`FROM new AS old`): every
-    /// old column exists there with the same type.
-    New(crate::read::ReadFrom),
-    /// Refused, for this reason.
-    Refused(String),
-}
-
 /// Whether every column of `Old` exists in `New` with the same name, type
 /// and nullability, so a statement written for `Old` reads the same from
 /// `New`'s table. (It assumes what the rollout's own `to_old` does for
@@ -357,165 +336,4 @@ impl<Old: ShardedEntity, New: ShardedEntity> std::fmt::Debug for RolloutHandle<O
             .field("phase", &self.shared.phase())
             .finish()
     }
-}
-
-/// What a write of the old entity leaves to do once its transaction commits
-/// (fill or invalidate caches).
-pub(crate) type AfterCommit = Box<dyn FnOnce() + Send>;
-
-/// Where a dual write runs: the old row's transaction and shard.
-pub(crate) struct WriteCtx<'a> {
-    pub(crate) shards: &'a Shards,
-    pub(crate) gsi: &'a Arc<GsiState>,
-    pub(crate) txn: &'a DatabaseTransaction,
-    pub(crate) shard: &'a str,
-    pub(crate) shard_id: ShardId,
-}
-
-/// A row of the old entity as the write pipeline hands it over, whatever
-/// the entity's type: its columns' values in `Column::iter()` order. The
-/// registry finds a rollout by the entity's type, so the rollout reads the
-/// values back as its own `Old` (see [`Shared::old_model`]).
-pub(crate) type RowValues = Vec<Value>;
-
-/// An active model of the old entity, the same way (see [`RowValues`]).
-pub(crate) type ActiveValues = Vec<ActiveValue<Value>>;
-
-/// The write side of a rollout, keyed in the registry by the old entity's
-/// type. The write stage ([`DualWrite`]) calls it for every write of that
-/// entity.
-pub(crate) trait OldWrites: Send + Sync {
-    fn name(&self) -> &str;
-    fn phase(&self) -> Phase;
-    /// Where reads of the old entity go in the current phase (see
-    /// [`OldReads`]).
-    fn old_reads(&self) -> OldReads;
-    /// The typed rollout, for [`Cluster::rollout`](crate::Cluster::rollout).
-    fn as_any(self: Arc<Self>) -> Arc<dyn Any + Send + Sync>;
-    /// Before a write of the entity (before `new_only`): a folded part
-    /// locks its root, and re-folds the root it leaves.
-    fn before_write<'a>(
-        &'a self,
-        _ctx: WriteCtx<'a>,
-        _op: WriteOp,
-        _model: ActiveValues,
-    ) -> BoxFuture<'a, Result<Option<AfterCommit>>> {
-        Box::pin(std::future::ready(Ok(None)))
-    }
-    /// Whether an update or delete of the entity needs the row as it was
-    /// (a folded part: the root it leaves).
-    fn needs_current(&self) -> bool {
-        false
-    }
-    /// After the old row `row` was inserted or updated (`current`: the row
-    /// before an update, when [`needs_current`](Self::needs_current)).
-    fn after_write<'a>(
-        &'a self,
-        ctx: WriteCtx<'a>,
-        row: RowValues,
-        current: Option<RowValues>,
-    ) -> BoxFuture<'a, Result<Option<AfterCommit>>>;
-    /// After the old row named by `model` was deleted (`current`: the row
-    /// as it was, when [`needs_current`](Self::needs_current)), or, from
-    /// `new_only` on, instead of deleting it.
-    fn after_delete<'a>(
-        &'a self,
-        ctx: WriteCtx<'a>,
-        model: ActiveValues,
-        current: Option<RowValues>,
-    ) -> BoxFuture<'a, Result<(u64, Option<AfterCommit>)>>;
-    /// `NewOnly`: an insert (`update == false`) or update of the old entity,
-    /// applied to the new table only. Returns the old row as written.
-    fn write_new_only<'a>(
-        &'a self,
-        ctx: WriteCtx<'a>,
-        model: ActiveValues,
-        update: bool,
-    ) -> BoxFuture<'a, Result<(RowValues, AfterCommit)>>;
-}
-
-/// A cache of one model whose entries live `ttl` by the cluster's clock
-/// (so a [`ManualClock`](crate::clock::ManualClock) ages them in tests).
-/// Expired entries are dropped when next read; the capacity bounds memory.
-pub(super) struct TimedCache<V> {
-    entries: moka::sync::Cache<String, (V, i64)>,
-    ttl_ms: i64,
-    clock: Arc<dyn Clock>,
-    metrics: crate::metrics::CacheMetrics,
-}
-
-impl<V: Clone + Send + Sync + 'static> TimedCache<V> {
-    pub(super) fn new(
-        ttl: Duration,
-        capacity: u64,
-        clock: Arc<dyn Clock>,
-        metrics: crate::metrics::CacheMetrics,
-    ) -> Self {
-        TimedCache {
-            entries: moka::sync::Cache::builder().max_capacity(capacity).build(),
-            ttl_ms: i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX),
-            clock,
-            metrics,
-        }
-    }
-
-    pub(super) fn get(&self, key: &str) -> Option<V> {
-        let found = self.lookup(key);
-        match &found {
-            Some(_) => self.metrics.hit.increment(1),
-            None => self.metrics.miss.increment(1),
-        }
-        found
-    }
-
-    fn lookup(&self, key: &str) -> Option<V> {
-        let (value, at) = self.entries.get(key)?;
-        if crate::clock::now_ms(&*self.clock).saturating_sub(at) >= self.ttl_ms {
-            self.entries.invalidate(key);
-            return None;
-        }
-        Some(value)
-    }
-
-    pub(super) fn insert(&self, key: String, value: V) {
-        self.entries
-            .insert(key, (value, crate::clock::now_ms(&*self.clock)));
-    }
-
-    pub(super) fn invalidate(&self, key: &str) {
-        self.entries.invalidate(key);
-    }
-
-    pub(super) fn invalidate_all(&self) {
-        self.entries.invalidate_all();
-    }
-}
-
-/// The model [`crate::key::model_values`] took apart.
-pub(super) fn model_from_values<E: ShardedEntity>(
-    values: RowValues,
-) -> std::result::Result<E::Model, DbErr> {
-    let values = values.into_iter().map(ActiveValue::Set).collect();
-    let (model, _) = crate::key::active_from_values::<E>(values)?;
-    E::__try_into_model(model)
-}
-
-/// The cache key of a row: shard key and primary key, as text.
-pub(super) fn cache_key(key: &str, pk: &str) -> String {
-    format!("{key}\u{1f}{pk}")
-}
-
-/// `E`'s primary key column names, as a tuple when there are several.
-pub(super) fn pk_names<E: EntityTrait>() -> String {
-    let names: Vec<&str> = <E::PrimaryKey as Iterable>::iter()
-        .map(|pk| sea_orm::IdenStatic::as_str(&pk.into_column()))
-        .collect();
-    match names.as_slice() {
-        [one] => (*one).to_owned(),
-        many => format!("({})", many.join(", ")),
-    }
-}
-
-pub(super) fn pk_arity<E: EntityTrait>() -> usize {
-    <E::PrimaryKey as Iterable>::iter().count()
 }

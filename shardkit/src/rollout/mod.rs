@@ -139,9 +139,12 @@
 //! [moka]: https://docs.rs/moka
 
 mod backfill;
+mod cache;
 mod dual;
 mod fold;
 mod handle;
+mod part_writes;
+mod parts;
 pub use crate::phase::Phase;
 mod phases;
 mod reads;
@@ -149,13 +152,14 @@ mod registry;
 mod state;
 mod verify;
 mod watch;
+mod writes;
 
-use crate::rollout::handle::{KeyOf, TimedCache, cache_key, model_from_values, pk_arity, pk_names};
+use crate::rollout::cache::{TimedCache, cache_key, model_from_values, pk_arity, pk_names};
+use crate::rollout::parts::PartDef;
 pub use dual::DualWrite;
-pub use fold::Parts;
-pub(crate) use handle::{
-    ActiveValues, AfterCommit, ConvertFn, OldReads, OldWrites, RowValues, Shared, WriteCtx,
-    read_new_table,
-};
+pub(crate) use handle::{ConvertFn, Shared, read_new_table};
 pub use handle::{Rollout, RolloutBackfill, RolloutHandle, RolloutInstance, RolloutStatus};
+pub use parts::Parts;
 pub(crate) use registry::{Registry, Rollouts};
+pub(crate) use writes::OldReads;
+pub(crate) use writes::{ActiveValues, AfterCommit, OldWrites, RowValues, WriteCtx};

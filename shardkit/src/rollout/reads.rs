@@ -4,8 +4,9 @@ use crate::entity::{EntityGroup, ShardKey, ShardedEntity};
 use crate::error::Result;
 use crate::exec::keyset::{pk_condition, tuple_text};
 use crate::phase::Phase;
-use crate::rollout::fold::Parts;
-use crate::rollout::{KeyOf, RolloutHandle, cache_key};
+use crate::read::KeyOf;
+use crate::rollout::parts::Parts;
+use crate::rollout::{RolloutHandle, cache_key};
 use sea_orm::sea_query::IntoValueTuple;
 use sea_orm::{IntoActiveModel, PrimaryKeyTrait, QueryFilter, TryIntoModel, Value};
 

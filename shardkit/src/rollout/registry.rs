@@ -5,7 +5,7 @@ use crate::error::{Result, ShardError};
 use crate::exec::Shards;
 use crate::gsi::GsiState;
 use crate::phase::Phase;
-use crate::rollout::fold::PartWrites;
+use crate::rollout::part_writes::PartWrites;
 use crate::rollout::state::{
     InstanceRow, STATE_TABLE, instance_seen, read_state, register_instance, state_db, state_err,
 };
