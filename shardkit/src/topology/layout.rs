@@ -2,127 +2,18 @@
 
 use crate::entity::{KeyRef, ShardKey};
 use crate::error::{Result, ShardError};
-use crate::topology::BucketRange;
-use crate::topology::GroupConfig;
-use crate::topology::KeyRange;
-use crate::topology::LiveMap;
-use crate::topology::PlacementKind;
-use crate::topology::RangeBound;
-use crate::topology::RangeOwners;
-use crate::topology::RangeUnit;
-use crate::topology::config;
+use crate::topology::BucketOwners;
 use crate::topology::config::ClusterConfig;
+use crate::topology::owners::ShardId;
 use crate::topology::url::DatabaseUrl;
+use crate::topology::{
+    BucketRange, GroupConfig, KeyRange, LiveMap, PlacementKind, RangeBound, RangeOwners, RangeUnit,
+    config,
+};
 use config::check_url;
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::sync::Arc;
-use std::sync::atomic::Ordering as AtomicOrdering;
-use std::sync::atomic::{AtomicU32, AtomicU64};
-
-/// The owner of each bucket of a hash placement, and the epoch of the map
-/// they came from. Routing reads it without a lock; a `movable` group's
-/// owners change when the cluster reads a newer map from the database.
-pub struct BucketOwners {
-    epoch: AtomicU64,
-    owner: Box<[AtomicU32]>,
-    /// The owners as configured (what the map is seeded from).
-    configured: Box<[ShardId]>,
-    /// One install at a time, so a map is never a mix of two epochs' and
-    /// the epoch never goes back.
-    installing: std::sync::Mutex<()>,
-    /// When the map was last read (or tried), clock ms.
-    read_ms: std::sync::atomic::AtomicI64,
-}
-
-impl BucketOwners {
-    fn new(owner: Box<[ShardId]>) -> Self {
-        BucketOwners {
-            epoch: AtomicU64::new(0),
-            owner: owner.iter().map(|s| AtomicU32::new(s.0)).collect(),
-            configured: owner,
-            installing: std::sync::Mutex::new(()),
-            read_ms: std::sync::atomic::AtomicI64::new(0),
-        }
-    }
-
-    /// The shard that owns `bucket` now.
-    #[inline]
-    pub fn get(&self, bucket: u32) -> ShardId {
-        ShardId(self.owner[bucket as usize].load(AtomicOrdering::Acquire))
-    }
-
-    /// The number of buckets.
-    pub fn len(&self) -> usize {
-        self.owner.len()
-    }
-
-    /// Whether there are no buckets (never, for a validated placement).
-    pub fn is_empty(&self) -> bool {
-        self.owner.is_empty()
-    }
-
-    /// The epoch of the bucket map these owners came from: 0 for the
-    /// configured spread, then the database's epoch for a `movable` group.
-    pub fn epoch(&self) -> u64 {
-        self.epoch.load(AtomicOrdering::Acquire)
-    }
-
-    /// Every bucket's owner, in bucket order.
-    pub fn to_vec(&self) -> Vec<ShardId> {
-        (0..self.owner.len() as u32).map(|b| self.get(b)).collect()
-    }
-
-    /// The owners the config file gives (the map's seed).
-    pub fn configured(&self) -> &[ShardId] {
-        &self.configured
-    }
-
-    /// When the map's epoch was last read from the database (or tried),
-    /// in clock ms; 0 before the first time.
-    pub fn read_at_ms(&self) -> i64 {
-        self.read_ms.load(AtomicOrdering::Acquire)
-    }
-
-    pub(crate) fn mark_read(&self, now_ms: i64) {
-        self.read_ms.store(now_ms, AtomicOrdering::Release);
-    }
-
-    /// Installs a newer map; an older or equal epoch changes nothing.
-    /// Returns whether it was installed.
-    pub(crate) fn install(&self, epoch: u64, owners: &[ShardId]) -> bool {
-        let _one = self.installing.lock().unwrap_or_else(|p| p.into_inner());
-        if owners.len() != self.owner.len() || epoch <= self.epoch() {
-            return false;
-        }
-        for (slot, shard) in self.owner.iter().zip(owners) {
-            slot.store(shard.0, AtomicOrdering::Release);
-        }
-        self.epoch.store(epoch, AtomicOrdering::Release);
-        true
-    }
-}
-
-impl fmt::Debug for BucketOwners {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("BucketOwners")
-            .field("epoch", &self.epoch())
-            .field("buckets", &self.owner.len())
-            .finish()
-    }
-}
-
-/// Index of a logical shard in the cluster (its position in `[[shards]]`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct ShardId(pub u32);
-
-impl ShardId {
-    /// The index as `usize`.
-    #[inline]
-    pub fn index(self) -> usize {
-        self.0 as usize
-    }
-}
 
 /// Where one key's rows live: computed before any statement runs, printable
 /// and testable on its own.

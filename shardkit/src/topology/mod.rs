@@ -10,9 +10,11 @@
 
 mod config;
 mod layout;
+mod owners;
 pub use crate::key::pghash;
 mod ranges;
 mod url;
+mod validate;
 
 pub(crate) use config::DEFAULT_SIDE_CONNECTIONS;
 pub use config::{
@@ -21,9 +23,10 @@ pub use config::{
     SequenceConfig, ServerBudget, ShardConfig, SnowflakeConfig,
 };
 pub use layout::{
-    BucketOwners, DEFAULT_BUCKETS, DEFAULT_DIRECTORY_TABLE, DirectorySpec, Located, MAX_BUCKETS,
-    Placement, ShardId, ShardSpec, Target, Topology,
+    DEFAULT_BUCKETS, DEFAULT_DIRECTORY_TABLE, DirectorySpec, Located, MAX_BUCKETS, Placement,
+    ShardSpec, Target, Topology,
 };
+pub use owners::{BucketOwners, ShardId};
 pub use ranges::{LiveMap, MapSnapshot, RangeOwners, RangeUnit};
 pub(crate) use ranges::{find_bound, find_key};
 pub use url::DatabaseUrl;
