@@ -1,16 +1,18 @@
-//! README.md's code, compiled and run.
+//! The documentation's code, compiled and run: README.md and the guide's
+//! chapters, `shardkit/docs/*.md`.
 //!
-//! Every `rust` block of README.md appears in this file verbatim, inside code
-//! that compiles: the entities and the migrator it assumes, and async
+//! Every `rust` block of those files appears in this file verbatim, inside
+//! code that compiles: the entities and the migrator it assumes, and async
 //! functions around its statements that the tests below run on SQLite shards
-//! in a scratch directory, checking what a reader of the README relies on.
-//! `readme_rust_snippets_are_compiled_here` reads README.md and fails, naming
-//! the README line, when a snippet's lines do not occur here in order
-//! (leading indentation aside; a blank line in a snippet may stand for any
-//! code here, which is how one snippet spans module items and a function
-//! body). So a README edit means editing its copy here, where the compiler
-//! checks it; the snippet code is `#[rustfmt::skip]` so it stays as the README
-//! shows it. `toml` blocks are parsed with `ClusterConfig::from_toml`.
+//! in a scratch directory, checking what a reader of the documentation relies
+//! on. `doc_rust_snippets_are_compiled_here` reads the files and fails,
+//! naming the file and line, when a snippet's lines do not occur here in
+//! order (leading indentation aside; a blank line in a snippet may stand for
+//! any code here, which is how one snippet spans module items and a function
+//! body). So a documentation edit means editing its copy here, where the
+//! compiler checks it; the snippet code is `#[rustfmt::skip]` so it stays as
+//! the documentation shows it. `toml` blocks are parsed with
+//! `ClusterConfig::from_toml`.
 
 use shardkit::clock::{Clock, ManualClock};
 use shardkit::gsi::{IndexState, ReconcileReport};
@@ -98,7 +100,7 @@ async fn what_it_looks_like(TOML: &str) -> shardkit::Result<Looks> {
     Ok(Looks { cluster, mine, totals, some, top, part, id })
 }
 
-// README.md, "SeaORM inside a key".
+// shardkit/docs/seaorm.md ("SeaORM inside a key").
 
 #[rustfmt::skip]
 pub mod line {
@@ -122,7 +124,7 @@ pub mod line {
     impl ActiveModelBehavior for ActiveModel {}
 }
 
-/// What the statements of "SeaORM inside a key" returned.
+/// What the statements of shardkit/docs/seaorm.md returned.
 struct Inside {
     saved: order::ActiveModel,
     orders: Vec<(order::Model, Vec<line::Model>)>,
@@ -131,7 +133,7 @@ struct Inside {
     ids: Vec<i64>,
 }
 
-/// README.md, "SeaORM inside a key": the statements.
+/// shardkit/docs/seaorm.md ("SeaORM inside a key"): the statements.
 #[rustfmt::skip]
 async fn inside_a_key(cluster: &Cluster) -> shardkit::Result<Inside> {
     use futures::TryStreamExt;                      // for streams
@@ -159,8 +161,8 @@ async fn inside_a_key(cluster: &Cluster) -> shardkit::Result<Inside> {
     Ok(Inside { saved, orders, lines, streamed, ids })
 }
 
-/// Contacts, with the two indexed fields of README.md's "Global secondary
-/// indexes".
+/// Contacts, with the two indexed fields of shardkit/docs/gsi.md ("Global
+/// secondary indexes").
 #[rustfmt::skip]
 pub mod contact {
     use sea_orm::entity::prelude::*;
@@ -183,7 +185,7 @@ pub mod contact {
     impl ActiveModelBehavior for ActiveModel {}
 }
 
-/// README.md, "Global secondary indexes": the statements.
+/// shardkit/docs/gsi.md ("Global secondary indexes"): the statements.
 #[rustfmt::skip]
 async fn global_secondary_indexes(
     cluster: &Cluster,
@@ -195,8 +197,8 @@ async fn global_secondary_indexes(
     Ok((rows, report))
 }
 
-/// The old model of README.md's "Denormalisation rollouts": a person's name
-/// in two columns.
+/// The old model of shardkit/docs/rollouts.md ("Denormalisation rollouts"):
+/// a person's name in two columns.
 pub mod person_v1 {
     use sea_orm::entity::prelude::*;
 
@@ -258,8 +260,8 @@ fn to_v1(new: &person_v2::Model) -> person_v1::Model {
 
 type People = RolloutHandle<person_v1::Entity, person_v2::Entity>;
 
-/// README.md, "Denormalisation rollouts": the statements, reading back person
-/// `id` of customer `customer_id`.
+/// shardkit/docs/rollouts.md ("Denormalisation rollouts"): the statements,
+/// reading back person `id` of customer `customer_id`.
 #[rustfmt::skip]
 async fn rollouts(
     cluster: &Cluster,
@@ -281,7 +283,7 @@ async fn rollouts(
     Ok((people, new, report))
 }
 
-/// What the statements of "Ids" returned.
+/// What the statements of shardkit/docs/ids.md ("Ids") returned.
 struct Issued {
     id: i64,
     seq: Arc<shardkit::Sequence>,
@@ -291,7 +293,7 @@ struct Issued {
     target: shardkit::Target,
 }
 
-/// README.md, "Ids": the statements.
+/// shardkit/docs/ids.md ("Ids"): the statements.
 #[rustfmt::skip]
 async fn ids(cluster: &Cluster) -> shardkit::Result<Issued> {
     let id = cluster.ids().next("orders").await?;                  // ticket sequence (blocks of B)
@@ -303,7 +305,7 @@ async fn ids(cluster: &Cluster) -> shardkit::Result<Issued> {
     Ok(Issued { id, seq, sf, u, enc, target })
 }
 
-/// README.md, "Moving buckets".
+/// shardkit/docs/rebalance.md ("Moving buckets").
 #[rustfmt::skip]
 async fn grow(cluster: &Cluster) -> shardkit::Result<MoveStatus> {
     let moves = cluster.rebalance::<Customer>().entity::<order::Entity>();   // every entity of the group
@@ -312,7 +314,7 @@ async fn grow(cluster: &Cluster) -> shardkit::Result<MoveStatus> {
     moves.run(started.id).await                            // copy, catch up, verify, cut over, clean
 }
 
-/// README.md, "Moving buckets": adding a shard.
+/// shardkit/docs/rebalance.md ("Moving buckets"): adding a shard.
 #[rustfmt::skip]
 async fn add_shard(config: ClusterConfig) -> shardkit::Result<MoveStatus> {
     let cluster = Cluster::connect(config).await?;         // s4 listed, its database empty
@@ -320,8 +322,8 @@ async fn add_shard(config: ClusterConfig) -> shardkit::Result<MoveStatus> {
     grow(&cluster).await                                   // then moves hand it buckets
 }
 
-/// The application's migrations the README's `migration::Migrator` stands
-/// for: shardkit's tables, then one table per entity above.
+/// The application's migrations the documentation's `migration::Migrator`
+/// stands for: shardkit's tables, then one table per entity above.
 mod migration {
     use sea_orm_migration::prelude::*;
 
@@ -674,7 +676,7 @@ async fn rollouts_advance_backfill_and_verify() {
         }
     }
 
-    // An hour later the gap (the README's TTL + refresh, 65 s) is over.
+    // An hour later the gap (the snippet's TTL + refresh, 65 s) is over.
     let p = &people[16];
     let cluster = on_clock().await.unwrap();
     let (handle, new, report) = rollouts(&cluster, p.customer_id, p.id).await.unwrap();
@@ -840,31 +842,72 @@ async fn ids_are_unique_and_route_to_their_shard() {
 }
 
 // ---------------------------------------------------------------------------
-// The check that README.md's snippets are the code above.
+// The check that the documentation's snippets are the code above.
 
-const README: &str = include_str!("../../README.md");
 const THIS_FILE: &str = include_str!("readme.rs");
 const THIS_PATH: &str = "examples/tests/readme.rs";
 
-/// A fenced code block of README.md.
+/// The guide's folder, relative to the workspace.
+const GUIDE: &str = "shardkit/docs";
+
+/// The workspace's root directory.
+fn workspace() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("examples/ is inside the workspace")
+        .to_owned()
+}
+
+/// A Markdown file of the documentation.
+struct Doc {
+    /// Its path from the workspace root, as messages name it.
+    path: String,
+    text: String,
+}
+
+/// README.md, then every chapter of the guide (`shardkit/docs/*.md`), by name.
+fn docs() -> Vec<Doc> {
+    let root = workspace();
+    let mut chapters: Vec<String> = std::fs::read_dir(root.join(GUIDE))
+        .unwrap_or_else(|e| panic!("{GUIDE}: {e}"))
+        .map(|entry| entry.expect("a directory entry").file_name())
+        .filter_map(|name| name.to_str().map(str::to_owned))
+        .filter(|name| name.ends_with(".md"))
+        .map(|name| format!("{GUIDE}/{name}"))
+        .collect();
+    chapters.sort();
+    std::iter::once("README.md".to_owned())
+        .chain(chapters)
+        .map(|path| Doc {
+            text: std::fs::read_to_string(root.join(&path))
+                .unwrap_or_else(|e| panic!("{path}: {e}")),
+            path,
+        })
+        .collect()
+}
+
+/// A fenced code block of a documentation file.
 struct Block {
+    /// The file it is in.
+    doc: String,
     /// The info string: `rust`, `toml`, ...
     lang: String,
-    /// README.md's line number of each line of the block, with the line.
-    lines: Vec<(usize, &'static str)>,
-    /// README.md's line number of the opening fence.
+    /// The file's line number of each line of the block, with the line.
+    lines: Vec<(usize, String)>,
+    /// The file's line number of the opening fence.
     fence: usize,
 }
 
-fn readme_blocks() -> Vec<Block> {
+fn blocks_in(doc: &Doc) -> Vec<Block> {
     let mut blocks = Vec::new();
     let mut open: Option<Block> = None;
-    for (i, line) in README.lines().enumerate() {
+    for (i, line) in doc.text.lines().enumerate() {
         let number = i + 1;
         let fence = line.trim_start().strip_prefix("```");
         match (&mut open, fence) {
             (None, Some(info)) => {
                 open = Some(Block {
+                    doc: doc.path.clone(),
                     lang: info.trim().to_owned(),
                     lines: Vec::new(),
                     fence: number,
@@ -873,28 +916,33 @@ fn readme_blocks() -> Vec<Block> {
             (Some(_), Some(rest)) if rest.trim().is_empty() => {
                 blocks.extend(open.take());
             }
-            (Some(block), _) => block.lines.push((number, line)),
+            (Some(block), _) => block.lines.push((number, line.to_owned())),
             (None, None) => {}
         }
     }
     if let Some(block) = open {
-        panic!("README.md:{}: code block never closed", block.fence);
+        panic!("{}:{}: code block never closed", block.doc, block.fence);
     }
     blocks
 }
 
+/// The `lang` blocks of every documentation file, in order.
 fn blocks_of(lang: &str) -> Vec<Block> {
-    let blocks: Vec<Block> = readme_blocks()
-        .into_iter()
+    let blocks: Vec<Block> = docs()
+        .iter()
+        .flat_map(blocks_in)
         .filter(|b| b.lang.split(',').next() == Some(lang))
         .collect();
-    assert!(!blocks.is_empty(), "README.md has no ```{lang} block");
+    assert!(
+        !blocks.is_empty(),
+        "the documentation has no ```{lang} block"
+    );
     blocks
 }
 
 /// Where `block`'s lines occur in `haystack` (trimmed lines): each run of
 /// non-blank lines contiguous, the runs in order. Otherwise a message naming
-/// the first README line that is not found.
+/// the first line of the block that is not found.
 fn locate(block: &Block, haystack: &[&str]) -> Result<(), String> {
     let mut from = 0;
     for run in block.lines.split(|(_, line)| line.trim().is_empty()) {
@@ -915,7 +963,7 @@ fn locate(block: &Block, haystack: &[&str]) -> Result<(), String> {
                     .map(|at| (at, matching(at)))
                     .max_by_key(|&(at, len)| (len, std::cmp::Reverse(at)))
                     .unwrap_or((from, 0));
-                let (number, line) = run[len];
+                let (number, line) = &run[len];
                 let context = if len > 0 {
                     format!(
                         " ({THIS_PATH}:{} has `{}` in its place)",
@@ -926,7 +974,8 @@ fn locate(block: &Block, haystack: &[&str]) -> Result<(), String> {
                     String::new()
                 };
                 return Err(format!(
-                    "README.md:{number}: `{}` (```{} block at line {}) is not in {THIS_PATH}{context}",
+                    "{}:{number}: `{}` (```{} block at line {}) is not in {THIS_PATH}{context}",
+                    block.doc,
                     line.trim(),
                     block.lang,
                     block.fence
@@ -938,7 +987,7 @@ fn locate(block: &Block, haystack: &[&str]) -> Result<(), String> {
 }
 
 #[test]
-fn readme_rust_snippets_are_compiled_here() {
+fn doc_rust_snippets_are_compiled_here() {
     let haystack: Vec<&str> = THIS_FILE.lines().map(str::trim).collect();
     let missing: Vec<String> = blocks_of("rust")
         .iter()
@@ -946,7 +995,7 @@ fn readme_rust_snippets_are_compiled_here() {
         .collect();
     assert!(
         missing.is_empty(),
-        "README.md's rust snippets must be copied verbatim into {THIS_PATH}, where they compile and run:\n{}",
+        "the documentation's rust snippets must be copied verbatim into {THIS_PATH}, where they compile and run:\n{}",
         missing.join("\n")
     );
 }
@@ -969,7 +1018,7 @@ fn declares_shards(text: &str) -> bool {
 }
 
 #[test]
-fn readme_toml_snippets_are_valid_configs() {
+fn doc_toml_snippets_are_valid_configs() {
     let mut wrong = Vec::new();
     for block in blocks_of("toml") {
         let text: String = block.lines.iter().map(|(_, l)| format!("{l}\n")).collect();
@@ -980,17 +1029,19 @@ fn readme_toml_snippets_are_valid_configs() {
         };
         match ClusterConfig::from_toml(&config) {
             Err(e) => wrong.push(format!(
-                "README.md:{}: the ```toml block is not a valid shardkit config: {e} (its line 1 is README.md:{})",
+                "{}:{}: the ```toml block is not a valid shardkit config: {e} (its line 1 is {}:{})",
+                block.doc,
                 block.fence,
+                block.doc,
                 block.fence + 1
             )),
-            // The README says a password never shows in Debug.
+            // The documentation says a password never shows in Debug.
             Ok(parsed) => {
                 let debug = format!("{parsed:?}");
                 if passwords(&text).any(|pw| debug.contains(pw)) {
                     wrong.push(format!(
-                        "README.md:{}: a URL's password shows in the config's Debug",
-                        block.fence
+                        "{}:{}: a URL's password shows in the config's Debug",
+                        block.doc, block.fence
                     ));
                 }
             }
@@ -1009,24 +1060,131 @@ fn passwords(text: &str) -> impl Iterator<Item = &str> {
 }
 
 #[test]
-fn readme_commands_name_example_programs() {
+fn doc_commands_name_example_programs() {
     let bins = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("src/bin");
     let mut named = 0;
-    for (i, line) in README.lines().enumerate() {
-        for rest in line.split("--bin ").skip(1) {
-            let name: String = rest
-                .chars()
-                .take_while(|c| c.is_alphanumeric() || *c == '_' || *c == '-')
-                .collect();
-            named += 1;
-            assert!(
-                bins.join(format!("{name}.rs")).exists(),
-                "README.md:{}: `--bin {name}` is not a program of shardkit-examples",
-                i + 1
-            );
+    for doc in docs() {
+        for (i, line) in doc.text.lines().enumerate() {
+            for rest in line.split("--bin ").skip(1) {
+                let name: String = rest
+                    .chars()
+                    .take_while(|c| c.is_alphanumeric() || *c == '_' || *c == '-')
+                    .collect();
+                named += 1;
+                assert!(
+                    bins.join(format!("{name}.rs")).exists(),
+                    "{}:{}: `--bin {name}` is not a program of shardkit-examples",
+                    doc.path,
+                    i + 1
+                );
+            }
         }
     }
-    assert!(named > 0, "README.md names no example program");
+    assert!(named > 0, "the documentation names no example program");
+}
+
+/// CI runs the README's commands: its first code block is the quickstart and
+/// the whole test suite, the two commands a fresh clone runs.
+#[test]
+fn readme_opens_with_the_two_commands() {
+    let readme = &docs()[0];
+    let first = blocks_in(readme)
+        .into_iter()
+        .next()
+        .expect("README.md has a code block");
+    let commands: Vec<&str> = first
+        .lines
+        .iter()
+        .map(|(_, l)| l.split('#').next().unwrap_or_default().trim())
+        .filter(|l| !l.is_empty())
+        .collect();
+    assert_eq!(
+        commands,
+        [
+            "cargo run -p shardkit-examples --bin quickstart",
+            "cargo test --workspace"
+        ],
+        "README.md:{}: the first code block",
+        first.fence
+    );
+}
+
+/// Every chapter of the guide is a module of `shardkit::guide`, so rustdoc
+/// shows it (`shardkit/src/lib.rs`: `include_str!("../docs/<chapter>.md")`).
+#[test]
+fn every_chapter_is_in_the_rustdoc_guide() {
+    let lib = std::fs::read_to_string(workspace().join("shardkit/src/lib.rs"))
+        .expect("shardkit/src/lib.rs");
+    for doc in docs().iter().skip(1) {
+        let file = doc.path.rsplit('/').next().unwrap_or_default();
+        assert!(
+            lib.contains(&format!("include_str!(\"../docs/{file}\")")),
+            "{}: not included in shardkit/src/lib.rs's `guide` module",
+            doc.path
+        );
+    }
+}
+
+/// The link destinations of `text`: inline `](dest)` and definitions
+/// `[label]: dest`, with their line numbers.
+fn links(text: &str) -> Vec<(usize, &str)> {
+    let mut found = Vec::new();
+    let mut fenced = false;
+    for (i, line) in text.lines().enumerate() {
+        if line.trim_start().starts_with("```") {
+            fenced = !fenced;
+        }
+        if fenced {
+            continue;
+        }
+        for rest in line.split("](").skip(1) {
+            if let Some(dest) = rest.split(')').next() {
+                found.push((i + 1, dest));
+            }
+        }
+        let definition = line.strip_prefix('[').and_then(|l| l.split_once("]: "));
+        if let Some((label, dest)) = definition.filter(|(label, _)| !label.contains(['[', ']'])) {
+            debug_assert!(!label.is_empty());
+            found.push((i + 1, dest.trim()));
+        }
+    }
+    found
+}
+
+/// A relative link in the documentation names a file that exists (on
+/// GitHub, and in a checkout), whatever its `#anchor`.
+#[test]
+fn doc_links_name_files_that_exist() {
+    let root = workspace();
+    let mut broken = Vec::new();
+    let mut checked = 0;
+    for doc in docs() {
+        let dir = root
+            .join(&doc.path)
+            .parent()
+            .expect("a file's folder")
+            .to_owned();
+        for (line, dest) in links(&doc.text) {
+            let file = dest.split('#').next().unwrap_or_default();
+            if file.is_empty() || file.contains("://") {
+                continue;
+            }
+            checked += 1;
+            if !dir.join(file).exists() {
+                broken.push(format!("{}:{line}: `{dest}` names no file", doc.path));
+            }
+        }
+    }
+    assert!(checked > 0, "no relative link was checked");
+    assert!(broken.is_empty(), "{}", broken.join("\n"));
+}
+
+#[test]
+fn links_are_found_inline_and_in_definitions() {
+    assert_eq!(
+        links("see [a](a.md#x) and [b][b]\n```\n[c](c.md)\n```\n[b]: b.md\n[d][b]: text\n"),
+        vec![(1, "a.md#x"), (5, "b.md")]
+    );
 }
 
 #[test]
