@@ -241,9 +241,9 @@ pub mod prelude {
     };
 }
 
-/// Where the guide's chapter links point in rustdoc. Each chapter ends with
-/// its own definitions for GitHub (`[gsi]: gsi.md`); these come first in
-/// each module's docs, and the first definition of a label wins.
+// Where the guide's chapter links point in rustdoc. Each chapter ends with
+// its own definitions for GitHub (`[gsi]: gsi.md`); these come first in
+// each module's docs, and the first definition of a label wins.
 #[cfg(all(doc, not(doctest)))]
 macro_rules! guide_links {
     () => {
@@ -264,7 +264,7 @@ macro_rules! guide_links {
     };
 }
 
-/// The guide: `shardkit/docs/*.md`, one module per chapter.
+// The guide: `shardkit/docs/*.md`, one module per chapter (rustdoc only).
 #[cfg(all(doc, not(doctest)))]
 pub mod guide {
     #![doc = guide_links!()]
