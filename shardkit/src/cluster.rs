@@ -18,7 +18,7 @@ use crate::read::{Find, IndexLookup, KeyOf, Keyed, Unkeyed};
 use crate::rollout::{DualWrite, Registry, Rollout, RolloutHandle, Rollouts};
 use crate::topology::{ClusterConfig, Target, Topology};
 use crate::verify::{VerifyOptions, VerifyReport};
-use sea_orm::{DatabaseConnection, IntoActiveModel, TryIntoModel};
+use sea_orm::DatabaseConnection;
 use sea_orm_migration::MigratorTrait;
 use std::sync::Arc;
 use std::time::Duration;
@@ -722,10 +722,6 @@ impl Cluster {
     where
         Old: ShardedEntity,
         New: ShardedEntity<Group = Old::Group>,
-        Old::Model: Sync + IntoActiveModel<Old::ActiveModel>,
-        Old::ActiveModel: TryIntoModel<Old::Model> + Send + Sync,
-        New::Model: Sync + IntoActiveModel<New::ActiveModel>,
-        New::ActiveModel: Send,
     {
         // Boxed so that a `New` of another group is one compile error.
         crate::boxed::boxed(move || async move { self.rollouts().register(rollout).await })
@@ -747,8 +743,6 @@ impl Cluster {
     where
         Old: ShardedEntity,
         New: ShardedEntity<Group = Old::Group>,
-        Old::Model: Sync,
-        New::Model: Sync,
     {
         self.rollouts().handle::<Old, New>()
     }
@@ -776,7 +770,6 @@ impl Cluster {
     ) -> Result<VerifyReport>
     where
         E: ShardedEntity,
-        E::Model: IntoActiveModel<E::ActiveModel> + Sync,
     {
         crate::verify::verify_shards::<E>(&self.shards, source, target, bucket, opts).await
     }

@@ -156,8 +156,16 @@ pub trait GroupKey<G: EntityGroup> {
 /// `#[derive(shardkit::Sharded)]`.
 ///
 /// Its models and active models can be shared between threads (as every
-/// SeaORM model of plain fields can), so a write's future is `Send`.
-pub trait ShardedEntity: EntityTrait<Model: Sync, ActiveModel: Send + Sync> {
+/// SeaORM model of plain fields can), so a write's future is `Send`; and a
+/// model converts to its active model and back (what SeaORM's
+/// `DeriveEntityModel` always generates), so code generic over sharded
+/// entities needs no `where` clause for either.
+pub trait ShardedEntity:
+    EntityTrait<
+        Model: Sync + sea_orm::IntoActiveModel<<Self as EntityTrait>::ActiveModel>,
+        ActiveModel: Send + Sync + sea_orm::TryIntoModel<<Self as EntityTrait>::Model>,
+    >
+{
     /// The transactional entity group the entity belongs to.
     type Group: EntityGroup;
     /// The Rust field name of the shard key.

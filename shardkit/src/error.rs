@@ -34,8 +34,10 @@ pub enum ShardError {
         shard: String,
         /// The URL with its password replaced by `***`.
         url: String,
-        /// The driver's message, with the password scrubbed from it.
-        cause: String,
+        /// The driver's error, with the password scrubbed from it; also
+        /// the error's [`source`](std::error::Error::source).
+        #[source]
+        cause: DriverError,
     },
 
     /// A statement failed on a shard (or a directory database or ticket
@@ -239,8 +241,14 @@ pub enum ShardError {
     IdsUnavailable {
         /// The sequence.
         sequence: String,
-        /// Each server's failure.
+        /// Each server's failure, in the order the servers were asked.
         causes: String,
+        /// The last server's own error, when it was one (a connect or
+        /// statement failure; not a refusal such as a missing place): the
+        /// error's [`source`](std::error::Error::source), so a chain walks
+        /// to the driver's error.
+        #[source]
+        last: Option<std::sync::Arc<ShardError>>,
     },
 
     /// A ticket sequence has no ids left: its next block, `ticket × block`,
@@ -340,6 +348,16 @@ pub enum ShardError {
         reason: String,
     },
 
+    /// An invariant of shardkit's own broke: a bug in shardkit, never the
+    /// caller's input. Nothing more was written after it was found (a
+    /// transaction it happened in is rolled back). Please report it with
+    /// the message.
+    #[error("shardkit bug: {what} (please report this)")]
+    Internal {
+        /// What was found broken, and where.
+        what: String,
+    },
+
     /// Applying migrations to a shard failed. Like [`ShardError::Db`], the
     /// message ends with the driver's own error.
     #[error("migrating shard `{shard}` failed: {}", DriverCause(source))]
@@ -367,6 +385,9 @@ pub enum ErrorKind {
     Refused,
     /// The key has no shard.
     Routing,
+    /// A broken invariant of shardkit's own ([`ShardError::Internal`]): a
+    /// bug, never the caller's input.
+    Internal,
 }
 
 impl ShardError {
@@ -405,6 +426,7 @@ impl ShardError {
             | ShardError::SequenceExhausted { .. }
             | ShardError::Rollout { .. } => ErrorKind::Refused,
             ShardError::Unroutable { .. } | ShardError::BucketMoved { .. } => ErrorKind::Routing,
+            ShardError::Internal { .. } => ErrorKind::Internal,
         }
     }
 
@@ -450,6 +472,7 @@ impl ShardError {
                 Retry::After(std::time::Duration::from_millis(*wait_ms))
             }
             ShardError::Config { .. }
+            | ShardError::Internal { .. }
             | ShardError::UnknownGroup { .. }
             | ShardError::Migration { .. }
             | ShardError::CrossShardWrite { .. }
@@ -487,6 +510,11 @@ impl ShardError {
         Report(self)
     }
 
+    /// A [`ShardError::Internal`]: an invariant of shardkit's own broke.
+    pub(crate) fn internal(what: impl Into<String>) -> Self {
+        ShardError::Internal { what: what.into() }
+    }
+
     /// A [`ShardError::Config`]: `entry` names where the value was given
     /// (a key of the config, a command-line option such as `--bucket`),
     /// `message` what is wrong with it and how to fix it.
@@ -497,6 +525,62 @@ impl ShardError {
         }
     }
 }
+
+/// A driver's error with its secrets removed: what the database or the
+/// connection said (a URL's password scrubbed from it) and the driver's
+/// code where it gave one. The [`source`](std::error::Error::source) of
+/// [`ShardError::Connect`]; the driver's own error is not kept, since its
+/// text may carry the password.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DriverError {
+    message: String,
+    code: Option<String>,
+}
+
+impl DriverError {
+    /// A driver error of `message` (already scrubbed of secrets).
+    pub(crate) fn new(message: impl Into<String>) -> Self {
+        DriverError {
+            message: message.into(),
+            code: None,
+        }
+    }
+
+    /// The error of `source`, its text passed through `scrub`.
+    pub(crate) fn of(source: &DbErr, scrub: impl Fn(&str) -> String) -> Self {
+        DriverError {
+            message: scrub(&DriverCause(source).to_string()),
+            code: match source {
+                DbErr::Conn(sea_orm::RuntimeErr::SqlxError(e))
+                | DbErr::Exec(sea_orm::RuntimeErr::SqlxError(e))
+                | DbErr::Query(sea_orm::RuntimeErr::SqlxError(e)) => e
+                    .as_database_error()
+                    .and_then(|d| d.code())
+                    .map(|c| c.into_owned()),
+                _ => None,
+            },
+        }
+    }
+
+    /// What the driver said (secrets scrubbed).
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+
+    /// The driver's code (PostgreSQL's SQLSTATE, MySQL/MariaDB's error
+    /// number, SQLite's result code), when the database answered with one.
+    pub fn code(&self) -> Option<&str> {
+        self.code.as_deref()
+    }
+}
+
+impl std::fmt::Display for DriverError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for DriverError {}
 
 /// An error with every cause, each once ([`ShardError::report`]).
 pub struct Report<'a>(&'a ShardError);

@@ -204,7 +204,9 @@ pub use cluster::{
     SetupReport, ShardTx, StatementEvent, StatementObserver,
 };
 pub use entity::{EntityGroup, GroupKey, InGroup, KeyRef, ShardKey, ShardedEntity};
-pub use error::{ErrorKind, Origin, Result, Retry, ShardError, ShardFailure, Subsystem};
+pub use error::{
+    DriverError, ErrorKind, Origin, Result, Retry, ShardError, ShardFailure, Subsystem,
+};
 pub use ids::{Ids, Sequence, ServerPlace, Snowflake, SnowflakeLayout, TicketPlace, uuid_v7};
 pub use read::{
     AllowPartial, ByIndex, Find, KeyOf, Keyed, KeyedPages, KeyedSelect, Keys, MergePlan,

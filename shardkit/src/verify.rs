@@ -564,17 +564,13 @@ pub fn check_bucket(
 }
 
 /// See [`Cluster::verify_shards`](crate::Cluster::verify_shards).
-pub(crate) async fn verify_shards<E>(
+pub(crate) async fn verify_shards<E: ShardedEntity>(
     shards: &crate::exec::Shards,
     source: &str,
     target: &str,
     bucket: Option<u32>,
     opts: VerifyOptions,
-) -> Result<VerifyReport>
-where
-    E: ShardedEntity,
-    E::Model: IntoActiveModel<E::ActiveModel> + Sync,
-{
+) -> Result<VerifyReport> {
     let shard = |name: &str| {
         shards.topology().shard_id(name).ok_or_else(|| {
             ShardError::config(format!("verify_shards({name:?})"), "no shard has this name")

@@ -11,7 +11,6 @@ use crate::rollout::{Phase, Rollout, RolloutBackfill, RolloutHandle, RolloutStat
 use crate::topology::Target;
 use crate::verify::{VerifyOptions, VerifyReport};
 use futures::future::BoxFuture;
-use sea_orm::{IntoActiveModel, TryIntoModel};
 use std::ops::ControlFlow;
 use std::str::FromStr;
 use std::time::Duration;
@@ -46,8 +45,6 @@ impl Registry {
     pub fn entity<E>(mut self) -> Self
     where
         E: ShardedEntity,
-        E::Model: IntoActiveModel<E::ActiveModel> + Sync,
-        E::ActiveModel: Send,
         KeyOf<E>: FromStr,
     {
         self.entities
@@ -62,10 +59,6 @@ impl Registry {
     where
         Old: ShardedEntity,
         New: ShardedEntity<Group = Old::Group>,
-        Old::Model: Sync + IntoActiveModel<Old::ActiveModel>,
-        Old::ActiveModel: TryIntoModel<Old::Model> + Send + Sync,
-        New::Model: Sync + IntoActiveModel<New::ActiveModel>,
-        New::ActiveModel: Send,
     {
         self.rollouts.push(Box::new(RolloutDecl {
             name: rollout.name().to_owned(),
@@ -205,8 +198,6 @@ where
 impl<E> AdminEntity for EntityOf<E>
 where
     E: ShardedEntity,
-    E::Model: IntoActiveModel<E::ActiveModel> + Sync,
-    E::ActiveModel: Send,
     KeyOf<E>: FromStr,
 {
     fn table(&self) -> &'static str {
@@ -322,10 +313,6 @@ impl<Old, New> AdminRolloutDecl for RolloutDecl<Old, New>
 where
     Old: ShardedEntity,
     New: ShardedEntity<Group = Old::Group>,
-    Old::Model: Sync + IntoActiveModel<Old::ActiveModel>,
-    Old::ActiveModel: TryIntoModel<Old::Model> + Send + Sync,
-    New::Model: Sync + IntoActiveModel<New::ActiveModel>,
-    New::ActiveModel: Send,
 {
     fn name(&self) -> &str {
         &self.name
@@ -382,10 +369,6 @@ impl<Old, New> AdminRollout for RolloutHandle<Old, New>
 where
     Old: ShardedEntity,
     New: ShardedEntity<Group = Old::Group>,
-    Old::Model: Sync + IntoActiveModel<Old::ActiveModel>,
-    Old::ActiveModel: TryIntoModel<Old::Model> + Send + Sync,
-    New::Model: Sync + IntoActiveModel<New::ActiveModel>,
-    New::ActiveModel: Send,
 {
     fn status(&self) -> BoxFuture<'_, Result<RolloutStatus>> {
         Box::pin(RolloutHandle::status(self))

@@ -2,7 +2,7 @@
 //! shard, a side pool per shard, directory and ticket-server pools.
 
 use crate::clock::Clock;
-use crate::error::{DriverCause, Result, ShardError};
+use crate::error::{DriverError, Result, ShardError};
 use crate::exec::shards::{
     Inner, ReadSettings, RebalanceSettings, Shards, StatementEvent, StatementObserver,
 };
@@ -45,7 +45,7 @@ impl Shards {
                     return Err(ShardError::Connect {
                         shard: spec.name.clone(),
                         url: spec.url.redacted(),
-                        cause: failure.into_cause(),
+                        cause: DriverError::new(failure.into_cause()),
                     });
                 }
             }
@@ -280,7 +280,7 @@ async fn create_databases(topology: &Topology, pool: &PoolConfig, timeout: Durat
             return Err(ShardError::Connect {
                 shard: name,
                 url: server.redacted(),
-                cause,
+                cause: DriverError::new(cause),
             });
         }
         let conn = connect_one(name.clone(), &server, &direct, None, None, false)
@@ -289,7 +289,7 @@ async fn create_databases(topology: &Topology, pool: &PoolConfig, timeout: Durat
                 ShardError::Db { source, .. } => ShardError::Connect {
                     shard: name.clone(),
                     url: server.redacted(),
-                    cause: server.scrub(&DriverCause(&source).to_string()),
+                    cause: DriverError::of(&source, |m| server.scrub(m)),
                 },
                 other => other,
             })?;
@@ -298,10 +298,15 @@ async fn create_databases(topology: &Topology, pool: &PoolConfig, timeout: Durat
         created.map_err(|source| ShardError::Connect {
             shard: name.clone(),
             url: url.redacted(),
-            cause: format!(
-                "database does not exist and could not be created: {}",
-                server.scrub(&DriverCause(&source).to_string())
-            ),
+            cause: {
+                let cause = DriverError::of(&source, |m| {
+                    format!(
+                        "database does not exist and could not be created: {}",
+                        server.scrub(m)
+                    )
+                });
+                cause
+            },
         })?;
     }
     Ok(())
@@ -465,7 +470,7 @@ pub(super) async fn connect_one(
         .map_err(|err| ShardError::Connect {
             shard: name.clone(),
             url: url.redacted(),
-            cause: url.scrub(&DriverCause(&err).to_string()),
+            cause: DriverError::of(&err, |m| url.scrub(m)),
         })?;
     observe(&mut conn, name, observer);
     Ok(conn)
@@ -487,7 +492,7 @@ fn lazy_sqlite(
     let mut options = SqliteConnectOptions::from_str(raw).map_err(|err| ShardError::Connect {
         shard: name.clone(),
         url: url.redacted(),
-        cause: url.scrub(&err.to_string()),
+        cause: DriverError::new(url.scrub(&err.to_string())),
     })?;
     options = options.busy_timeout(BUSY_TIMEOUT);
     if !raw.contains("journal_mode") {

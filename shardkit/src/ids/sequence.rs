@@ -192,8 +192,8 @@ enum FetchError {
     Config { entry: String, message: String },
     /// A [`ShardError::SequenceExhausted`].
     Exhausted { ticket: u64, block: u64 },
-    /// The causes of an [`ShardError::IdsUnavailable`].
-    Unavailable(String),
+    /// The causes of an [`ShardError::IdsUnavailable`], and its source.
+    Unavailable(String, Option<std::sync::Arc<ShardError>>),
 }
 
 fn recordable(err: &ShardError) -> FetchError {
@@ -206,8 +206,10 @@ fn recordable(err: &ShardError) -> FetchError {
             ticket: *ticket,
             block: *block,
         },
-        ShardError::IdsUnavailable { causes, .. } => FetchError::Unavailable(causes.clone()),
-        other => FetchError::Unavailable(other.to_string()),
+        ShardError::IdsUnavailable { causes, last, .. } => {
+            FetchError::Unavailable(causes.clone(), last.clone())
+        }
+        other => FetchError::Unavailable(other.to_string(), None),
     }
 }
 
@@ -222,9 +224,10 @@ impl Sequence {
                 ticket: *ticket,
                 block: *block,
             },
-            FetchError::Unavailable(causes) => ShardError::IdsUnavailable {
+            FetchError::Unavailable(causes, last) => ShardError::IdsUnavailable {
                 sequence: self.name.clone(),
                 causes: causes.clone(),
+                last: last.clone(),
             },
         }
     }

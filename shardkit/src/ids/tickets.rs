@@ -48,6 +48,7 @@ impl Tickets {
         let timeout = self.step_timeout();
         let retry_after = Duration::from_millis(self.config.retry_after_ms.unwrap_or(1000));
         let mut causes = Vec::new();
+        let mut last = None;
         for i in order {
             let server = &self.servers[i];
             let deadline = tokio::time::Instant::now() + timeout;
@@ -99,7 +100,8 @@ impl Tickets {
                     ));
                 }
                 Ok(Err(TicketFailure::Failed(err))) => {
-                    causes.push(format!("{}: {}", server.name, err.report()))
+                    causes.push(format!("{}: {}", server.name, err.report()));
+                    last = Some(std::sync::Arc::new(err));
                 }
                 Err(_) => causes.push(format!("{}: no answer within {timeout:?}", server.name)),
             }
@@ -110,6 +112,7 @@ impl Tickets {
         Err(ShardError::IdsUnavailable {
             sequence: name.to_owned(),
             causes: causes.join("; "),
+            last,
         })
     }
 }

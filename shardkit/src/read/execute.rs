@@ -37,10 +37,10 @@ impl<E: ShardedEntity> Read<E> {
         Fut: Future<Output = std::result::Result<T, DbErr>>,
     {
         let Some((target, select)) = plan.single.take() else {
-            return Err(ShardError::Unmergeable {
-                table: table_name::<E>(),
-                reason: "internal: a multi-shard plan run as a single-shard one".to_owned(),
-            });
+            return Err(ShardError::internal(format!(
+                "a multi-shard plan run as a single-shard one (`{}`)",
+                table_name::<E>()
+            )));
         };
         let shard = self.shards.shard_name(target.shard);
         let span = read_span::<E>(shard, target.bucket, op);
@@ -82,10 +82,10 @@ impl<E: ShardedEntity> Read<E> {
         S::Item: Send + 'static,
     {
         let Some((target, select)) = plan.single.take() else {
-            return Err(ShardError::Unmergeable {
-                table: table_name::<E>(),
-                reason: "internal: a multi-shard plan run as a stream".to_owned(),
-            });
+            return Err(ShardError::internal(format!(
+                "a multi-shard plan run as a stream (`{}`)",
+                table_name::<E>()
+            )));
         };
         let Read {
             shards, timeout, ..

@@ -253,7 +253,6 @@ impl<E: ShardedEntity, R> Find<E, R> {
     async fn run_count(self) -> Result<R::Output<u64>>
     where
         R: Routed<E>,
-        E::Model: Sync,
     {
         let (read, select, spec) = self.split();
         let plan = read.plan(select, spec, ReadOp::Count).await?;
@@ -358,8 +357,6 @@ macro_rules! routed_reads {
             /// The number of matching rows (summed over shards;
             /// `limit`/`offset` and ordering do not apply).
             pub fn count(self) -> impl Future<Output = Result<<$route as Routed<E>>::Output<u64>>>
-            where
-                E::Model: Sync,
             {
                 self.run_count()
             }
@@ -715,10 +712,7 @@ impl<E: ShardedEntity> KeyedPages<E> {
     }
 
     /// How many rows the read has (within its key).
-    pub async fn num_items(&self) -> Result<u64>
-    where
-        E::Model: Sync,
-    {
+    pub async fn num_items(&self) -> Result<u64> {
         let mut find = self.find.clone();
         find.limit = None;
         find.offset = None;
@@ -726,10 +720,7 @@ impl<E: ShardedEntity> KeyedPages<E> {
     }
 
     /// How many pages those rows fill.
-    pub async fn num_pages(&self) -> Result<u64>
-    where
-        E::Model: Sync,
-    {
+    pub async fn num_pages(&self) -> Result<u64> {
         Ok(self.num_items().await?.div_ceil(self.page_size))
     }
 

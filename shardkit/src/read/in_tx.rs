@@ -224,10 +224,7 @@ impl<'t, E: ShardedEntity, C: ConnectionTrait> TxFind<'t, E, C> {
     }
 
     /// The number of matching rows of the transaction's key.
-    pub async fn count(mut self) -> Result<u64>
-    where
-        E::Model: Sync,
-    {
+    pub async fn count(mut self) -> Result<u64> {
         self.ready()?;
         self.select
             .count(self.conn)

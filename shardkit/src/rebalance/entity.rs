@@ -224,8 +224,6 @@ async fn upsert_rows<E>(
 ) -> Result<()>
 where
     E: ShardedEntity,
-    E::Model: IntoActiveModel<E::ActiveModel>,
-    E::ActiveModel: Send,
 {
     if rows.is_empty() {
         return Ok(());
@@ -244,8 +242,6 @@ async fn upsert_once<E>(
 ) -> Result<()>
 where
     E: ShardedEntity,
-    E::Model: IntoActiveModel<E::ActiveModel>,
-    E::ActiveModel: Send,
 {
     let e = err::<E>(shard, "copy to");
     let (pks, others) = crate::key::key_and_other_columns::<E>();
@@ -374,8 +370,6 @@ async fn rows_of_keys<E: ShardedEntity, C: ConnectionTrait>(
 impl<E> MoveEntity for Mover<E>
 where
     E: ShardedEntity,
-    E::Model: IntoActiveModel<E::ActiveModel> + Sync,
-    E::ActiveModel: Send,
 {
     fn table(&self) -> &'static str {
         table_name::<E>()

@@ -10,9 +10,7 @@ use crate::rollout::state::{
 use crate::rollout::{RolloutBackfill, RolloutHandle, WriteCtx, pk_names};
 use crate::topology::ShardId;
 use sea_orm::sea_query::{Alias, Expr, ExprTrait, Query};
-use sea_orm::{
-    ConnectionTrait, DatabaseConnection, IntoActiveModel, QueryFilter, TryIntoModel, Value,
-};
+use sea_orm::{ConnectionTrait, DatabaseConnection, QueryFilter, Value};
 use std::ops::ControlFlow;
 use std::time::Duration;
 
@@ -20,10 +18,6 @@ impl<Old, New> RolloutHandle<Old, New>
 where
     Old: ShardedEntity,
     New: ShardedEntity<Group = Old::Group>,
-    Old::Model: Sync + IntoActiveModel<Old::ActiveModel>,
-    Old::ActiveModel: TryIntoModel<Old::Model> + Send + Sync,
-    New::Model: Sync + IntoActiveModel<New::ActiveModel>,
-    New::ActiveModel: Send,
 {
     /// Copies every old row to the new table (see [`backfill_with`](Self::backfill_with)).
     pub async fn backfill(&self) -> Result<RolloutBackfill> {

@@ -18,7 +18,7 @@ use crate::rollout::{
 use futures::future::BoxFuture;
 use sea_orm::{
     ActiveModelTrait, ConnectionTrait, DbErr, IntoActiveModel, Iterable, ModelTrait, QueryFilter,
-    TryIntoModel, Value,
+    Value,
 };
 use std::any::{Any, TypeId};
 use std::sync::Arc;
@@ -28,9 +28,6 @@ impl<Old, New> Shared<Old, New>
 where
     Old: ShardedEntity,
     New: ShardedEntity<Group = Old::Group>,
-    Old::Model: Sync,
-    New::Model: Sync + IntoActiveModel<New::ActiveModel>,
-    New::ActiveModel: Send,
 {
     pub(super) fn db_err(&self, shard: &str, operation: String, source: DbErr) -> ShardError {
         ShardError::Db {
@@ -189,10 +186,6 @@ impl<Old, New> OldWrites for Shared<Old, New>
 where
     Old: ShardedEntity,
     New: ShardedEntity<Group = Old::Group>,
-    Old::Model: Sync + IntoActiveModel<Old::ActiveModel>,
-    Old::ActiveModel: TryIntoModel<Old::Model> + Send + Sync,
-    New::Model: Sync + IntoActiveModel<New::ActiveModel>,
-    New::ActiveModel: Send,
 {
     fn name(&self) -> &str {
         &self.name
@@ -329,7 +322,11 @@ where
             let (old, parts) = if update {
                 // Apply the set columns to the old form of the current new row.
                 let Some(key) = Old::active_shard_key(&model) else {
-                    return Err(self.refused_err("internal: update without a shard key"));
+                    return Err(ShardError::internal(format!(
+                        "rollout `{}`: an update of `{}` without a shard key",
+                        self.name,
+                        table_name::<Old>()
+                    )));
                 };
                 let Some(pk) = model.get_primary_key_value() else {
                     return Err(self.db_err(

@@ -37,18 +37,13 @@ use crate::read::KeyOf;
 use crate::rollout::parts::Parts;
 use crate::rollout::{AfterCommit, Shared, WriteCtx, cache_key};
 use futures::future::BoxFuture;
-use sea_orm::{
-    ConnectionTrait, DatabaseExecutor, DbErr, IntoActiveModel, QueryFilter, QuerySelect, Value,
-};
+use sea_orm::{ConnectionTrait, DatabaseExecutor, DbErr, QueryFilter, QuerySelect, Value};
 use std::sync::Arc;
 
 impl<Old, New> Shared<Old, New>
 where
     Old: ShardedEntity,
     New: ShardedEntity<Group = Old::Group>,
-    Old::Model: Sync,
-    New::Model: Sync + IntoActiveModel<New::ActiveModel>,
-    New::ActiveModel: Send,
 {
     /// Whether the new row folds parts (not a one-to-one rollout).
     pub(crate) fn folds(&self) -> bool {
@@ -189,9 +184,6 @@ impl<Old, New> crate::verify::FoldRows<Old::Model, New::Model> for Shared<Old, N
 where
     Old: ShardedEntity,
     New: ShardedEntity<Group = Old::Group>,
-    Old::Model: Sync,
-    New::Model: Sync + IntoActiveModel<New::ActiveModel>,
-    New::ActiveModel: Send,
 {
     fn fold_rows<'a>(
         &'a self,

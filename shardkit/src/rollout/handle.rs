@@ -6,7 +6,7 @@ use crate::gsi::GsiState;
 use crate::phase::Phase;
 use crate::rollout::TimedCache;
 use crate::rollout::parts::{PartDef, PartOf, Parts};
-use sea_orm::{EntityTrait, IntoActiveModel, Iterable};
+use sea_orm::{EntityTrait, Iterable};
 use std::sync::atomic::AtomicU8;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
@@ -168,10 +168,7 @@ impl<Old: ShardedEntity, New: ShardedEntity> Rollout<Old, New> {
     /// [`to_old_parts`](Self::to_old_parts).
     pub fn part<P>(mut self, link: P::Column) -> Self
     where
-        Old::Model: Sync,
         P: ShardedEntity<Group = Old::Group>,
-        P::Model: Sync + IntoActiveModel<P::ActiveModel>,
-        P::ActiveModel: Send + Sync,
     {
         self.parts.push(Arc::new(PartOf::<P>::new(link)));
         self

@@ -10,7 +10,7 @@ use crate::rollout::{
     ActiveValues, AfterCommit, OldReads, OldWrites, PartDef, RowValues, Shared, WriteCtx,
 };
 use futures::future::BoxFuture;
-use sea_orm::{ActiveValue, DbErr, IntoActiveModel, TryIntoModel, Value};
+use sea_orm::{ActiveValue, DbErr, Value};
 use std::any::Any;
 use std::sync::Arc;
 
@@ -31,10 +31,6 @@ impl<Old, New> PartWrites<Old, New>
 where
     Old: ShardedEntity,
     New: ShardedEntity<Group = Old::Group>,
-    Old::Model: Sync + IntoActiveModel<Old::ActiveModel>,
-    Old::ActiveModel: TryIntoModel<Old::Model> + Send + Sync,
-    New::Model: Sync + IntoActiveModel<New::ActiveModel>,
-    New::ActiveModel: Send,
 {
     fn def(&self) -> &dyn PartDef<Old> {
         &*self.shared.parts[self.part]
@@ -184,10 +180,6 @@ impl<Old, New> OldWrites for PartWrites<Old, New>
 where
     Old: ShardedEntity,
     New: ShardedEntity<Group = Old::Group>,
-    Old::Model: Sync + IntoActiveModel<Old::ActiveModel>,
-    Old::ActiveModel: TryIntoModel<Old::Model> + Send + Sync,
-    New::Model: Sync + IntoActiveModel<New::ActiveModel>,
-    New::ActiveModel: Send,
 {
     fn name(&self) -> &str {
         &self.shared.name
@@ -336,9 +328,10 @@ where
             };
             match self.apply_new_only(&ctx, op, model).await? {
                 (Applied::Saved(row), after) => Ok((row, after)),
-                (Applied::Deleted(_), _) => Err(self
-                    .shared
-                    .refused_err("internal: a part write answered with a delete")),
+                (Applied::Deleted(_), _) => Err(ShardError::internal(format!(
+                    "rollout `{}`: a part write answered with a delete",
+                    self.shared.name
+                ))),
             }
         })
     }

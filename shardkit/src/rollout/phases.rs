@@ -8,8 +8,8 @@ use crate::rollout::state::{
     BACKFILL_DONE, STATE_TABLE, StateRow, read_instances, read_state, state_db, state_err,
 };
 use crate::rollout::{RolloutHandle, RolloutStatus, Shared};
+use sea_orm::ConnectionTrait;
 use sea_orm::sea_query::{Alias, Expr, ExprTrait, Query};
-use sea_orm::{ConnectionTrait, IntoActiveModel, TryIntoModel};
 use std::ops::ControlFlow;
 use std::sync::Arc;
 use std::time::Duration;
@@ -18,10 +18,6 @@ impl<Old, New> RolloutHandle<Old, New>
 where
     Old: ShardedEntity,
     New: ShardedEntity<Group = Old::Group>,
-    Old::Model: Sync + IntoActiveModel<Old::ActiveModel>,
-    Old::ActiveModel: TryIntoModel<Old::Model> + Send + Sync,
-    New::Model: Sync + IntoActiveModel<New::ActiveModel>,
-    New::ActiveModel: Send,
 {
     pub(crate) fn shared(&self) -> &Shared<Old, New> {
         &self.shared

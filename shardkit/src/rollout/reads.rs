@@ -8,16 +8,12 @@ use crate::read::KeyOf;
 use crate::rollout::parts::Parts;
 use crate::rollout::{RolloutHandle, cache_key};
 use sea_orm::sea_query::IntoValueTuple;
-use sea_orm::{IntoActiveModel, PrimaryKeyTrait, QueryFilter, TryIntoModel, Value};
+use sea_orm::{PrimaryKeyTrait, QueryFilter, Value};
 
 impl<Old, New> RolloutHandle<Old, New>
 where
     Old: ShardedEntity,
     New: ShardedEntity<Group = Old::Group>,
-    Old::Model: Sync + IntoActiveModel<Old::ActiveModel>,
-    Old::ActiveModel: TryIntoModel<Old::Model> + Send + Sync,
-    New::Model: Sync + IntoActiveModel<New::ActiveModel>,
-    New::ActiveModel: Send,
 {
     /// The phase a read acts on, its primary key values and its cache key.
     pub(super) fn read_start(

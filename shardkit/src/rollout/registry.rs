@@ -14,7 +14,7 @@ use crate::rollout::{
     OldReads, OldWrites, Rollout, RolloutHandle, Shared, TimedCache, pk_arity, read_new_table,
 };
 use sea_orm::sea_query::{Alias, Expr, ExprTrait, Query};
-use sea_orm::{ConnectionTrait, DbErr, IntoActiveModel, TryIntoModel};
+use sea_orm::{ConnectionTrait, DbErr};
 use std::any::TypeId;
 use std::collections::HashMap;
 use std::ops::ControlFlow;
@@ -94,11 +94,6 @@ impl Rollouts<'_> {
     where
         Old: ShardedEntity,
         New: ShardedEntity<Group = Old::Group>,
-        Old::Model: Sync + IntoActiveModel<Old::ActiveModel>,
-        Old::ActiveModel: TryIntoModel<Old::Model> + Send + Sync,
-        New::Model: Sync + IntoActiveModel<New::ActiveModel>,
-        New::ActiveModel: Send,
-        New::ActiveModel: Send,
     {
         let entry = format!("rollout {:?}", rollout.name);
         if rollout.name.is_empty() || rollout.name.len() > 128 {
@@ -315,8 +310,6 @@ impl Rollouts<'_> {
     where
         Old: ShardedEntity,
         New: ShardedEntity<Group = Old::Group>,
-        Old::Model: Sync,
-        New::Model: Sync,
     {
         let any = self.registry.get(TypeId::of::<Old>())?.as_any();
         let shared = any.downcast::<Shared<Old, New>>().ok()?;

@@ -8,7 +8,6 @@ use crate::exec::keyset::{format_cursor, parse_cursor};
 use crate::rollout::RolloutHandle;
 use crate::rollout::state::{read_state, save_progress, state_db};
 use crate::verify::{Conversion, Source, Target, VerifyOptions, VerifyReport, verify_chunk};
-use sea_orm::{IntoActiveModel, TryIntoModel};
 use std::ops::ControlFlow;
 use std::time::Duration;
 
@@ -16,10 +15,6 @@ impl<Old, New> RolloutHandle<Old, New>
 where
     Old: ShardedEntity,
     New: ShardedEntity<Group = Old::Group>,
-    Old::Model: Sync + IntoActiveModel<Old::ActiveModel>,
-    Old::ActiveModel: TryIntoModel<Old::Model> + Send + Sync,
-    New::Model: Sync + IntoActiveModel<New::ActiveModel>,
-    New::ActiveModel: Send,
 {
     /// Compares the old table, converted, with the new table on every shard
     /// of the group (or, with [`VerifyOptions::from_new`], the new table

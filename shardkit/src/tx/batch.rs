@@ -100,10 +100,7 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
     /// tx.commit().await?;
     /// # Ok(()) }
     /// ```
-    pub fn update_many<E: InGroup<G>>(&self) -> TxUpdateMany<'_, G, P, E>
-    where
-        E::Model: IntoActiveModel<E::ActiveModel>,
-    {
+    pub fn update_many<E: InGroup<G>>(&self) -> TxUpdateMany<'_, G, P, E> {
         TxUpdateMany {
             tx: self,
             set: E::ActiveModel::default(),
@@ -116,10 +113,7 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
     /// Deletes every row of `E` of the transaction's key that the filters
     /// match, like SeaORM's [`EntityTrait::delete_many`]: the shard-key
     /// predicate is always added.
-    pub fn delete_many<E: InGroup<G>>(&self) -> TxDeleteMany<'_, G, P, E>
-    where
-        E::Model: IntoActiveModel<E::ActiveModel>,
-    {
+    pub fn delete_many<E: InGroup<G>>(&self) -> TxDeleteMany<'_, G, P, E> {
         TxDeleteMany {
             tx: self,
             filter: Condition::all(),
@@ -208,10 +202,7 @@ impl<'t, G: EntityGroup, P: WriteStage, E: ShardedEntity> TxUpdateMany<'t, G, P,
     }
 }
 
-impl<'t, G: EntityGroup, P: WriteStage, E: InGroup<G>> TxUpdateMany<'t, G, P, E>
-where
-    E::Model: IntoActiveModel<E::ActiveModel>,
-{
+impl<'t, G: EntityGroup, P: WriteStage, E: InGroup<G>> TxUpdateMany<'t, G, P, E> {
     async fn run(self) -> Result<u64> {
         let TxUpdateMany {
             tx,
@@ -335,10 +326,7 @@ impl<'t, G: EntityGroup, P: WriteStage, E: ShardedEntity> TxDeleteMany<'t, G, P,
     }
 }
 
-impl<'t, G: EntityGroup, P: WriteStage, E: InGroup<G>> TxDeleteMany<'t, G, P, E>
-where
-    E::Model: IntoActiveModel<E::ActiveModel>,
-{
+impl<'t, G: EntityGroup, P: WriteStage, E: InGroup<G>> TxDeleteMany<'t, G, P, E> {
     async fn run(self) -> Result<u64> {
         let TxDeleteMany { tx, filter, .. } = self;
         let op = "delete_many";

@@ -282,8 +282,7 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
 
     async fn insert_rows<E: InGroup<G>>(&self, models: Vec<E::ActiveModel>) -> Result<Vec<E::Model>>
     where
-        E::Model: IntoActiveModel<E::ActiveModel>,
-        E::ActiveModel: Send + 'static,
+        E::ActiveModel: 'static,
     {
         for model in &models {
             self.check::<E>(model)?;
@@ -316,8 +315,7 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
         mut model: E::ActiveModel,
     ) -> Result<E::Model>
     where
-        E::Model: IntoActiveModel<E::ActiveModel>,
-        E::ActiveModel: Send + 'static,
+        E::ActiveModel: 'static,
     {
         let name = op.as_str();
         self.check::<E>(&model)?;
@@ -338,10 +336,10 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
             {
                 Some(Replaced::Saved(row)) => row,
                 Some(Replaced::Deleted(_)) => {
-                    return Err(self.poison(ShardError::config(
-                        table_name::<E>(),
-                        "internal: a write stage answered a save with a delete",
-                    )));
+                    return Err(self.poison(ShardError::internal(format!(
+                        "a write stage answered a save of `{}` with a delete",
+                        table_name::<E>()
+                    ))));
                 }
                 None if insert => {
                     self.stages
@@ -439,10 +437,10 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
             let deleted = match replaced {
                 Some(Replaced::Deleted(rows)) => rows,
                 Some(Replaced::Saved(_)) => {
-                    return Err(self.poison(ShardError::config(
-                        table_name::<A::Entity>(),
-                        "internal: a write stage answered a delete with a saved row",
-                    )));
+                    return Err(self.poison(ShardError::internal(format!(
+                        "a write stage answered a delete of `{}` with a saved row",
+                        table_name::<A::Entity>()
+                    ))));
                 }
                 None => {
                     let current = if self.stages.needs_current::<A::Entity>(op) {

@@ -224,6 +224,28 @@ pub(crate) async fn failed_servers_are_reported_once(dbs: &mut TestDbs) {
             message.contains("tickets_a: ") && message.contains("tickets_b: "),
             "{message}"
         );
+        // `source()` walks from the ids error to the last server's failed
+        // statement and on to the driver's error.
+        let mut chain: Vec<&(dyn std::error::Error + 'static)> = Vec::new();
+        let mut next = std::error::Error::source(&err);
+        while let Some(e) = next {
+            chain.push(e);
+            next = e.source();
+        }
+        let last = chain
+            .first()
+            .and_then(|e| e.downcast_ref::<std::sync::Arc<ShardError>>())
+            .unwrap_or_else(|| panic!("{name}: the source is the last server's error: {err:?}"));
+        assert!(
+            matches!(&**last, ShardError::Db { shard, .. } if shard == "tickets_a" || shard == "tickets_b"),
+            "{name}: {last:?}"
+        );
+        assert!(
+            chain[1..]
+                .iter()
+                .any(|e| e.downcast_ref::<sea_orm::DbErr>().is_some()),
+            "{name}: the chain reaches SeaORM's error: {chain:?}"
+        );
     }
 }
 

@@ -6,7 +6,6 @@ use crate::error::{Result, ShardError};
 use crate::exec::Shards;
 use crate::rebalance::entity::{MoveEntity, Mover};
 use crate::topology::{LiveMap, MapSnapshot, ShardId};
-use sea_orm::IntoActiveModel;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -198,8 +197,6 @@ pub(super) fn refused(
 fn carry<E>(entities: &mut Vec<Arc<dyn MoveEntity>>)
 where
     E: ShardedEntity,
-    E::Model: IntoActiveModel<E::ActiveModel> + Sync,
-    E::ActiveModel: Send,
 {
     if !entities.iter().any(|e| e.table() == table_name::<E>()) {
         entities.push(Arc::new(Mover::<E>::new()));
@@ -221,8 +218,6 @@ impl Rebalance<AnyGroup> {
     pub fn try_entity<E>(mut self) -> Result<Self>
     where
         E: ShardedEntity,
-        E::Model: IntoActiveModel<E::ActiveModel> + Sync,
-        E::ActiveModel: Send,
     {
         let group = <E::Group as EntityGroup>::NAME;
         if group != self.group {
@@ -257,8 +252,6 @@ impl<G: EntityGroup> Rebalance<G> {
     pub fn entity<E>(mut self) -> Self
     where
         E: ShardedEntity<Group = G>,
-        E::Model: IntoActiveModel<E::ActiveModel> + Sync,
-        E::ActiveModel: Send,
     {
         carry::<E>(&mut self.entities);
         self
