@@ -510,6 +510,23 @@ impl ShardError {
         Report(self)
     }
 
+    /// A [`ShardError::Db`]: `operation` failed on `shard` with SeaORM's
+    /// error `source`, for `origin` (an entity group's rows, or which
+    /// subsystem's table). The one constructor of a failed statement.
+    pub(crate) fn db(
+        origin: Origin,
+        shard: impl Into<String>,
+        operation: impl Into<String>,
+        source: DbErr,
+    ) -> Self {
+        ShardError::Db {
+            origin: Box::new(origin),
+            shard: shard.into(),
+            operation: operation.into(),
+            source,
+        }
+    }
+
     /// A [`ShardError::Internal`]: an invariant of shardkit's own broke.
     pub(crate) fn internal(what: impl Into<String>) -> Self {
         ShardError::Internal { what: what.into() }
@@ -1109,12 +1126,7 @@ pub(crate) mod tests {
     }
 
     fn db(source: DbErr) -> ShardError {
-        ShardError::Db {
-            origin: Box::new(Origin::Group("Customer")),
-            shard: "s1".to_owned(),
-            operation: "begin".to_owned(),
-            source,
-        }
+        ShardError::db(Origin::Group("Customer"), "s1", "begin", source)
     }
 
     #[test]

@@ -227,15 +227,12 @@ pub(crate) struct Target<'a> {
 type RowFilter<'a, M> = Option<&'a (dyn Fn(&M) -> bool + Send + Sync)>;
 
 fn verify_err(shard: &str, table: &str, what: String, source: DbErr) -> ShardError {
-    ShardError::Db {
-        origin: Box::new(crate::error::Origin::table(
-            crate::error::Subsystem::Verify,
-            table,
-        )),
-        shard: shard.to_owned(),
-        operation: what,
+    ShardError::db(
+        crate::error::Origin::table(crate::error::Subsystem::Verify, table),
+        shard.to_owned(),
+        what,
         source,
-    }
+    )
 }
 
 /// The in-database digest of `E`'s rows in `(after, upto]`: row count and

@@ -54,12 +54,12 @@ impl<G: EntityGroup> Directory<G> {
     }
 
     fn db_err(&self, operation: &str, source: sea_orm::DbErr) -> ShardError {
-        ShardError::Db {
-            origin: Box::new(crate::error::Origin::Group(G::NAME)),
-            shard: format!("directory:{}", G::NAME),
-            operation: operation.to_owned(),
+        ShardError::db(
+            crate::error::Origin::Group(G::NAME),
+            format!("directory:{}", G::NAME),
+            operation,
             source,
-        }
+        )
     }
 
     /// Places `key` on `shard` (insert or overwrite).

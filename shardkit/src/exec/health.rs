@@ -515,11 +515,13 @@ mod tests {
     fn the_breaker_suspects_connection_failures_but_not_a_full_server() {
         use crate::error::tests::{conn_err, too_many_clients};
         use sea_orm::sqlx;
-        let db = |source| ShardError::Db {
-            origin: Box::new(crate::error::Origin::Group("Customer")),
-            shard: "s1".to_owned(),
-            operation: "begin".to_owned(),
-            source,
+        let db = |source| {
+            ShardError::db(
+                crate::error::Origin::Group("Customer"),
+                "s1",
+                "begin",
+                source,
+            )
         };
         assert!(!suspects_down(&db(too_many_clients())));
         assert!(suspects_down(&db(conn_err(sqlx::Error::Io(

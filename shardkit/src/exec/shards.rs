@@ -310,11 +310,13 @@ impl Shards {
         let writer = self
             .sqlite_write_slot(target.shard)
             .await
-            .map_err(|source| ShardError::Db {
-                origin: Box::new(crate::error::Origin::Group(G::NAME)),
-                shard: shard.to_owned(),
-                operation: "begin".to_owned(),
-                source,
+            .map_err(|source| {
+                ShardError::db(
+                    crate::error::Origin::Group(G::NAME),
+                    shard.to_owned(),
+                    "begin",
+                    source,
+                )
             })?;
         // Under the shard's breaker: a shard that refuses or hangs fails the
         // begin with its cause instead of after the pool's acquire timeout.
@@ -323,11 +325,13 @@ impl Shards {
             // would otherwise copy the driver's large future.
             Box::pin(crate::exec::begin_write(conn))
                 .await
-                .map_err(|source| ShardError::Db {
-                    origin: Box::new(crate::error::Origin::Group(G::NAME)),
-                    shard: shard.to_owned(),
-                    operation: "begin".to_owned(),
-                    source,
+                .map_err(|source| {
+                    ShardError::db(
+                        crate::error::Origin::Group(G::NAME),
+                        shard.to_owned(),
+                        "begin",
+                        source,
+                    )
                 })
         };
         let txn = self.bounded(target.shard, G::NAME, None, begin).await?;

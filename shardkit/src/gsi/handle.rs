@@ -157,15 +157,12 @@ pub(super) fn gsi_err(shard: &str, table: &str, operation: String, source: DbErr
     } else {
         operation
     };
-    ShardError::Db {
-        origin: Box::new(crate::error::Origin::table(
-            crate::error::Subsystem::Gsi,
-            table,
-        )),
-        shard: shard.to_owned(),
+    ShardError::db(
+        crate::error::Origin::table(crate::error::Subsystem::Gsi, table),
+        shard.to_owned(),
         operation,
         source,
-    }
+    )
 }
 
 /// The index a read or write of `query` uses.

@@ -96,14 +96,12 @@ impl IndexFirst {
             .await?;
         }
         fail::fail_point!("shardkit::gsi::after_index_write", |_| Err(
-            crate::error::ShardError::Db {
-                origin: Box::new(crate::error::Origin::Group(
-                    <E::Group as crate::entity::EntityGroup>::NAME
-                )),
-                shard: ctx.shard_name.to_owned(),
-                operation: format!("{} {}", op.as_str(), crate::entity::table_name::<E>()),
-                source: sea_orm::DbErr::Custom("failpoint shardkit::gsi::after_index_write".into()),
-            }
+            crate::error::ShardError::db(
+                crate::error::Origin::Group(<E::Group as crate::entity::EntityGroup>::NAME),
+                ctx.shard_name.to_owned(),
+                format!("{} {}", op.as_str(), crate::entity::table_name::<E>()),
+                sea_orm::DbErr::Custom("failpoint shardkit::gsi::after_index_write".into())
+            )
         ));
         if let Some(current) = current {
             self.queue_removals::<E>(ctx, current, |c| changed.contains(&c))

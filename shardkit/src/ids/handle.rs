@@ -102,14 +102,13 @@ impl Ids {
         self.tickets.record_places(false).await?;
         for server in &self.tickets.servers {
             let backend = server.conn.get_database_backend();
-            let err = |source| ShardError::Db {
-                origin: Box::new(crate::error::Origin::table(
-                    Subsystem::Ids,
-                    format!("tickets_{name}"),
-                )),
-                shard: server.name.clone(),
-                operation: format!("create sequence {name}"),
-                source,
+            let err = |source| {
+                ShardError::db(
+                    crate::error::Origin::table(Subsystem::Ids, format!("tickets_{name}")),
+                    server.name.clone(),
+                    format!("create sequence {name}"),
+                    source,
+                )
             };
             server
                 .conn
@@ -146,26 +145,22 @@ impl Ids {
                         .iter()
                         .map(|r| r.try_get::<String>("", "name"))
                         .collect::<std::result::Result<_, _>>()
-                        .map_err(|source| ShardError::Db {
-                            origin: Box::new(crate::error::Origin::table(
-                                Subsystem::Ids,
-                                SEQUENCES_TABLE,
-                            )),
-                            shard: server.name.clone(),
-                            operation: "list sequences".into(),
-                            source,
+                        .map_err(|source| {
+                            ShardError::db(
+                                crate::error::Origin::table(Subsystem::Ids, SEQUENCES_TABLE),
+                                server.name.clone(),
+                                "list sequences",
+                                source,
+                            )
                         });
                 }
                 Err(source) => {
-                    last = Some(ShardError::Db {
-                        origin: Box::new(crate::error::Origin::table(
-                            Subsystem::Ids,
-                            SEQUENCES_TABLE,
-                        )),
-                        shard: server.name.clone(),
-                        operation: "list sequences".into(),
+                    last = Some(ShardError::db(
+                        crate::error::Origin::table(Subsystem::Ids, SEQUENCES_TABLE),
+                        server.name.clone(),
+                        "list sequences",
                         source,
-                    })
+                    ))
                 }
             }
         }
@@ -243,14 +238,13 @@ impl Ids {
                 .conn
                 .execute_unprepared(&sql)
                 .await
-                .map_err(|source| ShardError::Db {
-                    origin: Box::new(crate::error::Origin::table(
-                        Subsystem::Ids,
-                        format!("tickets_{name}"),
-                    )),
-                    shard: server.name.clone(),
-                    operation: format!("advance sequence {name}"),
-                    source,
+                .map_err(|source| {
+                    ShardError::db(
+                        crate::error::Origin::table(Subsystem::Ids, format!("tickets_{name}")),
+                        server.name.clone(),
+                        format!("advance sequence {name}"),
+                        source,
+                    )
                 })?;
         }
         seq.discard_blocks();

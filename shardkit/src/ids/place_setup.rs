@@ -19,11 +19,13 @@ impl TicketServer {
     /// out (each `tickets_<name>` table's row).
     async fn ticket_counters(&self) -> Result<Vec<(String, i64)>> {
         let backend = self.conn.get_database_backend();
-        let err = |source| ShardError::Db {
-            origin: Box::new(crate::error::Origin::table(Subsystem::Ids, "tickets_*")),
-            shard: self.name.clone(),
-            operation: "read the ticket counters".into(),
-            source,
+        let err = |source| {
+            ShardError::db(
+                crate::error::Origin::table(Subsystem::Ids, "tickets_*"),
+                self.name.clone(),
+                "read the ticket counters",
+                source,
+            )
         };
         // `_` is a LIKE wildcard: the names are filtered again below.
         let tables = match backend {

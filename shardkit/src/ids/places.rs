@@ -89,12 +89,12 @@ impl From<PlaceCheck> for ShardError {
 
 impl TicketServer {
     pub(super) fn db_error(&self, operation: &str, source: sea_orm::DbErr) -> ShardError {
-        ShardError::Db {
-            origin: Box::new(crate::error::Origin::table(Subsystem::Ids, PLACE_TABLE)),
-            shard: self.name.clone(),
-            operation: operation.into(),
+        ShardError::db(
+            crate::error::Origin::table(Subsystem::Ids, PLACE_TABLE),
+            self.name.clone(),
+            operation,
             source,
-        }
+        )
     }
 
     /// The place recorded on this server, and whether it is confirmed.

@@ -49,11 +49,13 @@ impl WriteStage for FillIds {
             }
             strategy => Box::pin(self.ids.generate(strategy)).await?,
         };
-        model.try_set(column, id).map_err(|source| ShardError::Db {
-            origin: Box::new(crate::error::Origin::Group(<E::Group as EntityGroup>::NAME)),
-            shard: ctx.shard_name.to_owned(),
-            operation: format!("insert {}", table_name::<E>()),
-            source,
+        model.try_set(column, id).map_err(|source| {
+            ShardError::db(
+                crate::error::Origin::Group(<E::Group as EntityGroup>::NAME),
+                ctx.shard_name.to_owned(),
+                format!("insert {}", table_name::<E>()),
+                source,
+            )
         })
     }
 }

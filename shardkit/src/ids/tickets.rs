@@ -152,15 +152,12 @@ async fn ticket_from(
         if crate::error::is_missing_table(&source) {
             return TicketFailure::NoSuchSequence;
         }
-        TicketFailure::Failed(ShardError::Db {
-            origin: Box::new(crate::error::Origin::table(
-                Subsystem::Ids,
-                format!("tickets_{name}"),
-            )),
-            shard: server.name.clone(),
-            operation: format!("ticket {name}"),
+        TicketFailure::Failed(ShardError::db(
+            crate::error::Origin::table(Subsystem::Ids, format!("tickets_{name}")),
+            server.name.clone(),
+            format!("ticket {name}"),
             source,
-        })
+        ))
     };
     let ticket = match backend {
         DbBackend::MySql => {

@@ -95,12 +95,12 @@ pub(super) fn select_err(
     shard: &str,
     source: DbErr,
 ) -> ShardError {
-    ShardError::Db {
-        origin: Box::new(crate::error::Origin::Group(group)),
-        shard: shard.to_owned(),
-        operation: format!("select {table}"),
+    ShardError::db(
+        crate::error::Origin::Group(group),
+        shard.to_owned(),
+        format!("select {table}"),
         source,
-    }
+    )
 }
 
 /// Joins `R` to a read of `E` along `E`'s relation (through its junction

@@ -145,14 +145,13 @@ impl<E> Mover<E> {
 fn err<'a, E: EntityTrait>(shard: &'a str, what: &str) -> impl Fn(DbErr) -> ShardError + 'a {
     let table = table_name::<E>();
     let what = what.to_owned();
-    move |source| ShardError::Db {
-        origin: Box::new(crate::error::Origin::table(
-            crate::error::Subsystem::Rebalance,
-            table,
-        )),
-        shard: shard.to_owned(),
-        operation: format!("{what} {table}"),
-        source,
+    move |source| {
+        ShardError::db(
+            crate::error::Origin::table(crate::error::Subsystem::Rebalance, table),
+            shard.to_owned(),
+            format!("{what} {table}"),
+            source,
+        )
     }
 }
 

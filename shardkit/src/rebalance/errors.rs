@@ -6,15 +6,12 @@ use sea_orm::DbErr;
 
 /// A failed statement of the bucket-move machinery on `shard`.
 pub(crate) fn db_err(shard: &str, table: &str, operation: &str, source: DbErr) -> ShardError {
-    ShardError::Db {
-        origin: Box::new(crate::error::Origin::table(
-            crate::error::Subsystem::Rebalance,
-            table,
-        )),
-        shard: shard.to_owned(),
-        operation: format!("{operation} {table}"),
+    ShardError::db(
+        crate::error::Origin::table(crate::error::Subsystem::Rebalance, table),
+        shard.to_owned(),
+        format!("{operation} {table}"),
         source,
-    }
+    )
 }
 
 /// Whether an error says a shardkit table does not exist (a cluster not

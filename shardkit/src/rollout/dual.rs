@@ -30,14 +30,12 @@ where
     New: ShardedEntity<Group = Old::Group>,
 {
     pub(super) fn db_err(&self, shard: &str, operation: String, source: DbErr) -> ShardError {
-        ShardError::Db {
-            origin: Box::new(crate::error::Origin::Group(
-                <Old::Group as EntityGroup>::NAME,
-            )),
-            shard: shard.to_owned(),
+        ShardError::db(
+            crate::error::Origin::Group(<Old::Group as EntityGroup>::NAME),
+            shard.to_owned(),
             operation,
             source,
-        }
+        )
     }
 
     /// The old row the pipeline handed over (see [`RowValues`]).

@@ -31,15 +31,12 @@ pub(crate) fn state_db<E: ShardedEntity>(shards: &Shards) -> Result<(&DatabaseCo
 }
 
 pub(super) fn state_err(shard: &str, operation: &str, source: DbErr) -> ShardError {
-    ShardError::Db {
-        origin: Box::new(crate::error::Origin::table(
-            crate::error::Subsystem::Rollout,
-            STATE_TABLE,
-        )),
-        shard: shard.to_owned(),
-        operation: format!("{operation} {STATE_TABLE}"),
+    ShardError::db(
+        crate::error::Origin::table(crate::error::Subsystem::Rollout, STATE_TABLE),
+        shard.to_owned(),
+        format!("{operation} {STATE_TABLE}"),
         source,
-    }
+    )
 }
 
 pub(crate) async fn read_state(
@@ -95,15 +92,12 @@ pub(crate) async fn save_progress(
 pub(super) const INSTANCES_TABLE: &str = "shardkit_rollout_instances";
 
 fn instances_err(shard: &str, operation: &str, source: DbErr) -> ShardError {
-    ShardError::Db {
-        origin: Box::new(crate::error::Origin::table(
-            crate::error::Subsystem::Rollout,
-            INSTANCES_TABLE,
-        )),
-        shard: shard.to_owned(),
-        operation: format!("{operation} {INSTANCES_TABLE}"),
+    ShardError::db(
+        crate::error::Origin::table(crate::error::Subsystem::Rollout, INSTANCES_TABLE),
+        shard.to_owned(),
+        format!("{operation} {INSTANCES_TABLE}"),
         source,
-    }
+    )
 }
 
 /// One instance's row in `shardkit_rollout_instances`.

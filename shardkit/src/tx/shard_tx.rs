@@ -231,12 +231,12 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
     }
 
     pub(super) fn write_err<E: EntityTrait>(&self, op: &str, source: DbErr) -> ShardError {
-        ShardError::Db {
-            origin: Box::new(crate::error::Origin::Group(G::NAME)),
-            shard: self.shard().to_owned(),
-            operation: format!("{op} {}", table_name::<E>()),
+        ShardError::db(
+            crate::error::Origin::Group(G::NAME),
+            self.shard().to_owned(),
+            format!("{op} {}", table_name::<E>()),
             source,
-        }
+        )
     }
 
     fn write_span<E: EntityTrait>(&self, op: &'static str) -> tracing::Span {
@@ -527,11 +527,13 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
         if let Some(reason) = self.poison_reason() {
             let shard = self.shard().to_owned();
             let ShardTx { txn, .. } = self;
-            txn.rollback().await.map_err(|source| ShardError::Db {
-                origin: Box::new(crate::error::Origin::Group(G::NAME)),
-                shard: shard.clone(),
-                operation: "rollback".to_owned(),
-                source,
+            txn.rollback().await.map_err(|source| {
+                ShardError::db(
+                    crate::error::Origin::Group(G::NAME),
+                    shard.clone(),
+                    "rollback",
+                    source,
+                )
             })?;
             return Err(ShardError::RollbackOnly {
                 group: G::NAME,
@@ -550,11 +552,13 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
         } = self;
         crate::trace::in_span(span, txn.commit())
             .await
-            .map_err(|source| ShardError::Db {
-                origin: Box::new(crate::error::Origin::Group(G::NAME)),
-                shard: shards.shard_name(target.shard).to_owned(),
-                operation: "commit".to_owned(),
-                source,
+            .map_err(|source| {
+                ShardError::db(
+                    crate::error::Origin::Group(G::NAME),
+                    shards.shard_name(target.shard).to_owned(),
+                    "commit",
+                    source,
+                )
             })?;
         // The SQLite write lock is released; so is the cluster's slot.
         drop(writer);
@@ -568,11 +572,13 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
     pub async fn rollback(self) -> Result<()> {
         let shard = self.shard().to_owned();
         let ShardTx { txn, .. } = self;
-        txn.rollback().await.map_err(|source| ShardError::Db {
-            origin: Box::new(crate::error::Origin::Group(G::NAME)),
-            shard,
-            operation: "rollback".to_owned(),
-            source,
+        txn.rollback().await.map_err(|source| {
+            ShardError::db(
+                crate::error::Origin::Group(G::NAME),
+                shard,
+                "rollback",
+                source,
+            )
         })
     }
 }
