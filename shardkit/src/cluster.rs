@@ -1,7 +1,7 @@
 //! [`Cluster`]: the entry point, and the facade over shardkit's layers.
 //!
 //! A cluster is the connected databases (the execution layer's
-//! [`Shards`](crate::exec::Shards)) plus the features built on them: ids,
+//! `Shards`) plus the features built on them: ids,
 //! global indexes, rollouts. It hands out reads ([`Cluster::find`]) and
 //! transactions ([`Cluster::begin`]) and wires the features into them: the
 //! write pipeline's stages ([`Stages`]) into every transaction, the global
@@ -137,7 +137,7 @@ impl ClusterBuilder {
 
     /// The clock the cluster reads for everything time-dependent: snowflake
     /// ids, the GSI grace period, rollout phase gaps and rollout cache
-    /// lifetimes (default: [`SystemClock`](crate::clock::SystemClock)). Tests
+    /// lifetimes (default: [`SystemClock`]). Tests
     /// pass a [`ManualClock`](crate::clock::ManualClock) to move time without
     /// sleeping.
     pub fn clock(mut self, clock: Arc<dyn Clock>) -> Self {
@@ -707,7 +707,7 @@ impl Cluster {
     }
 
     /// Registers a rollout from `Old` to `New`. From now on every
-    /// [`ShardTx`](crate::ShardTx) write of `Old` follows the rollout's phase;
+    /// [`ShardTx`] write of `Old` follows the rollout's phase;
     /// the code that writes `Old` does not change.
     ///
     /// Creates the rollout's row in `shardkit_rollouts` (phase `off`) when it

@@ -26,7 +26,7 @@ pub enum IdStrategy {
     /// [`Cluster::next_encoded_id`](crate::Cluster::next_encoded_id); the
     /// group needs a hash placement with at most 8,192 buckets).
     Encoded(&'static str),
-    /// `uuid_v7`: [`uuid_v7`].
+    /// `uuid_v7`: [`uuid_v7`](crate::ids::uuid_v7).
     UuidV7,
     /// `snowflake`: this process's snowflake worker.
     Snowflake,

@@ -18,7 +18,7 @@
 //! 7. the write itself, with the shard key in its `WHERE` clause;
 //! 8. [`after_write`](WriteStage::after_write): work inside the same
 //!    transaction (dual writes), and work queued for after the commit
-//!    ([`WriteCtx::defer`]: cache fills, removal of replaced index rows);
+//!    (`WriteCtx::defer`: cache fills, removal of replaced index rows);
 //! 9. SeaORM's `after_save` / `after_delete`.
 //!
 //! Stages are typed by the entity they see (`E`), so they are composed
@@ -215,7 +215,7 @@ pub trait WriteStage: Send + Sync + 'static {
     }
 
     /// Work after the write, in the same transaction (and, through
-    /// [`WriteCtx::defer`], after its commit).
+    /// `WriteCtx::defer`, after its commit).
     fn after_write<E: ShardedEntity>(
         &self,
         _ctx: &WriteCtx<'_>,

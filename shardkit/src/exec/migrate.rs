@@ -122,7 +122,7 @@ pub(super) async fn migration_status_of<M: MigratorTrait>(
     }
 }
 
-/// The result of [`Cluster::migrate`] / [`Cluster::migration_status`].
+/// The result of [`Cluster::migrate`](crate::Cluster::migrate) / [`Cluster::migration_status`](crate::Cluster::migration_status).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct MigrationReport {
     /// One entry per shard (by name), per directory database

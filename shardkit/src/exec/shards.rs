@@ -94,7 +94,7 @@ pub(crate) struct RebalanceSettings {
     pub(crate) step_timeout: Duration,
 }
 
-/// Called after every statement a shard runs (see [`ClusterBuilder::on_statement`]).
+/// Called after every statement a shard runs (see [`ClusterBuilder::on_statement`](crate::ClusterBuilder::on_statement)).
 pub type StatementObserver = Arc<dyn Fn(&StatementEvent<'_>) + Send + Sync>;
 
 /// One executed statement, as seen by a [`StatementObserver`].

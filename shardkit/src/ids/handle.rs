@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex};
 /// The registry of sequences on every ticket server.
 const SEQUENCES_TABLE: &str = "shardkit_ticket_sequences";
 
-/// The id service of a [`Cluster`]: `cluster.ids()`.
+/// The id service of a [`Cluster`](crate::Cluster): `cluster.ids()`.
 ///
 /// Ownership runs one way, so dropping the cluster closes the ticket pools:
 /// `Ids` → its [`Sequence`]s → the shared ticket servers. A sequence never

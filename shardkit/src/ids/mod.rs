@@ -21,9 +21,9 @@
 //!   the process.
 //! - **Snowflake** ([`Snowflake`]): 64-bit `time | worker | sequence`
 //!   (default 41/10/12 bits) from a fixed epoch, with a clock-rollback policy.
-//! - **Shard-encoded** ([`Cluster::next_encoded_id`], [`Cluster::route_id`]): a
+//! - **Shard-encoded** ([`Cluster::next_encoded_id`](crate::Cluster::next_encoded_id), [`Cluster::route_id`](crate::Cluster::route_id)): a
 //!   sequence id with the row's bucket in its low 13 bits (Instagram), so the
-//!   shard is known from the id alone ([`Cluster::next_encoded_id`]).
+//!   shard is known from the id alone ([`Cluster::next_encoded_id`](crate::Cluster::next_encoded_id)).
 
 mod encoded;
 mod handle;

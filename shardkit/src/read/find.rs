@@ -25,7 +25,7 @@ use std::time::Duration;
 /// `filter` works as on a `Select<E>` (it is pushed to every shard).
 /// `order_by_asc`, `order_by_desc`, `order_by`, `limit` and `offset` are
 /// shardkit's own, so a multi-shard read can merge them correctly. A
-/// single-key read also takes every other [`QueryOrder`] and [`QuerySelect`]
+/// single-key read also takes every other [`QueryOrder`](sea_orm::QueryOrder) and [`QuerySelect`]
 /// method; a read that selects only some columns (`select_only().column(..)`)
 /// decodes with [`into_tuple`](Find::into_tuple),
 /// [`into_model`](Find::into_model) or [`into_json`](Find::into_json), since
@@ -127,7 +127,7 @@ impl<E: ShardedEntity> Find<E, Unkeyed> {
 
 impl<E: ShardedEntity> Find<E, ByIndex> {
     /// Returns the rows of every healthy shard plus the failed shards
-    /// ([`Partial`]) instead of failing the read.
+    /// ([`Partial`](crate::read::Partial)) instead of failing the read.
     pub fn partial(self) -> Find<E, AllowPartial<ByIndex>> {
         self.partial_inner()
     }
@@ -135,7 +135,7 @@ impl<E: ShardedEntity> Find<E, ByIndex> {
 
 impl<E: ShardedEntity> Find<E, Keys<KeyOf<E>>> {
     /// Returns the rows of every healthy shard plus the failed shards
-    /// ([`Partial`]) instead of failing the read.
+    /// ([`Partial`](crate::read::Partial)) instead of failing the read.
     pub fn partial(self) -> Find<E, AllowPartial<Keys<KeyOf<E>>>> {
         self.partial_inner()
     }
@@ -143,7 +143,7 @@ impl<E: ShardedEntity> Find<E, Keys<KeyOf<E>>> {
 
 impl<E: ShardedEntity> Find<E, Scatter> {
     /// Returns the rows of every healthy shard plus the failed shards
-    /// ([`Partial`]) instead of failing the read.
+    /// ([`Partial`](crate::read::Partial)) instead of failing the read.
     pub fn partial(self) -> Find<E, AllowPartial<Scatter>> {
         self.partial_inner()
     }
@@ -566,7 +566,7 @@ impl<E: ShardedEntity> Find<E, Keyed<KeyOf<E>>> {
 }
 
 /// The rows of a streamed read ([`Find::stream`], [`KeyedSelect::stream`],
-/// [`TxFind::stream`]): SeaORM's `PinBoxStream` with shardkit's errors.
+/// [`TxFind::stream`](crate::read::TxFind::stream)): SeaORM's `PinBoxStream` with shardkit's errors.
 pub type RowStream<'a, T> = std::pin::Pin<Box<dyn futures::Stream<Item = Result<T>> + Send + 'a>>;
 
 /// The routes that read several shards: [`Keys`], [`Scatter`], [`ByIndex`]

@@ -146,7 +146,7 @@ impl<'t, E: ShardedEntity, C: ConnectionTrait> TxFind<'t, E, C> {
 
     /// Each row of the transaction's key with its related rows of `R`
     /// (SeaORM's [`Select::find_with_related`]), the related side scoped to
-    /// the key as in [`Find::find_with_related`].
+    /// the key as in [`Find::find_with_related`](crate::read::Find::find_with_related).
     pub fn find_with_related<R>(self, _related: R) -> BoxFuture<'t, Result<WithRelated<E, R>>>
     where
         R: InGroup<E::Group>,

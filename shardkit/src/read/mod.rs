@@ -11,7 +11,7 @@
 //! `offset` give the same rows as one database would, `count()` sums.
 //!
 //! A shard that fails or does not answer within the timeout fails the whole
-//! read ([`ShardError::ShardsFailed`] names every failed shard and why), unless
+//! read ([`ShardError::ShardsFailed`](crate::ShardError::ShardsFailed) names every failed shard and why), unless
 //! the caller asked for partial results with [`Find::partial`].
 
 mod execute;

@@ -50,7 +50,7 @@ pub(super) struct Plan<E: ShardedEntity> {
 }
 
 /// What a read will do, computed before any of its statements runs
-/// ([`Find::explain`]).
+/// ([`Find::explain`](crate::read::Find::explain)).
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct ReadPlan {

@@ -22,7 +22,7 @@ pub struct Keys<K>(pub(super) Vec<K>);
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Scatter;
 
-/// A read by a global secondary index value ([`Find::by_index`]).
+/// A read by a global secondary index value ([`Find::by_index`](crate::read::Find::by_index)).
 #[derive(Clone, Debug)]
 pub struct ByIndex {
     pub(super) column: &'static str,
@@ -34,7 +34,7 @@ pub struct ByIndex {
 #[derive(Clone, Debug)]
 pub struct AllowPartial<R>(pub(super) R);
 
-/// The result of a [`Find::partial`] read: the rows every healthy shard
+/// The result of a [`Find::partial`](crate::read::Find::partial) read: the rows every healthy shard
 /// returned, and the shards that failed with their errors.
 #[derive(Debug)]
 pub struct Partial<T> {

@@ -13,8 +13,8 @@
 //! (`shardkit_bucket_states`: `owned`, `moving`, `moved`, `none`). Every
 //! write transaction of a movable group reads its bucket's state on its
 //! shard first, under a shared row lock kept to its end: a shard that does
-//! not own the bucket refuses the transaction ([`ShardError::BucketMoved`]),
-//! whatever map the instance holds, and [`Cluster::begin`] refreshes the map
+//! not own the bucket refuses the transaction ([`ShardError::BucketMoved`](crate::ShardError::BucketMoved)),
+//! whatever map the instance holds, and [`Cluster::begin`](crate::Cluster::begin) refreshes the map
 //! and begins again on the owner. While the bucket moves away (`moving`),
 //! the transaction logs its key in `shardkit_move_changes` on the same
 //! shard, so the log commits exactly when the write does.

@@ -21,7 +21,7 @@ pub(crate) type SplitFn<B> = dyn Fn(&B) -> Parts + Send + Sync;
 pub(super) type ModelOf<E> = <E as EntityTrait>::Model;
 
 /// The declaration of a rollout from entity `Old` to entity `New` (same group,
-/// same primary key values). Register it with [`Cluster::register_rollout`].
+/// same primary key values). Register it with [`Cluster::register_rollout`](crate::Cluster::register_rollout).
 pub struct Rollout<Old: ShardedEntity, New: ShardedEntity> {
     pub(super) name: String,
     pub(super) to_new: Arc<FoldFn<ModelOf<Old>, ModelOf<New>>>,

@@ -12,7 +12,7 @@
 //! | [`NewOnly`](Phase::NewOnly) | not written | written | both | caches, then new table |
 //! | [`Done`](Phase::Done) | writes refused | written | both | caches, then new table |
 //!
-//! Registering a rollout ([`Cluster::register_rollout`]) changes nothing in the
+//! Registering a rollout ([`Cluster::register_rollout`](crate::Cluster::register_rollout)) changes nothing in the
 //! code that writes the old entity: every [`ShardTx`](crate::ShardTx) write of
 //! it consults the rollout's phase. The phase lives in `shardkit_rollouts` on
 //! the first shard of the group (a migration in `shardkit-migration`), so every

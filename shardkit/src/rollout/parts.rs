@@ -14,8 +14,8 @@ use std::any::{Any, TypeId};
 use std::collections::HashMap;
 
 /// The rows folded into one root row, by entity: what a fold's `to_new`
-/// reads ([`Rollout::fold`]) and its `to_old_parts` builds
-/// ([`Rollout::to_old_parts`]).
+/// reads ([`Rollout::fold`](crate::rollout::Rollout::fold)) and its `to_old_parts` builds
+/// ([`Rollout::to_old_parts`](crate::rollout::Rollout::to_old_parts)).
 #[derive(Default)]
 pub struct Parts {
     rows: HashMap<TypeId, Box<dyn Any + Send + Sync>>,

@@ -177,7 +177,7 @@ where
 
     /// The parts folded into the root `pk` under `key`, or `None` when the
     /// root does not exist: from the old tables before `read_new`, then
-    /// from the new row, split with [`Rollout::to_old_parts`]. What old
+    /// from the new row, split with [`Rollout::to_old_parts`](crate::rollout::Rollout::to_old_parts). What old
     /// code reads instead of a part's table once that table is no longer
     /// written (`new_only` on).
     pub async fn get_parts(
