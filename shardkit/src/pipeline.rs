@@ -162,7 +162,7 @@ pub enum Written<'a, E: ShardedEntity> {
 /// [`after_write`](Self::after_write) makes the transaction rollback-only;
 /// one from [`before_write`](Self::before_write) does when the database
 /// aborted the transaction.
-pub trait WriteStage: Send + Sync + 'static {
+pub trait WriteStage: sealed::Sealed + Send + Sync + 'static {
     /// Fills what the row lacks, before `before_save` (an insert's id).
     fn prepare<E: ShardedEntity>(
         &self,
@@ -227,6 +227,17 @@ pub trait WriteStage: Send + Sync + 'static {
 }
 
 /// No stage.
+/// Only shardkit's own stages are write stages: a stage runs inside every
+/// write's transaction with shardkit's invariants (index first, fences,
+/// dual writes), so users compose the ones the cluster registers and
+/// cannot add their own. Their types stay nameable (`ShardTx<G, P>`).
+pub(crate) mod sealed {
+    /// The seal of [`WriteStage`](super::WriteStage).
+    pub trait Sealed {}
+    impl Sealed for () {}
+    impl<A: Sealed, B: Sealed> Sealed for (A, B) {}
+}
+
 impl WriteStage for () {}
 
 /// Stages run in order: `A` first, then `B` (for `replace`, the first that

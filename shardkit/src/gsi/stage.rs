@@ -111,6 +111,8 @@ impl IndexFirst {
     }
 }
 
+impl crate::pipeline::sealed::Sealed for IndexFirst {}
+
 impl WriteStage for IndexFirst {
     fn batch<E: ShardedEntity>(&self, _ctx: &WriteCtx<'_>, _op: WriteOp) -> crate::pipeline::Batch {
         if E::GLOBAL_INDEXES.is_empty() {

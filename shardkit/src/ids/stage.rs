@@ -20,6 +20,8 @@ impl FillIds {
     }
 }
 
+impl crate::pipeline::sealed::Sealed for FillIds {}
+
 impl WriteStage for FillIds {
     async fn prepare<E: ShardedEntity>(
         &self,

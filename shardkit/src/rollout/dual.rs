@@ -465,6 +465,8 @@ fn defer(ctx: &crate::pipeline::WriteCtx<'_>, after: Option<AfterCommit>) {
     }
 }
 
+impl crate::pipeline::sealed::Sealed for DualWrite {}
+
 impl WriteStage for DualWrite {
     fn batch<E: ShardedEntity>(
         &self,
