@@ -7,7 +7,7 @@ use crate::phase::Phase;
 use crate::rollout::state::{
     BACKFILL_DONE, STATE_TABLE, StateRow, read_state, state_db, state_err,
 };
-use crate::rollout::{RolloutBackfill, RolloutHandle, WriteCtx, pk_names};
+use crate::rollout::{DualCtx, RolloutBackfill, RolloutHandle, pk_names};
 use crate::topology::ShardId;
 use sea_orm::sea_query::{Alias, Expr, ExprTrait, Query};
 use sea_orm::{ConnectionTrait, DatabaseConnection, QueryFilter, Value};
@@ -281,7 +281,7 @@ where
             .all(&txn)
             .await
             .map_err(err)?;
-        let ctx = WriteCtx {
+        let ctx = DualCtx {
             shards: &self.shards,
             gsi: &self.gsi,
             txn: &txn,

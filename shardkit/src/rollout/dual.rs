@@ -12,7 +12,7 @@ use crate::read::KeyOf;
 use crate::rollout::parts::Parts;
 use crate::rollout::registry::Registry;
 use crate::rollout::{
-    ActiveValues, AfterCommit, ConvertFn, OldReads, OldWrites, RowValues, Shared, WriteCtx,
+    ActiveValues, CacheUpdate, ConvertFn, DualCtx, OldReads, OldWrites, RowValues, Shared,
     cache_key, model_from_values,
 };
 use futures::future::BoxFuture;
@@ -68,7 +68,7 @@ where
 
     /// Fills both caches with `row` (an old model) and `new` (its new
     /// model) once the write commits.
-    pub(super) fn fill_both(self: &Arc<Self>, row: Old::Model, new: New::Model) -> AfterCommit {
+    pub(super) fn fill_both(self: &Arc<Self>, row: Old::Model, new: New::Model) -> CacheUpdate {
         let shared = self.clone();
         Box::new(move || {
             let key = Self::old_key(&row);
@@ -77,7 +77,7 @@ where
         })
     }
 
-    pub(super) fn invalidate_both(self: &Arc<Self>, key: String) -> AfterCommit {
+    pub(super) fn invalidate_both(self: &Arc<Self>, key: String) -> CacheUpdate {
         let shared = self.clone();
         Box::new(move || {
             shared.old_cache.invalidate(&key);
@@ -90,7 +90,7 @@ where
     /// (the row may predate dual writes, or a backfill may have copied it).
     pub(super) async fn write_new(
         &self,
-        ctx: &WriteCtx<'_>,
+        ctx: &DualCtx<'_>,
         old: &Old::Model,
         new: New::Model,
         insert_only: bool,
@@ -132,7 +132,7 @@ where
         res.map_err(|e| self.db_err(ctx.shard, op, e))
     }
 
-    pub(super) async fn index_new(&self, ctx: &WriteCtx<'_>, new: &New::Model) -> Result<()> {
+    pub(super) async fn index_new(&self, ctx: &DualCtx<'_>, new: &New::Model) -> Result<()> {
         if New::GLOBAL_INDEXES.is_empty() {
             return Ok(());
         }
@@ -158,7 +158,7 @@ where
     /// concurrent change must wait rather than be overwritten.
     pub(super) async fn new_row_in(
         &self,
-        ctx: &WriteCtx<'_>,
+        ctx: &DualCtx<'_>,
         key: &KeyOf<New>,
         pk: &[Value],
     ) -> Result<Option<New::Model>> {
@@ -219,10 +219,10 @@ where
 
     fn after_write<'a>(
         &'a self,
-        ctx: WriteCtx<'a>,
+        ctx: DualCtx<'a>,
         row: RowValues,
         _current: Option<RowValues>,
-    ) -> BoxFuture<'a, Result<Option<AfterCommit>>> {
+    ) -> BoxFuture<'a, Result<Option<CacheUpdate>>> {
         Box::pin(async move {
             let phase = self.phase();
             let row = self.old_model(row)?;
@@ -250,10 +250,10 @@ where
 
     fn after_delete<'a>(
         &'a self,
-        ctx: WriteCtx<'a>,
+        ctx: DualCtx<'a>,
         model: ActiveValues,
         _current: Option<RowValues>,
-    ) -> BoxFuture<'a, Result<(u64, Option<AfterCommit>)>> {
+    ) -> BoxFuture<'a, Result<(u64, Option<CacheUpdate>)>> {
         Box::pin(async move {
             let phase = self.phase();
             let (model, _) = self.old_active(model)?;
@@ -296,10 +296,10 @@ where
 
     fn write_new_only<'a>(
         &'a self,
-        ctx: WriteCtx<'a>,
+        ctx: DualCtx<'a>,
         model: ActiveValues,
         update: bool,
-    ) -> BoxFuture<'a, Result<(RowValues, AfterCommit)>> {
+    ) -> BoxFuture<'a, Result<(RowValues, CacheUpdate)>> {
         Box::pin(async move {
             let phase = self.phase();
             let (model, set) = self.old_active(model)?;
@@ -447,8 +447,8 @@ impl DualWrite {
         DualWrite { registry, gsi }
     }
 
-    fn ctx<'a>(&'a self, ctx: &'a crate::pipeline::WriteCtx<'a>) -> WriteCtx<'a> {
-        WriteCtx {
+    fn ctx<'a>(&'a self, ctx: &'a crate::pipeline::WriteCtx<'a>) -> DualCtx<'a> {
+        DualCtx {
             shards: ctx.shards,
             gsi: &self.gsi,
             txn: ctx.txn,
@@ -459,7 +459,7 @@ impl DualWrite {
 }
 
 /// Runs the rollout's cache work once the transaction commits.
-fn defer(ctx: &crate::pipeline::WriteCtx<'_>, after: Option<AfterCommit>) {
+fn defer(ctx: &crate::pipeline::WriteCtx<'_>, after: Option<CacheUpdate>) {
     if let Some(after) = after {
         ctx.defer(Box::pin(async move { after() }));
     }

@@ -35,7 +35,7 @@ use crate::error::{Result, ShardError};
 use crate::exec::keyset::{pk_condition, tuple_text};
 use crate::read::KeyOf;
 use crate::rollout::parts::Parts;
-use crate::rollout::{AfterCommit, Shared, WriteCtx, cache_key};
+use crate::rollout::{CacheUpdate, DualCtx, Shared, cache_key};
 use futures::future::BoxFuture;
 use sea_orm::{ConnectionTrait, DatabaseExecutor, DbErr, QueryFilter, QuerySelect, Value};
 use std::sync::Arc;
@@ -109,11 +109,7 @@ where
     }
 
     /// [`fold_rows`](Self::fold_rows) of one root, in a write's transaction.
-    pub(super) async fn fold_in(
-        &self,
-        ctx: &WriteCtx<'_>,
-        root: &Old::Model,
-    ) -> Result<New::Model> {
+    pub(super) async fn fold_in(&self, ctx: &DualCtx<'_>, root: &Old::Model) -> Result<New::Model> {
         if !self.folds() {
             return Ok(self.convert_alone(root));
         }
@@ -129,7 +125,7 @@ where
     /// write's transaction.
     pub(super) async fn lock_root(
         &self,
-        ctx: &WriteCtx<'_>,
+        ctx: &DualCtx<'_>,
         key: &KeyOf<Old>,
         pk: &Value,
     ) -> Result<Option<Old::Model>> {
@@ -155,11 +151,11 @@ where
     /// after the commit. A part whose root does not exist folds into nothing.
     pub(super) async fn refold(
         self: &Arc<Self>,
-        ctx: &WriteCtx<'_>,
+        ctx: &DualCtx<'_>,
         key: &KeyOf<Old>,
         pk: &Value,
         write: bool,
-    ) -> Result<AfterCommit> {
+    ) -> Result<CacheUpdate> {
         let Some(root) = self.lock_root(ctx, key, pk).await? else {
             let ck = cache_key(
                 &key.to_directory_text(),

@@ -162,4 +162,4 @@ pub use handle::{Rollout, RolloutBackfill, RolloutHandle, RolloutInstance, Rollo
 pub use parts::Parts;
 pub(crate) use registry::{Registry, Rollouts};
 pub(crate) use writes::OldReads;
-pub(crate) use writes::{ActiveValues, AfterCommit, OldWrites, RowValues, WriteCtx};
+pub(crate) use writes::{ActiveValues, CacheUpdate, DualCtx, OldWrites, RowValues};

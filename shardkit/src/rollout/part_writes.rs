@@ -7,7 +7,7 @@ use crate::phase::Phase;
 use crate::read::KeyOf;
 use crate::rollout::parts::Applied;
 use crate::rollout::{
-    ActiveValues, AfterCommit, OldReads, OldWrites, PartDef, RowValues, Shared, WriteCtx,
+    ActiveValues, CacheUpdate, DualCtx, OldReads, OldWrites, PartDef, RowValues, Shared,
 };
 use futures::future::BoxFuture;
 use sea_orm::{ActiveValue, DbErr, Value};
@@ -61,7 +61,7 @@ where
     /// read without a lock) and the one it moves to, in sorted order.
     async fn lock_roots(
         &self,
-        ctx: &WriteCtx<'_>,
+        ctx: &DualCtx<'_>,
         key: &KeyOf<Old>,
         pk: &[Value],
         named: Option<Value>,
@@ -95,10 +95,10 @@ where
     /// changed, folded again).
     async fn apply_new_only(
         &self,
-        ctx: &WriteCtx<'_>,
+        ctx: &DualCtx<'_>,
         op: crate::pipeline::WriteOp,
         model: ActiveValues,
-    ) -> Result<(Applied, AfterCommit)> {
+    ) -> Result<(Applied, CacheUpdate)> {
         let def = self.def();
         let (key, link, _) = def.key_link_pk(&model);
         let Some(key) = key else {
@@ -169,7 +169,7 @@ where
 }
 
 /// Both cache updates, in order.
-fn both(a: AfterCommit, b: AfterCommit) -> AfterCommit {
+fn both(a: CacheUpdate, b: CacheUpdate) -> CacheUpdate {
     Box::new(move || {
         a();
         b();
@@ -214,10 +214,10 @@ where
 
     fn before_write<'a>(
         &'a self,
-        ctx: WriteCtx<'a>,
+        ctx: DualCtx<'a>,
         op: crate::pipeline::WriteOp,
         model: ActiveValues,
-    ) -> BoxFuture<'a, Result<Option<AfterCommit>>> {
+    ) -> BoxFuture<'a, Result<Option<CacheUpdate>>> {
         use crate::pipeline::WriteOp;
         Box::pin(async move {
             self.refused_if_done()?;
@@ -249,10 +249,10 @@ where
 
     fn after_write<'a>(
         &'a self,
-        ctx: WriteCtx<'a>,
+        ctx: DualCtx<'a>,
         row: RowValues,
         current: Option<RowValues>,
-    ) -> BoxFuture<'a, Result<Option<AfterCommit>>> {
+    ) -> BoxFuture<'a, Result<Option<CacheUpdate>>> {
         Box::pin(async move {
             self.refused_if_done()?;
             let phase = self.phase();
@@ -283,10 +283,10 @@ where
 
     fn after_delete<'a>(
         &'a self,
-        ctx: WriteCtx<'a>,
+        ctx: DualCtx<'a>,
         model: ActiveValues,
         current: Option<RowValues>,
-    ) -> BoxFuture<'a, Result<(u64, Option<AfterCommit>)>> {
+    ) -> BoxFuture<'a, Result<(u64, Option<CacheUpdate>)>> {
         Box::pin(async move {
             self.refused_if_done()?;
             let phase = self.phase();
@@ -315,10 +315,10 @@ where
 
     fn write_new_only<'a>(
         &'a self,
-        ctx: WriteCtx<'a>,
+        ctx: DualCtx<'a>,
         model: ActiveValues,
         update: bool,
-    ) -> BoxFuture<'a, Result<(RowValues, AfterCommit)>> {
+    ) -> BoxFuture<'a, Result<(RowValues, CacheUpdate)>> {
         Box::pin(async move {
             self.refused_if_done()?;
             let op = if update {

@@ -13,10 +13,10 @@ use std::sync::Arc;
 
 /// What a write of the old entity leaves to do once its transaction commits
 /// (fill or invalidate caches).
-pub(crate) type AfterCommit = Box<dyn FnOnce() + Send>;
+pub(crate) type CacheUpdate = Box<dyn FnOnce() + Send>;
 
 /// Where a dual write runs: the old row's transaction and shard.
-pub(crate) struct WriteCtx<'a> {
+pub(crate) struct DualCtx<'a> {
     pub(crate) shards: &'a Shards,
     pub(crate) gsi: &'a Arc<GsiState>,
     pub(crate) txn: &'a DatabaseTransaction,
@@ -48,10 +48,10 @@ pub(crate) trait OldWrites: Send + Sync {
     /// locks its root, and re-folds the root it leaves.
     fn before_write<'a>(
         &'a self,
-        _ctx: WriteCtx<'a>,
+        _ctx: DualCtx<'a>,
         _op: WriteOp,
         _model: ActiveValues,
-    ) -> BoxFuture<'a, Result<Option<AfterCommit>>> {
+    ) -> BoxFuture<'a, Result<Option<CacheUpdate>>> {
         Box::pin(std::future::ready(Ok(None)))
     }
     /// Whether an update or delete of the entity needs the row as it was
@@ -63,27 +63,27 @@ pub(crate) trait OldWrites: Send + Sync {
     /// before an update, when [`needs_current`](Self::needs_current)).
     fn after_write<'a>(
         &'a self,
-        ctx: WriteCtx<'a>,
+        ctx: DualCtx<'a>,
         row: RowValues,
         current: Option<RowValues>,
-    ) -> BoxFuture<'a, Result<Option<AfterCommit>>>;
+    ) -> BoxFuture<'a, Result<Option<CacheUpdate>>>;
     /// After the old row named by `model` was deleted (`current`: the row
     /// as it was, when [`needs_current`](Self::needs_current)), or, from
     /// `new_only` on, instead of deleting it.
     fn after_delete<'a>(
         &'a self,
-        ctx: WriteCtx<'a>,
+        ctx: DualCtx<'a>,
         model: ActiveValues,
         current: Option<RowValues>,
-    ) -> BoxFuture<'a, Result<(u64, Option<AfterCommit>)>>;
+    ) -> BoxFuture<'a, Result<(u64, Option<CacheUpdate>)>>;
     /// `NewOnly`: an insert (`update == false`) or update of the old entity,
     /// applied to the new table only. Returns the old row as written.
     fn write_new_only<'a>(
         &'a self,
-        ctx: WriteCtx<'a>,
+        ctx: DualCtx<'a>,
         model: ActiveValues,
         update: bool,
-    ) -> BoxFuture<'a, Result<(RowValues, AfterCommit)>>;
+    ) -> BoxFuture<'a, Result<(RowValues, CacheUpdate)>>;
 }
 
 /// Where reads of a rollout's old entity go.
