@@ -273,7 +273,7 @@ async fn rollouts(
             Rollout::<person_v1::Entity, person_v2::Entity>::new("people_v2", to_v2)
                 .to_old(to_v1)                        // needed from read_new on
                 .cache_ttl(Duration::from_secs(60))
-                .refresh_every(Duration::from_secs(5)),
+                .refresh_interval(Duration::from_secs(5)),
         )
         .await?;
     people.backfill().await?;                          // in dual_write, a gap after it: copy old rows

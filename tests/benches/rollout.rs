@@ -93,7 +93,7 @@ fn rollout(c: &mut Criterion) {
                     Rollout::<person_v1::Entity, person_v2::Entity>::new("people_v2", person_to_v2)
                         .to_old(person_to_v1)
                         .cache_ttl(Duration::from_millis(1))
-                        .refresh_every(Duration::from_secs(1)),
+                        .refresh_interval(Duration::from_secs(1)),
                 )
                 .await
                 .unwrap();
@@ -237,7 +237,7 @@ fn fold(_: &mut Criterion) {
                         .to_old(order_unfold)
                         .to_old_parts(order_parts)
                         .cache_ttl(Duration::from_millis(1))
-                        .refresh_every(Duration::from_secs(1)),
+                        .refresh_interval(Duration::from_secs(1)),
                 )
                 .await
                 .unwrap();

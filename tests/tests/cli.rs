@@ -31,7 +31,7 @@ fn registry() -> Registry {
             Rollout::<person_v1::Entity, person_v2::Entity>::new("people_v2", person_to_v2)
                 .to_old(person_to_v1)
                 .cache_ttl(Duration::from_millis(30))
-                .refresh_every(Duration::from_millis(20)),
+                .refresh_interval(Duration::from_millis(20)),
         )
 }
 

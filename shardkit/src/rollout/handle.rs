@@ -197,8 +197,11 @@ impl<Old: ShardedEntity, New: ShardedEntity> Rollout<Old, New> {
         self
     }
 
-    /// How often this instance re-reads the shared phase (default 5 s).
-    pub fn refresh_every(mut self, interval: Duration) -> Self {
+    /// How often this instance re-reads the shared phase (default 5 s). A
+    /// setting, like [`cache_ttl`](Self::cache_ttl); the `_every` methods
+    /// ([`RolloutHandle::verify_every`], [`Gsi::reconcile_every`](crate::gsi::Gsi::reconcile_every))
+    /// start a periodic task.
+    pub fn refresh_interval(mut self, interval: Duration) -> Self {
         self.refresh = interval;
         self
     }
@@ -262,7 +265,7 @@ pub struct RolloutInstance {
     /// Its cache lifetime.
     pub cache_ttl: Duration,
     /// How often it re-reads the phase.
-    pub refresh_every: Duration,
+    pub refresh_interval: Duration,
     /// When it last re-read the phase (Unix ms, on its clock).
     pub seen_ms: i64,
     /// Whether it is the instance asking.

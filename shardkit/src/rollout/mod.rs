@@ -16,7 +16,7 @@
 //! code that writes the old entity: every [`ShardTx`](crate::ShardTx) write of
 //! it consults the rollout's phase. The phase lives in `shardkit_rollouts` on
 //! the first shard of the group (a migration in `shardkit-migration`), so every
-//! instance agrees; each instance re-reads it every `refresh_every`.
+//! instance agrees; each instance re-reads it every `refresh_interval`.
 //!
 //! A phase can move one step at a time, and forward only once the previous
 //! change is older than the rollout's *gap*: the longest cache TTL plus refresh

@@ -64,7 +64,7 @@ where
         &self.shared.name
     }
 
-    /// The phase this instance acts on (re-read every `refresh_every`).
+    /// The phase this instance acts on (re-read every `refresh_interval`).
     pub fn phase(&self) -> Phase {
         self.shared.phase()
     }

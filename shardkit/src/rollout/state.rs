@@ -198,7 +198,7 @@ pub(super) async fn read_instances(
                 this_instance: name == this_instance,
                 name,
                 cache_ttl: ms(row.try_get("", "cache_ttl_ms").map_err(get)?),
-                refresh_every: ms(row.try_get("", "refresh_ms").map_err(get)?),
+                refresh_interval: ms(row.try_get("", "refresh_ms").map_err(get)?),
                 seen_ms: row.try_get("", "seen_ms").map_err(get)?,
             })
         })

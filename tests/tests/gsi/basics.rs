@@ -3,6 +3,7 @@
 //! verify every row, unique violations and takeover of dangling rows, updates
 //! that move the entry, backfill and reconciliation.
 
+use crate::index_rows;
 use sea_orm::{
     ActiveValue::Unchanged, ColumnTrait, ConnectionTrait, EntityTrait, QueryFilter, Set, Statement,
 };
@@ -58,28 +59,6 @@ async fn add_contact(
         .await?;
     tx.commit().await?;
     Ok(row)
-}
-
-/// Index rows of `table` across all shards, as (value, shard key).
-async fn index_rows(cluster: &Cluster, table: &str) -> BTreeSet<(String, String)> {
-    let mut rows = BTreeSet::new();
-    for shard in cluster.topology().shard_names() {
-        let db = cluster.connection(shard).unwrap();
-        let found = db
-            .query_all_raw(Statement::from_string(
-                db.get_database_backend(),
-                format!("SELECT value, shard_key FROM {table}"),
-            ))
-            .await
-            .unwrap();
-        for row in found {
-            rows.insert((
-                row.try_get::<String>("", "value").unwrap(),
-                row.try_get::<String>("", "shard_key").unwrap(),
-            ));
-        }
-    }
-    rows
 }
 
 pub(crate) async fn lookups_follow_the_index(dbs: &mut TestDbs) {

@@ -27,7 +27,10 @@ use races::{
     long_value_is_refused_with_a_bounded_message, reconcile_reports_unique_conflicts_and_goes_on,
     unique_race_reports_only_real_duplicates, update_race_keeps_the_unique_index_row,
 };
+use sea_orm::{ConnectionTrait, Statement};
+use shardkit::Cluster;
 use shardkit_tests::backend_tests;
+use std::collections::BTreeSet;
 
 backend_tests!(4 =>
     // basics.rs
@@ -49,3 +52,25 @@ backend_tests!(4 =>
     failed_claim_is_not_a_duplicate,
     long_value_is_refused_with_a_bounded_message,
 );
+
+/// Index rows of `table` across all shards, as (value, shard key).
+pub(crate) async fn index_rows(cluster: &Cluster, table: &str) -> BTreeSet<(String, String)> {
+    let mut rows = BTreeSet::new();
+    for shard in cluster.topology().shard_names() {
+        let db = cluster.connection(shard).unwrap();
+        let found = db
+            .query_all_raw(Statement::from_string(
+                db.get_database_backend(),
+                format!("SELECT value, shard_key FROM {table}"),
+            ))
+            .await
+            .unwrap();
+        for row in found {
+            rows.insert((
+                row.try_get::<String>("", "value").unwrap(),
+                row.try_get::<String>("", "shard_key").unwrap(),
+            ));
+        }
+    }
+    rows
+}

@@ -4,6 +4,7 @@
 //! compare byte for byte, backfill scans by primary key, and a failed unique
 //! claim is a duplicate only when the database says so.
 
+use crate::index_rows;
 use sea_orm::ActiveValue::{NotSet, Unchanged};
 use sea_orm::{ConnectionTrait, EntityTrait, Set, Statement};
 use shardkit::error::Retry;
@@ -59,28 +60,6 @@ async fn set_email(cluster: &Cluster, id: i64, customer: i64, email: &str) -> sh
 
 async fn by_email(cluster: &Cluster, email: &str) -> Vec<i64> {
     contacts_by_index(cluster, contact::Column::Email, email).await
-}
-
-/// Index rows of `table` across all shards, as (value, shard key).
-async fn index_rows(cluster: &Cluster, table: &str) -> BTreeSet<(String, String)> {
-    let mut rows = BTreeSet::new();
-    for shard in cluster.topology().shard_names() {
-        let db = cluster.connection(shard).unwrap();
-        let found = db
-            .query_all_raw(Statement::from_string(
-                db.get_database_backend(),
-                format!("SELECT value, shard_key FROM {table}"),
-            ))
-            .await
-            .unwrap();
-        for row in found {
-            rows.insert((
-                row.try_get::<String>("", "value").unwrap(),
-                row.try_get::<String>("", "shard_key").unwrap(),
-            ));
-        }
-    }
-    rows
 }
 
 /// All contacts, read shard by shard behind shardkit's back.

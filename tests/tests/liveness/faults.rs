@@ -221,7 +221,10 @@ pub(crate) async fn refused_shard_fails_fast_with_its_cause(dbs: &mut TestDbs) {
     match &err {
         ShardError::Connect { shard, cause, .. } => {
             assert_eq!(shard, "s1");
-            assert!(cause.message().to_lowercase().contains("refused"), "{cause}");
+            assert!(
+                cause.message().to_lowercase().contains("refused"),
+                "{cause}"
+            );
             // The chain goes on to the driver's error, redacted and typed.
             let source = std::error::Error::source(&err).expect("a connect error has a source");
             let driver = source
@@ -359,7 +362,10 @@ pub(crate) async fn create_databases_skips_a_lazy_shard_that_is_down(dbs: &mut T
         match &err {
             ShardError::Connect { shard, cause, .. } => {
                 assert_eq!(shard, "s1");
-                assert!(cause.message().to_lowercase().contains(cause_says), "{cause}");
+                assert!(
+                    cause.message().to_lowercase().contains(cause_says),
+                    "{cause}"
+                );
                 assert!(!cause.message().contains("could not be created"), "{cause}");
             }
             other => panic!("expected Connect, got {other:?}"),

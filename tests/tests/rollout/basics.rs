@@ -22,7 +22,7 @@ fn people_rollout(ttl: Duration) -> Rollout<person_v1::Entity, person_v2::Entity
     Rollout::new("people_v2", person_to_v2)
         .to_old(person_to_v1)
         .cache_ttl(ttl)
-        .refresh_every(REFRESH)
+        .refresh_interval(REFRESH)
 }
 
 /// The time every instance of a test reads: phase gaps and cache lifetimes
@@ -910,7 +910,7 @@ pub(crate) async fn old_index_reads_follow_the_phase(dbs: &mut TestDbs) {
             Rollout::new("logins_v2", login_to_v2)
                 .to_old(login_to_v1)
                 .cache_ttl(TTL)
-                .refresh_every(REFRESH),
+                .refresh_interval(REFRESH),
         )
         .await
         .unwrap();
@@ -1017,7 +1017,7 @@ pub(crate) async fn status_lists_the_instances(dbs: &mut TestDbs) {
             (
                 i.name.clone(),
                 i.cache_ttl,
-                i.refresh_every,
+                i.refresh_interval,
                 i.this_instance,
             )
         })

@@ -28,7 +28,7 @@ fn users_rollout() -> Rollout<user::Entity, user_v2::Entity> {
         .to_old(user_unfold)
         .to_old_parts(user_parts)
         .cache_ttl(TTL)
-        .refresh_every(REFRESH)
+        .refresh_interval(REFRESH)
 }
 
 fn orders_rollout() -> Rollout<order::Entity, order_v2::Entity> {
@@ -37,7 +37,7 @@ fn orders_rollout() -> Rollout<order::Entity, order_v2::Entity> {
         .to_old(order_unfold)
         .to_old_parts(order_parts)
         .cache_ttl(TTL)
-        .refresh_every(REFRESH)
+        .refresh_interval(REFRESH)
 }
 
 /// One application instance with both rollouts registered.

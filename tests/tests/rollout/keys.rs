@@ -57,7 +57,7 @@ pub(crate) async fn conversion_that_moves_the_key_is_refused(dbs: &mut TestDbs) 
             Rollout::new("moving", moving)
                 .to_old(person_to_v1)
                 .cache_ttl(Duration::from_millis(30))
-                .refresh_every(Duration::from_millis(10)),
+                .refresh_interval(Duration::from_millis(10)),
         )
         .await
         .unwrap();

@@ -19,7 +19,7 @@ fn people_rollout(refresh: Duration) -> Rollout<person_v1::Entity, person_v2::En
     Rollout::new("people_v2", person_to_v2)
         .to_old(person_to_v1)
         .cache_ttl(TTL)
-        .refresh_every(refresh)
+        .refresh_interval(refresh)
 }
 
 /// One application instance reading `clock`, with its statement log.
@@ -355,7 +355,7 @@ pub(crate) async fn new_only_write_that_moves_the_key_is_refused(dbs: &mut TestD
             Rollout::new("moving", moving)
                 .to_old(person_to_v1)
                 .cache_ttl(TTL)
-                .refresh_every(REFRESH),
+                .refresh_interval(REFRESH),
         )
         .await
         .unwrap();

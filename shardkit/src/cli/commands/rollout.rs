@@ -179,13 +179,13 @@ pub(super) async fn rollout_status(
             t.add_row(vec![
                 i.name.clone(),
                 format!("{:?}", i.cache_ttl),
-                format!("{:?}", i.refresh_every),
+                format!("{:?}", i.refresh_interval),
                 i.seen_ms.to_string(),
             ]);
             json!({
                 "name": i.name,
                 "cache_ttl_ms": i.cache_ttl.as_millis() as u64,
-                "refresh_ms": i.refresh_every.as_millis() as u64,
+                "refresh_ms": i.refresh_interval.as_millis() as u64,
                 "seen_ms": i.seen_ms,
                 "this_instance": i.this_instance,
             })
