@@ -8,7 +8,7 @@
 //! index lookup into every read. See `ARCHITECTURE.md` for the layers.
 
 use crate::clock::{Clock, SystemClock};
-use crate::entity::{EntityGroup, ShardKey, ShardedEntity};
+use crate::entity::{EntityGroup, ShardedEntity};
 use crate::error::{Result, ShardError};
 use crate::exec::Shards;
 use crate::gsi::{Gsi, GsiLookup, GsiState, IndexFirst, IndexState};
@@ -25,10 +25,6 @@ use std::time::Duration;
 
 pub use crate::exec::shards::{StatementEvent, StatementObserver};
 pub use crate::exec::{DatabaseMigrationStatus, Directory, MigrationReport};
-
-/// How many times `Cluster::begin` begins again when the database aborts a
-/// movable group's fence read (a deadlock during a move).
-const FENCE_ABORTS_RETRIED: u32 = 5;
 
 /// A transaction pinned to one key of group `G` (see [`crate::tx::ShardTx`]),
 /// whose writes run through the cluster's [`Stages`].
@@ -347,7 +343,7 @@ impl Cluster {
     /// with the bucket fenced can be taken over 10 s after its last step),
     /// so the program sees a transaction on the right shard.
     pub async fn begin<G: EntityGroup>(&self, key: G::Key) -> Result<ShardTx<G>> {
-        let begun = self.begin_fenced::<G>(&key).await?;
+        let begun = crate::rebalance::begin::<G>(&self.shards, &key).await?;
         Ok(crate::tx::ShardTx::new(
             begun,
             self.shards.clone(),
@@ -355,98 +351,6 @@ impl Cluster {
             Some(self.read_guard()),
             key,
         ))
-    }
-
-    /// `begin`, with the fence of a movable group: refused by a shard
-    /// that no longer owns the bucket, it refreshes the map and begins on
-    /// the new owner; a fence the database aborted (deadlock, serialization
-    /// failure) begins again, up to [`FENCE_ABORTS_RETRIED`] times.
-    async fn begin_fenced<G: EntityGroup>(&self, key: &G::Key) -> Result<crate::exec::Begun> {
-        if !self.shards.topology().is_movable(G::NAME) {
-            return self.shards.begin::<G>(key).await;
-        }
-        let key_text = key.to_directory_text();
-        let deadline = tokio::time::Instant::now() + crate::rebalance::REROUTE_FOR;
-        let mut delay = Duration::from_millis(1);
-        let mut aborted = 0;
-        loop {
-            let begun = self.shards.begin::<G>(key).await?;
-            let shard = begun.target.shard;
-            let bucket = begun.target.bucket.unwrap_or_default();
-            let name = self.shards.shard_name(shard);
-            let fenced =
-                crate::rebalance::fence(&begun.txn, name, G::NAME, bucket, &key_text).await;
-            // Fault injection: the database aborts the fence read of the key
-            // the failpoint's argument names.
-            #[cfg(feature = "failpoints")]
-            let fenced = match fenced {
-                Ok(_)
-                    if fail::eval("shardkit::begin::fence_aborted", |arg| arg)
-                        .is_some_and(|arg| arg.as_deref() == Some(key_text.as_str())) =>
-                {
-                    Err(crate::rebalance::db_err(
-                        name,
-                        "shardkit_bucket_states",
-                        "read",
-                        crate::error::Synthetic::aborted("shardkit::begin::fence_aborted"),
-                    ))
-                }
-                other => other,
-            };
-            match fenced {
-                Ok(_) => return Ok(begun),
-                Err(err @ ShardError::BucketMoved { .. }) => {
-                    crate::metrics::fenced(G::NAME);
-                    // Roll back and give up the SQLite write slot before
-                    // waiting: other writers need it.
-                    let crate::exec::Begun { txn, writer, .. } = begun;
-                    let _ = txn.rollback().await;
-                    drop(writer);
-                    crate::rebalance::after_refusal(&self.shards, G::NAME, shard).await?;
-                    // A new shard, or a new range id (a split) on the same
-                    // shard: begin again at once.
-                    let now_at = self.shards.route_now::<G>(key)?;
-                    if now_at.is_none_or(|t| t.shard != shard || t.bucket != Some(bucket)) {
-                        tracing::debug!(
-                            group = G::NAME,
-                            bucket,
-                            from = name,
-                            "fenced: rerouted by the refreshed bucket map"
-                        );
-                        continue;
-                    }
-                    if tokio::time::Instant::now() >= deadline {
-                        return Err(err);
-                    }
-                    tokio::time::sleep(delay).await;
-                    delay = (delay * 2).min(Duration::from_millis(20));
-                }
-                // The fence is shardkit's own statement, the transaction's
-                // first: when the database aborts it (a deadlock with a
-                // mover's state change, MariaDB's 1213), nothing of the
-                // caller's is lost, so it begins again instead of handing
-                // the caller a transaction to retry.
-                Err(err)
-                    if err.retry() == crate::Retry::Transaction
-                        && aborted < FENCE_ABORTS_RETRIED =>
-                {
-                    aborted += 1;
-                    tracing::debug!(
-                        group = G::NAME,
-                        bucket,
-                        shard = name,
-                        error = %err.report(),
-                        "fence aborted by the database: beginning again"
-                    );
-                    let crate::exec::Begun { txn, writer, .. } = begun;
-                    let _ = txn.rollback().await;
-                    drop(writer);
-                    tokio::time::sleep(delay).await;
-                    delay = (delay * 2).min(Duration::from_millis(20));
-                }
-                Err(err) => return Err(err),
-            }
-        }
     }
 
     /// Bucket moves of group `G` (a `movable` hash group): plan, start, run,

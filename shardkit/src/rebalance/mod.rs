@@ -49,6 +49,7 @@
 //! instance still routing by it is refused and rerouted;
 //! [`Rebalance::plan_range`] plans the move of the range holding a key.
 
+mod begin;
 mod entity;
 mod errors;
 mod fencing;
@@ -56,6 +57,7 @@ mod live;
 mod map;
 mod mover;
 
+pub(crate) use begin::begin;
 pub(crate) use errors::{db_err, missing_table};
 pub(crate) use live::{
     REROUTE_FOR, load_maps, move_mark, read_needs_refresh, refresh_all, unfinished_moves,
