@@ -298,15 +298,12 @@ async fn create_databases(topology: &Topology, pool: &PoolConfig, timeout: Durat
         created.map_err(|source| ShardError::Connect {
             shard: name.clone(),
             url: url.redacted(),
-            cause: {
-                let cause = DriverError::of(&source, |m| {
-                    format!(
-                        "database does not exist and could not be created: {}",
-                        server.scrub(m)
-                    )
-                });
-                cause
-            },
+            cause: DriverError::of(&source, |m| {
+                format!(
+                    "database does not exist and could not be created: {}",
+                    server.scrub(m)
+                )
+            }),
         })?;
     }
     Ok(())

@@ -55,7 +55,7 @@ pub(crate) async fn begin<G: EntityGroup>(shards: &Shards, key: &G::Key) -> Resu
                 let Begun { txn, writer, .. } = begun;
                 let _ = txn.rollback().await;
                 drop(writer);
-                crate::rebalance::after_refusal(&shards, G::NAME, shard).await?;
+                crate::rebalance::after_refusal(shards, G::NAME, shard).await?;
                 // A new shard, or a new range id (a split) on the same
                 // shard: begin again at once.
                 let now_at = shards.route_now::<G>(key)?;
