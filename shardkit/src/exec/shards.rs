@@ -307,17 +307,18 @@ impl Shards {
         // two files would each wait for the other's lock. One SQLite write
         // transaction at a time across the cluster's files, in every
         // instance, makes that wait impossible.
+        let begin_failed = |source| {
+            ShardError::db(
+                crate::error::Origin::Group(G::NAME),
+                shard.to_owned(),
+                "begin",
+                source,
+            )
+        };
         let writer = self
             .sqlite_write_slot(target.shard)
             .await
-            .map_err(|source| {
-                ShardError::db(
-                    crate::error::Origin::Group(G::NAME),
-                    shard.to_owned(),
-                    "begin",
-                    source,
-                )
-            })?;
+            .map_err(begin_failed)?;
         // Under the shard's breaker: a shard that refuses or hangs fails the
         // begin with its cause instead of after the pool's acquire timeout.
         let begin = async {
@@ -325,14 +326,7 @@ impl Shards {
             // would otherwise copy the driver's large future.
             Box::pin(crate::exec::begin_write(conn))
                 .await
-                .map_err(|source| {
-                    ShardError::db(
-                        crate::error::Origin::Group(G::NAME),
-                        shard.to_owned(),
-                        "begin",
-                        source,
-                    )
-                })
+                .map_err(begin_failed)
         };
         let txn = self.bounded(target.shard, G::NAME, None, begin).await?;
         Ok(Begun {
