@@ -1274,6 +1274,13 @@ fn describe_breaches(breaches: &[(String, String, Vec<String>)]) -> String {
 // ---------------------------------------------------------------------------
 
 /// Every `.rs` file under `shardkit/src`.
+/// The checker's report on shardkit/src, made once for every test that
+/// reads it.
+fn real_report() -> &'static Report {
+    static REPORT: std::sync::OnceLock<Report> = std::sync::OnceLock::new();
+    REPORT.get_or_init(|| check(&source_tree()))
+}
+
 fn source_tree() -> Tree {
     let dir = std::env::var("CARGO_MANIFEST_DIR")
         .ok()
@@ -1310,7 +1317,7 @@ fn source_tree() -> Tree {
 
 #[test]
 fn every_module_has_a_layer() {
-    let report = check(&source_tree());
+    let report = real_report();
     assert!(
         report.without_layer.is_empty(),
         "modules without a layer (add them to ARCHITECTURE.md and LAYERS): {:?}",
@@ -1320,7 +1327,7 @@ fn every_module_has_a_layer() {
 
 #[test]
 fn layers_import_one_way() {
-    let report = check(&source_tree());
+    let report = real_report();
     assert!(
         report.layer_breaches.is_empty(),
         "{} imports against the layers:{}\n",
@@ -1331,7 +1338,7 @@ fn layers_import_one_way() {
 
 #[test]
 fn no_import_cycle_between_files() {
-    let report = check(&source_tree());
+    let report = real_report();
     assert!(
         report.file_cycles.is_empty(),
         "{} import cycles between files (the shortest through each edge on a cycle):{}",
@@ -1344,7 +1351,7 @@ fn no_import_cycle_between_files() {
 fn no_import_cycle_between_folders() {
     // The file graph folded to top-level modules (`rollout/fold.rs` →
     // `rollout`): a feature may use another feature, never both ways.
-    let report = check(&source_tree());
+    let report = real_report();
     assert!(
         report.folder_cycles.is_empty(),
         "{} import cycles between top-level modules:{}",
@@ -1357,7 +1364,7 @@ fn no_import_cycle_between_folders() {
 fn the_real_tree_is_read() {
     // The reader finds imports in the real tree (a reader that finds
     // nothing would pass every rule).
-    let report = check(&source_tree());
+    let report = real_report();
     let n: usize = report.files.values().map(BTreeMap::len).sum();
     assert!(n > 100, "only {n} file edges found in shardkit/src");
     assert!(report.files.len() > 20);
