@@ -308,7 +308,7 @@ async fn ids(cluster: &Cluster) -> shardkit::Result<Issued> {
 /// shardkit/docs/rebalance.md ("Moving buckets").
 #[rustfmt::skip]
 async fn grow(cluster: &Cluster) -> shardkit::Result<MoveStatus> {
-    let moves = cluster.rebalance::<Customer>().entity::<order::Entity>();   // every entity of the group
+    let moves = cluster.rebalance::<Customer>()?.entity::<order::Entity>();  // every entity of the group
     let plan = moves.plan_even_out("s4").await?;           // the fewest buckets that even the shards out
     let started = moves.start(&plan).await?;               // refused if another move holds a bucket
     moves.run(started.id).await                            // copy, catch up, verify, cut over, clean

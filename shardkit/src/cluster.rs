@@ -48,7 +48,7 @@ pub struct Cluster {
 
 /// The state of the features built on the shards.
 struct Features {
-    ids: Arc<Ids>,
+    ids: Ids,
     gsi: Arc<GsiState>,
     rollouts: Arc<Registry>,
     stages: Arc<Stages>,
@@ -156,11 +156,11 @@ impl ClusterBuilder {
             .zip(shards.ticket_connections())
             .map(|(spec, conn)| TicketServer::new(spec.name.clone(), conn.clone()))
             .collect();
-        let ids = Arc::new(Ids::new(servers, config.ids.clone(), clock)?);
+        let ids = Ids::new(servers, config.ids.clone(), clock)?;
         let gsi = Arc::new(GsiState::new(&config, shards.topology()));
         let rollouts = Arc::new(Registry::default());
         let stages = Arc::new((
-            FillIds::new(Arc::clone(&ids)),
+            FillIds::new(ids.clone()),
             (
                 IndexFirst::new(Arc::clone(&gsi)),
                 DualWrite::new(Arc::clone(&rollouts), Arc::clone(&gsi)),
@@ -225,8 +225,8 @@ impl Cluster {
     }
 
     /// The id service: ticket sequences, snowflakes.
-    pub fn ids(&self) -> &Arc<Ids> {
-        &self.features.ids
+    pub fn ids(&self) -> Ids {
+        self.features.ids.clone()
     }
 
     /// The cluster's clock (see [`ClusterBuilder::clock`]).
@@ -355,8 +355,9 @@ impl Cluster {
 
     /// Bucket moves of group `G` (a `movable` hash group): plan, start, run,
     /// resume and abort them, from this process or another (see
-    /// [`crate::rebalance`]).
-    pub fn rebalance<G: EntityGroup>(&self) -> crate::rebalance::Rebalance<G> {
+    /// [`crate::rebalance`]). Refused with [`ShardError::Rebalance`] when
+    /// `G` is not a `movable` hash or range group.
+    pub fn rebalance<G: EntityGroup>(&self) -> Result<crate::rebalance::Rebalance<G>> {
         crate::rebalance::Rebalance::new(self.shards.clone())
     }
 
@@ -587,7 +588,7 @@ impl Cluster {
     }
 
     /// Global secondary indexes: create, backfill, reconcile.
-    pub fn gsi(&self) -> Gsi<'_> {
+    pub fn gsi(&self) -> Gsi {
         Gsi::new(&self.shards, &self.features.gsi)
     }
 
@@ -642,8 +643,10 @@ impl Cluster {
         self.features.rollouts.watch.not_registered()
     }
 
-    /// The rollout registered for `Old`, if it goes to `New`.
-    pub fn rollout<Old, New>(&self) -> Option<RolloutHandle<Old, New>>
+    /// The rollout registered for `Old` on this cluster. Refused with
+    /// [`ShardError::Config`] when `Old` has none, or has one to another
+    /// entity than `New`.
+    pub fn rollout<Old, New>(&self) -> Result<RolloutHandle<Old, New>>
     where
         Old: ShardedEntity,
         New: ShardedEntity<Group = Old::Group>,

@@ -88,6 +88,7 @@ async fn copy(rows: i64) {
     let seen = Arc::clone(&phases);
     let moves = cluster
         .rebalance::<Customer>()
+        .unwrap()
         .entity::<order::Entity>()
         .on_progress(move |p| {
             let mut s = seen.lock().unwrap();
@@ -220,6 +221,7 @@ async fn writes() {
     let shown = Arc::clone(&phase);
     let moves = cluster
         .rebalance::<Customer>()
+        .unwrap()
         .entity::<order::Entity>()
         .on_progress(move |p| shown.store(1 + p.phase as u8, Ordering::SeqCst));
     let plan = moves.plan_buckets(0..1024, "s1").await.unwrap();

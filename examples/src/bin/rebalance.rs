@@ -144,7 +144,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     )?);
     let shown = bar.clone();
     let moves = cluster
-        .rebalance::<Customer>()
+        .rebalance::<Customer>()?
         .entity::<customer::Entity>()
         .entity::<order::Entity>()
         .on_progress(move |p| {

@@ -113,7 +113,7 @@ pub(super) trait AdminEntity: Send + Sync {
     fn table(&self) -> &'static str;
     fn group(&self) -> &'static str;
     /// Moves of its group carrying it.
-    fn moves(&self, cluster: &Cluster) -> Rebalance<AnyGroup>;
+    fn moves(&self, cluster: &Cluster) -> Result<Rebalance<AnyGroup>>;
     /// `moves` (of its group) carrying it too, after the entities they
     /// carry already.
     fn carried_by(&self, moves: Rebalance<AnyGroup>) -> Result<Rebalance<AnyGroup>>;
@@ -204,8 +204,8 @@ where
         E::default().table_name()
     }
 
-    fn moves(&self, cluster: &Cluster) -> Rebalance<AnyGroup> {
-        cluster.rebalance::<E::Group>().entity::<E>().into_any()
+    fn moves(&self, cluster: &Cluster) -> Result<Rebalance<AnyGroup>> {
+        Ok(cluster.rebalance::<E::Group>()?.entity::<E>().into_any())
     }
 
     fn carried_by(&self, moves: Rebalance<AnyGroup>) -> Result<Rebalance<AnyGroup>> {

@@ -40,6 +40,24 @@ pub struct Directory<G: EntityGroup> {
     _group: PhantomData<fn() -> G>,
 }
 
+impl<G: EntityGroup> Clone for Directory<G> {
+    fn clone(&self) -> Self {
+        Directory {
+            shards: self.shards.clone(),
+            index: self.index,
+            _group: PhantomData,
+        }
+    }
+}
+
+impl<G: EntityGroup> std::fmt::Debug for Directory<G> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Directory")
+            .field("group", &G::NAME)
+            .finish_non_exhaustive()
+    }
+}
+
 impl<G: EntityGroup> Directory<G> {
     fn conn(&self) -> &DatabaseConnection {
         &self.shards.inner.directories[self.index]

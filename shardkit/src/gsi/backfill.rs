@@ -8,7 +8,7 @@ use crate::key::{model_pk, value_text};
 use sea_orm::ModelTrait;
 use std::ops::ControlFlow;
 
-impl<'c> Gsi<'c> {
+impl Gsi {
     /// Fills `E`'s index on `column` from the primary tables, shard by shard in
     /// chunks, then marks it `active`. Resumable: progress is saved in the
     /// catalog after every chunk and a rerun continues from it (index writes

@@ -11,7 +11,7 @@ use sea_orm::sea_query::{Alias, Expr, OnConflict, Query};
 use sea_orm::{ConnectionTrait, DbBackend, ExprTrait};
 use std::time::Instant;
 
-impl<'c> Gsi<'c> {
+impl Gsi {
     /// Creates the index tables of `E` on every shard of its group and
     /// registers them in the catalog as `write_only` (unless already there).
     pub async fn create<E: ShardedEntity>(&self) -> Result<()> {

@@ -186,10 +186,21 @@ pub(crate) struct Removal {
     pub(crate) version: i64,
 }
 
-/// The GSI service of a cluster: `cluster.gsi()`.
-pub struct Gsi<'c> {
-    pub(super) shards: &'c Shards,
-    pub(super) state: &'c Arc<GsiState>,
+/// The GSI service of a cluster: `cluster.gsi()`. A handle: owned, cheap
+/// to clone, and usable after the `Cluster` value it came from is dropped
+/// (while another clone of the cluster keeps its pools open).
+#[derive(Clone)]
+pub struct Gsi {
+    pub(super) shards: Shards,
+    pub(super) state: Arc<GsiState>,
+}
+
+impl std::fmt::Debug for Gsi {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Gsi")
+            .field("relaxed_commit", &self.state.relaxed)
+            .finish_non_exhaustive()
+    }
 }
 
 /// A cluster's global-index settings (`[gsi]`) and cached index states.
@@ -325,9 +336,12 @@ pub(crate) struct StateCache(pub(super) Mutex<HashMap<String, (IndexState, Insta
 
 pub(super) const STATE_TTL: Duration = Duration::from_secs(1);
 
-impl<'c> Gsi<'c> {
-    pub(crate) fn new(shards: &'c Shards, state: &'c Arc<GsiState>) -> Self {
-        Gsi { shards, state }
+impl Gsi {
+    pub(crate) fn new(shards: &Shards, state: &Arc<GsiState>) -> Self {
+        Gsi {
+            shards: shards.clone(),
+            state: Arc::clone(state),
+        }
     }
 
     /// The shard an index row for `value` lives on: the value's hash over the
@@ -346,7 +360,7 @@ impl<'c> Gsi<'c> {
         Ok(shards[(hash % shards.len() as u64) as usize])
     }
 
-    pub(super) fn conn(&self, id: ShardId) -> (&'c DatabaseConnection, &'c str) {
+    pub(super) fn conn(&self, id: ShardId) -> (&DatabaseConnection, &str) {
         (self.shards.shard_conn(id), self.shards.shard_name(id))
     }
 

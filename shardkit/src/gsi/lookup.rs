@@ -12,7 +12,7 @@ use sea_orm::sea_query::{Alias, Expr, Query};
 use sea_orm::{ConnectionTrait, ExprTrait, Value};
 use std::sync::Arc;
 
-impl<'c> Gsi<'c> {
+impl Gsi {
     /// The shard keys an active index lists for `value`, or `None` while the
     /// index is `write_only` (the caller scatters).
     pub(crate) async fn lookup_texts(

@@ -14,7 +14,7 @@ use std::ops::ControlFlow;
 use std::sync::Arc;
 use std::time::Duration;
 
-impl<'c> Gsi<'c> {
+impl Gsi {
     /// Removes dangling index rows of `E` older than the grace period and adds
     /// index rows for owners that have none. Run it periodically
     /// ([`reconcile_every`](Self::reconcile_every)).
@@ -157,9 +157,9 @@ impl<'c> Gsi<'c> {
         &self,
         interval: Duration,
     ) -> tokio::task::JoinHandle<()> {
-        let state = Arc::clone(self.state);
+        let state = Arc::clone(&self.state);
         crate::exec::periodic::spawn(
-            self.shards,
+            &self.shards,
             interval,
             crate::exec::periodic::FirstPass::Now,
             move |shards: Shards| {

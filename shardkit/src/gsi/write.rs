@@ -17,7 +17,7 @@ use sea_orm::{
 };
 use std::time::{Duration, Instant};
 
-impl<'c> Gsi<'c> {
+impl Gsi {
     /// Whether the owner row of an index entry exists: a row of shard key
     /// `key` whose indexed column holds `value`.
     pub(super) async fn owner_alive<E: ShardedEntity>(

@@ -17,16 +17,19 @@ use std::sync::{Arc, Mutex};
 /// The registry of sequences on every ticket server.
 const SEQUENCES_TABLE: &str = "shardkit_ticket_sequences";
 
-/// The id service of a [`Cluster`](crate::Cluster): `cluster.ids()`.
+/// The id service of a [`Cluster`](crate::Cluster): `cluster.ids()`, a
+/// handle (owned, cheap to clone; clones share the sequences and their
+/// prefetched blocks).
 ///
-/// Ownership runs one way, so dropping the cluster closes the ticket pools:
-/// `Ids` → its [`Sequence`]s → the shared ticket servers. A sequence never
+/// Ownership runs one way, so dropping the cluster and its handles closes
+/// the ticket pools: `Ids` → its [`Sequence`]s → the shared ticket servers. A sequence never
 /// points back at `Ids`, and a prefetch in flight holds its sequence only
 /// until its one request ends.
+#[derive(Clone)]
 pub struct Ids {
     pub(super) tickets: Arc<Tickets>,
-    sequences: Mutex<HashMap<String, Arc<Sequence>>>,
-    snowflake: Snowflake,
+    sequences: Arc<Mutex<HashMap<String, Arc<Sequence>>>>,
+    snowflake: Arc<Snowflake>,
 }
 
 impl std::fmt::Debug for Ids {
@@ -66,8 +69,8 @@ impl Ids {
         let snowflake = Snowflake::new(layout, config.worker_id.unwrap_or(0), clock)?;
         Ok(Ids {
             tickets: Arc::new(Tickets::new(servers, config)),
-            sequences: Mutex::new(HashMap::new()),
-            snowflake,
+            sequences: Arc::default(),
+            snowflake: Arc::new(snowflake),
         })
     }
 

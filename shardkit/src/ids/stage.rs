@@ -5,17 +5,16 @@ use crate::error::{Result, ShardError};
 use crate::id_spec::IdStrategy;
 use crate::ids::handle::Ids;
 use crate::pipeline::{WriteCtx, WriteOp, WriteStage};
-use std::sync::Arc;
 
 /// The write stage of ids (see [`crate::pipeline`]): an insert whose
 /// `#[shardkit(id = "...")]` primary key is unset gets a fresh id.
 #[doc(hidden)]
 pub struct FillIds {
-    ids: Arc<Ids>,
+    ids: Ids,
 }
 
 impl FillIds {
-    pub(crate) fn new(ids: Arc<Ids>) -> Self {
+    pub(crate) fn new(ids: Ids) -> Self {
         FillIds { ids }
     }
 }

@@ -306,14 +306,32 @@ impl Rollouts<'_> {
     }
 
     /// The rollout registered for `Old`, if it goes to `New`.
-    pub(crate) fn handle<Old, New>(&self) -> Option<RolloutHandle<Old, New>>
+    pub(crate) fn handle<Old, New>(&self) -> Result<RolloutHandle<Old, New>>
     where
         Old: ShardedEntity,
         New: ShardedEntity<Group = Old::Group>,
     {
-        let any = self.registry.get(TypeId::of::<Old>())?.as_any();
-        let shared = any.downcast::<Shared<Old, New>>().ok()?;
-        Some(RolloutHandle {
+        let (old, new) = (table_name::<Old>(), table_name::<New>());
+        let entry = format!("rollout {old} -> {new}");
+        let Some(registered) = self.registry.get(TypeId::of::<Old>()) else {
+            return Err(ShardError::config(
+                entry,
+                format!(
+                    "no rollout of `{old}` is registered on this cluster \
+                     (`cluster.register_rollout(..)` first)"
+                ),
+            ));
+        };
+        let name = registered.name().to_owned();
+        let Ok(shared) = registered.as_any().downcast::<Shared<Old, New>>() else {
+            return Err(ShardError::config(
+                entry,
+                format!(
+                    "`{old}`'s registered rollout `{name}` goes to another entity than `{new}`"
+                ),
+            ));
+        };
+        Ok(RolloutHandle {
             shared,
             shards: self.shards.clone(),
             gsi: Arc::clone(self.gsi),

@@ -688,10 +688,8 @@ pub(crate) async fn configs_setting_up_at_once_confirm_no_split_places(dbs: &mut
         on_each(&urls, "DELETE FROM tickets_split").await;
         let forward = Cluster::connect(config.clone()).await.unwrap();
         let reversed = Cluster::connect(reversed_config.clone()).await.unwrap();
-        let (f, r) = tokio::join!(
-            forward.ids().record_places(),
-            reversed.ids().record_places()
-        );
+        let (forward_ids, reversed_ids) = (forward.ids(), reversed.ids());
+        let (f, r) = tokio::join!(forward_ids.record_places(), reversed_ids.record_places());
         assert!(
             !(f.is_ok() && r.is_ok()),
             "round {round}: both lists confirmed"

@@ -723,10 +723,14 @@ pub(crate) async fn fold_declarations_are_checked(dbs: &mut TestDbs) {
         .part::<order_line::Entity>(order_line::Column::OrderId);
     let err = a.cluster.register_rollout(taken).await.unwrap_err();
     assert!(err.to_string().contains("order_lines"), "{err}");
+    let err = a
+        .cluster
+        .rollout::<customer::Entity, user_v2::Entity>()
+        .unwrap_err();
     assert!(
-        a.cluster
-            .rollout::<customer::Entity, user_v2::Entity>()
-            .is_none()
+        matches!(&err, ShardError::Config { message, .. }
+            if message.contains("no rollout of `customers` is registered")),
+        "{err}"
     );
 }
 

@@ -19,7 +19,8 @@ pub(super) async fn ids(cluster: &Cluster, action: IdsAction) -> Result<Outcome>
             })
         }
         IdsAction::Status => {
-            let servers: Vec<&str> = cluster.ids().servers().collect();
+            let ids = cluster.ids();
+            let servers: Vec<&str> = ids.servers().collect();
             let sequences = if servers.is_empty() {
                 Ok(Vec::new())
             } else {
@@ -89,7 +90,8 @@ pub(super) async fn ids(cluster: &Cluster, action: IdsAction) -> Result<Outcome>
         }
         IdsAction::AdoptPlaces => {
             cluster.ids().adopt_places().await?;
-            let servers: Vec<&str> = cluster.ids().servers().collect();
+            let ids = cluster.ids();
+            let servers: Vec<&str> = ids.servers().collect();
             Ok(Outcome {
                 text: format!("ticket servers' places recorded: {}\n", servers.join(", ")),
                 json: json!({ "recorded": servers }),

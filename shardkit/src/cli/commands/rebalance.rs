@@ -39,7 +39,7 @@ pub(super) fn moves_of(
             reason: "no entity of the group is registered: add each with `Registry::entity`, parents before children".to_owned(),
         });
     };
-    entities.try_fold(first.moves(cluster), |moves, entity| {
+    entities.try_fold(first.moves(cluster)?, |moves, entity| {
         entity.carried_by(moves)
     })
 }

@@ -169,6 +169,23 @@ pub struct Rebalance<G> {
     _group: std::marker::PhantomData<fn() -> G>,
 }
 
+/// A clone carries the same entities and settings under a new mover name,
+/// so two clones running one move fence each other like two processes.
+impl<G> Clone for Rebalance<G> {
+    fn clone(&self) -> Self {
+        Rebalance {
+            group: self.group,
+            shards: self.shards.clone(),
+            entities: self.entities.clone(),
+            progress: self.progress.clone(),
+            wait_for_grace: self.wait_for_grace,
+            stop: self.stop.clone(),
+            token: crate::uuid_v7().to_string(),
+            _group: std::marker::PhantomData,
+        }
+    }
+}
+
 impl<G> std::fmt::Debug for Rebalance<G> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Rebalance")
@@ -235,8 +252,10 @@ impl Rebalance<AnyGroup> {
 }
 
 impl<G: EntityGroup> Rebalance<G> {
-    pub(crate) fn new(shards: Shards) -> Self {
-        Rebalance {
+    /// Moves of `G`, refused with [`ShardError::Rebalance`] when `G` is
+    /// not a `movable` hash or range group.
+    pub(crate) fn new(shards: Shards) -> Result<Self> {
+        let moves = Rebalance {
             group: G::NAME,
             stop: None,
             token: crate::uuid_v7().to_string(),
@@ -245,7 +264,9 @@ impl<G: EntityGroup> Rebalance<G> {
             progress: None,
             wait_for_grace: false,
             _group: std::marker::PhantomData,
-        }
+        };
+        moves.map()?;
+        Ok(moves)
     }
 
     /// Adds an entity of the group to what moves carry.
