@@ -10,18 +10,19 @@
 use crate::clock::{Clock, SystemClock};
 use crate::entity::{EntityGroup, ShardedEntity};
 use crate::error::{Result, ShardError};
+use crate::exec::BeginHook;
 use crate::exec::Shards;
 use crate::gsi::{Gsi, GsiLookup, GsiState, IndexFirst, IndexState};
 use crate::id_spec::IdStrategy;
 use crate::ids::{FillIds, Ids, TicketServer};
 use crate::read::{Find, IndexLookup, KeyOf, Keyed, Unkeyed};
+use crate::rebalance::{Fenced, MoveReads};
 use crate::rollout::{DualWrite, Registry, Rollout, RolloutHandle, Rollouts};
 use crate::topology::{ClusterConfig, Target, Topology};
 use crate::verify::{VerifyOptions, VerifyReport};
 use sea_orm::DatabaseConnection;
 use sea_orm_migration::MigratorTrait;
 use std::sync::Arc;
-use std::time::Duration;
 
 pub use crate::exec::shards::{StatementEvent, StatementObserver};
 pub use crate::exec::{DatabaseMigrationStatus, Directory, MigrationReport};
@@ -54,64 +55,14 @@ struct Features {
     stages: Arc<Stages>,
     index: Arc<dyn IndexLookup>,
     guard: Arc<ReadGuards>,
+    begin: Fenced,
 }
 
-/// What reads consult before they run: the rollouts (an old entity's reads
-/// served from the new table from `read_new` on) and the bucket maps (a
-/// map read too long ago is read again before a read is routed by it).
-struct ReadGuards {
-    rollouts: Arc<Registry>,
-    shards: Shards,
-}
-
-impl crate::read::ReadGuard for ReadGuards {
-    fn check(
-        &self,
-        entity: std::any::TypeId,
-        table: &'static str,
-    ) -> Result<Option<crate::read::ReadFrom>> {
-        self.rollouts.check(entity, table)
-    }
-
-    fn before_routing(&self, group: &'static str) -> Option<futures::future::BoxFuture<'_, ()>> {
-        crate::rebalance::read_needs_refresh(&self.shards, group).then(|| {
-            Box::pin(async move {
-                if let Err(e) = crate::rebalance::refresh(&self.shards, group).await {
-                    tracing::warn!(group, error = %e.report(), "bucket map refresh before a read failed");
-                }
-            }) as futures::future::BoxFuture<'_, ()>
-        })
-    }
-
-    fn move_mark(
-        &self,
-        group: &'static str,
-    ) -> Option<futures::future::BoxFuture<'_, crate::read::MoveMark>> {
-        self.shards.topology().is_movable(group).then(|| {
-            Box::pin(async move {
-                // Bounded like a read of the shard it asks.
-                let within = self
-                    .shards
-                    .read_settings()
-                    .timeout
-                    .unwrap_or(Duration::from_secs(5));
-                match tokio::time::timeout(within, crate::rebalance::move_mark(&self.shards, group))
-                    .await
-                {
-                    Ok(Ok(mark)) => Some(mark),
-                    Ok(Err(e)) => {
-                        tracing::warn!(group, error = %e.report(), "moves unknown: counting rows one by one, refusing projections");
-                        None
-                    }
-                    Err(_) => {
-                        tracing::warn!(group, ?within, "moves unknown (control database slow): counting rows one by one, refusing projections");
-                        None
-                    }
-                }
-            }) as futures::future::BoxFuture<'_, crate::read::MoveMark>
-        })
-    }
-}
+/// What reads consult before they run, one guard per feature: the
+/// rollouts (an old entity's reads served from the new table from
+/// `read_new` on), then the bucket moves (a map read too long ago is read
+/// again before a read is routed by it; the move mark of a count).
+type ReadGuards = (Arc<Registry>, MoveReads);
 
 /// Builds a [`Cluster`] with options beyond the config file.
 pub struct ClusterBuilder {
@@ -180,10 +131,8 @@ impl ClusterBuilder {
                 },
             );
         }
-        let guard = Arc::new(ReadGuards {
-            rollouts: Arc::clone(&rollouts),
-            shards: shards.for_task(),
-        });
+        let guard: Arc<ReadGuards> =
+            Arc::new((Arc::clone(&rollouts), MoveReads::new(shards.for_task())));
         Ok(Cluster {
             shards,
             features: Arc::new(Features {
@@ -193,6 +142,7 @@ impl ClusterBuilder {
                 stages,
                 index,
                 guard,
+                begin: Fenced,
             }),
         })
     }
@@ -343,7 +293,7 @@ impl Cluster {
     /// with the bucket fenced can be taken over 10 s after its last step),
     /// so the program sees a transaction on the right shard.
     pub async fn begin<G: EntityGroup>(&self, key: G::Key) -> Result<ShardTx<G>> {
-        let begun = crate::rebalance::begin::<G>(&self.shards, &key).await?;
+        let begun = self.features.begin.begin::<G>(&self.shards, &key).await?;
         Ok(crate::tx::ShardTx::new(
             begun,
             self.shards.clone(),

@@ -18,4 +18,4 @@ pub(crate) use begin::begin_write;
 pub(crate) use connect::{SIDE_LOCK_WAIT_SECS, SIDE_MYSQL_SESSION};
 pub use directory::Directory;
 pub use migrate::{DatabaseMigrationStatus, MigrationReport};
-pub(crate) use shards::{Begun, RebalanceSettings, Shards};
+pub(crate) use shards::{BeginHook, Begun, RebalanceSettings, Shards};

@@ -366,6 +366,29 @@ pub(crate) struct Begun {
     pub(crate) writer: Option<crate::exec::sqlite::WriterPermit>,
 }
 
+/// How a key's write transaction is opened: a feature that must see every
+/// transaction begin (the bucket moves' fence) registers its own on the
+/// cluster, as features register write stages and read guards. `()` is
+/// the plain [`Shards::begin`].
+pub(crate) trait BeginHook: Send + Sync {
+    /// Opens a write transaction of group `G` for `key`.
+    fn begin<G: EntityGroup>(
+        &self,
+        shards: &Shards,
+        key: &G::Key,
+    ) -> impl std::future::Future<Output = Result<Begun>> + Send;
+}
+
+impl BeginHook for () {
+    fn begin<G: EntityGroup>(
+        &self,
+        shards: &Shards,
+        key: &G::Key,
+    ) -> impl std::future::Future<Output = Result<Begun>> + Send {
+        shards.begin::<G>(key)
+    }
+}
+
 /// The ticket servers' pools, in config order.
 impl Shards {
     pub(crate) fn ticket_connections(&self) -> &[DatabaseConnection] {

@@ -28,6 +28,47 @@ pub(crate) trait ReadGuard: Send + Sync {
     }
 }
 
+/// A feature's guard behind a shared pointer is a guard.
+impl<T: ReadGuard + ?Sized> ReadGuard for Arc<T> {
+    fn check(&self, entity: std::any::TypeId, table: &'static str) -> Result<Option<ReadFrom>> {
+        (**self).check(entity, table)
+    }
+
+    fn before_routing(&self, group: &'static str) -> Option<futures::future::BoxFuture<'_, ()>> {
+        (**self).before_routing(group)
+    }
+
+    fn move_mark(&self, group: &'static str) -> Option<futures::future::BoxFuture<'_, MoveMark>> {
+        (**self).move_mark(group)
+    }
+}
+
+/// Two features' guards, composed like the write stages: the first
+/// table swap (or refusal) wins, both awaits run before routing (the
+/// first's first), and the first feature that tracks moves gives the mark.
+impl<A: ReadGuard, B: ReadGuard> ReadGuard for (A, B) {
+    fn check(&self, entity: std::any::TypeId, table: &'static str) -> Result<Option<ReadFrom>> {
+        match self.0.check(entity, table)? {
+            Some(from) => Ok(Some(from)),
+            None => self.1.check(entity, table),
+        }
+    }
+
+    fn before_routing(&self, group: &'static str) -> Option<futures::future::BoxFuture<'_, ()>> {
+        match (self.0.before_routing(group), self.1.before_routing(group)) {
+            (Some(a), Some(b)) => Some(Box::pin(async move {
+                a.await;
+                b.await;
+            })),
+            (a, b) => a.or(b),
+        }
+    }
+
+    fn move_mark(&self, group: &'static str) -> Option<futures::future::BoxFuture<'_, MoveMark>> {
+        self.0.move_mark(group).or_else(|| self.1.move_mark(group))
+    }
+}
+
 /// What a multi-shard count or projection of a `movable` group needs to
 /// know of its moves: `Some((unfinished, newest id))`, or `None` when the
 /// control database cannot say. Rows may be on two shards while a move is

@@ -4,18 +4,31 @@
 
 use crate::entity::{EntityGroup, ShardKey};
 use crate::error::{Result, ShardError};
-use crate::exec::{Begun, Shards};
+use crate::exec::{BeginHook, Begun, Shards};
 use std::time::Duration;
 
 /// How many times `Cluster::begin` begins again when the database aborts a
 /// movable group's fence read (a deadlock during a move).
 const FENCE_ABORTS_RETRIED: u32 = 5;
 
+/// The bucket moves' begin hook: [`begin`] for every transaction.
+pub(crate) struct Fenced;
+
+impl BeginHook for Fenced {
+    fn begin<G: EntityGroup>(
+        &self,
+        shards: &Shards,
+        key: &G::Key,
+    ) -> impl std::future::Future<Output = Result<Begun>> + Send {
+        begin::<G>(shards, key)
+    }
+}
+
 /// [`Cluster::begin`](crate::Cluster::begin), with the fence of a movable group: refused by a shard
 /// that no longer owns the bucket, it refreshes the map and begins on
 /// the new owner; a fence the database aborted (deadlock, serialization
 /// failure) begins again, up to [`FENCE_ABORTS_RETRIED`] times.
-pub(crate) async fn begin<G: EntityGroup>(shards: &Shards, key: &G::Key) -> Result<Begun> {
+async fn begin<G: EntityGroup>(shards: &Shards, key: &G::Key) -> Result<Begun> {
     if !shards.topology().is_movable(G::NAME) {
         return shards.begin::<G>(key).await;
     }

@@ -56,11 +56,11 @@ mod fencing;
 mod live;
 mod map;
 mod mover;
+mod reads;
 
-pub(crate) use begin::begin;
+pub(crate) use begin::Fenced;
 pub(crate) use errors::{db_err, missing_table};
-pub(crate) use live::{
-    REROUTE_FOR, load_maps, move_mark, read_needs_refresh, refresh_all, unfinished_moves,
-};
+pub(crate) use live::{REROUTE_FOR, load_maps, refresh_all, unfinished_moves};
 pub(crate) use map::{after_refusal, fence, refresh, seed_states};
 pub use mover::{AnyGroup, MovePhase, MovePlan, MoveProgress, MoveStatus, RangeSplit, Rebalance};
+pub(crate) use reads::MoveReads;
