@@ -1,0 +1,94 @@
+//! Whose statement failed ([`Origin`], [`Subsystem`]) and what a caller
+//! can do about it ([`Retry`]).
+
+/// Whose statement a [`ShardError::Db`] was.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Origin {
+    /// A read or write of an entity group's rows, or its transaction
+    /// (`begin`, `commit`), or its directory.
+    Group(&'static str),
+    /// One of shardkit's own tables.
+    Table {
+        /// Which part of shardkit.
+        subsystem: Subsystem,
+        /// The table (`gsi_users_email`, `tickets_photos`,
+        /// `shardkit_rollouts`, or the entity table a check read).
+        table: String,
+    },
+}
+
+impl Origin {
+    /// [`Origin::Table`] of `subsystem` on `table`.
+    pub fn table(subsystem: Subsystem, table: impl Into<String>) -> Self {
+        Origin::Table {
+            subsystem,
+            table: table.into(),
+        }
+    }
+
+    /// The entity group, for [`Origin::Group`].
+    pub fn group(&self) -> Option<&'static str> {
+        match self {
+            Origin::Group(group) => Some(group),
+            Origin::Table { .. } => None,
+        }
+    }
+}
+
+impl std::fmt::Display for Origin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Origin::Group(group) => write!(f, "group `{group}`"),
+            Origin::Table { subsystem, table } => {
+                write!(f, "{} table `{table}`", subsystem.as_str())
+            }
+        }
+    }
+}
+
+/// The parts of shardkit that keep tables of their own.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Subsystem {
+    /// Global secondary indexes: index tables and their catalog.
+    Gsi,
+    /// Ticket sequences on the ticket servers.
+    Ids,
+    /// Denormalisation rollouts: their state table.
+    Rollout,
+    /// Verification of rows between tables or shards.
+    Verify,
+    /// The bucket map, bucket fences and bucket moves.
+    Rebalance,
+}
+
+impl Subsystem {
+    /// `gsi`, `ids`, `rollout`, `verify` or `rebalance`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Subsystem::Gsi => "gsi",
+            Subsystem::Ids => "ids",
+            Subsystem::Rollout => "rollout",
+            Subsystem::Verify => "verify",
+            Subsystem::Rebalance => "rebalance",
+        }
+    }
+}
+
+/// What a caller can do about an error ([`ShardError::retry`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Retry {
+    /// The same call fails the same way: fix the input, the config or the
+    /// program.
+    Never,
+    /// A transient failure (a lost connection, a busy database, a timeout):
+    /// the same call may succeed now.
+    Now,
+    /// Retry the same call after waiting this long.
+    After(std::time::Duration),
+    /// The database aborted the transaction (deadlock, serialization
+    /// failure): everything it did is gone; run the whole transaction again.
+    Transaction,
+}
