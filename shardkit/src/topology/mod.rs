@@ -8,6 +8,7 @@
 //! `directory` placements, whose lookup table the [`Cluster`](crate::Cluster)
 //! reads.
 
+mod build;
 mod config;
 mod layout;
 mod owners;
