@@ -4,12 +4,12 @@
 use crate::entity::{ShardedEntity, table_name};
 use crate::error::{Result, ShardError, ShardFailure};
 use crate::read::KeyOf;
-use crate::read::find::RowStream;
 use crate::read::keys::{binary_text_keys, key_condition, keyed_select, read_err, read_span};
 use crate::read::moves::owned_only;
 use crate::read::plan::Plan;
 use crate::read::request::Read;
 use crate::read::route::{Gathered, RouteSpec, Routed};
+use crate::read::select::RowStream;
 use crate::topology::ShardId;
 use futures::StreamExt;
 use sea_orm::{DatabaseConnection, DbErr, QueryFilter, Select, Selector, SelectorTrait};

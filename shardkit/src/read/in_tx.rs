@@ -4,8 +4,8 @@
 use crate::boxed::boxed;
 use crate::entity::{EntityGroup, InGroup, ShardedEntity, table_name};
 use crate::error::{Result, ShardError};
-use crate::read::find::RowStream;
 use crate::read::keys::{guard_check, join_related, keyed_select, read_err, select_err};
+use crate::read::select::RowStream;
 use crate::read::{AlsoRelated, KeyOf, ReadGuard, WithRelated, read_from};
 use futures::StreamExt;
 use futures::future::BoxFuture;

@@ -26,9 +26,10 @@ mod plan;
 mod related;
 mod request;
 mod route;
+mod select;
 mod traits;
 
-pub use find::{Find, KeyedPages, KeyedSelect, MultiSelect, MultiShard, RowStream};
+pub use find::Find;
 pub use guard::ReadFrom;
 pub(crate) use guard::{MoveMark, ReadGuard, read_from};
 pub(crate) use in_tx::stream_open;
@@ -39,5 +40,6 @@ pub(crate) use keys::{guard_check, key_condition, related_select};
 pub(crate) use merge::compare_values;
 pub use plan::{MergePlan, PlannedRoute, PlannedStatement, ReadPlan, escape_controls};
 pub use related::{AlsoRelated, WithRelated};
+pub use select::{KeyedPages, KeyedSelect, MultiSelect, MultiShard, RowStream};
 
 pub use route::{AllowPartial, ByIndex, Keyed, Keys, Partial, Scatter, Unkeyed};
