@@ -226,6 +226,31 @@ pub(crate) struct Target<'a> {
 
 type RowFilter<'a, M> = Option<&'a (dyn Fn(&M) -> bool + Send + Sync)>;
 
+/// `T`'s rows after primary key `after` up to `upto` (both open when
+/// `None`), in primary-key order.
+async fn rows_between<T: EntityTrait>(
+    db: &DatabaseConnection,
+    shard: &str,
+    after: Option<&[Value]>,
+    upto: Option<&[Value]>,
+) -> Result<Vec<T::Model>> {
+    by_pk(
+        T::find()
+            .filter(after_condition::<T>(after))
+            .filter(upto_condition::<T>(upto)),
+    )
+    .all(db)
+    .await
+    .map_err(|e| {
+        verify_err(
+            shard,
+            table_name::<T>(),
+            format!("select {}", table_name::<T>()),
+            e,
+        )
+    })
+}
+
 fn verify_err(shard: &str, table: &str, what: String, source: DbErr) -> ShardError {
     ShardError::db(
         crate::error::Origin::table(crate::error::Subsystem::Verify, table),
@@ -363,39 +388,11 @@ where
     let src: Vec<D::Model> = match src_rows {
         Some(rows) => source.convert_rows(&on_source, &rows).await?,
         None => {
-            let rows = by_pk(
-                S::find()
-                    .filter(after_condition::<S>(after))
-                    .filter(upto_condition::<S>(upto.as_deref())),
-            )
-            .all(source.db)
-            .await
-            .map_err(|e| {
-                verify_err(
-                    source.shard,
-                    table_name::<S>(),
-                    format!("select {}", table_name::<S>()),
-                    e,
-                )
-            })?;
+            let rows = rows_between::<S>(source.db, source.shard, after, upto.as_deref()).await?;
             source.convert_rows(&on_source, &rows).await?
         }
     };
-    let dst = by_pk(
-        D::find()
-            .filter(after_condition::<D>(after))
-            .filter(upto_condition::<D>(upto.as_deref())),
-    )
-    .all(target.db)
-    .await
-    .map_err(|e| {
-        verify_err(
-            target.shard,
-            table_name::<D>(),
-            format!("select {}", table_name::<D>()),
-            e,
-        )
-    })?;
+    let dst = rows_between::<D>(target.db, target.shard, after, upto.as_deref()).await?;
     let keep = |m: &D::Model| filter.is_none_or(|f| f(m));
     let digest = |rows: &[D::Model]| {
         rows.iter()

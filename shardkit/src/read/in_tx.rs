@@ -310,27 +310,26 @@ impl<'t, C: ConnectionTrait, S: SelectorTrait> TxSelect<'t, C, S> {
 
     /// All matching rows of the transaction's key.
     pub async fn all(self) -> Result<Vec<S::Item>> {
-        let TxSelect {
-            conn,
-            shard,
-            table,
-            group,
-            selector,
-            streams,
-            refused,
-        } = self;
-        if let Some(err) = refused {
-            return Err(err);
-        }
-        stream_open(streams, table)?;
-        selector
-            .all(conn)
-            .await
-            .map_err(|source| select_err(group, table, shard, source))
+        let (selector, conn, fail) = self.ready()?;
+        selector.all(conn).await.map_err(fail)
     }
 
     /// The first matching row of the transaction's key.
     pub async fn one(self) -> Result<Option<S::Item>> {
+        let (selector, conn, fail) = self.ready()?;
+        selector.one(conn).await.map_err(fail)
+    }
+
+    /// The selector and connection to run it on, unless the read was
+    /// refused or a stream holds the connection, with what a failure of
+    /// the statement becomes.
+    fn ready(
+        self,
+    ) -> Result<(
+        Selector<S>,
+        &'t C,
+        impl FnOnce(sea_orm::DbErr) -> ShardError,
+    )> {
         let TxSelect {
             conn,
             shard,
@@ -344,9 +343,8 @@ impl<'t, C: ConnectionTrait, S: SelectorTrait> TxSelect<'t, C, S> {
             return Err(err);
         }
         stream_open(streams, table)?;
-        selector
-            .one(conn)
-            .await
-            .map_err(|source| select_err(group, table, shard, source))
+        Ok((selector, conn, move |source| {
+            select_err(group, table, shard, source)
+        }))
     }
 }
