@@ -119,6 +119,7 @@ impl ClusterBuilder {
         ));
         let index = Arc::new(GsiLookup::new(Arc::clone(&gsi)));
         crate::rebalance::load_maps(&shards).await?;
+        shards.spawn_replica_probes();
         let refresh = shards.rebalance_settings().refresh;
         if !refresh.is_zero() && shards.topology().movable_groups().next().is_some() {
             crate::exec::periodic::spawn(

@@ -22,6 +22,10 @@
 //! | `shardkit_move_changes_applied_total` | counter | `group` | logged keys a bucket move replayed on its target |
 //! | `shardkit_move_pending_changes` | gauge | `group` | keys logged and not yet replayed (the move's lag) |
 //! | `shardkit_move_phase` | gauge | `group` | the running move's phase (0 `registered` … 6 `done`, 7 `aborted`) |
+//! | `shardkit_replica_reads_total` | counter | `shard`, `replica` | reads a replica answered |
+//! | `shardkit_replica_fallbacks_total` | counter | `shard`, `reason` (`lag`: none within `max_lag`; `behind`: not past the session's writes in time; `down`: none in the rotation; `failed`: the replica failed the read; `movable`: a movable group) | reads that asked for a replica and were answered by the shard itself |
+//! | `shardkit_replica_token_wait_seconds` | histogram | | how long a read with a session waited for a replica to replay past its writes |
+//! | `shardkit_replica_lag_seconds` | gauge | `replica` | each replica's last measured lag (`NaN`: unknown, out of the rotation) |
 //!
 //! No label ever holds a key value, a row value or a URL.
 
@@ -138,6 +142,29 @@ pub(crate) fn reconciled(entity: &'static str, removed: u64, added: u64) {
         .increment(removed);
     counter!("shardkit_gsi_reconciled_total", "entity" => entity, "action" => "added")
         .increment(added);
+}
+
+/// A replica of `shard` answered a read.
+pub(crate) fn replica_read(shard: &str, replica: &str) {
+    counter!("shardkit_replica_reads_total", "shard" => shard.to_owned(), "replica" => replica.to_owned())
+        .increment(1);
+}
+
+/// A read that asked for a replica of `shard` read the shard itself.
+pub(crate) fn replica_fallback(shard: &str, reason: &'static str) {
+    counter!("shardkit_replica_fallbacks_total", "shard" => shard.to_owned(), "reason" => reason)
+        .increment(1);
+}
+
+/// A read with a session waited `waited` for a replica.
+pub(crate) fn token_wait(waited: Duration) {
+    histogram!("shardkit_replica_token_wait_seconds").record(waited.as_secs_f64());
+}
+
+/// Replica `replica`'s lag as last measured (`None`: unknown).
+pub(crate) fn replica_lag(replica: &str, lag: Option<Duration>) {
+    metrics::gauge!("shardkit_replica_lag_seconds", "replica" => replica.to_owned())
+        .set(lag.map_or(f64::NAN, |l| l.as_secs_f64()));
 }
 
 pub(crate) fn map_epoch(group: &str, epoch: u64) {

@@ -361,6 +361,14 @@ pub enum ShardError {
         what: String,
     },
 
+    /// A session token ([`Session`](crate::Session)'s text, carried in a
+    /// cookie or header) could not be read. Nothing was read or written.
+    #[error("invalid session token: {reason}")]
+    InvalidSession {
+        /// What is wrong with it.
+        reason: String,
+    },
+
     /// Applying migrations to a shard failed. Like [`ShardError::Db`], the
     /// message ends with the driver's own error.
     #[error("migrating shard `{shard}` failed: {}", DriverCause(source))]
@@ -427,6 +435,7 @@ impl ShardError {
             | ShardError::RolloutTooSoon { .. }
             | ShardError::Rebalance { .. }
             | ShardError::SequenceExhausted { .. }
+            | ShardError::InvalidSession { .. }
             | ShardError::Rollout { .. } => ErrorKind::Refused,
             ShardError::Unroutable { .. } | ShardError::BucketMoved { .. } => ErrorKind::Routing,
             ShardError::Internal { .. } => ErrorKind::Internal,
@@ -488,6 +497,7 @@ impl ShardError {
             | ShardError::Rollout { .. }
             | ShardError::Rebalance { .. }
             | ShardError::SequenceExhausted { .. }
+            | ShardError::InvalidSession { .. }
             | ShardError::Unroutable { .. } => Retry::Never,
         }
     }

@@ -3,6 +3,7 @@
 
 use crate::clock::Clock;
 use crate::error::{DriverError, Result, ShardError};
+use crate::exec::replicas::{Replica, ReplicaSet};
 use crate::exec::shards::{
     Inner, ReadSettings, RebalanceSettings, Shards, StatementEvent, StatementObserver,
 };
@@ -101,7 +102,38 @@ impl Shards {
                 false,
             )
         }));
-        let (shards, directories, tickets) = futures::join!(shard_conns, dir_conns, ticket_conns);
+        // Replicas' pools open on first use: a replica that is down at
+        // start leaves the rotation, it does not stop the cluster.
+        let lazy_replicas = PoolConfig {
+            connect_lazy: Some(true),
+            ..pool.clone()
+        };
+        let replica_conns = join_all(topology.shards().iter().map(|s| {
+            join_all(s.replicas.iter().map(|r| {
+                connect_one(
+                    r.name.clone(),
+                    &r.url,
+                    &lazy_replicas,
+                    observer,
+                    None,
+                    false,
+                )
+            }))
+        }));
+        let (shards, directories, tickets, replicas) =
+            futures::join!(shard_conns, dir_conns, ticket_conns, replica_conns);
+        let replicas = replicas
+            .into_iter()
+            .zip(topology.shards())
+            .map(|(conns, spec)| {
+                let replicas = conns
+                    .into_iter()
+                    .zip(&spec.replicas)
+                    .map(|(conn, r)| Ok(Replica::new(r.name.clone(), conn?)))
+                    .collect::<Result<Vec<_>>>()?;
+                Ok(ReplicaSet::new(replicas))
+            })
+            .collect::<Result<Vec<_>>>()?;
         // After the main pools: opening a SQLite file while another
         // connection switches it to WAL fails with `database is locked`.
         let side = side_conns.await;
@@ -158,6 +190,9 @@ impl Shards {
         let read = ReadSettings {
             timeout: config.read.timeout_ms.map(Duration::from_millis),
             max_concurrency: config.read.max_concurrency.unwrap_or(16),
+            replica_wait: Duration::from_millis(config.read.replica_wait_ms.unwrap_or(500)),
+            replica_timeout: Duration::from_millis(config.read.replica_timeout_ms.unwrap_or(1_000)),
+            replica_probe: Duration::from_millis(config.read.replica_probe_ms.unwrap_or(1_000)),
         };
         let servers = shards.iter().map(|_| Default::default()).collect();
         let (users, stop) = crate::exec::periodic::Users::new();
@@ -169,6 +204,7 @@ impl Shards {
                 side,
                 sqlite_writer,
                 health,
+                replicas,
                 directories,
                 read,
                 rebalance: RebalanceSettings {

@@ -11,6 +11,8 @@ pub(crate) mod health;
 pub(crate) mod keyset;
 mod migrate;
 pub(crate) mod periodic;
+mod replica_reads;
+pub(crate) mod replicas;
 pub(crate) mod shards;
 pub(crate) mod sqlite;
 
@@ -18,4 +20,6 @@ pub(crate) use begin::begin_write;
 pub(crate) use connect::{SIDE_LOCK_WAIT_SECS, SIDE_MYSQL_SESSION};
 pub use directory::Directory;
 pub use migrate::{DatabaseMigrationStatus, MigrationReport};
+pub(crate) use replica_reads::ReadOn;
+pub use replicas::{Consistency, Session};
 pub(crate) use shards::{BeginHook, Begun, RebalanceSettings, Shards};

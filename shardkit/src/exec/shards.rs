@@ -35,6 +35,8 @@ pub(super) struct Inner {
     pub(super) sqlite_writer: Option<Arc<crate::exec::sqlite::WriterSlot>>,
     /// Per shard, its circuit breaker.
     pub(super) health: Vec<Arc<crate::exec::health::ShardHealth>>,
+    /// Per shard, its read replicas.
+    pub(super) replicas: Vec<crate::exec::replicas::ReplicaSet>,
     pub(super) directories: Vec<DatabaseConnection>,
     /// Per ticket server, its pool (the id service draws from them).
     pub(super) tickets: Vec<DatabaseConnection>,
@@ -79,6 +81,12 @@ impl crate::exec::periodic::Handle for Shards {
 pub(crate) struct ReadSettings {
     pub(crate) timeout: Option<Duration>,
     pub(crate) max_concurrency: usize,
+    /// How long a read with a session waits for a replica to catch up.
+    pub(crate) replica_wait: Duration,
+    /// How long a replica may take to answer before the primary does.
+    pub(crate) replica_timeout: Duration,
+    /// Between two lag probes of every replica.
+    pub(crate) replica_probe: Duration,
 }
 
 /// Bucket-move settings (from `[rebalance]`).

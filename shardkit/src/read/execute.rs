@@ -2,7 +2,8 @@
 //! breaker and the read's timeout, gathering the rows to merge.
 
 use crate::entity::{ShardedEntity, table_name};
-use crate::error::{Result, ShardError, ShardFailure};
+use crate::error::{DriverCause, Result, ShardError, ShardFailure};
+use crate::exec::{Consistency, ReadOn};
 use crate::read::KeyOf;
 use crate::read::keys::{binary_text_keys, key_condition, keyed_select, read_err, read_span};
 use crate::read::moves::owned_only;
@@ -33,7 +34,7 @@ impl<E: ShardedEntity> Read<E> {
     where
         R: Routed<E>,
         T: Default,
-        F: FnOnce(Select<E>, &'a DatabaseConnection) -> Fut,
+        F: Fn(Select<E>, &'a DatabaseConnection) -> Fut,
         Fut: Future<Output = std::result::Result<T, DbErr>>,
     {
         let Some((target, select)) = plan.single.take() else {
@@ -42,6 +43,9 @@ impl<E: ShardedEntity> Read<E> {
                 table_name::<E>()
             )));
         };
+        if let Some(value) = self.on_replica(target.shard, op, &run, &select).await {
+            return R::finish(value, self.gathered(1, Vec::new()));
+        }
         let shard = self.shards.shard_name(target.shard);
         let span = read_span::<E>(shard, target.bucket, op);
         let conn = self.shards.shard_conn(target.shard);
@@ -64,6 +68,52 @@ impl<E: ShardedEntity> Read<E> {
             }
             Err(error) => Err(error),
         }
+    }
+
+    /// Runs `run` on a replica of shard `id` when the read's consistency
+    /// lets one answer. `None` when the shard itself must answer: no
+    /// replica may, or the one that tried failed or did not answer within
+    /// the replica timeout (it leaves the rotation until a good probe).
+    async fn on_replica<'a, T, F, Fut>(
+        &'a self,
+        id: ShardId,
+        op: &'static str,
+        run: &F,
+        select: &Select<E>,
+    ) -> Option<T>
+    where
+        F: Fn(Select<E>, &'a DatabaseConnection) -> Fut,
+        Fut: Future<Output = std::result::Result<T, DbErr>>,
+    {
+        if matches!(self.consistency, Consistency::Primary) {
+            return None;
+        }
+        let ReadOn::Replica(replica) = self
+            .shards
+            .read_on(id, Self::group(), &self.consistency)
+            .await
+        else {
+            return None;
+        };
+        let shard = self.shards.shard_name(id);
+        let within = self.shards.replica_timeout();
+        let fut = Box::pin(run(select.clone(), &replica.conn)).instrument(read_span::<E>(
+            &replica.name,
+            None,
+            op,
+        ));
+        match tokio::time::timeout(within, fut).await {
+            Ok(Ok(value)) => {
+                crate::metrics::replica_read(shard, &replica.name);
+                return Some(value);
+            }
+            Ok(Err(err)) => self.shards.replica_failed(replica, &DriverCause(&err)),
+            Err(_) => self
+                .shards
+                .replica_failed(replica, &format_args!("no answer within {within:?}")),
+        }
+        crate::metrics::replica_fallback(shard, "failed");
+        None
     }
 
     /// Runs a plan whose one key's shard answers as a stream of rows
@@ -248,9 +298,14 @@ impl<E: ShardedEntity> Read<E> {
                 let shard = cluster.shard_name(id);
                 let now = in_flight.fetch_add(1, AtomicOrdering::Relaxed) + 1;
                 peak.fetch_max(now, AtomicOrdering::Relaxed);
-                let fut = Box::pin(run(select, cluster.shard_conn(id)))
-                    .instrument(read_span::<E>(shard, None, op));
+                let run = &run;
                 async move {
+                    if let Some(value) = self.on_replica(id, op, run, &select).await {
+                        in_flight.fetch_sub(1, AtomicOrdering::Relaxed);
+                        return (id, Ok(value));
+                    }
+                    let fut = Box::pin(run(select, cluster.shard_conn(id)))
+                        .instrument(read_span::<E>(shard, None, op));
                     let fut = async { fut.await.map_err(|e| read_err::<E>(shard, e)) };
                     let result = cluster.bounded(id, Self::group(), timeout, fut).await;
                     in_flight.fetch_sub(1, AtomicOrdering::Relaxed);

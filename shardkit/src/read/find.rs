@@ -3,7 +3,7 @@
 use crate::boxed::boxed;
 use crate::entity::{InGroup, ShardedEntity, table_name};
 use crate::error::{Result, ShardError};
-use crate::exec::Shards;
+use crate::exec::{Consistency, Shards};
 use crate::read::index::IndexLookup;
 use crate::read::keys::{guard_check, join_related};
 use crate::read::plan::{ReadOp, ReadPlan};
@@ -45,6 +45,8 @@ pub struct Find<E: ShardedEntity, R = Unkeyed> {
     pub(super) offset: Option<u64>,
     pub(super) timeout: Option<Duration>,
     pub(super) concurrency: Option<usize>,
+    /// Which database may answer ([`Consistency::Primary`] by default).
+    pub(super) consistency: Consistency,
 }
 
 impl<E: ShardedEntity> Find<E, Unkeyed> {
@@ -72,6 +74,7 @@ impl<E: ShardedEntity> Find<E, Unkeyed> {
             offset: None,
             timeout: None,
             concurrency: None,
+            consistency: Consistency::Primary,
         }
     }
 
@@ -88,6 +91,7 @@ impl<E: ShardedEntity> Find<E, Unkeyed> {
             offset: self.offset,
             timeout: self.timeout,
             concurrency: self.concurrency,
+            consistency: self.consistency,
         }
     }
 
@@ -160,6 +164,7 @@ impl<E: ShardedEntity, R> Find<E, R> {
             offset: self.offset,
             timeout: self.timeout,
             concurrency: self.concurrency,
+            consistency: self.consistency,
         }
     }
 
@@ -196,6 +201,19 @@ impl<E: ShardedEntity, R> Find<E, R> {
     /// cancelled (overrides `read.timeout_ms`).
     pub fn timeout(mut self, timeout: Duration) -> Self {
         self.timeout = Some(timeout);
+        self
+    }
+
+    /// Which database may answer this read: the shard itself (the
+    /// default), any replica within a lag bound, or a replica that has
+    /// replayed past a session's writes (see [`Consistency`]). A read that
+    /// a replica cannot serve is answered by the shard itself; a replica
+    /// that fails or does not answer within `[read] replica_timeout_ms`
+    /// leaves the rotation and the shard answers. Reads of a `movable`
+    /// group are always answered by the shard. Transactions always read
+    /// their own shard.
+    pub fn consistency(mut self, consistency: Consistency) -> Self {
+        self.consistency = consistency;
         self
     }
 
@@ -317,6 +335,7 @@ impl<E: ShardedEntity, R> Find<E, R> {
             order: self.order,
             limit: self.limit,
             offset: self.offset,
+            consistency: self.consistency,
         };
         // Boxed once: the statement then moves through planning as a
         // pointer and is changed in place.
@@ -429,6 +448,7 @@ impl<E: ShardedEntity, R: Clone> Clone for Find<E, R> {
             offset: self.offset,
             timeout: self.timeout,
             concurrency: self.concurrency,
+            consistency: self.consistency.clone(),
         }
     }
 }

@@ -3,7 +3,7 @@
 
 use crate::entity::{EntityGroup, ShardedEntity, table_name};
 use crate::error::ShardFailure;
-use crate::exec::Shards;
+use crate::exec::{Consistency, Shards};
 use crate::read::ReadGuard;
 use crate::read::index::IndexLookup;
 use crate::read::route::Gathered;
@@ -22,6 +22,7 @@ pub(super) struct Read<E: ShardedEntity> {
     pub(super) offset: Option<u64>,
     pub(super) timeout: Option<Duration>,
     pub(super) concurrency: usize,
+    pub(super) consistency: Consistency,
 }
 
 impl<E: ShardedEntity> Read<E> {

@@ -4,8 +4,8 @@
 use crate::error::{Result, ShardError};
 use crate::topology::config::{ClusterConfig, check_database_name, check_url};
 use crate::topology::layout::{
-    DEFAULT_BUCKETS, DEFAULT_DIRECTORY_TABLE, DirectorySpec, MAX_BUCKETS, Placement, ShardSpec,
-    Topology,
+    DEFAULT_BUCKETS, DEFAULT_DIRECTORY_TABLE, DirectorySpec, MAX_BUCKETS, Placement, ReplicaSpec,
+    ShardSpec, Topology,
 };
 use crate::topology::owners::ShardId;
 use crate::topology::url::DatabaseUrl;
@@ -82,10 +82,12 @@ impl Topology {
                 ));
             }
             by_name.insert(shard.name.clone(), ShardId(i as u32));
+            let replicas = replica_specs(&entry, &shard.name, &url, &shard.replicas)?;
             shards.push(ShardSpec {
                 name: shard.name.clone(),
                 url,
                 host: shard.host.clone(),
+                replicas,
             });
         }
 
@@ -109,8 +111,10 @@ impl Topology {
                 name: server.name.clone(),
                 url,
                 host: server.host.clone(),
+                replicas: Vec::new(),
             });
         }
+        check_replica_names(&shards)?;
 
         for (index, shard) in &config.gsi.pin {
             if !by_name.contains_key(shard) {
@@ -477,6 +481,82 @@ impl Topology {
             ranges: Arc::new(RangeOwners::new(out, movable)),
         })
     }
+}
+
+/// Shard `shard`'s replicas (`entry` is its config entry), checked: a
+/// SQLite shard has none, and a replica speaks its shard's protocol.
+fn replica_specs(
+    entry: &str,
+    shard: &str,
+    url: &DatabaseUrl,
+    replicas: &[crate::topology::ReplicaConfig],
+) -> Result<Vec<ReplicaSpec>> {
+    let mut specs = Vec::with_capacity(replicas.len());
+    for (j, replica) in replicas.iter().enumerate() {
+        let entry = format!("{entry}.replicas[{j}]");
+        if url.scheme() == Some("sqlite") {
+            return Err(ShardError::config(
+                entry,
+                format!(
+                    "shard `{shard}` is a SQLite database, which has no replicas: remove \
+                     `replicas` from it (replicas are PostgreSQL or MySQL/MariaDB servers)"
+                ),
+            ));
+        }
+        if replica.name.is_empty() {
+            return Err(ShardError::config(
+                entry,
+                "a replica needs a non-empty `name`",
+            ));
+        }
+        check_url(&entry, &replica.url)?;
+        fn same(scheme: Option<&str>) -> Option<&str> {
+            match scheme {
+                Some("postgresql") => Some("postgres"),
+                Some("mariadb") => Some("mysql"),
+                other => other,
+            }
+        }
+        if same(replica.url.scheme()) != same(url.scheme()) {
+            return Err(ShardError::config(
+                entry,
+                format!(
+                    "replica `{}` is a {} URL but shard `{shard}` is {}: a replica serves \
+                     its shard's database",
+                    replica.name,
+                    replica.url.scheme().unwrap_or("schemeless"),
+                    url.scheme().unwrap_or("schemeless"),
+                ),
+            ));
+        }
+        specs.push(ReplicaSpec {
+            name: replica.name.clone(),
+            url: replica.url.clone(),
+        });
+    }
+    Ok(specs)
+}
+
+/// Every replica's name is its own: no shard and no other replica has it.
+fn check_replica_names(shards: &[ShardSpec]) -> Result<()> {
+    let mut seen: HashMap<&str, String> = shards
+        .iter()
+        .enumerate()
+        .map(|(i, s)| (s.name.as_str(), format!("shards[{i}]")))
+        .collect();
+    for (i, shard) in shards.iter().enumerate() {
+        for (j, replica) in shard.replicas.iter().enumerate() {
+            let entry = format!("shards[{i}].replicas[{j}]");
+            if let Some(first) = seen.get(replica.name.as_str()) {
+                return Err(ShardError::config(
+                    entry,
+                    format!("the name `{}` is taken (by {first})", replica.name),
+                ));
+            }
+            seen.insert(&replica.name, entry);
+        }
+    }
+    Ok(())
 }
 
 /// Builds a shard URL from either `url` or `host` + `database`.

@@ -200,6 +200,17 @@ pub struct ReadConfig {
     /// so a fan-out over hundreds of shards does not open hundreds of
     /// connections at once.
     pub max_concurrency: Option<usize>,
+    /// Milliseconds a read with a session ([`Consistency::AtLeast`](crate::Consistency::AtLeast))
+    /// waits for a replica to replay past the session's writes before it
+    /// reads the shard itself instead (default 500).
+    pub replica_wait_ms: Option<u64>,
+    /// Milliseconds a replica may take to answer before the read goes to
+    /// the shard itself and the replica leaves the rotation until its next
+    /// good probe (default 1,000; bounded by `timeout_ms` too).
+    pub replica_timeout_ms: Option<u64>,
+    /// Milliseconds between two measurements of each replica's lag
+    /// (default 1,000).
+    pub replica_probe_ms: Option<u64>,
 }
 
 /// A physical database server.
@@ -224,6 +235,23 @@ pub struct ShardConfig {
     pub host: Option<String>,
     /// Database name on `host`.
     pub database: Option<String>,
+    /// Read replicas of this shard's database (PostgreSQL streaming
+    /// replicas, MySQL/MariaDB replicas), which reads may use when they ask
+    /// for it ([`Consistency`](crate::Consistency)); writes and transactions
+    /// always go to the shard itself. None for a SQLite shard.
+    #[serde(default)]
+    pub replicas: Vec<ReplicaConfig>,
+}
+
+/// A read replica of a shard (`replicas = [{ name = "s0r1", url = "..." }]`).
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReplicaConfig {
+    /// Unique among shards and replicas; used in metrics, errors and
+    /// `shardctl status`.
+    pub name: String,
+    /// The replica's database URL (the same database name as its shard's).
+    pub url: DatabaseUrl,
 }
 
 /// How a group's keys are placed on shards.

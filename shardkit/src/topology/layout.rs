@@ -30,6 +30,17 @@ pub struct ShardSpec {
     pub url: DatabaseUrl,
     /// The `[[hosts]]` entry it lives on, if it was configured through one.
     pub host: Option<String>,
+    /// Its read replicas.
+    pub replicas: Vec<ReplicaSpec>,
+}
+
+/// A shard's read replica as the topology knows it.
+#[derive(Clone, Debug)]
+pub struct ReplicaSpec {
+    /// The replica's name.
+    pub name: String,
+    /// Its database URL (prints redacted).
+    pub url: DatabaseUrl,
 }
 
 /// A directory placement's lookup database.

@@ -21,11 +21,11 @@ pub(crate) use config::DEFAULT_SIDE_CONNECTIONS;
 pub use config::{
     BucketRange, ClusterConfig, ConnectionBudget, DirectoryConfig, GroupConfig, HostConfig,
     IdsConfig, KeyRange, PlacementKind, PoolConfig, RangeBound, ReadConfig, RebalanceConfig,
-    SequenceConfig, ServerBudget, ShardConfig, SnowflakeConfig,
+    ReplicaConfig, SequenceConfig, ServerBudget, ShardConfig, SnowflakeConfig,
 };
 pub use layout::{
     DEFAULT_BUCKETS, DEFAULT_DIRECTORY_TABLE, DirectorySpec, Located, MAX_BUCKETS, Placement,
-    ShardSpec, Target, Topology,
+    ReplicaSpec, ShardSpec, Target, Topology,
 };
 pub use owners::{BucketOwners, ShardId};
 pub use ranges::{LiveMap, MapSnapshot, RangeOwners, RangeUnit};

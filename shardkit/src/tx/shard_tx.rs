@@ -568,6 +568,37 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
         Ok(())
     }
 
+    /// Commits, like [`commit`](Self::commit), and records in `session`
+    /// where the commit landed in the shard's log (PostgreSQL's WAL
+    /// position, MySQL/MariaDB's GTID position, read on the shard right
+    /// after the commit), so that later reads with
+    /// [`Consistency::AtLeast`](crate::Consistency::AtLeast) of the session
+    /// see this transaction's writes. A shard without replicas records
+    /// nothing. When the position cannot be read after a commit that
+    /// succeeded, the session sends the shard's reads to the shard itself
+    /// from then on (never to a replica that may be older), and this still
+    /// returns `Ok`: the commit happened.
+    pub async fn commit_in(self, session: &crate::exec::Session) -> Result<()> {
+        let shards = self.shards.clone();
+        let id = self.target.shard;
+        self.commit().await?;
+        let shard = shards.shard_name(id);
+        match shards.commit_position(id).await {
+            Ok(Some(position)) => session.record(shard, position),
+            Ok(None) => {}
+            Err(err) => {
+                tracing::warn!(
+                    shard,
+                    error = %crate::error::DriverCause(&err),
+                    "commit position unknown: this session reads the shard itself"
+                );
+                let backend = shards.shard_conn(id).get_database_backend();
+                session.record(shard, crate::exec::replicas::Position::unreachable(backend));
+            }
+        }
+        Ok(())
+    }
+
     /// Rolls back.
     pub async fn rollback(self) -> Result<()> {
         let shard = self.shard().to_owned();

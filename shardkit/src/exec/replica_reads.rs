@@ -1,0 +1,171 @@
+//! Who answers a read, a replica or the shard itself ([`ReadOn`]); the
+//! replicas' lag probe; and where a commit landed, for sessions.
+
+use crate::clock::now_ms;
+use crate::exec::periodic::{FirstPass, spawn};
+use crate::exec::replicas::{Consistency, Position, Replica, primary_position};
+use crate::exec::shards::Shards;
+use crate::topology::ShardId;
+use std::ops::ControlFlow;
+use std::time::{Duration, Instant};
+
+/// How long a replica that failed stays out of the rotation, unless a probe
+/// finds it well before.
+const REPLICA_DOWN_FOR: Duration = Duration::from_secs(1);
+
+/// Where a read runs.
+pub(crate) enum ReadOn<'a> {
+    /// The shard itself.
+    Primary,
+    /// One of its replicas.
+    Replica(&'a Replica),
+}
+
+impl Shards {
+    /// Who answers a read of `group` on shard `id` under `consistency`.
+    /// The shard itself when it has no replica in the rotation that
+    /// satisfies the consistency, and for `movable` groups (a replica may
+    /// not yet have replayed a bucket's copy on its new owner).
+    pub(crate) async fn read_on(
+        &self,
+        id: ShardId,
+        group: &'static str,
+        consistency: &Consistency,
+    ) -> ReadOn<'_> {
+        let set = &self.inner.replicas[id.index()];
+        if set.replicas.is_empty() || matches!(consistency, Consistency::Primary) {
+            return ReadOn::Primary;
+        }
+        let shard = self.shard_name(id);
+        if self.topology().is_movable(group) {
+            crate::metrics::replica_fallback(shard, "movable");
+            return ReadOn::Primary;
+        }
+        let now = now_ms(self.clock().as_ref());
+        let want = match consistency {
+            Consistency::Primary => return ReadOn::Primary,
+            Consistency::Replica { max_lag } => {
+                return match set.candidates(now, *max_lag).next() {
+                    Some(replica) => ReadOn::Replica(replica),
+                    None => {
+                        crate::metrics::replica_fallback(shard, "lag");
+                        ReadOn::Primary
+                    }
+                };
+            }
+            Consistency::AtLeast(session) => session.position(shard),
+        };
+        let Some(want) = want else {
+            // Nothing of this session on the shard: any replica will do.
+            return match set.candidates(now, None).next() {
+                Some(replica) => ReadOn::Replica(replica),
+                None => {
+                    crate::metrics::replica_fallback(shard, "down");
+                    ReadOn::Primary
+                }
+            };
+        };
+        let wait = self.inner.read.replica_wait;
+        let bound = wait + self.inner.read.replica_timeout;
+        let started = Instant::now();
+        for replica in set.candidates(now, None) {
+            match tokio::time::timeout(bound, replica.reached(&want, wait)).await {
+                Ok(Ok(true)) => {
+                    crate::metrics::token_wait(started.elapsed());
+                    return ReadOn::Replica(replica);
+                }
+                Ok(Ok(false)) => {
+                    crate::metrics::token_wait(started.elapsed());
+                    crate::metrics::replica_fallback(shard, "behind");
+                    return ReadOn::Primary;
+                }
+                Ok(Err(err)) => self.replica_failed(replica, &crate::error::DriverCause(&err)),
+                Err(_) => self.replica_failed(replica, &format_args!("no answer within {bound:?}")),
+            }
+        }
+        crate::metrics::replica_fallback(shard, "down");
+        ReadOn::Primary
+    }
+
+    /// Takes `replica` out of the rotation after it failed a read or a
+    /// wait; the next good probe puts it back.
+    pub(crate) fn replica_failed(&self, replica: &Replica, cause: &dyn std::fmt::Display) {
+        let until = now_ms(self.clock().as_ref()) + REPLICA_DOWN_FOR.as_millis() as i64;
+        tracing::warn!(replica = %replica.name, %cause, "replica left the rotation");
+        replica.mark_down(until);
+    }
+
+    /// How long a replica may take to answer a read.
+    pub(crate) fn replica_timeout(&self) -> Duration {
+        let bound = self.inner.read.replica_timeout;
+        self.inner.read.timeout.map_or(bound, |t| t.min(bound))
+    }
+
+    /// Where shard `id`'s log is now, read on the shard after a commit: a
+    /// replica that has replayed this far has the commit. `None` for a
+    /// shard without replicas (nothing will ever wait for it).
+    pub(crate) async fn commit_position(
+        &self,
+        id: ShardId,
+    ) -> std::result::Result<Option<Position>, sea_orm::DbErr> {
+        if self.inner.replicas[id.index()].replicas.is_empty() {
+            return Ok(None);
+        }
+        primary_position(self.side_conn(id)).await
+    }
+
+    /// Starts measuring every replica's lag every `[read]
+    /// replica_probe_ms`, when any shard has replicas.
+    pub(crate) fn spawn_replica_probes(&self) {
+        if self
+            .inner
+            .replicas
+            .iter()
+            .all(|set| set.replicas.is_empty())
+        {
+            return;
+        }
+        spawn(
+            self,
+            self.inner.read.replica_probe,
+            FirstPass::Now,
+            |shards| async move {
+                shards.probe_replicas().await;
+                ControlFlow::Continue(())
+            },
+        );
+    }
+
+    /// One probe of every replica: its primary's position, then each
+    /// replica's lag against it, each bounded by the replica timeout.
+    async fn probe_replicas(&self) {
+        let bound = self.inner.read.replica_timeout;
+        let probes = self
+            .inner
+            .replicas
+            .iter()
+            .enumerate()
+            .filter(|(_, set)| !set.replicas.is_empty())
+            .map(|(i, set)| async move {
+                let id = ShardId(i as u32);
+                let primary = tokio::time::timeout(bound, primary_position(self.side_conn(id)))
+                    .await
+                    .ok()
+                    .and_then(Result::ok)
+                    .flatten();
+                for replica in &set.replicas {
+                    match tokio::time::timeout(bound, replica.measure(primary.as_ref())).await {
+                        Ok(Ok(lag)) => replica.measured(lag),
+                        Ok(Err(err)) => {
+                            self.replica_failed(replica, &crate::error::DriverCause(&err))
+                        }
+                        Err(_) => self.replica_failed(
+                            replica,
+                            &format_args!("probe: no answer within {bound:?}"),
+                        ),
+                    }
+                }
+            });
+        futures::future::join_all(probes).await;
+    }
+}

@@ -1,0 +1,517 @@
+//! Read replicas of the shards: where a commit landed in a primary's log
+//! ([`Position`]), the sessions that carry those positions from a write to
+//! later reads ([`Session`]), what a read asks of the database that answers
+//! it ([`Consistency`]), and each replica's pool and measured lag
+//! ([`Replica`]).
+
+use crate::error::{Result, ShardError};
+use sea_orm::{ConnectionTrait, DatabaseConnection, DbBackend, Statement};
+use std::collections::BTreeMap;
+use std::fmt;
+use std::str::FromStr;
+use std::sync::atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// Where a commit landed in a shard's log: PostgreSQL's WAL position
+/// (`pg_current_wal_flush_lsn()` after the commit), or MySQL/MariaDB's
+/// GTID position (`@@gtid_binlog_pos`), one sequence number per
+/// replication domain.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Position {
+    /// A WAL position as a number (`16/B374D848` is `0x16_B374D848`).
+    Lsn(u64),
+    /// Per replication domain: (server id, sequence number).
+    Gtid(BTreeMap<u32, (u32, u64)>),
+}
+
+impl Position {
+    /// A position no replica reaches: reads of its shard go to the shard.
+    pub(crate) fn unreachable(backend: DbBackend) -> Position {
+        match backend {
+            DbBackend::Postgres => Position::Lsn(u64::MAX),
+            _ => Position::Gtid(BTreeMap::from([(u32::MAX, (u32::MAX, u64::MAX))])),
+        }
+    }
+
+    /// Whether no replica can reach it (see [`Position::unreachable`]).
+    pub(crate) fn is_unreachable(&self) -> bool {
+        match self {
+            Position::Lsn(lsn) => *lsn == u64::MAX,
+            Position::Gtid(map) => map.get(&u32::MAX).is_some_and(|(_, n)| *n == u64::MAX),
+        }
+    }
+
+    /// The later of two positions of one shard, per GTID domain.
+    fn merge(&mut self, other: Position) {
+        match (self, other) {
+            (Position::Lsn(a), Position::Lsn(b)) => *a = (*a).max(b),
+            (Position::Gtid(a), Position::Gtid(b)) => {
+                for (domain, (server, seq)) in b {
+                    let entry = a.entry(domain).or_insert((server, seq));
+                    if seq > entry.1 {
+                        *entry = (server, seq);
+                    }
+                }
+            }
+            (this, other) => *this = other,
+        }
+    }
+
+    /// A PostgreSQL LSN as `pg_lsn` prints it.
+    fn parse_lsn(text: &str) -> Option<u64> {
+        let (hi, lo) = text.split_once('/')?;
+        Some((u64::from_str_radix(hi, 16).ok()? << 32) | u64::from_str_radix(lo, 16).ok()?)
+    }
+
+    /// A GTID position as MariaDB prints it (`0-1-42,1-2-7`; empty: none).
+    fn parse_gtid(text: &str) -> Option<BTreeMap<u32, (u32, u64)>> {
+        let mut map = BTreeMap::new();
+        for part in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            let mut it = part.splitn(3, '-');
+            let domain = it.next()?.parse().ok()?;
+            let server = it.next()?.parse().ok()?;
+            let seq = it.next()?.parse().ok()?;
+            map.insert(domain, (server, seq));
+        }
+        Some(map)
+    }
+
+    fn gtid_text(map: &BTreeMap<u32, (u32, u64)>) -> String {
+        map.iter()
+            .map(|(d, (s, n))| format!("{d}-{s}-{n}"))
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    /// Whether `self` (a replica's replayed position) covers `want`.
+    fn covers(&self, want: &Position) -> bool {
+        match (self, want) {
+            (Position::Lsn(have), Position::Lsn(want)) => have >= want,
+            (Position::Gtid(have), Position::Gtid(want)) => want
+                .iter()
+                .all(|(d, (_, n))| have.get(d).is_some_and(|(_, h)| h >= n)),
+            _ => false,
+        }
+    }
+}
+
+impl fmt::Display for Position {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Position::Lsn(lsn) => write!(f, "pg:{:X}/{:X}", lsn >> 32, lsn & 0xFFFF_FFFF),
+            Position::Gtid(map) => write!(f, "gtid:{}", Position::gtid_text(map)),
+        }
+    }
+}
+
+impl FromStr for Position {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        if let Some(lsn) = s.strip_prefix("pg:") {
+            Position::parse_lsn(lsn)
+                .map(Position::Lsn)
+                .ok_or_else(|| format!("`{lsn}` is not a WAL position"))
+        } else if let Some(gtid) = s.strip_prefix("gtid:") {
+            Position::parse_gtid(gtid)
+                .map(Position::Gtid)
+                .ok_or_else(|| format!("`{gtid}` is not a GTID position"))
+        } else {
+            Err(format!(
+                "`{s}` is neither a WAL position (`pg:...`) nor a GTID position (`gtid:...`)"
+            ))
+        }
+    }
+}
+
+/// The statement that reads a primary's position after a commit.
+pub(crate) fn position_sql(backend: DbBackend) -> Option<&'static str> {
+    match backend {
+        DbBackend::Postgres => Some("SELECT pg_current_wal_flush_lsn()::text AS p"),
+        DbBackend::MySql => Some("SELECT @@gtid_binlog_pos AS p"),
+        _ => None,
+    }
+}
+
+/// A primary's position now: where every commit acknowledged before this
+/// call has landed. `None` on SQLite (no replicas).
+pub(crate) async fn primary_position(
+    db: &DatabaseConnection,
+) -> std::result::Result<Option<Position>, sea_orm::DbErr> {
+    let backend = db.get_database_backend();
+    let Some(sql) = position_sql(backend) else {
+        return Ok(None);
+    };
+    let row = db
+        .query_one_raw(Statement::from_string(backend, sql))
+        .await?;
+    let text: Option<String> = match row {
+        Some(row) => row.try_get("", "p")?,
+        None => None,
+    };
+    let text = text.unwrap_or_default();
+    Ok(match backend {
+        DbBackend::Postgres => Position::parse_lsn(&text).map(Position::Lsn),
+        _ => Position::parse_gtid(&text).map(Position::Gtid),
+    })
+}
+
+/// Read-your-writes across requests and processes: the positions of the
+/// commits a user made, per shard. Record a transaction's commit with
+/// [`ShardTx::commit_in`](crate::tx::ShardTx::commit_in); read with
+/// [`Consistency::AtLeast`] and a replica answers only once it has replayed
+/// past every commit recorded for its shard (else the shard itself does).
+///
+/// Cheap to clone (clones share the positions). Its text
+/// ([`Display`](fmt::Display), [`FromStr`]) is short (`s0=pg:16/B374D848;s2=gtid:0-1-42`),
+/// holds no key or row value, and can travel in a cookie or a header from
+/// one request, or one process, to the next.
+#[derive(Clone, Default)]
+pub struct Session {
+    positions: Arc<Mutex<BTreeMap<String, Position>>>,
+}
+
+impl Session {
+    /// A session with no writes yet.
+    pub fn new() -> Self {
+        Session::default()
+    }
+
+    /// Whether no commit is recorded.
+    pub fn is_empty(&self) -> bool {
+        self.lock().is_empty()
+    }
+
+    /// Records that a commit on `shard` landed at `position`.
+    pub(crate) fn record(&self, shard: &str, position: Position) {
+        let mut map = self.lock();
+        match map.get_mut(shard) {
+            Some(known) => known.merge(position),
+            None => {
+                map.insert(shard.to_owned(), position);
+            }
+        }
+    }
+
+    /// The position a replica of `shard` must have replayed.
+    pub(crate) fn position(&self, shard: &str) -> Option<Position> {
+        self.lock().get(shard).cloned()
+    }
+
+    /// Takes in every position of `other` (another request's session).
+    pub fn merge(&self, other: &Session) {
+        if Arc::ptr_eq(&self.positions, &other.positions) {
+            return;
+        }
+        let theirs = other.lock().clone();
+        for (shard, position) in theirs {
+            self.record(&shard, position);
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, Position>> {
+        self.positions.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl fmt::Display for Session {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let map = self.lock();
+        let mut first = true;
+        for (shard, position) in map.iter() {
+            if !first {
+                f.write_str(";")?;
+            }
+            first = false;
+            write!(f, "{shard}={position}")?;
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Debug for Session {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Session({self})")
+    }
+}
+
+/// Reads a session's text; refused with [`ShardError::InvalidSession`]
+/// naming the part that is wrong. The empty text is an empty session.
+impl FromStr for Session {
+    type Err = ShardError;
+
+    fn from_str(s: &str) -> Result<Self> {
+        let session = Session::new();
+        for part in s.split(';').filter(|p| !p.is_empty()) {
+            let invalid = |reason: String| ShardError::InvalidSession {
+                reason: format!("`{}`: {reason}", crate::error::Bounded(part)),
+            };
+            let (shard, position) = part
+                .split_once('=')
+                .ok_or_else(|| invalid("expected `shard=position`".to_owned()))?;
+            if shard.is_empty() {
+                return Err(invalid("the shard name is empty".to_owned()));
+            }
+            let position = position.parse::<Position>().map_err(invalid)?;
+            session.record(shard, position);
+        }
+        Ok(session)
+    }
+}
+
+/// Which database may answer a read ([`Find::consistency`](crate::Find::consistency)).
+#[derive(Clone, Debug, Default)]
+#[non_exhaustive]
+pub enum Consistency {
+    /// The shard itself (the default): every committed write is seen.
+    #[default]
+    Primary,
+    /// Any replica of the shard whose last measured lag is at most
+    /// `max_lag` (any replica that answers when `None`); the shard itself
+    /// when none is. May return rows older than the latest commits.
+    Replica {
+        /// The largest lag accepted.
+        max_lag: Option<Duration>,
+    },
+    /// Read-your-writes: a replica that has replayed past every commit
+    /// recorded in the session for the shard read (waiting for one at most
+    /// `[read] replica_wait_ms`), else the shard itself. Never older than
+    /// the session's writes.
+    AtLeast(Session),
+}
+
+impl Consistency {
+    /// [`Consistency::AtLeast`] a clone of `session` (which shares its
+    /// positions).
+    pub fn at_least(session: &Session) -> Self {
+        Consistency::AtLeast(session.clone())
+    }
+}
+
+/// Lag of a replica not yet measured, or failing.
+const UNKNOWN: u64 = u64::MAX;
+
+/// One read replica: its pool and what the probe last measured.
+pub(crate) struct Replica {
+    pub(crate) name: String,
+    pub(crate) conn: DatabaseConnection,
+    /// The last measured lag in milliseconds ([`UNKNOWN`] before the first
+    /// good probe and after a failure).
+    lag_ms: AtomicU64,
+    /// Out of the rotation until this clock time (ms), after a failure.
+    down_until: AtomicI64,
+}
+
+impl Replica {
+    pub(crate) fn new(name: String, conn: DatabaseConnection) -> Self {
+        Replica {
+            name,
+            conn,
+            lag_ms: AtomicU64::new(UNKNOWN),
+            down_until: AtomicI64::new(0),
+        }
+    }
+
+    /// The last measured lag, if known.
+    pub(crate) fn lag(&self) -> Option<Duration> {
+        match self.lag_ms.load(Ordering::Acquire) {
+            UNKNOWN => None,
+            ms => Some(Duration::from_millis(ms)),
+        }
+    }
+
+    /// Whether it is in the rotation at `now_ms`.
+    pub(crate) fn is_up(&self, now_ms: i64) -> bool {
+        self.down_until.load(Ordering::Acquire) <= now_ms
+    }
+
+    /// Takes it out of the rotation until `until_ms`, lag unknown.
+    pub(crate) fn mark_down(&self, until_ms: i64) {
+        self.down_until.store(until_ms, Ordering::Release);
+        self.lag_ms.store(UNKNOWN, Ordering::Release);
+        crate::metrics::replica_lag(&self.name, None);
+    }
+
+    /// A good probe: back in the rotation with lag `lag`.
+    pub(crate) fn measured(&self, lag: Option<Duration>) {
+        self.down_until.store(0, Ordering::Release);
+        let ms = lag.map_or(UNKNOWN, |d| {
+            d.as_millis().min(u128::from(UNKNOWN - 1)) as u64
+        });
+        self.lag_ms.store(ms, Ordering::Release);
+        crate::metrics::replica_lag(&self.name, lag);
+    }
+
+    /// Whether it has replayed past `want`, waiting at most `wait` for it.
+    pub(crate) async fn reached(
+        &self,
+        want: &Position,
+        wait: Duration,
+    ) -> std::result::Result<bool, sea_orm::DbErr> {
+        if want.is_unreachable() {
+            return Ok(false);
+        }
+        let backend = self.conn.get_database_backend();
+        match want {
+            Position::Gtid(map) => {
+                let stmt = Statement::from_sql_and_values(
+                    backend,
+                    "SELECT MASTER_GTID_WAIT(?, ?) AS w",
+                    [Position::gtid_text(map).into(), wait.as_secs_f64().into()],
+                );
+                let row = self.conn.query_one_raw(stmt).await?;
+                let waited: Option<i64> = match row {
+                    Some(row) => row.try_get("", "w")?,
+                    None => None,
+                };
+                Ok(waited == Some(0))
+            }
+            Position::Lsn(_) => {
+                let deadline = tokio::time::Instant::now() + wait;
+                let mut pause = Duration::from_millis(2);
+                loop {
+                    if let Some(have) = self.replayed().await?
+                        && have.covers(want)
+                    {
+                        return Ok(true);
+                    }
+                    let now = tokio::time::Instant::now();
+                    if now >= deadline {
+                        return Ok(false);
+                    }
+                    tokio::time::sleep(pause.min(deadline - now)).await;
+                    pause = (pause * 2).min(Duration::from_millis(20));
+                }
+            }
+        }
+    }
+
+    /// The position it has replayed up to.
+    async fn replayed(&self) -> std::result::Result<Option<Position>, sea_orm::DbErr> {
+        let backend = self.conn.get_database_backend();
+        let sql = match backend {
+            DbBackend::Postgres => "SELECT pg_last_wal_replay_lsn()::text AS p",
+            _ => "SELECT @@gtid_slave_pos AS p",
+        };
+        let row = self
+            .conn
+            .query_one_raw(Statement::from_string(backend, sql))
+            .await?;
+        let text: Option<String> = match row {
+            Some(row) => row.try_get("", "p")?,
+            None => None,
+        };
+        let text = text.unwrap_or_default();
+        Ok(match backend {
+            DbBackend::Postgres => Position::parse_lsn(&text).map(Position::Lsn),
+            _ => Position::parse_gtid(&text).map(Position::Gtid),
+        })
+    }
+
+    /// Measures its lag against its primary's position `primary`: none
+    /// once it has replayed that far, else the age of the last transaction
+    /// it replayed (PostgreSQL) or `Seconds_Behind_Master` (MariaDB/MySQL);
+    /// `None` when the replica cannot say (replay stopped).
+    pub(crate) async fn measure(
+        &self,
+        primary: Option<&Position>,
+    ) -> std::result::Result<Option<Duration>, sea_orm::DbErr> {
+        if let (Some(primary), Some(have)) = (primary, self.replayed().await?)
+            && have.covers(primary)
+        {
+            return Ok(Some(Duration::ZERO));
+        }
+        let backend = self.conn.get_database_backend();
+        match backend {
+            DbBackend::Postgres => {
+                let row = self
+                    .conn
+                    .query_one_raw(Statement::from_string(
+                        backend,
+                        "SELECT (EXTRACT(EPOCH FROM (now() - pg_last_xact_replay_timestamp())) \
+                         * 1000)::float8 AS ms",
+                    ))
+                    .await?;
+                let ms: Option<f64> = match row {
+                    Some(row) => row.try_get("", "ms")?,
+                    None => None,
+                };
+                Ok(ms.map(|ms| Duration::from_millis(ms.max(0.0) as u64)))
+            }
+            _ => {
+                let row = self
+                    .conn
+                    .query_one_raw(Statement::from_string(backend, "SHOW SLAVE STATUS"))
+                    .await?;
+                let secs: Option<u64> = match row {
+                    Some(row) => row.try_get("", "Seconds_Behind_Master").unwrap_or(None),
+                    None => None,
+                };
+                Ok(secs.map(Duration::from_secs))
+            }
+        }
+    }
+}
+
+/// A shard's replicas, taken in turn.
+#[derive(Default)]
+pub(crate) struct ReplicaSet {
+    pub(crate) replicas: Vec<Replica>,
+    next: AtomicUsize,
+}
+
+impl ReplicaSet {
+    pub(crate) fn new(replicas: Vec<Replica>) -> Self {
+        ReplicaSet {
+            replicas,
+            next: AtomicUsize::new(0),
+        }
+    }
+
+    /// The replicas in the rotation at `now_ms` whose lag is within
+    /// `max_lag` (any lag, even unknown, when `None`), starting with the
+    /// next in turn.
+    pub(crate) fn candidates(
+        &self,
+        now_ms: i64,
+        max_lag: Option<Duration>,
+    ) -> impl Iterator<Item = &Replica> {
+        let n = self.replicas.len();
+        let start = if n == 0 {
+            0
+        } else {
+            self.next.fetch_add(1, Ordering::Relaxed) % n
+        };
+        (0..n)
+            .map(move |i| &self.replicas[(start + i) % n])
+            .filter(move |r| {
+                r.is_up(now_ms) && max_lag.is_none_or(|max| r.lag().is_some_and(|lag| lag <= max))
+            })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Position, Session};
+
+    #[test]
+    fn positions_and_sessions_round_trip_and_merge() {
+        let s: Session = "s0=pg:16/B374D848;s1=gtid:0-1-42,1-2-7".parse().unwrap();
+        assert_eq!(s.to_string(), "s0=pg:16/B374D848;s1=gtid:0-1-42,1-2-7");
+        s.record("s0", "pg:16/B374D800".parse().unwrap());
+        assert_eq!(s.position("s0"), Some(Position::Lsn(0x16_B374_D848)));
+        s.record("s1", "gtid:0-1-43".parse().unwrap());
+        assert_eq!(s.to_string(), "s0=pg:16/B374D848;s1=gtid:0-1-43,1-2-7");
+        let have: Position = "gtid:0-1-43,1-2-6".parse().unwrap();
+        assert!(!have.covers(&s.position("s1").unwrap()));
+        assert!("".parse::<Session>().unwrap().is_empty());
+        for bad in ["s0", "=pg:0/1", "s0=pg:xyz", "s0=redis:1", "s0=gtid:0-1"] {
+            let err = bad.parse::<Session>().unwrap_err();
+            assert!(
+                matches!(err, crate::ShardError::InvalidSession { .. }),
+                "{bad}: {err}"
+            );
+        }
+    }
+}

@@ -1,0 +1,451 @@
+//! Read replicas against real replicated servers (`scripts/replicas.sh
+//! start`: a PostgreSQL 15 primary with a streaming replica, a MariaDB
+//! primary with a GTID replica). The scenarios of a pair that cannot be
+//! reached are ignored, or fail with `CI=true`.
+//!
+//! Each scenario makes its own databases on the primary (the replica gets
+//! them through replication) and drops them at the end.
+
+use libtest_mimic::{Arguments, Trial};
+use sea_orm::{ActiveValue::Set, ConnectionTrait, DbBackend};
+use shardkit::{Cluster, ClusterConfig, Consistency, Session, ShardError};
+use shardkit_tests::Proxy;
+use shardkit_tests::models::{Customer, Migrator, order};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+/// A primary and its replica.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Pair {
+    Postgres,
+    MySql,
+}
+
+impl Pair {
+    fn urls(self) -> (String, String) {
+        let var =
+            |name: &str, default: &str| std::env::var(name).unwrap_or_else(|_| default.to_owned());
+        match self {
+            Pair::Postgres => (
+                var(
+                    "SHARDKIT_PG_PRIMARY_URL",
+                    "postgres://postgres@127.0.0.1:5442",
+                ),
+                var(
+                    "SHARDKIT_PG_REPLICA_URL",
+                    "postgres://postgres@127.0.0.1:5443",
+                ),
+            ),
+            Pair::MySql => (
+                var("SHARDKIT_MYSQL_PRIMARY_URL", "mysql://root@127.0.0.1:3316"),
+                var("SHARDKIT_MYSQL_REPLICA_URL", "mysql://root@127.0.0.1:3317"),
+            ),
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Pair::Postgres => "postgres",
+            Pair::MySql => "mysql",
+        }
+    }
+
+    fn reachable(self) -> bool {
+        let (primary, replica) = self.urls();
+        [primary, replica].iter().all(|url| {
+            let address = url.rsplit('@').next().unwrap_or(url);
+            address
+                .parse()
+                .ok()
+                .and_then(|a| std::net::TcpStream::connect_timeout(&a, Duration::from_secs(1)).ok())
+                .is_some()
+        })
+    }
+}
+
+/// Databases `<prefix>_0..n` on the primary, present on the replica too.
+struct Dbs {
+    pair: Pair,
+    names: Vec<String>,
+}
+
+impl Dbs {
+    async fn create(pair: Pair, prefix: &str, n: usize) -> Dbs {
+        let (primary, replica) = pair.urls();
+        let names: Vec<String> = (0..n).map(|i| format!("skr_{prefix}_{i}")).collect();
+        let admin = sea_orm::Database::connect(&primary).await.expect("primary");
+        let backend = admin.get_database_backend();
+        for name in &names {
+            let quoted = quote(backend, name);
+            admin
+                .execute_unprepared(&format!("DROP DATABASE IF EXISTS {quoted}"))
+                .await
+                .expect("drop");
+            admin
+                .execute_unprepared(&format!("CREATE DATABASE {quoted}"))
+                .await
+                .expect("create");
+        }
+        // The replica replays the CREATE DATABASE.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        for name in &names {
+            loop {
+                if sea_orm::Database::connect(format!("{replica}/{name}"))
+                    .await
+                    .is_ok()
+                {
+                    break;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "{name} never reached the replica"
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+        Dbs { pair, names }
+    }
+
+    fn config(&self, replica_url: Option<&str>, extra: &str) -> ClusterConfig {
+        let (primary, replica) = self.pair.urls();
+        let replica = replica_url.map_or(replica, str::to_owned);
+        let mut toml = format!("[pool]\nmax_connections = 2\n{extra}\n");
+        for (i, name) in self.names.iter().enumerate() {
+            toml.push_str(&format!(
+                "[[shards]]\nname = \"s{i}\"\nurl = \"{primary}/{name}\"\nreplicas = [{{ name = \"s{i}r1\", url = \"{replica}/{name}\" }}]\n"
+            ));
+        }
+        toml.push_str("[groups.Customer]\n");
+        ClusterConfig::from_toml(&toml).unwrap_or_else(|e| panic!("config: {e}\n{toml}"))
+    }
+
+    async fn drop_all(self) {
+        let (primary, _) = self.pair.urls();
+        let admin = sea_orm::Database::connect(&primary).await.expect("primary");
+        let backend = admin.get_database_backend();
+        for name in &self.names {
+            let _ = admin
+                .execute_unprepared(&format!("DROP DATABASE IF EXISTS {}", quote(backend, name)))
+                .await;
+        }
+    }
+}
+
+fn quote(backend: DbBackend, name: &str) -> String {
+    match backend {
+        DbBackend::MySql => format!("`{name}`"),
+        _ => format!("\"{name}\""),
+    }
+}
+
+/// Makes the replica apply changes `delay` late (PostgreSQL
+/// `recovery_min_apply_delay`, MariaDB `MASTER_DELAY` in whole seconds).
+async fn set_apply_delay(pair: Pair, delay: Duration) {
+    let (_, replica) = pair.urls();
+    let db = sea_orm::Database::connect(&replica).await.expect("replica");
+    match pair {
+        Pair::Postgres => {
+            db.execute_unprepared(&format!(
+                "ALTER SYSTEM SET recovery_min_apply_delay = '{}ms'",
+                delay.as_millis()
+            ))
+            .await
+            .expect("apply delay");
+            db.execute_unprepared("SELECT pg_reload_conf()")
+                .await
+                .expect("reload");
+        }
+        Pair::MySql => {
+            for sql in [
+                "STOP SLAVE".to_owned(),
+                format!("CHANGE MASTER TO MASTER_DELAY = {}", delay.as_secs()),
+                "START SLAVE".to_owned(),
+            ] {
+                db.execute_unprepared(&sql).await.expect("apply delay");
+            }
+        }
+    }
+    db.close().await.ok();
+}
+
+/// A cluster whose statements on replicas (`s<i>r1`) are counted.
+async fn counted(config: ClusterConfig) -> (Cluster, Arc<AtomicU64>) {
+    let on_replica = Arc::new(AtomicU64::new(0));
+    let seen = Arc::clone(&on_replica);
+    let cluster = Cluster::builder(config)
+        .on_statement(move |e| {
+            if e.shard.ends_with("r1") {
+                seen.fetch_add(1, Ordering::Relaxed);
+            }
+        })
+        .connect()
+        .await
+        .expect("connect");
+    (cluster, on_replica)
+}
+
+/// 8 writers each bump their own row's version and read it right back:
+/// with their session no read is older than the write; with any replica
+/// some are (the same run, so the test can fail).
+async fn read_your_writes(pair: Pair) {
+    let dbs = Dbs::create(pair, "ryw", 2).await;
+    let delay = match pair {
+        Pair::Postgres => Duration::from_millis(150),
+        Pair::MySql => Duration::from_secs(1),
+    };
+    let wait_ms = delay.as_millis() as u64 * 3;
+    let (cluster, on_replica) = counted(dbs.config(
+        None,
+        &format!("[read]\nreplica_wait_ms = {wait_ms}\nreplica_probe_ms = 100\n"),
+    ))
+    .await;
+    cluster.migrate::<Migrator>().await.expect("migrate");
+    // The replica has the tables before the delay starts.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    set_apply_delay(pair, delay).await;
+    let rounds = match pair {
+        Pair::Postgres => 12,
+        Pair::MySql => 4,
+    };
+    let stale = |consistency: fn(&Session) -> Consistency, base: i64| {
+        let cluster = cluster.clone();
+        async move {
+            let tasks = (base..base + 8).map(|task| {
+                let cluster = cluster.clone();
+                tokio::spawn(async move {
+                    let session = Session::new();
+                    let mut stale = 0u64;
+                    for version in 1..=rounds {
+                        let tx = cluster.begin::<Customer>(task).await.expect("begin");
+                        let row = order::ActiveModel {
+                            id: Set(task),
+                            customer_id: Set(task),
+                            total_cents: Set(version),
+                        };
+                        if version == 1 {
+                            tx.insert(row).await.expect("insert");
+                        } else {
+                            tx.update(row).await.expect("update");
+                        }
+                        tx.commit_in(&session).await.expect("commit");
+                        let seen = cluster
+                            .find::<order::Entity>()
+                            .key(task)
+                            .consistency(consistency(&session))
+                            .one()
+                            .await
+                            .expect("read");
+                        if seen.is_none_or(|r| r.total_cents < version) {
+                            stale += 1;
+                        }
+                    }
+                    stale
+                })
+            });
+            let mut stale = 0;
+            for task in futures::future::join_all(tasks).await {
+                stale += task.expect("writer");
+            }
+            stale
+        }
+    };
+    let before = on_replica.load(Ordering::Relaxed);
+    let with_session = stale(Consistency::at_least, 0).await;
+    let replica_reads = on_replica.load(Ordering::Relaxed) - before;
+    let any_replica = stale(|_| Consistency::Replica { max_lag: None }, 1000).await;
+    set_apply_delay(pair, Duration::ZERO).await;
+    assert_eq!(with_session, 0, "reads with the session saw older rows");
+    assert!(
+        replica_reads > 0,
+        "no read with the session went to the replica"
+    );
+    assert!(
+        any_replica > 0,
+        "reads of any replica never saw an older row: the delay did not take"
+    );
+
+    // A session carried as text to another instance still reads its writes.
+    let other = Cluster::connect(dbs.config(None, "[read]\nreplica_wait_ms = 3000\n"))
+        .await
+        .expect("second instance");
+    let session = Session::new();
+    let tx = cluster.begin::<Customer>(100).await.unwrap();
+    tx.insert(order::ActiveModel {
+        id: Set(100),
+        customer_id: Set(100),
+        total_cents: Set(7),
+    })
+    .await
+    .unwrap();
+    tx.commit_in(&session).await.unwrap();
+    let carried: Session = session.to_string().parse().unwrap();
+    let row = other
+        .find::<order::Entity>()
+        .key(100)
+        .consistency(Consistency::at_least(&carried))
+        .one()
+        .await
+        .unwrap();
+    assert_eq!(row.map(|r| r.total_cents), Some(7), "token: {carried}");
+    drop((cluster, other));
+    dbs.drop_all().await;
+}
+
+/// A replica that refuses connections, then one that hangs: reads fall
+/// back to the shard within the replica timeout and return its rows; the
+/// replica that comes back rejoins the rotation.
+async fn replica_faults(pair: Pair) {
+    let dbs = Dbs::create(pair, "faults", 1).await;
+    let (_, replica) = pair.urls();
+    let target = replica.rsplit('@').next().unwrap().to_owned();
+    let proxy = Proxy::start(target.clone()).await;
+    let scheme = replica.split("://").next().unwrap();
+    let user = replica
+        .split("://")
+        .nth(1)
+        .and_then(|r| r.split_once('@'))
+        .map_or("", |(u, _)| u);
+    let through = format!("{scheme}://{user}@127.0.0.1:{}", proxy.port);
+    let (cluster, on_replica) = counted(dbs.config(
+        Some(&through),
+        "[read]\nreplica_timeout_ms = 300\nreplica_probe_ms = 100\ntimeout_ms = 5000\n",
+    ))
+    .await;
+    cluster.migrate::<Migrator>().await.expect("migrate");
+    let tx = cluster.begin::<Customer>(1).await.unwrap();
+    tx.insert(order::ActiveModel {
+        id: Set(1),
+        customer_id: Set(1),
+        total_cents: Set(5),
+    })
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    let any = || Consistency::Replica { max_lag: None };
+    let read = || async {
+        cluster
+            .find::<order::Entity>()
+            .key(1)
+            .consistency(any())
+            .one()
+            .await
+    };
+    // The replica answers once it has the row.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if read().await.unwrap().is_some() && on_replica.load(Ordering::Relaxed) > 0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the replica never answered");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Hangs: answered by the shard within the replica timeout.
+    proxy.freeze();
+    let started = Instant::now();
+    let row = read().await.expect("a hung replica falls back");
+    assert_eq!(row.map(|r| r.total_cents), Some(5));
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "fell back after {:?}",
+        started.elapsed()
+    );
+    // Refuses: answered by the shard.
+    proxy.kill();
+    for _ in 0..5 {
+        let row = read().await.expect("a refusing replica falls back");
+        assert_eq!(row.map(|r| r.total_cents), Some(5));
+    }
+    // Back: it rejoins the rotation after a good probe.
+    let proxy = Proxy::start_on(proxy.port, target).await;
+    let before = on_replica.load(Ordering::Relaxed);
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        read().await.unwrap();
+        if on_replica.load(Ordering::Relaxed) > before + 2 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the replica never rejoined");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    drop(proxy);
+    drop(cluster);
+    dbs.drop_all().await;
+}
+
+/// SQLite shards have no replicas: a config error naming the entry.
+fn sqlite_replica_is_a_config_error() {
+    let refused = |toml: &str| match ClusterConfig::from_toml(toml) {
+        Ok(_) => panic!("accepted:\n{toml}"),
+        Err(err) => err,
+    };
+    let err = refused(
+        "[[shards]]\nname = \"s0\"\nurl = \"sqlite::memory:\"\nreplicas = [{ name = \"s0r1\", url = \"sqlite::memory:\" }]\n",
+    );
+    assert!(
+        matches!(&err, ShardError::Config { entry, message }
+            if entry.ends_with(".replicas[0]") && entry.contains("s0") && message.contains("SQLite")),
+        "{err}"
+    );
+    // Names are unique across shards and replicas.
+    let err = refused(
+        "[[shards]]\nname = \"s0\"\nurl = \"postgres://h/a\"\nreplicas = [{ name = \"s0\", url = \"postgres://h2/a\" }]\n",
+    );
+    assert!(
+        matches!(&err, ShardError::Config { entry, message }
+            if entry == "shards[0].replicas[0]" && message.contains("taken")),
+        "{err}"
+    );
+    // A replica speaks its shard's protocol.
+    let err = refused(
+        "[[shards]]\nname = \"s0\"\nurl = \"postgres://h/a\"\nreplicas = [{ name = \"s0r1\", url = \"mysql://h2/a\" }]\n",
+    );
+    assert!(
+        matches!(&err, ShardError::Config { message, .. } if message.contains("a replica serves")),
+        "{err}"
+    );
+}
+
+fn main() -> std::process::ExitCode {
+    let args = Arguments::from_args();
+    let ci = std::env::var("CI").is_ok_and(|v| v == "true" || v == "1");
+    let mut trials = vec![Trial::test("sqlite_replica_is_a_config_error", || {
+        sqlite_replica_is_a_config_error();
+        Ok(())
+    })];
+    for pair in [Pair::Postgres, Pair::MySql] {
+        let up = pair.reachable();
+        if !up {
+            eprintln!(
+                "the {} primary and replica are unreachable ({:?}): {}",
+                pair.name(),
+                pair.urls(),
+                if ci {
+                    "CI=true, so their scenarios run and fail"
+                } else {
+                    "their scenarios are ignored (start them with scripts/replicas.sh start)"
+                }
+            );
+        }
+        type Scenario = fn(Pair) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()>>>;
+        let scenarios: [(&str, Scenario); 2] = [
+            ("read_your_writes", |p| Box::pin(read_your_writes(p))),
+            ("replica_faults", |p| Box::pin(replica_faults(p))),
+        ];
+        for (name, scenario) in scenarios {
+            trials.push(
+                Trial::test(format!("{name}::{}", pair.name()), move || {
+                    tokio::runtime::Builder::new_multi_thread()
+                        .worker_threads(2)
+                        .enable_all()
+                        .build()
+                        .unwrap()
+                        .block_on(scenario(pair));
+                    Ok(())
+                })
+                .with_ignored_flag(!up && !ci),
+            );
+        }
+    }
+    libtest_mimic::run(&args, trials).exit_code()
+}
