@@ -169,13 +169,15 @@ async fn set_apply_delay(pair: Pair, delay: Duration) {
     db.close().await.ok();
 }
 
-/// A cluster whose statements on replicas (`s<i>r1`) are counted.
+/// A cluster whose reads of `orders` on replicas (`s<i>r1`) are counted.
 async fn counted(config: ClusterConfig) -> (Cluster, Arc<AtomicU64>) {
     let on_replica = Arc::new(AtomicU64::new(0));
     let seen = Arc::clone(&on_replica);
     let cluster = Cluster::builder(config)
         .on_statement(move |e| {
-            if e.shard.ends_with("r1") {
+            // Reads of the scenarios' table only: the lag probe's
+            // statements run on the replicas too.
+            if e.shard.ends_with("r1") && e.statement.sql.contains("orders") {
                 seen.fetch_add(1, Ordering::Relaxed);
             }
         })
@@ -340,6 +342,29 @@ async fn replica_faults(pair: Pair) {
         assert!(Instant::now() < deadline, "the replica never answered");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    // A stream is answered by the replica too.
+    let before = on_replica.load(Ordering::Relaxed);
+    let streamed: Vec<order::Model> = {
+        use futures::TryStreamExt;
+        cluster
+            .find::<order::Entity>()
+            .key(1)
+            .consistency(any())
+            .stream()
+            .await
+            .expect("stream")
+            .try_collect()
+            .await
+            .expect("rows")
+    };
+    assert_eq!(
+        streamed.iter().map(|r| r.total_cents).collect::<Vec<_>>(),
+        [5]
+    );
+    assert!(
+        on_replica.load(Ordering::Relaxed) > before,
+        "the stream read the shard"
+    );
     // Hangs: answered by the shard within the replica timeout.
     proxy.freeze();
     let started = Instant::now();
@@ -370,7 +395,137 @@ async fn replica_faults(pair: Pair) {
     }
     drop(proxy);
     drop(cluster);
+    // Nothing of the cluster stays connected to the replica.
+    let left = settle_connections(&replica, &dbs.names[0]).await;
+    assert_eq!(left, 0, "connections left on the replica");
     dbs.drop_all().await;
+}
+
+/// Connections to database `db` on the server at `url`, once they have
+/// had a few seconds to close.
+async fn settle_connections(url: &str, db: &str) -> i64 {
+    let admin = sea_orm::Database::connect(url).await.expect("server");
+    let backend = admin.get_database_backend();
+    let sql = match backend {
+        DbBackend::Postgres => "SELECT COUNT(*) AS n FROM pg_stat_activity WHERE datname = $1",
+        _ => "SELECT COUNT(*) AS n FROM information_schema.PROCESSLIST WHERE DB = ?",
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let row = admin
+            .query_one_raw(sea_orm::Statement::from_sql_and_values(
+                backend,
+                sql,
+                [db.into()],
+            ))
+            .await
+            .expect("count")
+            .expect("a row");
+        let n: i64 = row.try_get("", "n").expect("n");
+        if n == 0 || Instant::now() >= deadline {
+            admin.close().await.ok();
+            return n;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// A replica whose replay stops falls out of `Replica { max_lag }` reads
+/// (the shard answers with the newest rows), and rejoins once it catches
+/// up; a read without a bound may still use it.
+async fn lag_bound(pair: Pair) {
+    let dbs = Dbs::create(pair, "lag", 1).await;
+    let (_, replica) = pair.urls();
+    let (cluster, on_replica) = counted(dbs.config(None, "[read]\nreplica_probe_ms = 50\n")).await;
+    cluster.migrate::<Migrator>().await.expect("migrate");
+    let write = |cents: i64| {
+        let cluster = cluster.clone();
+        async move {
+            let tx = cluster.begin::<Customer>(1).await.unwrap();
+            let row = order::ActiveModel {
+                id: Set(1),
+                customer_id: Set(1),
+                total_cents: Set(cents),
+            };
+            if cents == 1 {
+                tx.insert(row).await.unwrap();
+            } else {
+                tx.update(row).await.unwrap();
+            }
+            tx.commit().await.unwrap();
+        }
+    };
+    let bounded = || Consistency::Replica {
+        max_lag: Some(Duration::from_millis(500)),
+    };
+    let read = |consistency: Consistency| {
+        let cluster = cluster.clone();
+        async move {
+            cluster
+                .find::<order::Entity>()
+                .key(1)
+                .consistency(consistency)
+                .one()
+                .await
+                .unwrap()
+                .map(|r| r.total_cents)
+        }
+    };
+    write(1).await;
+    // Caught up: bounded reads use the replica.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let before = on_replica.load(Ordering::Relaxed);
+        if read(bounded()).await == Some(1) && on_replica.load(Ordering::Relaxed) > before {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "bounded reads never used the replica"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    replay(pair, &replica, false).await;
+    write(2).await;
+    // Its lag grows past the bound (MariaDB stops reporting it): bounded
+    // reads are answered by the shard, with the newest row.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let before = on_replica.load(Ordering::Relaxed);
+    for _ in 0..10 {
+        assert_eq!(
+            read(bounded()).await,
+            Some(2),
+            "a bounded read saw an old row"
+        );
+    }
+    let skipped = on_replica.load(Ordering::Relaxed) == before;
+    replay(pair, &replica, true).await;
+    assert!(skipped, "a replica past the bound answered");
+    // Caught up again: it rejoins.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let before = on_replica.load(Ordering::Relaxed);
+        if read(bounded()).await == Some(2) && on_replica.load(Ordering::Relaxed) > before {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the replica never rejoined");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    drop(cluster);
+    dbs.drop_all().await;
+}
+
+/// Stops or resumes the replica's replay.
+async fn replay(pair: Pair, replica: &str, on: bool) {
+    let db = sea_orm::Database::connect(replica).await.expect("replica");
+    let sql = match (pair, on) {
+        (Pair::Postgres, false) => "SELECT pg_wal_replay_pause()",
+        (Pair::Postgres, true) => "SELECT pg_wal_replay_resume()",
+        (Pair::MySql, false) => "STOP SLAVE SQL_THREAD",
+        (Pair::MySql, true) => "START SLAVE SQL_THREAD",
+    };
+    db.execute_unprepared(sql).await.expect("replay");
+    db.close().await.ok();
 }
 
 /// SQLite shards have no replicas: a config error naming the entry.
@@ -428,13 +583,21 @@ fn main() -> std::process::ExitCode {
             );
         }
         type Scenario = fn(Pair) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()>>>;
-        let scenarios: [(&str, Scenario); 2] = [
+        let scenarios: [(&str, Scenario); 3] = [
             ("read_your_writes", |p| Box::pin(read_your_writes(p))),
             ("replica_faults", |p| Box::pin(replica_faults(p))),
+            ("lag_bound", |p| Box::pin(lag_bound(p))),
         ];
         for (name, scenario) in scenarios {
             trials.push(
                 Trial::test(format!("{name}::{}", pair.name()), move || {
+                    // One scenario at a time per pair: some change the
+                    // replica's replay (its delay, a pause).
+                    static PAIRS: [std::sync::Mutex<()>; 2] =
+                        [std::sync::Mutex::new(()), std::sync::Mutex::new(())];
+                    let _turn = PAIRS[pair as usize]
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner());
                     tokio::runtime::Builder::new_multi_thread()
                         .worker_threads(2)
                         .enable_all()

@@ -138,32 +138,82 @@ impl<E: ShardedEntity> Read<E> {
             )));
         };
         let Read {
-            shards, timeout, ..
+            shards,
+            timeout,
+            consistency,
+            ..
         } = self;
         let group = Self::group();
         let rows = async_stream::stream! {
             let shard = shards.shard_name(target.shard);
-            let conn = shards.shard_conn(target.shard).clone();
-            let span = read_span::<E>(shard, target.bucket, "stream");
-            let open = async {
-                into(*select)
-                    .stream(&conn)
-                    .await
-                    .map_err(|e| read_err::<E>(shard, e))
-            };
-            let opened = shards
-                .bounded(target.shard, group, timeout, crate::trace::in_span(span, open))
-                .await;
-            let mut rows = match opened {
-                Ok(rows) => rows,
-                Err(err) => {
-                    yield Err(err);
-                    return;
+            let primary = shards.shard_conn(target.shard).clone();
+            // A replica, when the consistency lets one answer: opened
+            // under the replica timeout, else the shard opens the stream.
+            // Once rows flow, a replica that fails ends the stream with
+            // its error (rows already read cannot be read again).
+            let mut replica = None;
+            if !matches!(consistency, Consistency::Primary)
+                && let ReadOn::Replica(r) = shards.read_on(target.shard, group, &consistency).await
+            {
+                replica = Some((r, r.conn.clone()));
+            }
+            let mut rows = None;
+            let mut on_replica = false;
+            if let Some((r, conn)) = &replica {
+                let within = shards.replica_timeout();
+                let span = read_span::<E>(&r.name, target.bucket, "stream");
+                let open = crate::trace::in_span(span, into((*select).clone()).stream(conn));
+                match tokio::time::timeout(within, open).await {
+                    Ok(Ok(opened)) => {
+                        crate::metrics::replica_read(shard, &r.name);
+                        rows = Some(opened);
+                        on_replica = true;
+                    }
+                    Ok(Err(err)) => shards.replica_failed(r, &DriverCause(&err)),
+                    Err(_) => shards.replica_failed(r, &format_args!("no answer within {within:?}")),
+                }
+                if !on_replica {
+                    crate::metrics::replica_fallback(shard, "failed");
+                }
+            }
+            let mut rows = match rows {
+                Some(rows) => rows,
+                None => {
+                    let span = read_span::<E>(shard, target.bucket, "stream");
+                    let open = async {
+                        into(*select)
+                            .stream(&primary)
+                            .await
+                            .map_err(|e| read_err::<E>(shard, e))
+                    };
+                    let opened = shards
+                        .bounded(target.shard, group, timeout, crate::trace::in_span(span, open))
+                        .await;
+                    match opened {
+                        Ok(rows) => rows,
+                        Err(err) => {
+                            yield Err(err);
+                            return;
+                        }
+                    }
                 }
             };
             loop {
-                let next = async { Ok(rows.next().await) };
-                match shards.bounded(target.shard, group, timeout, next).await {
+                let next = if on_replica {
+                    let within = timeout.unwrap_or(shards.replica_timeout());
+                    match tokio::time::timeout(within, rows.next()).await {
+                        Ok(next) => Ok(next),
+                        Err(_) => Err(ShardError::Timeout {
+                            group,
+                            shard: replica.as_ref().map_or(shard, |(r, _)| r.name.as_str()).to_owned(),
+                            after: within,
+                        }),
+                    }
+                } else {
+                    let next = async { Ok(rows.next().await) };
+                    shards.bounded(target.shard, group, timeout, next).await
+                };
+                match next {
                     Ok(Some(Ok(row))) => yield Ok(row),
                     Ok(Some(Err(err))) => {
                         yield Err(read_err::<E>(shard, err));
