@@ -201,6 +201,13 @@ impl Cluster {
         self.shards.health(id).check().await
     }
 
+    /// Every shard's read replicas, each probed now (its lag against its
+    /// shard, bounded by `[read] replica_timeout_ms`): whether reads may use
+    /// it, its lag, and why it left the rotation when it did.
+    pub async fn replicas(&self) -> Vec<crate::ReplicaStatus> {
+        self.shards.replica_status().await
+    }
+
     /// The validated topology.
     pub fn topology(&self) -> &Topology {
         self.shards.topology()

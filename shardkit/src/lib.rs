@@ -207,7 +207,7 @@ pub use entity::{EntityGroup, GroupKey, InGroup, KeyRef, ShardKey, ShardedEntity
 pub use error::{
     DriverError, ErrorKind, Origin, Result, Retry, ShardError, ShardFailure, Subsystem,
 };
-pub use exec::{Consistency, Session};
+pub use exec::{Consistency, ReplicaStatus, Session};
 pub use ids::{Ids, Sequence, ServerPlace, Snowflake, SnowflakeLayout, TicketPlace, uuid_v7};
 pub use read::{
     AllowPartial, ByIndex, Find, KeyOf, Keyed, KeyedPages, KeyedSelect, Keys, MergePlan,

@@ -375,12 +375,22 @@ async fn replica_faults(pair: Pair) {
         "fell back after {:?}",
         started.elapsed()
     );
-    // Refuses: answered by the shard.
+    // Refuses: answered by the shard; the status says why it is out.
     proxy.kill();
     for _ in 0..5 {
         let row = read().await.expect("a refusing replica falls back");
         assert_eq!(row.map(|r| r.total_cents), Some(5));
     }
+    let status = cluster.replicas().await;
+    assert_eq!(status.len(), 1, "{status:?}");
+    assert_eq!(
+        (status[0].name.as_str(), status[0].shard.as_str()),
+        ("s0r1", "s0")
+    );
+    assert!(
+        !status[0].in_rotation && status[0].error.is_some() && status[0].lag.is_none(),
+        "{status:?}"
+    );
     // Back: it rejoins the rotation after a good probe.
     let proxy = Proxy::start_on(proxy.port, target).await;
     let before = on_replica.load(Ordering::Relaxed);
@@ -393,6 +403,11 @@ async fn replica_faults(pair: Pair) {
         assert!(Instant::now() < deadline, "the replica never rejoined");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+    let status = cluster.replicas().await;
+    assert!(
+        status[0].in_rotation && status[0].error.is_none(),
+        "{status:?}"
+    );
     drop(proxy);
     drop(cluster);
     // Nothing of the cluster stays connected to the replica.

@@ -21,5 +21,5 @@ pub(crate) use connect::{SIDE_LOCK_WAIT_SECS, SIDE_MYSQL_SESSION};
 pub use directory::Directory;
 pub use migrate::{DatabaseMigrationStatus, MigrationReport};
 pub(crate) use replica_reads::ReadOn;
-pub use replicas::{Consistency, Session};
+pub use replicas::{Consistency, ReplicaStatus, Session};
 pub(crate) use shards::{BeginHook, Begun, RebalanceSettings, Shards};

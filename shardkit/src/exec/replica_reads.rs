@@ -3,7 +3,7 @@
 
 use crate::clock::now_ms;
 use crate::exec::periodic::{FirstPass, spawn};
-use crate::exec::replicas::{Consistency, Position, Replica, primary_position};
+use crate::exec::replicas::{Consistency, Position, Replica, ReplicaStatus, primary_position};
 use crate::exec::shards::Shards;
 use crate::topology::ShardId;
 use std::ops::ControlFlow;
@@ -92,7 +92,7 @@ impl Shards {
     pub(crate) fn replica_failed(&self, replica: &Replica, cause: &dyn std::fmt::Display) {
         let until = now_ms(self.clock().as_ref()) + REPLICA_DOWN_FOR.as_millis() as i64;
         tracing::warn!(replica = %replica.name, %cause, "replica left the rotation");
-        replica.mark_down(until);
+        replica.mark_down(until, cause.to_string());
     }
 
     /// How long a replica may take to answer a read.
@@ -134,6 +134,34 @@ impl Shards {
                 ControlFlow::Continue(())
             },
         );
+    }
+
+    /// Every replica's state after probing each once now.
+    pub(crate) async fn replica_status(&self) -> Vec<ReplicaStatus> {
+        self.probe_replicas().await;
+        let now = now_ms(self.clock().as_ref());
+        self.inner
+            .replicas
+            .iter()
+            .zip(self.topology().shards())
+            .flat_map(|(set, spec)| {
+                set.replicas.iter().zip(&spec.replicas).map(move |(r, rs)| {
+                    let error = r
+                        .last_error
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .clone();
+                    ReplicaStatus {
+                        shard: spec.name.clone(),
+                        name: r.name.clone(),
+                        url: rs.url.redacted(),
+                        in_rotation: r.is_up(now) && error.is_none(),
+                        lag: r.lag(),
+                        error,
+                    }
+                })
+            })
+            .collect()
     }
 
     /// One probe of every replica: its primary's position, then each

@@ -292,10 +292,31 @@ impl Consistency {
 /// Lag of a replica not yet measured, or failing.
 const UNKNOWN: u64 = u64::MAX;
 
+/// A replica as [`Cluster::replicas`](crate::Cluster::replicas) reports it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReplicaStatus {
+    /// The shard it replicates.
+    pub shard: String,
+    /// Its name.
+    pub name: String,
+    /// Its URL, password removed.
+    pub url: String,
+    /// Whether reads may use it now (it answered its last probe).
+    pub in_rotation: bool,
+    /// Its lag as last measured: none once it has replayed everything its
+    /// shard had committed when probed; `None` when unknown (replay
+    /// stopped, or the replica is out of the rotation).
+    pub lag: Option<Duration>,
+    /// Why it left the rotation, when it did.
+    pub error: Option<String>,
+}
+
 /// One read replica: its pool and what the probe last measured.
 pub(crate) struct Replica {
     pub(crate) name: String,
     pub(crate) conn: DatabaseConnection,
+    /// Why it last left the rotation.
+    pub(crate) last_error: Mutex<Option<String>>,
     /// The last measured lag in milliseconds ([`UNKNOWN`] before the first
     /// good probe and after a failure).
     lag_ms: AtomicU64,
@@ -310,6 +331,7 @@ impl Replica {
             conn,
             lag_ms: AtomicU64::new(UNKNOWN),
             down_until: AtomicI64::new(0),
+            last_error: Mutex::new(None),
         }
     }
 
@@ -327,7 +349,8 @@ impl Replica {
     }
 
     /// Takes it out of the rotation until `until_ms`, lag unknown.
-    pub(crate) fn mark_down(&self, until_ms: i64) {
+    pub(crate) fn mark_down(&self, until_ms: i64, cause: String) {
+        *self.last_error.lock().unwrap_or_else(|p| p.into_inner()) = Some(cause);
         self.down_until.store(until_ms, Ordering::Release);
         self.lag_ms.store(UNKNOWN, Ordering::Release);
         crate::metrics::replica_lag(&self.name, None);
@@ -335,6 +358,7 @@ impl Replica {
 
     /// A good probe: back in the rotation with lag `lag`.
     pub(crate) fn measured(&self, lag: Option<Duration>) {
+        *self.last_error.lock().unwrap_or_else(|p| p.into_inner()) = None;
         self.down_until.store(0, Ordering::Release);
         let ms = lag.map_or(UNKNOWN, |d| {
             d.as_millis().min(u128::from(UNKNOWN - 1)) as u64

@@ -33,6 +33,7 @@ pub(super) async fn status(
 ) -> Result<Outcome> {
     let mut report = Report::default();
     let shards = shards(cluster, &mut report).await;
+    let replicas = replicas(cluster, &mut report).await;
     // The connection budget: what one instance of this config may open.
     let (budget_json, budget_text) = budget_status(budget);
     let _ = writeln!(report.text, "\n{budget_text}");
@@ -44,6 +45,7 @@ pub(super) async fn status(
     Ok(Outcome {
         json: json!({
             "shards": shards,
+            "replicas": replicas,
             "connection_budget": budget_json,
             "migrations": migrations,
             "groups": groups,
@@ -90,6 +92,42 @@ async fn shards(cluster: &Cluster, report: &mut Report) -> Vec<Value> {
     }
     let _ = writeln!(report.text, "shards\n{t}");
     shards
+}
+
+/// Every shard's read replicas, probed now: in the rotation or not, lag.
+/// Nothing is printed for a cluster without replicas.
+async fn replicas(cluster: &Cluster, report: &mut Report) -> Vec<Value> {
+    let replicas = cluster.replicas().await;
+    if replicas.is_empty() {
+        return Vec::new();
+    }
+    let mut t = table(&["replica", "shard", "in rotation", "lag"]);
+    let mut out = Vec::with_capacity(replicas.len());
+    for r in &replicas {
+        report.problem |= !r.in_rotation;
+        t.add_row(vec![
+            r.name.clone(),
+            r.shard.clone(),
+            match &r.error {
+                None if r.in_rotation => "yes".to_owned(),
+                None => "no".to_owned(),
+                Some(cause) => format!("NO: {cause}"),
+            },
+            r.lag.map_or("unknown".to_owned(), |lag| {
+                format!("{} ms", lag.as_millis())
+            }),
+        ]);
+        out.push(json!({
+            "name": r.name,
+            "shard": r.shard,
+            "url": r.url,
+            "in_rotation": r.in_rotation,
+            "lag_ms": r.lag.map(|lag| lag.as_millis() as u64),
+            "error": r.error,
+        }));
+    }
+    let _ = writeln!(report.text, "\nreplicas\n{t}");
+    out
 }
 
 /// One shard's health as `status` reports it.
