@@ -841,6 +841,43 @@ async fn ids_are_unique_and_route_to_their_shard() {
     );
 }
 
+/// shardkit/docs/replicas.md ("Read-your-writes with a session"): a write
+/// and its read-back through a session.
+#[rustfmt::skip]
+async fn read_your_writes(cluster: &Cluster, session: Session) -> shardkit::Result<Option<order::Model>> {
+    let tx = cluster.begin::<Customer>(7).await?;
+    tx.update(order::ActiveModel { id: Set(1), customer_id: Set(7), total_cents: Set(250) }).await?;
+    tx.commit_in(&session).await?;                      // records where the commit landed
+    let cookie = session.to_string();                   // `s1=pg:0/9CD80F8`, for the next request
+    let session: Session = cookie.parse()?;             // in that request, maybe another instance
+    let order = cluster.find::<order::Entity>().key(7)
+        .consistency(Consistency::at_least(&session))   // a replica past the commit, else the shard
+        .one().await?;
+    Ok(order)
+}
+
+/// On SQLite shards, which have no replicas, a session records nothing and
+/// the shard answers: the read sees the write. (The same code against real
+/// replicas runs in `tests/tests/replicas.rs` and the `replicas` example.)
+#[tokio::test]
+async fn a_session_reads_its_own_write() {
+    let scratch = Scratch::new("replicas");
+    let cluster = migrated(&scratch.cluster_toml(2)).await;
+    let tx = cluster.begin::<Customer>(7).await.unwrap();
+    tx.insert(order::ActiveModel {
+        id: Set(1),
+        customer_id: Set(7),
+        total_cents: Set(100),
+    })
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    let session = Session::new();
+    let order = read_your_writes(&cluster, session.clone()).await.unwrap();
+    assert_eq!(order.map(|o| o.total_cents), Some(250));
+    assert!(session.is_empty(), "no replica, no position: {session}");
+}
+
 // ---------------------------------------------------------------------------
 // The check that the documentation's snippets are the code above.
 

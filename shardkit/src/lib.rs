@@ -236,8 +236,8 @@ pub use entity::__private;
 /// The items most programs need: `use shardkit::prelude::*;`.
 pub mod prelude {
     pub use crate::{
-        Cluster, ClusterConfig, EntityGroup, InGroup, ShardError, ShardKey, ShardTx, Sharded,
-        ShardedEntity,
+        Cluster, ClusterConfig, Consistency, EntityGroup, InGroup, Session, ShardError, ShardKey,
+        ShardTx, Sharded, ShardedEntity,
     };
     pub use sea_orm::{
         ActiveValue::Set, ColumnTrait, EntityTrait, QueryFilter, QueryOrder, QuerySelect,
@@ -258,7 +258,8 @@ macro_rules! guide_links {
          [guide]: crate::guide\n[basics]: crate::guide::basics\n[seaorm]: crate::guide::seaorm\n\
          [topology]: crate::guide::topology\n[gsi]: crate::guide::gsi\n\
          [rollouts]: crate::guide::rollouts\n[ids]: crate::guide::ids\n\
-         [rebalance]: crate::guide::rebalance\n[cli]: crate::guide::cli\n\
+         [rebalance]: crate::guide::rebalance\n[replicas]: crate::guide::replicas\n\
+         [cli]: crate::guide::cli\n\
          [troubleshooting]: crate::guide::troubleshooting\n\
          [contributing]: crate::guide::contributing\n\
          [sqlite]: crate::guide::troubleshooting#several-instances-on-sqlite\n\
@@ -299,6 +300,10 @@ pub mod guide {
     pub mod rebalance {
         #![doc = guide_links!()]
         #![doc = include_str!("../docs/rebalance.md")]
+    }
+    pub mod replicas {
+        #![doc = guide_links!()]
+        #![doc = include_str!("../docs/replicas.md")]
     }
     pub mod cli {
         #![doc = guide_links!()]

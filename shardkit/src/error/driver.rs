@@ -6,7 +6,7 @@ use sea_orm::DbErr;
 /// A driver's error with its secrets removed: what the database or the
 /// connection said (a URL's password scrubbed from it) and the driver's
 /// code where it gave one. The [`source`](std::error::Error::source) of
-/// [`ShardError::Connect`]; the driver's own error is not kept, since its
+/// [`ShardError::Connect`](crate::ShardError::Connect); the driver's own error is not kept, since its
 /// text may carry the password.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DriverError {

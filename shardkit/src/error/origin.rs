@@ -1,7 +1,7 @@
 //! Whose statement failed ([`Origin`], [`Subsystem`]) and what a caller
 //! can do about it ([`Retry`]).
 
-/// Whose statement a [`ShardError::Db`] was.
+/// Whose statement a [`ShardError::Db`](crate::ShardError::Db) was.
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Origin {
@@ -76,7 +76,7 @@ impl Subsystem {
     }
 }
 
-/// What a caller can do about an error ([`ShardError::retry`]).
+/// What a caller can do about an error ([`ShardError::retry`](crate::ShardError::retry)).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Retry {

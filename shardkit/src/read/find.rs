@@ -22,7 +22,7 @@ use std::time::Duration;
 /// `filter` works as on a `Select<E>` (it is pushed to every shard).
 /// `order_by_asc`, `order_by_desc`, `order_by`, `limit` and `offset` are
 /// shardkit's own, so a multi-shard read can merge them correctly. A
-/// single-key read also takes every other [`QueryOrder`](sea_orm::QueryOrder) and [`QuerySelect`]
+/// single-key read also takes every other [`QueryOrder`](sea_orm::QueryOrder) and [`QuerySelect`](sea_orm::QuerySelect)
 /// method; a read that selects only some columns (`select_only().column(..)`)
 /// decodes with [`into_tuple`](Find::into_tuple),
 /// [`into_model`](Find::into_model) or [`into_json`](Find::into_json), since

@@ -17,7 +17,7 @@ use sea_orm::{
 /// on the key's shard.
 impl<E: ShardedEntity> Find<E, Keyed<KeyOf<E>>> {
     /// Pages of `page_size` rows (at least 1), like SeaORM's
-    /// [`PaginatorTrait::paginate`]: each page is a keyed read on the key's
+    /// [`PaginatorTrait::paginate`](sea_orm::PaginatorTrait::paginate): each page is a keyed read on the key's
     /// shard (`LIMIT`/`OFFSET` after this read's ordering), so order the read
     /// for pages to be stable.
     pub fn paginate(self, page_size: u64) -> KeyedPages<E> {

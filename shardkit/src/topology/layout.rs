@@ -92,7 +92,7 @@ pub enum Located {
     Directory(usize),
 }
 
-/// The validated cluster layout. Built from a [`ClusterConfig`]; immutable.
+/// The validated cluster layout. Built from a [`ClusterConfig`](crate::ClusterConfig); immutable.
 #[derive(Clone, Debug)]
 pub struct Topology {
     pub(super) shards: Vec<ShardSpec>,
