@@ -108,6 +108,10 @@ impl Dbs {
     }
 
     fn config(&self, replica_url: Option<&str>, extra: &str) -> ClusterConfig {
+        self.config_with(replica_url, extra, "[groups.Customer]\n")
+    }
+
+    fn config_with(&self, replica_url: Option<&str>, extra: &str, groups: &str) -> ClusterConfig {
         let (primary, replica) = self.pair.urls();
         let replica = replica_url.map_or(replica, str::to_owned);
         let mut toml = format!("[pool]\nmax_connections = 2\n{extra}\n");
@@ -116,7 +120,7 @@ impl Dbs {
                 "[[shards]]\nname = \"s{i}\"\nurl = \"{primary}/{name}\"\nreplicas = [{{ name = \"s{i}r1\", url = \"{replica}/{name}\" }}]\n"
             ));
         }
-        toml.push_str("[groups.Customer]\n");
+        toml.push_str(groups);
         ClusterConfig::from_toml(&toml).unwrap_or_else(|e| panic!("config: {e}\n{toml}"))
     }
 
@@ -530,6 +534,89 @@ async fn lag_bound(pair: Pair) {
     dbs.drop_all().await;
 }
 
+/// A bucket move onto a shard whose replica applies changes late: right
+/// after the cut-over and the cleaning, replica reads of the moved buckets
+/// find every row (the new owner's replica answers only once past the
+/// copies, else the shard does), and once it catches up it answers them.
+async fn moved_buckets(pair: Pair) {
+    let dbs = Dbs::create(pair, "moves", 2).await;
+    let (cluster, on_replica) = counted(dbs.config_with(
+        None,
+        "[read]\nreplica_probe_ms = 50\n[rebalance]\nrefresh_ms = 50\ncleanup_grace_ms = 0\n",
+        "[groups.Customer]\nbuckets = 16\nshards = [\"s0\"]\nmovable = true\n",
+    ))
+    .await;
+    cluster.migrate::<Migrator>().await.expect("migrate");
+    cluster.refresh_bucket_maps().await.expect("maps");
+    for id in 1..=40i64 {
+        let tx = cluster.begin::<Customer>(id).await.unwrap();
+        tx.insert(order::ActiveModel {
+            id: Set(id),
+            customer_id: Set(id),
+            total_cents: Set(id),
+        })
+        .await
+        .unwrap();
+        tx.commit().await.unwrap();
+    }
+    let delay = match pair {
+        Pair::Postgres => Duration::from_millis(400),
+        Pair::MySql => Duration::from_secs(1),
+    };
+    // The replica has every row before its replay slows down.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    set_apply_delay(pair, delay).await;
+    let missing = |cluster: Cluster| async move {
+        let mut missing = Vec::new();
+        for id in 1..=40i64 {
+            let row = cluster
+                .find::<order::Entity>()
+                .key(id)
+                .consistency(Consistency::Replica { max_lag: None })
+                .one()
+                .await
+                .unwrap();
+            if row.is_none_or(|r| r.total_cents != id) {
+                missing.push(id);
+            }
+        }
+        missing
+    };
+    let moves = cluster
+        .rebalance::<Customer>()
+        .unwrap()
+        .entity::<order::Entity>();
+    let plan = moves.plan_buckets(0..16, "s1").await.unwrap();
+    let started = moves.start(&plan).await.unwrap();
+    let done = moves.run(started.id).await.unwrap();
+    assert_eq!(done.phase, shardkit::rebalance::MovePhase::Done, "{done:?}");
+    // At once: the source is cleaned, the target's replica is behind.
+    let gone = missing(cluster.clone()).await;
+    // Later: the replica has replayed the copies and answers.
+    let before = on_replica.load(Ordering::Relaxed);
+    let deadline = Instant::now() + delay * 4 + Duration::from_secs(5);
+    let late = loop {
+        let late = missing(cluster.clone()).await;
+        if on_replica.load(Ordering::Relaxed) > before + 20 || Instant::now() >= deadline {
+            break late;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let replica_reads = on_replica.load(Ordering::Relaxed) - before;
+    set_apply_delay(pair, Duration::ZERO).await;
+    assert!(
+        gone.is_empty(),
+        "rows missing right after the move: {gone:?}"
+    );
+    assert!(late.is_empty(), "rows missing later: {late:?}");
+    assert!(
+        replica_reads > 20,
+        "the new owner's replica never answered for the moved buckets"
+    );
+    drop(cluster);
+    dbs.drop_all().await;
+}
+
 /// Stops or resumes the replica's replay.
 async fn replay(pair: Pair, replica: &str, on: bool) {
     let db = sea_orm::Database::connect(replica).await.expect("replica");
@@ -598,10 +685,11 @@ fn main() -> std::process::ExitCode {
             );
         }
         type Scenario = fn(Pair) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()>>>;
-        let scenarios: [(&str, Scenario); 3] = [
+        let scenarios: [(&str, Scenario); 4] = [
             ("read_your_writes", |p| Box::pin(read_your_writes(p))),
             ("replica_faults", |p| Box::pin(replica_faults(p))),
             ("lag_bound", |p| Box::pin(lag_bound(p))),
+            ("moved_buckets", |p| Box::pin(moved_buckets(p))),
         ];
         for (name, scenario) in scenarios {
             trials.push(

@@ -22,10 +22,12 @@ pub(crate) enum ReadOn<'a> {
 }
 
 impl Shards {
-    /// Who answers a read of `group` on shard `id` under `consistency`.
-    /// The shard itself when it has no replica in the rotation that
-    /// satisfies the consistency, and for `movable` groups (a replica may
-    /// not yet have replayed a bucket's copy on its new owner).
+    /// Who answers a read of `group` on shard `id` under `consistency`:
+    /// the shard itself when it has no replica in the rotation that
+    /// satisfies the consistency. For a `movable` group a replica must
+    /// also have replayed past the shard's floor (its position when this
+    /// instance installed its bucket map), so it holds every row a move
+    /// copied there before the cut-over the map reflects.
     pub(crate) async fn read_on(
         &self,
         id: ShardId,
@@ -37,23 +39,40 @@ impl Shards {
             return ReadOn::Primary;
         }
         let shard = self.shard_name(id);
-        if self.topology().is_movable(group) {
-            crate::metrics::replica_fallback(shard, "movable");
-            return ReadOn::Primary;
-        }
+        let floor = if self.topology().is_movable(group) {
+            match set.floor() {
+                Some(floor) if !floor.is_unreachable() => Some(floor),
+                _ => {
+                    crate::metrics::replica_fallback(shard, "movable");
+                    return ReadOn::Primary;
+                }
+            }
+        } else {
+            None
+        };
         let now = now_ms(self.clock().as_ref());
         let want = match consistency {
             Consistency::Primary => return ReadOn::Primary,
             Consistency::Replica { max_lag } => {
-                return match set.candidates(now, *max_lag).next() {
+                let past_floor = |r: &&Replica| floor.as_ref().is_none_or(|f| r.seen_past(f));
+                return match set.candidates(now, *max_lag).find(past_floor) {
                     Some(replica) => ReadOn::Replica(replica),
                     None => {
-                        crate::metrics::replica_fallback(shard, "lag");
+                        crate::metrics::replica_fallback(
+                            shard,
+                            if floor.is_some() { "movable" } else { "lag" },
+                        );
                         ReadOn::Primary
                     }
                 };
             }
-            Consistency::AtLeast(session) => session.position(shard),
+            Consistency::AtLeast(session) => match (session.position(shard), floor) {
+                (Some(mut want), Some(floor)) => {
+                    want.merge(floor);
+                    Some(want)
+                }
+                (want, floor) => want.or(floor),
+            },
         };
         let Some(want) = want else {
             // Nothing of this session on the shard: any replica will do.
@@ -136,6 +155,34 @@ impl Shards {
         );
     }
 
+    /// Raises every shard's replica floor to the shard's position now.
+    /// Called before a newer bucket map is installed: the move that made
+    /// it copied its rows and cut over before this reads the positions,
+    /// so a replica past its floor has every row the new map routes to
+    /// it. A shard whose position cannot be read gets a floor no replica
+    /// reaches (its movable reads go to the shard) until a probe reads it.
+    pub(crate) async fn raise_replica_floors(&self) {
+        let bound = self.inner.read.replica_timeout;
+        let raises = self
+            .inner
+            .replicas
+            .iter()
+            .enumerate()
+            .filter(|(_, set)| !set.replicas.is_empty())
+            .map(|(i, set)| async move {
+                let id = ShardId(i as u32);
+                let read = tokio::time::timeout(bound, primary_position(self.side_conn(id))).await;
+                match read {
+                    Ok(Ok(Some(position))) => set.raise_floor(position),
+                    _ => {
+                        let backend = self.shard_conn(id).get_database_backend();
+                        set.raise_floor(Position::unreachable(backend));
+                    }
+                }
+            });
+        futures::future::join_all(raises).await;
+    }
+
     /// Every replica's state after probing each once now.
     pub(crate) async fn replica_status(&self) -> Vec<ReplicaStatus> {
         self.probe_replicas().await;
@@ -181,6 +228,13 @@ impl Shards {
                     .ok()
                     .and_then(Result::ok)
                     .flatten();
+                // A floor the last map install could not read: the shard's
+                // position now is past that install.
+                if let Some(position) = &primary
+                    && set.floor().is_some_and(|f| f.is_unreachable())
+                {
+                    set.raise_floor(position.clone());
+                }
                 for replica in &set.replicas {
                     match tokio::time::timeout(bound, replica.measure(primary.as_ref())).await {
                         Ok(Ok(lag)) => replica.measured(lag),

@@ -43,7 +43,7 @@ impl Position {
     }
 
     /// The later of two positions of one shard, per GTID domain.
-    fn merge(&mut self, other: Position) {
+    pub(crate) fn merge(&mut self, other: Position) {
         match (self, other) {
             (Position::Lsn(a), Position::Lsn(b)) => *a = (*a).max(b),
             (Position::Gtid(a), Position::Gtid(b)) => {
@@ -322,6 +322,8 @@ pub(crate) struct Replica {
     lag_ms: AtomicU64,
     /// Out of the rotation until this clock time (ms), after a failure.
     down_until: AtomicI64,
+    /// The position the last probe found it had replayed.
+    replayed: Mutex<Option<Position>>,
 }
 
 impl Replica {
@@ -332,6 +334,7 @@ impl Replica {
             lag_ms: AtomicU64::new(UNKNOWN),
             down_until: AtomicI64::new(0),
             last_error: Mutex::new(None),
+            replayed: Mutex::new(None),
         }
     }
 
@@ -365,6 +368,15 @@ impl Replica {
         });
         self.lag_ms.store(ms, Ordering::Release);
         crate::metrics::replica_lag(&self.name, lag);
+    }
+
+    /// Whether its last probe found it past `want` (no statement).
+    pub(crate) fn seen_past(&self, want: &Position) -> bool {
+        self.replayed
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .is_some_and(|have| have.covers(want))
     }
 
     /// Whether it has replayed past `want`, waiting at most `wait` for it.
@@ -441,7 +453,9 @@ impl Replica {
         &self,
         primary: Option<&Position>,
     ) -> std::result::Result<Option<Duration>, sea_orm::DbErr> {
-        if let (Some(primary), Some(have)) = (primary, self.replayed().await?)
+        let have = self.replayed().await?;
+        *self.replayed.lock().unwrap_or_else(|p| p.into_inner()) = have.clone();
+        if let (Some(primary), Some(have)) = (primary, have)
             && have.covers(primary)
         {
             return Ok(Some(Duration::ZERO));
@@ -483,6 +497,11 @@ impl Replica {
 pub(crate) struct ReplicaSet {
     pub(crate) replicas: Vec<Replica>,
     next: AtomicUsize,
+    /// The position a replica must have replayed to answer for a `movable`
+    /// group: the shard's position when this instance last installed a
+    /// newer bucket map, so past every copy a move made before its
+    /// cut-over (`None` before any map was installed).
+    floor: Mutex<Option<Position>>,
 }
 
 impl ReplicaSet {
@@ -490,6 +509,22 @@ impl ReplicaSet {
         ReplicaSet {
             replicas,
             next: AtomicUsize::new(0),
+            floor: Mutex::new(None),
+        }
+    }
+
+    /// The position replicas must have replayed to answer for a movable
+    /// group; `None`: they may not (no map installed yet).
+    pub(crate) fn floor(&self) -> Option<Position> {
+        self.floor.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Raises the floor to `position`; an unreachable floor is replaced.
+    pub(crate) fn raise_floor(&self, position: Position) {
+        let mut floor = self.floor.lock().unwrap_or_else(|p| p.into_inner());
+        match floor.as_mut() {
+            Some(known) if !known.is_unreachable() => known.merge(position),
+            _ => *floor = Some(position),
         }
     }
 

@@ -108,6 +108,9 @@ pub(crate) async fn refresh(shards: &Shards, group: &str) -> Result<u64> {
             .query_all(&stmt)
             .await
             .map_err(|e| db_err(name, MAP, "read", e))?;
+        // Replicas answer for the new map only once past every copy the
+        // moves behind it made (see `Shards::raise_replica_floors`).
+        shards.raise_replica_floors().await;
         let installed = match map {
             LiveMap::Buckets(owners) => install_buckets(shards, group, name, owners, epoch, rows)?,
             LiveMap::Ranges(ranges) => install_ranges(shards, group, ranges, epoch, rows)?,
