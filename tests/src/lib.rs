@@ -457,3 +457,99 @@ pub async fn interleaved<'a>(
         })
         .collect()
 }
+
+/// shardkit's metrics as a test binary's process records them
+/// (`metrics_util`'s debugging recorder, installed on first use).
+pub mod recorded {
+    use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
+    use std::collections::HashMap;
+    use std::sync::{Mutex, OnceLock};
+
+    /// The recorder is the process's, and scenarios run side by side: every
+    /// snapshot (which drains the recorder) is added to these totals, and each
+    /// scenario reads its own labels from them.
+    pub struct Totals {
+        snapshotter: Snapshotter,
+        counters: Mutex<HashMap<String, u64>>,
+        histograms: Mutex<HashMap<String, Vec<f64>>>,
+        gauges: Mutex<HashMap<String, f64>>,
+    }
+
+    pub fn totals() -> &'static Totals {
+        static TOTALS: OnceLock<Totals> = OnceLock::new();
+        TOTALS.get_or_init(|| {
+            let recorder = DebuggingRecorder::new();
+            let snapshotter = recorder.snapshotter();
+            recorder
+                .install()
+                .expect("the only recorder of this process");
+            Totals {
+                snapshotter,
+                counters: Mutex::default(),
+                histograms: Mutex::default(),
+                gauges: Mutex::default(),
+            }
+        })
+    }
+
+    /// `name{label=value,...}` with the labels sorted.
+    fn key_text(key: &metrics::Key) -> String {
+        let mut labels: Vec<String> = key
+            .labels()
+            .map(|l| format!("{}={}", l.key(), l.value()))
+            .collect();
+        labels.sort();
+        format!("{}{{{}}}", key.name(), labels.join(","))
+    }
+
+    impl Totals {
+        fn take(&self) {
+            let mut counters = self.counters.lock().unwrap();
+            let mut histograms = self.histograms.lock().unwrap();
+            for (key, _, _, value) in self.snapshotter.snapshot().into_vec() {
+                let text = key_text(key.key());
+                match value {
+                    DebugValue::Counter(n) => *counters.entry(text).or_default() += n,
+                    DebugValue::Histogram(xs) => histograms
+                        .entry(text)
+                        .or_default()
+                        .extend(xs.into_iter().map(|x| x.into_inner())),
+                    DebugValue::Gauge(x) => {
+                        self.gauges.lock().unwrap().insert(text, x.into_inner());
+                    }
+                }
+            }
+        }
+
+        /// The counter `key` (`name{label=value,...}`, labels sorted) so far.
+        pub fn counter(&self, key: &str) -> u64 {
+            self.take();
+            self.counters.lock().unwrap().get(key).copied().unwrap_or(0)
+        }
+
+        /// The histogram `key`'s samples so far.
+        pub fn samples(&self, key: &str) -> Vec<f64> {
+            self.take();
+            self.histograms
+                .lock()
+                .unwrap()
+                .get(key)
+                .cloned()
+                .unwrap_or_default()
+        }
+
+        /// The gauge `key`'s last value, if it was ever set.
+        pub fn gauge(&self, key: &str) -> Option<f64> {
+            self.take();
+            self.gauges.lock().unwrap().get(key).copied()
+        }
+
+        /// Every counter's and histogram's key seen so far.
+        pub fn all_keys(&self) -> Vec<String> {
+            self.take();
+            let mut keys: Vec<String> = self.counters.lock().unwrap().keys().cloned().collect();
+            keys.extend(self.histograms.lock().unwrap().keys().cloned());
+            keys
+        }
+    }
+}

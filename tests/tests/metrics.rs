@@ -1,90 +1,14 @@
 //! shardkit's metrics (`shardkit::metrics`) through a recording recorder,
 //! after a known workload on SQLite, PostgreSQL and MySQL/MariaDB.
 
-use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 use sea_orm::{ActiveValue::Set, ColumnTrait, QueryFilter};
 use shardkit::{Cluster, ClusterConfig};
 use shardkit_tests::models::*;
+use shardkit_tests::recorded::totals;
 use shardkit_tests::{TestDbs, backend_tests};
 use std::collections::HashMap;
-use std::sync::{Mutex, OnceLock};
 
 backend_tests!(2 => a_known_workload_is_counted);
-
-/// The recorder is the process's, and scenarios run side by side: every
-/// snapshot (which drains the recorder) is added to these totals, and each
-/// scenario reads its own labels from them.
-struct Totals {
-    snapshotter: Snapshotter,
-    counters: Mutex<HashMap<String, u64>>,
-    histograms: Mutex<HashMap<String, Vec<f64>>>,
-}
-
-fn totals() -> &'static Totals {
-    static TOTALS: OnceLock<Totals> = OnceLock::new();
-    TOTALS.get_or_init(|| {
-        let recorder = DebuggingRecorder::new();
-        let snapshotter = recorder.snapshotter();
-        recorder
-            .install()
-            .expect("the only recorder of this process");
-        Totals {
-            snapshotter,
-            counters: Mutex::default(),
-            histograms: Mutex::default(),
-        }
-    })
-}
-
-/// `name{label=value,...}` with the labels sorted.
-fn key_text(key: &metrics::Key) -> String {
-    let mut labels: Vec<String> = key
-        .labels()
-        .map(|l| format!("{}={}", l.key(), l.value()))
-        .collect();
-    labels.sort();
-    format!("{}{{{}}}", key.name(), labels.join(","))
-}
-
-impl Totals {
-    fn take(&self) {
-        let mut counters = self.counters.lock().unwrap();
-        let mut histograms = self.histograms.lock().unwrap();
-        for (key, _, _, value) in self.snapshotter.snapshot().into_vec() {
-            let text = key_text(key.key());
-            match value {
-                DebugValue::Counter(n) => *counters.entry(text).or_default() += n,
-                DebugValue::Histogram(xs) => histograms
-                    .entry(text)
-                    .or_default()
-                    .extend(xs.into_iter().map(|x| x.into_inner())),
-                DebugValue::Gauge(_) => {}
-            }
-        }
-    }
-
-    fn counter(&self, key: &str) -> u64 {
-        self.take();
-        self.counters.lock().unwrap().get(key).copied().unwrap_or(0)
-    }
-
-    fn samples(&self, key: &str) -> Vec<f64> {
-        self.take();
-        self.histograms
-            .lock()
-            .unwrap()
-            .get(key)
-            .cloned()
-            .unwrap_or_default()
-    }
-
-    fn all_keys(&self) -> Vec<String> {
-        self.take();
-        let mut keys: Vec<String> = self.counters.lock().unwrap().keys().cloned().collect();
-        keys.extend(self.histograms.lock().unwrap().keys().cloned());
-        keys
-    }
-}
 
 async fn a_known_workload_is_counted(dbs: &mut TestDbs) {
     let totals = totals();

@@ -9,8 +9,8 @@
 use libtest_mimic::{Arguments, Trial};
 use sea_orm::{ActiveValue::Set, ConnectionTrait, DbBackend};
 use shardkit::{Cluster, ClusterConfig, Consistency, Session, ShardError};
-use shardkit_tests::Proxy;
 use shardkit_tests::models::{Customer, Migrator, order};
+use shardkit_tests::{Proxy, recorded};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -262,6 +262,8 @@ async fn read_your_writes(pair: Pair) {
     let any_replica = stale(|_| Consistency::Replica { max_lag: None }, 1000).await;
     set_apply_delay(pair, Duration::ZERO).await;
     assert_eq!(with_session, 0, "reads with the session saw older rows");
+    let waits = recorded::totals().samples("shardkit_replica_token_wait_seconds{}");
+    assert!(!waits.is_empty(), "no token wait recorded");
     assert!(
         replica_reads > 0,
         "no read with the session went to the replica"
@@ -520,6 +522,21 @@ async fn lag_bound(pair: Pair) {
     let skipped = on_replica.load(Ordering::Relaxed) == before;
     replay(pair, &replica, true).await;
     assert!(skipped, "a replica past the bound answered");
+    // The metrics tell it too (this binary's recorder; shard names are the
+    // scenario's own only within one pair, so read after the fact).
+    let metrics = recorded::totals();
+    assert!(
+        metrics.counter("shardkit_replica_fallbacks_total{reason=lag,shard=s0}") >= 10,
+        "{:?}",
+        metrics.all_keys()
+    );
+    assert!(metrics.counter("shardkit_replica_reads_total{replica=s0r1,shard=s0}") > 0);
+    assert!(
+        metrics
+            .gauge("shardkit_replica_lag_seconds{replica=s0r1}")
+            .is_some(),
+        "no lag gauge"
+    );
     // Caught up again: it rejoins.
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
@@ -665,6 +682,8 @@ fn sqlite_replica_is_a_config_error() {
 
 fn main() -> std::process::ExitCode {
     let args = Arguments::from_args();
+    // Before any cluster: metrics register with the recorder there is.
+    recorded::totals();
     let ci = std::env::var("CI").is_ok_and(|v| v == "true" || v == "1");
     let mut trials = vec![Trial::test("sqlite_replica_is_a_config_error", || {
         sqlite_replica_is_a_config_error();
