@@ -354,6 +354,8 @@ impl Replica {
     /// Takes it out of the rotation until `until_ms`, lag unknown.
     pub(crate) fn mark_down(&self, until_ms: i64, cause: String) {
         *self.last_error.lock().unwrap_or_else(|p| p.into_inner()) = Some(cause);
+        // What comes back may be another server (a rebuilt replica).
+        *self.replayed.lock().unwrap_or_else(|p| p.into_inner()) = None;
         self.down_until.store(until_ms, Ordering::Release);
         self.lag_ms.store(UNKNOWN, Ordering::Release);
         crate::metrics::replica_lag(&self.name, None);
@@ -370,7 +372,17 @@ impl Replica {
         crate::metrics::replica_lag(&self.name, lag);
     }
 
-    /// Whether its last probe found it past `want` (no statement).
+    /// Remembers that it has replayed at least `position`.
+    fn saw(&self, position: Position) {
+        let mut known = self.replayed.lock().unwrap_or_else(|p| p.into_inner());
+        match known.as_mut() {
+            Some(have) => have.merge(position),
+            None => *known = Some(position),
+        }
+    }
+
+    /// Whether it was last seen past `want` (by a probe or a wait): no
+    /// statement.
     pub(crate) fn seen_past(&self, want: &Position) -> bool {
         self.replayed
             .lock()
@@ -388,6 +400,11 @@ impl Replica {
         if want.is_unreachable() {
             return Ok(false);
         }
+        // Replay only moves forward: a position seen before is still
+        // passed, and asking costs nothing.
+        if self.seen_past(want) {
+            return Ok(true);
+        }
         let backend = self.conn.get_database_backend();
         match want {
             Position::Gtid(map) => {
@@ -401,6 +418,9 @@ impl Replica {
                     Some(row) => row.try_get("", "w")?,
                     None => None,
                 };
+                if waited == Some(0) {
+                    self.saw(want.clone());
+                }
                 Ok(waited == Some(0))
             }
             Position::Lsn(_) => {
@@ -410,6 +430,7 @@ impl Replica {
                     if let Some(have) = self.replayed().await?
                         && have.covers(want)
                     {
+                        self.saw(have);
                         return Ok(true);
                     }
                     let now = tokio::time::Instant::now();
@@ -454,7 +475,9 @@ impl Replica {
         primary: Option<&Position>,
     ) -> std::result::Result<Option<Duration>, sea_orm::DbErr> {
         let have = self.replayed().await?;
-        *self.replayed.lock().unwrap_or_else(|p| p.into_inner()) = have.clone();
+        if let Some(have) = &have {
+            self.saw(have.clone());
+        }
         if let (Some(primary), Some(have)) = (primary, have)
             && have.covers(primary)
         {
