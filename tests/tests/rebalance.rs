@@ -3,8 +3,8 @@
 //! shards grows to a fifth while application instances keep writing.
 
 use sea_orm::{ActiveValue::Set, ConnectionTrait, EntityTrait};
-use shardkit::rebalance::{MovePhase, Rebalance};
-use shardkit::{Cluster, ClusterConfig, ShardError};
+use shardkit::rebalance::{MovePhase, MoveProgress, Rebalance};
+use shardkit::{Cluster, ClusterConfig, JobControl, ShardError};
 use shardkit_tests::models::*;
 use shardkit_tests::{Backend, Proxy, TestDbs, backend_tests, contacts_by_index};
 use std::collections::BTreeMap;
@@ -402,7 +402,10 @@ async fn two_instances_write_while_a_quarter_of_the_buckets_move(dbs: &mut TestD
 
     let progress = Arc::new(Mutex::new(Vec::new()));
     let seen = Arc::clone(&progress);
-    let m = mover(&a).on_progress(move |p| seen.lock().unwrap().push((p.phase, p.rows_copied)));
+    let m =
+        mover(&a).control(JobControl::new().on_progress(move |p: &MoveProgress| {
+            seen.lock().unwrap().push((p.phase, p.rows_copied))
+        }));
     let plan = m.plan_buckets(quarter(), "s4").await.unwrap();
     assert_eq!(plan.buckets.len(), 16);
     let started = m.start(&plan).await.unwrap();
@@ -1250,7 +1253,7 @@ async fn a_target_that_refuses_or_hangs_stops_the_mover_and_leaks_nothing(dbs: &
             .unwrap();
         let cut = Arc::clone(&proxy);
         let seen = std::sync::atomic::AtomicUsize::new(0);
-        let m = mover(&b).on_progress(move |p| {
+        let m = mover(&b).control(JobControl::new().on_progress(move |p: &MoveProgress| {
             if p.phase == at && seen.fetch_add(1, Ordering::SeqCst) + 1 == nth {
                 if hang {
                     cut.freeze();
@@ -1258,7 +1261,7 @@ async fn a_target_that_refuses_or_hangs_stops_the_mover_and_leaks_nothing(dbs: &
                     cut.kill();
                 }
             }
-        });
+        }));
         let buckets = [i as u32 * 4 + 1, i as u32 * 4 + 2];
         let id = m
             .start(&m.plan_buckets(buckets, "s4").await.unwrap())

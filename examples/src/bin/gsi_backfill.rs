@@ -7,7 +7,8 @@
 //! `cargo run -p shardkit-examples --bin gsi_backfill`
 
 use sea_orm::{ConnectionTrait, EntityTrait};
-use shardkit::gsi::IndexState;
+use shardkit::JobControl;
+use shardkit::gsi::{BackfillProgress, IndexState};
 use shardkit::prelude::*;
 use shardkit_examples::Customer;
 use std::io::Write;
@@ -68,20 +69,23 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     println!("\n== backfill");
     let done = gsi
-        .backfill_with::<member::Entity>(member::Column::Email, 250, |p| {
-            let total = ROWS as u64;
-            let filled = (p.rows * 40 / total.max(1)) as usize;
-            print!(
-                "\r[{}{}] {:>5}/{total} rows, shard {}/{}",
-                "#".repeat(filled),
-                " ".repeat(40 - filled),
-                p.rows,
-                p.shards_done,
-                p.shards
-            );
-            let _ = std::io::stdout().flush();
-            std::ops::ControlFlow::Continue(())
-        })
+        .backfill_with::<member::Entity>(
+            member::Column::Email,
+            250,
+            JobControl::new().on_progress(|p: &BackfillProgress| {
+                let total = ROWS as u64;
+                let filled = (p.rows * 40 / total.max(1)) as usize;
+                print!(
+                    "\r[{}{}] {:>5}/{total} rows, shard {}/{}",
+                    "#".repeat(filled),
+                    " ".repeat(40 - filled),
+                    p.rows,
+                    p.shards_done,
+                    p.shards
+                );
+                let _ = std::io::stdout().flush();
+            }),
+        )
         .await?;
     println!(
         "\nindexed {} of {} rows; state: {:?}",

@@ -8,12 +8,14 @@ use sea_orm::{
     ActiveValue::Unchanged, ColumnTrait, ConnectionTrait, EntityTrait, QueryFilter, Set, Statement,
 };
 use shardkit::gsi::IndexState;
-use shardkit::{Cluster, ClusterBuilder, ManualClock, ShardError};
+use shardkit::{CancellationToken, Cluster, ClusterBuilder, JobControl, ManualClock, ShardError};
 use shardkit_tests::models::*;
 use shardkit_tests::{
     Backend, IndexWrite, Sent, TestDbs, index_writes, recording_cluster, recording_cluster_with,
 };
 use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 async fn gsi_cluster(dbs: &TestDbs, extra: &str) -> (Cluster, Sent) {
     gsi_cluster_with(dbs, extra, |b| b).await
@@ -335,18 +337,24 @@ pub(crate) async fn write_only_scatters_until_backfilled(dbs: &mut TestDbs) {
     let shards: BTreeSet<String> = contact_readers(&sent).into_iter().collect();
     assert_eq!(shards.len(), 4, "while write_only, every shard is asked");
 
-    // A run stopped after three chunks of two rows leaves the index write_only...
-    let mut calls = 0;
+    // A run cancelled at its third report (chunks of two rows) leaves the
+    // index write_only...
+    let calls = AtomicU64::new(0);
+    let stop = CancellationToken::new();
+    let cancel = stop.clone();
     let stopped = cluster
         .gsi()
-        .backfill_with::<contact::Entity>(contact::Column::Email, 2, |_| {
-            calls += 1;
-            if calls == 3 {
-                std::ops::ControlFlow::Break(())
-            } else {
-                std::ops::ControlFlow::Continue(())
-            }
-        })
+        .backfill_with::<contact::Entity>(
+            contact::Column::Email,
+            2,
+            JobControl::new()
+                .on_progress(move |_| {
+                    if calls.fetch_add(1, Ordering::SeqCst) + 1 == 3 {
+                        cancel.cancel();
+                    }
+                })
+                .cancel_on(stop),
+        )
         .await
         .unwrap();
     assert!(!stopped.finished);
@@ -361,15 +369,18 @@ pub(crate) async fn write_only_scatters_until_backfilled(dbs: &mut TestDbs) {
     let first_rows = stopped.rows;
     assert!((2..=6).contains(&first_rows), "{stopped:?}");
     // ...and the next run resumes where it stopped instead of starting over.
-    let mut seen = Vec::new();
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let pushed = Arc::clone(&seen);
     let progress = cluster
         .gsi()
-        .backfill_with::<contact::Entity>(contact::Column::Email, 2, |p| {
-            seen.push(p);
-            std::ops::ControlFlow::Continue(())
-        })
+        .backfill_with::<contact::Entity>(
+            contact::Column::Email,
+            2,
+            JobControl::new().on_progress(move |p| pushed.lock().unwrap().push(*p)),
+        )
         .await
         .unwrap();
+    let seen = seen.lock().unwrap().clone();
     assert!(progress.finished);
     assert_eq!(
         progress.rows + first_rows,

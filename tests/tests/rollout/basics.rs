@@ -7,10 +7,14 @@ use sea_orm::{
     Set, Statement,
 };
 use shardkit::clock::Clock;
-use shardkit::{Cluster, ManualClock, Phase, Rollout, RolloutHandle, ShardError, VerifyOptions};
+use shardkit::{
+    CancellationToken, Cluster, JobControl, ManualClock, Phase, Rollout, RolloutHandle, ShardError,
+    VerifyOptions,
+};
 use shardkit_tests::models::*;
 use shardkit_tests::{Sent, TestDbs, count_rows, recording_cluster_with};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 type People = RolloutHandle<person_v1::Entity, person_v2::Entity>;
@@ -267,20 +271,31 @@ pub(crate) async fn full_rollout_walk(dbs: &mut TestDbs) {
         }
         other => panic!("advance before backfill: {other:?}"),
     }
-    // Stopped after its first chunk, a backfill resumes where it stopped.
+    // Cancelled after its first chunk, a backfill resumes where it stopped.
+    let stop = CancellationToken::new();
+    let cancel = stop.clone();
     let first = old_view
-        .backfill_with(2, |_| std::ops::ControlFlow::Break(()))
+        .backfill_with(
+            2,
+            JobControl::new()
+                .on_progress(move |_| cancel.cancel())
+                .cancel_on(stop),
+        )
         .await
         .unwrap();
     assert!(!first.finished && first.rows <= 2, "{first:?}");
-    let mut chunks = 0;
+    let chunks = Arc::new(AtomicU64::new(0));
+    let counted = Arc::clone(&chunks);
     let done = old_view
-        .backfill_with(2, |_| {
-            chunks += 1;
-            std::ops::ControlFlow::Continue(())
-        })
+        .backfill_with(
+            2,
+            JobControl::new().on_progress(move |_| {
+                counted.fetch_add(1, Ordering::Relaxed);
+            }),
+        )
         .await
         .unwrap();
+    let chunks = chunks.load(Ordering::Relaxed);
     assert!(
         done.finished && chunks >= 4,
         "{done:?} after {chunks} callbacks"
@@ -568,32 +583,46 @@ pub(crate) async fn verify_finds_injected_differences(dbs: &mut TestDbs) {
     let shard = app.shard_of::<Customer>(&5).await.unwrap();
     assert!(report.missing.iter().all(|d| d.shard == shard));
 
-    // Progress after every chunk; a break stops there, resumable.
-    let mut seen = Vec::new();
+    // Progress after every chunk; cancelling stops at the next chunk
+    // boundary, resumable.
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let stop = CancellationToken::new();
+    let (pushed, cancel) = (Arc::clone(&seen), stop.clone());
     let partial = people
-        .verify_with(opts.clone(), |so_far| {
-            seen.push((so_far.chunks, so_far.rows));
-            if so_far.chunks == 3 {
-                std::ops::ControlFlow::Break(())
-            } else {
-                std::ops::ControlFlow::Continue(())
-            }
-        })
+        .verify_with(
+            opts.clone(),
+            JobControl::new()
+                .on_progress(move |so_far: &shardkit::VerifyReport| {
+                    pushed.lock().unwrap().push((so_far.chunks, so_far.rows));
+                    if so_far.chunks == 3 {
+                        cancel.cancel();
+                    }
+                })
+                .cancel_on(stop),
+        )
         .await
         .unwrap();
+    let seen = seen.lock().unwrap().clone();
     assert_eq!(seen.iter().map(|(c, _)| *c).collect::<Vec<_>>(), [1, 2, 3]);
     assert!(seen.windows(2).all(|w| w[0].1 <= w[1].1), "{seen:?}");
     assert!(!partial.finished && partial.cursor.is_some());
-    let mut calls = 0;
+    let calls = Arc::new(AtomicU64::new(0));
+    let counted = Arc::clone(&calls);
     let whole = people
-        .verify_with(opts.clone(), |_| {
-            calls += 1;
-            std::ops::ControlFlow::Continue(())
-        })
+        .verify_with(
+            opts.clone(),
+            JobControl::new().on_progress(move |_| {
+                counted.fetch_add(1, Ordering::Relaxed);
+            }),
+        )
         .await
         .unwrap();
     assert!(whole.finished);
-    assert_eq!(calls, whole.chunks, "one call per chunk");
+    assert_eq!(
+        calls.load(Ordering::Relaxed),
+        whole.chunks,
+        "one call per chunk"
+    );
 
     // Resumable: two chunks now, the rest later, the same findings.
     let first = people.verify(opts.clone().max_chunks(2)).await.unwrap();
