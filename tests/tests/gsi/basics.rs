@@ -11,7 +11,8 @@ use shardkit::gsi::IndexState;
 use shardkit::{CancellationToken, Cluster, ClusterBuilder, JobControl, ManualClock, ShardError};
 use shardkit_tests::models::*;
 use shardkit_tests::{
-    Backend, IndexWrite, Sent, TestDbs, index_writes, recording_cluster, recording_cluster_with,
+    Backend, IndexWrite, Sent, TestDbs, cancelled_by_another_task, index_writes, recording_cluster,
+    recording_cluster_with,
 };
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -297,6 +298,72 @@ pub(crate) async fn unique_violation_and_takeover(dbs: &mut TestDbs) {
         found.iter().map(|r| r.customer_id).collect::<Vec<_>>(),
         vec![4]
     );
+}
+
+/// A backfill whose token is cancelled before it starts does nothing; one
+/// cancelled by another task while it runs stops at the next chunk boundary
+/// with what it indexed saved (`finished: false`, still `write_only`), and
+/// the next call resumes there and activates the index.
+pub(crate) async fn cancelled_backfill_stops_at_a_chunk_and_resumes(dbs: &mut TestDbs) {
+    let (cluster, _) = gsi_cluster(dbs, "").await;
+    for i in 1..=20_i64 {
+        let shard = cluster.shard_of::<Customer>(&i).await.unwrap().to_owned();
+        contact::Entity::insert(contact::ActiveModel {
+            id: Set(i),
+            customer_id: Set(i),
+            email: Set(format!("old{i}@x")),
+            phone: Set("0".into()),
+        })
+        .exec(cluster.connection(&shard).unwrap())
+        .await
+        .unwrap();
+    }
+    let gsi = cluster.gsi();
+    let state = || gsi.state::<contact::Entity>(contact::Column::Email);
+    let backfill =
+        |control| gsi.backfill_with::<contact::Entity>(contact::Column::Email, 2, control);
+
+    // Cancelled before it starts: no chunk, no report.
+    let stop = CancellationToken::new();
+    stop.cancel();
+    let reports = Arc::new(AtomicU64::new(0));
+    let counted = Arc::clone(&reports);
+    let none = backfill(
+        JobControl::new()
+            .on_progress(move |_| {
+                counted.fetch_add(1, Ordering::SeqCst);
+            })
+            .cancel_on(stop),
+    )
+    .await
+    .unwrap();
+    assert!(
+        !none.finished && none.rows == 0 && none.written == 0,
+        "{none:?}"
+    );
+    assert_eq!(reports.load(Ordering::SeqCst), 0);
+    assert_eq!(state().await.unwrap(), IndexState::WriteOnly);
+    assert!(index_rows(&cluster, "gsi_contacts_email").await.is_empty());
+
+    // Cancelled by another task at its second report: no chunk after it.
+    let (control, reports) = cancelled_by_another_task(2);
+    let stopped = backfill(control).await.unwrap();
+    assert_eq!(reports.load(Ordering::SeqCst), 2, "{stopped:?}");
+    assert!(!stopped.finished && stopped.rows > 0, "{stopped:?}");
+    assert_eq!(state().await.unwrap(), IndexState::WriteOnly);
+    let indexed = index_rows(&cluster, "gsi_contacts_email").await;
+    assert_eq!(indexed.len() as u64, stopped.written, "{stopped:?}");
+
+    // The next call resumes: each row is read once over the runs.
+    let done = backfill(JobControl::new()).await.unwrap();
+    assert!(done.finished && done.shards_done == 4, "{done:?}");
+    assert_eq!(
+        stopped.rows + done.rows,
+        20,
+        "resumed: {done:?} after {stopped:?}"
+    );
+    assert_eq!(state().await.unwrap(), IndexState::Active);
+    assert_eq!(index_rows(&cluster, "gsi_contacts_email").await.len(), 20);
 }
 
 pub(crate) async fn write_only_scatters_until_backfilled(dbs: &mut TestDbs) {

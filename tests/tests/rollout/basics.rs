@@ -12,7 +12,9 @@ use shardkit::{
     VerifyOptions,
 };
 use shardkit_tests::models::*;
-use shardkit_tests::{Sent, TestDbs, count_rows, recording_cluster_with};
+use shardkit_tests::{
+    Sent, TestDbs, cancelled_by_another_task, count_rows, recording_cluster_with,
+};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -1191,4 +1193,68 @@ pub(crate) async fn backfill_when_ready_waits_out_the_gap_and_resumes_after_a_ti
     let done = done.unwrap_or_else(|e| panic!("{}", e.report()));
     assert!(done.finished, "{done:?}");
     assert_eq!(count_rows(&app, "people_v2").await, 30);
+}
+
+/// A rollout backfill whose token is cancelled before it starts copies
+/// nothing; one cancelled by another task while it runs stops at the next
+/// chunk boundary (`finished: false`, its position saved), and the next call
+/// resumes there and finishes, so the rollout can advance.
+pub(crate) async fn cancelled_backfill_stops_at_a_chunk_and_resumes(dbs: &mut TestDbs) {
+    let clock = test_clock();
+    let (app, _, people) = instance(dbs, &clock).await;
+    for i in 1..=30 {
+        put(&app, &person(i, i % 7, &format!("f{i}"), "l", "c"))
+            .await
+            .unwrap();
+    }
+    clock.advance(TTL + REFRESH);
+    assert_eq!(people.advance().await.unwrap(), Phase::CacheBoth);
+    clock.advance(TTL + REFRESH);
+    assert_eq!(people.advance().await.unwrap(), Phase::DualWrite);
+    clock.advance(people.gap());
+
+    // Cancelled before it starts: no chunk, no report.
+    let stop = CancellationToken::new();
+    stop.cancel();
+    let reports = Arc::new(AtomicU64::new(0));
+    let counted = Arc::clone(&reports);
+    let none = people
+        .backfill_with(
+            4,
+            JobControl::new()
+                .on_progress(move |_| {
+                    counted.fetch_add(1, Ordering::SeqCst);
+                })
+                .cancel_on(stop),
+        )
+        .await
+        .unwrap();
+    assert!(!none.finished && none.rows == 0, "{none:?}");
+    assert_eq!(reports.load(Ordering::SeqCst), 0);
+    assert_eq!(count_rows(&app, "people_v2").await, 0);
+    assert!(!people.status().await.unwrap().backfilled);
+
+    // Cancelled by another task at its second report: no chunk after it.
+    let (control, reports) = cancelled_by_another_task(2);
+    let stopped = people.backfill_with(4, control).await.unwrap();
+    assert_eq!(reports.load(Ordering::SeqCst), 2, "{stopped:?}");
+    assert!(!stopped.finished && stopped.rows > 0, "{stopped:?}");
+    assert_eq!(count_rows(&app, "people_v2").await, stopped.rows);
+    let refused = people.advance().await.unwrap_err();
+    assert!(
+        matches!(refused, ShardError::Rollout { ref reason, .. } if reason.contains("backfill")),
+        "{refused:?}"
+    );
+
+    // The next call resumes: each row is copied once over the runs.
+    let done = people.backfill_with(4, JobControl::new()).await.unwrap();
+    assert!(done.finished, "{done:?}");
+    assert_eq!(
+        stopped.rows + done.rows,
+        30,
+        "resumed: {done:?} after {stopped:?}"
+    );
+    assert_eq!(count_rows(&app, "people_v2").await, 30);
+    clock.advance(TTL + REFRESH);
+    assert_eq!(people.advance().await.unwrap(), Phase::ReadNew);
 }
