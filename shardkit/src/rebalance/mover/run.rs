@@ -430,11 +430,13 @@ impl<G> Rebalance<G> {
                                 self.save(token, &status, Some(&c), |_| {}).await?;
                                 self.report(&status, started, estimated, 0);
                                 self.failpoint("copy_chunk", id, target)?;
-                                if after.is_none() {
-                                    break;
-                                }
+                                // Also past an entity's last chunk: the
+                                // saved position is the next entity's start.
                                 if self.control.is_cancelled() {
                                     return self.status(id).await;
+                                }
+                                if after.is_none() {
+                                    break;
                                 }
                             }
                             ei += 1;
