@@ -15,9 +15,11 @@
 //! `ClusterConfig::from_toml`.
 
 use shardkit::clock::{Clock, ManualClock};
-use shardkit::gsi::{IndexState, ReconcileReport};
+use shardkit::gsi::{BackfillProgress, IndexState, ReconcileReport};
 use shardkit::rebalance::{MovePhase, MoveStatus};
-use shardkit::{Partial, Rollout, RolloutHandle, VerifyOptions, VerifyReport};
+use shardkit::{
+    CancellationToken, JobControl, Partial, Rollout, RolloutHandle, VerifyOptions, VerifyReport,
+};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -195,6 +197,23 @@ async fn global_secondary_indexes(
     let rows = cluster.find::<contact::Entity>().by_index(contact::Column::Email, "a@x").all().await?;
     let report = cluster.gsi().reconcile::<contact::Entity>().await?;        // scanned / removed / added
     Ok((rows, report))
+}
+
+/// shardkit/docs/gsi.md ("Progress and stopping long jobs"): a backfill
+/// under a `JobControl`; `cancelled` cancels its token before it runs, as a
+/// Ctrl-C handler would.
+#[rustfmt::skip]
+async fn progress_and_stopping(cluster: &Cluster, cancelled: bool) -> shardkit::Result<BackfillProgress> {
+    let stop = CancellationToken::new();    // cancel it on Ctrl-C, at shutdown, from another task
+    if cancelled {
+        stop.cancel();
+    }
+    let control = JobControl::new()
+        .on_progress(|p: &BackfillProgress| eprintln!("{} rows, {}/{} shards", p.rows, p.shards_done, p.shards))
+        .cancel_on(stop.clone());
+    let done = cluster.gsi().backfill_with::<contact::Entity>(contact::Column::Phone, 500, control).await?;
+    // done.finished is false when `stop` was cancelled: run it again to resume
+    Ok(done)
 }
 
 /// The old model of shardkit/docs/rollouts.md ("Denormalisation rollouts"):
@@ -632,6 +651,37 @@ async fn global_secondary_indexes_find_rows_by_email() {
         IndexState::Active
     );
     assert_eq!(report.removed, 0, "nothing dangles: {report:?}");
+}
+
+#[tokio::test]
+async fn a_cancelled_backfill_stops_and_the_next_call_resumes() {
+    let scratch = Scratch::new("gsi_progress");
+    let toml = scratch.cluster_toml(4);
+    let cluster = migrated(&toml).await;
+    // Rows written before the index exists, straight to their shards.
+    for id in 1..=12_i64 {
+        let shard = cluster.shard_of::<Customer>(&id).await.unwrap();
+        let row = contact::ActiveModel {
+            id: Set(id),
+            customer_id: Set(id),
+            email: Set(format!("c{id}@example.com")),
+            phone: Set(format!("555-010{}", id % 3)),
+        };
+        contact::Entity::insert(row)
+            .exec(cluster.connection(shard).unwrap())
+            .await
+            .unwrap();
+    }
+    cluster.gsi().create::<contact::Entity>().await.unwrap();
+    let gsi = cluster.gsi();
+    let state = || gsi.state::<contact::Entity>(contact::Column::Phone);
+
+    let stopped = progress_and_stopping(&cluster, true).await.unwrap();
+    assert!(!stopped.finished && stopped.rows == 0, "{stopped:?}");
+    assert_eq!(state().await.unwrap(), IndexState::WriteOnly);
+    let done = progress_and_stopping(&cluster, false).await.unwrap();
+    assert!(done.finished && done.shards_done == 4, "{done:?}");
+    assert_eq!(state().await.unwrap(), IndexState::Active);
 }
 
 #[tokio::test]

@@ -15,6 +15,7 @@ use crate::exec::Shards;
 use crate::gsi::{Gsi, GsiLookup, GsiState, IndexFirst, IndexState};
 use crate::id_spec::IdStrategy;
 use crate::ids::{FillIds, Ids, TicketServer};
+use crate::job::JobControl;
 use crate::read::{Find, IndexLookup, KeyOf, Keyed, Unkeyed};
 use crate::rebalance::{Fenced, MoveReads};
 use crate::rollout::{DualWrite, Registry, Rollout, RolloutHandle, Rollouts};
@@ -636,7 +637,29 @@ impl Cluster {
     where
         E: ShardedEntity,
     {
-        crate::verify::verify_shards::<E>(&self.shards, source, target, bucket, opts).await
+        self.verify_shards_with::<E>(source, target, bucket, opts, JobControl::new())
+            .await
+    }
+
+    /// [`verify_shards`](Self::verify_shards) with a [`JobControl`]: its
+    /// progress callback is called with the report so far after every
+    /// chunk, and once its token is cancelled the comparison stops at the
+    /// next chunk boundary and returns the report so far (`finished: false`)
+    /// with its position in [`VerifyReport::cursor`]; pass that to
+    /// [`VerifyOptions::start_at`] to resume (nothing is saved in the
+    /// databases).
+    pub async fn verify_shards_with<E>(
+        &self,
+        source: &str,
+        target: &str,
+        bucket: Option<u32>,
+        opts: VerifyOptions,
+        control: JobControl<VerifyReport>,
+    ) -> Result<VerifyReport>
+    where
+        E: ShardedEntity,
+    {
+        crate::verify::verify_shards::<E>(&self.shards, source, target, bucket, opts, control).await
     }
 }
 

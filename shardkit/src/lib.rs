@@ -184,6 +184,7 @@ mod exec;
 pub mod gsi;
 mod id_spec;
 pub mod ids;
+pub mod job;
 mod key;
 pub mod metrics;
 mod phase;
@@ -209,6 +210,7 @@ pub use error::{
 };
 pub use exec::{Consistency, ReplicaStatus, Session};
 pub use ids::{Ids, Sequence, ServerPlace, Snowflake, SnowflakeLayout, TicketPlace, uuid_v7};
+pub use job::{CancellationToken, JobControl};
 pub use read::{
     AllowPartial, ByIndex, Find, KeyOf, Keyed, KeyedPages, KeyedSelect, Keys, MergePlan,
     MultiSelect, MultiShard, Partial, PlannedRoute, PlannedStatement, ReadPlan, RowStream, Scatter,

@@ -26,6 +26,7 @@ use crate::exec::keyset::pk_condition;
 use crate::exec::keyset::{
     after_condition, by_pk, format_cursor, model_pk_values, parse_cursor, upto_condition,
 };
+use crate::job::JobControl;
 use sea_orm::sea_query::{Alias, Expr, Query};
 use sea_orm::{
     ConnectionTrait, DatabaseConnection, DbBackend, DbErr, EntityTrait, IdenStatic,
@@ -564,6 +565,7 @@ pub(crate) async fn verify_shards<E: ShardedEntity>(
     target: &str,
     bucket: Option<u32>,
     opts: VerifyOptions,
+    control: JobControl<VerifyReport>,
 ) -> Result<VerifyReport> {
     let shard = |name: &str| {
         shards.topology().shard_id(name).ok_or_else(|| {
@@ -597,11 +599,12 @@ pub(crate) async fn verify_shards<E: ShardedEntity>(
     let mut report = VerifyReport::default();
     let (_, mut after) = parse_cursor::<E>(opts.start_at.as_deref());
     loop {
-        if opts.max_chunks.is_some_and(|m| report.chunks >= m) {
+        if opts.max_chunks.is_some_and(|m| report.chunks >= m) || control.is_cancelled() {
             report.cursor = Some(format_cursor(0, after.as_deref()));
             return Ok(report);
         }
         after = verify_chunk(&src, &dst, filter, after.as_deref(), &opts, &mut report).await?;
+        control.report(&report);
         if after.is_none() {
             break;
         }

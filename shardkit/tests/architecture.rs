@@ -49,6 +49,7 @@ const LAYERS: &[(&str, &[&str])] = &[
         "core",
         &[
             "entity", "error", "key", "clock", "phase", "id_spec", "trace", "metrics", "boxed",
+            "job",
         ],
     ),
     ("topology", &["topology"]),

@@ -21,8 +21,8 @@
 //! size.
 
 use sea_orm::{ActiveValue::Set, ActiveValue::Unchanged, ConnectionTrait, Statement};
-use shardkit::rebalance::MovePhase;
-use shardkit::{Cluster, ClusterConfig};
+use shardkit::rebalance::{MovePhase, MoveProgress};
+use shardkit::{Cluster, ClusterConfig, JobControl};
 use shardkit_tests::models::*;
 use shardkit_tests::{Backend, TestDbs};
 use std::collections::BTreeMap;
@@ -90,13 +90,13 @@ async fn copy(rows: i64) {
         .rebalance::<Customer>()
         .unwrap()
         .entity::<order::Entity>()
-        .on_progress(move |p| {
+        .control(JobControl::new().on_progress(move |p: &MoveProgress| {
             let mut s = seen.lock().unwrap();
             s.first.entry(p.phase).or_insert_with(Instant::now);
             if p.phase == MovePhase::Copying {
                 s.copied = (p.rows_copied, Some(Instant::now()));
             }
-        });
+        }));
     let plan = moves.plan_buckets(0..1024, "s1").await.unwrap();
     let started = moves.start(&plan).await.unwrap();
     let t0 = Instant::now();
@@ -219,11 +219,14 @@ async fn writes() {
     };
     tokio::time::sleep(Duration::from_secs(3)).await;
     let shown = Arc::clone(&phase);
-    let moves = cluster
-        .rebalance::<Customer>()
-        .unwrap()
-        .entity::<order::Entity>()
-        .on_progress(move |p| shown.store(1 + p.phase as u8, Ordering::SeqCst));
+    let moves =
+        cluster
+            .rebalance::<Customer>()
+            .unwrap()
+            .entity::<order::Entity>()
+            .control(JobControl::new().on_progress(move |p: &MoveProgress| {
+                shown.store(1 + p.phase as u8, Ordering::SeqCst)
+            }));
     let plan = moves.plan_buckets(0..1024, "s1").await.unwrap();
     let started = moves.start(&plan).await.unwrap();
     phase.store(1, Ordering::SeqCst);

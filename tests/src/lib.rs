@@ -428,6 +428,38 @@ pub async fn count_rows(cluster: &Cluster, table: &str) -> u64 {
     n
 }
 
+/// A [`JobControl`](shardkit::JobControl) whose token another task cancels
+/// while the job runs: at the job's `nth` progress report, which waits until
+/// that task has cancelled it (so the cancellation lands between two
+/// chunks, deterministically); and how many reports the job made.
+pub fn cancelled_by_another_task<P: 'static>(
+    nth: u64,
+) -> (
+    shardkit::JobControl<P>,
+    std::sync::Arc<std::sync::atomic::AtomicU64>,
+) {
+    use std::sync::atomic::Ordering;
+    let reports = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let counted = std::sync::Arc::clone(&reports);
+    let token = shardkit::CancellationToken::new();
+    let canceller = token.clone();
+    let runtime = tokio::runtime::Handle::current();
+    let control = shardkit::JobControl::new()
+        .on_progress(move |_: &P| {
+            if counted.fetch_add(1, Ordering::SeqCst) + 1 == nth {
+                let (done, cancelled) = std::sync::mpsc::channel();
+                let token = canceller.clone();
+                runtime.spawn(async move {
+                    token.cancel();
+                    let _ = done.send(());
+                });
+                tokio::task::block_in_place(|| cancelled.recv().expect("the cancelling task"));
+            }
+        })
+        .cancel_on(token);
+    (control, reports)
+}
+
 /// One benchmark job of [`interleaved`].
 pub type Job<'a> = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + 'a>>;
 

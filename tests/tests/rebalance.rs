@@ -3,10 +3,12 @@
 //! shards grows to a fifth while application instances keep writing.
 
 use sea_orm::{ActiveValue::Set, ConnectionTrait, EntityTrait};
-use shardkit::rebalance::{MovePhase, Rebalance};
-use shardkit::{Cluster, ClusterConfig, ShardError};
+use shardkit::rebalance::{MovePhase, MoveProgress, Rebalance};
+use shardkit::{CancellationToken, Cluster, ClusterConfig, JobControl, ShardError};
 use shardkit_tests::models::*;
-use shardkit_tests::{Backend, Proxy, TestDbs, backend_tests, contacts_by_index};
+use shardkit_tests::{
+    Backend, Proxy, TestDbs, backend_tests, cancelled_by_another_task, contacts_by_index,
+};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -30,6 +32,7 @@ backend_tests!(5 =>
     a_begin_whose_fence_read_the_database_aborts_begins_again,
     [Sqlite] a_move_run_by_another_process_on_the_same_sqlite_files,
     [Sqlite] child_process_mover,
+    a_cancelled_run_stops_at_a_chunk_and_the_next_run_resumes,
 );
 
 const BUCKETS: u32 = 64;
@@ -402,7 +405,10 @@ async fn two_instances_write_while_a_quarter_of_the_buckets_move(dbs: &mut TestD
 
     let progress = Arc::new(Mutex::new(Vec::new()));
     let seen = Arc::clone(&progress);
-    let m = mover(&a).on_progress(move |p| seen.lock().unwrap().push((p.phase, p.rows_copied)));
+    let m =
+        mover(&a).control(JobControl::new().on_progress(move |p: &MoveProgress| {
+            seen.lock().unwrap().push((p.phase, p.rows_copied))
+        }));
     let plan = m.plan_buckets(quarter(), "s4").await.unwrap();
     assert_eq!(plan.buckets.len(), 16);
     let started = m.start(&plan).await.unwrap();
@@ -943,6 +949,44 @@ async fn abort_in_each_phase_leaves_the_source_the_owner(dbs: &mut TestDbs) {
     check_placement(&a, &acked).await;
 }
 
+/// A run whose token is cancelled before it starts leaves the move where it
+/// is; one cancelled by another task after the first run of copied chunks
+/// returns the move in `copying`, its position saved and the move let go;
+/// the next run resumes it to the end.
+async fn a_cancelled_run_stops_at_a_chunk_and_the_next_run_resumes(dbs: &mut TestDbs) {
+    let a = connect(dbs, 20).await;
+    let acked: Shared = Arc::default();
+    seed(&a, &acked, 1..=120).await;
+    let m = mover(&a);
+    let plan = m.plan_buckets(quarter(), "s4").await.unwrap();
+    let id = m.start(&plan).await.unwrap().id;
+
+    let stop = CancellationToken::new();
+    stop.cancel();
+    let before = mover(&a)
+        .control(JobControl::new().cancel_on(stop))
+        .run(id)
+        .await
+        .unwrap();
+    assert_eq!(before.phase, MovePhase::Registered, "{before:?}");
+
+    // Its reports: the phase change to copying, then the first run of chunks.
+    let (control, reports) = cancelled_by_another_task::<MoveProgress>(2);
+    let stopped = mover(&a).control(control).run(id).await.unwrap();
+    assert_eq!(reports.load(Ordering::SeqCst), 2, "{stopped:?}");
+    assert_eq!(stopped.phase, MovePhase::Copying, "{stopped:?}");
+    assert!(stopped.rows_copied > 0, "{stopped:?}");
+    assert_eq!(epoch(&a), 1, "the map never flipped");
+
+    // Let go: another process resumes it.
+    let other = connect(dbs, 20).await;
+    let done = mover(&other).run(id).await.unwrap();
+    assert_eq!(done.phase, MovePhase::Done, "{done:?}");
+    assert!(done.rows_copied >= stopped.rows_copied, "{done:?}");
+    a.refresh_bucket_maps().await.unwrap();
+    check_placement(&a, &acked).await;
+}
+
 async fn overlapping_moves_are_refused_and_plans_are_minimal(dbs: &mut TestDbs) {
     let a = connect(dbs, 20).await;
     let acked: Shared = Arc::default();
@@ -1250,7 +1294,7 @@ async fn a_target_that_refuses_or_hangs_stops_the_mover_and_leaks_nothing(dbs: &
             .unwrap();
         let cut = Arc::clone(&proxy);
         let seen = std::sync::atomic::AtomicUsize::new(0);
-        let m = mover(&b).on_progress(move |p| {
+        let m = mover(&b).control(JobControl::new().on_progress(move |p: &MoveProgress| {
             if p.phase == at && seen.fetch_add(1, Ordering::SeqCst) + 1 == nth {
                 if hang {
                     cut.freeze();
@@ -1258,7 +1302,7 @@ async fn a_target_that_refuses_or_hangs_stops_the_mover_and_leaks_nothing(dbs: &
                     cut.kill();
                 }
             }
-        });
+        }));
         let buckets = [i as u32 * 4 + 1, i as u32 * 4 + 2];
         let id = m
             .start(&m.plan_buckets(buckets, "s4").await.unwrap())

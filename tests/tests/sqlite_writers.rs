@@ -9,7 +9,7 @@
 
 use sea_orm::ConnectionTrait;
 use shardkit::prelude::*;
-use shardkit::{Retry, ShardError};
+use shardkit::{JobControl, Retry, ShardError};
 use shardkit_tests::models::*;
 use shardkit_tests::{TestDbs, backend_tests, count_rows};
 use std::collections::BTreeMap;
@@ -159,9 +159,7 @@ async fn two_instances_and_a_process_write_while_an_index_backfills(dbs: &mut Te
         .collect();
     let backfill = b
         .gsi()
-        .backfill_with::<contact::Entity>(contact::Column::Phone, 20, |_| {
-            std::ops::ControlFlow::Continue(())
-        })
+        .backfill_with::<contact::Entity>(contact::Column::Phone, 20, JobControl::new())
         .await
         .unwrap();
     assert!(backfill.finished, "{backfill:?}");

@@ -1,5 +1,6 @@
 //! A global secondary index added to a table that already has rows: create it
-//! (`write_only`: lookups scatter), backfill it with a progress bar, then look
+//! (`write_only`: lookups scatter), backfill it with a progress bar (stopped
+//! half way through its cancellation token, then resumed), then look
 //! rows up by email from the one shard that holds them. Then a rolled-back
 //! insert leaves a dangling index row that lookups ignore and reconcile
 //! removes.
@@ -7,8 +8,9 @@
 //! `cargo run -p shardkit-examples --bin gsi_backfill`
 
 use sea_orm::{ConnectionTrait, EntityTrait};
-use shardkit::gsi::IndexState;
+use shardkit::gsi::{BackfillProgress, IndexState};
 use shardkit::prelude::*;
+use shardkit::{CancellationToken, JobControl};
 use shardkit_examples::Customer;
 use std::io::Write;
 
@@ -66,27 +68,59 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         gsi.state::<member::Entity>(member::Column::Email).await?
     );
 
-    println!("\n== backfill");
-    let done = gsi
-        .backfill_with::<member::Entity>(member::Column::Email, 250, |p| {
-            let total = ROWS as u64;
-            let filled = (p.rows * 40 / total.max(1)) as usize;
-            print!(
-                "\r[{}{}] {:>5}/{total} rows, shard {}/{}",
-                "#".repeat(filled),
-                " ".repeat(40 - filled),
-                p.rows,
-                p.shards_done,
-                p.shards
-            );
-            let _ = std::io::stdout().flush();
-            std::ops::ControlFlow::Continue(())
-        })
+    println!("\n== backfill, stopped half way (as Ctrl-C would) and resumed");
+    // `rows` counts this call's rows: a resumed run adds the earlier ones.
+    let bar = |earlier: u64, p: &BackfillProgress| {
+        let total = ROWS as u64;
+        let rows = earlier + p.rows;
+        let filled = (rows * 40 / total.max(1)).min(40) as usize;
+        print!(
+            "\r[{}{}] {rows:>5}/{total} rows, shard {}/{}",
+            "#".repeat(filled),
+            " ".repeat(40 - filled),
+            p.shards_done,
+            p.shards
+        );
+        let _ = std::io::stdout().flush();
+    };
+    // Every long job takes a JobControl: a progress callback and a
+    // cancellation token. Cancelling stops it at the next chunk boundary
+    // with its position saved.
+    let stop = CancellationToken::new();
+    let cancel = stop.clone();
+    let half = gsi
+        .backfill_with::<member::Entity>(
+            member::Column::Email,
+            250,
+            JobControl::new()
+                .on_progress(move |p| {
+                    bar(0, p);
+                    if p.rows >= ROWS as u64 / 2 {
+                        cancel.cancel();
+                    }
+                })
+                .cancel_on(stop),
+        )
         .await?;
+    assert!(!half.finished);
     println!(
-        "\nindexed {} of {} rows; state: {:?}",
-        done.written,
-        done.rows,
+        "\nstopped after {} rows; state: {:?}",
+        half.rows,
+        gsi.state::<member::Entity>(member::Column::Email).await?
+    );
+    // The next call resumes where the first stopped.
+    let done = gsi
+        .backfill_with::<member::Entity>(
+            member::Column::Email,
+            250,
+            JobControl::new().on_progress(move |p| bar(half.rows, p)),
+        )
+        .await?;
+    assert!(done.finished);
+    println!(
+        "\nindexed {} of {} rows in two runs; state: {:?}",
+        half.written + done.written,
+        half.rows + done.rows,
         gsi.state::<member::Entity>(member::Column::Email).await?
     );
     assert_eq!(

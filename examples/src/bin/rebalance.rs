@@ -15,8 +15,9 @@
 
 use indicatif::{ProgressBar, ProgressStyle};
 use sea_orm::EntityTrait;
+use shardkit::JobControl;
 use shardkit::prelude::*;
-use shardkit::rebalance::MovePhase;
+use shardkit::rebalance::{MovePhase, MoveProgress};
 use shardkit_examples::{Customer, Migrator, customer, order};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -147,11 +148,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .rebalance::<Customer>()?
         .entity::<customer::Entity>()
         .entity::<order::Entity>()
-        .on_progress(move |p| {
+        .control(JobControl::new().on_progress(move |p: &MoveProgress| {
             shown.set_length(p.rows_estimated.max(p.rows_copied));
             shown.set_position(p.rows_copied);
             shown.set_message(format!("{} ({} behind)", p.phase, p.pending_changes));
-        });
+        }));
     let plan = moves.plan_even_out("s4").await?;
     println!(
         "plan: {} of 1024 buckets to s4 ({} from each of s0..s3)",

@@ -161,7 +161,8 @@ pub(crate) enum GsiAction {
         #[arg(long, default_value_t = 500)]
         chunk: u64,
     },
-    /// Remove dangling index rows and add missing ones.
+    /// Remove dangling index rows and add missing ones (Ctrl-C stops at a
+    /// chunk boundary; the next pass starts over).
     Reconcile {
         /// Only this entity's table.
         table: Option<String>,

@@ -1,26 +1,35 @@
 //! Progress of long commands, and Ctrl-C as a request to stop at the next
-//! chunk boundary.
+//! chunk boundary: the Ctrl-C listener cancels the [`JobControl`]'s token.
 
+use crate::job::{CancellationToken, JobControl};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::io::IsTerminal;
-use std::ops::ControlFlow;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// How often a line is printed when the output is not a terminal.
 const LINE_EVERY: Duration = Duration::from_secs(5);
 
 /// A progress bar on a terminal, a line every few seconds (to stderr)
-/// otherwise, nothing with `--json`.
+/// otherwise, nothing with `--json`; and the token Ctrl-C cancels.
 pub(super) struct Progress {
+    bar: Bar,
+    token: CancellationToken,
+    listener: tokio::task::JoinHandle<()>,
+}
+
+/// What is shown, shared with the progress callbacks of the jobs.
+#[derive(Clone)]
+pub(super) struct Bar {
+    shown: Arc<Mutex<Shown>>,
+    started: Instant,
+}
+
+struct Shown {
     bar: Option<ProgressBar>,
     lines: bool,
     last_line: Option<Instant>,
     what: String,
-    stop: Arc<AtomicBool>,
-    listener: tokio::task::JoinHandle<()>,
-    started: Instant,
 }
 
 impl Progress {
@@ -43,64 +52,72 @@ impl Progress {
             bar.set_message(what.clone());
             bar
         });
-        let stop = Arc::new(AtomicBool::new(false));
-        let flag = Arc::clone(&stop);
+        let token = CancellationToken::new();
+        let cancel = token.clone();
         // Ctrl-C asks the work to stop after its current chunk; a second
         // one is the terminal's default (the process ends).
         let listener = tokio::spawn(async move {
             if tokio::signal::ctrl_c().await.is_ok() {
-                flag.store(true, Ordering::Release);
+                cancel.cancel();
             }
         });
         Progress {
-            bar,
-            lines: !terminal && !json,
-            last_line: None,
-            what,
-            stop,
+            bar: Bar {
+                shown: Arc::new(Mutex::new(Shown {
+                    bar,
+                    lines: !terminal && !json,
+                    last_line: None,
+                    what,
+                })),
+                started: Instant::now(),
+            },
+            token,
             listener,
-            started: Instant::now(),
         }
     }
 
-    /// Reports `done` of `total` units and `detail` (rows, rate); whether to
-    /// go on.
-    pub(super) fn report(
-        &mut self,
-        done: u64,
-        total: Option<u64>,
-        detail: &str,
-    ) -> ControlFlow<()> {
-        if let Some(bar) = &self.bar {
-            if let Some(total) = total {
-                bar.set_length(total);
-            }
-            bar.set_position(done);
-            bar.set_message(format!("{} {detail}", self.what));
-        } else if self.lines && self.last_line.is_none_or(|at| at.elapsed() >= LINE_EVERY) {
-            self.last_line = Some(Instant::now());
-            let of = total.map(|t| format!("/{t}")).unwrap_or_default();
-            eprintln!(
-                "{}: {done}{of} {detail} after {:.0?}",
-                self.what,
-                self.started.elapsed()
-            );
-        }
-        if self.stop.load(Ordering::Acquire) {
-            ControlFlow::Break(())
-        } else {
-            ControlFlow::Continue(())
-        }
+    /// A job's control: `show` puts each report of the job on the bar, and
+    /// Ctrl-C cancels the job at its next chunk boundary.
+    pub(super) fn control<P>(
+        &self,
+        show: impl Fn(&Bar, &P) + Send + Sync + 'static,
+    ) -> JobControl<P> {
+        let bar = self.bar.clone();
+        JobControl::new()
+            .on_progress(move |p| show(&bar, p))
+            .cancel_on(self.token.clone())
+    }
+
+    /// Reports `done` of `total` units and `detail`.
+    pub(super) fn report(&self, done: u64, total: Option<u64>, detail: &str) {
+        self.bar.report(done, total, detail);
     }
 
     /// Whether Ctrl-C asked to stop.
     pub(super) fn stopped(&self) -> bool {
-        self.stop.load(Ordering::Acquire)
+        self.token.is_cancelled()
     }
+}
 
-    /// The flag Ctrl-C sets, for work that checks it itself.
-    pub(super) fn stop_flag(&self) -> Arc<AtomicBool> {
-        Arc::clone(&self.stop)
+impl Bar {
+    /// Reports `done` of `total` units and `detail` (rows, rate).
+    pub(super) fn report(&self, done: u64, total: Option<u64>, detail: &str) {
+        let mut shown = self.shown.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(bar) = &shown.bar {
+            if let Some(total) = total {
+                bar.set_length(total);
+            }
+            bar.set_position(done);
+            bar.set_message(format!("{} {detail}", shown.what));
+        } else if shown.lines && shown.last_line.is_none_or(|at| at.elapsed() >= LINE_EVERY) {
+            shown.last_line = Some(Instant::now());
+            let of = total.map(|t| format!("/{t}")).unwrap_or_default();
+            eprintln!(
+                "{}: {done}{of} {detail} after {:.0?}",
+                shown.what,
+                self.started.elapsed()
+            );
+        }
     }
 
     /// Rows per second so far.
@@ -112,7 +129,8 @@ impl Progress {
 impl Drop for Progress {
     fn drop(&mut self) {
         self.listener.abort();
-        if let Some(bar) = &self.bar {
+        let shown = self.bar.shown.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(bar) = &shown.bar {
             bar.finish_and_clear();
         }
     }

@@ -5,13 +5,13 @@ use crate::cluster::{Cluster, MigrationReport};
 use crate::entity::{EntityGroup, ShardedEntity};
 use crate::error::{Result, ShardError};
 use crate::gsi::{BackfillProgress, IndexState, ReconcileReport};
+use crate::job::JobControl;
 use crate::read::ReadPlan;
 use crate::rebalance::{AnyGroup, Rebalance};
 use crate::rollout::{Phase, Rollout, RolloutBackfill, RolloutHandle, RolloutStatus};
 use crate::topology::Target;
 use crate::verify::{VerifyOptions, VerifyReport};
 use futures::future::BoxFuture;
-use std::ops::ControlFlow;
 use std::str::FromStr;
 use std::time::Duration;
 
@@ -137,11 +137,12 @@ pub(super) trait AdminEntity: Send + Sync {
         cluster: &'a Cluster,
         column: &'a str,
         chunk: u64,
-        on_progress: &'a mut (dyn FnMut(BackfillProgress) -> ControlFlow<()> + Send),
+        control: JobControl<BackfillProgress>,
     ) -> BoxFuture<'a, Result<BackfillProgress>>;
     fn index_reconcile<'a>(
         &'a self,
         cluster: &'a Cluster,
+        control: JobControl<ReconcileReport>,
     ) -> BoxFuture<'a, Result<ReconcileReport>>;
     fn verify_shards<'a>(
         &'a self,
@@ -268,12 +269,12 @@ where
         cluster: &'a Cluster,
         column: &'a str,
         chunk: u64,
-        on_progress: &'a mut (dyn FnMut(BackfillProgress) -> ControlFlow<()> + Send),
+        control: JobControl<BackfillProgress>,
     ) -> BoxFuture<'a, Result<BackfillProgress>> {
         Box::pin(async move {
             cluster
                 .gsi()
-                .backfill_with::<E>(Self::column(column)?, chunk, on_progress)
+                .backfill_with::<E>(Self::column(column)?, chunk, control)
                 .await
         })
     }
@@ -281,8 +282,9 @@ where
     fn index_reconcile<'a>(
         &'a self,
         cluster: &'a Cluster,
+        control: JobControl<ReconcileReport>,
     ) -> BoxFuture<'a, Result<ReconcileReport>> {
-        Box::pin(async move { cluster.gsi().reconcile::<E>().await })
+        Box::pin(async move { cluster.gsi().reconcile_with::<E>(control).await })
     }
 
     fn verify_shards<'a>(
@@ -353,16 +355,16 @@ pub(super) trait AdminRollout: Send + Sync {
         on_wait: &'a mut (dyn FnMut(Phase, Duration) + Send),
     ) -> BoxFuture<'a, Result<Phase>>;
     fn retreat(&self) -> BoxFuture<'_, Result<Phase>>;
-    fn backfill<'a>(
-        &'a self,
+    fn backfill(
+        &self,
         chunk: u64,
-        on_progress: &'a mut (dyn FnMut(RolloutBackfill) -> ControlFlow<()> + Send),
-    ) -> BoxFuture<'a, Result<RolloutBackfill>>;
-    fn verify<'a>(
-        &'a self,
+        control: JobControl<RolloutBackfill>,
+    ) -> BoxFuture<'_, Result<RolloutBackfill>>;
+    fn verify(
+        &self,
         opts: VerifyOptions,
-        on_progress: &'a mut (dyn FnMut(&VerifyReport) -> ControlFlow<()> + Send),
-    ) -> BoxFuture<'a, Result<VerifyReport>>;
+        control: JobControl<VerifyReport>,
+    ) -> BoxFuture<'_, Result<VerifyReport>>;
 }
 
 impl<Old, New> AdminRollout for RolloutHandle<Old, New>
@@ -385,19 +387,19 @@ where
         Box::pin(RolloutHandle::retreat(self))
     }
 
-    fn backfill<'a>(
-        &'a self,
+    fn backfill(
+        &self,
         chunk: u64,
-        on_progress: &'a mut (dyn FnMut(RolloutBackfill) -> ControlFlow<()> + Send),
-    ) -> BoxFuture<'a, Result<RolloutBackfill>> {
-        Box::pin(self.backfill_with(chunk, on_progress))
+        control: JobControl<RolloutBackfill>,
+    ) -> BoxFuture<'_, Result<RolloutBackfill>> {
+        Box::pin(self.backfill_with(chunk, control))
     }
 
-    fn verify<'a>(
-        &'a self,
+    fn verify(
+        &self,
         opts: VerifyOptions,
-        on_progress: &'a mut (dyn FnMut(&VerifyReport) -> ControlFlow<()> + Send),
-    ) -> BoxFuture<'a, Result<VerifyReport>> {
-        Box::pin(self.verify_with(opts, on_progress))
+        control: JobControl<VerifyReport>,
+    ) -> BoxFuture<'_, Result<VerifyReport>> {
+        Box::pin(self.verify_with(opts, control))
     }
 }

@@ -4,9 +4,9 @@ use crate::entity::{EntityGroup, ShardKey, ShardedEntity};
 use crate::error::Result;
 use crate::exec::keyset;
 use crate::gsi::{BACKFILL_CURSOR, BackfillProgress, Gsi, IndexDef, IndexState, gsi_err};
+use crate::job::JobControl;
 use crate::key::{model_pk, value_text};
 use sea_orm::ModelTrait;
-use std::ops::ControlFlow;
 
 impl Gsi {
     /// Fills `E`'s index on `column` from the primary tables, shard by shard in
@@ -14,19 +14,20 @@ impl Gsi {
     /// catalog after every chunk and a rerun continues from it (index writes
     /// are idempotent, so a repeated chunk is harmless).
     pub async fn backfill<E: ShardedEntity>(&self, column: E::Column) -> Result<BackfillProgress> {
-        self.backfill_with::<E>(column, 500, |_| ControlFlow::Continue(()))
+        self.backfill_with::<E>(column, 500, JobControl::new())
             .await
     }
 
-    /// [`backfill`](Self::backfill) with a chunk size and a progress callback,
-    /// called after every chunk and every shard. Returning
-    /// `ControlFlow::Break(())` stops after the current chunk with the index
-    /// still `write_only` (`finished: false`); the next call resumes there.
+    /// [`backfill`](Self::backfill) with a chunk size and a [`JobControl`]:
+    /// its progress callback is called after every chunk and every shard, and
+    /// once its token is cancelled the backfill stops at the next chunk
+    /// boundary and returns what it did (`finished: false`), the index still
+    /// `write_only` and its position saved; the next call resumes there.
     pub async fn backfill_with<E: ShardedEntity>(
         &self,
         column: E::Column,
         chunk: u64,
-        mut on_progress: impl FnMut(BackfillProgress) -> ControlFlow<()>,
+        control: JobControl<BackfillProgress>,
     ) -> Result<BackfillProgress> {
         let index = IndexDef::find::<E>(column)?;
         let shards = self.owner_shards(<E::Group as EntityGroup>::NAME)?;
@@ -57,6 +58,9 @@ impl Gsi {
                 after = None;
             }
             loop {
+                if control.is_cancelled() {
+                    return Ok(progress);
+                }
                 let rows = keyset::chunk::<E>(after.as_deref(), chunk)
                     .all(db)
                     .await
@@ -82,17 +86,13 @@ impl Gsi {
                     Some(format!("{BACKFILL_CURSOR}{cursor}")),
                 )
                 .await?;
-                if on_progress(progress).is_break() {
-                    return Ok(progress);
-                }
+                control.report(&progress);
                 if read < chunk {
                     break;
                 }
             }
             progress.shards_done = i + 1;
-            if on_progress(progress).is_break() && i + 1 < shards.len() {
-                return Ok(progress);
-            }
+            control.report(&progress);
         }
         self.set_state::<E>(&index, IndexState::Active, None)
             .await?;

@@ -51,6 +51,10 @@ pub struct ReconcileReport {
     /// for another live row: two rows hold one unique value, which shardkit
     /// cannot settle for the application. The pass goes on past them.
     pub conflicts: Vec<ReconcileConflict>,
+    /// Whether the pass went through every index and shard (false when it
+    /// was cancelled through its [`JobControl`](crate::JobControl); a pass
+    /// saves no position, so the next one starts over).
+    pub finished: bool,
 }
 
 /// A row whose unique value another live row already holds in the index
@@ -96,7 +100,8 @@ pub struct BackfillProgress {
     /// Shards in all.
     pub shards: usize,
     /// Whether the index is complete and now `active` (false when the
-    /// callback stopped the run; call again to resume).
+    /// run was cancelled through its [`JobControl`](crate::JobControl); call
+    /// again to resume).
     pub finished: bool,
 }
 

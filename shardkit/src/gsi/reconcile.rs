@@ -7,6 +7,7 @@ use crate::exec::{Shards, keyset};
 use crate::gsi::{
     Gsi, IndexDef, RECONCILE_CHUNK, ReconcileConflict, ReconcileReport, Removal, gsi_err,
 };
+use crate::job::JobControl;
 use crate::key::{model_pk, typed_value, value_text};
 use sea_orm::sea_query::{Alias, Expr, Query};
 use sea_orm::{ConnectionTrait, ExprTrait, ModelTrait, Value};
@@ -19,12 +20,29 @@ impl Gsi {
     /// index rows for owners that have none. Run it periodically
     /// ([`reconcile_every`](Self::reconcile_every)).
     pub async fn reconcile<E: ShardedEntity>(&self) -> Result<ReconcileReport> {
-        let report = self.reconcile_pass::<E>().await?;
+        self.reconcile_with::<E>(JobControl::new()).await
+    }
+
+    /// [`reconcile`](Self::reconcile) with a [`JobControl`]: its progress
+    /// callback is called with the report so far after every chunk of index
+    /// rows or primary rows scanned. Once its token is cancelled the pass
+    /// stops at the next chunk boundary (the dangling rows already found are
+    /// removed first) and returns what it did (`finished: false`). A pass
+    /// saves no position, unlike the backfills: it repairs what it finds and
+    /// the next pass starts over, which is what a periodic pass does anyway.
+    pub async fn reconcile_with<E: ShardedEntity>(
+        &self,
+        control: JobControl<ReconcileReport>,
+    ) -> Result<ReconcileReport> {
+        let report = self.reconcile_pass::<E>(&control).await?;
         crate::metrics::reconciled(table_name::<E>(), report.removed, report.added);
         Ok(report)
     }
 
-    async fn reconcile_pass<E: ShardedEntity>(&self) -> Result<ReconcileReport> {
+    async fn reconcile_pass<E: ShardedEntity>(
+        &self,
+        control: &JobControl<ReconcileReport>,
+    ) -> Result<ReconcileReport> {
         let grace = self.state.grace.as_millis() as i64;
         let mut report = ReconcileReport::default();
         for (column, unique) in E::GLOBAL_INDEXES {
@@ -35,7 +53,12 @@ impl Gsi {
                 let mut after: Vec<Value> = Vec::new();
                 let mut dangling = Vec::new();
                 const COLUMNS: [&str; 3] = ["value", "shard_key", "owner_pk"];
+                let mut cancelled = false;
                 loop {
+                    if control.is_cancelled() {
+                        cancelled = true;
+                        break;
+                    }
                     let stmt = Query::select()
                         .columns(["value", "shard_key", "owner_pk", "created_ms"].map(Alias::new))
                         .from(Alias::new(index.table.as_str()))
@@ -72,6 +95,7 @@ impl Gsi {
                             });
                         }
                     }
+                    control.report(&report);
                     if (rows.len() as u64) < RECONCILE_CHUNK {
                         break;
                     }
@@ -79,12 +103,19 @@ impl Gsi {
                 for removal in &dangling {
                     report.removed += self.remove_entry(removal).await?;
                 }
+                if cancelled {
+                    control.report(&report);
+                    return Ok(report);
+                }
             }
             // Owners without an index row.
             for id in self.owner_shards(<E::Group as EntityGroup>::NAME)? {
                 let (db, shard) = self.conn(id);
                 let mut after: Option<Vec<Value>> = None;
                 loop {
+                    if control.is_cancelled() {
+                        return Ok(report);
+                    }
                     let rows = keyset::chunk::<E>(after.as_deref(), RECONCILE_CHUNK)
                         .all(db)
                         .await
@@ -119,12 +150,14 @@ impl Gsi {
                             }
                         }
                     }
+                    control.report(&report);
                     if read < RECONCILE_CHUNK {
                         break;
                     }
                 }
             }
         }
+        report.finished = true;
         Ok(report)
     }
 

@@ -3,6 +3,7 @@
 use crate::entity::{EntityGroup, ShardedEntity, table_name};
 use crate::error::{Result, Retry, ShardError};
 use crate::exec::keyset::{after_condition, by_pk, format_cursor, model_pk_values, parse_cursor};
+use crate::job::JobControl;
 use crate::phase::Phase;
 use crate::rollout::state::{
     BACKFILL_DONE, STATE_TABLE, StateRow, read_state, state_db, state_err,
@@ -11,7 +12,6 @@ use crate::rollout::{DualCtx, RolloutBackfill, RolloutHandle, pk_names};
 use crate::topology::ShardId;
 use sea_orm::sea_query::{Alias, Expr, ExprTrait, Query};
 use sea_orm::{ConnectionTrait, DatabaseConnection, QueryFilter, Value};
-use std::ops::ControlFlow;
 use std::time::Duration;
 
 impl<Old, New> RolloutHandle<Old, New>
@@ -21,7 +21,7 @@ where
 {
     /// Copies every old row to the new table (see [`backfill_with`](Self::backfill_with)).
     pub async fn backfill(&self) -> Result<RolloutBackfill> {
-        self.backfill_with(500, |_| ControlFlow::Continue(())).await
+        self.backfill_with(500, JobControl::new()).await
     }
 
     /// [`backfill`](Self::backfill) once it may run, and through the errors
@@ -62,9 +62,12 @@ where
     /// file's write lock), in primary-key order. Each chunk's old rows are read
     /// `FOR UPDATE` (PostgreSQL, MySQL) so a dual write to them waits for the
     /// copy instead of being overwritten by it. Progress is saved after every
-    /// chunk and a rerun resumes there; `on_progress` is called after every
-    /// chunk and can stop the run. Only in `dual_write` and `read_new`: earlier,
-    /// writes after the copy would be missing; later, the old table is stale.
+    /// chunk and a rerun resumes there. `control`'s progress callback is
+    /// called after every chunk and every shard; once its token is
+    /// cancelled the backfill stops at the next chunk boundary and returns
+    /// what it did (`finished: false`), its position saved for the next
+    /// call. Only in `dual_write` and `read_new`: earlier, writes after the
+    /// copy would be missing; later, the old table is stale.
     ///
     /// In `dual_write` it starts only once the rollout's gap has passed since
     /// the phase changed ([`ShardError::RolloutTooSoon`] with the wait,
@@ -78,7 +81,7 @@ where
     pub async fn backfill_with(
         &self,
         chunk: u64,
-        mut on_progress: impl FnMut(RolloutBackfill) -> ControlFlow<()>,
+        control: JobControl<RolloutBackfill>,
     ) -> Result<RolloutBackfill> {
         let start_state = self.state().await?;
         if !matches!(start_state.phase, Phase::DualWrite | Phase::ReadNew) {
@@ -131,6 +134,9 @@ where
                 chunk
             };
             loop {
+                if control.is_cancelled() {
+                    return Ok(progress);
+                }
                 // The phase may have moved on any instance since the last
                 // chunk: copying on after a retreat below dual_write would
                 // miss the writes made meanwhile.
@@ -174,15 +180,11 @@ where
                 if done {
                     break;
                 }
-                if on_progress(progress).is_break() {
-                    return Ok(progress);
-                }
+                control.report(&progress);
             }
             after = None;
             progress.shards_done = i + 1;
-            if on_progress(progress).is_break() && i + 1 < shards.len() {
-                return Ok(progress);
-            }
+            control.report(&progress);
         }
         self.save_backfill(&start_state, saved.as_deref(), BACKFILL_DONE)
             .await?;

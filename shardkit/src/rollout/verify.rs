@@ -5,10 +5,10 @@
 use crate::entity::ShardedEntity;
 use crate::error::Result;
 use crate::exec::keyset::{format_cursor, parse_cursor};
+use crate::job::JobControl;
 use crate::rollout::RolloutHandle;
 use crate::rollout::state::{read_state, save_progress, state_db};
 use crate::verify::{Conversion, Source, Target, VerifyOptions, VerifyReport, verify_chunk};
-use std::ops::ControlFlow;
 use std::time::Duration;
 
 impl<Old, New> RolloutHandle<Old, New>
@@ -23,17 +23,19 @@ where
     /// source. Its position is saved in `shardkit_rollouts` after each chunk;
     /// [`VerifyOptions::resume`] continues from there.
     pub async fn verify(&self, opts: VerifyOptions) -> Result<VerifyReport> {
-        self.verify_with(opts, |_| ControlFlow::Continue(())).await
+        self.verify_with(opts, JobControl::new()).await
     }
 
-    /// [`verify`](Self::verify), calling `on_progress` with the report so
-    /// far after every chunk (as [`backfill_with`](Self::backfill_with)
-    /// does); `ControlFlow::Break` stops after that chunk, with the position
-    /// saved and in [`VerifyReport::cursor`] for a resume.
+    /// [`verify`](Self::verify) with a [`JobControl`], as
+    /// [`backfill_with`](Self::backfill_with) takes one: its progress callback
+    /// is called with the report so far after every chunk, and once its
+    /// token is cancelled the verifier stops at the next chunk boundary and
+    /// returns the report so far (`finished: false`), its position saved (for
+    /// [`VerifyOptions::resume`]) and in [`VerifyReport::cursor`].
     pub async fn verify_with(
         &self,
         opts: VerifyOptions,
-        mut on_progress: impl FnMut(&VerifyReport) -> ControlFlow<()>,
+        control: JobControl<VerifyReport>,
     ) -> Result<VerifyReport> {
         let shared = self.shared();
         let (state_conn, state_shard) = state_db::<Old>(self.shards())?;
@@ -70,7 +72,7 @@ where
             let shard = self.shards().shard_name(*id);
             let target = Target { db, shard };
             loop {
-                if opts.max_chunks.is_some_and(|m| report.chunks >= m) {
+                if opts.max_chunks.is_some_and(|m| report.chunks >= m) || control.is_cancelled() {
                     let cursor = format_cursor(i, after.as_deref());
                     save_progress(
                         state_conn,
@@ -107,19 +109,8 @@ where
                     Some(pk) => format_cursor(i, Some(pk)),
                     None => format_cursor(i + 1, None),
                 };
-                save_progress(
-                    state_conn,
-                    state_shard,
-                    self.name(),
-                    "verify",
-                    Some(cursor.clone()),
-                )
-                .await?;
-                let last = after.is_none() && i + 1 == shards.len();
-                if on_progress(&report).is_break() && !last {
-                    report.cursor = Some(cursor);
-                    return Ok(report);
-                }
+                save_progress(state_conn, state_shard, self.name(), "verify", Some(cursor)).await?;
+                control.report(&report);
                 if after.is_none() {
                     break;
                 }

@@ -8,12 +8,15 @@ use sea_orm::{
     ActiveValue::Unchanged, ColumnTrait, ConnectionTrait, EntityTrait, QueryFilter, Set, Statement,
 };
 use shardkit::gsi::IndexState;
-use shardkit::{Cluster, ClusterBuilder, ManualClock, ShardError};
+use shardkit::{CancellationToken, Cluster, ClusterBuilder, JobControl, ManualClock, ShardError};
 use shardkit_tests::models::*;
 use shardkit_tests::{
-    Backend, IndexWrite, Sent, TestDbs, index_writes, recording_cluster, recording_cluster_with,
+    Backend, IndexWrite, Sent, TestDbs, cancelled_by_another_task, index_writes, recording_cluster,
+    recording_cluster_with,
 };
 use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 async fn gsi_cluster(dbs: &TestDbs, extra: &str) -> (Cluster, Sent) {
     gsi_cluster_with(dbs, extra, |b| b).await
@@ -297,6 +300,72 @@ pub(crate) async fn unique_violation_and_takeover(dbs: &mut TestDbs) {
     );
 }
 
+/// A backfill whose token is cancelled before it starts does nothing; one
+/// cancelled by another task while it runs stops at the next chunk boundary
+/// with what it indexed saved (`finished: false`, still `write_only`), and
+/// the next call resumes there and activates the index.
+pub(crate) async fn cancelled_backfill_stops_at_a_chunk_and_resumes(dbs: &mut TestDbs) {
+    let (cluster, _) = gsi_cluster(dbs, "").await;
+    for i in 1..=20_i64 {
+        let shard = cluster.shard_of::<Customer>(&i).await.unwrap().to_owned();
+        contact::Entity::insert(contact::ActiveModel {
+            id: Set(i),
+            customer_id: Set(i),
+            email: Set(format!("old{i}@x")),
+            phone: Set("0".into()),
+        })
+        .exec(cluster.connection(&shard).unwrap())
+        .await
+        .unwrap();
+    }
+    let gsi = cluster.gsi();
+    let state = || gsi.state::<contact::Entity>(contact::Column::Email);
+    let backfill =
+        |control| gsi.backfill_with::<contact::Entity>(contact::Column::Email, 2, control);
+
+    // Cancelled before it starts: no chunk, no report.
+    let stop = CancellationToken::new();
+    stop.cancel();
+    let reports = Arc::new(AtomicU64::new(0));
+    let counted = Arc::clone(&reports);
+    let none = backfill(
+        JobControl::new()
+            .on_progress(move |_| {
+                counted.fetch_add(1, Ordering::SeqCst);
+            })
+            .cancel_on(stop),
+    )
+    .await
+    .unwrap();
+    assert!(
+        !none.finished && none.rows == 0 && none.written == 0,
+        "{none:?}"
+    );
+    assert_eq!(reports.load(Ordering::SeqCst), 0);
+    assert_eq!(state().await.unwrap(), IndexState::WriteOnly);
+    assert!(index_rows(&cluster, "gsi_contacts_email").await.is_empty());
+
+    // Cancelled by another task at its second report: no chunk after it.
+    let (control, reports) = cancelled_by_another_task(2);
+    let stopped = backfill(control).await.unwrap();
+    assert_eq!(reports.load(Ordering::SeqCst), 2, "{stopped:?}");
+    assert!(!stopped.finished && stopped.rows > 0, "{stopped:?}");
+    assert_eq!(state().await.unwrap(), IndexState::WriteOnly);
+    let indexed = index_rows(&cluster, "gsi_contacts_email").await;
+    assert_eq!(indexed.len() as u64, stopped.written, "{stopped:?}");
+
+    // The next call resumes: each row is read once over the runs.
+    let done = backfill(JobControl::new()).await.unwrap();
+    assert!(done.finished && done.shards_done == 4, "{done:?}");
+    assert_eq!(
+        stopped.rows + done.rows,
+        20,
+        "resumed: {done:?} after {stopped:?}"
+    );
+    assert_eq!(state().await.unwrap(), IndexState::Active);
+    assert_eq!(index_rows(&cluster, "gsi_contacts_email").await.len(), 20);
+}
+
 pub(crate) async fn write_only_scatters_until_backfilled(dbs: &mut TestDbs) {
     let (cluster, sent) = gsi_cluster(dbs, "").await;
     // Rows written before the index existed: no index rows for them.
@@ -335,18 +404,24 @@ pub(crate) async fn write_only_scatters_until_backfilled(dbs: &mut TestDbs) {
     let shards: BTreeSet<String> = contact_readers(&sent).into_iter().collect();
     assert_eq!(shards.len(), 4, "while write_only, every shard is asked");
 
-    // A run stopped after three chunks of two rows leaves the index write_only...
-    let mut calls = 0;
+    // A run cancelled at its third report (chunks of two rows) leaves the
+    // index write_only...
+    let calls = AtomicU64::new(0);
+    let stop = CancellationToken::new();
+    let cancel = stop.clone();
     let stopped = cluster
         .gsi()
-        .backfill_with::<contact::Entity>(contact::Column::Email, 2, |_| {
-            calls += 1;
-            if calls == 3 {
-                std::ops::ControlFlow::Break(())
-            } else {
-                std::ops::ControlFlow::Continue(())
-            }
-        })
+        .backfill_with::<contact::Entity>(
+            contact::Column::Email,
+            2,
+            JobControl::new()
+                .on_progress(move |_| {
+                    if calls.fetch_add(1, Ordering::SeqCst) + 1 == 3 {
+                        cancel.cancel();
+                    }
+                })
+                .cancel_on(stop),
+        )
         .await
         .unwrap();
     assert!(!stopped.finished);
@@ -361,15 +436,18 @@ pub(crate) async fn write_only_scatters_until_backfilled(dbs: &mut TestDbs) {
     let first_rows = stopped.rows;
     assert!((2..=6).contains(&first_rows), "{stopped:?}");
     // ...and the next run resumes where it stopped instead of starting over.
-    let mut seen = Vec::new();
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let pushed = Arc::clone(&seen);
     let progress = cluster
         .gsi()
-        .backfill_with::<contact::Entity>(contact::Column::Email, 2, |p| {
-            seen.push(p);
-            std::ops::ControlFlow::Continue(())
-        })
+        .backfill_with::<contact::Entity>(
+            contact::Column::Email,
+            2,
+            JobControl::new().on_progress(move |p| pushed.lock().unwrap().push(*p)),
+        )
         .await
         .unwrap();
+    let seen = seen.lock().unwrap().clone();
     assert!(progress.finished);
     assert_eq!(
         progress.rows + first_rows,

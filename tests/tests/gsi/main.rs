@@ -17,9 +17,10 @@ mod races;
 
 use basics::{
     a_failed_index_write_names_its_table, by_index_reports_a_failed_owner_shard,
-    index_rows_beside_their_owner_commit_relaxed, lookups_follow_the_index,
-    pinned_index_lives_on_one_shard, reconcile_removes_dangling_and_adds_missing,
-    unique_violation_and_takeover, write_only_scatters_until_backfilled,
+    cancelled_backfill_stops_at_a_chunk_and_resumes, index_rows_beside_their_owner_commit_relaxed,
+    lookups_follow_the_index, pinned_index_lives_on_one_shard,
+    reconcile_removes_dangling_and_adds_missing, unique_violation_and_takeover,
+    write_only_scatters_until_backfilled,
 };
 use races::{
     backfill_indexes_every_owner_despite_concurrent_deletes, failed_claim_is_not_a_duplicate,
@@ -37,6 +38,7 @@ backend_tests!(4 =>
     lookups_follow_the_index,
     unique_violation_and_takeover,
     write_only_scatters_until_backfilled,
+    cancelled_backfill_stops_at_a_chunk_and_resumes,
     reconcile_removes_dangling_and_adds_missing,
     pinned_index_lives_on_one_shard,
     index_rows_beside_their_owner_commit_relaxed,

@@ -8,12 +8,13 @@ use crate::index_rows;
 use sea_orm::ActiveValue::{NotSet, Unchanged};
 use sea_orm::{ConnectionTrait, EntityTrait, Set, Statement};
 use shardkit::error::Retry;
-use shardkit::gsi::IndexState;
-use shardkit::{Cluster, ShardError};
+use shardkit::gsi::{BackfillProgress, IndexState};
+use shardkit::{Cluster, JobControl, ShardError};
 use shardkit_tests::models::*;
 use shardkit_tests::{TestDbs, contacts_by_index};
 use std::collections::BTreeSet;
-use std::ops::ControlFlow;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 
 async fn gsi_cluster(dbs: &TestDbs, extra: &str) -> Cluster {
     let cluster = dbs.cluster(4, &format!("[groups.Customer]\n{extra}")).await;
@@ -286,54 +287,61 @@ pub(crate) async fn backfill_indexes_every_owner_despite_concurrent_deletes(dbs:
         IndexState::WriteOnly
     );
     let handle = tokio::runtime::Handle::current();
-    let mut next_id = 1000_i64;
-    let mut calls = 0;
+    let next = AtomicI64::new(1000);
+    let calls = Arc::new(AtomicU64::new(0));
+    let (counted, writer) = (Arc::clone(&calls), cluster.clone());
+    let on_progress = move |p: &BackfillProgress| {
+        let cluster = &writer;
+        counted.fetch_add(1, Ordering::SeqCst);
+        if p.finished || p.rows == 0 {
+            return;
+        }
+        let next_id = next.fetch_add(1, Ordering::SeqCst);
+        // Behind the scan: delete the lowest id left on the shard being
+        // scanned (just indexed), and insert a new row.
+        let scanned = cluster.topology().shard_names().nth(p.shards_done);
+        tokio::task::block_in_place(|| {
+            handle.block_on(async {
+                if let Some(shard) = scanned {
+                    let db = cluster.connection(shard).unwrap();
+                    let mut rows = contact::Entity::find().all(db).await.unwrap();
+                    rows.sort_by_key(|r| r.id);
+                    if let Some(row) = rows.into_iter().find(|r| r.id < 1000) {
+                        let tx = cluster.begin::<Customer>(row.customer_id).await.unwrap();
+                        tx.delete(contact::ActiveModel {
+                            id: Unchanged(row.id),
+                            customer_id: Unchanged(row.customer_id),
+                            email: NotSet,
+                            phone: NotSet,
+                        })
+                        .await
+                        .unwrap();
+                        tx.commit().await.unwrap();
+                    }
+                }
+                add(
+                    cluster,
+                    next_id,
+                    next_id % 16,
+                    &format!("b{next_id}@x"),
+                    "p",
+                )
+                .await
+                .unwrap();
+            });
+        });
+    };
     let progress = cluster
         .gsi()
-        .backfill_with::<contact::Entity>(contact::Column::Email, 4, |p| {
-            calls += 1;
-            if p.finished || p.rows == 0 {
-                return ControlFlow::Continue(());
-            }
-            // Behind the scan: delete the lowest id left on the shard being
-            // scanned (just indexed), and insert a new row.
-            let scanned = cluster.topology().shard_names().nth(p.shards_done);
-            tokio::task::block_in_place(|| {
-                handle.block_on(async {
-                    if let Some(shard) = scanned {
-                        let db = cluster.connection(shard).unwrap();
-                        let mut rows = contact::Entity::find().all(db).await.unwrap();
-                        rows.sort_by_key(|r| r.id);
-                        if let Some(row) = rows.into_iter().find(|r| r.id < 1000) {
-                            let tx = cluster.begin::<Customer>(row.customer_id).await.unwrap();
-                            tx.delete(contact::ActiveModel {
-                                id: Unchanged(row.id),
-                                customer_id: Unchanged(row.customer_id),
-                                email: NotSet,
-                                phone: NotSet,
-                            })
-                            .await
-                            .unwrap();
-                            tx.commit().await.unwrap();
-                        }
-                    }
-                    add(
-                        &cluster,
-                        next_id,
-                        next_id % 16,
-                        &format!("b{next_id}@x"),
-                        "p",
-                    )
-                    .await
-                    .unwrap();
-                });
-            });
-            next_id += 1;
-            ControlFlow::Continue(())
-        })
+        .backfill_with::<contact::Entity>(
+            contact::Column::Email,
+            4,
+            JobControl::new().on_progress(on_progress),
+        )
         .await
         .unwrap();
     assert!(progress.finished);
+    let calls = calls.load(Ordering::SeqCst);
     assert!(calls > 10, "{calls} progress calls");
     let survivors = all_contacts(&cluster).await;
     assert!(survivors.len() > 60, "{}", survivors.len());

@@ -7,10 +7,16 @@ use sea_orm::{
     Set, Statement,
 };
 use shardkit::clock::Clock;
-use shardkit::{Cluster, ManualClock, Phase, Rollout, RolloutHandle, ShardError, VerifyOptions};
+use shardkit::{
+    CancellationToken, Cluster, JobControl, ManualClock, Phase, Rollout, RolloutHandle, ShardError,
+    VerifyOptions,
+};
 use shardkit_tests::models::*;
-use shardkit_tests::{Sent, TestDbs, count_rows, recording_cluster_with};
+use shardkit_tests::{
+    Sent, TestDbs, cancelled_by_another_task, count_rows, recording_cluster_with,
+};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 type People = RolloutHandle<person_v1::Entity, person_v2::Entity>;
@@ -267,20 +273,31 @@ pub(crate) async fn full_rollout_walk(dbs: &mut TestDbs) {
         }
         other => panic!("advance before backfill: {other:?}"),
     }
-    // Stopped after its first chunk, a backfill resumes where it stopped.
+    // Cancelled after its first chunk, a backfill resumes where it stopped.
+    let stop = CancellationToken::new();
+    let cancel = stop.clone();
     let first = old_view
-        .backfill_with(2, |_| std::ops::ControlFlow::Break(()))
+        .backfill_with(
+            2,
+            JobControl::new()
+                .on_progress(move |_| cancel.cancel())
+                .cancel_on(stop),
+        )
         .await
         .unwrap();
     assert!(!first.finished && first.rows <= 2, "{first:?}");
-    let mut chunks = 0;
+    let chunks = Arc::new(AtomicU64::new(0));
+    let counted = Arc::clone(&chunks);
     let done = old_view
-        .backfill_with(2, |_| {
-            chunks += 1;
-            std::ops::ControlFlow::Continue(())
-        })
+        .backfill_with(
+            2,
+            JobControl::new().on_progress(move |_| {
+                counted.fetch_add(1, Ordering::Relaxed);
+            }),
+        )
         .await
         .unwrap();
+    let chunks = chunks.load(Ordering::Relaxed);
     assert!(
         done.finished && chunks >= 4,
         "{done:?} after {chunks} callbacks"
@@ -568,32 +585,46 @@ pub(crate) async fn verify_finds_injected_differences(dbs: &mut TestDbs) {
     let shard = app.shard_of::<Customer>(&5).await.unwrap();
     assert!(report.missing.iter().all(|d| d.shard == shard));
 
-    // Progress after every chunk; a break stops there, resumable.
-    let mut seen = Vec::new();
+    // Progress after every chunk; cancelling stops at the next chunk
+    // boundary, resumable.
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let stop = CancellationToken::new();
+    let (pushed, cancel) = (Arc::clone(&seen), stop.clone());
     let partial = people
-        .verify_with(opts.clone(), |so_far| {
-            seen.push((so_far.chunks, so_far.rows));
-            if so_far.chunks == 3 {
-                std::ops::ControlFlow::Break(())
-            } else {
-                std::ops::ControlFlow::Continue(())
-            }
-        })
+        .verify_with(
+            opts.clone(),
+            JobControl::new()
+                .on_progress(move |so_far: &shardkit::VerifyReport| {
+                    pushed.lock().unwrap().push((so_far.chunks, so_far.rows));
+                    if so_far.chunks == 3 {
+                        cancel.cancel();
+                    }
+                })
+                .cancel_on(stop),
+        )
         .await
         .unwrap();
+    let seen = seen.lock().unwrap().clone();
     assert_eq!(seen.iter().map(|(c, _)| *c).collect::<Vec<_>>(), [1, 2, 3]);
     assert!(seen.windows(2).all(|w| w[0].1 <= w[1].1), "{seen:?}");
     assert!(!partial.finished && partial.cursor.is_some());
-    let mut calls = 0;
+    let calls = Arc::new(AtomicU64::new(0));
+    let counted = Arc::clone(&calls);
     let whole = people
-        .verify_with(opts.clone(), |_| {
-            calls += 1;
-            std::ops::ControlFlow::Continue(())
-        })
+        .verify_with(
+            opts.clone(),
+            JobControl::new().on_progress(move |_| {
+                counted.fetch_add(1, Ordering::Relaxed);
+            }),
+        )
         .await
         .unwrap();
     assert!(whole.finished);
-    assert_eq!(calls, whole.chunks, "one call per chunk");
+    assert_eq!(
+        calls.load(Ordering::Relaxed),
+        whole.chunks,
+        "one call per chunk"
+    );
 
     // Resumable: two chunks now, the rest later, the same findings.
     let first = people.verify(opts.clone().max_chunks(2)).await.unwrap();
@@ -1162,4 +1193,68 @@ pub(crate) async fn backfill_when_ready_waits_out_the_gap_and_resumes_after_a_ti
     let done = done.unwrap_or_else(|e| panic!("{}", e.report()));
     assert!(done.finished, "{done:?}");
     assert_eq!(count_rows(&app, "people_v2").await, 30);
+}
+
+/// A rollout backfill whose token is cancelled before it starts copies
+/// nothing; one cancelled by another task while it runs stops at the next
+/// chunk boundary (`finished: false`, its position saved), and the next call
+/// resumes there and finishes, so the rollout can advance.
+pub(crate) async fn cancelled_backfill_stops_at_a_chunk_and_resumes(dbs: &mut TestDbs) {
+    let clock = test_clock();
+    let (app, _, people) = instance(dbs, &clock).await;
+    for i in 1..=30 {
+        put(&app, &person(i, i % 7, &format!("f{i}"), "l", "c"))
+            .await
+            .unwrap();
+    }
+    clock.advance(TTL + REFRESH);
+    assert_eq!(people.advance().await.unwrap(), Phase::CacheBoth);
+    clock.advance(TTL + REFRESH);
+    assert_eq!(people.advance().await.unwrap(), Phase::DualWrite);
+    clock.advance(people.gap());
+
+    // Cancelled before it starts: no chunk, no report.
+    let stop = CancellationToken::new();
+    stop.cancel();
+    let reports = Arc::new(AtomicU64::new(0));
+    let counted = Arc::clone(&reports);
+    let none = people
+        .backfill_with(
+            4,
+            JobControl::new()
+                .on_progress(move |_| {
+                    counted.fetch_add(1, Ordering::SeqCst);
+                })
+                .cancel_on(stop),
+        )
+        .await
+        .unwrap();
+    assert!(!none.finished && none.rows == 0, "{none:?}");
+    assert_eq!(reports.load(Ordering::SeqCst), 0);
+    assert_eq!(count_rows(&app, "people_v2").await, 0);
+    assert!(!people.status().await.unwrap().backfilled);
+
+    // Cancelled by another task at its second report: no chunk after it.
+    let (control, reports) = cancelled_by_another_task(2);
+    let stopped = people.backfill_with(4, control).await.unwrap();
+    assert_eq!(reports.load(Ordering::SeqCst), 2, "{stopped:?}");
+    assert!(!stopped.finished && stopped.rows > 0, "{stopped:?}");
+    assert_eq!(count_rows(&app, "people_v2").await, stopped.rows);
+    let refused = people.advance().await.unwrap_err();
+    assert!(
+        matches!(refused, ShardError::Rollout { ref reason, .. } if reason.contains("backfill")),
+        "{refused:?}"
+    );
+
+    // The next call resumes: each row is copied once over the runs.
+    let done = people.backfill_with(4, JobControl::new()).await.unwrap();
+    assert!(done.finished, "{done:?}");
+    assert_eq!(
+        stopped.rows + done.rows,
+        30,
+        "resumed: {done:?} after {stopped:?}"
+    );
+    assert_eq!(count_rows(&app, "people_v2").await, 30);
+    clock.advance(TTL + REFRESH);
+    assert_eq!(people.advance().await.unwrap(), Phase::ReadNew);
 }

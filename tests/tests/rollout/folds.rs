@@ -5,7 +5,8 @@
 
 use sea_orm::{ActiveValue::NotSet, ActiveValue::Unchanged, ColumnTrait, QueryFilter, Set};
 use shardkit::{
-    Cluster, ClusterConfig, ManualClock, Phase, Rollout, RolloutHandle, ShardError, VerifyOptions,
+    Cluster, ClusterConfig, JobControl, ManualClock, Phase, Rollout, RolloutHandle, ShardError,
+    VerifyOptions,
 };
 use shardkit_tests::models::*;
 use shardkit_tests::{Backend, Sent, TestDbs, count_rows, recording_cluster_with};
@@ -348,7 +349,7 @@ pub(crate) async fn fold_walk_with_two_instances(dbs: &mut TestDbs) {
             assert!(a.users.backfill().await.unwrap().finished);
             assert!(
                 b.orders
-                    .backfill_with(3, |_| std::ops::ControlFlow::Continue(()))
+                    .backfill_with(3, JobControl::new())
                     .await
                     .unwrap()
                     .finished

@@ -4,10 +4,13 @@
 
 use sea_orm::ActiveValue::{Set, Unchanged};
 use sea_orm::{ConnectionTrait, Statement};
-use shardkit::{Cluster, ManualClock, Phase, Rollout, RolloutHandle, ShardError, VerifyOptions};
+use shardkit::{
+    Cluster, JobControl, ManualClock, Phase, Rollout, RolloutHandle, ShardError, VerifyOptions,
+};
 use shardkit_tests::models::*;
 use shardkit_tests::{Sent, TestDbs, recording_cluster_with};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 type People = RolloutHandle<person_v1::Entity, person_v2::Entity>;
@@ -219,24 +222,26 @@ pub(crate) async fn retreat_during_backfill_stops_it_and_voids_its_progress(dbs:
     // every row before the backfill goes on (the callback is synchronous:
     // it leaves the worker thread to the runtime while it waits).
     let runtime = tokio::runtime::Handle::current();
-    let mut calls = 0;
+    let calls = Arc::new(AtomicU64::new(0));
+    let (counted, b, b_app) = (Arc::clone(&calls), b.clone(), b_app.clone());
     let result = a
-        .backfill_with(1, |_| {
-            calls += 1;
-            if calls == 1 {
-                tokio::task::block_in_place(|| {
-                    runtime.block_on(async {
-                        // B retreats from the phase it acts on: dual_write.
-                        assert_eq!(b.refresh().await.unwrap(), Phase::DualWrite);
-                        assert_eq!(b.retreat().await.unwrap(), Phase::CacheBoth);
-                        for id in 1..=ROWS {
-                            set_city(&b_app, id, id, "Fresh").await;
-                        }
-                    })
-                });
-            }
-            std::ops::ControlFlow::Continue(())
-        })
+        .backfill_with(
+            1,
+            JobControl::new().on_progress(move |_| {
+                if counted.fetch_add(1, Ordering::SeqCst) == 0 {
+                    tokio::task::block_in_place(|| {
+                        runtime.block_on(async {
+                            // B retreats from the phase it acts on: dual_write.
+                            assert_eq!(b.refresh().await.unwrap(), Phase::DualWrite);
+                            assert_eq!(b.retreat().await.unwrap(), Phase::CacheBoth);
+                            for id in 1..=ROWS {
+                                set_city(&b_app, id, id, "Fresh").await;
+                            }
+                        })
+                    });
+                }
+            }),
+        )
         .await;
     match result {
         Err(ShardError::Rollout { reason, .. }) => {
@@ -247,7 +252,11 @@ pub(crate) async fn retreat_during_backfill_stops_it_and_voids_its_progress(dbs:
         }
         other => panic!("the backfill went on after the retreat: {other:?}"),
     }
-    assert_eq!(calls, 1, "no chunk after the retreat");
+    assert_eq!(
+        calls.load(Ordering::SeqCst),
+        1,
+        "no chunk after the retreat"
+    );
     assert_eq!(stored_backfill(&a_app).await, None, "progress is void");
     assert_eq!(a.refresh().await.unwrap(), Phase::CacheBoth);
     assert!(cities(&a_app, "people_v2").await.len() <= 2);

@@ -7,7 +7,7 @@ use crate::cli::progress::Progress;
 use crate::cli::registry::{AdminEntity, Registry};
 use crate::cluster::Cluster;
 use crate::error::Result;
-use crate::gsi::BackfillProgress;
+use crate::gsi::{BackfillProgress, ReconcileReport};
 use serde_json::{Value, json};
 use std::fmt::Write as _;
 
@@ -85,21 +85,20 @@ pub(super) async fn gsi(
             let mut text = String::new();
             let mut stopped = false;
             for column in columns {
-                let mut progress =
-                    Progress::new(format!("gsi backfill {table}.{column}"), None, json);
-                let mut on_progress = |p: BackfillProgress| {
-                    let rate = progress.rate(p.rows);
-                    progress.report(
+                let progress = Progress::new(format!("gsi backfill {table}.{column}"), None, json);
+                let control = progress.control(|bar, p: &BackfillProgress| {
+                    let rate = bar.rate(p.rows);
+                    bar.report(
                         p.shards_done as u64,
                         Some(p.shards as u64),
                         &format!(
                             "shards, {} rows, {} index rows, {rate:.0} rows/s",
                             p.rows, p.written
                         ),
-                    )
-                };
+                    );
+                });
                 let done = entity
-                    .index_backfill(cluster, column, chunk, &mut on_progress)
+                    .index_backfill(cluster, column, chunk, control)
                     .await?;
                 stopped |= progress.stopped() && !done.finished;
                 let _ = writeln!(
@@ -132,21 +131,41 @@ pub(super) async fn gsi(
             let mut text = String::new();
             let mut problem = false;
             for entity in pick(&table)? {
-                let r = entity.index_reconcile(cluster).await?;
-                problem |= !r.conflicts.is_empty();
+                let progress =
+                    Progress::new(format!("gsi reconcile {}", entity.table()), None, json);
+                let control = progress.control(|bar, r: &ReconcileReport| {
+                    bar.report(
+                        r.scanned,
+                        None,
+                        &format!(
+                            "index rows scanned, {} dangling removed, {} missing added",
+                            r.removed, r.added
+                        ),
+                    );
+                });
+                let r = entity.index_reconcile(cluster, control).await?;
+                problem |= !r.conflicts.is_empty() || !r.finished;
                 let _ = writeln!(
                     text,
-                    "{}: {} index rows scanned, {} dangling removed, {} missing added, {} conflicts",
+                    "{}: {} index rows scanned, {} dangling removed, {} missing added, {} conflicts{}",
                     entity.table(),
                     r.scanned,
                     r.removed,
                     r.added,
-                    r.conflicts.len()
+                    r.conflicts.len(),
+                    if r.finished {
+                        ""
+                    } else {
+                        ", stopped (the next pass starts over)"
+                    }
                 );
                 results.push(json!({
                     "table": entity.table(), "scanned": r.scanned, "removed": r.removed,
-                    "added": r.added, "conflicts": r.conflicts.len(),
+                    "added": r.added, "conflicts": r.conflicts.len(), "finished": r.finished,
                 }));
+                if !r.finished {
+                    break;
+                }
             }
             Ok(Outcome {
                 json: Value::Array(results),

@@ -7,11 +7,10 @@ use crate::cli::progress::Progress;
 use crate::cli::registry::Registry;
 use crate::cluster::Cluster;
 use crate::error::{Result, ShardError};
-use crate::rebalance::{AnyGroup, MovePlan, MoveStatus, Rebalance};
+use crate::rebalance::{AnyGroup, MovePlan, MoveProgress, MoveStatus, Rebalance};
 use crate::topology::{LiveMap, RangeBound, RangeUnit};
 use serde_json::{Value, json};
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex};
 
 /// The columns of a table of moves (rows from [`move_row`]).
 pub(super) const MOVE_COLUMNS: [&str; 6] = [
@@ -223,15 +222,9 @@ fn range_json(cluster: &Cluster, r: &RangeUnit) -> Value {
 
 /// Runs move `id` with a progress bar; Ctrl-C stops it at a chunk boundary.
 async fn run_move(moves: Rebalance<AnyGroup>, id: i64, json: bool) -> Result<Outcome> {
-    let progress = Arc::new(Mutex::new(Progress::new(format!("move #{id}"), None, json)));
-    let stop = progress
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .stop_flag();
-    let shown = Arc::clone(&progress);
-    let moves = moves.stop_on(stop).on_progress(move |p| {
-        let mut bar = shown.lock().unwrap_or_else(|p| p.into_inner());
-        let _ = bar.report(
+    let progress = Progress::new(format!("move #{id}"), None, json);
+    let moves = moves.control(progress.control(|bar, p: &MoveProgress| {
+        bar.report(
             p.rows_copied,
             Some(p.rows_estimated.max(p.rows_copied)),
             &format!(
@@ -239,7 +232,7 @@ async fn run_move(moves: Rebalance<AnyGroup>, id: i64, json: bool) -> Result<Out
                 p.phase, p.rows_per_sec, p.pending_changes
             ),
         );
-    });
+    }));
     let done = moves.run(id).await?;
     drop(progress);
     let text = if done.phase.is_finished() {

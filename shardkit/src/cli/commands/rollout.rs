@@ -64,9 +64,9 @@ pub(super) async fn rollout(
         }
         RolloutAction::Advance { name } => {
             let handle = named(&name)?.register(cluster).await?;
-            let mut progress = Progress::new(format!("rollout {name} advance"), None, json);
+            let progress = Progress::new(format!("rollout {name} advance"), None, json);
             let mut on_wait = |next: Phase, left: Duration| {
-                let _ = progress.report(
+                progress.report(
                     0,
                     None,
                     &format!("to {next}: waiting {left:.0?} for the gap"),
@@ -90,18 +90,18 @@ pub(super) async fn rollout(
         }
         RolloutAction::Backfill { name, chunk } => {
             let handle = named(&name)?.register(cluster).await?;
-            let mut progress = Progress::new(format!("rollout {name} backfill"), None, json);
-            let mut on_progress = |p: RolloutBackfill| {
-                let rate = progress.rate(p.rows);
-                progress.report(
+            let progress = Progress::new(format!("rollout {name} backfill"), None, json);
+            let control = progress.control(|bar, p: &RolloutBackfill| {
+                let rate = bar.rate(p.rows);
+                bar.report(
                     p.shards_done as u64,
                     Some(p.shards as u64),
                     &format!("shards, {} rows, {rate:.0} rows/s", p.rows),
-                )
-            };
+                );
+            });
             // Right after the move to dual_write the backfill must wait out
             // the gap; an operator's command waits instead of failing.
-            let done = match handle.backfill(chunk, &mut on_progress).await {
+            let done = match handle.backfill(chunk, control.clone()).await {
                 Err(ShardError::RolloutTooSoon { wait_ms, .. }) => {
                     if !json {
                         eprintln!(
@@ -109,7 +109,7 @@ pub(super) async fn rollout(
                         );
                     }
                     tokio::time::sleep(Duration::from_millis(wait_ms)).await;
-                    handle.backfill(chunk, &mut on_progress).await?
+                    handle.backfill(chunk, control).await?
                 }
                 other => other?,
             };
@@ -146,10 +146,10 @@ pub(super) async fn rollout(
             if resume {
                 opts = opts.resume();
             }
-            let mut progress = Progress::new(format!("rollout {name} verify"), None, json);
-            let mut on_progress = |r: &VerifyReport| {
-                let rate = progress.rate(r.rows);
-                progress.report(
+            let progress = Progress::new(format!("rollout {name} verify"), None, json);
+            let control = progress.control(|bar, r: &VerifyReport| {
+                let rate = bar.rate(r.rows);
+                bar.report(
                     r.chunks,
                     None,
                     &format!(
@@ -157,9 +157,9 @@ pub(super) async fn rollout(
                         r.rows,
                         r.differences()
                     ),
-                )
-            };
-            let report = handle.verify(opts, &mut on_progress).await?;
+                );
+            });
+            let report = handle.verify(opts, control).await?;
             Ok(verify_outcome(&format!("rollout {name}"), &report))
         }
     }

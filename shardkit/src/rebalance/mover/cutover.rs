@@ -119,7 +119,7 @@ impl<G> Rebalance<G> {
             ));
         }
         // Flip the map and end the phase in one transaction.
-        let (cdb, cname) = self.control()?;
+        let (cdb, cname) = self.control_db()?;
         let err = |e| db_err(cname, crate::rebalance::map::MAP, "cut over", e);
         let txn = crate::exec::begin_write(cdb).await.map_err(err)?;
         for chunk in all.chunks(500) {
@@ -160,17 +160,15 @@ impl<G> Rebalance<G> {
         status.phase = MovePhase::Cleaning;
         status.cutover_ms = Some(now);
         crate::metrics::move_pending(self.group, 0);
-        if let Some(f) = &self.progress {
-            f(&MoveProgress {
-                id,
-                phase: MovePhase::Cleaning,
-                rows_copied: status.rows_copied,
-                rows_per_sec: 0.0,
-                rows_estimated: status.rows_copied,
-                pending_changes: 0,
-                eta: None,
-            });
-        }
+        self.control.report(&MoveProgress {
+            id,
+            phase: MovePhase::Cleaning,
+            rows_copied: status.rows_copied,
+            rows_per_sec: 0.0,
+            rows_estimated: status.rows_copied,
+            pending_changes: 0,
+            eta: None,
+        });
         let epoch = crate::rebalance::map::refresh(&self.shards, self.group).await?;
         tracing::info!(group = self.group, id, epoch, "move cut over");
         Ok(())
@@ -255,7 +253,7 @@ impl<G> Rebalance<G> {
     }
 
     pub(super) async fn release_buckets(&self, token: &Token, id: i64) -> Result<()> {
-        let (db, name) = self.control()?;
+        let (db, name) = self.control_db()?;
         let err = |e| db_err(name, CLAIMS, "release", e);
         let stmt = Query::delete()
             .from_table(Alias::new(CLAIMS))

@@ -20,7 +20,7 @@ impl<G> Rebalance<G> {
         cursor: Option<&str>,
         extra: impl FnOnce(&mut sea_orm::sea_query::UpdateStatement),
     ) -> Result<()> {
-        let (db, name) = self.control()?;
+        let (db, name) = self.control_db()?;
         let mut stmt = Query::update();
         stmt.table(Alias::new(MOVES))
             .value(Alias::new("phase"), status.phase.as_str())
@@ -63,7 +63,7 @@ impl<G> Rebalance<G> {
     /// held the move before is refused from then on. Returns `None` when the
     /// move is finished.
     pub(super) async fn acquire(&self, id: i64) -> Result<Option<Token>> {
-        let (db, name) = self.control()?;
+        let (db, name) = self.control_db()?;
         let now = self.shards.now_ms();
         let stmt = Query::update()
             .table(Alias::new(MOVES))
@@ -189,7 +189,7 @@ impl<G> Rebalance<G> {
     /// Renews this mover's hold; `false` when another process holds the
     /// move now.
     pub(super) async fn renew(&self, token: &Token) -> Result<bool> {
-        let (db, name) = self.control()?;
+        let (db, name) = self.control_db()?;
         let stmt = Query::update()
             .table(Alias::new(MOVES))
             .value(Alias::new("lease_ms"), self.shards.now_ms() + LEASE_MS)
@@ -207,7 +207,9 @@ impl<G> Rebalance<G> {
 
     /// Lets go of move `id` (held at `generation`, when known).
     pub(super) async fn let_go(&self, id: i64, generation: Option<i64>) {
-        let Ok((db, _)) = self.control() else { return };
+        let Ok((db, _)) = self.control_db() else {
+            return;
+        };
         let mut stmt = Query::update();
         stmt.table(Alias::new(MOVES))
             .value(Alias::new("runner"), Option::<String>::None)
@@ -235,17 +237,15 @@ impl<G> Rebalance<G> {
             MovePhase::ALL.iter().position(|p| *p == phase).unwrap_or(0) as u8,
         );
         tracing::info!(group = self.group, id = status.id, phase = %phase, "move phase");
-        if let Some(f) = &self.progress {
-            f(&MoveProgress {
-                id: status.id,
-                phase,
-                rows_copied: status.rows_copied,
-                rows_per_sec: 0.0,
-                rows_estimated: status.rows_copied,
-                pending_changes: status.pending_changes,
-                eta: None,
-            });
-        }
+        self.control.report(&MoveProgress {
+            id: status.id,
+            phase,
+            rows_copied: status.rows_copied,
+            rows_per_sec: 0.0,
+            rows_estimated: status.rows_copied,
+            pending_changes: status.pending_changes,
+            eta: None,
+        });
         Ok(())
     }
 }

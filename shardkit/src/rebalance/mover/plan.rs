@@ -4,6 +4,7 @@
 use crate::entity::{EntityGroup, ShardedEntity, table_name};
 use crate::error::{Result, ShardError};
 use crate::exec::Shards;
+use crate::job::JobControl;
 use crate::rebalance::entity::{MoveEntity, Mover};
 use crate::topology::{LiveMap, MapSnapshot, ShardId};
 use std::sync::Arc;
@@ -128,7 +129,8 @@ pub struct MoveStatus {
     pub generation: i64,
 }
 
-/// What a running move reports to [`Rebalance::on_progress`].
+/// What a running move reports to the progress callback of its
+/// [`JobControl`] ([`Rebalance::control`]).
 #[derive(Clone, Debug)]
 pub struct MoveProgress {
     /// The move.
@@ -148,8 +150,6 @@ pub struct MoveProgress {
     pub eta: Option<Duration>,
 }
 
-pub(super) type ProgressFn = Arc<dyn Fn(&MoveProgress) + Send + Sync>;
-
 /// Bucket moves of group `G` ([`Cluster::rebalance`](crate::Cluster::rebalance)).
 ///
 /// List every entity of the group with [`entity`](Self::entity), each
@@ -161,15 +161,15 @@ pub struct Rebalance<G> {
     pub(super) group: &'static str,
     pub(super) shards: Shards,
     pub(super) entities: Vec<Arc<dyn MoveEntity>>,
-    pub(super) progress: Option<ProgressFn>,
+    pub(super) control: JobControl<MoveProgress>,
     pub(super) wait_for_grace: bool,
-    pub(super) stop: Option<Arc<std::sync::atomic::AtomicBool>>,
     /// This mover's name in `shardkit_moves.runner` while it holds a move.
     pub(super) token: String,
     _group: std::marker::PhantomData<fn() -> G>,
 }
 
-/// A clone carries the same entities and settings under a new mover name,
+/// A clone carries the same entities and settings (its
+/// [`JobControl`] too: the same callback and token) under a new mover name,
 /// so two clones running one move fence each other like two processes.
 impl<G> Clone for Rebalance<G> {
     fn clone(&self) -> Self {
@@ -177,9 +177,8 @@ impl<G> Clone for Rebalance<G> {
             group: self.group,
             shards: self.shards.clone(),
             entities: self.entities.clone(),
-            progress: self.progress.clone(),
+            control: self.control.clone(),
             wait_for_grace: self.wait_for_grace,
-            stop: self.stop.clone(),
             token: crate::uuid_v7().to_string(),
             _group: std::marker::PhantomData,
         }
@@ -257,11 +256,10 @@ impl<G: EntityGroup> Rebalance<G> {
     pub(crate) fn new(shards: Shards) -> Result<Self> {
         let moves = Rebalance {
             group: G::NAME,
-            stop: None,
             token: crate::uuid_v7().to_string(),
             shards,
             entities: Vec::new(),
-            progress: None,
+            control: JobControl::new(),
             wait_for_grace: false,
             _group: std::marker::PhantomData,
         };
@@ -287,9 +285,8 @@ impl<G: EntityGroup> Rebalance<G> {
             group: self.group,
             shards: self.shards,
             entities: self.entities,
-            progress: self.progress,
+            control: self.control,
             wait_for_grace: self.wait_for_grace,
-            stop: self.stop,
             token: self.token,
             _group: std::marker::PhantomData,
         }

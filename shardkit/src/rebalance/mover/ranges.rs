@@ -112,7 +112,7 @@ impl<G> Rebalance<G> {
         if old.from.as_ref() == Some(&at) {
             return Err(self.refuse(None, format!("{at} already starts {old}")));
         }
-        let (db, name) = self.control()?;
+        let (db, name) = self.control_db()?;
         let holder = Query::select()
             .column(Alias::new("move_id"))
             .from(Alias::new(CLAIMS))
@@ -285,7 +285,7 @@ impl<G> Rebalance<G> {
 
     /// Hands out `n` new range ids of the group (the epoch row counts them).
     async fn allocate_range_ids(&self, n: u32) -> Result<u32> {
-        let (db, name) = self.control()?;
+        let (db, name) = self.control_db()?;
         let err = |e| db_err(name, EPOCHS, "allocate", e);
         let txn = crate::exec::begin_write(db).await.map_err(err)?;
         let bump = Query::update()
@@ -311,7 +311,7 @@ impl<G> Rebalance<G> {
     /// range group runs it first, so no half moves while an instance can
     /// still write it unlogged by the old range.
     pub(super) async fn retire_split_ranges(&self) -> Result<()> {
-        let (db, name) = self.control()?;
+        let (db, name) = self.control_db()?;
         let stmt = Query::select()
             .column(Alias::new("bucket"))
             .from(Alias::new(CLAIMS))
@@ -366,7 +366,7 @@ impl<G> Rebalance<G> {
                 }
             }
         }
-        let (db, name) = self.control()?;
+        let (db, name) = self.control_db()?;
         let mark = Query::update()
             .table(Alias::new(CLAIMS))
             .value(Alias::new("move_id"), SPLIT_FENCED)

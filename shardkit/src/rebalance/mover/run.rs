@@ -1,6 +1,7 @@
 //! The mover's run loop: taking a move, copying, catching up, cutting over, cleaning, and aborting.
 
 use crate::error::{Result, ShardError};
+use crate::job::JobControl;
 use crate::rebalance::entity::Buckets;
 use crate::rebalance::fencing::Token;
 use crate::rebalance::map::{BucketState, control, set_states};
@@ -9,27 +10,18 @@ use crate::rebalance::{MovePhase, MovePlan, MoveProgress, MoveStatus, Rebalance,
 use crate::topology::{LiveMap, RangeUnit, ShardId};
 use sea_orm::sea_query::{Alias, Expr, ExprTrait, Query};
 use sea_orm::{ConnectionTrait, DatabaseConnection, DbBackend, DbErr, Statement};
-use std::sync::Arc;
 use std::time::Duration;
 
 impl<G> Rebalance<G> {
-    /// Stops [`run`](Self::run) at the next chunk boundary (or phase
-    /// boundary) once `flag` is set; run it again to resume.
-    pub fn stop_on(mut self, flag: Arc<std::sync::atomic::AtomicBool>) -> Self {
-        self.stop = Some(flag);
-        self
-    }
-
-    fn stopping(&self) -> bool {
-        self.stop
-            .as_ref()
-            .is_some_and(|f| f.load(std::sync::atomic::Ordering::Acquire))
-    }
-
-    /// Calls `f` at every phase change, after every run of copied chunks and
-    /// after every replay round.
-    pub fn on_progress(mut self, f: impl Fn(&MoveProgress) + Send + Sync + 'static) -> Self {
-        self.progress = Some(Arc::new(f));
+    /// The progress and cancellation of [`run`](Self::run), as every long
+    /// job takes them: the callback is called at every phase change, after
+    /// every run of copied chunks and after every replay round; once the
+    /// token is cancelled, `run` stops at the next chunk of its copy, the
+    /// next round of its replay or the next phase (a cut-over under way is
+    /// finished first), lets the move go and returns its status, the move's
+    /// position saved; run it again, from any process, to resume.
+    pub fn control(mut self, control: JobControl<MoveProgress>) -> Self {
+        self.control = control;
         self
     }
 
@@ -107,7 +99,7 @@ impl<G> Rebalance<G> {
         })
     }
 
-    pub(super) fn control(&self) -> Result<(&DatabaseConnection, &str)> {
+    pub(super) fn control_db(&self) -> Result<(&DatabaseConnection, &str)> {
         let id = control(&self.shards, self.group)?;
         Ok((self.shards.side_conn(id), self.shards.shard_name(id)))
     }
@@ -151,7 +143,7 @@ impl<G> Rebalance<G> {
                 ));
             }
         }
-        let (db, name) = self.control()?;
+        let (db, name) = self.control_db()?;
         let err = |e| db_err(name, MOVES, "register", e);
         let txn = crate::exec::begin_write(db).await.map_err(err)?;
         let held = Query::select()
@@ -284,17 +276,15 @@ impl<G> Rebalance<G> {
             .then(|| Duration::from_secs_f64((estimated - status.rows_copied) as f64 / rate));
         crate::metrics::move_pending(self.group, pending);
         tracing::debug!(group = self.group, id = status.id, phase = %status.phase, rows = status.rows_copied, rate, pending, "move progress");
-        if let Some(f) = &self.progress {
-            f(&MoveProgress {
-                id: status.id,
-                phase: status.phase,
-                rows_copied: status.rows_copied,
-                rows_per_sec: rate,
-                rows_estimated: estimated,
-                pending_changes: pending,
-                eta,
-            });
-        }
+        self.control.report(&MoveProgress {
+            id: status.id,
+            phase: status.phase,
+            rows_copied: status.rows_copied,
+            rows_per_sec: rate,
+            rows_estimated: estimated,
+            pending_changes: pending,
+            eta,
+        });
     }
 
     /// Runs move `id` from its stored phase as far as it can go: to `done`,
@@ -346,7 +336,7 @@ impl<G> Rebalance<G> {
         let started = (self.shards.now_ms(), status.rows_copied);
         let mut estimated = 0u64;
         loop {
-            if self.stopping() && status.phase != MovePhase::CuttingOver {
+            if self.control.is_cancelled() && status.phase != MovePhase::CuttingOver {
                 return self.status(id).await;
             }
             match status.phase {
@@ -440,11 +430,13 @@ impl<G> Rebalance<G> {
                                 self.save(token, &status, Some(&c), |_| {}).await?;
                                 self.report(&status, started, estimated, 0);
                                 self.failpoint("copy_chunk", id, target)?;
+                                // Also past an entity's last chunk: the
+                                // saved position is the next entity's start.
+                                if self.control.is_cancelled() {
+                                    return self.status(id).await;
+                                }
                                 if after.is_none() {
                                     break;
-                                }
-                                if self.stopping() {
-                                    return self.status(id).await;
                                 }
                             }
                             ei += 1;
@@ -460,6 +452,9 @@ impl<G> Rebalance<G> {
                     self.failpoint("catching_up", id, target)?;
                     // Replay until a round finds little left, then compare.
                     for _ in 0..100 {
+                        if self.control.is_cancelled() {
+                            return self.status(id).await;
+                        }
                         let n = self.replay(token, &mut status, Some(CATCH_UP)).await?;
                         let pending = self.pending(&status).await?;
                         self.save(token, &status, None, |_| {}).await?;

@@ -12,7 +12,7 @@ impl<G> Rebalance<G> {
     /// Every move of the group that is not finished, and the finished ones
     /// too when `all`.
     pub async fn list(&self, all: bool) -> Result<Vec<MoveStatus>> {
-        let (db, name) = self.control()?;
+        let (db, name) = self.control_db()?;
         let mut select = Query::select();
         select
             .column(Alias::new("id"))
@@ -49,7 +49,7 @@ impl<G> Rebalance<G> {
     }
 
     pub(super) async fn read(&self, id: i64) -> Result<(MoveStatus, Option<String>)> {
-        let (db, name) = self.control()?;
+        let (db, name) = self.control_db()?;
         let err = |e| db_err(name, MOVES, "read", e);
         let stmt = Query::select()
             .columns(
