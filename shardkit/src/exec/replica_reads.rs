@@ -3,7 +3,9 @@
 
 use crate::clock::now_ms;
 use crate::exec::periodic::{FirstPass, spawn};
-use crate::exec::replicas::{Consistency, Position, Replica, ReplicaStatus, primary_position};
+use crate::exec::replicas::{
+    Consistency, Position, Replica, ReplicaSet, ReplicaStatus, primary_position,
+};
 use crate::exec::shards::Shards;
 use crate::topology::ShardId;
 use std::ops::ControlFlow;
@@ -162,25 +164,37 @@ impl Shards {
     /// it. A shard whose position cannot be read gets a floor no replica
     /// reaches (its movable reads go to the shard) until a probe reads it.
     pub(crate) async fn raise_replica_floors(&self) {
-        let bound = self.inner.read.replica_timeout;
-        let raises = self
-            .inner
+        let raises = self.with_replicas().map(|(id, set)| async move {
+            match self.position_now(id).await {
+                Some(position) => set.raise_floor(position),
+                None => {
+                    let backend = self.shard_conn(id).get_database_backend();
+                    set.raise_floor(Position::unreachable(backend));
+                }
+            }
+        });
+        futures::future::join_all(raises).await;
+    }
+
+    /// The shards that have replicas, with their replicas.
+    fn with_replicas(&self) -> impl Iterator<Item = (ShardId, &ReplicaSet)> {
+        self.inner
             .replicas
             .iter()
             .enumerate()
             .filter(|(_, set)| !set.replicas.is_empty())
-            .map(|(i, set)| async move {
-                let id = ShardId(i as u32);
-                let read = tokio::time::timeout(bound, primary_position(self.side_conn(id))).await;
-                match read {
-                    Ok(Ok(Some(position))) => set.raise_floor(position),
-                    _ => {
-                        let backend = self.shard_conn(id).get_database_backend();
-                        set.raise_floor(Position::unreachable(backend));
-                    }
-                }
-            });
-        futures::future::join_all(raises).await;
+            .map(|(i, set)| (ShardId(i as u32), set))
+    }
+
+    /// Shard `id`'s position now, within the replica timeout; `None` when
+    /// it cannot be read.
+    async fn position_now(&self, id: ShardId) -> Option<Position> {
+        let bound = self.inner.read.replica_timeout;
+        tokio::time::timeout(bound, primary_position(self.side_conn(id)))
+            .await
+            .ok()
+            .and_then(Result::ok)
+            .flatten()
     }
 
     /// Every replica's state after probing each once now.
@@ -215,39 +229,26 @@ impl Shards {
     /// replica's lag against it, each bounded by the replica timeout.
     async fn probe_replicas(&self) {
         let bound = self.inner.read.replica_timeout;
-        let probes = self
-            .inner
-            .replicas
-            .iter()
-            .enumerate()
-            .filter(|(_, set)| !set.replicas.is_empty())
-            .map(|(i, set)| async move {
-                let id = ShardId(i as u32);
-                let primary = tokio::time::timeout(bound, primary_position(self.side_conn(id)))
-                    .await
-                    .ok()
-                    .and_then(Result::ok)
-                    .flatten();
-                // A floor the last map install could not read: the shard's
-                // position now is past that install.
-                if let Some(position) = &primary
-                    && set.floor().is_some_and(|f| f.is_unreachable())
-                {
-                    set.raise_floor(position.clone());
+        let probes = self.with_replicas().map(|(id, set)| async move {
+            let primary = self.position_now(id).await;
+            // A floor the last map install could not read: the shard's
+            // position now is past that install.
+            if let Some(position) = &primary
+                && set.floor().is_some_and(|f| f.is_unreachable())
+            {
+                set.raise_floor(position.clone());
+            }
+            for replica in &set.replicas {
+                match tokio::time::timeout(bound, replica.measure(primary.as_ref())).await {
+                    Ok(Ok(lag)) => replica.measured(lag),
+                    Ok(Err(err)) => self.replica_failed(replica, &crate::error::DriverCause(&err)),
+                    Err(_) => self.replica_failed(
+                        replica,
+                        &format_args!("probe: no answer within {bound:?}"),
+                    ),
                 }
-                for replica in &set.replicas {
-                    match tokio::time::timeout(bound, replica.measure(primary.as_ref())).await {
-                        Ok(Ok(lag)) => replica.measured(lag),
-                        Ok(Err(err)) => {
-                            self.replica_failed(replica, &crate::error::DriverCause(&err))
-                        }
-                        Err(_) => self.replica_failed(
-                            replica,
-                            &format_args!("probe: no answer within {bound:?}"),
-                        ),
-                    }
-                }
-            });
+            }
+        });
         futures::future::join_all(probes).await;
     }
 }

@@ -125,24 +125,27 @@ impl FromStr for Position {
     }
 }
 
-/// The statement that reads a primary's position after a commit.
-pub(crate) fn position_sql(backend: DbBackend) -> Option<&'static str> {
-    match backend {
-        DbBackend::Postgres => Some("SELECT pg_current_wal_flush_lsn()::text AS p"),
-        DbBackend::MySql => Some("SELECT @@gtid_binlog_pos AS p"),
-        _ => None,
-    }
-}
-
 /// A primary's position now: where every commit acknowledged before this
 /// call has landed. `None` on SQLite (no replicas).
 pub(crate) async fn primary_position(
     db: &DatabaseConnection,
 ) -> std::result::Result<Option<Position>, sea_orm::DbErr> {
+    match db.get_database_backend() {
+        DbBackend::Postgres => {
+            read_position(db, "SELECT pg_current_wal_flush_lsn()::text AS p").await
+        }
+        DbBackend::MySql => read_position(db, "SELECT @@gtid_binlog_pos AS p").await,
+        _ => Ok(None),
+    }
+}
+
+/// The position statement `sql` reads (as column `p`): a WAL position on
+/// PostgreSQL, a GTID position on MySQL/MariaDB.
+async fn read_position(
+    db: &DatabaseConnection,
+    sql: &str,
+) -> std::result::Result<Option<Position>, sea_orm::DbErr> {
     let backend = db.get_database_backend();
-    let Some(sql) = position_sql(backend) else {
-        return Ok(None);
-    };
     let row = db
         .query_one_raw(Statement::from_string(backend, sql))
         .await?;
@@ -446,24 +449,11 @@ impl Replica {
 
     /// The position it has replayed up to.
     async fn replayed(&self) -> std::result::Result<Option<Position>, sea_orm::DbErr> {
-        let backend = self.conn.get_database_backend();
-        let sql = match backend {
+        let sql = match self.conn.get_database_backend() {
             DbBackend::Postgres => "SELECT pg_last_wal_replay_lsn()::text AS p",
             _ => "SELECT @@gtid_slave_pos AS p",
         };
-        let row = self
-            .conn
-            .query_one_raw(Statement::from_string(backend, sql))
-            .await?;
-        let text: Option<String> = match row {
-            Some(row) => row.try_get("", "p")?,
-            None => None,
-        };
-        let text = text.unwrap_or_default();
-        Ok(match backend {
-            DbBackend::Postgres => Position::parse_lsn(&text).map(Position::Lsn),
-            _ => Position::parse_gtid(&text).map(Position::Gtid),
-        })
+        read_position(&self.conn, sql).await
     }
 
     /// Measures its lag against its primary's position `primary`: none
