@@ -377,6 +377,37 @@ impl Cluster {
         &self,
         key: G::Key,
         attempts: u32,
+        work: impl FnMut(Arc<ShardTx<G>>) -> Fut,
+    ) -> Result<T>
+    where
+        G: EntityGroup,
+        Fut: std::future::Future<Output = Result<T>>,
+    {
+        self.run_transaction(key, attempts, None, work).await
+    }
+
+    /// [`transaction`](Self::transaction) whose commit is recorded in
+    /// `session` ([`ShardTx::commit_in`](crate::tx::ShardTx::commit_in)),
+    /// so reads with [`Consistency::AtLeast`](crate::Consistency::AtLeast)
+    /// of the session see it, on a replica or on the shard.
+    pub async fn transaction_in<G, T, Fut>(
+        &self,
+        session: &crate::Session,
+        key: G::Key,
+        work: impl FnMut(Arc<ShardTx<G>>) -> Fut,
+    ) -> Result<T>
+    where
+        G: EntityGroup,
+        Fut: std::future::Future<Output = Result<T>>,
+    {
+        self.run_transaction(key, 3, Some(session), work).await
+    }
+
+    async fn run_transaction<G, T, Fut>(
+        &self,
+        key: G::Key,
+        attempts: u32,
+        session: Option<&crate::Session>,
         mut work: impl FnMut(Arc<ShardTx<G>>) -> Fut,
     ) -> Result<T>
     where
@@ -389,7 +420,10 @@ impl Cluster {
             let tx = Arc::new(self.begin::<G>(key.clone()).await?);
             let outcome = work(Arc::clone(&tx)).await;
             let result = match (outcome, Arc::try_unwrap(tx)) {
-                (Ok(value), Ok(tx)) => tx.commit().await.map(|()| value),
+                (Ok(value), Ok(tx)) => match session {
+                    Some(session) => tx.commit_in(session).await.map(|()| value),
+                    None => tx.commit().await.map(|()| value),
+                },
                 (Err(err), Ok(tx)) => {
                     // The work's error is the one to report; a failed
                     // rollback only means the connection is gone too.

@@ -278,15 +278,22 @@ async fn read_your_writes(pair: Pair) {
         .await
         .expect("second instance");
     let session = Session::new();
-    let tx = cluster.begin::<Customer>(100).await.unwrap();
-    tx.insert(order::ActiveModel {
-        id: Set(100),
-        customer_id: Set(100),
-        total_cents: Set(7),
-    })
-    .await
-    .unwrap();
-    tx.commit_in(&session).await.unwrap();
+    cluster
+        .transaction_in::<Customer, _, _>(&session, 100, |tx| async move {
+            tx.insert(order::ActiveModel {
+                id: Set(100),
+                customer_id: Set(100),
+                total_cents: Set(7),
+            })
+            .await
+            .map(|_| ())
+        })
+        .await
+        .unwrap();
+    assert!(
+        !session.is_empty(),
+        "the closure's commit is in the session"
+    );
     let carried: Session = session.to_string().parse().unwrap();
     let row = other
         .find::<order::Entity>()
