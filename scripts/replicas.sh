@@ -11,6 +11,7 @@
 # Usage: scripts/replicas.sh start|stop|status|reset|env
 #        scripts/replicas.sh pause-replay pg|mariadb
 #        scripts/replicas.sh resume-replay pg|mariadb
+#        scripts/replicas.sh delay pg MILLISECONDS | delay mariadb SECONDS
 #
 # start          create what is missing, start what is stopped, wait until all
 #                four servers accept connections and both replicas replicate,
@@ -23,6 +24,9 @@
 # env            print the exports only.
 # pause-replay   stop applying changes on the replica (it keeps receiving them),
 #                to make replica lag on purpose. resume-replay undoes it.
+# delay          apply every change that many ms (pg: recovery_min_apply_delay)
+#                or whole seconds (mariadb: MASTER_DELAY) late; 0 undoes it.
+#                Real, repeatable lag; the tests set it themselves the same way.
 #
 # Data and logs live in $SHARDKIT_REPLICAS_DIR (default /var/lib/shardkit-replicas).
 # Run as root. $SHARDKIT_REPLICAS_TIMEOUT (default 60) bounds each wait, in seconds.
@@ -341,6 +345,11 @@ pg_status() {
 }
 
 pg_pause() { pg_q "$PG_REPLICA_PORT" "SELECT pg_wal_replay_pause()" >/dev/null; pg_q "$PG_REPLICA_PORT" "SELECT 'replay_paused=' || pg_is_wal_replay_paused()"; }
+pg_delay() { # milliseconds
+  pg_q "$PG_REPLICA_PORT" "ALTER SYSTEM SET recovery_min_apply_delay = '${1}ms'" >/dev/null
+  pg_q "$PG_REPLICA_PORT" "SELECT pg_reload_conf()" >/dev/null
+  pg_q "$PG_REPLICA_PORT" "SHOW recovery_min_apply_delay"
+}
 pg_resume() { pg_q "$PG_REPLICA_PORT" "SELECT pg_wal_replay_resume()" >/dev/null; pg_q "$PG_REPLICA_PORT" "SELECT 'replay_paused=' || pg_is_wal_replay_paused()"; }
 
 # ------------------------------------------------------------------- MariaDB
@@ -597,6 +606,12 @@ my_status() {
 }
 
 my_pause() { my_q "$MY_REPLICA_PORT" "STOP SLAVE SQL_THREAD"; printf 'Slave_SQL_Running=%s\n' "$(my_slave_field Slave_SQL_Running)"; }
+my_delay() { # whole seconds
+  my_q "$MY_REPLICA_PORT" "STOP SLAVE"
+  my_q "$MY_REPLICA_PORT" "CHANGE MASTER TO MASTER_DELAY = $1"
+  my_q "$MY_REPLICA_PORT" "START SLAVE"
+  printf 'SQL_Delay=%s\n' "$(my_slave_field SQL_Delay)"
+}
 my_resume() { my_q "$MY_REPLICA_PORT" "START SLAVE SQL_THREAD"; printf 'Slave_SQL_Running=%s\n' "$(my_slave_field Slave_SQL_Running)"; }
 
 # --------------------------------------------------------------------- main
@@ -659,6 +674,11 @@ case "$cmd" in
     ;;
   resume-replay)
     case "$(which_db "${2:-}")" in pg) pg_resume ;; mariadb) my_resume ;; esac
+    ;;
+  delay)
+    amount="${3:-}"
+    [[ "$amount" =~ ^[0-9]+$ ]] || { say "delay pg MILLISECONDS | delay mariadb SECONDS"; exit 2; }
+    case "$(which_db "${2:-}")" in pg) pg_delay "$amount" ;; mariadb) my_delay "$amount" ;; esac
     ;;
   -h | --help | help) usage ;;
   *) usage ;;
