@@ -17,7 +17,8 @@
 #                four servers accept connections and both replicas replicate,
 #                then print the SHARDKIT_*_URL exports. Idempotent. A replica
 #                that was cloned from an earlier (since reset) primary, or that
-#                cannot catch up any more, is rebuilt.
+#                cannot catch up any more, is rebuilt. Replicas start with no
+#                apply delay (one an interrupted test left is cleared).
 # stop           stop the four servers (data is kept).
 # status         up/down and replication state of each server.
 # reset          stop and delete all data; the next start is fresh.
@@ -647,6 +648,10 @@ case "$cmd" in
     t0=$(date +%s)
     pg_up
     my_up
+    # An apply delay an interrupted test left behind would slow every
+    # later scenario: replicas start without one.
+    pg_delay 0 >/dev/null
+    my_delay 0 >/dev/null
     say "all up in $(($(date +%s) - t0))s"
     print_env
     ;;
