@@ -129,7 +129,7 @@ impl Shards {
                 let replicas = conns
                     .into_iter()
                     .zip(&spec.replicas)
-                    .map(|(conn, r)| Ok(Replica::new(r.name.clone(), conn?)))
+                    .map(|(conn, r)| Ok(Replica::new(r.name.clone(), r.url.clone(), conn?)))
                     .collect::<Result<Vec<_>>>()?;
                 Ok(ReplicaSet::new(replicas))
             })

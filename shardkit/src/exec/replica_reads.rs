@@ -86,11 +86,30 @@ impl Shards {
                 }
             };
         };
+        // A session's text is the caller's: a position of another kind of
+        // log than the shard's is answered by the shard, and no replica is
+        // asked about it.
+        let backend = self.shard_conn(id).get_database_backend();
+        if !want.fits(backend) {
+            crate::metrics::replica_fallback(shard, "behind");
+            return ReadOn::Primary;
+        }
+        // One deadline for the whole choice, however many replicas fail.
         let wait = self.inner.read.replica_wait;
-        let bound = wait + self.inner.read.replica_timeout;
         let started = Instant::now();
+        let deadline = tokio::time::Instant::now() + wait + self.replica_timeout();
+        let already = set.candidates(now, None).find(|r| r.seen_past(&want));
+        if let Some(replica) = already {
+            crate::metrics::token_wait(started.elapsed());
+            return ReadOn::Replica(replica);
+        }
         for replica in set.candidates(now, None) {
-            match tokio::time::timeout(bound, replica.reached(&want, wait)).await {
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            let waited = tokio::time::timeout(left, replica.reached(&want, wait.min(left))).await;
+            match waited {
                 Ok(Ok(true)) => {
                     crate::metrics::token_wait(started.elapsed());
                     return ReadOn::Replica(replica);
@@ -100,8 +119,8 @@ impl Shards {
                     crate::metrics::replica_fallback(shard, "behind");
                     return ReadOn::Primary;
                 }
-                Ok(Err(err)) => self.replica_failed(replica, &crate::error::DriverCause(&err)),
-                Err(_) => self.replica_failed(replica, &format_args!("no answer within {bound:?}")),
+                Ok(Err(err)) => self.replica_error(replica, &err),
+                Err(_) => self.replica_failed(replica, &format_args!("no answer within {left:?}")),
             }
         }
         crate::metrics::replica_fallback(shard, "down");
@@ -109,11 +128,27 @@ impl Shards {
     }
 
     /// Takes `replica` out of the rotation after it failed a read or a
-    /// wait; the next good probe puts it back.
+    /// wait (refused, lost or hung); the next good probe puts it back.
     pub(crate) fn replica_failed(&self, replica: &Replica, cause: &dyn std::fmt::Display) {
         let until = now_ms(self.clock().as_ref()) + REPLICA_DOWN_FOR.as_millis() as i64;
+        let cause = replica.url.scrub(&cause.to_string());
         tracing::warn!(replica = %replica.name, %cause, "replica left the rotation");
-        replica.mark_down(until, cause.to_string());
+        replica.mark_down(until, cause);
+    }
+
+    /// A statement on `replica` failed: a lost or refused connection takes
+    /// it out of the rotation; any other error (the statement's own, a
+    /// server at its connection limit, a recovery conflict) does not, and
+    /// the shard answers that read.
+    pub(crate) fn replica_error(&self, replica: &Replica, err: &sea_orm::DbErr) {
+        if crate::error::db_retry(err) == crate::Retry::Now {
+            self.replica_failed(replica, &crate::error::DriverCause(err));
+        } else {
+            let cause = replica
+                .url
+                .scrub(&crate::error::DriverCause(err).to_string());
+            tracing::debug!(replica = %replica.name, %cause, "replica read failed; the shard answers it");
+        }
     }
 
     /// How long a replica may take to answer a read.
@@ -122,17 +157,32 @@ impl Shards {
         self.inner.read.timeout.map_or(bound, |t| t.min(bound))
     }
 
-    /// Where shard `id`'s log is now, read on the shard after a commit: a
-    /// replica that has replayed this far has the commit. `None` for a
-    /// shard without replicas (nothing will ever wait for it).
-    pub(crate) async fn commit_position(
-        &self,
-        id: ShardId,
-    ) -> std::result::Result<Option<Position>, sea_orm::DbErr> {
-        if self.inner.replicas[id.index()].replicas.is_empty() {
-            return Ok(None);
+    /// Where shard `id`'s log is now, read on the shard after a commit
+    /// (within the replica timeout): a replica that has replayed this far
+    /// has the commit. Read for every PostgreSQL and MySQL/MariaDB shard,
+    /// replicas or not here, since a session may be read by an instance
+    /// whose config lists replicas; `None` on SQLite. A position that
+    /// cannot be read is one no replica reaches.
+    pub(crate) async fn commit_position(&self, id: ShardId) -> Option<Position> {
+        let backend = self.shard_conn(id).get_database_backend();
+        if backend == sea_orm::DbBackend::Sqlite {
+            return None;
         }
-        primary_position(self.side_conn(id)).await
+        let bound = self.inner.read.replica_timeout;
+        let read = tokio::time::timeout(bound, primary_position(self.side_conn(id))).await;
+        let cause = match read {
+            Ok(Ok(Some(position))) => return Some(position),
+            Ok(Ok(None)) => "the shard reported no position".to_owned(),
+            Ok(Err(err)) => crate::error::DriverCause(&err).to_string(),
+            Err(_) => format!("no answer within {bound:?}"),
+        };
+        let url = &self.topology().shard(id).url;
+        tracing::warn!(
+            shard = self.shard_name(id),
+            cause = %url.scrub(&cause),
+            "commit position unknown: this session reads the shard itself"
+        );
+        Some(Position::unreachable(backend))
     }
 
     /// Starts measuring every replica's lag every `[read]

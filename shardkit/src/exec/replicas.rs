@@ -34,6 +34,16 @@ impl Position {
         }
     }
 
+    /// Whether it is a position of a `backend` server's log (a session's
+    /// text is the caller's input: a GTID position for a PostgreSQL shard
+    /// is not).
+    pub(crate) fn fits(&self, backend: DbBackend) -> bool {
+        matches!(
+            (self, backend),
+            (Position::Lsn(_), DbBackend::Postgres) | (Position::Gtid(_), DbBackend::MySql)
+        )
+    }
+
     /// Whether no replica can reach it (see [`Position::unreachable`]).
     pub(crate) fn is_unreachable(&self) -> bool {
         match self {
@@ -61,7 +71,12 @@ impl Position {
     /// A PostgreSQL LSN as `pg_lsn` prints it.
     fn parse_lsn(text: &str) -> Option<u64> {
         let (hi, lo) = text.split_once('/')?;
-        Some((u64::from_str_radix(hi, 16).ok()? << 32) | u64::from_str_radix(lo, 16).ok()?)
+        let half = |h: &str| {
+            (!h.is_empty() && h.len() <= 8 && h.bytes().all(|b| b.is_ascii_hexdigit()))
+                .then(|| u64::from_str_radix(h, 16).ok())
+                .flatten()
+        };
+        Some((half(hi)? << 32) | half(lo)?)
     }
 
     /// A GTID position as MariaDB prints it (`0-1-42,1-2-7`; empty: none).
@@ -153,7 +168,10 @@ async fn read_position(
         Some(row) => row.try_get("", "p")?,
         None => None,
     };
-    let text = text.unwrap_or_default();
+    let Some(text) = text.filter(|t| !t.is_empty()) else {
+        // No position (replay not started, no binary log): unknown.
+        return Ok(None);
+    };
     Ok(match backend {
         DbBackend::Postgres => Position::parse_lsn(&text).map(Position::Lsn),
         _ => Position::parse_gtid(&text).map(Position::Gtid),
@@ -318,6 +336,8 @@ pub struct ReplicaStatus {
 pub(crate) struct Replica {
     pub(crate) name: String,
     pub(crate) conn: DatabaseConnection,
+    /// Its URL, to scrub its secrets from what its driver said.
+    pub(crate) url: crate::topology::DatabaseUrl,
     /// Why it last left the rotation.
     pub(crate) last_error: Mutex<Option<String>>,
     /// The last measured lag in milliseconds ([`UNKNOWN`] before the first
@@ -330,9 +350,14 @@ pub(crate) struct Replica {
 }
 
 impl Replica {
-    pub(crate) fn new(name: String, conn: DatabaseConnection) -> Self {
+    pub(crate) fn new(
+        name: String,
+        url: crate::topology::DatabaseUrl,
+        conn: DatabaseConnection,
+    ) -> Self {
         Replica {
             name,
+            url,
             conn,
             lag_ms: AtomicU64::new(UNKNOWN),
             down_until: AtomicI64::new(0),
@@ -464,10 +489,10 @@ impl Replica {
         &self,
         primary: Option<&Position>,
     ) -> std::result::Result<Option<Duration>, sea_orm::DbErr> {
+        // The probe's reading replaces what was remembered: a replica
+        // that restarted behind its old position is believed again.
         let have = self.replayed().await?;
-        if let Some(have) = &have {
-            self.saw(have.clone());
-        }
+        *self.replayed.lock().unwrap_or_else(|p| p.into_inner()) = have.clone();
         if let (Some(primary), Some(have)) = (primary, have)
             && have.covers(primary)
         {
@@ -495,8 +520,15 @@ impl Replica {
                     .conn
                     .query_one_raw(Statement::from_string(backend, "SHOW SLAVE STATUS"))
                     .await?;
+                // Unsigned on MariaDB, signed on some servers: either.
+                let column = "Seconds_Behind_Master";
                 let secs: Option<u64> = match row {
-                    Some(row) => row.try_get("", "Seconds_Behind_Master").unwrap_or(None),
+                    Some(row) => match row.try_get::<Option<u64>>("", column) {
+                        Ok(secs) => secs,
+                        Err(_) => row
+                            .try_get::<Option<i64>>("", column)?
+                            .map(|s| s.max(0) as u64),
+                    },
                     None => None,
                 };
                 Ok(secs.map(Duration::from_secs))

@@ -2,7 +2,7 @@
 //! breaker and the read's timeout, gathering the rows to merge.
 
 use crate::entity::{ShardedEntity, table_name};
-use crate::error::{DriverCause, Result, ShardError, ShardFailure};
+use crate::error::{Result, ShardError, ShardFailure};
 use crate::exec::{Consistency, ReadOn};
 use crate::read::KeyOf;
 use crate::read::keys::{binary_text_keys, key_condition, keyed_select, read_err, read_span};
@@ -107,7 +107,7 @@ impl<E: ShardedEntity> Read<E> {
                 crate::metrics::replica_read(shard, &replica.name);
                 return Some(value);
             }
-            Ok(Err(err)) => self.shards.replica_failed(replica, &DriverCause(&err)),
+            Ok(Err(err)) => self.shards.replica_error(replica, &err),
             Err(_) => self
                 .shards
                 .replica_failed(replica, &format_args!("no answer within {within:?}")),
@@ -147,8 +147,9 @@ impl<E: ShardedEntity> Read<E> {
         let rows = async_stream::stream! {
             let shard = shards.shard_name(target.shard);
             let primary = shards.shard_conn(target.shard).clone();
-            // A replica, when the consistency lets one answer: opened
-            // under the replica timeout, else the shard opens the stream.
+            // A replica, when the consistency lets one answer: opened and
+            // its first row read under the replica timeout (the statement
+            // runs when first polled), else the shard opens the stream.
             // Once rows flow, a replica that fails ends the stream with
             // its error (rows already read cannot be read again).
             let mut replica = None;
@@ -158,18 +159,24 @@ impl<E: ShardedEntity> Read<E> {
                 replica = Some((r, r.conn.clone()));
             }
             let mut rows = None;
+            let mut first = None;
             let mut on_replica = false;
             if let Some((r, conn)) = &replica {
                 let within = shards.replica_timeout();
                 let span = read_span::<E>(&r.name, target.bucket, "stream");
-                let open = crate::trace::in_span(span, into((*select).clone()).stream(conn));
-                match tokio::time::timeout(within, open).await {
-                    Ok(Ok(opened)) => {
+                let open = async {
+                    let mut opened = into((*select).clone()).stream(conn).await?;
+                    let head = opened.next().await.transpose()?;
+                    Ok::<_, DbErr>((opened, head))
+                };
+                match tokio::time::timeout(within, crate::trace::in_span(span, open)).await {
+                    Ok(Ok((opened, head))) => {
                         crate::metrics::replica_read(shard, &r.name);
                         rows = Some(opened);
+                        first = Some(head);
                         on_replica = true;
                     }
-                    Ok(Err(err)) => shards.replica_failed(r, &DriverCause(&err)),
+                    Ok(Err(err)) => shards.replica_error(r, &err),
                     Err(_) => shards.replica_failed(r, &format_args!("no answer within {within:?}")),
                 }
                 if !on_replica {
@@ -198,6 +205,11 @@ impl<E: ShardedEntity> Read<E> {
                     }
                 }
             };
+            match first {
+                Some(Some(row)) => yield Ok(row),
+                Some(None) => return,
+                None => {}
+            }
             loop {
                 let next = if on_replica {
                     let within = timeout.unwrap_or(shards.replica_timeout());

@@ -54,6 +54,13 @@ impl Topology {
                     "a shard needs a non-empty `name`",
                 ));
             }
+            if shard.name.contains(['=', ';']) {
+                // A session's text lists `shard=position;...`.
+                return Err(ShardError::config(
+                    entry,
+                    "a shard's name may not contain `=` or `;`",
+                ));
+            }
             if let Some(&ShardId(first)) = by_name.get(&shard.name) {
                 return Err(ShardError::config(
                     entry,

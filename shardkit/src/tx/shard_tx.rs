@@ -582,19 +582,8 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
         let shards = self.shards.clone();
         let id = self.target.shard;
         self.commit().await?;
-        let shard = shards.shard_name(id);
-        match shards.commit_position(id).await {
-            Ok(Some(position)) => session.record(shard, position),
-            Ok(None) => {}
-            Err(err) => {
-                tracing::warn!(
-                    shard,
-                    error = %crate::error::DriverCause(&err),
-                    "commit position unknown: this session reads the shard itself"
-                );
-                let backend = shards.shard_conn(id).get_database_backend();
-                session.record(shard, crate::exec::replicas::Position::unreachable(backend));
-            }
+        if let Some(position) = shards.commit_position(id).await {
+            session.record(shards.shard_name(id), position);
         }
         Ok(())
     }
