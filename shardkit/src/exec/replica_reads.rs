@@ -280,13 +280,12 @@ impl Shards {
     async fn probe_replicas(&self) {
         let bound = self.inner.read.replica_timeout;
         let probes = self.with_replicas().map(|(id, set)| async move {
+            let raises = set.floor_raises();
             let primary = self.position_now(id).await;
             // A floor the last map install could not read: the shard's
-            // position now is past that install.
-            if let Some(position) = &primary
-                && set.floor().is_some_and(|f| f.is_unreachable())
-            {
-                set.raise_floor(position.clone());
+            // position now, read after that install, stands in for it.
+            if let Some(position) = &primary {
+                set.settle_floor(position.clone(), raises);
             }
             for replica in &set.replicas {
                 match tokio::time::timeout(bound, replica.measure(primary.as_ref())).await {

@@ -547,6 +547,9 @@ pub(crate) struct ReplicaSet {
     /// newer bucket map, so past every copy a move made before its
     /// cut-over (`None` before any map was installed).
     floor: Mutex<Option<Position>>,
+    /// Bumped by every raise, so a probe replaces an unreachable floor
+    /// only with a position read after that floor was set.
+    floor_raises: AtomicU64,
 }
 
 impl ReplicaSet {
@@ -555,6 +558,24 @@ impl ReplicaSet {
             replicas,
             next: AtomicUsize::new(0),
             floor: Mutex::new(None),
+            floor_raises: AtomicU64::new(0),
+        }
+    }
+
+    /// How many times the floor was raised (see [`raise_floor`](Self::raise_floor)).
+    pub(crate) fn floor_raises(&self) -> u64 {
+        self.floor_raises.load(Ordering::Acquire)
+    }
+
+    /// Replaces an unreachable floor with `position`, read after the floor
+    /// had been raised `raises` times: a position read before an install
+    /// that could not read its own must not stand in for it.
+    pub(crate) fn settle_floor(&self, position: Position, raises: u64) {
+        let mut floor = self.floor.lock().unwrap_or_else(|p| p.into_inner());
+        if self.floor_raises.load(Ordering::Acquire) == raises
+            && floor.as_ref().is_some_and(Position::is_unreachable)
+        {
+            *floor = Some(position);
         }
     }
 
@@ -567,6 +588,7 @@ impl ReplicaSet {
     /// Raises the floor to `position`; an unreachable floor is replaced.
     pub(crate) fn raise_floor(&self, position: Position) {
         let mut floor = self.floor.lock().unwrap_or_else(|p| p.into_inner());
+        self.floor_raises.fetch_add(1, Ordering::AcqRel);
         match floor.as_mut() {
             Some(known) if !known.is_unreachable() => known.merge(position),
             _ => *floor = Some(position),
@@ -597,7 +619,27 @@ impl ReplicaSet {
 
 #[cfg(test)]
 mod tests {
-    use super::{Position, Session};
+    use super::{Position, ReplicaSet, Session};
+    use sea_orm::DbBackend;
+
+    #[test]
+    fn an_unreachable_floor_is_settled_only_by_a_later_position() {
+        let set = ReplicaSet::new(Vec::new());
+        let before = set.floor_raises();
+        set.raise_floor(Position::Lsn(10));
+        set.raise_floor(Position::unreachable(DbBackend::Postgres));
+        // Read before the unreachable raise: refused.
+        set.settle_floor(Position::Lsn(5), before);
+        assert!(set.floor().is_some_and(|f| f.is_unreachable()));
+        // Read after it: stands in.
+        set.settle_floor(Position::Lsn(20), set.floor_raises());
+        assert_eq!(set.floor(), Some(Position::Lsn(20)));
+        // A reachable floor is never lowered by a settle.
+        set.settle_floor(Position::Lsn(1), set.floor_raises());
+        assert_eq!(set.floor(), Some(Position::Lsn(20)));
+        assert!(!Position::Gtid(Default::default()).fits(DbBackend::Postgres));
+        assert!("pg:100000000/0".parse::<Position>().is_err());
+    }
 
     #[test]
     fn positions_and_sessions_round_trip_and_merge() {
