@@ -492,6 +492,13 @@ impl Replica {
         // The probe's reading replaces what was remembered: a replica
         // that restarted behind its old position is believed again.
         let have = self.replayed().await?;
+        if have.is_none() && self.conn.get_database_backend() == DbBackend::Postgres {
+            // `pg_last_wal_replay_lsn()` is NULL outside recovery: a
+            // promoted server, no longer a replica of its shard.
+            return Err(sea_orm::DbErr::Custom(
+                "not in recovery: the server is no longer a replica".to_owned(),
+            ));
+        }
         *self.replayed.lock().unwrap_or_else(|p| p.into_inner()) = have.clone();
         if let (Some(primary), Some(have)) = (primary, have)
             && have.covers(primary)
