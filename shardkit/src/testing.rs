@@ -365,34 +365,10 @@ impl TestShards {
     /// (`pg_stat_activity` / `information_schema.PROCESSLIST`), for checking
     /// that nothing leaked. SQLite has no server: always 0.
     pub async fn server_connections(&self) -> usize {
-        let Some(admin) = &self.admin else {
-            return 0;
-        };
-        let list = self
-            .names
-            .iter()
-            .map(|n| format!("'{}'", n.replace('\'', "")))
-            .collect::<Vec<_>>()
-            .join(", ");
-        let sql = match self.backend {
-            Backend::Postgres => format!(
-                "SELECT COUNT(*) AS n FROM pg_stat_activity WHERE datname IN ({list}) \
-                 AND pid <> pg_backend_pid()"
-            ),
-            _ => format!(
-                "SELECT COUNT(*) AS n FROM information_schema.PROCESSLIST WHERE DB IN ({list}) \
-                 AND ID <> CONNECTION_ID()"
-            ),
-        };
-        let row = admin
-            .query_one_raw(sea_orm::Statement::from_string(
-                admin.get_database_backend(),
-                sql,
-            ))
-            .await
-            .expect("count server connections")
-            .expect("a count row");
-        row.try_get::<i64>("", "n").expect("a count") as usize
+        match &self.admin {
+            Some(admin) => connections_to(admin, &self.names).await,
+            None => 0,
+        }
     }
 
     /// Waits (polling, at most `within`) until the server holds at most
@@ -407,4 +383,33 @@ impl TestShards {
             tokio::time::sleep(std::time::Duration::from_millis(20)).await;
         }
     }
+}
+
+/// How many connections the server `admin` is connected to has open to
+/// the databases `names`, `admin`'s own left out (PostgreSQL or
+/// MySQL/MariaDB): what a test counts to find connections a cluster left
+/// behind.
+pub async fn connections_to(admin: &sea_orm::DatabaseConnection, names: &[String]) -> usize {
+    let list = names
+        .iter()
+        .map(|n| format!("'{}'", n.replace('\'', "")))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let backend = admin.get_database_backend();
+    let sql = match backend {
+        sea_orm::DbBackend::Postgres => format!(
+            "SELECT COUNT(*) AS n FROM pg_stat_activity WHERE datname IN ({list}) \
+             AND pid <> pg_backend_pid()"
+        ),
+        _ => format!(
+            "SELECT COUNT(*) AS n FROM information_schema.PROCESSLIST WHERE DB IN ({list}) \
+             AND ID <> CONNECTION_ID()"
+        ),
+    };
+    let row = admin
+        .query_one_raw(sea_orm::Statement::from_string(backend, sql))
+        .await
+        .expect("count server connections")
+        .expect("a count row");
+    row.try_get::<i64>("", "n").expect("a count") as usize
 }

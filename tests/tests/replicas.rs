@@ -431,25 +431,12 @@ async fn replica_faults(pair: Pair) {
 
 /// Connections to database `db` on the server at `url`, once they have
 /// had a few seconds to close.
-async fn settle_connections(url: &str, db: &str) -> i64 {
+async fn settle_connections(url: &str, db: &str) -> usize {
     let admin = sea_orm::Database::connect(url).await.expect("server");
-    let backend = admin.get_database_backend();
-    let sql = match backend {
-        DbBackend::Postgres => "SELECT COUNT(*) AS n FROM pg_stat_activity WHERE datname = $1",
-        _ => "SELECT COUNT(*) AS n FROM information_schema.PROCESSLIST WHERE DB = ?",
-    };
+    let names = [db.to_owned()];
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
-        let row = admin
-            .query_one_raw(sea_orm::Statement::from_sql_and_values(
-                backend,
-                sql,
-                [db.into()],
-            ))
-            .await
-            .expect("count")
-            .expect("a row");
-        let n: i64 = row.try_get("", "n").expect("n");
+        let n = shardkit::testing::connections_to(&admin, &names).await;
         if n == 0 || Instant::now() >= deadline {
             admin.close().await.ok();
             return n;

@@ -43,7 +43,10 @@ impl<E: ShardedEntity> Read<E> {
                 table_name::<E>()
             )));
         };
-        if let Some(value) = self.on_replica(target.shard, op, &run, &select).await {
+        // Reads of the primary (the default) make no replica future at all.
+        if !matches!(self.consistency, Consistency::Primary)
+            && let Some(value) = self.on_replica(target.shard, op, &run, &select).await
+        {
             return R::finish(value, self.gathered(1, Vec::new()));
         }
         let shard = self.shards.shard_name(target.shard);
@@ -85,9 +88,6 @@ impl<E: ShardedEntity> Read<E> {
         F: Fn(Select<E>, &'a DatabaseConnection) -> Fut,
         Fut: Future<Output = std::result::Result<T, DbErr>>,
     {
-        if matches!(self.consistency, Consistency::Primary) {
-            return None;
-        }
         let ReadOn::Replica(replica) = self
             .shards
             .read_on(id, Self::group(), &self.consistency)
@@ -362,7 +362,9 @@ impl<E: ShardedEntity> Read<E> {
                 peak.fetch_max(now, AtomicOrdering::Relaxed);
                 let run = &run;
                 async move {
-                    if let Some(value) = self.on_replica(id, op, run, &select).await {
+                    if !matches!(self.consistency, Consistency::Primary)
+                        && let Some(value) = self.on_replica(id, op, run, &select).await
+                    {
                         in_flight.fetch_sub(1, AtomicOrdering::Relaxed);
                         return (id, Ok(value));
                     }
