@@ -141,7 +141,7 @@ fn flickr(c: &mut Criterion) {
             black_box(row.try_get::<u64>("", "id").unwrap())
         })
     });
-    let ids = cluster.ids().clone();
+    let ids = cluster.ids();
     group.bench_function("shardkit_block_1", |b| {
         b.to_async(&rt)
             .iter(|| async { black_box(ids.next("flickr").await.unwrap()) })
@@ -228,7 +228,7 @@ fn flickr_concurrent(_: &mut Criterion) {
                     let mut tasks = tokio::task::JoinSet::new();
                     for _ in 0..CALLERS {
                         if kind == 0 {
-                            let ids = cluster.ids().clone();
+                            let ids = cluster.ids();
                             tasks.spawn(async move {
                                 for _ in 0..PER_CALLER {
                                     black_box(ids.next("flickr").await.unwrap());
