@@ -31,6 +31,7 @@ pub mod m20261123_000006_create_bucket_moves;
 pub mod m20261123_000007_add_range_bounds;
 pub mod m20261124_000008_create_ticket_place;
 pub mod m20261125_000009_add_move_fencing;
+pub mod m20261126_000010_create_cross_key;
 
 /// shardkit's migrations, in order.
 pub fn migrations() -> Vec<Box<dyn MigrationTrait>> {
@@ -46,6 +47,7 @@ pub fn migrations() -> Vec<Box<dyn MigrationTrait>> {
         // gets the application's migrator).
         Box::new(m20261124_000008_create_ticket_place::Migration),
         Box::new(m20261125_000009_add_move_fencing::Migration),
+        Box::new(m20261126_000010_create_cross_key::Migration),
     ]
 }
 

@@ -48,6 +48,36 @@ pub struct Cluster {
     features: Arc<Features>,
 }
 
+/// A [`Cluster`] that keeps nothing alive, for background tasks
+/// ([`crate::exec::periodic`]): a pass upgrades it to a cluster that is not
+/// a user, so a running task never keeps the cluster open.
+pub(crate) struct WeakCluster {
+    shards: <Shards as crate::exec::periodic::Handle>::Weak,
+    features: std::sync::Weak<Features>,
+}
+
+impl crate::exec::periodic::Handle for Cluster {
+    type Weak = WeakCluster;
+
+    fn downgrade(&self) -> WeakCluster {
+        WeakCluster {
+            shards: crate::exec::periodic::Handle::downgrade(&self.shards),
+            features: Arc::downgrade(&self.features),
+        }
+    }
+
+    fn upgrade(weak: &WeakCluster) -> Option<Cluster> {
+        Some(Cluster {
+            shards: crate::exec::periodic::Handle::upgrade(&weak.shards)?,
+            features: weak.features.upgrade()?,
+        })
+    }
+
+    fn stop_signal(&self) -> &crate::exec::periodic::Stop {
+        crate::exec::periodic::Handle::stop_signal(&self.shards)
+    }
+}
+
 /// The state of the features built on the shards.
 struct Features {
     ids: Ids,
@@ -174,6 +204,11 @@ impl Cluster {
             observer: None,
             clock: Arc::new(SystemClock),
         }
+    }
+
+    /// The execution layer, for the cross-key work built on the cluster.
+    pub(crate) fn shards(&self) -> &Shards {
+        &self.shards
     }
 
     /// The id service: ticket sequences, snowflakes.

@@ -187,6 +187,7 @@ pub mod ids;
 pub mod job;
 mod key;
 pub mod metrics;
+pub mod outbox;
 mod phase;
 pub mod pipeline;
 pub mod read;
@@ -211,6 +212,10 @@ pub use error::{
 pub use exec::{Consistency, ReplicaStatus, Session};
 pub use ids::{Ids, Sequence, ServerPlace, Snowflake, SnowflakeLayout, TicketPlace, uuid_v7};
 pub use job::{CancellationToken, JobControl};
+pub use outbox::{
+    BoxError, Message, Outbox, OutboxStatus, ParkedMessage, RelayReport, RelayTask, Saga,
+    SagaReport, SagaState, SagaStatus, Sagas, ShardOutbox,
+};
 pub use read::{
     AllowPartial, ByIndex, Find, KeyOf, Keyed, KeyedPages, KeyedSelect, Keys, MergePlan,
     MultiSelect, MultiShard, Partial, PlannedRoute, PlannedStatement, ReadPlan, RowStream, Scatter,
@@ -238,8 +243,8 @@ pub use entity::__private;
 /// The items most programs need: `use shardkit::prelude::*;`.
 pub mod prelude {
     pub use crate::{
-        Cluster, ClusterConfig, Consistency, EntityGroup, InGroup, Session, ShardError, ShardKey,
-        ShardTx, Sharded, ShardedEntity,
+        Cluster, ClusterConfig, Consistency, EntityGroup, InGroup, Message, Session, ShardError,
+        ShardKey, ShardTx, Sharded, ShardedEntity,
     };
     pub use sea_orm::{
         ActiveValue::Set, ColumnTrait, EntityTrait, QueryFilter, QueryOrder, QuerySelect,
@@ -306,6 +311,10 @@ pub mod guide {
     pub mod replicas {
         #![doc = guide_links!()]
         #![doc = include_str!("../docs/replicas.md")]
+    }
+    pub mod outbox {
+        #![doc = guide_links!()]
+        #![doc = include_str!("../docs/outbox.md")]
     }
     pub mod cli {
         #![doc = guide_links!()]

@@ -26,6 +26,12 @@
 //! | `shardkit_replica_fallbacks_total` | counter | `shard`, `reason` (`lag`: none within `max_lag`; `behind`: not past the session's writes in time; `down`: none in the rotation; `failed`: the replica failed the read; `movable`: a movable group) | reads that asked for a replica and were answered by the shard itself |
 //! | `shardkit_replica_token_wait_seconds` | histogram | | how long a read with a session waited for a replica to replay past its writes |
 //! | `shardkit_replica_lag_seconds` | gauge | `replica` | each replica's last measured lag (`NaN`: unknown, out of the rotation) |
+//! | `shardkit_outbox_pending` | gauge | `shard` | messages waiting in a shard's outbox, as the relay last counted (about once a second) |
+//! | `shardkit_outbox_parked` | gauge | `shard` | messages parked after their last attempt, waiting for `retry` or `discard` |
+//! | `shardkit_outbox_delivery_lag_seconds` | histogram | `kind` | from a message's send to the commit of its handler's transaction |
+//! | `shardkit_outbox_retries_total` | counter | `kind` | handler attempts that failed (retried later, or parked) |
+//! | `shardkit_outbox_parked_total` | counter | `kind` | messages parked after their last attempt |
+//! | `shardkit_sagas_compensated_total` | counter | `saga` | sagas whose compensations all ran after a step failed |
 //!
 //! No label ever holds a key value, a row value or a URL.
 
@@ -190,4 +196,29 @@ pub(crate) fn move_pending(group: &str, pending: u64) {
 
 pub(crate) fn move_phase(group: &str, phase: u8) {
     metrics::gauge!("shardkit_move_phase", "group" => group.to_owned()).set(f64::from(phase));
+}
+
+/// Messages pending (`state` `pending`) and parked (`parked`) in `shard`'s
+/// outbox, as last counted.
+pub(crate) fn outbox_counts(shard: &str, pending: u64, parked: u64) {
+    metrics::gauge!("shardkit_outbox_pending", "shard" => shard.to_owned()).set(pending as f64);
+    metrics::gauge!("shardkit_outbox_parked", "shard" => shard.to_owned()).set(parked as f64);
+}
+
+/// A message was applied `lag` after it was sent.
+pub(crate) fn outbox_delivered(kind: &'static str, lag: Duration) {
+    histogram!("shardkit_outbox_delivery_lag_seconds", "kind" => kind).record(lag.as_secs_f64());
+}
+
+/// A message's handler failed; `parked`: it will not be tried again.
+pub(crate) fn outbox_failed(kind: &'static str, parked: bool) {
+    counter!("shardkit_outbox_retries_total", "kind" => kind).increment(1);
+    if parked {
+        counter!("shardkit_outbox_parked_total", "kind" => kind).increment(1);
+    }
+}
+
+/// A saga named `saga` ran its compensations to the end.
+pub(crate) fn saga_compensated(saga: &'static str) {
+    counter!("shardkit_sagas_compensated_total", "saga" => saga).increment(1);
 }

@@ -60,6 +60,7 @@ const LAYERS: &[(&str, &[&str])] = &[
         &["ids", "gsi", "rollout", "verify", "rebalance"],
     ),
     ("facade", &["cluster", "testing"]),
+    ("cross-key", &["outbox"]),
     ("operator", &["cli"]),
 ];
 

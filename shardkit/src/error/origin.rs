@@ -61,10 +61,13 @@ pub enum Subsystem {
     Verify,
     /// The bucket map, bucket fences and bucket moves.
     Rebalance,
+    /// Work that spans keys: the outbox, the inbox, sagas and idempotent
+    /// requests.
+    CrossKey,
 }
 
 impl Subsystem {
-    /// `gsi`, `ids`, `rollout`, `verify` or `rebalance`.
+    /// `gsi`, `ids`, `rollout`, `verify`, `rebalance` or `cross_key`.
     pub fn as_str(self) -> &'static str {
         match self {
             Subsystem::Gsi => "gsi",
@@ -72,6 +75,7 @@ impl Subsystem {
             Subsystem::Rollout => "rollout",
             Subsystem::Verify => "verify",
             Subsystem::Rebalance => "rebalance",
+            Subsystem::CrossKey => "cross_key",
         }
     }
 }

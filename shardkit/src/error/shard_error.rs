@@ -369,6 +369,19 @@ pub enum ShardError {
         reason: String,
     },
 
+    /// Cross-key work was refused: a message that cannot be encoded,
+    /// decoded or matched to its type, a saga that cannot go on, a stored
+    /// outcome that does not decode, an unknown message or saga id. `what`
+    /// names the message (`message \`credit\` 0190…`), saga or request;
+    /// nothing was written.
+    #[error("{what}: {reason}")]
+    CrossKey {
+        /// The message, saga or request concerned.
+        what: String,
+        /// What is wrong, and what to do.
+        reason: String,
+    },
+
     /// Applying migrations to a shard failed. Like [`ShardError::Db`], the
     /// message ends with the driver's own error.
     #[error("migrating shard `{shard}` failed: {}", DriverCause(source))]
@@ -436,6 +449,7 @@ impl ShardError {
             | ShardError::Rebalance { .. }
             | ShardError::SequenceExhausted { .. }
             | ShardError::InvalidSession { .. }
+            | ShardError::CrossKey { .. }
             | ShardError::Rollout { .. } => ErrorKind::Refused,
             ShardError::Unroutable { .. } | ShardError::BucketMoved { .. } => ErrorKind::Routing,
             ShardError::Internal { .. } => ErrorKind::Internal,
@@ -498,6 +512,7 @@ impl ShardError {
             | ShardError::Rebalance { .. }
             | ShardError::SequenceExhausted { .. }
             | ShardError::InvalidSession { .. }
+            | ShardError::CrossKey { .. }
             | ShardError::Unroutable { .. } => Retry::Never,
         }
     }

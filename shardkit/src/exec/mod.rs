@@ -8,6 +8,7 @@ mod breaker;
 mod connect;
 mod directory;
 pub(crate) mod health;
+pub(crate) mod keyed_tables;
 pub(crate) mod keyset;
 mod migrate;
 pub(crate) mod periodic;

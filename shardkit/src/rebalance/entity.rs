@@ -65,6 +65,12 @@ pub(crate) struct Compared {
 pub(crate) trait MoveEntity: Send + Sync {
     fn table(&self) -> &'static str;
 
+    /// Whether every move carries it without being listed (shardkit's own
+    /// keyed tables), after the listed entities.
+    fn implicit(&self) -> bool {
+        false
+    }
+
     /// The range bound at a shard key given as text (its directory text:
     /// an integer, a string, a UUID); `None` when it is not a key.
     fn bound_at(&self, key: &str) -> Option<RangeBound>;
@@ -189,7 +195,7 @@ pub(crate) async fn bounded<T>(
 /// after the wait it asks for when the database was busy (SQLite's
 /// `database is locked`: another instance's writer held the file for the
 /// whole busy timeout): at most 5 attempts.
-async fn again<T, F, Fut>(table: &str, shard: &str, mut work: F) -> Result<T>
+pub(super) async fn again<T, F, Fut>(table: &str, shard: &str, mut work: F) -> Result<T>
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Result<T>>,
@@ -308,7 +314,7 @@ async fn delete_pks<E: ShardedEntity>(
 
 /// Which of `keys` have a pending entry in move `move_id`'s change log on
 /// `db`.
-async fn logged_keys(
+pub(super) async fn logged_keys(
     (db, shard): (&DatabaseConnection, &str),
     move_id: i64,
     keys: &[String],

@@ -53,6 +53,7 @@ mod begin;
 mod entity;
 mod errors;
 mod fencing;
+mod keyed_rows;
 mod live;
 mod map;
 mod mover;

@@ -98,6 +98,11 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
         self.shards.shard_name(self.target.shard)
     }
 
+    /// The execution layer it runs on.
+    pub(crate) fn shards(&self) -> &Shards {
+        &self.shards
+    }
+
     /// Where its key was routed.
     pub fn target(&self) -> Target {
         self.target
@@ -120,13 +125,13 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
         self.poisoned.get().cloned()
     }
 
-    pub(super) fn poison(&self, err: ShardError) -> ShardError {
+    pub(crate) fn poison(&self, err: ShardError) -> ShardError {
         // The first refusal is the reason; later ones keep it.
         let _ = self.poisoned.set(err.to_string());
         err
     }
 
-    pub(super) fn ensure_open(&self) -> Result<()> {
+    pub(crate) fn ensure_open(&self) -> Result<()> {
         crate::read::stream_open(&self.streams, G::NAME)?;
         match self.poisoned.get() {
             Some(reason) => Err(ShardError::RollbackOnly {

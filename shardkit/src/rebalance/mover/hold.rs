@@ -52,6 +52,7 @@ impl<G> Rebalance<G> {
     pub(super) fn tables(&self) -> String {
         self.entities
             .iter()
+            .filter(|e| !e.implicit())
             .map(|e| e.table())
             .collect::<Vec<_>>()
             .join(",")

@@ -6,6 +6,7 @@ use crate::error::{Result, ShardError};
 use crate::exec::Shards;
 use crate::job::JobControl;
 use crate::rebalance::entity::{MoveEntity, Mover};
+use crate::rebalance::keyed_rows::KeyedRows;
 use crate::topology::{LiveMap, MapSnapshot, ShardId};
 use std::sync::Arc;
 use std::time::Duration;
@@ -215,7 +216,12 @@ where
     E: ShardedEntity,
 {
     if !entities.iter().any(|e| e.table() == table_name::<E>()) {
-        entities.push(Arc::new(Mover::<E>::new()));
+        // Before shardkit's own tables, which come last.
+        let at = entities
+            .iter()
+            .position(|e| e.implicit())
+            .unwrap_or(entities.len());
+        entities.insert(at, Arc::new(Mover::<E>::new()));
     }
 }
 
@@ -258,7 +264,10 @@ impl<G: EntityGroup> Rebalance<G> {
             group: G::NAME,
             token: crate::uuid_v7().to_string(),
             shards,
-            entities: Vec::new(),
+            entities: crate::exec::keyed_tables::ALL
+                .iter()
+                .map(|t| Arc::new(KeyedRows::<G::Key>::new(G::NAME, t)) as Arc<dyn MoveEntity>)
+                .collect(),
             control: JobControl::new(),
             wait_for_grace: false,
             _group: std::marker::PhantomData,

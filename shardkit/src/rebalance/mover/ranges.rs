@@ -71,12 +71,16 @@ impl<G> Rebalance<G> {
     /// A shard key given as text (an integer, a string, a UUID) as a range
     /// bound of the group's key type (what `shardctl` passes on).
     pub fn bound_at(&self, key: &str) -> Result<RangeBound> {
-        let entity = self.entities.first().ok_or_else(|| {
-            self.refuse(
-                None,
-                "no entity listed: add the group's entities with `.entity::<E>()`",
-            )
-        })?;
+        let entity = self
+            .entities
+            .first()
+            .filter(|e| !e.implicit())
+            .ok_or_else(|| {
+                self.refuse(
+                    None,
+                    "no entity listed: add the group's entities with `.entity::<E>()`",
+                )
+            })?;
         entity.bound_at(key).ok_or_else(|| {
             self.refuse(
                 None,

@@ -111,7 +111,7 @@ impl<G> Rebalance<G> {
         if plan.group != self.group {
             return Err(self.refuse(None, format!("the plan is for group `{}`", plan.group)));
         }
-        if self.entities.is_empty() {
+        if self.entities.iter().all(|e| e.implicit()) {
             return Err(self.refuse(
                 None,
                 "no entity listed: add every entity of the group with `.entity::<E>()`",
@@ -300,7 +300,7 @@ impl<G> Rebalance<G> {
     /// shard it writes, nothing written: the fencing tokens of
     /// [`crate::rebalance`].
     pub async fn run(&self, id: i64) -> Result<MoveStatus> {
-        if self.entities.is_empty() {
+        if self.entities.iter().all(|e| e.implicit()) {
             return Err(self.refuse(
                 Some(id),
                 "no entity listed: add every entity of the group with `.entity::<E>()`",
@@ -323,7 +323,7 @@ impl<G> Rebalance<G> {
 
     async fn run_inner(&self, token: &Token, id: i64) -> Result<MoveStatus> {
         self.map()?;
-        if self.entities.is_empty() {
+        if self.entities.iter().all(|e| e.implicit()) {
             return Err(self.refuse(
                 Some(id),
                 "no entity listed: add every entity of the group with `.entity::<E>()`",

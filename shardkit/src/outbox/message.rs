@@ -1,0 +1,399 @@
+//! What a message is ([`Message`]), a stored outbox row ([`Row`]), and the
+//! typed operations on one message type behind an object the relay calls
+//! by the message's name ([`Kind`]).
+
+use crate::cluster::{Cluster, ShardTx};
+use crate::entity::{EntityGroup, ShardKey};
+use crate::error::{ErrorKind, Origin, Result, ShardError, Subsystem};
+use crate::exec::keyed_tables::{INBOX, OUTBOX};
+use futures::future::BoxFuture;
+use sea_orm::sea_query::{Alias, Expr, ExprTrait, Query};
+use sea_orm::{Condition, ConnectionTrait, QueryResult};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use std::sync::Arc;
+
+/// The error a message handler or a saga step returns: any error (a
+/// [`ShardError`] converts with `?`).
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// A message one key sends another through the outbox
+/// ([`ShardTx::send`](crate::tx::ShardTx::send)), applied exactly once by
+/// the handler registered for it ([`Outbox::handle`](crate::Outbox::handle)).
+///
+/// ```
+/// # use shardkit::prelude::*;
+/// # #[derive(EntityGroup)] #[shardkit(key = i64)] pub struct Account;
+/// #[derive(serde::Serialize, serde::Deserialize)]
+/// struct Credit {
+///     amount: i64,
+/// }
+///
+/// impl shardkit::Message for Credit {
+///     const NAME: &'static str = "credit";
+///     type From = Account;
+///     type To = Account;
+/// }
+/// ```
+pub trait Message: Serialize + DeserializeOwned + Send + Sync + 'static {
+    /// The message's name in the outbox: stable across releases (messages
+    /// written by one release are applied by the next), at most 128
+    /// characters.
+    const NAME: &'static str;
+    /// The group whose transactions send it.
+    type From: EntityGroup;
+    /// The group of the keys it is sent to; its handler runs in a
+    /// transaction of the receiving key.
+    type To: EntityGroup;
+}
+
+/// A row of `shardkit_outbox`.
+#[derive(Clone, Debug)]
+pub(crate) struct Row {
+    pub(crate) id: String,
+    pub(crate) grp: String,
+    pub(crate) key_text: String,
+    pub(crate) to_grp: String,
+    pub(crate) to_key: String,
+    pub(crate) kind: String,
+    pub(crate) payload: String,
+    pub(crate) state: String,
+    pub(crate) attempts: i32,
+    pub(crate) next_at: i64,
+    pub(crate) created_at: i64,
+    pub(crate) last_error: Option<String>,
+}
+
+impl Row {
+    pub(crate) fn read(r: &QueryResult) -> std::result::Result<Row, sea_orm::DbErr> {
+        Ok(Row {
+            id: r.try_get("", "id")?,
+            grp: r.try_get("", "grp")?,
+            key_text: r.try_get("", "key_text")?,
+            to_grp: r.try_get("", "to_grp")?,
+            to_key: r.try_get("", "to_key")?,
+            kind: r.try_get("", "kind")?,
+            payload: r.try_get("", "payload")?,
+            state: r.try_get("", "state")?,
+            attempts: r.try_get("", "attempts")?,
+            next_at: r.try_get("", "next_at")?,
+            created_at: r.try_get("", "created_at")?,
+            last_error: r.try_get("", "last_error")?,
+        })
+    }
+
+    /// `message `kind` id` for errors.
+    pub(crate) fn what(&self) -> String {
+        format!("message `{}` {}", self.kind, self.id)
+    }
+}
+
+/// What became of one delivery.
+#[derive(Debug)]
+pub(crate) enum Delivery {
+    /// The handler ran and its transaction committed with the inbox row.
+    Applied,
+    /// The inbox already held the message: applied before.
+    Duplicate,
+    /// The handler failed (counts as an attempt).
+    Failed(String),
+    /// The receiving shard could not be reached or failed (not counted as
+    /// an attempt: retried after the backoff however long it lasts).
+    Unavailable(String),
+    /// The message cannot be applied by this release: parked at once.
+    Undecodable(String),
+}
+
+/// A change of a message's row on its sender's shard.
+#[derive(Debug)]
+pub(crate) enum SourceChange {
+    /// Applied: the row is deleted.
+    Delivered,
+    /// Another attempt after `next_at`; `attempts` counted so far;
+    /// `parked` when it will not be tried again.
+    Failed {
+        error: String,
+        attempts: i32,
+        next_at: i64,
+        parked: bool,
+    },
+    /// A parked message is pending again, its attempts reset.
+    Retry,
+    /// A parked message is deleted without being applied.
+    Discard,
+}
+
+/// The typed operations on one message type, called by name.
+pub(crate) trait Kind: Send + Sync {
+    fn name(&self) -> &'static str;
+    /// Whether this instance's map names `shard` the owner of the sender's
+    /// key (a copy on another shard, during or after a bucket move, is not
+    /// the row to deliver).
+    fn owned_by(&self, cluster: &Cluster, row: &Row, shard: &str) -> bool;
+    fn has_handler(&self) -> bool;
+    fn deliver<'a>(&'a self, cluster: &'a Cluster, row: &'a Row) -> BoxFuture<'a, Delivery>;
+    /// Applies `change` to the row in a transaction of the sender's key;
+    /// whether the row was there to change.
+    fn change<'a>(
+        &'a self,
+        cluster: &'a Cluster,
+        row: &'a Row,
+        change: SourceChange,
+    ) -> BoxFuture<'a, Result<bool>>;
+}
+
+type Handler<M> = Arc<
+    dyn Fn(
+            Arc<ShardTx<<M as Message>::To>>,
+            M,
+        ) -> BoxFuture<'static, std::result::Result<(), BoxError>>
+        + Send
+        + Sync,
+>;
+
+/// Message type `M`'s operations; `handler` when this instance applies it.
+pub(crate) struct Typed<M: Message> {
+    pub(crate) handler: Option<Handler<M>>,
+}
+
+fn cross_key(what: String, reason: impl Into<String>) -> ShardError {
+    ShardError::CrossKey {
+        what,
+        reason: reason.into(),
+    }
+}
+
+pub(crate) fn db_err(shard: &str, table: &str, what: &str, e: sea_orm::DbErr) -> ShardError {
+    ShardError::db(
+        Origin::table(Subsystem::CrossKey, table),
+        shard.to_owned(),
+        format!("{what} {table}"),
+        e,
+    )
+}
+
+/// Whether an error means the database could not do the work now (a shard
+/// down, a lost connection, a timeout, a moved bucket), not that the work
+/// itself failed: such a delivery is retried without counting an attempt.
+pub(crate) fn not_the_work(err: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(err);
+    while let Some(e) = cause {
+        if let Some(shard) = e.downcast_ref::<ShardError>() {
+            return match shard.kind() {
+                ErrorKind::Routing => true,
+                ErrorKind::Database => !matches!(shard.retry(), crate::Retry::Never),
+                _ => false,
+            };
+        }
+        cause = e.source();
+    }
+    false
+}
+
+/// Records message `id` in the receiving key's inbox, in its transaction:
+/// `false` when it is there already (applied before, or by a relay that
+/// raced this one and committed first).
+pub(crate) async fn record_in_inbox<G: EntityGroup>(
+    tx: &ShardTx<G>,
+    id: &str,
+    now_ms: i64,
+) -> Result<bool> {
+    let key = tx.key().to_directory_text();
+    let stmt = Query::insert()
+        .into_table(Alias::new(INBOX.name))
+        .columns(INBOX.names())
+        .values_panic([id.into(), G::NAME.into(), key.into(), now_ms.into()])
+        .to_owned();
+    match tx.unchecked_connection().execute(&stmt).await {
+        Ok(_) => Ok(true),
+        Err(e) if crate::error::is_unique_violation(&e) => Ok(false),
+        Err(e) => Err(db_err(tx.shard(), INBOX.name, "insert into", e)),
+    }
+}
+
+/// Whether the receiving key's inbox holds `id`, read in its transaction.
+pub(crate) async fn in_inbox<G: EntityGroup>(tx: &ShardTx<G>, id: &str) -> Result<bool> {
+    let stmt = Query::select()
+        .column(Alias::new("id"))
+        .from(Alias::new(INBOX.name))
+        .and_where(Expr::col(Alias::new("id")).eq(id))
+        .to_owned();
+    tx.unchecked_connection()
+        .query_one(&stmt)
+        .await
+        .map(|r| r.is_some())
+        .map_err(|e| db_err(tx.shard(), INBOX.name, "read", e))
+}
+
+impl<M: Message> Typed<M> {
+    async fn apply(&self, cluster: &Cluster, row: &Row) -> Delivery {
+        let Some(to) = <<M::To as EntityGroup>::Key as ShardKey>::from_directory_text(&row.to_key)
+        else {
+            return Delivery::Undecodable(format!(
+                "the receiving key {:?} is not a key of group {}",
+                row.to_key,
+                <M::To as EntityGroup>::NAME
+            ));
+        };
+        let message: M = match serde_json::from_str(&row.payload) {
+            Ok(m) => m,
+            Err(e) => {
+                return Delivery::Undecodable(format!(
+                    "the payload does not decode as `{}`: {e}",
+                    std::any::type_name::<M>()
+                ));
+            }
+        };
+        let Some(handler) = &self.handler else {
+            return Delivery::Unavailable("no handler in this relay".to_owned());
+        };
+        let tx = match cluster.begin::<M::To>(to).await {
+            Ok(tx) => tx,
+            Err(e) => return Delivery::Unavailable(e.report().to_string()),
+        };
+        match record_in_inbox(&tx, &row.id, cluster.shards().now_ms()).await {
+            Ok(true) => {}
+            Ok(false) => {
+                let _ = tx.rollback().await;
+                return Delivery::Duplicate;
+            }
+            Err(e) => {
+                let _ = tx.rollback().await;
+                return Delivery::Unavailable(e.report().to_string());
+            }
+        }
+        let tx = Arc::new(tx);
+        let outcome = handler(Arc::clone(&tx), message).await;
+        let Ok(tx) = Arc::try_unwrap(tx) else {
+            return Delivery::Failed(
+                "the handler kept a clone of its ShardTx past its end; nothing was committed"
+                    .to_owned(),
+            );
+        };
+        if let Err(e) = outcome {
+            let _ = tx.rollback().await;
+            return if not_the_work(e.as_ref()) {
+                Delivery::Unavailable(e.to_string())
+            } else {
+                Delivery::Failed(e.to_string())
+            };
+        }
+        match tx.commit().await {
+            Ok(()) => Delivery::Applied,
+            Err(e) => Delivery::Unavailable(e.report().to_string()),
+        }
+    }
+}
+
+impl<M: Message> Kind for Typed<M> {
+    fn name(&self) -> &'static str {
+        M::NAME
+    }
+
+    fn owned_by(&self, cluster: &Cluster, row: &Row, shard: &str) -> bool {
+        <<M::From as EntityGroup>::Key as ShardKey>::from_directory_text(&row.key_text)
+            .and_then(|k| cluster.shard_of_now::<M::From>(&k).ok().flatten())
+            .is_some_and(|owner| owner == shard)
+    }
+
+    fn has_handler(&self) -> bool {
+        self.handler.is_some()
+    }
+
+    fn deliver<'a>(&'a self, cluster: &'a Cluster, row: &'a Row) -> BoxFuture<'a, Delivery> {
+        Box::pin(async move {
+            // A transaction the database aborted (a deadlock with another
+            // writer of the key) runs again at once, twice at most.
+            let mut attempt = 0;
+            loop {
+                attempt += 1;
+                match self.apply(cluster, row).await {
+                    Delivery::Unavailable(e) if attempt < 3 && e.contains("deadlock") => {}
+                    other => return other,
+                }
+            }
+        })
+    }
+
+    fn change<'a>(
+        &'a self,
+        cluster: &'a Cluster,
+        row: &'a Row,
+        change: SourceChange,
+    ) -> BoxFuture<'a, Result<bool>> {
+        Box::pin(async move {
+            let key =
+                <<M::From as EntityGroup>::Key as ShardKey>::from_directory_text(&row.key_text)
+                    .ok_or_else(|| {
+                        cross_key(
+                            row.what(),
+                            format!(
+                                "the sending key {:?} is not a key of group {}",
+                                row.key_text,
+                                <M::From as EntityGroup>::NAME
+                            ),
+                        )
+                    })?;
+            let change = &change;
+            cluster
+                .transaction::<M::From, _, _>(key, |tx| async move {
+                    let table = Alias::new(OUTBOX.name);
+                    let this = Condition::all()
+                        .add(Expr::col(Alias::new("id")).eq(row.id.as_str()))
+                        .add(Expr::col(Alias::new("grp")).eq(row.grp.as_str()))
+                        .add(Expr::col(Alias::new("key_text")).eq(row.key_text.as_str()));
+                    let parked = Expr::col(Alias::new("state")).eq("parked");
+                    let done = match change {
+                        SourceChange::Delivered => {
+                            let q = Query::delete()
+                                .from_table(table)
+                                .cond_where(this)
+                                .to_owned();
+                            tx.unchecked_connection().execute(&q).await
+                        }
+                        SourceChange::Discard => {
+                            let q = Query::delete()
+                                .from_table(table)
+                                .cond_where(this.add(parked))
+                                .to_owned();
+                            tx.unchecked_connection().execute(&q).await
+                        }
+                        SourceChange::Failed {
+                            error,
+                            attempts,
+                            next_at,
+                            parked,
+                        } => {
+                            let q = Query::update()
+                                .table(table)
+                                .value(Alias::new("attempts"), *attempts)
+                                .value(Alias::new("next_at"), *next_at)
+                                .value(Alias::new("last_error"), error.as_str())
+                                .value(
+                                    Alias::new("state"),
+                                    if *parked { "parked" } else { "pending" },
+                                )
+                                .cond_where(this)
+                                .to_owned();
+                            tx.unchecked_connection().execute(&q).await
+                        }
+                        SourceChange::Retry => {
+                            let q = Query::update()
+                                .table(table)
+                                .value(Alias::new("attempts"), 0)
+                                .value(Alias::new("next_at"), 0i64)
+                                .value(Alias::new("state"), "pending")
+                                .cond_where(this.add(parked))
+                                .to_owned();
+                            tx.unchecked_connection().execute(&q).await
+                        }
+                    };
+                    let n = done
+                        .map_err(|e| db_err(tx.shard(), OUTBOX.name, "write", e))?
+                        .rows_affected();
+                    Ok(n > 0)
+                })
+                .await
+        })
+    }
+}

@@ -1,0 +1,211 @@
+//! [`Cluster::transaction_once`]: a transaction run at most once per
+//! request id, its outcome stored with the id on the key's shard.
+
+use crate::cluster::{Cluster, ShardTx};
+use crate::entity::{EntityGroup, ShardKey};
+use crate::error::{Result, ShardError};
+use crate::exec::keyed_tables::REQUESTS;
+use crate::outbox::message::db_err;
+use sea_orm::ConnectionTrait;
+use sea_orm::sea_query::{Alias, Expr, ExprTrait, Query};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// How long [`Cluster::transaction_once`] keeps a request's outcome: a
+/// retry within this time (24 hours) gets the stored outcome; after it, the
+/// request id is forgotten and a retry runs the work again. The relay
+/// ([`Outbox::run`](crate::Outbox::run)) deletes older outcomes.
+pub const REQUEST_TTL: Duration = Duration::from_secs(24 * 3600);
+
+/// The longest request id stored.
+const MAX_REQUEST_ID: usize = 200;
+
+/// The row id of request `request_id` of `key_text` in group `group`: the
+/// key's length first, so no two (key, request) pairs share one.
+pub(crate) fn request_row_id(group: &str, key_text: &str, request_id: &str) -> String {
+    format!("{group}|{}|{key_text}|{request_id}", key_text.len())
+}
+
+impl Cluster {
+    /// Runs `work` in a transaction of `key` at most once per
+    /// `request_id`: its outcome (`T`, serialised with serde) is stored
+    /// with the id on the key's shard in the same transaction, so a retry
+    /// of the request (a client that timed out and sent it again, many
+    /// at once) gets the stored outcome without running `work` again.
+    ///
+    /// A retry that arrives while the first run's transaction is open waits
+    /// for it (the id's row is locked) and then returns its outcome. When
+    /// `work` fails, nothing is stored and a retry runs it again; like
+    /// [`transaction`](Self::transaction), a transaction the database
+    /// aborted runs again (3 attempts in all). Outcomes are kept for
+    /// [`REQUEST_TTL`]. A request id holds 1 to 200 characters and is
+    /// scoped to the key (another key's request of the same id is
+    /// another request); an empty or longer one, or an outcome that does
+    /// not serialise, is refused with [`ShardError::CrossKey`].
+    pub async fn transaction_once<G, T, Fut>(
+        &self,
+        key: G::Key,
+        request_id: &str,
+        mut work: impl FnMut(Arc<ShardTx<G>>) -> Fut,
+    ) -> Result<T>
+    where
+        G: EntityGroup,
+        T: Serialize + DeserializeOwned,
+        Fut: Future<Output = Result<T>>,
+    {
+        let what = || format!("request {request_id:?} of {} key {key:?}", G::NAME);
+        if request_id.is_empty() || request_id.chars().count() > MAX_REQUEST_ID {
+            return Err(ShardError::CrossKey {
+                what: what(),
+                reason: format!("a request id holds 1 to {MAX_REQUEST_ID} characters"),
+            });
+        }
+        let key_text = key.to_directory_text();
+        let id = request_row_id(G::NAME, &key_text, request_id);
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            let tx = self.begin::<G>(key.clone()).await?;
+            let shard = tx.shard().to_owned();
+            let err = |op: &str| {
+                let shard = shard.clone();
+                let op = op.to_owned();
+                move |e| db_err(&shard, REQUESTS.name, &op, e)
+            };
+            let now = self.shards().now_ms();
+            let stored = Query::select()
+                .columns([Alias::new("outcome"), Alias::new("created_at")])
+                .from(Alias::new(REQUESTS.name))
+                .and_where(Expr::col(Alias::new("id")).eq(id.as_str()))
+                .to_owned();
+            let row = tx
+                .unchecked_connection()
+                .query_one(&stored)
+                .await
+                .map_err(err("read"))?;
+            if let Some(row) = row {
+                let outcome: Option<String> = row.try_get("", "outcome").map_err(err("read"))?;
+                let created: i64 = row.try_get("", "created_at").map_err(err("read"))?;
+                match outcome {
+                    Some(text) if now - created < REQUEST_TTL.as_millis() as i64 => {
+                        let _ = tx.rollback().await;
+                        return serde_json::from_str(&text).map_err(|e| ShardError::CrossKey {
+                            what: what(),
+                            reason: format!(
+                                "its stored outcome does not decode as `{}`: {e}",
+                                std::any::type_name::<T>()
+                            ),
+                        });
+                    }
+                    // Expired (or left without an outcome by a release
+                    // that stored none): forgotten.
+                    _ => {
+                        let gone = Query::delete()
+                            .from_table(Alias::new(REQUESTS.name))
+                            .and_where(Expr::col(Alias::new("id")).eq(id.as_str()))
+                            .to_owned();
+                        tx.unchecked_connection()
+                            .execute(&gone)
+                            .await
+                            .map_err(err("delete from"))?;
+                    }
+                }
+            }
+            // The claim: a concurrent run of the same id waits here for
+            // this transaction, then finds the id taken.
+            let claim = Query::insert()
+                .into_table(Alias::new(REQUESTS.name))
+                .columns(REQUESTS.names())
+                .values_panic([
+                    id.as_str().into(),
+                    G::NAME.into(),
+                    key_text.as_str().into(),
+                    request_id.into(),
+                    Option::<String>::None.into(),
+                    now.into(),
+                ])
+                .to_owned();
+            match tx.unchecked_connection().execute(&claim).await {
+                Ok(_) => {}
+                Err(e) if crate::error::is_unique_violation(&e) && attempt < 5 => {
+                    // Another run committed the id first: read its outcome.
+                    let _ = tx.rollback().await;
+                    continue;
+                }
+                Err(e) => {
+                    let e = err("insert into")(e);
+                    let _ = tx.rollback().await;
+                    if e.retry() == crate::Retry::Transaction && attempt < 3 {
+                        continue;
+                    }
+                    return Err(e);
+                }
+            }
+            let tx = Arc::new(tx);
+            let outcome = work(Arc::clone(&tx)).await;
+            let Ok(tx) = Arc::try_unwrap(tx) else {
+                return Err(ShardError::RollbackOnly {
+                    group: G::NAME,
+                    shard,
+                    reason: "the transaction closure kept a clone of its ShardTx past its end; \
+                             nothing was committed"
+                        .to_owned(),
+                });
+            };
+            let value = match outcome {
+                Ok(value) => value,
+                Err(e) => {
+                    let _ = tx.rollback().await;
+                    if e.retry() == crate::Retry::Transaction && attempt < 3 {
+                        continue;
+                    }
+                    return Err(e);
+                }
+            };
+            let text = match serde_json::to_string(&value) {
+                Ok(text) => text,
+                Err(e) => {
+                    let _ = tx.rollback().await;
+                    return Err(ShardError::CrossKey {
+                        what: what(),
+                        reason: format!("the outcome does not serialise: {e}"),
+                    });
+                }
+            };
+            let store = Query::update()
+                .table(Alias::new(REQUESTS.name))
+                .value(Alias::new("outcome"), text)
+                .and_where(Expr::col(Alias::new("id")).eq(id.as_str()))
+                .to_owned();
+            tx.unchecked_connection()
+                .execute(&store)
+                .await
+                .map_err(err("update"))?;
+            match tx.commit().await {
+                Ok(()) => return Ok(value),
+                Err(e) if e.retry() == crate::Retry::Transaction && attempt < 3 => continue,
+                Err(e) => return Err(e),
+            }
+        }
+    }
+}
+
+/// Deletes the outcomes older than [`REQUEST_TTL`] on `db`.
+pub(crate) async fn prune_requests(
+    db: &sea_orm::DatabaseConnection,
+    shard: &str,
+    now_ms: i64,
+) -> Result<u64> {
+    let stmt = Query::delete()
+        .from_table(Alias::new(REQUESTS.name))
+        .and_where(Expr::col(Alias::new("created_at")).lt(now_ms - REQUEST_TTL.as_millis() as i64))
+        .to_owned();
+    Ok(db
+        .execute(&stmt)
+        .await
+        .map_err(|e| db_err(shard, REQUESTS.name, "delete from", e))?
+        .rows_affected())
+}

@@ -1,0 +1,721 @@
+//! [`Outbox`]: the handle on the cluster's outboxes: the handlers this
+//! instance applies, the relay that delivers every shard's messages, and
+//! the operator's view (status, retry, discard).
+
+use crate::cluster::{Cluster, ShardTx};
+use crate::error::{Result, ShardError};
+use crate::exec::keyed_tables::{INBOX, OUTBOX};
+use crate::exec::periodic;
+use crate::outbox::message::{BoxError, Delivery, Kind, Message, Row, SourceChange, Typed, db_err};
+use crate::outbox::once::prune_requests;
+use crate::topology::ShardId;
+use futures::StreamExt;
+use futures::future::BoxFuture;
+use sea_orm::ConnectionTrait;
+use sea_orm::sea_query::{Alias, Expr, ExprTrait, Order, Query};
+use serde::Serialize;
+use std::collections::HashMap;
+use std::future::Future;
+use std::ops::ControlFlow;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::time::Duration;
+
+/// How the relay paces itself.
+#[derive(Clone, Copy, Debug)]
+struct Settings {
+    poll: Duration,
+    max_attempts: i32,
+    first_backoff: Duration,
+    max_backoff: Duration,
+    batch: u64,
+    parallel: usize,
+    step_timeout: Duration,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Settings {
+            poll: Duration::from_millis(25),
+            max_attempts: 8,
+            first_backoff: Duration::from_millis(200),
+            max_backoff: Duration::from_secs(60),
+            batch: 500,
+            parallel: 8,
+            step_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// The cluster's outboxes ([`Cluster::outbox`]): register a handler per
+/// message type ([`handle`](Self::handle)), then relay
+/// ([`run`](Self::run) in the background, or [`deliver`](Self::deliver)
+/// once); see `shardkit::guide::outbox`.
+///
+/// Delivery is at least once, and the effect exactly once: the handler's
+/// transaction on the receiving key records the message id in that key's
+/// inbox (`shardkit_inbox`), so a message delivered again (a relay that
+/// died before it deleted the message, two relays at once) finds its id
+/// there and is not applied twice. Cheap to clone.
+#[derive(Clone)]
+pub struct Outbox {
+    cluster: Cluster,
+    kinds: Arc<HashMap<&'static str, Arc<dyn Kind>>>,
+    settings: Settings,
+    /// When the running relay last counted (gauges) and pruned (ms).
+    housekeeping: Arc<[AtomicI64; 2]>,
+}
+
+/// How long the inbox keeps a message id: 7 days. A message older than
+/// this is parked instead of delivered (its id may be gone from the inbox,
+/// so it could be applied twice); `retry` delivers it anyway.
+pub const INBOX_TTL: Duration = Duration::from_secs(7 * 24 * 3600);
+
+impl std::fmt::Debug for Outbox {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut kinds: Vec<&str> = self.kinds.keys().copied().collect();
+        kinds.sort_unstable();
+        f.debug_struct("Outbox")
+            .field("messages", &kinds)
+            .field("settings", &self.settings)
+            .finish()
+    }
+}
+
+impl Cluster {
+    /// The outboxes of every shard: messages sent by
+    /// [`ShardTx::send`](crate::tx::ShardTx::send), the handlers that apply
+    /// them, and the relay. The handle starts with no handler.
+    pub fn outbox(&self) -> Outbox {
+        Outbox {
+            cluster: self.clone(),
+            kinds: Arc::new(HashMap::new()),
+            settings: Settings::default(),
+            housekeeping: Arc::default(),
+        }
+    }
+}
+
+/// What one relay pass did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct RelayReport {
+    /// Messages whose handler ran and committed.
+    pub applied: u64,
+    /// Messages found applied already (their id in the inbox) and deleted.
+    pub duplicates: u64,
+    /// Handler attempts that failed (to be tried again, or parked).
+    pub failed: u64,
+    /// Messages parked by this pass.
+    pub parked: u64,
+    /// Deliveries put off because a shard could not be reached.
+    pub deferred: u64,
+    /// Shards whose outbox could not be read.
+    pub shards_failed: u64,
+}
+
+impl RelayReport {
+    fn add(&mut self, other: RelayReport) {
+        self.applied += other.applied;
+        self.duplicates += other.duplicates;
+        self.failed += other.failed;
+        self.parked += other.parked;
+        self.deferred += other.deferred;
+        self.shards_failed += other.shards_failed;
+    }
+}
+
+/// A message parked after its last attempt.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct ParkedMessage {
+    /// The message id (for [`Outbox::retry`] and [`Outbox::discard`]).
+    pub id: String,
+    /// The message's name ([`Message::NAME`]).
+    pub kind: String,
+    /// The sending group and key (directory text).
+    pub from: (String, String),
+    /// The receiving group and key.
+    pub to: (String, String),
+    /// Attempts made.
+    pub attempts: i32,
+    /// The last attempt's error.
+    pub last_error: Option<String>,
+}
+
+/// One shard's outbox.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct ShardOutbox {
+    /// The shard.
+    pub shard: String,
+    /// Messages waiting to be applied.
+    pub pending: u64,
+    /// When the oldest pending message was sent (milliseconds since the
+    /// Unix epoch, the cluster's clock).
+    pub oldest_pending_ms: Option<i64>,
+    /// Parked messages (at most 100 listed).
+    pub parked: Vec<ParkedMessage>,
+    /// Parked messages in all.
+    pub parked_count: u64,
+    /// Why the shard's outbox could not be read.
+    pub error: Option<String>,
+}
+
+/// Every shard's outbox ([`Outbox::status`]).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct OutboxStatus {
+    /// Per shard, in the config's order.
+    pub shards: Vec<ShardOutbox>,
+}
+
+/// A relay running in the background ([`Outbox::run`]). It stops when the
+/// cluster's last handle is dropped, or at [`stop`](Self::stop); dropping
+/// this handle leaves it running.
+#[derive(Debug)]
+pub struct RelayTask {
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl RelayTask {
+    /// Stops the relay (a delivery in flight rolls back; its message is
+    /// delivered again later, and applied once).
+    pub fn stop(&self) {
+        self.task.abort();
+    }
+
+    /// Whether it has stopped.
+    pub fn is_finished(&self) -> bool {
+        self.task.is_finished()
+    }
+}
+
+impl Outbox {
+    /// Registers `handler` for message type `M`: the relay applies each
+    /// `M` by running it inside a transaction of the receiving key (a
+    /// [`ShardTx`] behind an `Arc`, as in
+    /// [`Cluster::transaction`]), with the message id recorded in
+    /// the key's inbox in the same transaction. `Ok` commits; an error
+    /// rolls everything back and the message is tried again after a
+    /// backoff, and parked after [`max_attempts`](Self::max_attempts)
+    /// (errors of a shard that cannot be reached do not count).
+    pub fn handle<M, F, Fut, E>(mut self, handler: F) -> Self
+    where
+        M: Message,
+        F: Fn(Arc<ShardTx<M::To>>, M) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = std::result::Result<(), E>> + Send + 'static,
+        E: Into<BoxError>,
+    {
+        let handler = Arc::new(handler);
+        let typed = Typed::<M> {
+            handler: Some(Arc::new(move |tx, m| {
+                let fut = handler(tx, m);
+                Box::pin(async move { fut.await.map_err(Into::into) })
+            })),
+        };
+        Arc::make_mut(&mut self.kinds).insert(M::NAME, Arc::new(typed));
+        self
+    }
+
+    /// Makes message type `M` known without a handler (an operator's tool
+    /// that lists, retries and discards messages, but applies none).
+    pub fn message<M: Message>(mut self) -> Self {
+        let kinds = Arc::make_mut(&mut self.kinds);
+        kinds
+            .entry(M::NAME)
+            .or_insert_with(|| Arc::new(Typed::<M> { handler: None }));
+        self
+    }
+
+    /// How long the running relay waits between passes that found nothing
+    /// to deliver (default 25 ms).
+    pub fn poll_every(mut self, every: Duration) -> Self {
+        self.settings.poll = every.max(Duration::from_millis(1));
+        self
+    }
+
+    /// Failed attempts after which a message is parked (default 8, at
+    /// least 1).
+    pub fn max_attempts(mut self, attempts: u32) -> Self {
+        self.settings.max_attempts = attempts.clamp(1, i32::MAX as u32) as i32;
+        self
+    }
+
+    /// The wait after the first failed attempt, doubled after each
+    /// further one up to `max` (default 200 ms up to 60 s).
+    pub fn backoff(mut self, first: Duration, max: Duration) -> Self {
+        self.settings.first_backoff = first;
+        self.settings.max_backoff = max.max(first);
+        self
+    }
+
+    /// The longest a relay waits for one shard's step (reading its outbox,
+    /// applying one receiving key's messages) before it gives up on it for
+    /// this pass (default 10 s): a shard that hangs holds nothing else up.
+    pub fn step_timeout(mut self, timeout: Duration) -> Self {
+        self.settings.step_timeout = timeout;
+        self
+    }
+
+    /// Runs the relay in the background: a pass over every shard's outbox,
+    /// again at once while passes find work, else every
+    /// [`poll_every`](Self::poll_every). It follows the live bucket map,
+    /// holds no user handle of the cluster between passes, and stops with
+    /// the cluster (or at [`RelayTask::stop`]).
+    pub fn run(&self) -> RelayTask {
+        let kinds = Arc::clone(&self.kinds);
+        let settings = self.settings;
+        let housekeeping = Arc::clone(&self.housekeeping);
+        let task = periodic::spawn(
+            &self.cluster,
+            settings.poll,
+            periodic::FirstPass::Now,
+            move |cluster: Cluster| {
+                let relay = Outbox {
+                    cluster,
+                    kinds: Arc::clone(&kinds),
+                    settings,
+                    housekeeping: Arc::clone(&housekeeping),
+                };
+                async move {
+                    loop {
+                        let report = relay.pass().await;
+                        if report.applied + report.duplicates + report.parked + report.failed == 0 {
+                            break;
+                        }
+                    }
+                    relay.housekeeping().await;
+                    ControlFlow::Continue(())
+                }
+            },
+        );
+        RelayTask { task }
+    }
+
+    /// Delivers every message that can be delivered now, pass after pass
+    /// until a pass finds nothing more; returns what was done.
+    pub async fn deliver(&self) -> Result<RelayReport> {
+        let mut total = RelayReport::default();
+        loop {
+            let report = self.pass().await;
+            total.add(report);
+            if report.applied + report.duplicates + report.parked + report.failed == 0 {
+                return Ok(total);
+            }
+        }
+    }
+
+    /// One pass over every shard's outbox, the shards at once.
+    fn pass(&self) -> BoxFuture<'_, RelayReport> {
+        Box::pin(self.pass_all())
+    }
+
+    async fn pass_all(&self) -> RelayReport {
+        let shards = self.cluster.shards();
+        let ids: Vec<ShardId> = (0..shards.topology().shards().len() as u32)
+            .map(ShardId)
+            .collect();
+        let reports =
+            futures::future::join_all(ids.into_iter().map(|id| self.pass_shard(id))).await;
+        let mut total = RelayReport::default();
+        for r in reports {
+            total.add(r);
+        }
+        total
+    }
+
+    async fn pass_shard(&self, id: ShardId) -> RelayReport {
+        let shards = self.cluster.shards();
+        let name = shards.shard_name(id).to_owned();
+        let mut report = RelayReport::default();
+        let rows = match self.pending(id, None).await {
+            Ok(rows) => rows,
+            Err(e) => {
+                tracing::debug!(shard = %name, error = %e.report(), "outbox not read; next pass");
+                report.shards_failed = 1;
+                return report;
+            }
+        };
+        // The messages of one sending key to one receiving key, in order.
+        let mut pairs: Vec<Vec<(Row, Arc<dyn Kind>)>> = Vec::new();
+        let mut at: HashMap<(String, String, String, String), usize> = HashMap::new();
+        for row in rows {
+            let Some(kind) = self.kinds.get(row.kind.as_str()) else {
+                continue;
+            };
+            if !kind.has_handler() || !kind.owned_by(&self.cluster, &row, &name) {
+                continue;
+            }
+            let pair = (
+                row.grp.clone(),
+                row.key_text.clone(),
+                row.to_grp.clone(),
+                row.to_key.clone(),
+            );
+            let i = *at.entry(pair).or_insert_with(|| {
+                pairs.push(Vec::new());
+                pairs.len() - 1
+            });
+            pairs[i].push((row, Arc::clone(kind)));
+        }
+        let pairs: Vec<BoxFuture<'_, RelayReport>> = pairs
+            .into_iter()
+            .map(|pair| self.bounded_pair(pair))
+            .collect();
+        let mut done = futures::stream::iter(pairs).buffer_unordered(self.settings.parallel);
+        while let Some(r) = done.next().await {
+            report.add(r);
+        }
+        report
+    }
+
+    /// [`deliver_pair`](Self::deliver_pair) bounded by the step timeout.
+    fn bounded_pair(&self, pair: Vec<(Row, Arc<dyn Kind>)>) -> BoxFuture<'_, RelayReport> {
+        let step = self.settings.step_timeout;
+        Box::pin(async move {
+            tokio::time::timeout(step, self.deliver_pair(pair))
+                .await
+                .unwrap_or(RelayReport {
+                    deferred: 1,
+                    ..RelayReport::default()
+                })
+        })
+    }
+
+    /// Applies a pair's messages in order, stopping at the first that
+    /// cannot be applied now.
+    async fn deliver_pair(&self, pair: Vec<(Row, Arc<dyn Kind>)>) -> RelayReport {
+        let mut report = RelayReport::default();
+        let shards = self.cluster.shards();
+        for (row, kind) in pair {
+            let now = shards.now_ms();
+            if row.next_at > now {
+                break;
+            }
+            let expired = row.attempts == 0
+                && row.last_error.is_none()
+                && now - row.created_at > INBOX_TTL.as_millis() as i64;
+            let delivery = if expired && row.next_at == 0 {
+                Delivery::Undecodable(format!(
+                    "sent more than {} days ago: the receiving inbox may no longer hold its id, so \
+                     applying it could apply it twice; `retry` applies it anyway",
+                    INBOX_TTL.as_secs() / 86_400
+                ))
+            } else {
+                kind.deliver(&self.cluster, &row).await
+            };
+            let change = match delivery {
+                Delivery::Applied => {
+                    let lag = Ord::max(shards.now_ms() - row.created_at, 0);
+                    crate::metrics::outbox_delivered(
+                        kind.name(),
+                        Duration::from_millis(lag as u64),
+                    );
+                    report.applied += 1;
+                    SourceChange::Delivered
+                }
+                Delivery::Duplicate => {
+                    report.duplicates += 1;
+                    SourceChange::Delivered
+                }
+                Delivery::Unavailable(error) => {
+                    report.deferred += 1;
+                    tracing::debug!(message = %row.id, kind = %row.kind, %error, "delivery put off");
+                    SourceChange::Failed {
+                        next_at: now + self.wait_after(Ord::max(row.attempts, 1)),
+                        attempts: row.attempts,
+                        error,
+                        parked: false,
+                    }
+                }
+                Delivery::Failed(error) => {
+                    let attempts = row.attempts.saturating_add(1);
+                    let parked = attempts >= self.settings.max_attempts;
+                    crate::metrics::outbox_failed(kind.name(), parked);
+                    report.failed += 1;
+                    report.parked += u64::from(parked);
+                    tracing::warn!(message = %row.id, kind = %row.kind, attempts, parked, %error, "message handler failed");
+                    SourceChange::Failed {
+                        next_at: now + self.wait_after(attempts),
+                        attempts,
+                        error,
+                        parked,
+                    }
+                }
+                Delivery::Undecodable(error) => {
+                    crate::metrics::outbox_failed(kind.name(), true);
+                    report.parked += 1;
+                    tracing::warn!(message = %row.id, kind = %row.kind, %error, "message parked: it cannot be applied");
+                    SourceChange::Failed {
+                        next_at: now,
+                        attempts: row.attempts.saturating_add(1),
+                        error,
+                        parked: true,
+                    }
+                }
+            };
+            let delivered = matches!(change, SourceChange::Delivered);
+            // The relay dying here (after the apply, before the message is
+            // deleted) leaves it to be delivered again: the inbox holds it.
+            if fail::eval("shardkit::outbox::after_apply", |_| ()).is_some() {
+                return report;
+            }
+            if let Err(e) = kind.change(&self.cluster, &row, change).await {
+                tracing::debug!(message = %row.id, error = %e.report(), "outbox row not updated; next pass");
+                break;
+            }
+            if !delivered {
+                break;
+            }
+        }
+        report
+    }
+
+    fn wait_after(&self, attempts: i32) -> i64 {
+        let doubled = self
+            .settings
+            .first_backoff
+            .saturating_mul(1u32 << (attempts - 1).clamp(0, 20) as u32);
+        doubled.min(self.settings.max_backoff).as_millis() as i64
+    }
+
+    /// Shard `id`'s outbox rows, oldest first within each key: pending
+    /// ones, or with `state`, those in that state.
+    async fn pending(&self, id: ShardId, state: Option<&str>) -> Result<Vec<Row>> {
+        let shards = self.cluster.shards();
+        let name = shards.shard_name(id);
+        let stmt = Query::select()
+            .columns(OUTBOX.names())
+            .from(Alias::new(OUTBOX.name))
+            .and_where(Expr::col(Alias::new("state")).eq(state.unwrap_or("pending")))
+            .order_by(Alias::new("grp"), Order::Asc)
+            .order_by(Alias::new("key_text"), Order::Asc)
+            .order_by(Alias::new("seq"), Order::Asc)
+            .order_by(Alias::new("id"), Order::Asc)
+            .limit(if state.is_some() {
+                100
+            } else {
+                self.settings.batch
+            })
+            .to_owned();
+        let db = shards.side_conn(id);
+        shards
+            .bounded(id, "outbox", Some(self.settings.step_timeout), async {
+                let rows = db
+                    .query_all(&stmt)
+                    .await
+                    .map_err(|e| db_err(name, OUTBOX.name, "read", e))?;
+                rows.iter()
+                    .map(|r| Row::read(r).map_err(|e| db_err(name, OUTBOX.name, "read", e)))
+                    .collect()
+            })
+            .await
+    }
+
+    /// Shard `id`'s count of messages in each state, and the oldest
+    /// pending one's send time.
+    async fn counts(&self, id: ShardId) -> Result<(u64, u64, Option<i64>)> {
+        let shards = self.cluster.shards();
+        let name = shards.shard_name(id);
+        let stmt = Query::select()
+            .column(Alias::new("state"))
+            .expr_as(Expr::col(Alias::new("id")).count(), Alias::new("n"))
+            .expr_as(
+                Expr::col(Alias::new("created_at")).min(),
+                Alias::new("oldest"),
+            )
+            .from(Alias::new(OUTBOX.name))
+            .group_by_col(Alias::new("state"))
+            .to_owned();
+        let db = shards.side_conn(id);
+        shards
+            .bounded(id, "outbox", Some(self.settings.step_timeout), async {
+                let rows = db
+                    .query_all(&stmt)
+                    .await
+                    .map_err(|e| db_err(name, OUTBOX.name, "count", e))?;
+                let (mut pending, mut parked, mut oldest) = (0, 0, None);
+                for r in rows {
+                    let state: String = r
+                        .try_get("", "state")
+                        .map_err(|e| db_err(name, OUTBOX.name, "count", e))?;
+                    let n: i64 = r
+                        .try_get("", "n")
+                        .map_err(|e| db_err(name, OUTBOX.name, "count", e))?;
+                    match state.as_str() {
+                        "pending" => {
+                            pending = n as u64;
+                            oldest = r.try_get::<Option<i64>>("", "oldest").ok().flatten();
+                        }
+                        _ => parked += n as u64,
+                    }
+                }
+                Ok((pending, parked, oldest))
+            })
+            .await
+    }
+
+    /// About once a second, sets the pending and parked gauges of every
+    /// shard it can read; about once a minute, deletes the inbox ids older
+    /// than [`INBOX_TTL`] and the request outcomes older than
+    /// [`REQUEST_TTL`](crate::outbox::REQUEST_TTL).
+    async fn housekeeping(&self) {
+        let shards = self.cluster.shards();
+        let now = shards.now_ms();
+        let due = |i: usize, every: i64| {
+            let last = self.housekeeping[i].load(Ordering::Relaxed);
+            now - last >= every
+                && self.housekeeping[i]
+                    .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+                    .is_ok()
+        };
+        let (count, prune) = (due(0, 1_000), due(1, 60_000));
+        for i in 0..shards.topology().shards().len() as u32 {
+            let id = ShardId(i);
+            if count && let Ok((pending, parked, _)) = self.counts(id).await {
+                crate::metrics::outbox_counts(shards.shard_name(id), pending, parked);
+            }
+            if prune {
+                let name = shards.shard_name(id);
+                let db = shards.side_conn(id);
+                let pruned = shards
+                    .bounded(id, "outbox", Some(self.settings.step_timeout), async {
+                        let inbox = Query::delete()
+                            .from_table(Alias::new(INBOX.name))
+                            .and_where(
+                                Expr::col(Alias::new("received_at"))
+                                    .lt(now - INBOX_TTL.as_millis() as i64),
+                            )
+                            .to_owned();
+                        db.execute(&inbox)
+                            .await
+                            .map_err(|e| db_err(name, INBOX.name, "delete from", e))?;
+                        prune_requests(db, name, now).await
+                    })
+                    .await;
+                if let Err(e) = pruned {
+                    tracing::debug!(shard = %name, error = %e.report(), "old inbox ids and outcomes not pruned; later");
+                }
+            }
+        }
+    }
+
+    /// Every shard's outbox: pending and parked messages (a shard that
+    /// cannot be read is listed with its error).
+    pub async fn status(&self) -> Result<OutboxStatus> {
+        let shards = self.cluster.shards();
+        let mut out = Vec::new();
+        for i in 0..shards.topology().shards().len() as u32 {
+            let id = ShardId(i);
+            let shard = shards.shard_name(id).to_owned();
+            let read = async {
+                let (pending, parked_count, oldest) = self.counts(id).await?;
+                let parked = self.pending(id, Some("parked")).await?;
+                Ok::<_, ShardError>((pending, parked_count, oldest, parked))
+            };
+            out.push(match read.await {
+                Ok((pending, parked_count, oldest_pending_ms, parked)) => ShardOutbox {
+                    shard,
+                    pending,
+                    oldest_pending_ms,
+                    parked_count,
+                    parked: parked
+                        .into_iter()
+                        .map(|r| ParkedMessage {
+                            id: r.id,
+                            kind: r.kind,
+                            from: (r.grp, r.key_text),
+                            to: (r.to_grp, r.to_key),
+                            attempts: r.attempts,
+                            last_error: r.last_error,
+                        })
+                        .collect(),
+                    error: None,
+                },
+                Err(e) => ShardOutbox {
+                    shard,
+                    pending: 0,
+                    oldest_pending_ms: None,
+                    parked: Vec::new(),
+                    parked_count: 0,
+                    error: Some(e.report().to_string()),
+                },
+            });
+        }
+        Ok(OutboxStatus { shards: out })
+    }
+
+    /// Makes parked message `id` pending again, its attempts reset.
+    pub async fn retry(&self, id: &str) -> Result<()> {
+        self.operate(id, SourceChange::Retry).await
+    }
+
+    /// Deletes parked message `id` without applying it.
+    pub async fn discard(&self, id: &str) -> Result<()> {
+        self.operate(id, SourceChange::Discard).await
+    }
+
+    fn operate<'a>(&'a self, id: &'a str, change: SourceChange) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            let what = || format!("message {id}");
+            let row = self.find(id).await?.ok_or_else(|| ShardError::CrossKey {
+                what: what(),
+                reason: "no shard's outbox holds it".to_owned(),
+            })?;
+            if row.state != "parked" {
+                return Err(ShardError::CrossKey {
+                    what: row.what(),
+                    reason: format!(
+                        "it is {}, not parked: only a parked message is retried or discarded",
+                        row.state
+                    ),
+                });
+            }
+            let kind = self.kinds.get(row.kind.as_str()).ok_or_else(|| ShardError::CrossKey {
+                what: row.what(),
+                reason: "its message type is not registered here: add it with `.message::<M>()` or `.handle::<M, _, _, _>(..)`".to_owned(),
+            })?;
+            if kind.change(&self.cluster, &row, change).await? {
+                Ok(())
+            } else {
+                Err(ShardError::CrossKey {
+                    what: row.what(),
+                    reason:
+                        "it changed meanwhile (applied, retried or discarded by another process)"
+                            .to_owned(),
+                })
+            }
+        })
+    }
+
+    /// Message `id` on the shard that owns its sender's key.
+    async fn find(&self, id: &str) -> Result<Option<Row>> {
+        let shards = self.cluster.shards();
+        let stmt = Query::select()
+            .columns(OUTBOX.names())
+            .from(Alias::new(OUTBOX.name))
+            .and_where(Expr::col(Alias::new("id")).eq(id))
+            .to_owned();
+        let mut found = None;
+        for i in 0..shards.topology().shards().len() as u32 {
+            let sid = ShardId(i);
+            let name = shards.shard_name(sid);
+            let db = shards.side_conn(sid);
+            let rows = shards
+                .bounded(sid, "outbox", Some(self.settings.step_timeout), async {
+                    db.query_all(&stmt)
+                        .await
+                        .map_err(|e| db_err(name, OUTBOX.name, "read", e))
+                })
+                .await?;
+            for r in rows {
+                let row = Row::read(&r).map_err(|e| db_err(name, OUTBOX.name, "read", e))?;
+                let owned = self
+                    .kinds
+                    .get(row.kind.as_str())
+                    .is_none_or(|k| k.owned_by(&self.cluster, &row, name));
+                if owned {
+                    found = Some(row);
+                }
+            }
+        }
+        Ok(found)
+    }
+}

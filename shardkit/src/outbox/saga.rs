@@ -1,0 +1,671 @@
+//! Sagas: a sequence of steps, each a transaction on one key with a
+//! compensation, whose state lives on the originating key's shard.
+//!
+//! Each step's transaction records `saga:<id>:<i>:run` in its key's inbox,
+//! and each compensation `saga:<id>:<i>:undo`, so a step (or compensation)
+//! committed by a process that died before it saved the saga's progress is
+//! not applied again when the saga resumes. A compensation of a step that
+//! never committed records the step's `run` marker itself and undoes
+//! nothing, so a late run of that step (a process still running it) finds
+//! the marker and applies nothing.
+
+use crate::cluster::{Cluster, ShardTx};
+use crate::entity::{EntityGroup, ShardKey};
+use crate::error::{Result, ShardError};
+use crate::exec::keyed_tables::SAGAS;
+use crate::outbox::message::{BoxError, db_err, in_inbox, not_the_work, record_in_inbox};
+use crate::topology::ShardId;
+use futures::future::BoxFuture;
+use sea_orm::sea_query::{Alias, Expr, ExprTrait, Query};
+use sea_orm::{ConnectionTrait, QueryResult};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use std::future::Future;
+use std::marker::PhantomData;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Where a saga is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SagaState {
+    /// Running its steps; `step` is the next to run.
+    Running,
+    /// A step was refused: undoing the steps before it, last first; `step`
+    /// counts the steps still to undo.
+    Compensating,
+    /// Every step committed.
+    Done,
+    /// Every step that committed was undone.
+    Compensated,
+}
+
+impl SagaState {
+    fn as_str(self) -> &'static str {
+        match self {
+            SagaState::Running => "running",
+            SagaState::Compensating => "compensating",
+            SagaState::Done => "done",
+            SagaState::Compensated => "compensated",
+        }
+    }
+
+    fn parse(s: &str) -> Option<SagaState> {
+        Some(match s {
+            "running" => SagaState::Running,
+            "compensating" => SagaState::Compensating,
+            "done" => SagaState::Done,
+            "compensated" => SagaState::Compensated,
+            _ => return None,
+        })
+    }
+
+    /// Whether nothing more will happen to it.
+    pub fn is_finished(self) -> bool {
+        matches!(self, SagaState::Done | SagaState::Compensated)
+    }
+}
+
+/// A saga as stored.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct SagaStatus {
+    /// Its id.
+    pub id: String,
+    /// The saga's name ([`Saga::new`]).
+    pub name: String,
+    /// The originating group and key (directory text).
+    pub origin: (String, String),
+    /// Where it is.
+    pub state: SagaState,
+    /// The next step to run (running), or the steps still to undo
+    /// (compensating).
+    pub step: i32,
+    /// Failed attempts at the current step.
+    pub attempts: i32,
+    /// Why it is compensating, or the last failed attempt's error.
+    pub error: Option<String>,
+    /// When it was started and last changed (ms since the Unix epoch).
+    pub created_at: i64,
+    /// When it last changed.
+    pub updated_at: i64,
+}
+
+impl SagaStatus {
+    fn read(r: &QueryResult) -> std::result::Result<(SagaStatus, String, i64), sea_orm::DbErr> {
+        let state: String = r.try_get("", "state")?;
+        Ok((
+            SagaStatus {
+                id: r.try_get("", "id")?,
+                name: r.try_get("", "name")?,
+                origin: (r.try_get("", "grp")?, r.try_get("", "key_text")?),
+                state: SagaState::parse(&state).unwrap_or(SagaState::Running),
+                step: r.try_get("", "step")?,
+                attempts: r.try_get("", "attempts")?,
+                error: r.try_get("", "error")?,
+                created_at: r.try_get("", "created_at")?,
+                updated_at: r.try_get("", "updated_at")?,
+            },
+            r.try_get("", "data")?,
+            r.try_get("", "next_at")?,
+        ))
+    }
+}
+
+/// What a [`Sagas::resume`] pass did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct SagaReport {
+    /// Sagas that ran every step.
+    pub done: u64,
+    /// Sagas whose compensations all ran.
+    pub compensated: u64,
+    /// Sagas left unfinished for now (a shard unreachable, a step or a
+    /// compensation to try again after its backoff).
+    pub waiting: u64,
+}
+
+/// How one step (or compensation) went.
+enum Outcome {
+    /// Committed now, or before (its inbox marker was there).
+    Done,
+    /// The step's work returned an error of its own: the saga compensates.
+    Refused(String),
+    /// A shard could not be reached: try again later.
+    Later(String),
+}
+
+type Work<G, D> = Arc<
+    dyn Fn(Arc<ShardTx<G>>, D) -> BoxFuture<'static, std::result::Result<(), BoxError>>
+        + Send
+        + Sync,
+>;
+
+/// One step, its group erased.
+trait Step<D>: Send + Sync {
+    fn run<'a>(
+        &'a self,
+        cluster: &'a Cluster,
+        saga: &'a str,
+        i: usize,
+        data: &'a D,
+        undo: bool,
+    ) -> BoxFuture<'a, Outcome>;
+}
+
+/// Which key of group `G` a step runs on, from the saga's data.
+type KeyOf<G, D> = Arc<dyn Fn(&D) -> <G as EntityGroup>::Key + Send + Sync>;
+
+struct TypedStep<G: EntityGroup, D> {
+    key: KeyOf<G, D>,
+    run: Work<G, D>,
+    undo: Work<G, D>,
+}
+
+impl<G: EntityGroup, D: Clone + Send + Sync + 'static> Step<D> for TypedStep<G, D> {
+    fn run<'a>(
+        &'a self,
+        cluster: &'a Cluster,
+        saga: &'a str,
+        i: usize,
+        data: &'a D,
+        undo: bool,
+    ) -> BoxFuture<'a, Outcome> {
+        Box::pin(async move {
+            let tx = match cluster.begin::<G>((self.key)(data)).await {
+                Ok(tx) => tx,
+                Err(e) => return Outcome::Later(e.report().to_string()),
+            };
+            let now = cluster.shards().now_ms();
+            let marker = |what: &str| format!("saga:{saga}:{i}:{what}");
+            let marked = |id: String| {
+                let tx = &tx;
+                async move { record_in_inbox(tx, &id, now).await }
+            };
+            // Undo: once; and only a step that ran (a step that never
+            // committed gets its run marker now, so it never will). A
+            // marker found taken ends the transaction (PostgreSQL aborts it
+            // at the refused insert): read before the second insert.
+            let found = if undo {
+                match marked(marker("undo")).await {
+                    Ok(true) => match in_inbox(&tx, &marker("run")).await {
+                        Ok(true) => Ok(Some(&self.undo)),
+                        Ok(false) => match marked(marker("run")).await {
+                            Ok(true) => Ok(None),
+                            Ok(false) => Err(Outcome::Later(
+                                "a run of the step committed meanwhile".to_owned(),
+                            )),
+                            Err(e) => Err(Outcome::Later(e.report().to_string())),
+                        },
+                        Err(e) => Err(Outcome::Later(e.report().to_string())),
+                    },
+                    Ok(false) => Err(Outcome::Done),
+                    Err(e) => Err(Outcome::Later(e.report().to_string())),
+                }
+            } else {
+                match marked(marker("run")).await {
+                    Ok(true) => Ok(Some(&self.run)),
+                    Ok(false) => Err(Outcome::Done),
+                    Err(e) => Err(Outcome::Later(e.report().to_string())),
+                }
+            };
+            let work = match found {
+                Ok(work) => work,
+                Err(outcome) => {
+                    let _ = tx.rollback().await;
+                    return outcome;
+                }
+            };
+            let tx = Arc::new(tx);
+            if let Some(work) = work
+                && let Err(e) = work(Arc::clone(&tx), data.clone()).await
+            {
+                if let Ok(tx) = Arc::try_unwrap(tx) {
+                    let _ = tx.rollback().await;
+                }
+                return if not_the_work(e.as_ref()) {
+                    Outcome::Later(e.to_string())
+                } else {
+                    Outcome::Refused(e.to_string())
+                };
+            }
+            let Ok(tx) = Arc::try_unwrap(tx) else {
+                return Outcome::Refused(
+                    "the step kept a clone of its ShardTx past its end; nothing was committed"
+                        .to_owned(),
+                );
+            };
+            match tx.commit().await {
+                Ok(()) => Outcome::Done,
+                Err(e) => Outcome::Later(e.report().to_string()),
+            }
+        })
+    }
+}
+
+/// A saga: steps, each a transaction on one key with its compensation,
+/// started from a key of group `O` (where its state is kept) with data `D`.
+///
+/// A step's work or compensation gets the step's transaction and the
+/// saga's data; returning an error of its own refuses the step (the saga
+/// compensates), while an error of a shard that cannot be reached leaves
+/// the saga to be resumed. A compensation must succeed in the end: it is
+/// tried again, with a backoff, until it does.
+pub struct Saga<O: EntityGroup, D> {
+    name: &'static str,
+    steps: Vec<Arc<dyn Step<D>>>,
+    _origin: PhantomData<fn() -> O>,
+}
+
+impl<O: EntityGroup, D> Clone for Saga<O, D> {
+    fn clone(&self) -> Self {
+        Saga {
+            name: self.name,
+            steps: self.steps.clone(),
+            _origin: PhantomData,
+        }
+    }
+}
+
+impl<O: EntityGroup, D> std::fmt::Debug for Saga<O, D> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Saga")
+            .field("name", &self.name)
+            .field("steps", &self.steps.len())
+            .finish()
+    }
+}
+
+impl<O, D> Saga<O, D>
+where
+    O: EntityGroup,
+    D: Serialize + DeserializeOwned + Clone + Send + Sync + 'static,
+{
+    /// A saga named `name` (stable across releases, at most 128
+    /// characters), with no step yet.
+    pub fn new(name: &'static str) -> Self {
+        Saga {
+            name,
+            steps: Vec::new(),
+            _origin: PhantomData,
+        }
+    }
+
+    /// Adds a step on the key `key` picks from the data, in group `G`:
+    /// `run` does it, `undo` compensates it.
+    pub fn step<G, K, R, RF, U, UF, E1, E2>(mut self, key: K, run: R, undo: U) -> Self
+    where
+        G: EntityGroup,
+        K: Fn(&D) -> G::Key + Send + Sync + 'static,
+        R: Fn(Arc<ShardTx<G>>, D) -> RF + Send + Sync + 'static,
+        RF: Future<Output = std::result::Result<(), E1>> + Send + 'static,
+        E1: Into<BoxError>,
+        U: Fn(Arc<ShardTx<G>>, D) -> UF + Send + Sync + 'static,
+        UF: Future<Output = std::result::Result<(), E2>> + Send + 'static,
+        E2: Into<BoxError>,
+    {
+        let run = Arc::new(run);
+        let undo = Arc::new(undo);
+        self.steps.push(Arc::new(TypedStep::<G, D> {
+            key: Arc::new(key),
+            run: Arc::new(move |tx, d| {
+                let f = run(tx, d);
+                Box::pin(async move { f.await.map_err(Into::into) })
+            }),
+            undo: Arc::new(move |tx, d| {
+                let f = undo(tx, d);
+                Box::pin(async move { f.await.map_err(Into::into) })
+            }),
+        }));
+        self
+    }
+}
+
+impl Cluster {
+    /// Starts and resumes sagas of `saga`'s definition (see [`Sagas`]).
+    pub fn sagas<O, D>(&self, saga: Saga<O, D>) -> Sagas<O, D>
+    where
+        O: EntityGroup,
+        D: Serialize + DeserializeOwned + Clone + Send + Sync + 'static,
+    {
+        Sagas {
+            cluster: self.clone(),
+            saga,
+        }
+    }
+
+    /// Every saga whose state is kept on the shards (any name), unfinished
+    /// ones only unless `finished`; at most 1,000 per shard.
+    pub async fn saga_status(&self, finished: bool) -> Result<Vec<SagaStatus>> {
+        let mut out = Vec::new();
+        for (status, _, _) in list(self, None, finished, 1000, None).await? {
+            out.push(status);
+        }
+        Ok(out)
+    }
+}
+
+/// The sagas of one definition on a cluster ([`Cluster::sagas`]).
+pub struct Sagas<O: EntityGroup, D> {
+    cluster: Cluster,
+    saga: Saga<O, D>,
+}
+
+impl<O: EntityGroup, D> Clone for Sagas<O, D> {
+    fn clone(&self) -> Self {
+        Sagas {
+            cluster: self.cluster.clone(),
+            saga: self.saga.clone(),
+        }
+    }
+}
+
+/// Whether a saga row of origin key `key_text` on `shard` is the one to
+/// act on (the owner's, not a copy a bucket move left or made).
+type Owned<'a> = &'a (dyn Fn(&str, &str) -> bool + Sync);
+
+/// Rows of `shardkit_sagas` on every shard, of `name` when given: those
+/// `owned` says are the owner's; without it, one row per saga (the one
+/// changed last).
+async fn list(
+    cluster: &Cluster,
+    name: Option<&str>,
+    finished: bool,
+    limit: u64,
+    owned: Option<Owned<'_>>,
+) -> Result<Vec<(SagaStatus, String, i64)>> {
+    let shards = cluster.shards();
+    let mut out = Vec::new();
+    for i in 0..shards.topology().shards().len() as u32 {
+        let id = ShardId(i);
+        let shard = shards.shard_name(id);
+        let mut q = Query::select();
+        q.columns(SAGAS.names())
+            .from(Alias::new(SAGAS.name))
+            .limit(limit);
+        if let Some(name) = name {
+            q.and_where(Expr::col(Alias::new("name")).eq(name));
+        }
+        if !finished {
+            q.and_where(Expr::col(Alias::new("state")).is_in(["running", "compensating"]));
+        }
+        let db = shards.side_conn(id);
+        let rows = shards
+            .bounded(id, "saga", Some(Duration::from_secs(10)), async {
+                db.query_all(&q)
+                    .await
+                    .map_err(|e| db_err(shard, SAGAS.name, "read", e))
+            })
+            .await?;
+        for r in rows {
+            let row = SagaStatus::read(&r).map_err(|e| db_err(shard, SAGAS.name, "read", e))?;
+            if owned.is_none_or(|owned| owned(&row.0.origin.1, shard)) {
+                out.push(row);
+            }
+        }
+    }
+    if owned.is_none() {
+        out.sort_by(|a, b| (&a.0.id, b.0.updated_at).cmp(&(&b.0.id, a.0.updated_at)));
+        out.dedup_by(|later, first| later.0.id == first.0.id);
+    }
+    Ok(out)
+}
+
+impl<O, D> Sagas<O, D>
+where
+    O: EntityGroup,
+    D: Serialize + DeserializeOwned + Clone + Send + Sync + 'static,
+{
+    fn what(&self, id: &str) -> String {
+        format!("saga `{}` {id}", self.saga.name)
+    }
+
+    /// Starts a saga from `origin` with `data`: saves it (state `running`,
+    /// step 0) in a transaction of `origin`, then drives it
+    /// ([`drive`](Self::drive)). Returns its id and where it got to; a
+    /// saga left waiting is finished by a later [`resume`](Self::resume).
+    pub async fn start(&self, origin: O::Key, data: &D) -> Result<(String, SagaState)> {
+        let id = crate::uuid_v7().to_string();
+        if self.saga.steps.is_empty() || self.saga.name.is_empty() || self.saga.name.len() > 128 {
+            return Err(ShardError::CrossKey {
+                what: self.what(&id),
+                reason: "a saga has a name of 1 to 128 characters and at least one step".to_owned(),
+            });
+        }
+        let text = serde_json::to_string(data).map_err(|e| ShardError::CrossKey {
+            what: self.what(&id),
+            reason: format!("its data does not serialise: {e}"),
+        })?;
+        let now = self.cluster.shards().now_ms();
+        let key_text = origin.to_directory_text();
+        let (id_ref, text_ref, key_ref) = (&id, &text, &key_text);
+        self.cluster
+            .transaction::<O, _, _>(origin.clone(), |tx| async move {
+                let q = Query::insert()
+                    .into_table(Alias::new(SAGAS.name))
+                    .columns(SAGAS.names())
+                    .values_panic([
+                        id_ref.as_str().into(),
+                        O::NAME.into(),
+                        key_ref.as_str().into(),
+                        self.saga.name.into(),
+                        0i32.into(),
+                        "running".into(),
+                        text_ref.as_str().into(),
+                        0i32.into(),
+                        0i64.into(),
+                        now.into(),
+                        now.into(),
+                        Option::<String>::None.into(),
+                    ])
+                    .to_owned();
+                tx.unchecked_connection()
+                    .execute(&q)
+                    .await
+                    .map_err(|e| db_err(tx.shard(), SAGAS.name, "insert into", e))?;
+                Ok(())
+            })
+            .await?;
+        let state = self.drive(origin, &id).await?;
+        Ok((id, state))
+    }
+
+    /// Runs saga `id` (started from `origin`) as far as it goes now: its
+    /// next steps, or its compensations, and saves each step's progress.
+    /// Returns where it got to; a step that must wait (a shard down, a
+    /// compensation that failed) leaves it for a later call.
+    pub async fn drive(&self, origin: O::Key, id: &str) -> Result<SagaState> {
+        let n = self.saga.steps.len() as i32;
+        loop {
+            let Some((status, data, next_at)) = self.load(origin.clone(), id).await? else {
+                return Err(ShardError::CrossKey {
+                    what: self.what(id),
+                    reason: "no such saga on its origin's shard".to_owned(),
+                });
+            };
+            if status.state.is_finished() || next_at > self.cluster.shards().now_ms() {
+                return Ok(status.state);
+            }
+            let data: D = serde_json::from_str(&data).map_err(|e| ShardError::CrossKey {
+                what: self.what(id),
+                reason: format!(
+                    "its stored data does not decode as `{}`: {e}",
+                    std::any::type_name::<D>()
+                ),
+            })?;
+            let step = status.step;
+            let (next, outcome) = match status.state {
+                SagaState::Running if step >= n => ((SagaState::Done, step), None),
+                SagaState::Compensating if step <= 0 => ((SagaState::Compensated, 0), None),
+                SagaState::Running => {
+                    let i = step as usize;
+                    match self.saga.steps[i]
+                        .run(&self.cluster, id, i, &data, false)
+                        .await
+                    {
+                        Outcome::Done => ((SagaState::Running, step + 1), None),
+                        // Undo this step (it did not commit: its undo
+                        // fences it) and every one before it.
+                        Outcome::Refused(e) => ((SagaState::Compensating, step + 1), Some(e)),
+                        Outcome::Later(e) => {
+                            self.failed(&origin, id, &status, e).await?;
+                            return Ok(SagaState::Running);
+                        }
+                    }
+                }
+                SagaState::Compensating => {
+                    let i = (step - 1) as usize;
+                    match self.saga.steps[i]
+                        .run(&self.cluster, id, i, &data, true)
+                        .await
+                    {
+                        Outcome::Done => ((SagaState::Compensating, step - 1), None),
+                        Outcome::Refused(e) | Outcome::Later(e) => {
+                            self.failed(&origin, id, &status, e).await?;
+                            return Ok(SagaState::Compensating);
+                        }
+                    }
+                }
+                SagaState::Done | SagaState::Compensated => unreachable!("returned above"),
+            };
+            if fail::eval("shardkit::saga::before_save", |_| ()).is_some() {
+                return Err(ShardError::CrossKey {
+                    what: self.what(id),
+                    reason: "stopped by the failpoint shardkit::saga::before_save".to_owned(),
+                });
+            }
+            self.save(&origin, id, &status, next, outcome.or(status.error.clone()))
+                .await?;
+            if next.0 == SagaState::Compensated {
+                crate::metrics::saga_compensated(self.saga.name);
+            }
+        }
+    }
+
+    /// Drives every unfinished saga of this definition whose wait is over,
+    /// on every shard.
+    pub async fn resume(&self) -> Result<SagaReport> {
+        let mut report = SagaReport::default();
+        let owned = |key: &str, shard: &str| {
+            O::Key::from_directory_text(key)
+                .and_then(|k| self.cluster.shard_of_now::<O>(&k).ok().flatten())
+                .is_some_and(|owner| owner == shard)
+        };
+        let rows = list(
+            &self.cluster,
+            Some(self.saga.name),
+            false,
+            1000,
+            Some(&owned),
+        )
+        .await?;
+        for (status, _, _) in rows {
+            let Some(origin) = O::Key::from_directory_text(&status.origin.1) else {
+                continue;
+            };
+            match self.drive(origin, &status.id).await {
+                Ok(SagaState::Done) => report.done += 1,
+                Ok(SagaState::Compensated) => report.compensated += 1,
+                Ok(_) => report.waiting += 1,
+                Err(e) => {
+                    tracing::debug!(saga = %status.id, error = %e.report(), "saga not resumed now");
+                    report.waiting += 1;
+                }
+            }
+        }
+        Ok(report)
+    }
+
+    /// Saga `id` as stored on `origin`'s shard.
+    pub async fn status(&self, origin: O::Key, id: &str) -> Result<Option<SagaStatus>> {
+        Ok(self.load(origin, id).await?.map(|(s, _, _)| s))
+    }
+
+    async fn load(&self, origin: O::Key, id: &str) -> Result<Option<(SagaStatus, String, i64)>> {
+        self.cluster
+            .transaction::<O, _, _>(origin, |tx| async move {
+                let q = Query::select()
+                    .columns(SAGAS.names())
+                    .from(Alias::new(SAGAS.name))
+                    .and_where(Expr::col(Alias::new("id")).eq(id))
+                    .to_owned();
+                let row = tx
+                    .unchecked_connection()
+                    .query_one(&q)
+                    .await
+                    .map_err(|e| db_err(tx.shard(), SAGAS.name, "read", e))?;
+                row.map(|r| SagaStatus::read(&r))
+                    .transpose()
+                    .map_err(|e| db_err(tx.shard(), SAGAS.name, "read", e))
+            })
+            .await
+    }
+
+    /// Saves the step's progress, only if the saga is still where `was`
+    /// found it (another process driving it at once saves first, or not).
+    async fn save(
+        &self,
+        origin: &O::Key,
+        id: &str,
+        was: &SagaStatus,
+        (state, step): (SagaState, i32),
+        error: Option<String>,
+    ) -> Result<()> {
+        let now = self.cluster.shards().now_ms();
+        let error = &error;
+        self.cluster
+            .transaction::<O, _, _>(origin.clone(), |tx| async move {
+                let q = Query::update()
+                    .table(Alias::new(SAGAS.name))
+                    .value(Alias::new("state"), state.as_str())
+                    .value(Alias::new("step"), step)
+                    .value(Alias::new("attempts"), 0)
+                    .value(Alias::new("next_at"), 0i64)
+                    .value(Alias::new("updated_at"), now)
+                    .value(Alias::new("error"), error.clone())
+                    .and_where(Expr::col(Alias::new("id")).eq(id))
+                    .and_where(Expr::col(Alias::new("state")).eq(was.state.as_str()))
+                    .and_where(Expr::col(Alias::new("step")).eq(was.step))
+                    .to_owned();
+                tx.unchecked_connection()
+                    .execute(&q)
+                    .await
+                    .map_err(|e| db_err(tx.shard(), SAGAS.name, "update", e))?;
+                Ok(())
+            })
+            .await
+    }
+
+    /// Records a failed attempt at the current step; the next after a
+    /// backoff (200 ms doubled per attempt, at most 60 s).
+    async fn failed(
+        &self,
+        origin: &O::Key,
+        id: &str,
+        was: &SagaStatus,
+        error: String,
+    ) -> Result<()> {
+        let now = self.cluster.shards().now_ms();
+        let attempts = was.attempts.saturating_add(1);
+        let wait = Ord::min(200i64 << (attempts - 1).clamp(0, 20), 60_000);
+        let error = &error;
+        tracing::debug!(saga = %id, attempts, %error, "saga step put off");
+        self.cluster
+            .transaction::<O, _, _>(origin.clone(), |tx| async move {
+                let q = Query::update()
+                    .table(Alias::new(SAGAS.name))
+                    .value(Alias::new("attempts"), attempts)
+                    .value(Alias::new("next_at"), now + wait)
+                    .value(Alias::new("updated_at"), now)
+                    .value(Alias::new("error"), error.as_str())
+                    .and_where(Expr::col(Alias::new("id")).eq(id))
+                    .and_where(Expr::col(Alias::new("state")).eq(was.state.as_str()))
+                    .and_where(Expr::col(Alias::new("step")).eq(was.step))
+                    .to_owned();
+                tx.unchecked_connection()
+                    .execute(&q)
+                    .await
+                    .map_err(|e| db_err(tx.shard(), SAGAS.name, "update", e))?;
+                Ok(())
+            })
+            .await
+    }
+}

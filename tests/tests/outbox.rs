@@ -1,0 +1,1017 @@
+//! Work that spans keys: transfers between accounts through the outbox
+//! under faults (relays dying mid-delivery, two relays, a relay process
+//! killed, a shard refusing and one hanging, a bucket move), a saga whose
+//! step is refused, concurrent retries of one request, parked messages.
+
+use sea_orm::{ActiveValue::Set, ConnectionTrait, QuerySelect};
+use shardkit::{Cluster, ClusterConfig, Message, Saga, SagaState, ShardError};
+use shardkit_tests::{Backend, Proxy, TestDbs, backend_tests};
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+backend_tests!(5 =>
+    transfers_keep_the_money_under_faults_and_a_move,
+    a_saga_whose_step_is_refused_is_compensated_once,
+    concurrent_retries_of_a_request_run_it_once,
+    [Sqlite] parked_messages_are_listed_retried_and_discarded_and_order_holds,
+    child_relay,
+);
+
+/// Failpoints are process-wide: one scenario at a time sets them.
+static FAILPOINTS: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+#[derive(shardkit::EntityGroup)]
+#[shardkit(key = i64)]
+pub struct Holder;
+
+pub mod wallet {
+    use sea_orm::entity::prelude::*;
+
+    #[sea_orm::model]
+    #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel, shardkit::Sharded)]
+    #[sea_orm(table_name = "wallets")]
+    #[shardkit(group = super::Holder)]
+    pub struct Model {
+        #[sea_orm(primary_key, auto_increment = false)]
+        #[shardkit(shard_key)]
+        pub id: i64,
+        pub balance: i64,
+    }
+
+    impl ActiveModelBehavior for ActiveModel {}
+}
+
+/// One row per credit applied (its own id: a credit applied twice would
+/// show as two rows of one transfer).
+pub mod credit {
+    use sea_orm::entity::prelude::*;
+
+    #[sea_orm::model]
+    #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel, shardkit::Sharded)]
+    #[sea_orm(table_name = "credits")]
+    #[shardkit(group = super::Holder)]
+    pub struct Model {
+        #[sea_orm(primary_key, auto_increment = false)]
+        pub id: String,
+        #[shardkit(shard_key)]
+        pub wallet_id: i64,
+        pub transfer: String,
+        pub amount: i64,
+        pub seq: i64,
+    }
+
+    impl ActiveModelBehavior for ActiveModel {}
+}
+
+pub struct Migrator;
+
+#[sea_orm_migration::async_trait::async_trait]
+impl sea_orm_migration::MigratorTrait for Migrator {
+    fn migrations() -> Vec<Box<dyn sea_orm_migration::MigrationTrait>> {
+        use shardkit_tests::models::CreateTable;
+        let mut all = shardkit_migration::migrations();
+        all.push(Box::new(CreateTable(
+            "m20261126_000201_wallets",
+            wallet::Entity,
+        )));
+        all.push(Box::new(CreateTable(
+            "m20261126_000202_credits",
+            credit::Entity,
+        )));
+        all
+    }
+}
+
+#[derive(serde::Serialize, serde::Deserialize, Clone, Debug)]
+struct Credit {
+    transfer: String,
+    amount: i64,
+    /// The sender's count of transfers to this receiver (order check).
+    seq: i64,
+}
+
+impl Message for Credit {
+    const NAME: &'static str = "credit";
+    type From = Holder;
+    type To = Holder;
+}
+
+const ACCOUNTS: i64 = 1000;
+const START: i64 = 1000;
+const BUCKETS: u32 = 64;
+
+fn groups() -> String {
+    format!(
+        "[groups.Holder]\nbuckets = {BUCKETS}\nshards = [\"s0\", \"s1\", \"s2\", \"s3\"]\nmovable = true\n\n[rebalance]\nrefresh_ms = 50\ncleanup_grace_ms = 0\nchunk = 200\n"
+    )
+}
+
+fn toml(dbs: &TestDbs, through: &[(usize, u16)]) -> String {
+    let mut shards = dbs
+        .shards_toml_with(
+            5,
+            "connect_timeout_secs = 1\nacquire_timeout_secs = 2\n",
+            &[],
+        )
+        .replace("max_connections = 4", "max_connections = 2");
+    for &(i, port) in through {
+        let url = match dbs.backend {
+            Backend::MySql => format!("mysql://root@127.0.0.1:{port}/{}", dbs.names[i]),
+            _ => format!("postgres://postgres@127.0.0.1:{port}/{}", dbs.names[i]),
+        };
+        shards = shards.replace(
+            &format!(
+                "name = \"s{i}\"\nhost = \"server\"\ndatabase = \"{}\"\n",
+                dbs.names[i]
+            ),
+            &format!("name = \"s{i}\"\nurl = \"{url}\"\n"),
+        );
+    }
+    format!("{shards}\n{}\n[read]\ntimeout_ms = 3000\n", groups())
+}
+
+async fn connect(toml: &str) -> Cluster {
+    let cluster = Cluster::connect(ClusterConfig::from_toml(toml).unwrap())
+        .await
+        .unwrap();
+    cluster.refresh_bucket_maps().await.unwrap();
+    cluster
+}
+
+/// The credit handler: adds the amount and records the credit.
+fn relay(cluster: &Cluster) -> shardkit::Outbox {
+    cluster
+        .outbox()
+        .backoff(Duration::from_millis(20), Duration::from_millis(200))
+        .step_timeout(Duration::from_secs(3))
+        .handle::<Credit, _, _, _>(|tx, c: Credit| async move {
+            let id = *tx.key();
+            // Read under the row lock: a debit and a credit of one wallet
+            // at once must not both write the balance they read.
+            let w = tx
+                .find::<wallet::Entity>()
+                .lock_exclusive()
+                .one()
+                .await?
+                .ok_or("no such wallet")?;
+            tx.update(wallet::ActiveModel {
+                id: Set(id),
+                balance: Set(w.balance + c.amount),
+            })
+            .await?;
+            tx.insert(credit::ActiveModel {
+                id: Set(shardkit::uuid_v7().to_string()),
+                wallet_id: Set(id),
+                transfer: Set(c.transfer),
+                amount: Set(c.amount),
+                seq: Set(c.seq),
+            })
+            .await?;
+            Ok::<_, shardkit::BoxError>(())
+        })
+}
+
+async fn seed(cluster: &Cluster) {
+    cluster.migrate::<Migrator>().await.unwrap();
+    let mut tasks = Vec::new();
+    for part in 0..4 {
+        let c = cluster.clone();
+        tasks.push(tokio::spawn(async move {
+            for id in (1..=ACCOUNTS).filter(|i| i % 4 == part) {
+                c.transaction::<Holder, _, _>(id, |tx| async move {
+                    tx.insert(wallet::ActiveModel {
+                        id: Set(id),
+                        balance: Set(START),
+                    })
+                    .await
+                })
+                .await
+                .unwrap();
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+}
+
+/// Debits `from` and sends the credit to `to`, in one transaction of
+/// `from`; the transfer id when it committed.
+async fn transfer_as(
+    cluster: &Cluster,
+    id: String,
+    from: i64,
+    to: i64,
+    amount: i64,
+) -> Result<String, ShardError> {
+    let t = id.clone();
+    cluster
+        .transaction::<Holder, _, _>(from, |tx| {
+            let t = t.clone();
+            async move {
+                let w = tx
+                    .find::<wallet::Entity>()
+                    .lock_exclusive()
+                    .one()
+                    .await?
+                    .expect("wallet");
+                tx.update(wallet::ActiveModel {
+                    id: Set(from),
+                    balance: Set(w.balance - amount),
+                })
+                .await?;
+                tx.send(
+                    to,
+                    &Credit {
+                        transfer: t,
+                        amount,
+                        seq: 0,
+                    },
+                )
+                .await?;
+                Ok(())
+            }
+        })
+        .await?;
+    Ok(id)
+}
+
+/// Sums of every shard's rows of the owners' buckets: balances, credits
+/// per transfer, outbox debits pending, parked messages.
+struct Books {
+    balances: i64,
+    credits: BTreeMap<String, usize>,
+    pending: i64,
+    parked: usize,
+}
+
+async fn books(cluster: &Cluster) -> Books {
+    let wallets = cluster
+        .find::<wallet::Entity>()
+        .scatter()
+        .all()
+        .await
+        .unwrap();
+    let credits = cluster
+        .find::<credit::Entity>()
+        .scatter()
+        .all()
+        .await
+        .unwrap();
+    let mut by_transfer = BTreeMap::new();
+    for c in &credits {
+        *by_transfer.entry(c.transfer.clone()).or_insert(0) += 1;
+    }
+    let mut pending = 0;
+    let mut parked = 0;
+    let mut seen = BTreeSet::new();
+    for name in cluster
+        .topology()
+        .shard_names()
+        .map(str::to_owned)
+        .collect::<Vec<_>>()
+    {
+        let db = cluster.connection(&name).unwrap();
+        let rows = db
+            .query_all_raw(sea_orm::Statement::from_string(
+                db.get_database_backend(),
+                "SELECT id, key_text, payload, state FROM shardkit_outbox",
+            ))
+            .await
+            .unwrap();
+        for r in rows {
+            let id: String = r.try_get("", "id").unwrap();
+            let key: String = r.try_get("", "key_text").unwrap();
+            let owner = cluster
+                .shard_of_now::<Holder>(&key.parse().unwrap())
+                .unwrap()
+                .unwrap();
+            if owner != name || !seen.insert(id) {
+                continue;
+            }
+            let payload: String = r.try_get("", "payload").unwrap();
+            let c: Credit = serde_json::from_str(&payload).unwrap();
+            // Applied by a relay that stopped before deleting it.
+            if !by_transfer.contains_key(&c.transfer) {
+                pending += c.amount;
+            }
+            parked += usize::from(r.try_get::<String>("", "state").unwrap() == "parked");
+        }
+    }
+    Books {
+        balances: wallets.iter().map(|w| w.balance).sum(),
+        credits: by_transfer,
+        pending,
+        parked,
+    }
+}
+
+/// Transfer id → (from, to, amount), every transfer attempted.
+type Tried = BTreeMap<String, (i64, i64, i64)>;
+
+/// Prints the wallets whose balance is not what the credits and the
+/// outbox say it should be.
+async fn explain(cluster: &Cluster, tried: &Tried) {
+    let credits = cluster
+        .find::<credit::Entity>()
+        .scatter()
+        .all()
+        .await
+        .unwrap();
+    let credited: BTreeSet<String> = credits.iter().map(|c| c.transfer.clone()).collect();
+    let mut outbox = BTreeSet::new();
+    for name in cluster
+        .topology()
+        .shard_names()
+        .map(str::to_owned)
+        .collect::<Vec<_>>()
+    {
+        let db = cluster.connection(&name).unwrap();
+        for r in db
+            .query_all_raw(sea_orm::Statement::from_string(
+                db.get_database_backend(),
+                "SELECT payload FROM shardkit_outbox",
+            ))
+            .await
+            .unwrap()
+        {
+            let c: Credit =
+                serde_json::from_str(&r.try_get::<String>("", "payload").unwrap()).unwrap();
+            outbox.insert(c.transfer);
+        }
+    }
+    let mut expect: BTreeMap<i64, i64> = (1..=ACCOUNTS).map(|i| (i, START)).collect();
+    for (id, (from, to, amount)) in tried {
+        if credited.contains(id) || outbox.contains(id) {
+            *expect.get_mut(from).unwrap() -= amount;
+        }
+        if credited.contains(id) {
+            *expect.get_mut(to).unwrap() += amount;
+        }
+    }
+    for w in cluster
+        .find::<wallet::Entity>()
+        .scatter()
+        .all()
+        .await
+        .unwrap()
+    {
+        if expect[&w.id] != w.balance {
+            let bucket = shardkit::ShardKey::partition_hash(&w.id) % u64::from(BUCKETS);
+            eprintln!(
+                "wallet {} (bucket {bucket}, on {:?}): {} expected {}; transfers {:?}",
+                w.id,
+                cluster.shard_of_now::<Holder>(&w.id),
+                w.balance,
+                expect[&w.id],
+                tried
+                    .iter()
+                    .filter(|(_, (f, t, _))| *f == w.id || *t == w.id)
+                    .map(|(id, x)| (id, x, credited.contains(id), outbox.contains(id)))
+                    .collect::<Vec<_>>()
+            );
+        }
+    }
+}
+
+/// Delivers until no message is pending (at most `within`).
+async fn drain(outbox: &shardkit::Outbox, cluster: &Cluster, within: Duration) {
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        outbox.deliver().await.unwrap();
+        let status = outbox.status().await.unwrap();
+        let left: u64 = status.shards.iter().map(|s| s.pending).sum();
+        if left == 0 || tokio::time::Instant::now() > deadline {
+            assert_eq!(left, 0, "messages still pending: {status:?}");
+            let _ = cluster;
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+const CHILD: &str = "SHARDKIT_OUTBOX_CHILD_CONFIG";
+
+/// 16 tasks transfer between accounts on different keys while two
+/// instances relay (one with relays dying after applying, before
+/// deleting), another process relays and is killed with SIGKILL, a
+/// quarter of the buckets move, and (on servers) one shard refuses
+/// connections for a while and another hangs. Afterwards: balances plus
+/// undelivered debits equal the start, then every acknowledged transfer
+/// is credited exactly once, nothing is parked, nothing leaked.
+async fn transfers_keep_the_money_under_faults_and_a_move(dbs: &mut TestDbs) {
+    let _fp = FAILPOINTS.lock().await;
+    let plain = toml(dbs, &[]);
+    let b = connect(&plain).await;
+    seed(&b).await;
+    let servers = dbs.backend != Backend::Sqlite;
+    let target = dbs.backend.server_address().unwrap_or_default();
+    let (refusing, hanging) = if servers {
+        (
+            Some(Proxy::start(target.clone()).await),
+            Some(Proxy::start(target.clone()).await),
+        )
+    } else {
+        (None, None)
+    };
+    let through: Vec<(usize, u16)> = [(1, &refusing), (2, &hanging)]
+        .into_iter()
+        .filter_map(|(i, p)| p.as_ref().map(|p| (i, p.port)))
+        .collect();
+    let faulty = toml(dbs, &through);
+    let a = connect(&faulty).await;
+    let before = dbs.server_connections().await;
+
+    // Relays: one per instance, the faulty instance's dying after applying
+    // one message in five.
+    fail::cfg("shardkit::outbox::after_apply", "20%return").unwrap();
+    let relay_a = relay(&a).poll_every(Duration::from_millis(10)).run();
+    let relay_b = relay(&b).poll_every(Duration::from_millis(10)).run();
+
+    // Another process relays and is killed with SIGKILL while it does.
+    let exe = std::env::current_exe().unwrap();
+    let name = match dbs.backend {
+        Backend::Sqlite => "child_relay::sqlite",
+        Backend::Postgres => "child_relay::postgres",
+        Backend::MySql => "child_relay::mysql",
+    };
+    let mut child = std::process::Command::new(exe)
+        .args([name, "--exact", "--test-threads", "1"])
+        .env(CHILD, &plain)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+
+    let acked: Arc<Mutex<Vec<String>>> = Arc::default();
+    let tried: Arc<Mutex<Tried>> = Arc::default();
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut tasks = Vec::new();
+    for t in 0..16i64 {
+        let (c, acked, stop) = (
+            if t % 2 == 0 { a.clone() } else { b.clone() },
+            acked.clone(),
+            stop.clone(),
+        );
+        let tried = tried.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut n = t * 7919;
+            while !stop.load(Ordering::SeqCst) {
+                n = (n * 1_103_515_245 + 12_345) % 2_147_483_648;
+                let from = n % ACCOUNTS + 1;
+                let to = (n / ACCOUNTS) % ACCOUNTS + 1;
+                if from == to {
+                    continue;
+                }
+                // A transfer the shard refused, or whose commit is unknown
+                // (a lost connection during it), is not acknowledged.
+                let id = shardkit::uuid_v7().to_string();
+                tried
+                    .lock()
+                    .unwrap()
+                    .insert(id.clone(), (from, to, 1 + n % 10));
+                if let Ok(id) = transfer_as(&c, id, from, to, 1 + n % 10).await {
+                    acked.lock().unwrap().push(id);
+                }
+            }
+        }));
+    }
+
+    // A quarter of the buckets move to s4 meanwhile.
+    let mover = b
+        .rebalance::<Holder>()
+        .unwrap()
+        .entity::<wallet::Entity>()
+        .entity::<credit::Entity>();
+    let quarter: Vec<u32> = (0..BUCKETS).filter(|b| b % 4 == 1).collect();
+    let plan = mover.plan_buckets(quarter, "s4").await.unwrap();
+    let started = mover.start(&plan).await.unwrap();
+    let moving = tokio::spawn({
+        let mover = mover.clone();
+        async move { mover.run(started.id).await }
+    });
+
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let _ = child.kill();
+    let _ = child.wait();
+    if let (Some(refusing), Some(hanging)) = (&refusing, &hanging) {
+        refusing.kill();
+        hanging.freeze();
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        hanging.kill();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        // Both come back on their ports.
+        let r = Proxy::start_on(refusing.port, target.clone()).await;
+        let h = Proxy::start_on(hanging.port, target.clone()).await;
+        tokio::time::sleep(Duration::from_millis(1000)).await;
+        stop.store(true, Ordering::SeqCst);
+        for t in tasks.drain(..) {
+            t.await.unwrap();
+        }
+        std::mem::forget((r, h));
+    } else {
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        stop.store(true, Ordering::SeqCst);
+        for t in tasks.drain(..) {
+            t.await.unwrap();
+        }
+    }
+    let moved = moving
+        .await
+        .unwrap()
+        .unwrap_or_else(|e| panic!("the move: {}", e.report()));
+    assert_eq!(moved.phase, shardkit::rebalance::MovePhase::Done);
+    a.refresh_bucket_maps().await.unwrap();
+    b.refresh_bucket_maps().await.unwrap();
+
+    // With the relays stopped mid-flight: the balances and the debits not
+    // applied yet add up to the start.
+    relay_a.stop();
+    relay_b.stop();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    fail::remove("shardkit::outbox::after_apply");
+    let mid = books(&b).await;
+    if mid.balances + mid.pending != ACCOUNTS * START {
+        let tried = tried.lock().unwrap().clone();
+        explain(&b, &tried).await;
+    }
+    assert_eq!(
+        mid.balances + mid.pending,
+        ACCOUNTS * START,
+        "money created or lost in flight"
+    );
+    let outbox = relay(&b);
+    drain(&outbox, &b, Duration::from_secs(30)).await;
+
+    let end = books(&b).await;
+    assert_eq!(end.balances, ACCOUNTS * START, "the money invariant");
+    assert_eq!((end.pending, end.parked), (0, 0));
+    let acked = acked.lock().unwrap().clone();
+    assert!(acked.len() > 100, "only {} transfers made", acked.len());
+    for id in &acked {
+        assert_eq!(end.credits.get(id), Some(&1), "transfer {id} credited once");
+    }
+    // Credits of transfers whose commit was unknown to the sender are
+    // real transfers too; none is credited twice.
+    assert!(
+        end.credits.values().all(|&n| n == 1),
+        "a transfer credited twice"
+    );
+    let statuses = outbox.status().await.unwrap();
+    assert!(
+        statuses
+            .shards
+            .iter()
+            .all(|s| s.parked_count == 0 && s.error.is_none()),
+        "{statuses:?}"
+    );
+
+    // Every row on its owner.
+    for c in b.find::<credit::Entity>().scatter().all().await.unwrap() {
+        let owner = b
+            .shard_of_now::<Holder>(&c.wallet_id)
+            .unwrap()
+            .unwrap()
+            .to_owned();
+        let there = b
+            .find::<credit::Entity>()
+            .key(c.wallet_id)
+            .all()
+            .await
+            .unwrap();
+        assert!(
+            there.iter().any(|x| x.id == c.id),
+            "credit {} not on {owner}",
+            c.id
+        );
+    }
+
+    drop((relay_a, relay_b, outbox, mover));
+    drop(a);
+    drop(refusing);
+    drop(hanging);
+    let after = dbs
+        .settle_connections(before + 12, Duration::from_secs(10))
+        .await;
+    assert!(
+        after <= before + 12,
+        "connections leaked: {before} before, {after} after"
+    );
+    drop(b);
+}
+
+/// The other process of the scenario above: relays until it is killed.
+async fn child_relay(_dbs: &mut TestDbs) {
+    let Ok(toml) = std::env::var(CHILD) else {
+        return;
+    };
+    let cluster = connect(&toml).await;
+    let _relay = relay(&cluster).poll_every(Duration::from_millis(5)).run();
+    tokio::time::sleep(Duration::from_secs(60)).await;
+}
+
+#[derive(serde::Serialize, serde::Deserialize, Clone, Debug)]
+struct Order {
+    buyer: i64,
+    seller: i64,
+    amount: i64,
+}
+
+#[derive(Debug)]
+struct Refused(&'static str);
+
+impl std::fmt::Display for Refused {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.0)
+    }
+}
+
+impl std::error::Error for Refused {}
+
+async fn add(tx: &shardkit::ShardTx<Holder>, amount: i64) -> Result<(), shardkit::BoxError> {
+    let id = *tx.key();
+    let w = tx
+        .find::<wallet::Entity>()
+        .lock_exclusive()
+        .one()
+        .await?
+        .ok_or("no wallet")?;
+    if w.balance + amount < 0 {
+        return Err(Refused("insufficient funds").into());
+    }
+    tx.update(wallet::ActiveModel {
+        id: Set(id),
+        balance: Set(w.balance + amount),
+    })
+    .await?;
+    Ok(())
+}
+
+fn order_saga() -> Saga<Holder, Order> {
+    Saga::new("order")
+        .step::<Holder, _, _, _, _, _, _, _>(
+            |o: &Order| o.buyer,
+            |tx, o: Order| async move { add(&tx, -o.amount).await },
+            |tx, o: Order| async move { add(&tx, o.amount).await },
+        )
+        .step::<Holder, _, _, _, _, _, _, _>(
+            |o: &Order| o.seller,
+            |tx, o: Order| async move {
+                // A seller holds at most 150.
+                let w = tx
+                    .find::<wallet::Entity>()
+                    .lock_exclusive()
+                    .one()
+                    .await?
+                    .ok_or("no wallet")?;
+                if w.balance + o.amount > 150 {
+                    return Err(Refused("the seller's limit").into());
+                }
+                add(&tx, o.amount).await
+            },
+            |tx, o: Order| async move { add(&tx, -o.amount).await },
+        )
+}
+
+async fn balance(cluster: &Cluster, id: i64) -> i64 {
+    cluster
+        .find::<wallet::Entity>()
+        .key(id)
+        .one()
+        .await
+        .unwrap()
+        .unwrap()
+        .balance
+}
+
+/// The second step is refused (the seller cannot pay): the first is
+/// undone once, also when the process dies after the compensation
+/// committed and before the saga saved it.
+async fn a_saga_whose_step_is_refused_is_compensated_once(dbs: &mut TestDbs) {
+    let _fp = FAILPOINTS.lock().await;
+    let cluster = connect(&toml(dbs, &[])).await;
+    cluster.migrate::<Migrator>().await.unwrap();
+    for id in [1, 2] {
+        cluster
+            .transaction::<Holder, _, _>(id, |tx| async move {
+                tx.insert(wallet::ActiveModel {
+                    id: Set(id),
+                    balance: Set(100),
+                })
+                .await
+            })
+            .await
+            .unwrap();
+    }
+    let sagas = cluster.sagas(order_saga());
+    // Both steps commit.
+    let ok = Order {
+        buyer: 1,
+        seller: 2,
+        amount: 30,
+    };
+    let (_, state) = sagas.start(1, &ok).await.unwrap();
+    assert_eq!(state, SagaState::Done);
+    assert_eq!(
+        (balance(&cluster, 1).await, balance(&cluster, 2).await),
+        (70, 130)
+    );
+
+    // The seller's step is refused (130 + 50 > 150); the process "dies"
+    // after the buyer's debit was undone and before the saga saved it
+    // (the 4th save: step 1 done, step 2 refused, step 2's undo fenced it,
+    // step 1 undone).
+    fail::cfg("shardkit::saga::before_save", "3*off->return").unwrap();
+    let err = sagas
+        .start(
+            1,
+            &Order {
+                buyer: 1,
+                seller: 2,
+                amount: 50,
+            },
+        )
+        .await;
+    fail::remove("shardkit::saga::before_save");
+    let Err(ShardError::CrossKey { .. }) = err else {
+        panic!(
+            "the failpoint stops the saga: {err:?} {:?}",
+            cluster.saga_status(true).await
+        );
+    };
+    assert_eq!(
+        balance(&cluster, 1).await,
+        70,
+        "the debit is undone already"
+    );
+    let open = cluster.saga_status(false).await.unwrap();
+    assert_eq!(open.len(), 1, "{open:?}");
+    assert_eq!((open[0].state, open[0].step), (SagaState::Compensating, 1));
+    // Resumed: the buyer's debit is not undone a second time.
+    let report = sagas.resume().await.unwrap();
+    assert_eq!(report.compensated, 1, "{report:?}");
+    assert_eq!(
+        (balance(&cluster, 1).await, balance(&cluster, 2).await),
+        (70, 130)
+    );
+    let all = cluster.saga_status(true).await.unwrap();
+    assert_eq!(
+        all.iter()
+            .filter(|s| s.state == SagaState::Compensated)
+            .count(),
+        1
+    );
+    assert!(
+        all.iter()
+            .any(|s| s.error.as_deref() == Some("the seller's limit")),
+        "{all:?}"
+    );
+    // Resuming again changes nothing.
+    assert_eq!(
+        sagas.resume().await.unwrap(),
+        shardkit::SagaReport::default()
+    );
+    assert_eq!(balance(&cluster, 1).await, 70);
+}
+
+/// 8 concurrent retries of one request id run the work once and all get
+/// its outcome; another id runs again; a failed run stores nothing.
+async fn concurrent_retries_of_a_request_run_it_once(dbs: &mut TestDbs) {
+    let cluster = connect(&toml(dbs, &[])).await;
+    cluster.migrate::<Migrator>().await.unwrap();
+    cluster
+        .transaction::<Holder, _, _>(7, |tx| async move {
+            tx.insert(wallet::ActiveModel {
+                id: Set(7),
+                balance: Set(0),
+            })
+            .await
+        })
+        .await
+        .unwrap();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let pay = |cluster: Cluster, runs: Arc<AtomicUsize>, request: &'static str| async move {
+        cluster
+            .transaction_once::<Holder, (i64, String), _>(7, request, |tx| {
+                let runs = runs.clone();
+                async move {
+                    runs.fetch_add(1, Ordering::SeqCst);
+                    let w = tx
+                        .find::<wallet::Entity>()
+                        .lock_exclusive()
+                        .one()
+                        .await?
+                        .unwrap();
+                    tx.update(wallet::ActiveModel {
+                        id: Set(7),
+                        balance: Set(w.balance + 5),
+                    })
+                    .await?;
+                    Ok((w.balance + 5, shardkit::uuid_v7().to_string()))
+                }
+            })
+            .await
+    };
+    let tasks: Vec<_> = (0..8)
+        .map(|_| tokio::spawn(pay(cluster.clone(), runs.clone(), "req-1")))
+        .collect();
+    let mut outcomes = Vec::new();
+    for t in tasks {
+        outcomes.push(
+            t.await
+                .unwrap()
+                .unwrap_or_else(|e| panic!("{}", e.report())),
+        );
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "the work ran once");
+    assert!(outcomes.iter().all(|o| *o == outcomes[0]), "{outcomes:?}");
+    assert_eq!(balance(&cluster, 7).await, 5);
+    let again = pay(cluster.clone(), runs.clone(), "req-2").await.unwrap();
+    assert_eq!((again.0, runs.load(Ordering::SeqCst)), (10, 2));
+    // A failing run stores nothing: its retry runs.
+    let failed = cluster
+        .transaction_once::<Holder, i64, _>(7, "req-3", |_tx| async {
+            Err(ShardError::Internal {
+                what: "boom".into(),
+            })
+        })
+        .await;
+    assert!(matches!(failed, Err(ShardError::Internal { .. })));
+    let third = pay(cluster.clone(), runs.clone(), "req-3").await.unwrap();
+    assert_eq!(third.0, 15);
+    // Bad ids are refused before anything runs.
+    let long = "x".repeat(201);
+    let err = cluster
+        .transaction_once::<Holder, i64, _>(7, &long, |_tx| async { Ok(1) })
+        .await
+        .unwrap_err();
+    assert!(matches!(err, ShardError::CrossKey { .. }), "{err}");
+    assert!(err.to_string().contains("1 to 200 characters"), "{err}");
+}
+
+/// A handler that fails for one amount parks its message after the
+/// attempts; the status lists it; retry and discard work on it; the other
+/// messages of the pair are applied in the order they were sent.
+async fn parked_messages_are_listed_retried_and_discarded_and_order_holds(dbs: &mut TestDbs) {
+    let cluster = connect(&toml(dbs, &[])).await;
+    cluster.migrate::<Migrator>().await.unwrap();
+    for id in [1, 2] {
+        cluster
+            .transaction::<Holder, _, _>(id, |tx| async move {
+                tx.insert(wallet::ActiveModel {
+                    id: Set(id),
+                    balance: Set(0),
+                })
+                .await
+            })
+            .await
+            .unwrap();
+    }
+    let fail_13 = Arc::new(AtomicBool::new(true));
+    let outbox = {
+        let fail_13 = fail_13.clone();
+        relay(&cluster)
+            .max_attempts(2)
+            .backoff(Duration::ZERO, Duration::ZERO)
+            .handle::<Credit, _, _, _>(move |tx, c: Credit| {
+                let fail_13 = fail_13.load(Ordering::SeqCst);
+                async move {
+                    if c.amount == 13 && fail_13 {
+                        return Err(shardkit::BoxError::from("thirteen is unlucky"));
+                    }
+                    let id = *tx.key();
+                    let w = tx
+                        .find::<wallet::Entity>()
+                        .lock_exclusive()
+                        .one()
+                        .await?
+                        .unwrap();
+                    tx.update(wallet::ActiveModel {
+                        id: Set(id),
+                        balance: Set(w.balance + c.amount),
+                    })
+                    .await?;
+                    tx.insert(credit::ActiveModel {
+                        id: Set(shardkit::uuid_v7().to_string()),
+                        wallet_id: Set(id),
+                        transfer: Set(c.transfer),
+                        amount: Set(c.amount),
+                        seq: Set(c.seq),
+                    })
+                    .await?;
+                    Ok(())
+                }
+            })
+    };
+    // 20 messages from 1 to 2, each in its own transaction; the 5th is 13.
+    let mut parked_id = String::new();
+    for seq in 1..=20 {
+        let amount = if seq == 5 { 13 } else { 1 };
+        let id = cluster
+            .transaction::<Holder, _, _>(1, |tx| async move {
+                tx.send(
+                    2,
+                    &Credit {
+                        transfer: format!("t{seq}"),
+                        amount,
+                        seq,
+                    },
+                )
+                .await
+            })
+            .await
+            .unwrap();
+        if seq == 5 {
+            parked_id = id;
+        }
+    }
+    let report = outbox.deliver().await.unwrap();
+    assert_eq!((report.applied, report.parked), (19, 1), "{report:?}");
+    let seqs: Vec<i64> = {
+        let mut credits = cluster.find::<credit::Entity>().key(2).all().await.unwrap();
+        credits.sort_by(|a, b| a.id.cmp(&b.id));
+        credits.iter().map(|c| c.seq).collect()
+    };
+    assert_eq!(
+        seqs,
+        (1..=20).filter(|&s| s != 5).collect::<Vec<_>>(),
+        "applied in order"
+    );
+    let status = outbox.status().await.unwrap();
+    let parked: Vec<_> = status
+        .shards
+        .iter()
+        .flat_map(|s| s.parked.clone())
+        .collect();
+    assert_eq!(parked.len(), 1);
+    assert_eq!(parked[0].id, parked_id);
+    assert_eq!(parked[0].attempts, 2);
+    assert_eq!(parked[0].last_error.as_deref(), Some("thirteen is unlucky"));
+    // Retry: applied once the handler accepts it.
+    fail_13.store(false, Ordering::SeqCst);
+    // A pending message is neither retried nor discarded.
+    let unknown = outbox.discard("no-such-id").await.unwrap_err();
+    assert!(
+        unknown.to_string().contains("no shard's outbox holds it"),
+        "{unknown}"
+    );
+    outbox.retry(&parked_id).await.unwrap();
+    let err = outbox.retry(&parked_id).await.unwrap_err();
+    assert!(err.to_string().contains("not parked"), "{err}");
+    assert_eq!(outbox.deliver().await.unwrap().applied, 1);
+    assert_eq!(balance(&cluster, 2).await, 19 + 13);
+    // Discard: parked, then gone without being applied.
+    fail_13.store(true, Ordering::SeqCst);
+    let id = cluster
+        .transaction::<Holder, _, _>(1, |tx| async move {
+            tx.send(
+                2,
+                &Credit {
+                    transfer: "t21".into(),
+                    amount: 13,
+                    seq: 21,
+                },
+            )
+            .await
+        })
+        .await
+        .unwrap();
+    assert_eq!(outbox.deliver().await.unwrap().parked, 1);
+    outbox.discard(&id).await.unwrap();
+    assert_eq!(
+        outbox.deliver().await.unwrap(),
+        shardkit::RelayReport::default()
+    );
+    assert_eq!(balance(&cluster, 2).await, 32);
+    let status = outbox.status().await.unwrap();
+    assert!(
+        status
+            .shards
+            .iter()
+            .all(|s| s.pending == 0 && s.parked_count == 0),
+        "{status:?}"
+    );
+    // A message that rolls back with its transaction is never sent.
+    let _ = cluster
+        .transaction::<Holder, (), _>(1, |tx| async move {
+            tx.send(
+                2,
+                &Credit {
+                    transfer: "t22".into(),
+                    amount: 1,
+                    seq: 22,
+                },
+            )
+            .await?;
+            Err(ShardError::Internal {
+                what: "rolled back".into(),
+            })
+        })
+        .await;
+    assert_eq!(
+        outbox.deliver().await.unwrap(),
+        shardkit::RelayReport::default()
+    );
+}
