@@ -993,6 +993,57 @@ async fn parked_messages_are_listed_retried_and_discarded_and_order_holds(dbs: &
             .all(|s| s.pending == 0 && s.parked_count == 0),
         "{status:?}"
     );
+    // The command line lists a parked message and retries it.
+    fail_13.store(true, Ordering::SeqCst);
+    let id = cluster
+        .transaction::<Holder, _, _>(1, |tx| async move {
+            tx.send(
+                2,
+                &Credit {
+                    transfer: "t23".into(),
+                    amount: 13,
+                    seq: 23,
+                },
+            )
+            .await
+        })
+        .await
+        .unwrap();
+    assert_eq!(outbox.deliver().await.unwrap().parked, 1);
+    let shardctl = |args: &'static [&'static str]| {
+        let config = ClusterConfig::from_toml(&toml(dbs, &[])).unwrap();
+        async move {
+            let mut out: Vec<u8> = Vec::new();
+            let registry = shardkit::cli::Registry::new().outbox(|o| o.message::<Credit>());
+            let argv = ["shardctl", "--json"].iter().chain(args).copied();
+            let code = shardkit::cli::run_with(argv, config, registry, &mut out).await;
+            (
+                code,
+                serde_json::from_slice::<serde_json::Value>(&out).unwrap(),
+            )
+        }
+    };
+    let (code, status) = shardctl(&["outbox", "status"]).await;
+    assert_eq!(code, 1, "a parked message is a problem: {status}");
+    let listed: Vec<&str> = status["shards"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|s| s["parked"].as_array().unwrap())
+        .map(|m| m["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(listed, [id.as_str()]);
+    let argv: &'static [&'static str] = Box::leak(Box::new([
+        "outbox",
+        "discard",
+        Box::leak(id.into_boxed_str()),
+    ]));
+    let (code, out) = shardctl(argv).await;
+    assert_eq!(code, 0, "{out}");
+    let (code, status) = shardctl(&["outbox", "status"]).await;
+    assert_eq!(code, 0, "{status}");
+    let (code, sagas) = shardctl(&["saga", "status"]).await;
+    assert_eq!((code, sagas), (0, serde_json::json!([])));
     // A message that rolls back with its transaction is never sent.
     let _ = cluster
         .transaction::<Holder, (), _>(1, |tx| async move {

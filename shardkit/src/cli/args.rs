@@ -66,6 +66,49 @@ pub(crate) enum Command {
         #[command(subcommand)]
         action: RebalanceAction,
     },
+    /// Messages between keys (the message types registered with
+    /// `Registry::outbox`).
+    Outbox {
+        #[command(subcommand)]
+        action: OutboxAction,
+    },
+    /// Sagas, as stored on their origins' shards.
+    Saga {
+        #[command(subcommand)]
+        action: SagaAction,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub(crate) enum OutboxAction {
+    /// Pending and parked messages of every shard.
+    Status,
+    /// Relays: applies messages until Ctrl-C (or once, with `--once`).
+    Run {
+        /// Deliver what can be delivered now, then stop.
+        #[arg(long)]
+        once: bool,
+    },
+    /// Makes a parked message pending again.
+    Retry {
+        /// The message id.
+        id: String,
+    },
+    /// Deletes a parked message without applying it.
+    Discard {
+        /// The message id.
+        id: String,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub(crate) enum SagaAction {
+    /// Unfinished sagas (every saga with `--all`).
+    Status {
+        /// Finished sagas too.
+        #[arg(long)]
+        all: bool,
+    },
 }
 
 #[derive(Debug, Subcommand)]

@@ -25,7 +25,12 @@ pub struct Registry {
     pub(super) migrator: Option<Box<dyn AdminMigrator>>,
     pub(super) entities: Vec<Box<dyn AdminEntity>>,
     pub(super) rollouts: Vec<Box<dyn AdminRolloutDecl>>,
+    /// Sets up the outbox the `outbox` commands use: its handlers and
+    /// message types.
+    pub(super) outbox: Option<OutboxSetup>,
 }
+
+type OutboxSetup = Box<dyn Fn(crate::outbox::Outbox) -> crate::outbox::Outbox + Send + Sync>;
 
 impl Registry {
     /// Nothing registered yet.
@@ -64,6 +69,18 @@ impl Registry {
             name: rollout.name().to_owned(),
             rollout: std::sync::Mutex::new(Some(rollout)),
         }));
+        self
+    }
+
+    /// The message types (`.message::<M>()`) and handlers
+    /// (`.handle::<M, ..>(..)`) the `outbox` commands know: `status` lists
+    /// every message, `retry` and `discard` need its type, `run` applies
+    /// the types with a handler.
+    pub fn outbox(
+        mut self,
+        setup: impl Fn(crate::outbox::Outbox) -> crate::outbox::Outbox + Send + Sync + 'static,
+    ) -> Self {
+        self.outbox = Some(Box::new(setup));
         self
     }
 

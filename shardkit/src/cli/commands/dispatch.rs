@@ -5,6 +5,7 @@ use crate::cli::commands::explain::explain;
 use crate::cli::commands::gsi::gsi;
 use crate::cli::commands::ids::ids;
 use crate::cli::commands::migrate::migrate;
+use crate::cli::commands::outbox::{outbox, saga};
 use crate::cli::commands::output::Outcome;
 use crate::cli::commands::rebalance::rebalance;
 use crate::cli::commands::rollout::rollout;
@@ -60,5 +61,7 @@ pub(crate) async fn execute(
         }
         Command::Ids { action } => ids(&cluster, action).await,
         Command::Rebalance { action } => rebalance(&cluster, &registry, action, json).await,
+        Command::Outbox { action } => outbox(&cluster, &registry, action, json).await,
+        Command::Saga { action } => saga(&cluster, action).await,
     }
 }

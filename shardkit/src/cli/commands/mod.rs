@@ -6,6 +6,7 @@ mod explain;
 mod gsi;
 mod ids;
 mod migrate;
+mod outbox;
 pub(super) mod output;
 mod rebalance;
 mod rollout;
