@@ -146,31 +146,34 @@ fn relay(cluster: &Cluster) -> shardkit::Outbox {
         .outbox()
         .backoff(Duration::from_millis(20), Duration::from_millis(200))
         .step_timeout(Duration::from_secs(3))
-        .handle::<Credit, _, _, _>(|tx, c: Credit| async move {
-            let id = *tx.key();
-            // Read under the row lock: a debit and a credit of one wallet
-            // at once must not both write the balance they read.
-            let w = tx
-                .find::<wallet::Entity>()
-                .lock_exclusive()
-                .one()
-                .await?
-                .ok_or("no such wallet")?;
-            tx.update(wallet::ActiveModel {
-                id: Set(id),
-                balance: Set(w.balance + c.amount),
-            })
-            .await?;
-            tx.insert(credit::ActiveModel {
-                id: Set(shardkit::uuid_v7().to_string()),
-                wallet_id: Set(id),
-                transfer: Set(c.transfer),
-                amount: Set(c.amount),
-                seq: Set(c.seq),
-            })
-            .await?;
-            Ok::<_, shardkit::BoxError>(())
-        })
+        .handle::<Credit, _, _, _>(|tx, c: Credit| async move { apply_credit(&tx, c).await })
+}
+
+/// Adds the credit to the receiving wallet (read under its row lock: a
+/// debit and a credit of one wallet at once must not both write the
+/// balance they read) and records it.
+async fn apply_credit(tx: &shardkit::ShardTx<Holder>, c: Credit) -> Result<(), shardkit::BoxError> {
+    let id = *tx.key();
+    let w = tx
+        .find::<wallet::Entity>()
+        .lock_exclusive()
+        .one()
+        .await?
+        .ok_or("no such wallet")?;
+    tx.update(wallet::ActiveModel {
+        id: Set(id),
+        balance: Set(w.balance + c.amount),
+    })
+    .await?;
+    tx.insert(credit::ActiveModel {
+        id: Set(shardkit::uuid_v7().to_string()),
+        wallet_id: Set(id),
+        transfer: Set(c.transfer),
+        amount: Set(c.amount),
+        seq: Set(c.seq),
+    })
+    .await?;
+    Ok(())
 }
 
 async fn seed(cluster: &Cluster) {
@@ -855,6 +858,7 @@ async fn concurrent_retries_of_a_request_run_it_once(dbs: &mut TestDbs) {
 /// attempts; the status lists it; retry and discard work on it; the other
 /// messages of the pair are applied in the order they were sent.
 async fn parked_messages_are_listed_retried_and_discarded_and_order_holds(dbs: &mut TestDbs) {
+    let metrics = shardkit_tests::recorded::totals();
     let cluster = connect(&toml(dbs, &[])).await;
     cluster.migrate::<Migrator>().await.unwrap();
     for id in [1, 2] {
@@ -881,27 +885,7 @@ async fn parked_messages_are_listed_retried_and_discarded_and_order_holds(dbs: &
                     if c.amount == 13 && fail_13 {
                         return Err(shardkit::BoxError::from("thirteen is unlucky"));
                     }
-                    let id = *tx.key();
-                    let w = tx
-                        .find::<wallet::Entity>()
-                        .lock_exclusive()
-                        .one()
-                        .await?
-                        .unwrap();
-                    tx.update(wallet::ActiveModel {
-                        id: Set(id),
-                        balance: Set(w.balance + c.amount),
-                    })
-                    .await?;
-                    tx.insert(credit::ActiveModel {
-                        id: Set(shardkit::uuid_v7().to_string()),
-                        wallet_id: Set(id),
-                        transfer: Set(c.transfer),
-                        amount: Set(c.amount),
-                        seq: Set(c.seq),
-                    })
-                    .await?;
-                    Ok(())
+                    apply_credit(&tx, c).await
                 }
             })
     };
@@ -992,6 +976,17 @@ async fn parked_messages_are_listed_retried_and_discarded_and_order_holds(dbs: &
             .iter()
             .all(|s| s.pending == 0 && s.parked_count == 0),
         "{status:?}"
+    );
+    // The metrics count the failed attempts, the parking and the lag.
+    assert!(metrics.counter("shardkit_outbox_retries_total{kind=credit}") >= 2);
+    assert!(metrics.counter("shardkit_outbox_parked_total{kind=credit}") >= 1);
+    assert!(
+        metrics
+            .samples("shardkit_outbox_delivery_lag_seconds{kind=credit}")
+            .len()
+            >= 20,
+        "{:?}",
+        metrics.all_keys()
     );
     // The command line lists a parked message and retries it.
     fail_13.store(true, Ordering::SeqCst);

@@ -9,7 +9,7 @@
 use libtest_mimic::{Arguments, Trial};
 use sea_orm::{ActiveValue::Set, ConnectionTrait, DbBackend};
 use shardkit::{Cluster, ClusterConfig, Consistency, Session, ShardError};
-use shardkit_tests::models::{Customer, Migrator, order};
+use shardkit_tests::models::{Customer, Migrator, order, person_to_v2, person_v1, person_v2};
 use shardkit_tests::{Proxy, recorded};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -541,8 +541,69 @@ async fn lag_bound(pair: Pair) {
         assert!(Instant::now() < deadline, "the replica never rejoined");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    rollout_reads_follow_the_consistency(pair, &cluster, &replica).await;
     drop(cluster);
     dbs.drop_all().await;
+}
+
+/// A rollout's `get_old_with`/`get_new_with` read where the consistency
+/// says: a replica that has not replayed a write answers `Replica` reads
+/// with the row before it, and a session that made the write reads it.
+async fn rollout_reads_follow_the_consistency(pair: Pair, cluster: &Cluster, replica: &str) {
+    let people: shardkit::RolloutHandle<person_v1::Entity, person_v2::Entity> = cluster
+        .register_rollout(shardkit::rollout::Rollout::new("people_v2", person_to_v2))
+        .await
+        .unwrap();
+    let city = |city: &'static str| person_v1::ActiveModel {
+        id: Set(9),
+        customer_id: Set(1),
+        first_name: Set("Ada".into()),
+        last_name: Set("L".into()),
+        city: Set(city.into()),
+    };
+    let tx = cluster.begin::<Customer>(1).await.unwrap();
+    tx.insert(city("Paris")).await.unwrap();
+    tx.commit().await.unwrap();
+    let any = Consistency::Replica { max_lag: None };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while people.get_old_with(1, 9, &any).await.unwrap().is_none() {
+        assert!(Instant::now() < deadline, "the replica never had the row");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    replay(pair, replica, false).await;
+    let session = Session::new();
+    let tx = cluster.begin::<Customer>(1).await.unwrap();
+    tx.update(city("Oslo")).await.unwrap();
+    tx.commit_in(&session).await.unwrap();
+    let old = people
+        .get_old_with(1, 9, &any)
+        .await
+        .unwrap()
+        .map(|p| p.city);
+    let new = people
+        .get_new_with(1, 9, &any)
+        .await
+        .unwrap()
+        .map(|p| p.city);
+    let mine = people
+        .get_old_with(1, 9, &Consistency::at_least(&session))
+        .await
+        .unwrap()
+        .map(|p| p.city);
+    let primary = people.get_new(1, 9).await.unwrap().map(|p| p.city);
+    replay(pair, replica, true).await;
+    assert_eq!(
+        old.as_deref(),
+        Some("Paris"),
+        "get_old_with(Replica) read the replica"
+    );
+    assert_eq!(
+        new.as_deref(),
+        Some("Paris"),
+        "get_new_with(Replica) read the replica"
+    );
+    assert_eq!(mine.as_deref(), Some("Oslo"), "the session reads its write");
+    assert_eq!(primary.as_deref(), Some("Oslo"));
 }
 
 /// A bucket move onto a shard whose replica applies changes late: right

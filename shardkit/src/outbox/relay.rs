@@ -4,7 +4,7 @@
 
 use crate::cluster::{Cluster, ShardTx};
 use crate::error::{Result, ShardError};
-use crate::exec::keyed_tables::{INBOX, OUTBOX};
+use crate::exec::keyed_tables::{INBOX, OUTBOX, SAGAS};
 use crate::exec::periodic;
 use crate::outbox::message::{BoxError, Delivery, Kind, Message, Row, SourceChange, Typed, db_err};
 use crate::outbox::once::prune_requests;
@@ -114,7 +114,7 @@ pub struct RelayReport {
 }
 
 impl RelayReport {
-    fn add(&mut self, other: RelayReport) {
+    pub(crate) fn add(&mut self, other: RelayReport) {
         self.applied += other.applied;
         self.duplicates += other.duplicates;
         self.failed += other.failed;
@@ -495,16 +495,29 @@ impl Outbox {
                 self.settings.batch
             })
             .to_owned();
+        self.query(id, &stmt, "read")
+            .await?
+            .iter()
+            .map(|r| Row::read(r).map_err(|e| db_err(name, OUTBOX.name, "read", e)))
+            .collect()
+    }
+
+    /// `stmt` on shard `id`'s side pool, under its breaker and the step
+    /// timeout.
+    async fn query(
+        &self,
+        id: ShardId,
+        stmt: &sea_orm::sea_query::SelectStatement,
+        what: &str,
+    ) -> Result<Vec<sea_orm::QueryResult>> {
+        let shards = self.cluster.shards();
+        let name = shards.shard_name(id);
         let db = shards.side_conn(id);
         shards
             .bounded(id, "outbox", Some(self.settings.step_timeout), async {
-                let rows = db
-                    .query_all(&stmt)
+                db.query_all(stmt)
                     .await
-                    .map_err(|e| db_err(name, OUTBOX.name, "read", e))?;
-                rows.iter()
-                    .map(|r| Row::read(r).map_err(|e| db_err(name, OUTBOX.name, "read", e)))
-                    .collect()
+                    .map_err(|e| db_err(name, OUTBOX.name, what, e))
             })
             .await
     }
@@ -524,38 +537,32 @@ impl Outbox {
             .from(Alias::new(OUTBOX.name))
             .group_by_col(Alias::new("state"))
             .to_owned();
-        let db = shards.side_conn(id);
-        shards
-            .bounded(id, "outbox", Some(self.settings.step_timeout), async {
-                let rows = db
-                    .query_all(&stmt)
-                    .await
+        let rows = self.query(id, &stmt, "count").await?;
+        {
+            let (mut pending, mut parked, mut oldest) = (0, 0, None);
+            for r in rows {
+                let state: String = r
+                    .try_get("", "state")
                     .map_err(|e| db_err(name, OUTBOX.name, "count", e))?;
-                let (mut pending, mut parked, mut oldest) = (0, 0, None);
-                for r in rows {
-                    let state: String = r
-                        .try_get("", "state")
-                        .map_err(|e| db_err(name, OUTBOX.name, "count", e))?;
-                    let n: i64 = r
-                        .try_get("", "n")
-                        .map_err(|e| db_err(name, OUTBOX.name, "count", e))?;
-                    match state.as_str() {
-                        "pending" => {
-                            pending = n as u64;
-                            oldest = r.try_get::<Option<i64>>("", "oldest").ok().flatten();
-                        }
-                        _ => parked += n as u64,
+                let n: i64 = r
+                    .try_get("", "n")
+                    .map_err(|e| db_err(name, OUTBOX.name, "count", e))?;
+                match state.as_str() {
+                    "pending" => {
+                        pending = n as u64;
+                        oldest = r.try_get::<Option<i64>>("", "oldest").ok().flatten();
                     }
+                    _ => parked += n as u64,
                 }
-                Ok((pending, parked, oldest))
-            })
-            .await
+            }
+            Ok((pending, parked, oldest))
+        }
     }
 
     /// About once a second, sets the pending and parked gauges of every
-    /// shard it can read; about once a minute, deletes the inbox ids older
-    /// than [`INBOX_TTL`] and the request outcomes older than
-    /// [`REQUEST_TTL`](crate::outbox::REQUEST_TTL).
+    /// shard it can read; about once a minute, deletes the inbox ids and
+    /// the finished sagas older than [`INBOX_TTL`] and the request outcomes
+    /// older than [`REQUEST_TTL`](crate::outbox::REQUEST_TTL).
     async fn housekeeping(&self) {
         let shards = self.cluster.shards();
         let now = shards.now_ms();
@@ -587,6 +594,20 @@ impl Outbox {
                         db.execute(&inbox)
                             .await
                             .map_err(|e| db_err(name, INBOX.name, "delete from", e))?;
+                        // Finished sagas, kept as long as their markers.
+                        let sagas = Query::delete()
+                            .from_table(Alias::new(SAGAS.name))
+                            .and_where(
+                                Expr::col(Alias::new("state")).is_in(["done", "compensated"]),
+                            )
+                            .and_where(
+                                Expr::col(Alias::new("updated_at"))
+                                    .lt(now - INBOX_TTL.as_millis() as i64),
+                            )
+                            .to_owned();
+                        db.execute(&sagas)
+                            .await
+                            .map_err(|e| db_err(name, SAGAS.name, "delete from", e))?;
                         prune_requests(db, name, now).await
                     })
                     .await;
@@ -697,15 +718,7 @@ impl Outbox {
         for i in 0..shards.topology().shards().len() as u32 {
             let sid = ShardId(i);
             let name = shards.shard_name(sid);
-            let db = shards.side_conn(sid);
-            let rows = shards
-                .bounded(sid, "outbox", Some(self.settings.step_timeout), async {
-                    db.query_all(&stmt)
-                        .await
-                        .map_err(|e| db_err(name, OUTBOX.name, "read", e))
-                })
-                .await?;
-            for r in rows {
+            for r in self.query(sid, &stmt, "read").await? {
                 let row = Row::read(&r).map_err(|e| db_err(name, OUTBOX.name, "read", e))?;
                 let owned = self
                     .kinds

@@ -609,29 +609,19 @@ where
         (state, step): (SagaState, i32),
         error: Option<String>,
     ) -> Result<()> {
-        let now = self.cluster.shards().now_ms();
-        let error = &error;
-        self.cluster
-            .transaction::<O, _, _>(origin.clone(), |tx| async move {
-                let q = Query::update()
-                    .table(Alias::new(SAGAS.name))
-                    .value(Alias::new("state"), state.as_str())
-                    .value(Alias::new("step"), step)
-                    .value(Alias::new("attempts"), 0)
-                    .value(Alias::new("next_at"), 0i64)
-                    .value(Alias::new("updated_at"), now)
-                    .value(Alias::new("error"), error.clone())
-                    .and_where(Expr::col(Alias::new("id")).eq(id))
-                    .and_where(Expr::col(Alias::new("state")).eq(was.state.as_str()))
-                    .and_where(Expr::col(Alias::new("step")).eq(was.step))
-                    .to_owned();
-                tx.unchecked_connection()
-                    .execute(&q)
-                    .await
-                    .map_err(|e| db_err(tx.shard(), SAGAS.name, "update", e))?;
-                Ok(())
-            })
-            .await
+        self.update(
+            origin,
+            id,
+            was,
+            vec![
+                ("state", state.as_str().into()),
+                ("step", step.into()),
+                ("attempts", 0i32.into()),
+                ("next_at", 0i64.into()),
+                ("error", error.into()),
+            ],
+        )
+        .await
     }
 
     /// Records a failed attempt at the current step; the next after a
@@ -643,23 +633,45 @@ where
         was: &SagaStatus,
         error: String,
     ) -> Result<()> {
-        let now = self.cluster.shards().now_ms();
         let attempts = was.attempts.saturating_add(1);
         let wait = Ord::min(200i64 << (attempts - 1).clamp(0, 20), 60_000);
-        let error = &error;
         tracing::debug!(saga = %id, attempts, %error, "saga step put off");
+        let next_at = self.cluster.shards().now_ms() + wait;
+        self.update(
+            origin,
+            id,
+            was,
+            vec![
+                ("attempts", attempts.into()),
+                ("next_at", next_at.into()),
+                ("error", error.into()),
+            ],
+        )
+        .await
+    }
+
+    /// Sets `values` (and `updated_at`) on saga `id` in a transaction of
+    /// its origin, if it is still where `was` found it.
+    async fn update(
+        &self,
+        origin: &O::Key,
+        id: &str,
+        was: &SagaStatus,
+        values: Vec<(&'static str, sea_orm::Value)>,
+    ) -> Result<()> {
+        let now = self.cluster.shards().now_ms();
+        let values = &values;
         self.cluster
             .transaction::<O, _, _>(origin.clone(), |tx| async move {
-                let q = Query::update()
-                    .table(Alias::new(SAGAS.name))
-                    .value(Alias::new("attempts"), attempts)
-                    .value(Alias::new("next_at"), now + wait)
+                let mut q = Query::update();
+                q.table(Alias::new(SAGAS.name))
                     .value(Alias::new("updated_at"), now)
-                    .value(Alias::new("error"), error.as_str())
                     .and_where(Expr::col(Alias::new("id")).eq(id))
                     .and_where(Expr::col(Alias::new("state")).eq(was.state.as_str()))
-                    .and_where(Expr::col(Alias::new("step")).eq(was.step))
-                    .to_owned();
+                    .and_where(Expr::col(Alias::new("step")).eq(was.step));
+                for (column, value) in values {
+                    q.value(Alias::new(*column), value.clone());
+                }
                 tx.unchecked_connection()
                     .execute(&q)
                     .await

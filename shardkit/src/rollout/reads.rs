@@ -2,6 +2,7 @@
 
 use crate::entity::{EntityGroup, ShardKey, ShardedEntity};
 use crate::error::Result;
+use crate::exec::Consistency;
 use crate::exec::keyset::{pk_condition, tuple_text};
 use crate::phase::Phase;
 use crate::read::KeyOf;
@@ -30,10 +31,12 @@ where
         &self,
         key: &KeyOf<Old>,
         pk: &[Value],
+        consistency: &Consistency,
     ) -> Result<Option<Old::Model>> {
         crate::read::Find::new(self.shards.clone(), None, None, Old::find())
             .key(key.clone())
             .filter(pk_condition::<Old>(pk))
+            .consistency(consistency.clone())
             .one()
             .await
     }
@@ -42,12 +45,26 @@ where
         &self,
         key: &KeyOf<Old>,
         pk: &[Value],
+        consistency: &Consistency,
     ) -> Result<Option<New::Model>> {
         crate::read::Find::new(self.shards.clone(), None, None, New::find())
             .key(key.clone())
             .filter(pk_condition::<New>(pk))
+            .consistency(consistency.clone())
             .one()
             .await
+    }
+
+    /// The consistency a rollout read runs with: a read of a fold before
+    /// `read_new` reads its parts on the shard, so its root is read there
+    /// too (a root from a replica folded with parts from the shard would
+    /// mix two moments).
+    fn read_consistency(&self, phase: Phase, consistency: &Consistency) -> Consistency {
+        if self.shared.folds() && !phase.reads_new() {
+            Consistency::Primary
+        } else {
+            consistency.clone()
+        }
     }
 
     pub(super) fn to_old(&self, new: &New::Model) -> Result<Old::Model> {
@@ -66,33 +83,45 @@ where
         key: KeyOf<Old>,
         pk: <Old::PrimaryKey as PrimaryKeyTrait>::ValueType,
     ) -> Result<Option<Old::Model>> {
+        self.get_old_with(key, pk, &Consistency::Primary).await
+    }
+
+    /// [`get_old`](Self::get_old) with the read's consistency (see
+    /// [`Consistency`]): a read that may be answered by a replica skips
+    /// this instance's caches (an entry cached from the shard is not what
+    /// the replica holds, and a replica's row must not replace it) and
+    /// reads the tables on a replica as the consistency allows.
+    pub async fn get_old_with(
+        &self,
+        key: KeyOf<Old>,
+        pk: <Old::PrimaryKey as PrimaryKeyTrait>::ValueType,
+        consistency: &Consistency,
+    ) -> Result<Option<Old::Model>> {
         let (phase, pk, ck) = self.read_start(&key, pk);
-        if phase.caches()
-            && let Some(hit) = self.shared.old_cache.get(&ck)
-        {
+        let consistency = self.read_consistency(phase, consistency);
+        let caches = phase.caches() && matches!(consistency, Consistency::Primary);
+        if caches && let Some(hit) = self.shared.old_cache.get(&ck) {
             return Ok(Some(hit));
         }
         let row = if phase.reads_new() {
-            let new = match phase
-                .caches()
-                .then(|| self.shared.new_cache.get(&ck))
-                .flatten()
-            {
+            let new = match caches.then(|| self.shared.new_cache.get(&ck)).flatten() {
                 Some(new) => Some(new),
-                None => self.read_new_table(&key, &pk).await?,
+                None => self.read_new_table(&key, &pk, &consistency).await?,
             };
             match new {
                 Some(new) => {
                     let old = self.to_old(&new)?;
-                    self.shared.new_cache.insert(ck.clone(), new);
+                    if caches {
+                        self.shared.new_cache.insert(ck.clone(), new);
+                    }
                     Some(old)
                 }
                 None => None,
             }
         } else {
-            self.read_old_table(&key, &pk).await?
+            self.read_old_table(&key, &pk, &consistency).await?
         };
-        if let (true, Some(row)) = (phase.caches(), &row) {
+        if let (true, Some(row)) = (caches, &row) {
             self.shared.old_cache.insert(ck, row.clone());
         }
         Ok(row)
@@ -107,8 +136,22 @@ where
         key: KeyOf<Old>,
         pk: <Old::PrimaryKey as PrimaryKeyTrait>::ValueType,
     ) -> Result<Option<New::Model>> {
+        self.get_new_with(key, pk, &Consistency::Primary).await
+    }
+
+    /// [`get_new`](Self::get_new) with the read's consistency, as
+    /// [`get_old_with`](Self::get_old_with). A fold read before `read_new`
+    /// reads its parts, and so its root, on the shard.
+    pub async fn get_new_with(
+        &self,
+        key: KeyOf<Old>,
+        pk: <Old::PrimaryKey as PrimaryKeyTrait>::ValueType,
+        consistency: &Consistency,
+    ) -> Result<Option<New::Model>> {
         let (phase, pk, ck) = self.read_start(&key, pk);
-        if phase.caches() {
+        let consistency = self.read_consistency(phase, consistency);
+        let caches = phase.caches() && matches!(consistency, Consistency::Primary);
+        if caches {
             if let Some(hit) = self.shared.new_cache.get(&ck) {
                 return Ok(Some(hit));
             }
@@ -123,12 +166,12 @@ where
             }
         }
         let row = if phase.reads_new() {
-            self.read_new_table(&key, &pk).await?
+            self.read_new_table(&key, &pk, &consistency).await?
         } else {
-            match self.read_old_table(&key, &pk).await? {
+            match self.read_old_table(&key, &pk, &consistency).await? {
                 Some(old) => {
                     let new = self.fold_read(&key, &old).await?;
-                    if phase.caches() {
+                    if caches {
                         self.shared.old_cache.insert(ck.clone(), old);
                     }
                     Some(new)
@@ -136,7 +179,7 @@ where
                 None => None,
             }
         };
-        if let (true, Some(row)) = (phase.caches(), &row) {
+        if let (true, Some(row)) = (caches, &row) {
             self.shared.new_cache.insert(ck, row.clone());
         }
         Ok(row)
@@ -187,7 +230,10 @@ where
     ) -> Result<Option<Parts>> {
         let (phase, pk, _) = self.read_start(&key, pk);
         if phase.reads_new() {
-            let Some(new) = self.read_new_table(&key, &pk).await? else {
+            let Some(new) = self
+                .read_new_table(&key, &pk, &Consistency::Primary)
+                .await?
+            else {
                 return Ok(None);
             };
             let split = self.shared.to_old_parts.as_ref().ok_or_else(|| {
@@ -196,7 +242,10 @@ where
             })?;
             return Ok(Some(split(&new)));
         }
-        let Some(root) = self.read_old_table(&key, &pk).await? else {
+        let Some(root) = self
+            .read_old_table(&key, &pk, &Consistency::Primary)
+            .await?
+        else {
             return Ok(None);
         };
         Ok(self

@@ -83,13 +83,7 @@ pub(super) async fn outbox(
             let progress = Progress::new("outbox relay", None, json);
             let mut total = RelayReport::default();
             loop {
-                let r = outbox.deliver().await?;
-                total.applied += r.applied;
-                total.duplicates += r.duplicates;
-                total.failed += r.failed;
-                total.parked += r.parked;
-                total.deferred += r.deferred;
-                total.shards_failed += r.shards_failed;
+                total.add(outbox.deliver().await?);
                 progress.report(
                     total.applied,
                     None,
