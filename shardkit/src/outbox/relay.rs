@@ -17,8 +17,7 @@ use serde::Serialize;
 use std::collections::HashMap;
 use std::future::Future;
 use std::ops::ControlFlow;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 /// How the relay paces itself.
@@ -62,8 +61,9 @@ pub struct Outbox {
     cluster: Cluster,
     kinds: Arc<HashMap<&'static str, Arc<dyn Kind>>>,
     settings: Settings,
-    /// When the running relay last counted (gauges) and pruned (ms).
-    housekeeping: Arc<[AtomicI64; 2]>,
+    /// Per shard, when the running relay last counted its outbox (the
+    /// gauges) and pruned it (ms).
+    housekeeping: Arc<Mutex<HashMap<u32, [i64; 2]>>>,
 }
 
 /// How long the inbox keeps a message id: 7 days. A message older than
@@ -114,6 +114,12 @@ pub struct RelayReport {
 }
 
 impl RelayReport {
+    /// Whether the pass changed anything (applied, found applied, failed or
+    /// parked a message): another pass may find more to do now.
+    fn progressed(&self) -> bool {
+        self.applied + self.duplicates + self.parked + self.failed > 0
+    }
+
     pub(crate) fn add(&mut self, other: RelayReport) {
         self.applied += other.applied;
         self.duplicates += other.duplicates;
@@ -171,19 +177,22 @@ pub struct OutboxStatus {
 /// this handle leaves it running.
 #[derive(Debug)]
 pub struct RelayTask {
-    task: tokio::task::JoinHandle<()>,
+    /// One per shard.
+    tasks: Vec<tokio::task::JoinHandle<()>>,
 }
 
 impl RelayTask {
     /// Stops the relay (a delivery in flight rolls back; its message is
     /// delivered again later, and applied once).
     pub fn stop(&self) {
-        self.task.abort();
+        for task in &self.tasks {
+            task.abort();
+        }
     }
 
     /// Whether it has stopped.
     pub fn is_finished(&self) -> bool {
-        self.task.is_finished()
+        self.tasks.iter().all(|t| t.is_finished())
     }
 }
 
@@ -254,39 +263,45 @@ impl Outbox {
         self
     }
 
-    /// Runs the relay in the background: a pass over every shard's outbox,
-    /// again at once while passes find work, else every
-    /// [`poll_every`](Self::poll_every). It follows the live bucket map,
-    /// holds no user handle of the cluster between passes, and stops with
-    /// the cluster (or at [`RelayTask::stop`]).
+    /// Runs the relay in the background: one task per shard, each a pass
+    /// over its shard's outbox, again at once while passes find work, else
+    /// every [`poll_every`](Self::poll_every) (a slow or hung shard holds
+    /// up only its own messages). It follows the live bucket map, holds no
+    /// user handle of the cluster between passes, and stops with the
+    /// cluster (or at [`RelayTask::stop`]).
     pub fn run(&self) -> RelayTask {
-        let kinds = Arc::clone(&self.kinds);
-        let settings = self.settings;
-        let housekeeping = Arc::clone(&self.housekeeping);
-        let task = periodic::spawn(
-            &self.cluster,
-            settings.poll,
-            periodic::FirstPass::Now,
-            move |cluster: Cluster| {
-                let relay = Outbox {
-                    cluster,
-                    kinds: Arc::clone(&kinds),
-                    settings,
-                    housekeeping: Arc::clone(&housekeeping),
-                };
-                async move {
-                    loop {
-                        let report = relay.pass().await;
-                        if report.applied + report.duplicates + report.parked + report.failed == 0 {
-                            break;
+        let shards = self.cluster.shards().topology().shards().len() as u32;
+        let tasks = (0..shards)
+            .map(|i| {
+                let kinds = Arc::clone(&self.kinds);
+                let settings = self.settings;
+                let housekeeping = Arc::clone(&self.housekeeping);
+                periodic::spawn(
+                    &self.cluster,
+                    settings.poll,
+                    periodic::FirstPass::Now,
+                    move |cluster: Cluster| {
+                        let relay = Outbox {
+                            cluster,
+                            kinds: Arc::clone(&kinds),
+                            settings,
+                            housekeeping: Arc::clone(&housekeeping),
+                        };
+                        async move {
+                            loop {
+                                let report = relay.pass_shard(ShardId(i)).await;
+                                if !report.progressed() {
+                                    break;
+                                }
+                            }
+                            relay.housekeeping(ShardId(i)).await;
+                            ControlFlow::Continue(())
                         }
-                    }
-                    relay.housekeeping().await;
-                    ControlFlow::Continue(())
-                }
-            },
-        );
-        RelayTask { task }
+                    },
+                )
+            })
+            .collect();
+        RelayTask { tasks }
     }
 
     /// Delivers every message that can be delivered now, pass after pass
@@ -296,7 +311,7 @@ impl Outbox {
         loop {
             let report = self.pass().await;
             total.add(report);
-            if report.applied + report.duplicates + report.parked + report.failed == 0 {
+            if !report.progressed() {
                 return Ok(total);
             }
         }
@@ -559,61 +574,63 @@ impl Outbox {
         }
     }
 
-    /// About once a second, sets the pending and parked gauges of every
-    /// shard it can read; about once a minute, deletes the inbox ids and
-    /// the finished sagas older than [`INBOX_TTL`] and the request outcomes
-    /// older than [`REQUEST_TTL`](crate::outbox::REQUEST_TTL).
-    async fn housekeeping(&self) {
+    /// About once a second, sets shard `id`'s pending and parked gauges;
+    /// about once a minute, deletes its inbox ids and finished sagas older
+    /// than [`INBOX_TTL`] and its request outcomes older than
+    /// [`REQUEST_TTL`](crate::outbox::REQUEST_TTL).
+    async fn housekeeping(&self, id: ShardId) {
         let shards = self.cluster.shards();
         let now = shards.now_ms();
-        let due = |i: usize, every: i64| {
-            let last = self.housekeeping[i].load(Ordering::Relaxed);
-            now - last >= every
-                && self.housekeeping[i]
-                    .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
-                    .is_ok()
-        };
-        let (count, prune) = (due(0, 1_000), due(1, 60_000));
-        for i in 0..shards.topology().shards().len() as u32 {
-            let id = ShardId(i);
-            if count && let Ok((pending, parked, _)) = self.counts(id).await {
-                crate::metrics::outbox_counts(shards.shard_name(id), pending, parked);
-            }
-            if prune {
-                let name = shards.shard_name(id);
-                let db = shards.side_conn(id);
-                let pruned = shards
-                    .bounded(id, "outbox", Some(self.settings.step_timeout), async {
-                        let inbox = Query::delete()
-                            .from_table(Alias::new(INBOX.name))
-                            .and_where(
-                                Expr::col(Alias::new("received_at"))
-                                    .lt(now - INBOX_TTL.as_millis() as i64),
-                            )
-                            .to_owned();
-                        db.execute(&inbox)
-                            .await
-                            .map_err(|e| db_err(name, INBOX.name, "delete from", e))?;
-                        // Finished sagas, kept as long as their markers.
-                        let sagas = Query::delete()
-                            .from_table(Alias::new(SAGAS.name))
-                            .and_where(
-                                Expr::col(Alias::new("state")).is_in(["done", "compensated"]),
-                            )
-                            .and_where(
-                                Expr::col(Alias::new("updated_at"))
-                                    .lt(now - INBOX_TTL.as_millis() as i64),
-                            )
-                            .to_owned();
-                        db.execute(&sagas)
-                            .await
-                            .map_err(|e| db_err(name, SAGAS.name, "delete from", e))?;
-                        prune_requests(db, name, now).await
-                    })
-                    .await;
-                if let Err(e) = pruned {
-                    tracing::debug!(shard = %name, error = %e.report(), "old inbox ids and outcomes not pruned; later");
+        let (count, prune) = {
+            let mut last = self
+                .housekeeping
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            let last = last.entry(id.0).or_insert([0, 0]);
+            let due = |at: &mut i64, every: i64| {
+                let due = now - *at >= every;
+                if due {
+                    *at = now;
                 }
+                due
+            };
+            (due(&mut last[0], 1_000), due(&mut last[1], 60_000))
+        };
+        if count && let Ok((pending, parked, _)) = self.counts(id).await {
+            crate::metrics::outbox_counts(shards.shard_name(id), pending, parked);
+        }
+        if prune {
+            let name = shards.shard_name(id);
+            let db = shards.side_conn(id);
+            let pruned = shards
+                .bounded(id, "outbox", Some(self.settings.step_timeout), async {
+                    let inbox = Query::delete()
+                        .from_table(Alias::new(INBOX.name))
+                        .and_where(
+                            Expr::col(Alias::new("received_at"))
+                                .lt(now - INBOX_TTL.as_millis() as i64),
+                        )
+                        .to_owned();
+                    db.execute(&inbox)
+                        .await
+                        .map_err(|e| db_err(name, INBOX.name, "delete from", e))?;
+                    // Finished sagas, kept as long as their markers.
+                    let sagas = Query::delete()
+                        .from_table(Alias::new(SAGAS.name))
+                        .and_where(Expr::col(Alias::new("state")).is_in(["done", "compensated"]))
+                        .and_where(
+                            Expr::col(Alias::new("updated_at"))
+                                .lt(now - INBOX_TTL.as_millis() as i64),
+                        )
+                        .to_owned();
+                    db.execute(&sagas)
+                        .await
+                        .map_err(|e| db_err(name, SAGAS.name, "delete from", e))?;
+                    prune_requests(db, name, now).await
+                })
+                .await;
+            if let Err(e) = pruned {
+                tracing::debug!(shard = %name, error = %e.report(), "old inbox ids and outcomes not pruned; later");
             }
         }
     }
