@@ -13,6 +13,7 @@
 //! - `shardkit_requests`: the stored outcome of an idempotent request.
 
 use sea_orm_migration::prelude::*;
+use sea_orm_migration::sea_orm::DbBackend;
 
 /// Creates the outbox, inbox, saga and request tables.
 pub struct Migration;
@@ -23,11 +24,18 @@ impl MigrationName for Migration {
     }
 }
 
-fn text(name: &str, len: u32) -> ColumnDef {
-    ColumnDef::new(Alias::new(name))
-        .string_len(len)
-        .not_null()
-        .to_owned()
+/// A text column compared byte for byte: MySQL/MariaDB's default
+/// collations would make keys, ids and request ids that differ only in case
+/// or accents equal.
+fn text(backend: DbBackend, name: &str, len: u32) -> ColumnDef {
+    let mut def = ColumnDef::new(Alias::new(name));
+    match backend {
+        DbBackend::MySql => def.custom(Alias::new(format!(
+            "VARCHAR({len}) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin"
+        ))),
+        _ => def.string_len(len),
+    };
+    def.not_null().to_owned()
 }
 
 fn big(name: &str) -> ColumnDef {
@@ -43,13 +51,18 @@ fn long(name: &str) -> ColumnDef {
 
 /// A table of an `id` primary key, the owning `grp` and `key_text`, then
 /// `columns`, with an index on `(grp, key_text)`.
-fn table(name: &str, id_len: u32, columns: Vec<ColumnDef>) -> TableCreateStatement {
+fn table(
+    backend: DbBackend,
+    name: &str,
+    id_len: u32,
+    columns: Vec<ColumnDef>,
+) -> TableCreateStatement {
     let mut t = Table::create();
     t.table(Alias::new(name))
         .if_not_exists()
-        .col(text("id", id_len).primary_key())
-        .col(text("grp", 128))
-        .col(text("key_text", 255));
+        .col(text(backend, "id", id_len).primary_key())
+        .col(text(backend, "grp", 128))
+        .col(text(backend, "key_text", 255));
     for c in columns {
         t.col(c);
     }
@@ -79,7 +92,10 @@ const TABLES: [&str; 4] = [
 #[async_trait::async_trait]
 impl MigrationTrait for Migration {
     async fn up(&self, manager: &SchemaManager) -> Result<(), DbErr> {
+        let b = manager.get_database_backend();
+        let text = |name: &str, len: u32| text(b, name, len);
         let outbox = table(
+            b,
             TABLES[0],
             40,
             vec![
@@ -101,8 +117,9 @@ impl MigrationTrait for Migration {
                 long("last_error"),
             ],
         );
-        let inbox = table(TABLES[1], 96, vec![big("received_at")]);
+        let inbox = table(b, TABLES[1], 96, vec![big("received_at")]);
         let sagas = table(
+            b,
             TABLES[2],
             40,
             vec![
@@ -127,8 +144,9 @@ impl MigrationTrait for Migration {
             ],
         );
         let requests = table(
+            b,
             TABLES[3],
-            512,
+            640,
             vec![text("request_id", 200), long("outcome"), big("created_at")],
         );
         for t in [outbox, inbox, sagas, requests] {

@@ -4,12 +4,16 @@
 //! `valgrind --tool=callgrind` repeat. One invocation runs one variant:
 //!
 //! ```text
-//! overhead <plain|shardkit> <sqlite|postgres> <read|update> <operations>
+//! overhead <plain|shardkit|session> <sqlite|postgres> <read|update> <operations>
 //! ```
 //!
 //! - `read`: a keyed point read of one row (`cluster.find().key(k)` + primary
 //!   key) against SeaORM's `Entity::find()` with the same two predicates on
 //!   the same database.
+//! - `session` (reads only): the keyed read with
+//!   `Consistency::AtLeast(session)`, a session holding a position for the
+//!   shard (which has no replica, so the shard answers): the client-side
+//!   cost of the session's bookkeeping, compared with `shardkit`.
 //! - `update`: a one-row update transaction (`cluster.begin(k)`,
 //!   `tx.update`, `commit`) against SeaORM's `begin`, `Entity::update` with
 //!   the same key predicate, `commit`.
@@ -23,7 +27,7 @@
 
 use sea_orm::ActiveValue::{Set, Unchanged};
 use sea_orm::{ColumnTrait, DatabaseConnection, EntityTrait, QueryFilter, TransactionTrait};
-use shardkit::Cluster;
+use shardkit::{Cluster, Consistency, Session};
 use shardkit_tests::models::{Customer, Migrator, order};
 use shardkit_tests::{Backend, TestDbs};
 
@@ -34,6 +38,7 @@ const ROW: i64 = 1;
 enum Mode {
     Plain,
     Shardkit,
+    Session,
 }
 
 #[derive(Clone, Copy, PartialEq)]
@@ -42,7 +47,7 @@ enum Op {
     Update,
 }
 
-async fn read(mode: Mode, cluster: &Cluster, db: &DatabaseConnection) {
+async fn read(mode: Mode, cluster: &Cluster, db: &DatabaseConnection, session: &Session) {
     let row = match mode {
         Mode::Plain => order::Entity::find()
             .filter(order::Column::CustomerId.eq(KEY))
@@ -57,6 +62,14 @@ async fn read(mode: Mode, cluster: &Cluster, db: &DatabaseConnection) {
             .one()
             .await
             .expect("keyed read"),
+        Mode::Session => cluster
+            .find::<order::Entity>()
+            .key(KEY)
+            .filter(order::Column::Id.eq(ROW))
+            .consistency(Consistency::at_least(session))
+            .one()
+            .await
+            .expect("keyed read with a session"),
     };
     std::hint::black_box(row.expect("the row exists"));
 }
@@ -80,7 +93,7 @@ async fn update(mode: Mode, cluster: &Cluster, db: &DatabaseConnection, value: i
             txn.commit().await.expect("commit");
             std::hint::black_box(row);
         }
-        Mode::Shardkit => {
+        Mode::Shardkit | Mode::Session => {
             let tx = cluster.begin::<Customer>(KEY).await.expect("begin");
             let row = tx.update(model).await.expect("update");
             tx.commit().await.expect("commit");
@@ -102,9 +115,13 @@ async fn run(mode: Mode, backend: Backend, op: Op, operations: i64) {
     .exec(&db)
     .await
     .expect("the row");
+    // A session holding the shard's position after a commit.
+    let session = Session::new();
+    let tx = cluster.begin::<Customer>(KEY).await.expect("begin");
+    tx.commit_in(&session).await.expect("commit");
     for i in 0..operations {
         match op {
-            Op::Read => read(mode, &cluster, &db).await,
+            Op::Read => read(mode, &cluster, &db, &session).await,
             Op::Update => update(mode, &cluster, &db, i).await,
         }
     }
@@ -127,7 +144,8 @@ fn main() {
             let mode = match mode.as_str() {
                 "plain" => Mode::Plain,
                 "shardkit" => Mode::Shardkit,
-                other => panic!("mode `{other}`: expected plain or shardkit"),
+                "session" => Mode::Session,
+                other => panic!("mode `{other}`: expected plain, shardkit or session"),
             };
             let backend = match backend.as_str() {
                 "sqlite" => Backend::Sqlite,
@@ -146,14 +164,16 @@ fn main() {
         }
         [] => None,
         _ => {
-            panic!("usage: overhead <plain|shardkit> <sqlite|postgres> <read|update> <operations>")
+            panic!(
+                "usage: overhead <plain|shardkit|session> <sqlite|postgres> <read|update> <operations>"
+            )
         }
     };
     runtime.block_on(async {
         match parsed {
             Some((mode, backend, op, n)) => run(mode, backend, op, n).await,
             None => {
-                for mode in [Mode::Plain, Mode::Shardkit] {
+                for mode in [Mode::Plain, Mode::Shardkit, Mode::Session] {
                     for op in [Op::Read, Op::Update] {
                         run(mode, Backend::Sqlite, op, 20).await;
                     }

@@ -53,6 +53,7 @@ pub(crate) struct Row {
     pub(crate) id: String,
     pub(crate) grp: String,
     pub(crate) key_text: String,
+    pub(crate) seq: i64,
     pub(crate) to_grp: String,
     pub(crate) to_key: String,
     pub(crate) kind: String,
@@ -70,6 +71,7 @@ impl Row {
             id: r.try_get("", "id")?,
             grp: r.try_get("", "grp")?,
             key_text: r.try_get("", "key_text")?,
+            seq: r.try_get("", "seq")?,
             to_grp: r.try_get("", "to_grp")?,
             to_key: r.try_get("", "to_key")?,
             kind: r.try_get("", "kind")?,
@@ -102,6 +104,8 @@ pub(crate) enum Delivery {
     Unavailable(String),
     /// The message cannot be applied by this release: parked at once.
     Undecodable(String),
+    /// The database aborted the transaction (a deadlock): run again.
+    Aborted(String),
 }
 
 /// A change of a message's row on its sender's shard.
@@ -190,6 +194,19 @@ pub(crate) fn not_the_work(err: &(dyn std::error::Error + 'static)) -> bool {
     false
 }
 
+/// Whether this instance's map names `shard` the owner of `key_text` (a
+/// copy a bucket move left or made elsewhere is not the row to act on). A
+/// key the map cannot place without I/O (a directory-placed group, whose
+/// keys never move) is the shard's that holds the row; so is one that does
+/// not parse (acting on it parks it with the reason).
+pub(crate) fn owned_by<G: EntityGroup>(cluster: &Cluster, key_text: &str, shard: &str) -> bool {
+    match <G::Key as ShardKey>::from_directory_text(key_text).map(|k| cluster.shard_of_now::<G>(&k))
+    {
+        Some(Ok(Some(owner))) => owner == shard,
+        _ => true,
+    }
+}
+
 /// Records message `id` in the receiving key's inbox, in its transaction:
 /// `false` when it is there already (applied before, or by a relay that
 /// raced this one and committed first).
@@ -249,6 +266,9 @@ impl<M: Message> Typed<M> {
         };
         let tx = match cluster.begin::<M::To>(to).await {
             Ok(tx) => tx,
+            Err(e) if e.retry() == crate::Retry::Transaction => {
+                return Delivery::Aborted(e.report().to_string());
+            }
             Err(e) => return Delivery::Unavailable(e.report().to_string()),
         };
         match record_in_inbox(&tx, &row.id, cluster.shards().now_ms()).await {
@@ -278,8 +298,26 @@ impl<M: Message> Typed<M> {
                 Delivery::Failed(e.to_string())
             };
         }
+        // A handler that swallowed a failed statement returns `Ok` on a
+        // transaction the database already ended (PostgreSQL then answers
+        // COMMIT with a rollback, not an error): the inbox row read back
+        // in the transaction proves the commit carries the work.
+        match in_inbox(&tx, &row.id).await {
+            Ok(true) => {}
+            Ok(false) | Err(_) => {
+                let _ = tx.rollback().await;
+                return Delivery::Failed(
+                    "the handler returned Ok on a transaction the database had ended (a failed \
+                     statement whose error it did not return); nothing was committed"
+                        .to_owned(),
+                );
+            }
+        }
         match tx.commit().await {
             Ok(()) => Delivery::Applied,
+            Err(e) if e.retry() == crate::Retry::Transaction => {
+                Delivery::Aborted(e.report().to_string())
+            }
             Err(e) => Delivery::Unavailable(e.report().to_string()),
         }
     }
@@ -291,9 +329,7 @@ impl<M: Message> Kind for Typed<M> {
     }
 
     fn owned_by(&self, cluster: &Cluster, row: &Row, shard: &str) -> bool {
-        <<M::From as EntityGroup>::Key as ShardKey>::from_directory_text(&row.key_text)
-            .and_then(|k| cluster.shard_of_now::<M::From>(&k).ok().flatten())
-            .is_some_and(|owner| owner == shard)
+        owned_by::<M::From>(cluster, &row.key_text, shard)
     }
 
     fn has_handler(&self) -> bool {
@@ -308,7 +344,8 @@ impl<M: Message> Kind for Typed<M> {
             loop {
                 attempt += 1;
                 match self.apply(cluster, row).await {
-                    Delivery::Unavailable(e) if attempt < 3 && e.contains("deadlock") => {}
+                    Delivery::Aborted(_) if attempt < 3 => {}
+                    Delivery::Aborted(e) => return Delivery::Unavailable(e),
                     other => return other,
                 }
             }
@@ -373,7 +410,8 @@ impl<M: Message> Kind for Typed<M> {
                                     Alias::new("state"),
                                     if *parked { "parked" } else { "pending" },
                                 )
-                                .cond_where(this)
+                                // Not a message parked (or retried) meanwhile.
+                                .cond_where(this.add(Expr::col(Alias::new("state")).eq("pending")))
                                 .to_owned();
                             tx.unchecked_connection().execute(&q).await
                         }

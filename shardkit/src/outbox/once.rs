@@ -180,10 +180,23 @@ impl Cluster {
                 .value(Alias::new("outcome"), text)
                 .and_where(Expr::col(Alias::new("id")).eq(id.as_str()))
                 .to_owned();
-            tx.unchecked_connection()
+            // One row, or the work swallowed a failed statement and the
+            // database ended the transaction: nothing to commit.
+            let stored = tx
+                .unchecked_connection()
                 .execute(&store)
                 .await
-                .map_err(err("update"))?;
+                .map_err(err("update"))?
+                .rows_affected();
+            if stored != 1 {
+                let _ = tx.rollback().await;
+                return Err(ShardError::CrossKey {
+                    what: what(),
+                    reason: "the work returned Ok on a transaction the database had ended (a \
+                             failed statement whose error it did not return); nothing was committed"
+                        .to_owned(),
+                });
+            }
             match tx.commit().await {
                 Ok(()) => return Ok(value),
                 Err(e) if e.retry() == crate::Retry::Transaction && attempt < 3 => continue,

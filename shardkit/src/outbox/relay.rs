@@ -12,7 +12,7 @@ use crate::topology::ShardId;
 use futures::StreamExt;
 use futures::future::BoxFuture;
 use sea_orm::ConnectionTrait;
-use sea_orm::sea_query::{Alias, Expr, ExprTrait, Order, Query};
+use sea_orm::sea_query::{Alias, Expr, ExprTrait, Order, Query, SimpleExpr};
 use serde::Serialize;
 use std::collections::HashMap;
 use std::future::Future;
@@ -65,6 +65,9 @@ pub struct Outbox {
     /// gauges) and pruned it (ms).
     housekeeping: Arc<Mutex<HashMap<u32, [i64; 2]>>>,
 }
+
+/// Pages of pending messages a pass reads per shard, at most.
+const PAGES: usize = 4;
 
 /// How long the inbox keeps a message id: 7 days. A message older than
 /// this is parked instead of delivered (its id may be gone from the inbox,
@@ -340,14 +343,26 @@ impl Outbox {
         let shards = self.cluster.shards();
         let name = shards.shard_name(id).to_owned();
         let mut report = RelayReport::default();
-        let rows = match self.pending(id, None).await {
-            Ok(rows) => rows,
-            Err(e) => {
-                tracing::debug!(shard = %name, error = %e.report(), "outbox not read; next pass");
-                report.shards_failed = 1;
-                return report;
+        // Pages of pending messages, so that a full page of messages that
+        // cannot go now (put off, or a pair waiting behind one) does not
+        // hide the rest for good.
+        let mut rows = Vec::new();
+        for _ in 0..PAGES {
+            match self.pending(id, None, rows.last()).await {
+                Ok(page) => {
+                    let full = page.len() as u64 == self.settings.batch;
+                    rows.extend(page);
+                    if !full {
+                        break;
+                    }
+                }
+                Err(e) => {
+                    tracing::debug!(shard = %name, error = %e.report(), "outbox not read; next pass");
+                    report.shards_failed = 1;
+                    return report;
+                }
             }
-        };
+        }
         // The messages of one sending key to one receiving key, in order.
         let mut pairs: Vec<Vec<(Row, Arc<dyn Kind>)>> = Vec::new();
         let mut at: HashMap<(String, String, String, String), usize> = HashMap::new();
@@ -416,6 +431,7 @@ impl Outbox {
             } else {
                 kind.deliver(&self.cluster, &row).await
             };
+            let mut step = RelayReport::default();
             let change = match delivery {
                 Delivery::Applied => {
                     let lag = Ord::max(shards.now_ms() - row.created_at, 0);
@@ -423,15 +439,15 @@ impl Outbox {
                         kind.name(),
                         Duration::from_millis(lag as u64),
                     );
-                    report.applied += 1;
+                    step.applied = 1;
                     SourceChange::Delivered
                 }
                 Delivery::Duplicate => {
-                    report.duplicates += 1;
+                    step.duplicates = 1;
                     SourceChange::Delivered
                 }
-                Delivery::Unavailable(error) => {
-                    report.deferred += 1;
+                Delivery::Unavailable(error) | Delivery::Aborted(error) => {
+                    step.deferred = 1;
                     tracing::debug!(message = %row.id, kind = %row.kind, %error, "delivery put off");
                     SourceChange::Failed {
                         next_at: now + self.wait_after(Ord::max(row.attempts, 1)),
@@ -444,8 +460,8 @@ impl Outbox {
                     let attempts = row.attempts.saturating_add(1);
                     let parked = attempts >= self.settings.max_attempts;
                     crate::metrics::outbox_failed(kind.name(), parked);
-                    report.failed += 1;
-                    report.parked += u64::from(parked);
+                    step.failed = 1;
+                    step.parked = u64::from(parked);
                     tracing::warn!(message = %row.id, kind = %row.kind, attempts, parked, %error, "message handler failed");
                     SourceChange::Failed {
                         next_at: now + self.wait_after(attempts),
@@ -456,7 +472,7 @@ impl Outbox {
                 }
                 Delivery::Undecodable(error) => {
                     crate::metrics::outbox_failed(kind.name(), true);
-                    report.parked += 1;
+                    step.parked = 1;
                     tracing::warn!(message = %row.id, kind = %row.kind, %error, "message parked: it cannot be applied");
                     SourceChange::Failed {
                         next_at: now,
@@ -472,10 +488,13 @@ impl Outbox {
             if fail::eval("shardkit::outbox::after_apply", |_| ()).is_some() {
                 return report;
             }
+            // Counted once the sender's row shows it: a pass whose changes
+            // all fail made no progress (and is not run again at once).
             if let Err(e) = kind.change(&self.cluster, &row, change).await {
                 tracing::debug!(message = %row.id, error = %e.report(), "outbox row not updated; next pass");
                 break;
             }
+            report.add(step);
             if !delivered {
                 break;
             }
@@ -493,13 +512,40 @@ impl Outbox {
 
     /// Shard `id`'s outbox rows, oldest first within each key: pending
     /// ones, or with `state`, those in that state.
-    async fn pending(&self, id: ShardId, state: Option<&str>) -> Result<Vec<Row>> {
+    async fn pending(
+        &self,
+        id: ShardId,
+        state: Option<&str>,
+        after: Option<&Row>,
+    ) -> Result<Vec<Row>> {
         let shards = self.cluster.shards();
         let name = shards.shard_name(id);
-        let stmt = Query::select()
-            .columns(OUTBOX.names())
+        let mut stmt = Query::select();
+        stmt.columns(OUTBOX.names())
             .from(Alias::new(OUTBOX.name))
-            .and_where(Expr::col(Alias::new("state")).eq(state.unwrap_or("pending")))
+            .and_where(Expr::col(Alias::new("state")).eq(state.unwrap_or("pending")));
+        if state.is_none() {
+            // The types this relay applies.
+            let handled: Vec<&str> = self
+                .kinds
+                .iter()
+                .filter(|(_, k)| k.has_handler())
+                .map(|(name, _)| *name)
+                .collect();
+            stmt.and_where(Expr::col(Alias::new("kind")).is_in(handled));
+        }
+        if let Some(after) = after {
+            let columns = ["grp", "key_text", "seq", "id"]
+                .map(|c| SimpleExpr::from(Expr::col(Alias::new(c))));
+            let values: [SimpleExpr; 4] = [
+                Expr::val(after.grp.as_str()),
+                Expr::val(after.key_text.as_str()),
+                Expr::val(after.seq),
+                Expr::val(after.id.as_str()),
+            ];
+            stmt.and_where(Expr::tuple(columns).gt(Expr::tuple(values)));
+        }
+        let stmt = stmt
             .order_by(Alias::new("grp"), Order::Asc)
             .order_by(Alias::new("key_text"), Order::Asc)
             .order_by(Alias::new("seq"), Order::Asc)
@@ -604,12 +650,15 @@ impl Outbox {
             let db = shards.side_conn(id);
             let pruned = shards
                 .bounded(id, "outbox", Some(self.settings.step_timeout), async {
+                    // Saga markers stay: an unfinished saga's compensation
+                    // reads them, however long it waited.
                     let inbox = Query::delete()
                         .from_table(Alias::new(INBOX.name))
                         .and_where(
                             Expr::col(Alias::new("received_at"))
                                 .lt(now - INBOX_TTL.as_millis() as i64),
                         )
+                        .and_where(Expr::col(Alias::new("id")).not_like("saga:%"))
                         .to_owned();
                     db.execute(&inbox)
                         .await
@@ -645,7 +694,7 @@ impl Outbox {
             let shard = shards.shard_name(id).to_owned();
             let read = async {
                 let (pending, parked_count, oldest) = self.counts(id).await?;
-                let parked = self.pending(id, Some("parked")).await?;
+                let parked = self.pending(id, Some("parked"), None).await?;
                 Ok::<_, ShardError>((pending, parked_count, oldest, parked))
             };
             out.push(match read.await {

@@ -13,7 +13,7 @@ use crate::cluster::{Cluster, ShardTx};
 use crate::entity::{EntityGroup, ShardKey};
 use crate::error::{Result, ShardError};
 use crate::exec::keyed_tables::SAGAS;
-use crate::outbox::message::{BoxError, db_err, in_inbox, not_the_work, record_in_inbox};
+use crate::outbox::message::{BoxError, db_err, in_inbox, not_the_work, owned_by, record_in_inbox};
 use crate::topology::ShardId;
 use futures::future::BoxFuture;
 use sea_orm::sea_query::{Alias, Expr, ExprTrait, Query};
@@ -233,6 +233,18 @@ impl<G: EntityGroup, D: Clone + Send + Sync + 'static> Step<D> for TypedStep<G, 
                         .to_owned(),
                 );
             };
+            // A step that swallowed a failed statement returns `Ok` on a
+            // transaction the database already ended: its marker, read
+            // back, proves the commit carries the work.
+            let mark = marker(if undo { "undo" } else { "run" });
+            if !matches!(in_inbox(&tx, &mark).await, Ok(true)) {
+                let _ = tx.rollback().await;
+                return Outcome::Later(
+                    "the step returned Ok on a transaction the database had ended; nothing was \
+                     committed"
+                        .to_owned(),
+                );
+            }
             match tx.commit().await {
                 Ok(()) => Outcome::Done,
                 Err(e) => Outcome::Later(e.report().to_string()),
@@ -464,7 +476,21 @@ where
                 Ok(())
             })
             .await?;
-        let state = self.drive(origin, &id).await?;
+        // Saved: from here on the saga exists, whatever driving it meets
+        // (a caller that took an error for "not started" and started it
+        // again would run it twice). Where it got to is read back when
+        // driving failed; `Running` when even that fails.
+        let state = match self.drive(origin.clone(), &id).await {
+            Ok(state) => state,
+            Err(e) => {
+                tracing::debug!(saga = %id, error = %e.report(), "saga saved; driving it stopped, resume finishes it");
+                self.status(origin, &id)
+                    .await
+                    .ok()
+                    .flatten()
+                    .map_or(SagaState::Running, |s| s.state)
+            }
+        };
         Ok((id, state))
     }
 
@@ -492,6 +518,16 @@ where
                 ),
             })?;
             let step = status.step;
+            if step < 0 || step > n {
+                return Err(ShardError::CrossKey {
+                    what: self.what(id),
+                    reason: format!(
+                        "it is at step {step}, and this definition of `{}` has {n} steps: drive it \
+                         with the definition that started it",
+                        self.saga.name
+                    ),
+                });
+            }
             let (next, outcome) = match status.state {
                 SagaState::Running if step >= n => ((SagaState::Done, step), None),
                 SagaState::Compensating if step <= 0 => ((SagaState::Compensated, 0), None),
@@ -544,11 +580,7 @@ where
     /// on every shard.
     pub async fn resume(&self) -> Result<SagaReport> {
         let mut report = SagaReport::default();
-        let owned = |key: &str, shard: &str| {
-            O::Key::from_directory_text(key)
-                .and_then(|k| self.cluster.shard_of_now::<O>(&k).ok().flatten())
-                .is_some_and(|owner| owner == shard)
-        };
+        let owned = |key: &str, shard: &str| owned_by::<O>(&self.cluster, key, shard);
         let rows = list(
             &self.cluster,
             Some(self.saga.name),

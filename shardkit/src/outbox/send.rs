@@ -52,15 +52,41 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
             })?;
             let key = self.key().to_directory_text();
             let now = self.shards().now_ms();
-            // The key's next sequence number, in the insert itself (one
-            // statement; MySQL takes `INSERT ... SELECT` from the table
-            // written, not a subquery in `VALUES`): the order of a key's
-            // messages is in its rows and moves with them.
-            let next_seq = SimpleExpr::from(Func::coalesce([
+            // The key's next sequence number: the order of a key's messages
+            // is in its rows and moves with them. On PostgreSQL and SQLite
+            // it is taken in the insert itself (one statement). On
+            // MySQL/MariaDB an `INSERT ... SELECT` would take shared
+            // next-key locks on the index gap, where two first sends of
+            // different keys deadlock: a plain read (no lock) comes first,
+            // and sends of one key at once may share a number (ordered by
+            // id then).
+            let max_seq = SimpleExpr::from(Func::coalesce([
                 Expr::col(Alias::new("seq")).max(),
                 Expr::val(0i64),
             ]))
             .add(1i64);
+            let of_key = |q: &mut sea_orm::sea_query::SelectStatement| {
+                q.from(Alias::new(OUTBOX.name))
+                    .and_where(Expr::col(Alias::new("grp")).eq(G::NAME))
+                    .and_where(Expr::col(Alias::new("key_text")).eq(key.as_str()));
+            };
+            let mysql =
+                self.unchecked_connection().get_database_backend() == sea_orm::DbBackend::MySql;
+            let next_seq = if mysql {
+                let mut q = Query::select();
+                q.expr_as(max_seq, Alias::new("next"));
+                of_key(&mut q);
+                let next: i64 = self
+                    .unchecked_connection()
+                    .query_one(&q)
+                    .await
+                    .map_err(|e| self.poison(db_err(self.shard(), OUTBOX.name, "read", e)))?
+                    .and_then(|r| r.try_get::<i64>("", "next").ok())
+                    .unwrap_or(1);
+                Expr::val(next)
+            } else {
+                max_seq
+            };
             let values: [SimpleExpr; 13] = [
                 Expr::val(id.as_str()),
                 Expr::val(G::NAME),
@@ -76,22 +102,21 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
                 Expr::val(now),
                 Expr::val(Option::<String>::None),
             ];
-            let mut select = Query::select();
-            for v in values {
-                select.expr(v);
-            }
-            select
-                .from(Alias::new(OUTBOX.name))
-                .and_where(Expr::col(Alias::new("grp")).eq(G::NAME))
-                .and_where(Expr::col(Alias::new("key_text")).eq(key.as_str()));
-            let stmt = Query::insert()
-                .into_table(Alias::new(OUTBOX.name))
-                .columns(OUTBOX.names())
-                .select_from(select)
-                .map_err(|e| ShardError::Internal {
+            let mut stmt = Query::insert();
+            stmt.into_table(Alias::new(OUTBOX.name))
+                .columns(OUTBOX.names());
+            if mysql {
+                stmt.values_panic(values);
+            } else {
+                let mut select = Query::select();
+                for v in values {
+                    select.expr(v);
+                }
+                of_key(&mut select);
+                stmt.select_from(select).map_err(|e| ShardError::Internal {
                     what: format!("the outbox insert does not build: {e}"),
-                })?
-                .to_owned();
+                })?;
+            }
             self.unchecked_connection()
                 .execute(&stmt)
                 .await
