@@ -856,6 +856,22 @@ async fn concurrent_retries_of_a_request_run_it_once(dbs: &mut TestDbs) {
     assert!(err.to_string().contains("1 to 200 characters"), "{err}");
 }
 
+/// Sends a credit of `amount` from `from` to `to` in a transaction of its
+/// own; its message id.
+async fn send_credit(cluster: &Cluster, from: i64, to: i64, seq: i64, amount: i64) -> String {
+    cluster
+        .transaction::<Holder, _, _>(from, |tx| async move {
+            let credit = Credit {
+                transfer: format!("t{seq}"),
+                amount,
+                seq,
+            };
+            tx.send(to, &credit).await
+        })
+        .await
+        .unwrap()
+}
+
 /// A handler that fails for one amount parks its message after the
 /// attempts; the status lists it; retry and discard work on it; the other
 /// messages of the pair are applied in the order they were sent.
@@ -903,20 +919,7 @@ async fn parked_messages_are_listed_retried_and_discarded_and_order_holds(dbs: &
     let mut parked_id = String::new();
     for seq in 1..=20 {
         let amount = if seq == 5 { 13 } else { 1 };
-        let id = cluster
-            .transaction::<Holder, _, _>(1, |tx| async move {
-                tx.send(
-                    2,
-                    &Credit {
-                        transfer: format!("t{seq}"),
-                        amount,
-                        seq,
-                    },
-                )
-                .await
-            })
-            .await
-            .unwrap();
+        let id = send_credit(&cluster, 1, 2, seq, amount).await;
         if seq == 5 {
             parked_id = id;
         }
@@ -962,20 +965,7 @@ async fn parked_messages_are_listed_retried_and_discarded_and_order_holds(dbs: &
     assert_eq!(balance(&cluster, 2).await, 19 + 13);
     // Discard: parked, then gone without being applied.
     fail_13.store(true, Ordering::SeqCst);
-    let id = cluster
-        .transaction::<Holder, _, _>(1, |tx| async move {
-            tx.send(
-                2,
-                &Credit {
-                    transfer: "t21".into(),
-                    amount: 13,
-                    seq: 21,
-                },
-            )
-            .await
-        })
-        .await
-        .unwrap();
+    let id = send_credit(&cluster, 1, 2, 21, 13).await;
     assert_eq!(outbox.deliver().await.unwrap().parked, 1);
     outbox.discard(&id).await.unwrap();
     assert_eq!(
@@ -1004,20 +994,7 @@ async fn parked_messages_are_listed_retried_and_discarded_and_order_holds(dbs: &
     );
     // The command line lists a parked message and retries it.
     fail_13.store(true, Ordering::SeqCst);
-    let id = cluster
-        .transaction::<Holder, _, _>(1, |tx| async move {
-            tx.send(
-                2,
-                &Credit {
-                    transfer: "t23".into(),
-                    amount: 13,
-                    seq: 23,
-                },
-            )
-            .await
-        })
-        .await
-        .unwrap();
+    let id = send_credit(&cluster, 1, 2, 23, 13).await;
     assert_eq!(outbox.deliver().await.unwrap().parked, 1);
     let shardctl = |args: &'static [&'static str]| {
         let config = ClusterConfig::from_toml(&toml(dbs, &[])).unwrap();
