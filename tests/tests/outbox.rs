@@ -16,6 +16,7 @@ backend_tests!(5 =>
     a_saga_whose_step_is_refused_is_compensated_once,
     concurrent_retries_of_a_request_run_it_once,
     parked_messages_are_listed_retried_and_discarded_and_order_holds,
+    [Postgres] a_handler_that_swallows_a_failed_statement_commits_nothing,
     child_relay,
 );
 
@@ -1050,5 +1051,56 @@ async fn parked_messages_are_listed_retried_and_discarded_and_order_holds(dbs: &
     assert_eq!(
         outbox.deliver().await.unwrap(),
         shardkit::RelayReport::default()
+    );
+}
+
+/// A handler that swallows a failed statement and returns `Ok` on
+/// PostgreSQL, whose transaction is then aborted (its COMMIT would roll
+/// back without an error): the message is not taken for applied, nothing
+/// is credited, and the parked message says why.
+async fn a_handler_that_swallows_a_failed_statement_commits_nothing(dbs: &mut TestDbs) {
+    let cluster = connect(&toml(dbs, &[])).await;
+    cluster.migrate::<Migrator>().await.unwrap();
+    for id in [1, 2] {
+        cluster
+            .transaction::<Holder, _, _>(id, |tx| async move {
+                tx.insert(wallet::ActiveModel {
+                    id: Set(id),
+                    balance: Set(0),
+                })
+                .await
+            })
+            .await
+            .unwrap();
+    }
+    let outbox =
+        cluster
+            .outbox()
+            .max_attempts(1)
+            .handle::<Credit, _, _, _>(|tx, c: Credit| async move {
+                apply_credit(&tx, c).await?;
+                let _ignored = tx
+                    .unchecked_connection()
+                    .execute_unprepared("SELECT * FROM no_such_table")
+                    .await;
+                Ok::<_, shardkit::BoxError>(())
+            });
+    let id = send_credit(&cluster, 1, 2, 1, 5).await;
+    let report = outbox.deliver().await.unwrap();
+    assert_eq!((report.applied, report.parked), (0, 1), "{report:?}");
+    assert_eq!(balance(&cluster, 2).await, 0, "nothing credited");
+    let status = outbox.status().await.unwrap();
+    let parked: Vec<_> = status
+        .shards
+        .iter()
+        .flat_map(|s| s.parked.clone())
+        .collect();
+    assert_eq!(parked.len(), 1, "{status:?}");
+    assert_eq!(parked[0].id, id);
+    let why = parked[0].last_error.clone().unwrap_or_default();
+    assert!(
+        why.contains("returned Ok on a transaction the database had ended")
+            && why.contains("25P02"),
+        "{why}"
     );
 }

@@ -302,16 +302,23 @@ impl<M: Message> Typed<M> {
         // transaction the database already ended (PostgreSQL then answers
         // COMMIT with a rollback, not an error): the inbox row read back
         // in the transaction proves the commit carries the work.
-        match in_inbox(&tx, &row.id).await {
-            Ok(true) => {}
-            Ok(false) | Err(_) => {
+        // The read's own error is the cause (PostgreSQL: "current
+        // transaction is aborted"); a lost connection puts the message off.
+        let ended = match in_inbox(&tx, &row.id).await {
+            Ok(true) => None,
+            Ok(false) => Some(String::from("its inbox row is gone")),
+            Err(e) if not_the_work(&e) => {
                 let _ = tx.rollback().await;
-                return Delivery::Failed(
-                    "the handler returned Ok on a transaction the database had ended (a failed \
-                     statement whose error it did not return); nothing was committed"
-                        .to_owned(),
-                );
+                return Delivery::Unavailable(e.report().to_string());
             }
+            Err(e) => Some(e.report().to_string()),
+        };
+        if let Some(cause) = ended {
+            let _ = tx.rollback().await;
+            return Delivery::Failed(format!(
+                "the handler returned Ok on a transaction the database had ended (a failed \
+                 statement whose error it did not return); nothing was committed: {cause}"
+            ));
         }
         match tx.commit().await {
             Ok(()) => Delivery::Applied,

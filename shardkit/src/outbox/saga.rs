@@ -237,13 +237,17 @@ impl<G: EntityGroup, D: Clone + Send + Sync + 'static> Step<D> for TypedStep<G, 
             // transaction the database already ended: its marker, read
             // back, proves the commit carries the work.
             let mark = marker(if undo { "undo" } else { "run" });
-            if !matches!(in_inbox(&tx, &mark).await, Ok(true)) {
+            let ended = match in_inbox(&tx, &mark).await {
+                Ok(true) => None,
+                Ok(false) => Some(String::from("its marker is gone")),
+                Err(e) => Some(e.report().to_string()),
+            };
+            if let Some(cause) = ended {
                 let _ = tx.rollback().await;
-                return Outcome::Later(
+                return Outcome::Later(format!(
                     "the step returned Ok on a transaction the database had ended; nothing was \
-                     committed"
-                        .to_owned(),
-                );
+                     committed: {cause}"
+                ));
             }
             match tx.commit().await {
                 Ok(()) => Outcome::Done,
