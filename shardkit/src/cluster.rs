@@ -26,7 +26,9 @@ use sea_orm_migration::MigratorTrait;
 use std::sync::Arc;
 
 pub use crate::exec::shards::{StatementEvent, StatementObserver};
-pub use crate::exec::{DatabaseMigrationStatus, Directory, MigrationReport};
+pub use crate::exec::{
+    DatabaseMigrationStatus, Directory, MigrateOptions, MigrationProgress, MigrationReport,
+};
 
 /// A transaction pinned to one key of group `G` (see [`crate::tx::ShardTx`]),
 /// whose writes run through the cluster's [`Stages`].
@@ -579,40 +581,80 @@ impl Cluster {
     /// ([`shardkit_migration::TicketMigrator`], never `M`) to every ticket
     /// server, all of them concurrently, then creates the ticket sequences
     /// `[ids.sequences]` names ([`Ids::create_configured_sequences`]) and
-    /// reports each database's status. Fails with [`ShardError::Migration`]
-    /// naming a database whose migration failed, after every other one has
-    /// had its turn. The `movable` groups' bucket maps and every shard's
-    /// bucket states are prepared whatever failed (a shard added to the
-    /// config gets its states here, so moves can hand it buckets).
+    /// reports each database's status and what ran there. Fails with
+    /// [`ShardError::Migration`] naming the first database (in the config's
+    /// order) whose migration failed, after every other one has had its
+    /// turn; [`migrate_with`](Self::migrate_with) reports every failure
+    /// instead. The `movable` groups' bucket maps and every shard's bucket
+    /// states are prepared whatever failed (a shard added to the config gets
+    /// its states here, so moves can hand it buckets).
     ///
     /// What shardkit keeps beside an entity's own table (index tables, the
     /// ticket sequences its ids draw from) is created per entity by
     /// [`setup`](Self::setup); a write that finds such a table missing fails
     /// with an error that names that call.
     pub async fn migrate<M: MigratorTrait>(&self) -> Result<MigrationReport> {
-        let migrated = self.shards.migrate::<M>().await;
+        let (report, failed) = self.migrate_fleet::<M>(&MigrateOptions::new()).await?;
+        match failed {
+            Some(e) => Err(e),
+            None => Ok(report),
+        }
+    }
+
+    /// [`migrate`](Self::migrate) a few databases at a time, with progress
+    /// and cancellation ([`MigrateOptions`]), reporting every database's
+    /// outcome instead of failing on the first: a database that failed has
+    /// its error in [`DatabaseMigrationStatus::error`] and is in
+    /// [`MigrationReport::failed`], and what ran on each one is in
+    /// [`DatabaseMigrationStatus::ran`]. The next call resumes: each
+    /// database applies only what it has not applied (SeaORM's migration
+    /// table), so what succeeded elsewhere never runs again. On
+    /// MySQL/MariaDB a migration's DDL is not transactional: a migration of
+    /// several statements that fails half-way leaves its first statements
+    /// applied, so write each one to be run again (`if_not_exists`), or one
+    /// statement per migration. Fails only when the bucket maps or the
+    /// configured ticket sequences cannot be prepared on a fleet that
+    /// migrated without a failure.
+    pub async fn migrate_with<M: MigratorTrait>(
+        &self,
+        options: MigrateOptions,
+    ) -> Result<MigrationReport> {
+        Ok(self.migrate_fleet::<M>(&options).await?.0)
+    }
+
+    async fn migrate_fleet<M: MigratorTrait>(
+        &self,
+        options: &MigrateOptions,
+    ) -> Result<(MigrationReport, Option<ShardError>)> {
+        let (report, failed) = self.shards.migrate_with::<M>(options).await;
         // The movable groups' maps and every shard's bucket states (a shard
         // added to the config gets its own), even when a database failed
         // (a ticket server down): a half-done set-up must not leave a map
         // whose fences refuse every write.
+        let complete = report.failed().is_empty();
         match crate::rebalance::load_maps(&self.shards).await {
-            Err(e) if migrated.is_ok() => return Err(e),
+            Err(e) if complete => return Err(e),
             Err(e) => {
-                tracing::warn!(error = %e.report(), "bucket maps not prepared; the migration failed too")
+                tracing::warn!(error = %e.report(), "bucket maps not prepared; a migration failed too")
             }
             Ok(()) => {}
         }
-        let report = migrated?;
-        self.features.ids.create_configured_sequences().await?;
-        Ok(report)
+        if complete {
+            self.features.ids.create_configured_sequences().await?;
+        }
+        Ok((report, failed))
     }
 
     /// The migration status of every shard and directory database (against
     /// `M`) and of every ticket server (against shardkit's ticket-server
     /// migrations), without changing anything (beyond creating SeaORM's
-    /// migration table if missing).
+    /// migration table if missing). A database that cannot be read is in
+    /// the report with its [`error`](DatabaseMigrationStatus::error), and
+    /// counts as [`behind`](MigrationReport::behind);
+    /// [`MigrationReport::versions`] groups the databases by the last
+    /// migration each has applied (drift).
     pub async fn migration_status<M: MigratorTrait>(&self) -> Result<MigrationReport> {
-        self.shards.migration_status::<M>().await
+        Ok(self.shards.migration_status::<M>().await)
     }
 
     /// Global secondary indexes: create, backfill, reconcile.

@@ -202,8 +202,8 @@ pub mod verify;
 
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use cluster::{
-    Cluster, ClusterBuilder, DatabaseMigrationStatus, Directory, EntitySet, MigrationReport,
-    SetupReport, ShardTx, StatementEvent, StatementObserver,
+    Cluster, ClusterBuilder, DatabaseMigrationStatus, Directory, EntitySet, MigrateOptions,
+    MigrationProgress, MigrationReport, SetupReport, ShardTx, StatementEvent, StatementObserver,
 };
 pub use entity::{EntityGroup, GroupKey, InGroup, KeyRef, ShardKey, ShardedEntity};
 pub use error::{

@@ -179,9 +179,16 @@ pub(crate) enum RebalanceAction {
 
 #[derive(Debug, Subcommand)]
 pub(crate) enum MigrateAction {
-    /// Apply pending migrations on every shard, directory and ticket server.
-    Up,
-    /// Applied and pending migrations per database.
+    /// Apply pending migrations on every shard, directory and ticket server
+    /// (a database that fails does not stop the others; run it again to
+    /// finish: what ran elsewhere never runs twice).
+    Up {
+        /// At most this many databases at a time (default: all at once).
+        #[arg(long)]
+        concurrency: Option<usize>,
+    },
+    /// Applied and pending migrations per database, and which database is
+    /// on which migration.
     Status,
 }
 

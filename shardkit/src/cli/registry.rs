@@ -1,7 +1,7 @@
 //! The typed things the commands act on, behind objects the command line
 //! can call by name.
 
-use crate::cluster::{Cluster, MigrationReport};
+use crate::cluster::{Cluster, MigrateOptions, MigrationReport};
 use crate::entity::{EntityGroup, ShardedEntity};
 use crate::error::{Result, ShardError};
 use crate::gsi::{BackfillProgress, IndexState, ReconcileReport};
@@ -109,15 +109,23 @@ impl Registry {
 
 /// A migrator, by type.
 pub(super) trait AdminMigrator: Send + Sync {
-    fn up<'a>(&'a self, cluster: &'a Cluster) -> BoxFuture<'a, Result<MigrationReport>>;
+    fn up<'a>(
+        &'a self,
+        cluster: &'a Cluster,
+        options: MigrateOptions,
+    ) -> BoxFuture<'a, Result<MigrationReport>>;
     fn status<'a>(&'a self, cluster: &'a Cluster) -> BoxFuture<'a, Result<MigrationReport>>;
 }
 
 struct MigratorOf<M>(std::marker::PhantomData<fn() -> M>);
 
 impl<M: sea_orm_migration::MigratorTrait + 'static> AdminMigrator for MigratorOf<M> {
-    fn up<'a>(&'a self, cluster: &'a Cluster) -> BoxFuture<'a, Result<MigrationReport>> {
-        Box::pin(cluster.migrate::<M>())
+    fn up<'a>(
+        &'a self,
+        cluster: &'a Cluster,
+        options: MigrateOptions,
+    ) -> BoxFuture<'a, Result<MigrationReport>> {
+        Box::pin(cluster.migrate_with::<M>(options))
     }
 
     fn status<'a>(&'a self, cluster: &'a Cluster) -> BoxFuture<'a, Result<MigrationReport>> {

@@ -219,6 +219,9 @@ impl Shards {
                     step_timeout: Duration::from_millis(
                         config.rebalance.step_timeout_ms.unwrap_or(60_000),
                     ),
+                    schema_wait: Duration::from_millis(
+                        config.rebalance.schema_wait_ms.unwrap_or(60_000),
+                    ),
                 },
                 tickets,
                 servers,

@@ -20,7 +20,7 @@ pub(crate) mod sqlite;
 pub(crate) use begin::begin_write;
 pub(crate) use connect::{SIDE_LOCK_WAIT_SECS, SIDE_MYSQL_SESSION};
 pub use directory::Directory;
-pub use migrate::{DatabaseMigrationStatus, MigrationReport};
+pub use migrate::{DatabaseMigrationStatus, MigrateOptions, MigrationProgress, MigrationReport};
 pub(crate) use replica_reads::ReadOn;
 pub use replicas::{Consistency, ReplicaStatus, Session};
 pub(crate) use shards::{BeginHook, Begun, RebalanceSettings, Shards};

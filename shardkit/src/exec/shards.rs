@@ -100,6 +100,8 @@ pub(crate) struct RebalanceSettings {
     /// How long one step of a mover (a run of copied chunks, a replay
     /// batch, a cleaning chunk) may take.
     pub(crate) step_timeout: Duration,
+    /// How long a move waits for its tables' columns to agree.
+    pub(crate) schema_wait: Duration,
 }
 
 /// Called after every statement a shard runs (see [`ClusterBuilder::on_statement`](crate::ClusterBuilder::on_statement)).

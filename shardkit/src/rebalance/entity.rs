@@ -71,6 +71,13 @@ pub(crate) trait MoveEntity: Send + Sync {
         false
     }
 
+    /// The columns the move copies (the entity's), checked against the
+    /// table on each side before copying and cutting over; none for an
+    /// implicit table (shardkit's own, migrated with shardkit).
+    fn columns(&self) -> Vec<&'static str> {
+        Vec::new()
+    }
+
     /// The range bound at a shard key given as text (its directory text:
     /// an integer, a string, a UUID); `None` when it is not a key.
     fn bound_at(&self, key: &str) -> Option<RangeBound>;
@@ -378,6 +385,12 @@ where
 {
     fn table(&self) -> &'static str {
         table_name::<E>()
+    }
+
+    fn columns(&self) -> Vec<&'static str> {
+        <E::Column as Iterable>::iter()
+            .map(|c| sea_orm::IdenStatic::as_str(&c))
+            .collect()
     }
 
     fn bound_at(&self, key: &str) -> Option<RangeBound> {

@@ -87,6 +87,13 @@ pub struct RebalanceConfig {
     /// Rows per copy chunk (default 20,000; 1 to 100,000). A chunk is read
     /// while the one before is written, so two are in memory at once.
     pub chunk: Option<u64>,
+    /// Milliseconds a move waits for the moving tables' columns to agree
+    /// between its sources, its target and its entities (a migration
+    /// applied to some shards and not yet to others) before it copies and
+    /// before it cuts over; past it the move stops with an error that names
+    /// the table, the shard and the columns, and resumes when run again
+    /// (default 60,000; 0 to 3,600,000).
+    pub schema_wait_ms: Option<u64>,
 }
 
 /// `[gsi]`: global secondary index settings.
@@ -584,6 +591,12 @@ impl ClusterConfig {
             "rebalance.step_timeout_ms",
             rebalance.step_timeout_ms,
             100,
+            3_600_000,
+        )?;
+        within(
+            "rebalance.schema_wait_ms",
+            rebalance.schema_wait_ms,
+            0,
             3_600_000,
         )?;
 

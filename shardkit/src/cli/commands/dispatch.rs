@@ -41,7 +41,7 @@ pub(crate) async fn execute(
             keys,
             scatter: _,
         } => explain(&cluster, &registry, &table, &keys).await,
-        Command::Migrate { action } => migrate(&cluster, &registry, action).await,
+        Command::Migrate { action } => migrate(&cluster, &registry, action, json).await,
         Command::Gsi { action } => gsi(&cluster, &registry, action, json).await,
         Command::Rollout { action } => rollout(&cluster, &registry, action, json).await,
         Command::Verify {

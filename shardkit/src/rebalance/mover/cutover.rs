@@ -23,6 +23,9 @@ impl<G> Rebalance<G> {
     ) -> Result<()> {
         let id = status.id;
         self.failpoint("cutting_over", id, target)?;
+        // A migration that reached some shards and not others is waited
+        // for here, before any write waits behind the fence.
+        self.schemas_agree(status, target).await?;
         let sources = self.sources(status)?;
         // Catch up first, so what is replayed behind the fence (while the
         // moving buckets' writes wait) is only what came in since.
@@ -74,19 +77,7 @@ impl<G> Rebalance<G> {
                     Err(e) => {
                         // Writes of the buckets fenced so far go on until
                         // the move is run again.
-                        for (src, buckets) in &sources {
-                            let _ = set_states(
-                                Some(token),
-                                self.conn(*src),
-                                self.group,
-                                buckets,
-                                &[BucketState::Moved],
-                                BucketState::Moving,
-                                Some(id),
-                                None,
-                            )
-                            .await;
-                        }
+                        self.unfence(token, id, &sources).await;
                         return Err(e);
                     }
                 }
@@ -95,6 +86,13 @@ impl<G> Rebalance<G> {
         self.failpoint("fenced", id, target)?;
         // No write of the moving buckets can commit on a source now.
         self.replay(token, status, None).await?;
+        // A migration that landed between the check above and the fence:
+        // the writes it let through are replayed, but a column the target
+        // lacks (or the entity does not copy) would lose their values.
+        if let Err(e) = self.schemas_agree_now(status, target).await {
+            self.unfence(token, id, &sources).await;
+            return Err(e);
+        }
         let (db, name) = self.conn(target);
         let all: Vec<u32> = status.buckets.iter().map(|(b, _)| *b).collect();
         // `moved`: the target gave these buckets away in an earlier move.
@@ -172,6 +170,24 @@ impl<G> Rebalance<G> {
         let epoch = crate::rebalance::map::refresh(&self.shards, self.group).await?;
         tracing::info!(group = self.group, id, epoch, "move cut over");
         Ok(())
+    }
+
+    /// Gives the fenced sources' buckets back to their writers (`moving`):
+    /// a cut-over that stopped before flipping the map.
+    async fn unfence(&self, token: &Token, id: i64, sources: &[(ShardId, Vec<u32>)]) {
+        for (src, buckets) in sources {
+            let _ = set_states(
+                Some(token),
+                self.conn(*src),
+                self.group,
+                buckets,
+                &[BucketState::Moved],
+                BucketState::Moving,
+                Some(id),
+                None,
+            )
+            .await;
+        }
     }
 
     pub(super) async fn clean(

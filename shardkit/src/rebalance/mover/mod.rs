@@ -5,6 +5,7 @@ mod cutover;
 mod hold;
 mod ranges;
 mod run;
+mod schema;
 mod status;
 
 mod plan;

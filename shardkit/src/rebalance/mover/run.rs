@@ -370,6 +370,7 @@ impl<G> Rebalance<G> {
                 }
                 MovePhase::Copying => {
                     self.failpoint("copying", id, target)?;
+                    self.schemas_agree(&status, target).await?;
                     let sources = self.sources(&status)?;
                     if estimated == 0 {
                         estimated = self.estimate(&sources).await?;

@@ -1,0 +1,171 @@
+//! A move's schema check: the moving tables have the same columns on its
+//! sources and its target, and no column the mover's entities would not
+//! copy. A migration applied to some shards and not yet to others is waited
+//! for; a table with columns the entity lacks stops the move (their values
+//! would not reach the target).
+
+use crate::error::{Result, ShardError};
+use crate::rebalance::db_err;
+use crate::rebalance::mover::{MoveStatus, Rebalance};
+use crate::topology::ShardId;
+use sea_orm::{ConnectionTrait, DatabaseConnection, DbBackend, Statement};
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+/// What is wrong with a moving table's columns, and whether waiting (for a
+/// migration to reach every shard) can mend it.
+struct Mismatch {
+    reason: String,
+    wait: bool,
+}
+
+impl<G> Rebalance<G> {
+    /// Returns once every listed entity's table has the same columns on the
+    /// move's sources and target, each of them the entity's own; waits up to
+    /// `rebalance.schema_wait_ms` for a migration still under way, then
+    /// stops with [`ShardError::Rebalance`] naming the table, the shards and
+    /// the columns.
+    pub(super) async fn schemas_agree(&self, status: &MoveStatus, target: ShardId) -> Result<()> {
+        let wait = self.shards.rebalance_settings().schema_wait;
+        let deadline = tokio::time::Instant::now() + wait;
+        loop {
+            let Some(mismatch) = self.schema_mismatch(status, target).await? else {
+                return Ok(());
+            };
+            if !mismatch.wait || tokio::time::Instant::now() >= deadline {
+                let after = if mismatch.wait {
+                    format!(" (waited {wait:?}; the move resumes when run again)")
+                } else {
+                    String::new()
+                };
+                return Err(self.refuse(Some(status.id), format!("{}{after}", mismatch.reason)));
+            }
+            tracing::debug!(group = self.group, id = status.id, reason = %mismatch.reason, "waiting for the moving tables' columns to agree");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    /// The same check without waiting (behind the cut-over's fence).
+    pub(super) async fn schemas_agree_now(
+        &self,
+        status: &MoveStatus,
+        target: ShardId,
+    ) -> Result<()> {
+        match self.schema_mismatch(status, target).await? {
+            None => Ok(()),
+            Some(mismatch) => Err(self.refuse(
+                Some(status.id),
+                format!(
+                    "{}; the cut-over let the moving buckets' writes go on and stopped",
+                    mismatch.reason
+                ),
+            )),
+        }
+    }
+
+    async fn schema_mismatch(
+        &self,
+        status: &MoveStatus,
+        target: ShardId,
+    ) -> Result<Option<Mismatch>> {
+        let mut shards: Vec<ShardId> = self.sources(status)?.into_iter().map(|(s, _)| s).collect();
+        shards.push(target);
+        for entity in &self.entities {
+            let expected: BTreeSet<&str> = entity.columns().into_iter().collect();
+            if expected.is_empty() {
+                continue;
+            }
+            let table = entity.table();
+            let mut seen: Option<(&str, BTreeSet<String>)> = None;
+            for shard in &shards {
+                let (db, name) = self.conn(*shard);
+                let have = table_columns(db, name, table).await?;
+                let lacks: Vec<&str> = expected
+                    .iter()
+                    .filter(|c| !have.contains(**c))
+                    .copied()
+                    .collect();
+                if !lacks.is_empty() {
+                    return Ok(Some(Mismatch {
+                        reason: format!(
+                            "table `{table}` on shard `{name}` lacks column(s) {} that the mover's entity has: migrate the shard",
+                            list(lacks)
+                        ),
+                        wait: true,
+                    }));
+                }
+                if let Some((other, cols)) = &seen
+                    && *cols != have
+                {
+                    let extra: Vec<&str> = have
+                        .symmetric_difference(cols)
+                        .map(String::as_str)
+                        .collect();
+                    return Ok(Some(Mismatch {
+                        reason: format!(
+                            "table `{table}` has different columns on shards `{other}` and `{name}` ({}): a migration has reached one and not the other",
+                            list(extra)
+                        ),
+                        wait: true,
+                    }));
+                }
+                let unknown: Vec<&str> = have
+                    .iter()
+                    .filter(|c| !expected.contains(c.as_str()))
+                    .map(String::as_str)
+                    .collect();
+                if !unknown.is_empty() {
+                    return Ok(Some(Mismatch {
+                        reason: format!(
+                            "table `{table}` on shard `{name}` has column(s) {} that the mover's entity lacks, so their values would not be copied: run the move from a build whose entity has them",
+                            list(unknown)
+                        ),
+                        wait: false,
+                    }));
+                }
+                if seen.is_none() {
+                    seen = Some((name, have));
+                }
+            }
+        }
+        Ok(None)
+    }
+}
+
+fn list<'a>(columns: impl IntoIterator<Item = &'a str>) -> String {
+    columns
+        .into_iter()
+        .map(|c| format!("`{c}`"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// The columns `table` has on `db` (none when it does not exist).
+async fn table_columns(
+    db: &DatabaseConnection,
+    shard: &str,
+    table: &str,
+) -> Result<BTreeSet<String>> {
+    let backend = db.get_database_backend();
+    let sql = match backend {
+        DbBackend::Sqlite => "SELECT name FROM pragma_table_info(?)",
+        DbBackend::Postgres => {
+            "SELECT column_name::text AS name FROM information_schema.columns \
+             WHERE table_schema = current_schema() AND table_name = $1"
+        }
+        _ => {
+            "SELECT CAST(column_name AS CHAR) AS name FROM information_schema.columns \
+             WHERE table_schema = DATABASE() AND table_name = ?"
+        }
+    };
+    let rows = db
+        .query_all_raw(Statement::from_sql_and_values(backend, sql, [table.into()]))
+        .await
+        .map_err(|e| db_err(shard, table, "read the columns of", e))?;
+    rows.iter()
+        .map(|row| {
+            row.try_get::<String>("", "name")
+                .map_err(|e| db_err(shard, table, "read the columns of", e))
+        })
+        .collect::<std::result::Result<_, ShardError>>()
+}
