@@ -40,7 +40,7 @@ pub struct ShardKeyField<'a> {
 }
 
 const GROUP_KEYS: &str = "`key = Type`, `name = \"...\"`";
-const ENTITY_KEYS: &str = "`group = path::To::Group`";
+const ENTITY_KEYS: &str = "`group = path::To::Group`, `reference`";
 const FIELD_KEYS: &str = "`shard_key`, `global_index`, `global_index(unique)`, `id = \"ticket:<sequence>\" | \"encoded:<sequence>\" | \"uuid_v7\" | \"snowflake\"`";
 
 impl<'a> Group<'a> {
@@ -112,6 +112,48 @@ impl<'a> Group<'a> {
     }
 }
 
+/// Whether the model says `#[shardkit(reference)]`: a reference table,
+/// which takes no other shardkit attribute (each one used is an error).
+pub fn reference(cx: &mut Ctxt, input: &DeriveInput) -> bool {
+    let mut reference = false;
+    let mut others: Vec<Path> = Vec::new();
+    for attr in input.attrs.iter().filter(|a| a.path().is_ident("shardkit")) {
+        let _ = attr.parse_nested_meta(|meta| {
+            if meta.path.is_ident("reference") {
+                reference = true;
+            } else {
+                others.push(meta.path.clone());
+                skip_meta_value(&meta)?;
+            }
+            Ok(())
+        });
+    }
+    if !reference {
+        return false;
+    }
+    for path in &others {
+        cx.error_spanned_by(
+            path,
+            format!(
+                "a reference table has a copy on every shard and belongs to no group: remove `{}`",
+                path_to_string(path)
+            ),
+        );
+    }
+    if let Data::Struct(data) = &input.data {
+        for field in &data.fields {
+            for attr in field.attrs.iter().filter(|a| a.path().is_ident("shardkit")) {
+                cx.error_spanned_by(
+                    attr,
+                    "a reference table has no shard key, global index or generated id: \
+                     remove this `#[shardkit(...)]`",
+                );
+            }
+        }
+    }
+    true
+}
+
 impl<'a> Sharded<'a> {
     pub fn from_syn(cx: &mut Ctxt, input: &'a DeriveInput) -> Option<Self> {
         let fields = match &input.data {
@@ -143,6 +185,8 @@ impl<'a> Sharded<'a> {
                         cx.error_spanned_by(&meta.path, "duplicate shardkit attribute `group`");
                     }
                     group = Some(path);
+                } else if meta.path.is_ident("reference") {
+                    // Handled by `reference`.
                 } else {
                     cx.error_spanned_by(
                         &meta.path,

@@ -38,6 +38,10 @@ pub fn sharded(input: &DeriveInput) -> Result<TokenStream, TokenStream> {
         return Ok(TokenStream::new());
     }
     let mut cx = Ctxt::default();
+    if ast::reference(&mut cx, input) {
+        cx.check()?;
+        return Ok(reference());
+    }
     let sharded = Sharded::from_syn(&mut cx, input);
     let variant = match &sharded {
         Some(s) => match ast::column_variant(s.shard_key.field) {
@@ -149,6 +153,35 @@ pub fn sharded(input: &DeriveInput) -> Result<TokenStream, TokenStream> {
             }
 
             impl ::shardkit::InGroup<#group> for Entity {}
+
+            impl ::shardkit::Joinable<#group> for Entity {
+                #[inline]
+                fn __key_column() -> ::core::option::Option<Column> {
+                    ::core::option::Option::Some(Column::#variant)
+                }
+            }
         };
     })
+}
+
+/// `#[shardkit(reference)]`: a table with a copy on every shard.
+fn reference() -> TokenStream {
+    quote! {
+        const _: () = {
+            impl ::shardkit::ReferenceEntity for Entity {}
+
+            impl<G: ::shardkit::EntityGroup> ::shardkit::Joinable<G> for Entity {
+                const __REFERENCE: ::core::option::Option<
+                    &'static dyn ::shardkit::__private::ReferenceTable,
+                > = ::core::option::Option::Some(
+                    &::shardkit::reference::Typed::<Entity>::NEW,
+                );
+
+                #[inline]
+                fn __key_column() -> ::core::option::Option<Column> {
+                    ::core::option::Option::None
+                }
+            }
+        };
+    }
 }

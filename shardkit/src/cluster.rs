@@ -8,7 +8,7 @@
 //! index lookup into every read. See `ARCHITECTURE.md` for the layers.
 
 use crate::clock::{Clock, SystemClock};
-use crate::entity::{EntityGroup, ShardedEntity};
+use crate::entity::{EntityGroup, ReferenceEntity, ShardedEntity};
 use crate::error::{Result, ShardError};
 use crate::exec::BeginHook;
 use crate::exec::Shards;
@@ -18,6 +18,7 @@ use crate::ids::{FillIds, Ids, TicketServer};
 use crate::job::JobControl;
 use crate::read::{Find, IndexLookup, KeyOf, Keyed, Unkeyed};
 use crate::rebalance::{Fenced, MoveReads};
+use crate::reference::{Reference, References};
 use crate::rollout::{DualWrite, Registry, Rollout, RolloutHandle, Rollouts};
 use crate::topology::{ClusterConfig, Target, Topology};
 use crate::verify::{VerifyOptions, VerifyReport};
@@ -89,13 +90,15 @@ struct Features {
     index: Arc<dyn IndexLookup>,
     guard: Arc<ReadGuards>,
     begin: Fenced,
+    references: References,
 }
 
 /// What reads consult before they run, one guard per feature: the
 /// rollouts (an old entity's reads served from the new table from
 /// `read_new` on), then the bucket moves (a map read too long ago is read
-/// again before a read is routed by it; the move mark of a count).
-type ReadGuards = (Arc<Registry>, MoveReads);
+/// again before a read is routed by it; the move mark of a count), then the
+/// reference tables (a read that joins one never sees it go back).
+type ReadGuards = (Arc<Registry>, (MoveReads, References));
 
 /// Builds a [`Cluster`] with options beyond the config file.
 pub struct ClusterBuilder {
@@ -165,8 +168,11 @@ impl ClusterBuilder {
                 },
             );
         }
-        let guard: Arc<ReadGuards> =
-            Arc::new((Arc::clone(&rollouts), MoveReads::new(shards.for_task())));
+        let references = References::new(shards.for_task());
+        let guard: Arc<ReadGuards> = Arc::new((
+            Arc::clone(&rollouts),
+            (MoveReads::new(shards.for_task()), references.clone()),
+        ));
         Ok(Cluster {
             shards,
             features: Arc::new(Features {
@@ -177,6 +183,7 @@ impl ClusterBuilder {
                 index,
                 guard,
                 begin: Fenced,
+                references,
             }),
         })
     }
@@ -354,7 +361,7 @@ impl Cluster {
     /// [`crate::rebalance`]). Refused with [`ShardError::Rebalance`] when
     /// `G` is not a `movable` hash or range group.
     pub fn rebalance<G: EntityGroup>(&self) -> Result<crate::rebalance::Rebalance<G>> {
-        crate::rebalance::Rebalance::new(self.shards.clone())
+        crate::rebalance::Rebalance::new(self.shards.clone(), self.features.references.clone())
     }
 
     /// Reads every `movable` group's bucket map now (seeding it on first
@@ -655,6 +662,16 @@ impl Cluster {
     /// migration each has applied (drift).
     pub async fn migration_status<M: MigratorTrait>(&self) -> Result<MigrationReport> {
         Ok(self.shards.migration_status::<M>().await)
+    }
+
+    /// Reference table `E` (`#[shardkit(reference)]`): its versioned
+    /// writes to every shard, its reads, status and verification (see
+    /// [`crate::reference`]). Registers the table with this instance: from
+    /// now on its background task brings copies that are behind up to date,
+    /// and its bucket moves bring the table to their target before the
+    /// cut-over.
+    pub fn reference<E: ReferenceEntity + 'static>(&self) -> Reference<E> {
+        Reference::new(self.features.references.clone())
     }
 
     /// Global secondary indexes: create, backfill, reconcile.

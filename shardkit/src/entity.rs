@@ -212,6 +212,7 @@ pub trait InGroup<G: EntityGroup>: ShardedEntity<Group = G> {}
 /// Support code for the derives; not part of the public API.
 #[doc(hidden)]
 pub mod __private {
+    pub use super::ReferenceTable;
     use sea_orm::ActiveValue;
 
     /// The value of a set (or unchanged) active field.
@@ -227,4 +228,61 @@ pub mod __private {
 /// The table name of an entity, for messages and spans.
 pub(crate) fn table_name<E: EntityTrait>() -> &'static str {
     E::default().table_name()
+}
+
+/// A reference table: a SeaORM entity with a copy on every shard (currencies,
+/// countries, plans and prices), so that a key's reads join it on the key's
+/// own shard. Derive it with `#[derive(shardkit::Sharded)]` and
+/// `#[shardkit(reference)]`; write it through
+/// [`Cluster::reference`](crate::Cluster::reference), never through a
+/// [`ShardTx`](crate::ShardTx) (it is in no group, so a transaction's writes
+/// refuse it at compile time).
+pub trait ReferenceEntity:
+    EntityTrait<
+        Model: Sync + sea_orm::IntoActiveModel<<Self as EntityTrait>::ActiveModel>,
+        ActiveModel: Send + Sync + sea_orm::TryIntoModel<<Self as EntityTrait>::Model>,
+    >
+{
+}
+
+/// "`Self` can be joined inside a key of group `G`": an entity of `G`
+/// (its side of the join scoped to the key), or a reference entity (whose
+/// copy on the key's shard is the one joined). The bound of relation reads
+/// (`find_with_related`, `find_also_related`); `#[derive(Sharded)]`
+/// implements it.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is not an entity of group `{G}` nor a reference table, so it cannot be joined inside a key of `{G}`",
+    label = "belongs to another entity group",
+    note = "shardkit works inside one group's key at a time (a `ShardTx<{G}>`, a keyed read, a \
+            relation read); read the entity with a keyed read of its own key, or mark a table \
+            that every shard should hold with `#[shardkit(reference)]`"
+)]
+pub trait Joinable<G: EntityGroup>: EntityTrait {
+    /// The reference table behind the entity, if it is one.
+    #[doc(hidden)]
+    const __REFERENCE: Option<&'static dyn ReferenceTable> = None;
+
+    /// The column that holds `G`'s key (`None`: a reference table).
+    #[doc(hidden)]
+    fn __key_column() -> Option<Self::Column>;
+}
+
+/// A reference entity's table as an object, for reads that join it and for
+/// the work that brings a shard's copy up to date. Implemented by shardkit
+/// (`#[derive(Sharded)]` names it); not part of the public API.
+#[doc(hidden)]
+pub trait ReferenceTable: Send + Sync + 'static {
+    /// The table's name.
+    fn table(&self) -> &'static str;
+
+    /// The entity's type.
+    fn entity(&self) -> std::any::TypeId;
+
+    /// Brings shard `shard`'s copy up to the source's version; `state` is
+    /// shardkit's reference state (anything else is an internal error).
+    fn catch_up<'a>(
+        &'a self,
+        state: &'a (dyn std::any::Any + Send + Sync),
+        shard: usize,
+    ) -> futures::future::BoxFuture<'a, crate::error::Result<i64>>;
 }

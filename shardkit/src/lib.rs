@@ -192,6 +192,7 @@ mod phase;
 pub mod pipeline;
 pub mod read;
 pub mod rebalance;
+pub mod reference;
 pub mod rollout;
 #[cfg(feature = "testing")]
 pub mod testing;
@@ -205,7 +206,9 @@ pub use cluster::{
     Cluster, ClusterBuilder, DatabaseMigrationStatus, Directory, EntitySet, MigrateOptions,
     MigrationProgress, MigrationReport, SetupReport, ShardTx, StatementEvent, StatementObserver,
 };
-pub use entity::{EntityGroup, GroupKey, InGroup, KeyRef, ShardKey, ShardedEntity};
+pub use entity::{
+    EntityGroup, GroupKey, InGroup, Joinable, KeyRef, ReferenceEntity, ShardKey, ShardedEntity,
+};
 pub use error::{
     DriverError, ErrorKind, Origin, Result, Retry, ShardError, ShardFailure, Subsystem,
 };

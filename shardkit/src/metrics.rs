@@ -32,6 +32,9 @@
 //! | `shardkit_outbox_retries_total` | counter | `kind` | handler attempts that failed (retried later, or parked) |
 //! | `shardkit_outbox_parked_total` | counter | `kind` | messages parked after their last attempt |
 //! | `shardkit_sagas_compensated_total` | counter | `saga` | sagas whose compensations all ran after a step failed |
+//! | `shardkit_reference_version` | gauge | `table` | the newest version of a reference table this instance wrote |
+//! | `shardkit_reference_copy_version` | gauge | `table`, `shard` | a copy's version, as status or a catch-up last read it |
+//! | `shardkit_reference_drift` | gauge | `table`, `shard` | 1 when the last verify found the copy different from the source, else 0 |
 //!
 //! No label ever holds a key value, a row value or a URL.
 
@@ -221,4 +224,21 @@ pub(crate) fn outbox_failed(kind: &'static str, parked: bool) {
 /// A saga named `saga` ran its compensations to the end.
 pub(crate) fn saga_compensated(saga: &'static str) {
     counter!("shardkit_sagas_compensated_total", "saga" => saga).increment(1);
+}
+
+/// This instance wrote `version` of reference table `table`.
+pub(crate) fn reference_version(table: &'static str, version: i64) {
+    metrics::gauge!("shardkit_reference_version", "table" => table).set(version as f64);
+}
+
+/// `shard`'s copy of reference table `table` is at `version`.
+pub(crate) fn reference_copy_version(table: &'static str, shard: &str, version: i64) {
+    metrics::gauge!("shardkit_reference_copy_version", "table" => table, "shard" => shard.to_owned())
+        .set(version as f64);
+}
+
+/// Whether the last verify found `shard`'s copy of `table` different.
+pub(crate) fn reference_drift(table: &'static str, shard: &str, differs: bool) {
+    metrics::gauge!("shardkit_reference_drift", "table" => table, "shard" => shard.to_owned())
+        .set(if differs { 1.0 } else { 0.0 });
 }

@@ -5,7 +5,7 @@
 use sea_orm::{ActiveValue::Set, ConnectionTrait};
 use sea_orm_migration::prelude::*;
 use shardkit::{Cluster, ClusterConfig, JobControl, MigrateOptions, MigrationProgress, ShardError};
-use shardkit_tests::{TestDbs, backend_tests};
+use shardkit_tests::{Backend, Proxy, TestDbs, backend_tests};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -13,6 +13,8 @@ use std::time::Duration;
 backend_tests!(5 =>
     a_failing_migration_leaves_the_others_migrated_and_the_next_run_finishes,
     a_migration_during_a_move_reaches_the_target,
+    reference_writes_reach_every_shard_while_one_refuses_and_one_hangs,
+    reference_drift_is_repaired_and_a_move_target_gets_the_table,
 );
 
 #[derive(shardkit::EntityGroup)]
@@ -51,6 +53,51 @@ pub mod note_memo {
         pub id: i64,
         pub body: String,
         pub memo: Option<String>,
+    }
+
+    impl ActiveModelBehavior for ActiveModel {}
+}
+
+#[derive(shardkit::EntityGroup)]
+#[shardkit(key = i64)]
+pub struct Buyer;
+
+/// A reference table: a copy on every shard. `rate` is written by one
+/// writer per row, counting up, so a reader that sees it go down saw an
+/// older version of the table.
+pub mod currency {
+    use sea_orm::entity::prelude::*;
+
+    #[sea_orm::model]
+    #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel, shardkit::Sharded)]
+    #[sea_orm(table_name = "currencies")]
+    #[shardkit(reference)]
+    pub struct Model {
+        #[sea_orm(primary_key, auto_increment = false)]
+        pub code: String,
+        pub name: String,
+        pub rate: i64,
+    }
+
+    impl ActiveModelBehavior for ActiveModel {}
+}
+
+/// A buyer's purchase, joined with its currency on the buyer's shard.
+pub mod purchase {
+    use sea_orm::entity::prelude::*;
+
+    #[sea_orm::model]
+    #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel, shardkit::Sharded)]
+    #[sea_orm(table_name = "purchases")]
+    #[shardkit(group = super::Buyer)]
+    pub struct Model {
+        #[sea_orm(primary_key, auto_increment = false)]
+        #[shardkit(shard_key)]
+        pub buyer_id: i64,
+        pub currency_code: String,
+        pub amount: i64,
+        #[sea_orm(belongs_to, from = "currency_code", to = "code")]
+        pub currency: BelongsTo<super::currency::Entity>,
     }
 
     impl ActiveModelBehavior for ActiveModel {}
@@ -96,9 +143,14 @@ impl MigrationTrait for AddMemo {
 fn base() -> Vec<Box<dyn MigrationTrait>> {
     use shardkit_tests::models::CreateTable;
     let mut all = shardkit_migration::migrations();
+    all.push(Box::new(CreateTable("m20261127_000301_notes", note::Entity)));
     all.push(Box::new(CreateTable(
-        "m20261127_000301_notes",
-        note::Entity,
+        "m20261127_000303_currencies",
+        currency::Entity,
+    )));
+    all.push(Box::new(CreateTable(
+        "m20261127_000304_purchases",
+        purchase::Entity,
     )));
     all
 }
@@ -126,11 +178,31 @@ impl MigratorTrait for After {
 const BUCKETS: u32 = 64;
 
 fn toml(dbs: &TestDbs, schema_wait_ms: u64) -> String {
-    let shards = dbs
-        .shards_toml_with(5, "", &[])
+    toml_through(dbs, schema_wait_ms, &[])
+}
+
+/// The config, with shards `through` reached through proxies on the given
+/// ports.
+fn toml_through(dbs: &TestDbs, schema_wait_ms: u64, through: &[(usize, u16)]) -> String {
+    let mut shards = dbs
+        .shards_toml_with(5, "connect_timeout_secs = 1\nacquire_timeout_secs = 2\n", &[])
         .replace("max_connections = 4", "max_connections = 2");
+    for &(i, port) in through {
+        let url = match dbs.backend {
+            Backend::MySql => format!("mysql://root@127.0.0.1:{port}/{}", dbs.names[i]),
+            _ => format!("postgres://postgres@127.0.0.1:{port}/{}", dbs.names[i]),
+        };
+        shards = shards.replace(
+            &format!(
+                "name = \"s{i}\"\nhost = \"server\"\ndatabase = \"{}\"\n",
+                dbs.names[i]
+            ),
+            &format!("name = \"s{i}\"\nurl = \"{url}\"\n"),
+        );
+    }
+    let four = "shards = [\"s0\", \"s1\", \"s2\", \"s3\"]\nmovable = true";
     format!(
-        "{shards}\n[groups.Writer]\nbuckets = {BUCKETS}\nshards = [\"s0\", \"s1\", \"s2\", \"s3\"]\nmovable = true\n\n[rebalance]\nrefresh_ms = 50\ncleanup_grace_ms = 0\nchunk = 50\nschema_wait_ms = {schema_wait_ms}\n"
+        "{shards}\n[groups.Writer]\nbuckets = {BUCKETS}\n{four}\n\n[groups.Buyer]\nbuckets = {BUCKETS}\n{four}\n\n[rebalance]\nrefresh_ms = 50\ncleanup_grace_ms = 0\nchunk = 50\nschema_wait_ms = {schema_wait_ms}\n\n[read]\ntimeout_ms = 1500\n"
     )
 }
 
@@ -186,9 +258,9 @@ async fn a_failing_migration_leaves_the_others_migrated_and_the_next_run_finishe
     let s2 = &report.databases[2];
     let error = s2.error.as_deref().unwrap();
     let cause = match dbs.backend {
-        shardkit_tests::Backend::Sqlite => "duplicate column name: memo",
-        shardkit_tests::Backend::Postgres => "column \"memo\" of relation \"notes\" already exists",
-        shardkit_tests::Backend::MySql => "Duplicate column name 'memo'",
+        Backend::Sqlite => "duplicate column name: memo",
+        Backend::Postgres => "column \"memo\" of relation \"notes\" already exists",
+        Backend::MySql => "Duplicate column name 'memo'",
     };
     assert!(error.contains(cause), "{error}");
     assert_eq!(s2.pending, [MEMO]);
@@ -459,4 +531,343 @@ async fn a_migration_during_a_move_reaches_the_target(dbs: &mut TestDbs) {
         "{text}"
     );
     old.abort(started.id).await.unwrap();
+}
+
+const CURRENCIES: i64 = 12;
+const BUYERS: i64 = 200;
+
+fn code(i: i64) -> String {
+    format!("C{:02}", i % CURRENCIES)
+}
+
+/// What buyer `b` bought in: `C10` and `C11` are in no purchase.
+fn bought(b: i64) -> String {
+    code(b % 10)
+}
+
+async fn seed_buyers(cluster: &Cluster) {
+    let currencies = cluster.reference::<currency::Entity>();
+    let first = currencies
+        .insert_many((0..CURRENCIES).map(|i| currency::Model {
+            code: code(i),
+            name: format!("currency {i}"),
+            rate: 0,
+        }))
+        .await
+        .unwrap();
+    assert_eq!(first.version, 1);
+    assert!(first.behind.is_empty(), "{first:?}");
+    for b in 1..=BUYERS {
+        cluster
+            .transaction::<Buyer, _, _>(b, |tx| async move {
+                tx.insert(purchase::ActiveModel {
+                    buyer_id: Set(b),
+                    currency_code: Set(bought(b)),
+                    amount: Set(b * 10),
+                })
+                .await
+            })
+            .await
+            .unwrap();
+    }
+}
+
+/// 4 writers change the currencies (each its own rows, rates counting up)
+/// through two instances while 8 readers on both read purchases joined with
+/// their currency, and read the table itself; one shard refuses connections
+/// for a while and another hangs (on servers). No reader ever sees a rate
+/// go down; afterwards every copy is at the source's version with its rows,
+/// and no connection is left behind.
+async fn reference_writes_reach_every_shard_while_one_refuses_and_one_hangs(dbs: &mut TestDbs) {
+    let plain = toml(dbs, 60_000);
+    let b = connect(&plain).await;
+    b.migrate::<Before>().await.unwrap();
+    seed_buyers(&b).await;
+    let servers = dbs.backend != Backend::Sqlite;
+    let target = dbs.backend.server_address().unwrap_or_default();
+    let (refusing, hanging) = if servers {
+        (
+            Some(Proxy::start(target.clone()).await),
+            Some(Proxy::start(target.clone()).await),
+        )
+    } else {
+        (None, None)
+    };
+    let through: Vec<(usize, u16)> = [(1, &refusing), (2, &hanging)]
+        .into_iter()
+        .filter_map(|(i, p)| p.as_ref().map(|p| (i, p.port)))
+        .collect();
+    let a = connect(&toml_through(dbs, 60_000, &through)).await;
+    let before = dbs.server_connections().await;
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let behind_seen = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let mut tasks = Vec::new();
+    for w in 0..4i64 {
+        let (c, stop, behind_seen) = (
+            if w % 2 == 0 { a.clone() } else { b.clone() },
+            stop.clone(),
+            behind_seen.clone(),
+        );
+        tasks.push(tokio::spawn(async move {
+            let currencies = c.reference::<currency::Entity>();
+            let mut rate = 0;
+            while !stop.load(Ordering::SeqCst) {
+                rate += 1;
+                // Rows of this writer only: C(w), C(w+4), C(w+8).
+                let rows = (0..CURRENCIES / 4).map(|k| currency::Model {
+                    code: code(w + 4 * k),
+                    name: format!("currency {}", w + 4 * k),
+                    rate,
+                });
+                match currencies.upsert_many(rows).await {
+                    Ok(write) => {
+                        if !write.behind.is_empty() {
+                            behind_seen.fetch_add(1, Ordering::SeqCst);
+                        }
+                    }
+                    // The source is s0, never faulty: a write fails only
+                    // when it is refused, which none of these is.
+                    Err(e) => panic!("writer {w}: {e}"),
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            rate
+        }));
+    }
+    let backwards = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let reads = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let mut readers = Vec::new();
+    for r in 0..8i64 {
+        let (c, stop, backwards, reads) = (
+            if r % 2 == 0 { a.clone() } else { b.clone() },
+            stop.clone(),
+            backwards.clone(),
+            reads.clone(),
+        );
+        readers.push(tokio::spawn(async move {
+            let mut seen: std::collections::BTreeMap<String, i64> = Default::default();
+            let mut check = |cur: &currency::Model| {
+                let last = seen.entry(cur.code.clone()).or_default();
+                if cur.rate < *last {
+                    backwards.fetch_add(1, Ordering::SeqCst);
+                }
+                *last = std::cmp::max(*last, cur.rate);
+            };
+            let mut n = r * 7919;
+            while !stop.load(Ordering::SeqCst) {
+                n = (n * 1_103_515_245 + 12_345) % 2_147_483_648;
+                let buyer = n % BUYERS + 1;
+                if n % 8 == 0 {
+                    if let Ok(all) = c.reference::<currency::Entity>().all().await {
+                        assert_eq!(all.len() as i64, CURRENCIES);
+                        all.iter().for_each(&mut check);
+                        reads.fetch_add(1, Ordering::SeqCst);
+                    }
+                    continue;
+                }
+                // A shard that refuses or hangs fails the read; the
+                // others go on.
+                if let Ok(rows) = c
+                    .find::<purchase::Entity>()
+                    .key(buyer)
+                    .find_also_related(currency::Entity)
+                    .await
+                {
+                    let (p, cur) = &rows[0];
+                    let cur = cur.as_ref().expect("the purchase's currency is on its shard");
+                    assert_eq!(cur.code, p.currency_code);
+                    check(cur);
+                    reads.fetch_add(1, Ordering::SeqCst);
+                }
+            }
+        }));
+    }
+
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    if let (Some(refusing), Some(hanging)) = (&refusing, &hanging) {
+        refusing.kill();
+        hanging.freeze();
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        hanging.kill();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let r = Proxy::start_on(refusing.port, target.clone()).await;
+        let h = Proxy::start_on(hanging.port, target.clone()).await;
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        stop.store(true, Ordering::SeqCst);
+        let mut last_rates = Vec::new();
+        for t in tasks.drain(..) {
+            last_rates.push(t.await.unwrap());
+        }
+        for t in readers.drain(..) {
+            t.await.unwrap();
+        }
+        assert!(behind_seen.load(Ordering::SeqCst) > 0, "no write found a shard down");
+        std::mem::forget((r, h));
+    } else {
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        stop.store(true, Ordering::SeqCst);
+        for t in tasks.drain(..) {
+            t.await.unwrap();
+        }
+        for t in readers.drain(..) {
+            t.await.unwrap();
+        }
+    }
+    assert_eq!(backwards.load(Ordering::SeqCst), 0, "a reader saw a rate go down");
+    assert!(reads.load(Ordering::SeqCst) > 100, "{} reads", reads.load(Ordering::SeqCst));
+
+    // Every copy reaches the source's version (the background catch-up, or
+    // this call), with the source's rows.
+    let currencies = a.reference::<currency::Entity>();
+    let status = currencies.catch_up().await.unwrap();
+    assert!(status.behind().is_empty(), "{status:?}");
+    let version = status.source.unwrap();
+    assert!(status.copies.iter().all(|c| c.version == Ok(version)), "{status:?}");
+    let report = currencies.verify(false).await.unwrap();
+    assert!(report.is_consistent(), "{report:?}");
+    assert!(report.copies.iter().all(|c| c.digest_matches), "{report:?}");
+    assert_eq!(report.rows as i64, CURRENCIES);
+
+    drop(currencies);
+    drop(a);
+    drop(refusing);
+    drop(hanging);
+    let after = dbs.settle_connections(before, Duration::from_secs(10)).await;
+    assert!(after <= before, "connections leaked: {before} before, {after} after");
+}
+
+/// A row changed and a row deleted on one shard's copy, a row added on
+/// another's: verify finds each, shardctl repairs them; a shard whose copy
+/// was lost gets the table from a bucket move before it takes buckets, and
+/// a transaction on a key reads its currency on the key's shard.
+async fn reference_drift_is_repaired_and_a_move_target_gets_the_table(dbs: &mut TestDbs) {
+    let cluster = connect(&toml(dbs, 60_000)).await;
+    cluster.migrate::<Before>().await.unwrap();
+    cluster.refresh_bucket_maps().await.unwrap();
+    seed_buyers(&cluster).await;
+    let currencies = cluster.reference::<currency::Entity>();
+    let update = currencies
+        .update(currency::Model {
+            code: code(3),
+            name: "renamed".to_owned(),
+            rate: 7,
+        })
+        .await
+        .unwrap();
+    assert_eq!(update.version, 2);
+    // Refused writes change nothing, and say why.
+    let err = currencies
+        .insert(currency::Model {
+            code: code(3),
+            name: "again".to_owned(),
+            rate: 0,
+        })
+        .await
+        .unwrap_err();
+    assert!(matches!(err, ShardError::Reference { table: "currencies", .. }), "{err}");
+    assert!(err.to_string().contains("`C03`"), "{err}");
+    let err = currencies
+        .delete(currency::Model {
+            code: "XXX".to_owned(),
+            name: String::new(),
+            rate: 0,
+        })
+        .await
+        .unwrap_err();
+    assert!(matches!(err, ShardError::Reference { .. }), "{err}");
+    assert_eq!(currencies.version().await.unwrap(), 2);
+
+    exec(&cluster, "s2", "UPDATE currencies SET name = 'drifted' WHERE code = 'C03'").await;
+    exec(&cluster, "s2", "DELETE FROM currencies WHERE code = 'C11'").await;
+    exec(&cluster, "s3", "INSERT INTO currencies (code, name, rate) VALUES ('ZZZ', 'stray', 0)").await;
+    let report = currencies.verify(false).await.unwrap();
+    assert!(!report.is_consistent());
+    let by: std::collections::BTreeMap<&str, &shardkit::reference::CopyReport> =
+        report.copies.iter().map(|c| (c.shard.as_str(), c)).collect();
+    assert_eq!(by["s2"].differing, ["C03"]);
+    assert_eq!(by["s2"].missing, ["C11"]);
+    assert_eq!(by["s3"].extra, ["ZZZ"]);
+    assert!(by["s1"].digest_matches && by["s4"].digest_matches);
+    assert!(!by["s2"].digest_matches && !by["s3"].digest_matches);
+
+    let registry = || {
+        shardkit::cli::Registry::new()
+            .migrator::<Before>()
+            .reference::<currency::Entity>()
+    };
+    let shardctl = |args: &'static [&'static str]| {
+        let config = ClusterConfig::from_toml(&toml(dbs, 60_000)).unwrap();
+        async move {
+            let mut out = Vec::new();
+            let argv = ["shardctl", "--json"].into_iter().chain(args.iter().copied());
+            let code = shardkit::cli::run_with(argv, config, registry(), &mut out).await;
+            let json: serde_json::Value = serde_json::from_slice(&out)
+                .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out)));
+            (code, json)
+        }
+    };
+    let (exit, json) = shardctl(&["reference", "verify"]).await;
+    assert_eq!(exit, 1, "{json:#}");
+    let (exit, json) = shardctl(&["reference", "verify", "currencies", "--repair"]).await;
+    assert_eq!(exit, 0, "{json:#}");
+    assert_eq!(json[0]["copies"][1]["repaired"], true, "{json:#}");
+    let report = currencies.verify(false).await.unwrap();
+    assert!(report.is_consistent(), "{report:?}");
+    let (exit, json) = shardctl(&["reference", "status"]).await;
+    assert_eq!(exit, 0, "{json:#}");
+    assert_eq!(json[0]["source"], 2, "{json:#}");
+
+    // s4 lost its copy (a shard added to the fleet has none): a move brings
+    // the table there before the shard takes buckets.
+    exec(&cluster, "s4", "DELETE FROM currencies").await;
+    exec(&cluster, "s4", "DELETE FROM shardkit_reference_versions").await;
+    let mover = cluster
+        .rebalance::<Buyer>()
+        .unwrap()
+        .entity::<purchase::Entity>();
+    let quarter: Vec<u32> = (0..BUCKETS).filter(|b| b % 4 == 1).collect();
+    let plan = mover.plan_buckets(quarter, "s4").await.unwrap();
+    let started = mover.start(&plan).await.unwrap();
+    let done = mover.run(started.id).await.unwrap();
+    assert_eq!(done.phase, shardkit::rebalance::MovePhase::Done);
+    cluster.refresh_bucket_maps().await.unwrap();
+    let s4 = cluster.connection("s4").unwrap();
+    let copy: Vec<currency::Model> = <currency::Entity as sea_orm::EntityTrait>::find()
+        .all(s4)
+        .await
+        .unwrap();
+    assert_eq!(copy.len() as i64, CURRENCIES);
+    let mut moved = 0;
+    for buyer in 1..=BUYERS {
+        let on_s4 = cluster.shard_of::<Buyer>(&buyer).await.unwrap() == "s4";
+        moved += usize::from(on_s4);
+        let rows = cluster
+            .find::<purchase::Entity>()
+            .key(buyer)
+            .find_also_related(currency::Entity)
+            .await
+            .unwrap();
+        let cur = rows[0].1.as_ref().expect("currency on the buyer's shard");
+        assert_eq!(cur.code, bought(buyer));
+        if buyer % 10 == 3 {
+            assert_eq!(cur.name, "renamed");
+        }
+    }
+    assert!(moved > 0);
+    // Inside a transaction, the join reads the key's shard's copy.
+    let joined = cluster
+        .transaction::<Buyer, _, _>(3, |tx| async move {
+            tx.find::<purchase::Entity>()
+                .find_also_related(currency::Entity)
+                .await
+        })
+        .await
+        .unwrap();
+    assert_eq!(joined[0].1.as_ref().map(|c| c.name.as_str()), Some("renamed"));
+    assert!(
+        currencies
+            .explain(&<currency::Entity as sea_orm::EntityTrait>::find())
+            .starts_with("reference `currencies` on shard `s")
+    );
 }

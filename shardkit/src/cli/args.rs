@@ -72,6 +72,12 @@ pub(crate) enum Command {
         #[command(subcommand)]
         action: OutboxAction,
     },
+    /// Reference tables (registered with `Registry::reference`): each
+    /// shard's version, and their comparison with the source.
+    Reference {
+        #[command(subcommand)]
+        action: ReferenceAction,
+    },
     /// Sagas, as stored on their origins' shards.
     Saga {
         #[command(subcommand)]
@@ -98,6 +104,23 @@ pub(crate) enum OutboxAction {
     Discard {
         /// The message id.
         id: String,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub(crate) enum ReferenceAction {
+    /// Every shard's version of each reference table (or of one).
+    Status {
+        /// Only this table.
+        table: Option<String>,
+    },
+    /// Compares every copy with the source (digests, then rows).
+    Verify {
+        /// Only this table.
+        table: Option<String>,
+        /// Repair every copy that differs from the source.
+        #[arg(long)]
+        repair: bool,
     },
 }
 

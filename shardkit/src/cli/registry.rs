@@ -28,6 +28,7 @@ pub struct Registry {
     /// Sets up the outbox the `outbox` commands use: its handlers and
     /// message types.
     pub(super) outbox: Option<OutboxSetup>,
+    pub(super) references: Vec<Box<dyn AdminReference>>,
 }
 
 type OutboxSetup = Box<dyn Fn(crate::outbox::Outbox) -> crate::outbox::Outbox + Send + Sync>;
@@ -81,6 +82,13 @@ impl Registry {
         setup: impl Fn(crate::outbox::Outbox) -> crate::outbox::Outbox + Send + Sync + 'static,
     ) -> Self {
         self.outbox = Some(Box::new(setup));
+        self
+    }
+
+    /// A reference table the `reference` commands know.
+    pub fn reference<E: crate::ReferenceEntity + 'static>(mut self) -> Self {
+        self.references
+            .push(Box::new(ReferenceOf::<E>(std::marker::PhantomData)));
         self
     }
 
@@ -426,5 +434,42 @@ where
         control: JobControl<VerifyReport>,
     ) -> BoxFuture<'_, Result<VerifyReport>> {
         Box::pin(self.verify_with(opts, control))
+    }
+}
+
+/// A reference table, by table name.
+pub(super) trait AdminReference: Send + Sync {
+    fn table(&self) -> &'static str;
+    fn status<'a>(
+        &'a self,
+        cluster: &'a Cluster,
+    ) -> BoxFuture<'a, Result<crate::reference::ReferenceStatus>>;
+    fn verify<'a>(
+        &'a self,
+        cluster: &'a Cluster,
+        repair: bool,
+    ) -> BoxFuture<'a, Result<crate::reference::ReferenceReport>>;
+}
+
+struct ReferenceOf<E>(std::marker::PhantomData<fn() -> E>);
+
+impl<E: crate::ReferenceEntity + 'static> AdminReference for ReferenceOf<E> {
+    fn table(&self) -> &'static str {
+        crate::entity::table_name::<E>()
+    }
+
+    fn status<'a>(
+        &'a self,
+        cluster: &'a Cluster,
+    ) -> BoxFuture<'a, Result<crate::reference::ReferenceStatus>> {
+        Box::pin(async move { cluster.reference::<E>().status().await })
+    }
+
+    fn verify<'a>(
+        &'a self,
+        cluster: &'a Cluster,
+        repair: bool,
+    ) -> BoxFuture<'a, Result<crate::reference::ReferenceReport>> {
+        Box::pin(async move { cluster.reference::<E>().verify(repair).await })
     }
 }

@@ -64,10 +64,13 @@ pub enum Subsystem {
     /// Work that spans keys: the outbox, the inbox, sagas and idempotent
     /// requests.
     CrossKey,
+    /// Reference tables: their copies, versions and change log.
+    Reference,
 }
 
 impl Subsystem {
-    /// `gsi`, `ids`, `rollout`, `verify`, `rebalance` or `cross_key`.
+    /// `gsi`, `ids`, `rollout`, `verify`, `rebalance`, `cross_key` or
+    /// `reference`.
     pub fn as_str(self) -> &'static str {
         match self {
             Subsystem::Gsi => "gsi",
@@ -76,6 +79,7 @@ impl Subsystem {
             Subsystem::Verify => "verify",
             Subsystem::Rebalance => "rebalance",
             Subsystem::CrossKey => "cross_key",
+            Subsystem::Reference => "reference",
         }
     }
 }

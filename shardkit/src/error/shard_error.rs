@@ -382,6 +382,17 @@ pub enum ShardError {
         reason: String,
     },
 
+    /// A write to a reference table was refused before it changed anything:
+    /// an insert of a primary key the table has, an update or delete of one
+    /// it lacks.
+    #[error("reference table `{table}`: {reason}")]
+    Reference {
+        /// The reference table.
+        table: &'static str,
+        /// What is wrong, and what to do.
+        reason: String,
+    },
+
     /// Applying migrations to a shard failed. Like [`ShardError::Db`], the
     /// message ends with the driver's own error.
     #[error("migrating shard `{shard}` failed: {}", DriverCause(source))]
@@ -450,6 +461,7 @@ impl ShardError {
             | ShardError::SequenceExhausted { .. }
             | ShardError::InvalidSession { .. }
             | ShardError::CrossKey { .. }
+            | ShardError::Reference { .. }
             | ShardError::Rollout { .. } => ErrorKind::Refused,
             ShardError::Unroutable { .. } | ShardError::BucketMoved { .. } => ErrorKind::Routing,
             ShardError::Internal { .. } => ErrorKind::Internal,
@@ -513,6 +525,7 @@ impl ShardError {
             | ShardError::SequenceExhausted { .. }
             | ShardError::InvalidSession { .. }
             | ShardError::CrossKey { .. }
+            | ShardError::Reference { .. }
             | ShardError::Unroutable { .. } => Retry::Never,
         }
     }

@@ -1,7 +1,7 @@
 //! [`Find`], the read a user builds, and the single-key SeaORM selects.
 
 use crate::boxed::boxed;
-use crate::entity::{InGroup, ShardedEntity, table_name};
+use crate::entity::{Joinable, ReferenceTable, ShardedEntity, table_name};
 use crate::error::{Result, ShardError};
 use crate::exec::{Consistency, Shards};
 use crate::read::index::IndexLookup;
@@ -12,7 +12,9 @@ use crate::read::route::{AllowPartial, ByIndex, Keyed, Keys, RouteSpec, Routed, 
 use crate::read::{AlsoRelated, KeyOf, ReadGuard, WithRelated};
 use futures::future::BoxFuture;
 use sea_orm::sea_query::JoinType;
-use sea_orm::{IdenStatic, Order, PaginatorTrait, Related, Select, Value};
+use sea_orm::{
+    DatabaseConnection, DbErr, IdenStatic, Order, PaginatorTrait, Related, Select, Value,
+};
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
@@ -465,7 +467,7 @@ impl<E: ShardedEntity> Find<E, Keyed<KeyOf<E>>> {
     /// ([`ShardError::Unsupported`]): they would count joined rows.
     pub fn find_with_related<R>(self, _related: R) -> BoxFuture<'static, Result<WithRelated<E, R>>>
     where
-        R: InGroup<E::Group>,
+        R: Joinable<E::Group>,
         E: Related<R>,
     {
         boxed(move || async move {
@@ -483,12 +485,14 @@ impl<E: ShardedEntity> Find<E, Keyed<KeyOf<E>>> {
             let key = self.route.0.clone();
             let (read, select, spec) = self.split();
             let r_from = guard_check::<R>(read.guard.as_deref())?;
+            let fence = R::__REFERENCE.zip(read.guard.clone());
             let plan = read.plan(select, spec, ReadOp::All).await?;
             read.single::<Keyed<KeyOf<E>>, _, _, _>(plan, "all", move |s, conn| {
                 let backend = conn.get_database_backend();
-                join_related::<E, R>(s, JoinType::LeftJoin, &key, backend, r_from.as_ref())
-                    .select_with(R::default())
-                    .all(conn)
+                let select =
+                    join_related::<E, R>(s, JoinType::LeftJoin, &key, backend, r_from.as_ref())
+                        .select_with(R::default());
+                fenced(fence.clone(), conn, select.all(conn))
             })
             .await
         })
@@ -499,21 +503,43 @@ impl<E: ShardedEntity> Find<E, Keyed<KeyOf<E>>> {
     /// the join, as in [`find_with_related`](Self::find_with_related).
     pub fn find_also_related<R>(self, _related: R) -> BoxFuture<'static, Result<AlsoRelated<E, R>>>
     where
-        R: InGroup<E::Group>,
+        R: Joinable<E::Group>,
         E: Related<R>,
     {
         boxed(move || async move {
             let key = self.route.0.clone();
             let (read, select, spec) = self.split();
             let r_from = guard_check::<R>(read.guard.as_deref())?;
+            let fence = R::__REFERENCE.zip(read.guard.clone());
             let plan = read.plan(select, spec, ReadOp::All).await?;
             read.single::<Keyed<KeyOf<E>>, _, _, _>(plan, "all", move |s, conn| {
                 let backend = conn.get_database_backend();
-                join_related::<E, R>(s, JoinType::LeftJoin, &key, backend, r_from.as_ref())
-                    .select_also(R::default())
-                    .all(conn)
+                let select =
+                    join_related::<E, R>(s, JoinType::LeftJoin, &key, backend, r_from.as_ref())
+                        .select_also(R::default());
+                fenced(fence.clone(), conn, select.all(conn))
             })
             .await
         })
     }
+}
+
+/// Runs `read` on `conn` inside a reference table's fence when the read
+/// joins one (see [`ReferenceFence`](crate::read::guard::ReferenceFence)).
+async fn fenced<T>(
+    fence: Option<(&'static dyn ReferenceTable, Arc<dyn ReadGuard>)>,
+    conn: &DatabaseConnection,
+    read: impl std::future::Future<Output = std::result::Result<T, DbErr>>,
+) -> std::result::Result<T, DbErr> {
+    let fence = fence
+        .as_ref()
+        .and_then(|(table, guard)| guard.reference_fence().map(|f| (*table, f)));
+    if let Some((table, f)) = fence {
+        f.before(table, conn).await?;
+    }
+    let rows = read.await?;
+    if let Some((table, f)) = fence {
+        f.after(table, conn).await?;
+    }
+    Ok(rows)
 }

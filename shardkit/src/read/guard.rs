@@ -2,9 +2,9 @@
 //! reading another table in place of an entity's own ([`ReadFrom`]), and
 //! the move mark of a `movable` group.
 
-use crate::entity::ShardedEntity;
+use crate::entity::{ReferenceTable, ShardedEntity};
 use crate::error::Result;
-use sea_orm::{QueryTrait, Select};
+use sea_orm::{DatabaseConnection, DbErr, QueryTrait, Select};
 use std::sync::Arc;
 
 /// A check a feature makes before a read of an entity runs: a rollout
@@ -26,6 +26,32 @@ pub(crate) trait ReadGuard: Send + Sync {
     fn move_mark(&self, _group: &'static str) -> Option<futures::future::BoxFuture<'_, MoveMark>> {
         None
     }
+
+    /// The check around a read that joins a reference table; `None`: none.
+    fn reference_fence(&self) -> Option<&dyn ReferenceFence> {
+        None
+    }
+}
+
+/// What a read that joins a reference table does around its statement, so
+/// that an instance never sees the table go back to an older version: the
+/// copy it reads is at least as new as any the instance read or wrote
+/// before (brought up to date first when it is behind), and what the copy
+/// held by the end of the read is what the instance has seen since.
+pub(crate) trait ReferenceFence: Send + Sync {
+    /// Before the statement on `conn` (a shard, or one of its replicas).
+    fn before<'a>(
+        &'a self,
+        table: &'static dyn ReferenceTable,
+        conn: &'a DatabaseConnection,
+    ) -> futures::future::BoxFuture<'a, std::result::Result<(), DbErr>>;
+
+    /// After it, on the same connection.
+    fn after<'a>(
+        &'a self,
+        table: &'static dyn ReferenceTable,
+        conn: &'a DatabaseConnection,
+    ) -> futures::future::BoxFuture<'a, std::result::Result<(), DbErr>>;
 }
 
 /// A feature's guard behind a shared pointer is a guard.
@@ -40,6 +66,10 @@ impl<T: ReadGuard + ?Sized> ReadGuard for Arc<T> {
 
     fn move_mark(&self, group: &'static str) -> Option<futures::future::BoxFuture<'_, MoveMark>> {
         (**self).move_mark(group)
+    }
+
+    fn reference_fence(&self) -> Option<&dyn ReferenceFence> {
+        (**self).reference_fence()
     }
 }
 
@@ -66,6 +96,10 @@ impl<A: ReadGuard, B: ReadGuard> ReadGuard for (A, B) {
 
     fn move_mark(&self, group: &'static str) -> Option<futures::future::BoxFuture<'_, MoveMark>> {
         self.0.move_mark(group).or_else(|| self.1.move_mark(group))
+    }
+
+    fn reference_fence(&self) -> Option<&dyn ReferenceFence> {
+        self.0.reference_fence().or_else(|| self.1.reference_fence())
     }
 }
 

@@ -2,7 +2,7 @@
 //! its connection.
 
 use crate::boxed::boxed;
-use crate::entity::{EntityGroup, InGroup, ShardedEntity, table_name};
+use crate::entity::{EntityGroup, Joinable, ShardedEntity, table_name};
 use crate::error::{Result, ShardError};
 use crate::read::keys::{guard_check, join_related, keyed_select, read_err, select_err};
 use crate::read::select::RowStream;
@@ -128,7 +128,7 @@ impl<'t, E: ShardedEntity, C: ConnectionTrait> TxFind<'t, E, C> {
     /// connection and shard to run it on.
     fn joined<R>(mut self) -> Result<(Select<E>, &'t C, &'t str)>
     where
-        R: InGroup<E::Group>,
+        R: Joinable<E::Group>,
         E: Related<R>,
     {
         self.ready()?;
@@ -149,7 +149,7 @@ impl<'t, E: ShardedEntity, C: ConnectionTrait> TxFind<'t, E, C> {
     /// the key as in [`Find::find_with_related`](crate::read::Find::find_with_related).
     pub fn find_with_related<R>(self, _related: R) -> BoxFuture<'t, Result<WithRelated<E, R>>>
     where
-        R: InGroup<E::Group>,
+        R: Joinable<E::Group>,
         E: Related<R>,
         C: Sync,
     {
@@ -168,7 +168,7 @@ impl<'t, E: ShardedEntity, C: ConnectionTrait> TxFind<'t, E, C> {
     /// to the key.
     pub fn find_also_related<R>(self, _related: R) -> BoxFuture<'t, Result<AlsoRelated<E, R>>>
     where
-        R: InGroup<E::Group>,
+        R: Joinable<E::Group>,
         E: Related<R>,
         C: Sync,
     {

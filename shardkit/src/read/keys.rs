@@ -1,11 +1,11 @@
 //! The shard key as a predicate, and the errors and spans of reads.
 
-use crate::entity::{EntityGroup, InGroup, KeyRef, ShardKey, ShardedEntity, table_name};
+use crate::entity::{EntityGroup, Joinable, KeyRef, ShardKey, ShardedEntity, table_name};
 use crate::error::{Result, ShardError};
 use crate::read::{ReadFrom, ReadGuard};
 use sea_orm::sea_query::{Expr, JoinType};
 use sea_orm::{
-    Condition, DbBackend, DbErr, ExprTrait, ModelTrait, QueryFilter, QuerySelect, QueryTrait,
+    Condition, DbBackend, DbErr, EntityTrait, ExprTrait, ModelTrait, QueryFilter, QuerySelect, QueryTrait,
     Related, Select,
 };
 
@@ -17,13 +17,24 @@ use sea_orm::{
 /// predicate adds the same comparison on `CAST(key AS BINARY)`. The plain
 /// comparison stays first so the key's index is still used.
 pub(crate) fn key_condition<E: ShardedEntity>(keys: &[KeyOf<E>], backend: DbBackend) -> Condition {
-    let column = E::shard_key_column();
+    column_key_condition::<E, KeyOf<E>>(E::shard_key_column(), keys, backend)
+}
+
+/// [`key_condition`] on `column` of `E`.
+fn column_key_condition<E: EntityTrait, K: ShardKey>(
+    column: E::Column,
+    keys: &[K],
+    backend: DbBackend,
+) -> Condition {
     let compare = |cond: Condition, expr: Expr| match keys {
         [key] => cond.add(expr.eq(key.clone())),
         _ => cond.add(expr.is_in(keys.iter().cloned())),
     };
     let cond = compare(Condition::all(), Expr::col((E::default(), column)));
-    if binary_text_keys::<E>(keys, backend) {
+    let text = keys
+        .first()
+        .is_some_and(|k| matches!(k.key_ref(), KeyRef::Text(_)));
+    if backend == DbBackend::MySql && text {
         compare(cond, Expr::col((E::default(), column)).cast_as("BINARY"))
     } else {
         cond
@@ -117,7 +128,7 @@ pub(super) fn join_related<E, R>(
 ) -> Select<E>
 where
     E: ShardedEntity + Related<R>,
-    R: InGroup<E::Group>,
+    R: Joinable<E::Group>,
 {
     if let Some(via) = <E as Related<R>>::via() {
         select = QuerySelect::join(select, join, via);
@@ -125,10 +136,16 @@ where
     let rel = <E as Related<R>>::to();
     let to = rel.to_tbl.clone();
     // The relation's own condition (columns, and its `on_condition` however
-    // it combines them), and the key.
-    let on = Condition::all()
-        .add(Condition::from(rel))
-        .add(key_condition::<R>(std::slice::from_ref(key), backend));
+    // it combines them), and the key (a reference table has none: the key's
+    // shard holds one copy of it).
+    let mut on = Condition::all().add(Condition::from(rel));
+    if let Some(column) = R::__key_column() {
+        on = on.add(column_key_condition::<R, KeyOf<E>>(
+            column,
+            std::slice::from_ref(key),
+            backend,
+        ));
+    }
     match r_from {
         // `R`'s reads go to another table (a rollout's new table): join it
         // under `R`'s name, so the condition still resolves.
@@ -149,7 +166,7 @@ where
 
 /// What `guard` says of reads of `R`: its own table, another in its place,
 /// or refused.
-pub(crate) fn guard_check<R: ShardedEntity>(
+pub(crate) fn guard_check<R: EntityTrait>(
     guard: Option<&dyn ReadGuard>,
 ) -> Result<Option<ReadFrom>> {
     match guard {

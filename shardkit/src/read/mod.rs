@@ -31,7 +31,7 @@ mod traits;
 
 pub use find::Find;
 pub use guard::ReadFrom;
-pub(crate) use guard::{MoveMark, ReadGuard, read_from};
+pub(crate) use guard::{MoveMark, ReadGuard, ReferenceFence, read_from};
 pub(crate) use in_tx::stream_open;
 pub use in_tx::{TxFind, TxSelect};
 pub(crate) use index::{IndexLookup, IndexQuery, exact_eq};

@@ -8,6 +8,7 @@ use crate::cli::commands::migrate::migrate;
 use crate::cli::commands::outbox::{outbox, saga};
 use crate::cli::commands::output::Outcome;
 use crate::cli::commands::rebalance::rebalance;
+use crate::cli::commands::reference::reference;
 use crate::cli::commands::rollout::rollout;
 use crate::cli::commands::route::route;
 use crate::cli::commands::status::status;
@@ -62,6 +63,7 @@ pub(crate) async fn execute(
         Command::Ids { action } => ids(&cluster, action).await,
         Command::Rebalance { action } => rebalance(&cluster, &registry, action, json).await,
         Command::Outbox { action } => outbox(&cluster, &registry, action, json).await,
+        Command::Reference { action } => reference(&cluster, &registry, action).await,
         Command::Saga { action } => saga(&cluster, action).await,
     }
 }

@@ -9,6 +9,7 @@ mod migrate;
 mod outbox;
 pub(super) mod output;
 mod rebalance;
+mod reference;
 mod rollout;
 mod route;
 mod status;

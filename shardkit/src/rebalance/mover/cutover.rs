@@ -26,6 +26,9 @@ impl<G> Rebalance<G> {
         // A migration that reached some shards and not others is waited
         // for here, before any write waits behind the fence.
         self.schemas_agree(status, target).await?;
+        // A shard that takes buckets holds every reference table its rows
+        // join first (the ones this instance registered).
+        self.references.catch_up_all(target).await?;
         let sources = self.sources(status)?;
         // Catch up first, so what is replayed behind the fence (while the
         // moving buckets' writes wait) is only what came in since.

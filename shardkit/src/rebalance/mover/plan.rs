@@ -1,6 +1,7 @@
 //! What a move is: its plan, phases, status and progress, and the
 //! [`Rebalance`] handle that runs moves of a group.
 
+use crate::reference::References;
 use crate::entity::{EntityGroup, ShardedEntity, table_name};
 use crate::error::{Result, ShardError};
 use crate::exec::Shards;
@@ -166,6 +167,9 @@ pub struct Rebalance<G> {
     pub(super) wait_for_grace: bool,
     /// This mover's name in `shardkit_moves.runner` while it holds a move.
     pub(super) token: String,
+    /// The instance's reference tables, brought to the target before the
+    /// cut-over.
+    pub(super) references: References,
     _group: std::marker::PhantomData<fn() -> G>,
 }
 
@@ -181,6 +185,7 @@ impl<G> Clone for Rebalance<G> {
             control: self.control.clone(),
             wait_for_grace: self.wait_for_grace,
             token: crate::uuid_v7().to_string(),
+            references: self.references.clone(),
             _group: std::marker::PhantomData,
         }
     }
@@ -259,7 +264,7 @@ impl Rebalance<AnyGroup> {
 impl<G: EntityGroup> Rebalance<G> {
     /// Moves of `G`, refused with [`ShardError::Rebalance`] when `G` is
     /// not a `movable` hash or range group.
-    pub(crate) fn new(shards: Shards) -> Result<Self> {
+    pub(crate) fn new(shards: Shards, references: References) -> Result<Self> {
         let moves = Rebalance {
             group: G::NAME,
             token: crate::uuid_v7().to_string(),
@@ -270,6 +275,7 @@ impl<G: EntityGroup> Rebalance<G> {
                 .collect(),
             control: JobControl::new(),
             wait_for_grace: false,
+            references,
             _group: std::marker::PhantomData,
         };
         moves.map()?;
@@ -297,6 +303,7 @@ impl<G: EntityGroup> Rebalance<G> {
             control: self.control,
             wait_for_grace: self.wait_for_grace,
             token: self.token,
+            references: self.references,
             _group: std::marker::PhantomData,
         }
     }

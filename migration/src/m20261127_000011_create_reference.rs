@@ -1,0 +1,83 @@
+//! Reference tables: the version of each shard's copy, and the log of
+//! changes on the source shard.
+//!
+//! - `shardkit_reference_versions`: one row per reference table (`tbl`) on
+//!   every shard: the version its copy holds. On the source shard (the
+//!   cluster's first) it is also the counter a write takes its version
+//!   from.
+//! - `shardkit_reference_log`: on the source shard, the primary key (as
+//!   text) of every row each version wrote or deleted, so that a copy that
+//!   is behind takes only the rows changed since its version.
+
+use sea_orm_migration::prelude::*;
+use sea_orm_migration::sea_orm::DbBackend;
+
+/// Creates the reference tables' version and log tables.
+pub struct Migration;
+
+impl MigrationName for Migration {
+    fn name(&self) -> &str {
+        "m20261127_000011_create_reference"
+    }
+}
+
+fn text(backend: DbBackend, name: &str, len: u32) -> ColumnDef {
+    let mut def = ColumnDef::new(Alias::new(name));
+    match backend {
+        DbBackend::MySql => def.custom(Alias::new(format!(
+            "VARCHAR({len}) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin"
+        ))),
+        _ => def.string_len(len),
+    };
+    def.not_null().to_owned()
+}
+
+fn big(name: &str) -> ColumnDef {
+    ColumnDef::new(Alias::new(name))
+        .big_integer()
+        .not_null()
+        .to_owned()
+}
+
+#[async_trait::async_trait]
+impl MigrationTrait for Migration {
+    async fn up(&self, manager: &SchemaManager) -> Result<(), DbErr> {
+        let b = manager.get_database_backend();
+        manager
+            .create_table(
+                Table::create()
+                    .table(Alias::new("shardkit_reference_versions"))
+                    .if_not_exists()
+                    .col(text(b, "tbl", 128).primary_key())
+                    .col(big("version"))
+                    .to_owned(),
+            )
+            .await?;
+        manager
+            .create_table(
+                Table::create()
+                    .table(Alias::new("shardkit_reference_log"))
+                    .if_not_exists()
+                    .col(text(b, "tbl", 128))
+                    .col(big("version"))
+                    .col(text(b, "pk", 500))
+                    .primary_key(
+                        Index::create()
+                            .col(Alias::new("tbl"))
+                            .col(Alias::new("version"))
+                            .col(Alias::new("pk")),
+                    )
+                    .to_owned(),
+            )
+            .await
+    }
+
+    async fn down(&self, manager: &SchemaManager) -> Result<(), DbErr> {
+        for t in ["shardkit_reference_log", "shardkit_reference_versions"] {
+            manager
+                .drop_table(Table::drop().table(Alias::new(t)).if_exists().to_owned())
+                .await?;
+        }
+        Ok(())
+    }
+}
