@@ -205,7 +205,9 @@ pub trait ShardedEntity:
     label = "belongs to another entity group",
     note = "shardkit works inside one group's key at a time (a `ShardTx<{G}>`, a keyed read, a \
             relation read); write the entity in a transaction of its own group \
-            (`cluster.begin::<ItsGroup>(key)`) and read it with a keyed read of its own key"
+            (`cluster.begin::<ItsGroup>(key)`) and read it with a keyed read of its own key; \
+            a reference table (`#[shardkit(reference)]`) is written through \
+            `cluster.reference::<Entity>()` and joined with `find_also_related`"
 )]
 pub trait InGroup<G: EntityGroup>: ShardedEntity<Group = G> {}
 

@@ -57,7 +57,7 @@ const LAYERS: &[(&str, &[&str])] = &[
     ("reads and writes", &["read", "pipeline", "tx"]),
     (
         "features",
-        &["ids", "gsi", "rollout", "verify", "rebalance"],
+        &["ids", "gsi", "rollout", "verify", "rebalance", "reference"],
     ),
     ("facade", &["cluster", "testing"]),
     ("cross-key", &["outbox"]),

@@ -143,7 +143,10 @@ impl MigrationTrait for AddMemo {
 fn base() -> Vec<Box<dyn MigrationTrait>> {
     use shardkit_tests::models::CreateTable;
     let mut all = shardkit_migration::migrations();
-    all.push(Box::new(CreateTable("m20261127_000301_notes", note::Entity)));
+    all.push(Box::new(CreateTable(
+        "m20261127_000301_notes",
+        note::Entity,
+    )));
     all.push(Box::new(CreateTable(
         "m20261127_000303_currencies",
         currency::Entity,
@@ -185,7 +188,11 @@ fn toml(dbs: &TestDbs, schema_wait_ms: u64) -> String {
 /// ports.
 fn toml_through(dbs: &TestDbs, schema_wait_ms: u64, through: &[(usize, u16)]) -> String {
     let mut shards = dbs
-        .shards_toml_with(5, "connect_timeout_secs = 1\nacquire_timeout_secs = 2\n", &[])
+        .shards_toml_with(
+            5,
+            "connect_timeout_secs = 1\nacquire_timeout_secs = 2\n",
+            &[],
+        )
         .replace("max_connections = 4", "max_connections = 2");
     for &(i, port) in through {
         let url = match dbs.backend {
@@ -675,7 +682,9 @@ async fn reference_writes_reach_every_shard_while_one_refuses_and_one_hangs(dbs:
                     .await
                 {
                     let (p, cur) = &rows[0];
-                    let cur = cur.as_ref().expect("the purchase's currency is on its shard");
+                    let cur = cur
+                        .as_ref()
+                        .expect("the purchase's currency is on its shard");
                     assert_eq!(cur.code, p.currency_code);
                     check(cur);
                     reads.fetch_add(1, Ordering::SeqCst);
@@ -702,7 +711,10 @@ async fn reference_writes_reach_every_shard_while_one_refuses_and_one_hangs(dbs:
         for t in readers.drain(..) {
             t.await.unwrap();
         }
-        assert!(behind_seen.load(Ordering::SeqCst) > 0, "no write found a shard down");
+        assert!(
+            behind_seen.load(Ordering::SeqCst) > 0,
+            "no write found a shard down"
+        );
         std::mem::forget((r, h));
     } else {
         tokio::time::sleep(Duration::from_millis(1500)).await;
@@ -714,8 +726,16 @@ async fn reference_writes_reach_every_shard_while_one_refuses_and_one_hangs(dbs:
             t.await.unwrap();
         }
     }
-    assert_eq!(backwards.load(Ordering::SeqCst), 0, "a reader saw a rate go down");
-    assert!(reads.load(Ordering::SeqCst) > 100, "{} reads", reads.load(Ordering::SeqCst));
+    assert_eq!(
+        backwards.load(Ordering::SeqCst),
+        0,
+        "a reader saw a rate go down"
+    );
+    assert!(
+        reads.load(Ordering::SeqCst) > 100,
+        "{} reads",
+        reads.load(Ordering::SeqCst)
+    );
 
     // Every copy reaches the source's version (the background catch-up, or
     // this call), with the source's rows.
@@ -723,7 +743,10 @@ async fn reference_writes_reach_every_shard_while_one_refuses_and_one_hangs(dbs:
     let status = currencies.catch_up().await.unwrap();
     assert!(status.behind().is_empty(), "{status:?}");
     let version = status.source.unwrap();
-    assert!(status.copies.iter().all(|c| c.version == Ok(version)), "{status:?}");
+    assert!(
+        status.copies.iter().all(|c| c.version == Ok(version)),
+        "{status:?}"
+    );
     let report = currencies.verify(false).await.unwrap();
     assert!(report.is_consistent(), "{report:?}");
     assert!(report.copies.iter().all(|c| c.digest_matches), "{report:?}");
@@ -733,8 +756,13 @@ async fn reference_writes_reach_every_shard_while_one_refuses_and_one_hangs(dbs:
     drop(a);
     drop(refusing);
     drop(hanging);
-    let after = dbs.settle_connections(before, Duration::from_secs(10)).await;
-    assert!(after <= before, "connections leaked: {before} before, {after} after");
+    let after = dbs
+        .settle_connections(before, Duration::from_secs(10))
+        .await;
+    assert!(
+        after <= before,
+        "connections leaked: {before} before, {after} after"
+    );
 }
 
 /// A row changed and a row deleted on one shard's copy, a row added on
@@ -765,7 +793,16 @@ async fn reference_drift_is_repaired_and_a_move_target_gets_the_table(dbs: &mut 
         })
         .await
         .unwrap_err();
-    assert!(matches!(err, ShardError::Reference { table: "currencies", .. }), "{err}");
+    assert!(
+        matches!(
+            err,
+            ShardError::Reference {
+                table: "currencies",
+                ..
+            }
+        ),
+        "{err}"
+    );
     assert!(err.to_string().contains("`C03`"), "{err}");
     let err = currencies
         .delete(currency::Model {
@@ -778,13 +815,26 @@ async fn reference_drift_is_repaired_and_a_move_target_gets_the_table(dbs: &mut 
     assert!(matches!(err, ShardError::Reference { .. }), "{err}");
     assert_eq!(currencies.version().await.unwrap(), 2);
 
-    exec(&cluster, "s2", "UPDATE currencies SET name = 'drifted' WHERE code = 'C03'").await;
+    exec(
+        &cluster,
+        "s2",
+        "UPDATE currencies SET name = 'drifted' WHERE code = 'C03'",
+    )
+    .await;
     exec(&cluster, "s2", "DELETE FROM currencies WHERE code = 'C11'").await;
-    exec(&cluster, "s3", "INSERT INTO currencies (code, name, rate) VALUES ('ZZZ', 'stray', 0)").await;
+    exec(
+        &cluster,
+        "s3",
+        "INSERT INTO currencies (code, name, rate) VALUES ('ZZZ', 'stray', 0)",
+    )
+    .await;
     let report = currencies.verify(false).await.unwrap();
     assert!(!report.is_consistent());
-    let by: std::collections::BTreeMap<&str, &shardkit::reference::CopyReport> =
-        report.copies.iter().map(|c| (c.shard.as_str(), c)).collect();
+    let by: std::collections::BTreeMap<&str, &shardkit::reference::CopyReport> = report
+        .copies
+        .iter()
+        .map(|c| (c.shard.as_str(), c))
+        .collect();
     assert_eq!(by["s2"].differing, ["C03"]);
     assert_eq!(by["s2"].missing, ["C11"]);
     assert_eq!(by["s3"].extra, ["ZZZ"]);
@@ -800,7 +850,9 @@ async fn reference_drift_is_repaired_and_a_move_target_gets_the_table(dbs: &mut 
         let config = ClusterConfig::from_toml(&toml(dbs, 60_000)).unwrap();
         async move {
             let mut out = Vec::new();
-            let argv = ["shardctl", "--json"].into_iter().chain(args.iter().copied());
+            let argv = ["shardctl", "--json"]
+                .into_iter()
+                .chain(args.iter().copied());
             let code = shardkit::cli::run_with(argv, config, registry(), &mut out).await;
             let json: serde_json::Value = serde_json::from_slice(&out)
                 .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out)));
@@ -864,7 +916,10 @@ async fn reference_drift_is_repaired_and_a_move_target_gets_the_table(dbs: &mut 
         })
         .await
         .unwrap();
-    assert_eq!(joined[0].1.as_ref().map(|c| c.name.as_str()), Some("renamed"));
+    assert_eq!(
+        joined[0].1.as_ref().map(|c| c.name.as_str()),
+        Some("renamed")
+    );
     assert!(
         currencies
             .explain(&<currency::Entity as sea_orm::EntityTrait>::find())

@@ -99,7 +99,9 @@ impl<A: ReadGuard, B: ReadGuard> ReadGuard for (A, B) {
     }
 
     fn reference_fence(&self) -> Option<&dyn ReferenceFence> {
-        self.0.reference_fence().or_else(|| self.1.reference_fence())
+        self.0
+            .reference_fence()
+            .or_else(|| self.1.reference_fence())
     }
 }
 

@@ -5,8 +5,8 @@ use crate::error::{Result, ShardError};
 use crate::read::{ReadFrom, ReadGuard};
 use sea_orm::sea_query::{Expr, JoinType};
 use sea_orm::{
-    Condition, DbBackend, DbErr, EntityTrait, ExprTrait, ModelTrait, QueryFilter, QuerySelect, QueryTrait,
-    Related, Select,
+    Condition, DbBackend, DbErr, EntityTrait, ExprTrait, ModelTrait, QueryFilter, QuerySelect,
+    QueryTrait, Related, Select,
 };
 
 /// The shard-key predicate of a read or write: `key = ?` or `key IN (...)`.

@@ -5,13 +5,14 @@ use crate::entity::{ReferenceEntity, ReferenceTable, table_name};
 use crate::error::{Result, ShardError};
 use crate::key::{model_pk, model_pk_values, value_text};
 use crate::read::ReferenceFence;
-use crate::reference::state::{References, SOURCE, Typed};
+use crate::reference::state::{References, SOURCE};
 use crate::reference::sync::{Change, catch_up, db_err, push, version_of, write_source};
+use crate::reference::watch::{Typed, register};
 use crate::topology::ShardId;
 use sea_orm::{EntityTrait, Iterable, QueryTrait, Select};
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// One reference table: its writes (versioned, on every shard), its reads
 /// (served by any shard, never older than what this instance has seen),
@@ -151,7 +152,7 @@ where
     E: ReferenceEntity + 'static,
 {
     pub(crate) fn new(refs: References) -> Self {
-        refs.register(&Typed::<E>::NEW);
+        register(&refs, &Typed::<E>::NEW);
         Reference {
             refs,
             next: Arc::default(),
@@ -186,7 +187,9 @@ where
             let name = shards.shard_name(s).to_owned();
             match result {
                 Ok(v) if v >= version => out.applied.push(name),
-                Ok(v) => out.behind.push((name, format!("its copy is at version {v}"))),
+                Ok(v) => out
+                    .behind
+                    .push((name, format!("its copy is at version {v}"))),
                 Err(e) => {
                     tracing::debug!(table = Self::table(), shard = %name, error = %e.report(), "reference copy not written; it is caught up later");
                     out.behind.push((name, e.report().to_string()));
@@ -199,24 +202,39 @@ where
 
     /// Inserts `rows` as one version; refused (nothing written) when one's
     /// primary key is in the table.
-    pub async fn insert_many(&self, rows: impl IntoIterator<Item = E::Model>) -> Result<ReferenceWrite> {
-        self.write(rows.into_iter().map(Change::Insert).collect()).await
+    pub async fn insert_many(
+        &self,
+        rows: impl IntoIterator<Item = E::Model>,
+    ) -> Result<ReferenceWrite> {
+        self.write(rows.into_iter().map(Change::Insert).collect())
+            .await
     }
 
     /// Updates `rows` (every column, by primary key) as one version;
     /// refused (nothing written) when one's primary key is not in the table.
-    pub async fn update_many(&self, rows: impl IntoIterator<Item = E::Model>) -> Result<ReferenceWrite> {
-        self.write(rows.into_iter().map(Change::Update).collect()).await
+    pub async fn update_many(
+        &self,
+        rows: impl IntoIterator<Item = E::Model>,
+    ) -> Result<ReferenceWrite> {
+        self.write(rows.into_iter().map(Change::Update).collect())
+            .await
     }
 
     /// Inserts or updates `rows` as one version.
-    pub async fn upsert_many(&self, rows: impl IntoIterator<Item = E::Model>) -> Result<ReferenceWrite> {
-        self.write(rows.into_iter().map(Change::Upsert).collect()).await
+    pub async fn upsert_many(
+        &self,
+        rows: impl IntoIterator<Item = E::Model>,
+    ) -> Result<ReferenceWrite> {
+        self.write(rows.into_iter().map(Change::Upsert).collect())
+            .await
     }
 
     /// Deletes the rows with the primary keys of `rows` as one version;
     /// refused (nothing written) when one is not in the table.
-    pub async fn delete_many(&self, rows: impl IntoIterator<Item = E::Model>) -> Result<ReferenceWrite> {
+    pub async fn delete_many(
+        &self,
+        rows: impl IntoIterator<Item = E::Model>,
+    ) -> Result<ReferenceWrite> {
         self.write(
             rows.into_iter()
                 .map(|r| Change::Delete(model_pk_values::<E>(&r)))
@@ -398,7 +416,9 @@ where
             txn.commit().await.map_err(err)?;
             Ok((version, rows))
         };
-        let (version, rows) = shards.bounded(SOURCE, "reference", timeout, snapshot).await?;
+        let (version, rows) = shards
+            .bounded(SOURCE, "reference", timeout, snapshot)
+            .await?;
         let source = texts::<E>(&rows);
         let digest = digest(&source);
         let count = shards.topology().shards().len() as u32;
@@ -456,12 +476,10 @@ where
                 } else {
                     match repair_copy::<E>(&self.refs, s, v, version, &rows).await {
                         Ok(true) => report.repaired = true,
-                        Ok(false) => {
-                            report.error = Some(
-                                "the copy's version changed while it was repaired: run verify again"
-                                    .to_owned(),
-                            )
-                        }
+                        Ok(false) => report.error = Some(
+                            "the copy's version changed while it was repaired: run verify again"
+                                .to_owned(),
+                        ),
                         Err(e) => report.error = Some(e.report().to_string()),
                     }
                 }
@@ -540,9 +558,20 @@ async fn repair_copy<E: ReferenceEntity>(
             .and_where(Expr::col(Alias::new("tbl")).eq(table))
             .and_where(Expr::col(Alias::new("version")).eq(from))
             .to_owned();
-        if txn.execute(&set).await.map_err(err("set the version of"))?.rows_affected() != 1 {
+        if txn
+            .execute(&set)
+            .await
+            .map_err(err("set the version of"))?
+            .rows_affected()
+            != 1
+        {
             // No version row at all (a copy never written): one at `version`.
-            if from != 0 || version_of(&txn, table).await.map_err(err("read the version of"))? != 0 {
+            if from != 0
+                || version_of(&txn, table)
+                    .await
+                    .map_err(err("read the version of"))?
+                    != 0
+            {
                 return Ok(false);
             }
             let insert = Query::insert()
@@ -550,7 +579,9 @@ async fn repair_copy<E: ReferenceEntity>(
                 .columns([Alias::new("tbl"), Alias::new("version")])
                 .values_panic([table.into(), version.into()])
                 .to_owned();
-            txn.execute(&insert).await.map_err(err("set the version of"))?;
+            txn.execute(&insert)
+                .await
+                .map_err(err("set the version of"))?;
         }
         crate::reference::sync::replace_rows::<E, _>(&txn, rows)
             .await

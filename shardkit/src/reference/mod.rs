@@ -50,8 +50,11 @@
 mod handle;
 mod state;
 mod sync;
+mod watch;
 
-pub use handle::{CopyReport, CopyStatus, Reference, ReferenceReport, ReferenceStatus, ReferenceWrite};
+pub use handle::{
+    CopyReport, CopyStatus, Reference, ReferenceReport, ReferenceStatus, ReferenceWrite,
+};
 pub(crate) use state::References;
 #[doc(hidden)]
-pub use state::Typed;
+pub use watch::Typed;

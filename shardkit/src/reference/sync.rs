@@ -9,8 +9,8 @@ use crate::reference::state::{References, SOURCE};
 use crate::topology::ShardId;
 use sea_orm::sea_query::{Alias, Expr, ExprTrait, Query};
 use sea_orm::{
-    ActiveModelTrait, ConnectionTrait, DbBackend, DbErr, EntityTrait, IntoActiveModel, IsolationLevel, Iterable,
-    PrimaryKeyToColumn, QueryFilter, TransactionTrait, Value,
+    ActiveModelTrait, ConnectionTrait, DbBackend, DbErr, EntityTrait, IntoActiveModel,
+    IsolationLevel, Iterable, PrimaryKeyToColumn, QueryFilter, TransactionTrait, Value,
 };
 use std::collections::BTreeSet;
 
@@ -163,7 +163,9 @@ where
     let db = shards.shard_conn(SOURCE);
     let err = |op: &'static str| move |e| db_err(name, table, op, e);
     if refs.copy(table, SOURCE) == 0 {
-        ensure_row(db, table).await.map_err(err("create the version of"))?;
+        ensure_row(db, table)
+            .await
+            .map_err(err("create the version of"))?;
     }
     let mut attempt = 0;
     loop {
@@ -172,26 +174,41 @@ where
             let txn = crate::exec::begin_write(db).await.map_err(err("begin"))?;
             let bump = Query::update()
                 .table(Alias::new(VERSIONS))
-                .value(Alias::new("version"), Expr::col(Alias::new("version")).add(1))
+                .value(
+                    Alias::new("version"),
+                    Expr::col(Alias::new("version")).add(1),
+                )
                 .and_where(Expr::col(Alias::new("tbl")).eq(table))
                 .to_owned();
-            if txn.execute(&bump).await.map_err(err("take a version of"))?.rows_affected() != 1 {
+            if txn
+                .execute(&bump)
+                .await
+                .map_err(err("take a version of"))?
+                .rows_affected()
+                != 1
+            {
                 return Err(ShardError::internal(format!(
                     "reference table `{table}` has no version row on its source `{name}`"
                 )));
             }
-            let version = version_of(&txn, table).await.map_err(err("read the version of"))?;
+            let version = version_of(&txn, table)
+                .await
+                .map_err(err("read the version of"))?;
             for change in changes {
-                apply_source::<E, _>(&txn, change).await.map_err(|e| match e {
-                    Applied::Refused(reason) => refused::<E>(reason),
-                    Applied::Db(e) => db_err(name, table, "write", e),
-                })?;
+                apply_source::<E, _>(&txn, change)
+                    .await
+                    .map_err(|e| match e {
+                        Applied::Refused(reason) => refused::<E>(reason),
+                        Applied::Db(e) => db_err(name, table, "write", e),
+                    })?;
             }
             for chunk in pks.chunks(200) {
                 let mut insert = Query::insert();
-                insert
-                    .into_table(Alias::new(LOG))
-                    .columns([Alias::new("tbl"), Alias::new("version"), Alias::new("pk")]);
+                insert.into_table(Alias::new(LOG)).columns([
+                    Alias::new("tbl"),
+                    Alias::new("version"),
+                    Alias::new("pk"),
+                ]);
                 for pk in chunk {
                     insert.values_panic([table.into(), version.into(), pk.clone().into()]);
                 }
@@ -305,7 +322,9 @@ where
     let fresh = refs.copy(table, shard) == 0;
     let apply = async {
         if fresh {
-            ensure_row(db, table).await.map_err(err("create the version of"))?;
+            ensure_row(db, table)
+                .await
+                .map_err(err("create the version of"))?;
         }
         let txn = crate::exec::begin_write(db).await.map_err(err("begin"))?;
         if !move_version(&txn, table, version - 1, version)
@@ -378,10 +397,7 @@ struct Delta<M> {
 
 /// In one snapshot of the source: its version and, when it is past
 /// `from`, the rows changed since (or every row).
-async fn read_source<E: ReferenceEntity>(
-    refs: &References,
-    from: i64,
-) -> Result<Delta<E::Model>> {
+async fn read_source<E: ReferenceEntity>(refs: &References, from: i64) -> Result<Delta<E::Model>> {
     let table = table_name::<E>();
     let shards = refs.shards();
     let name = shards.shard_name(SOURCE);
@@ -429,11 +445,9 @@ async fn read_source<E: ReferenceEntity>(
             delta.rows = E::find().all(&txn).await.map_err(err("read"))?;
         } else {
             for chunk in delta.keys.chunks(100) {
-                let any = chunk
-                    .iter()
-                    .fold(sea_orm::Condition::any(), |c, pk| {
-                        c.add(pk_condition::<E>(&parse_pk::<E>(pk)))
-                    });
+                let any = chunk.iter().fold(sea_orm::Condition::any(), |c, pk| {
+                    c.add(pk_condition::<E>(&parse_pk::<E>(pk)))
+                });
                 delta
                     .rows
                     .extend(E::find().filter(any).all(&txn).await.map_err(err("read"))?);
@@ -460,7 +474,11 @@ pub(crate) async fn catch_up<E: ReferenceEntity>(refs: &References, shard: Shard
     let err = |op: &'static str| move |e| db_err(name, table, op, e);
     let timeout = shards.read_settings().timeout;
     for _ in 0..5 {
-        let read = async { version_of(db, table).await.map_err(err("read the version of")) };
+        let read = async {
+            version_of(db, table)
+                .await
+                .map_err(err("read the version of"))
+        };
         let from = shards.bounded(shard, "reference", timeout, read).await?;
         refs.copy_at(table, shard, from);
         let delta = read_source::<E>(refs, from).await?;
@@ -469,7 +487,9 @@ pub(crate) async fn catch_up<E: ReferenceEntity>(refs: &References, shard: Shard
         }
         let apply = async {
             if from == 0 {
-                ensure_row(db, table).await.map_err(err("create the version of"))?;
+                ensure_row(db, table)
+                    .await
+                    .map_err(err("create the version of"))?;
             }
             let txn = crate::exec::begin_write(db).await.map_err(err("begin"))?;
             if !move_version(&txn, table, from, delta.version)
@@ -502,12 +522,20 @@ pub(crate) async fn catch_up<E: ReferenceEntity>(refs: &References, shard: Shard
         };
         if shards.bounded(shard, "reference", timeout, apply).await? {
             refs.copy_at(table, shard, delta.version);
-            tracing::debug!(table, shard = name, from, to = delta.version, "reference copy caught up");
+            tracing::debug!(
+                table,
+                shard = name,
+                from,
+                to = delta.version,
+                "reference copy caught up"
+            );
             return Ok(delta.version);
         }
     }
     Err(ShardError::Reference {
         table,
-        reason: format!("the copy on `{name}` kept changing under its catch-up; it is caught up later"),
+        reason: format!(
+            "the copy on `{name}` kept changing under its catch-up; it is caught up later"
+        ),
     })
 }

@@ -83,9 +83,20 @@ pub(super) async fn reference(
                 problem,
             })
         }
-        ReferenceAction::Verify { table: only, repair } => {
+        ReferenceAction::Verify {
+            table: only,
+            repair,
+        } => {
             let mut out = Vec::new();
-            let mut t = table(&["table", "shard", "version", "missing", "extra", "differing", "state"]);
+            let mut t = table(&[
+                "table",
+                "shard",
+                "version",
+                "missing",
+                "extra",
+                "differing",
+                "state",
+            ]);
             let mut problem = false;
             for r in chosen(registry, only.as_deref())? {
                 let report = r.verify(cluster, repair).await?;

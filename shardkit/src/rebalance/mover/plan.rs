@@ -1,13 +1,13 @@
 //! What a move is: its plan, phases, status and progress, and the
 //! [`Rebalance`] handle that runs moves of a group.
 
-use crate::reference::References;
 use crate::entity::{EntityGroup, ShardedEntity, table_name};
 use crate::error::{Result, ShardError};
 use crate::exec::Shards;
 use crate::job::JobControl;
 use crate::rebalance::entity::{MoveEntity, Mover};
 use crate::rebalance::keyed_rows::KeyedRows;
+use crate::reference::References;
 use crate::topology::{LiveMap, MapSnapshot, ShardId};
 use std::sync::Arc;
 use std::time::Duration;

@@ -1,0 +1,164 @@
+//! What runs on its own: the background catch-up of copies that are
+//! behind, the fence around reads that join a reference table, and the
+//! table object a derive names.
+
+use crate::entity::{ReferenceEntity, ReferenceTable, table_name};
+use crate::error::{Result, ShardError};
+use crate::read::{ReadFrom, ReadGuard, ReferenceFence};
+use crate::reference::state::References;
+use crate::reference::sync::{catch_up, source_version, version_of};
+use crate::topology::ShardId;
+use futures::future::BoxFuture;
+use sea_orm::{DatabaseConnection, DbErr};
+use std::any::{Any, TypeId};
+use std::ops::ControlFlow;
+use std::time::Duration;
+
+/// How often each instance looks for copies behind the source.
+const CATCH_UP_EVERY: Duration = Duration::from_secs(1);
+
+/// Registers `table`: this instance's background task keeps its copies up
+/// to date from now on (started with the first table).
+pub(crate) fn register(refs: &References, table: &'static dyn ReferenceTable) {
+    if !refs.add_table(table) {
+        return;
+    }
+    refs.start_task(|weak| {
+        crate::exec::periodic::spawn(
+            &refs.shards().for_task(),
+            CATCH_UP_EVERY,
+            crate::exec::periodic::FirstPass::AfterInterval,
+            move |_shards| {
+                let refs = weak.upgrade();
+                async move {
+                    let Some(refs) = refs else {
+                        return ControlFlow::Break(());
+                    };
+                    pass(&refs).await;
+                    ControlFlow::Continue(())
+                }
+            },
+        )
+    });
+}
+
+/// One background pass: every copy behind its table's source version is
+/// caught up (a shard that fails is tried again next pass).
+async fn pass(refs: &References) {
+    let shards = refs.shards().topology().shards().len() as u32;
+    for table in refs.tables() {
+        let name = table.table();
+        let source = match source_version(refs, name).await {
+            Ok(v) => v,
+            Err(e) => {
+                tracing::debug!(table = name, error = %e.report(), "reference source not read; catching up later");
+                continue;
+            }
+        };
+        let behind = (1..shards)
+            .map(ShardId)
+            .filter(|s| refs.copy(name, *s) < source);
+        let runs = behind.map(|s| async move {
+            if let Err(e) = table.catch_up(refs, s.0 as usize).await {
+                tracing::debug!(table = name, shard = %refs.shards().shard_name(s), error = %e.report(), "reference copy behind; catching up later");
+            }
+        });
+        futures::future::join_all(runs).await;
+    }
+}
+
+/// Reads consult the reference tables only when they join one.
+impl ReadGuard for References {
+    fn check(&self, _entity: TypeId, _table: &'static str) -> Result<Option<ReadFrom>> {
+        Ok(None)
+    }
+
+    fn reference_fence(&self) -> Option<&dyn ReferenceFence> {
+        Some(self)
+    }
+}
+
+impl ReferenceFence for References {
+    fn before<'a>(
+        &'a self,
+        table: &'static dyn ReferenceTable,
+        conn: &'a DatabaseConnection,
+    ) -> BoxFuture<'a, std::result::Result<(), DbErr>> {
+        Box::pin(async move {
+            register(self, table);
+            let name = table.table();
+            let need = self.seen(name);
+            let shard = self.shard_of(conn);
+            if need == 0 || shard.is_some_and(|s| self.copy(name, s) >= need) {
+                return Ok(());
+            }
+            let mut have = version_of(conn, name).await?;
+            if have < need
+                && let Some(s) = shard
+            {
+                have = table
+                    .catch_up(self, s.0 as usize)
+                    .await
+                    .map_err(|e| DbErr::Custom(e.report().to_string()))?;
+            }
+            if let Some(s) = shard {
+                self.copy_at(name, s, have);
+            }
+            if have < need {
+                return Err(DbErr::Custom(format!(
+                    "the copy of reference table `{name}` here is at version {have}, older than version {need} this instance has read"
+                )));
+            }
+            Ok(())
+        })
+    }
+
+    fn after<'a>(
+        &'a self,
+        table: &'static dyn ReferenceTable,
+        conn: &'a DatabaseConnection,
+    ) -> BoxFuture<'a, std::result::Result<(), DbErr>> {
+        Box::pin(async move {
+            let name = table.table();
+            let have = version_of(conn, name).await?;
+            if let Some(s) = self.shard_of(conn) {
+                self.copy_at(name, s, have);
+            }
+            self.saw(name, have);
+            Ok(())
+        })
+    }
+}
+
+/// A reference entity's table as the object reads and catch-ups call
+/// (`#[derive(Sharded)]` names it); not part of the public API.
+#[doc(hidden)]
+pub struct Typed<E>(std::marker::PhantomData<fn() -> E>);
+
+impl<E> Typed<E> {
+    /// The object.
+    pub const NEW: Self = Typed(std::marker::PhantomData);
+}
+
+impl<E: ReferenceEntity + 'static> ReferenceTable for Typed<E> {
+    fn table(&self) -> &'static str {
+        table_name::<E>()
+    }
+
+    fn entity(&self) -> TypeId {
+        TypeId::of::<E>()
+    }
+
+    fn catch_up<'a>(
+        &'a self,
+        state: &'a (dyn Any + Send + Sync),
+        shard: usize,
+    ) -> BoxFuture<'a, Result<i64>> {
+        Box::pin(async move {
+            let refs = state.downcast_ref::<References>().ok_or_else(|| {
+                ShardError::internal("a reference table caught up with another state")
+            })?;
+            catch_up::<E>(refs, ShardId(shard as u32)).await
+        })
+    }
+}
