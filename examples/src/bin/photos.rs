@@ -4,7 +4,9 @@
 //! its comments are one join on one shard; a favorite lives with the user who
 //! faved, so "my favorites" is one keyed read. Photo and comment ids come from
 //! ticket sequences on two ticket servers (two more SQLite files): unique on
-//! every shard, filled in by `tx.insert` when left unset.
+//! every shard, filled in by `tx.insert` when left unset. Prints are priced
+//! in a currency: `currencies` is a reference table, with a copy on every
+//! shard, so a photo is joined with its currency on the owner's shard.
 //!
 //! `cargo run -p shardkit-examples --bin photos` (files in `$SHARDKIT_DATA_DIR`,
 //! default `data/photos`)
@@ -35,6 +37,25 @@ mod user {
     impl ActiveModelBehavior for ActiveModel {}
 }
 
+mod currency {
+    use sea_orm::entity::prelude::*;
+
+    /// A reference table: every shard has a copy, written through
+    /// `cluster.reference::<currency::Entity>()`, versioned.
+    #[sea_orm::model]
+    #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel, shardkit::Sharded)]
+    #[sea_orm(table_name = "currencies")]
+    #[shardkit(reference)]
+    pub struct Model {
+        #[sea_orm(primary_key, auto_increment = false)]
+        pub code: String,
+        pub name: String,
+        pub symbol: String,
+    }
+
+    impl ActiveModelBehavior for ActiveModel {}
+}
+
 mod photo {
     use sea_orm::entity::prelude::*;
 
@@ -49,6 +70,10 @@ mod photo {
         #[shardkit(shard_key)] // the owner
         pub user_id: i64,
         pub title: String,
+        pub print_cents: i64,
+        pub currency_code: String, // prints are priced in the owner's currency
+        #[sea_orm(belongs_to, from = "currency_code", to = "code")]
+        pub currency: BelongsTo<super::currency::Entity>,
         #[sea_orm(has_many)]
         pub comments: HasMany<super::comment::Entity>,
     }
@@ -99,12 +124,23 @@ mod favorite {
     impl ActiveModelBehavior for ActiveModel {}
 }
 
-/// (id, name, photo titles).
-const USERS: [(i64, &str, &[&str]); 4] = [
-    (1, "ada", &["loom", "engine", "notes", "cards", "analyst"]),
-    (2, "grace", &["mark I", "moth"]),
-    (3, "linus", &["penguin"]),
-    (4, "margaret", &["apollo", "listings"]),
+/// (id, name, photo titles, currency of their prints).
+const USERS: [(i64, &str, &[&str], &str); 4] = [
+    (
+        1,
+        "ada",
+        &["loom", "engine", "notes", "cards", "analyst"],
+        "GBP",
+    ),
+    (2, "grace", &["mark I", "moth"], "USD"),
+    (3, "linus", &["penguin"], "EUR"),
+    (4, "margaret", &["apollo", "listings"], "USD"),
+];
+/// (code, name, symbol).
+const CURRENCIES: [(&str, &str, &str); 3] = [
+    ("EUR", "euro", "€"),
+    ("GBP", "pound sterling", "£"),
+    ("USD", "US dollar", "$"),
 ];
 /// (author id, photo title, body).
 const COMMENTS: [(i64, &str, &str); 5] = [
@@ -149,6 +185,7 @@ block = 1     # one ticket per id
     for shard in cluster.topology().shard_names() {
         let db = cluster.connection(shard).expect("configured shard");
         db.get_schema_builder() // SeaORM 2's entity-first schema, in foreign-key order
+            .register(currency::Entity)
             .register(user::Entity)
             .register(photo::Entity)
             .register(comment::Entity)
@@ -159,9 +196,21 @@ block = 1     # one ticket per id
     let names: Vec<&str> = report.databases.iter().map(|d| d.name.as_str()).collect();
     println!("== migrated {names:?} in {}", dir.display());
 
+    println!("\n== currencies: a reference table, one write to every shard");
+    let currencies = cluster.reference::<currency::Entity>();
+    let written = currencies
+        .insert_many(CURRENCIES.map(|(code, name, symbol)| currency::Model {
+            code: code.into(),
+            name: name.into(),
+            symbol: symbol.into(),
+        }))
+        .await?;
+    println!("version {} on {:?}", written.version, written.applied);
+    assert_eq!(written.applied.len(), 4, "every shard has the currencies");
+
     println!("\n== users and photos: a transaction closure per user, photos in a batch");
     let mut photos: HashMap<&str, photo::Model> = HashMap::new();
-    for (id, name, titles) in USERS {
+    for (id, name, titles, currency) in USERS {
         // Commits on Ok, rolls back on Err; reruns if the database aborted it.
         let (shard, rows) = cluster
             .transaction::<User, _, _>(id, |tx| async move {
@@ -176,6 +225,8 @@ block = 1     # one ticket per id
                     .insert_many(titles.iter().map(|title| photo::ActiveModel {
                         user_id: Set(id),
                         title: Set(title.to_string()),
+                        print_cents: Set(2_500),
+                        currency_code: Set(currency.into()),
                         ..Default::default()
                     }))
                     .await?;
@@ -292,5 +343,56 @@ block = 1     # one ticket per id
         println!("  {}'s \"{}\" from {shard}", name(p.user_id), p.title);
     }
     assert_eq!((mine.len(), faved.len()), (3, 3));
+
+    println!("\n== grace's prints with their currency: joined on grace's shard");
+    let priced = cluster
+        .find::<photo::Entity>()
+        .key(GRACE)
+        .find_also_related(currency::Entity)
+        .await?;
+    for (p, c) in &priced {
+        let c = c.as_ref().expect("every shard has every currency");
+        println!(
+            "\"{}\": {}{:.2} ({})",
+            p.title,
+            c.symbol,
+            p.print_cents as f64 / 100.0,
+            c.name
+        );
+        assert_eq!(c.code, "USD");
+    }
+    // A change to a reference table is one version, on every shard.
+    let renamed = currencies
+        .update(currency::Model {
+            code: "USD".into(),
+            name: "United States dollar".into(),
+            symbol: "US$".into(),
+        })
+        .await?;
+    let status = currencies.status().await?;
+    let versions: Vec<String> = status
+        .copies
+        .iter()
+        .map(|c| format!("{} v{}", c.shard, c.version.as_ref().map_or(0, |v| *v)))
+        .collect();
+    println!(
+        "renamed USD: version {}; copies {versions:?}",
+        renamed.version
+    );
+    assert!(status.behind().is_empty());
+    let again = cluster
+        .find::<photo::Entity>()
+        .key(GRACE)
+        .find_also_related(currency::Entity)
+        .await?;
+    assert!(
+        again
+            .iter()
+            .all(|(_, c)| c.as_ref().is_some_and(|c| c.symbol == "US$"))
+    );
+    println!(
+        "grace's prints now read {}25.00",
+        again[0].1.as_ref().map_or("", |c| c.symbol.as_str())
+    );
     Ok(())
 }
