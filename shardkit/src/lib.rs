@@ -269,6 +269,7 @@ macro_rules! guide_links {
          [topology]: crate::guide::topology\n[gsi]: crate::guide::gsi\n\
          [rollouts]: crate::guide::rollouts\n[ids]: crate::guide::ids\n\
          [rebalance]: crate::guide::rebalance\n[replicas]: crate::guide::replicas\n\
+         [outbox]: crate::guide::outbox\n[reference]: crate::guide::reference\n\
          [cli]: crate::guide::cli\n\
          [troubleshooting]: crate::guide::troubleshooting\n\
          [contributing]: crate::guide::contributing\n\
@@ -318,6 +319,10 @@ pub mod guide {
     pub mod outbox {
         #![doc = guide_links!()]
         #![doc = include_str!("../docs/outbox.md")]
+    }
+    pub mod reference {
+        #![doc = guide_links!()]
+        #![doc = include_str!("../docs/reference.md")]
     }
     pub mod cli {
         #![doc = guide_links!()]

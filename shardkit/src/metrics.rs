@@ -33,7 +33,7 @@
 //! | `shardkit_outbox_parked_total` | counter | `kind` | messages parked after their last attempt |
 //! | `shardkit_sagas_compensated_total` | counter | `saga` | sagas whose compensations all ran after a step failed |
 //! | `shardkit_reference_version` | gauge | `table` | the newest version of a reference table this instance wrote |
-//! | `shardkit_reference_copy_version` | gauge | `table`, `shard` | a copy's version, as status or a catch-up last read it |
+//! | `shardkit_reference_copy_version` | gauge | `table`, `shard` | a copy's version, as this instance last learnt it (a write, a catch-up, a read, `status`) |
 //! | `shardkit_reference_drift` | gauge | `table`, `shard` | 1 when the last verify found the copy different from the source, else 0 |
 //!
 //! No label ever holds a key value, a row value or a URL.

@@ -752,6 +752,49 @@ async fn reference_writes_reach_every_shard_while_one_refuses_and_one_hangs(dbs:
     assert!(report.copies.iter().all(|c| c.digest_matches), "{report:?}");
     assert_eq!(report.rows as i64, CURRENCIES);
 
+    // Once every copy is past it, the source's log is pruned (by the
+    // background task, within a few seconds) ...
+    assert!(version > 150, "only {version} versions written");
+    let s0 = a.connection("s0").unwrap();
+    let logged = || async {
+        let row = s0
+            .query_one_raw(sea_orm::Statement::from_string(
+                s0.get_database_backend(),
+                "SELECT COUNT(*) AS n, MIN(version) AS oldest FROM shardkit_reference_log WHERE tbl = 'currencies'",
+            ))
+            .await
+            .unwrap()
+            .unwrap();
+        (
+            row.try_get::<i64>("", "n").unwrap(),
+            row.try_get::<Option<i64>>("", "oldest").unwrap(),
+        )
+    };
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while logged().await.1.is_some_and(|o| o < version - 100) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "log not pruned: {:?}",
+            logged().await
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // ... and a copy set back behind what the log still holds is written
+    // whole.
+    exec(
+        &a,
+        "s3",
+        "UPDATE shardkit_reference_versions SET version = 1 WHERE tbl = 'currencies'",
+    )
+    .await;
+    exec(&a, "s3", "UPDATE currencies SET name = 'stale'").await;
+    let status = currencies.catch_up().await.unwrap();
+    assert!(
+        status.copies.iter().all(|c| c.version == Ok(version)),
+        "{status:?}"
+    );
+    assert!(currencies.verify(false).await.unwrap().is_consistent());
+
     drop(currencies);
     drop(a);
     drop(refusing);

@@ -85,7 +85,9 @@ impl Registry {
         self
     }
 
-    /// A reference table the `reference` commands know.
+    /// A reference table the `reference` commands know; every command's
+    /// cluster registers it, so `rebalance run` brings it to a move's
+    /// target before the move copies rows.
     pub fn reference<E: crate::ReferenceEntity + 'static>(mut self) -> Self {
         self.references
             .push(Box::new(ReferenceOf::<E>(std::marker::PhantomData)));
@@ -440,6 +442,9 @@ where
 /// A reference table, by table name.
 pub(super) trait AdminReference: Send + Sync {
     fn table(&self) -> &'static str;
+    /// Registers the table with the cluster (its catch-up, and moves
+    /// bringing it to their target).
+    fn register(&self, cluster: &Cluster);
     fn status<'a>(
         &'a self,
         cluster: &'a Cluster,
@@ -456,6 +461,10 @@ struct ReferenceOf<E>(std::marker::PhantomData<fn() -> E>);
 impl<E: crate::ReferenceEntity + 'static> AdminReference for ReferenceOf<E> {
     fn table(&self) -> &'static str {
         crate::entity::table_name::<E>()
+    }
+
+    fn register(&self, cluster: &Cluster) {
+        let _ = cluster.reference::<E>();
     }
 
     fn status<'a>(

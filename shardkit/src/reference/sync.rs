@@ -386,6 +386,28 @@ where
     Ok(())
 }
 
+/// Deletes the source's log of `table` up to version `upto` (what no copy
+/// needs: every copy is known to hold `upto` or later).
+pub(super) async fn prune_log(refs: &References, table: &'static str, upto: i64) -> Result<u64> {
+    let shards = refs.shards();
+    let name = shards.shard_name(SOURCE);
+    let db = shards.shard_conn(SOURCE);
+    let stmt = Query::delete()
+        .from_table(Alias::new(LOG))
+        .and_where(Expr::col(Alias::new("tbl")).eq(table))
+        .and_where(Expr::col(Alias::new("version")).lte(upto))
+        .to_owned();
+    let prune = async {
+        db.execute(&stmt)
+            .await
+            .map(|r| r.rows_affected())
+            .map_err(|e| db_err(name, LOG, "prune", e))
+    };
+    shards
+        .bounded(SOURCE, "reference", shards.read_settings().timeout, prune)
+        .await
+}
+
 /// What a copy at version `from` takes to reach the source's version.
 struct Delta<M> {
     version: i64,
@@ -422,6 +444,26 @@ async fn read_source<E: ReferenceEntity>(refs: &References, from: i64) -> Result
         if version <= from {
             txn.commit().await.map_err(err("end a snapshot of"))?;
             return Ok(delta);
+        }
+        if !delta.whole {
+            // A log pruned past `from` cannot say what changed since: the
+            // copy is written whole.
+            let oldest = Query::select()
+                .expr_as(Expr::col(Alias::new("version")).min(), Alias::new("oldest"))
+                .from(Alias::new(LOG))
+                .and_where(Expr::col(Alias::new("tbl")).eq(table))
+                .to_owned();
+            let oldest = match txn
+                .query_one(&oldest)
+                .await
+                .map_err(err("read the log of"))?
+            {
+                Some(row) => row
+                    .try_get::<Option<i64>>("", "oldest")
+                    .map_err(err("read the log of"))?,
+                None => None,
+            };
+            delta.whole = oldest.is_none_or(|o| o > from + 1);
         }
         if !delta.whole {
             let stmt = Query::select()

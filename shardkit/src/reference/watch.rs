@@ -6,7 +6,7 @@ use crate::entity::{ReferenceEntity, ReferenceTable, table_name};
 use crate::error::{Result, ShardError};
 use crate::read::{ReadFrom, ReadGuard, ReferenceFence};
 use crate::reference::state::References;
-use crate::reference::sync::{catch_up, source_version, version_of};
+use crate::reference::sync::{catch_up, prune_log, source_version, version_of};
 use crate::topology::ShardId;
 use futures::future::BoxFuture;
 use sea_orm::{DatabaseConnection, DbErr};
@@ -16,6 +16,10 @@ use std::time::Duration;
 
 /// How often each instance looks for copies behind the source.
 const CATCH_UP_EVERY: Duration = Duration::from_secs(1);
+
+/// The source's log is pruned once every copy is this many versions past
+/// the last prune.
+const PRUNE_EVERY: i64 = 100;
 
 /// Registers `table`: this instance's background task keeps its copies up
 /// to date from now on (started with the first table).
@@ -64,6 +68,16 @@ async fn pass(refs: &References) {
             }
         });
         futures::future::join_all(runs).await;
+        // The log up to the oldest copy's version is needed by no copy.
+        let oldest = refs.oldest_copy(name);
+        if oldest >= refs.pruned(name) + PRUNE_EVERY {
+            match prune_log(refs, name, oldest).await {
+                Ok(_) => refs.set_pruned(name, oldest),
+                Err(e) => {
+                    tracing::debug!(table = name, error = %e.report(), "reference log not pruned")
+                }
+            }
+        }
     }
 }
 

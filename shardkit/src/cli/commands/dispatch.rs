@@ -34,6 +34,9 @@ pub(crate) async fn execute(
     let budget = config.connection_budget()?;
     config.pool.connect_lazy = Some(true);
     let cluster = Cluster::connect(config).await?;
+    for reference in &registry.references {
+        reference.register(&cluster);
+    }
     match cli.command {
         Command::Status => status(&cluster, &registry, &budget).await,
         Command::Route { group, key } => route(&cluster, &registry, &group, &key).await,
