@@ -540,6 +540,10 @@ async fn a_migration_during_a_move_reaches_the_target(dbs: &mut TestDbs) {
     old.abort(started.id).await.unwrap();
 }
 
+/// Failpoints are process-wide: the scenarios that write reference tables
+/// take turns (one of them arms one).
+static REFERENCE_WRITES: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 const CURRENCIES: i64 = 12;
 const BUYERS: i64 = 200;
 
@@ -586,6 +590,7 @@ async fn seed_buyers(cluster: &Cluster) {
 /// go down; afterwards every copy is at the source's version with its rows,
 /// and no connection is left behind.
 async fn reference_writes_reach_every_shard_while_one_refuses_and_one_hangs(dbs: &mut TestDbs) {
+    let _turn = REFERENCE_WRITES.lock().await;
     let plain = toml(dbs, 60_000);
     let b = connect(&plain).await;
     b.migrate::<Before>().await.unwrap();
@@ -813,6 +818,7 @@ async fn reference_writes_reach_every_shard_while_one_refuses_and_one_hangs(dbs:
 /// was lost gets the table from a bucket move before it takes buckets, and
 /// a transaction on a key reads its currency on the key's shard.
 async fn reference_drift_is_repaired_and_a_move_target_gets_the_table(dbs: &mut TestDbs) {
+    let _turn = REFERENCE_WRITES.lock().await;
     let cluster = connect(&toml(dbs, 60_000)).await;
     cluster.migrate::<Before>().await.unwrap();
     cluster.refresh_bucket_maps().await.unwrap();
@@ -912,6 +918,37 @@ async fn reference_drift_is_repaired_and_a_move_target_gets_the_table(dbs: &mut 
     let (exit, json) = shardctl(&["reference", "status"]).await;
     assert_eq!(exit, 0, "{json:#}");
     assert_eq!(json[0]["source"], 2, "{json:#}");
+
+    // A writer dies after the source committed, before any copy: another
+    // instance, which never saw the write, brings every copy up.
+    fail::cfg("shardkit::reference::after_source", "return").unwrap();
+    let died = currencies
+        .upsert(currency::Model {
+            code: code(4),
+            name: "after a crash".to_owned(),
+            rate: 9,
+        })
+        .await;
+    fail::remove("shardkit::reference::after_source");
+    assert!(died.is_err());
+    let other = connect(&toml(dbs, 60_000)).await;
+    let theirs = other.reference::<currency::Entity>();
+    assert_eq!(theirs.version().await.unwrap(), 3);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let status = theirs.status().await.unwrap();
+        if status.behind().is_empty() {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{status:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let row = theirs
+        .read(<currency::Entity as sea_orm::EntityTrait>::find_by_id(code(4)))
+        .await
+        .unwrap();
+    assert_eq!(row[0].name, "after a crash");
+    drop((theirs, other));
 
     // s4 lost its copy (a shard added to the fleet has none): a move brings
     // the table there before the shard takes buckets.

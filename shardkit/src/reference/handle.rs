@@ -172,6 +172,12 @@ where
             });
         }
         let version = write_source::<E>(&self.refs, &changes).await?;
+        // The process dying here leaves the copies to the catch-up.
+        if fail::eval("shardkit::reference::after_source", |_| ()).is_some() {
+            return Err(ShardError::internal(
+                "failpoint shardkit::reference::after_source",
+            ));
+        }
         let shards = self.refs.shards();
         let count = shards.topology().shards().len() as u32;
         let pushes = (1..count).map(ShardId).map(|s| {
