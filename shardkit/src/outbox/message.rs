@@ -378,67 +378,102 @@ impl<M: Message> Kind for Typed<M> {
                             ),
                         )
                     })?;
-            let change = &change;
+            let statement = change_statement(row, &change);
+            let shards = cluster.shards();
+            let group = <M::From as EntityGroup>::NAME;
+            // A group whose buckets never move has no fence to read: the
+            // change is one statement on the key's shard. A movable group's
+            // runs in a transaction of the key, behind its fence.
+            if !shards.topology().is_movable(group) {
+                let target = shards.route::<M::From>(&key).await?;
+                let conn = shards.shard_conn(target.shard);
+                let name = shards.shard_name(target.shard);
+                let run = async {
+                    conn.execute_raw(statement(conn.get_database_backend()))
+                        .await
+                        .map_err(|e| db_err(name, OUTBOX.name, "write", e))
+                };
+                let n = shards
+                    .bounded(target.shard, group, None, run)
+                    .await?
+                    .rows_affected();
+                return Ok(n > 0);
+            }
+            let statement = &statement;
             cluster
                 .transaction::<M::From, _, _>(key, |tx| async move {
-                    let table = Alias::new(OUTBOX.name);
-                    let this = Condition::all()
-                        .add(Expr::col(Alias::new("id")).eq(row.id.as_str()))
-                        .add(Expr::col(Alias::new("grp")).eq(row.grp.as_str()))
-                        .add(Expr::col(Alias::new("key_text")).eq(row.key_text.as_str()));
-                    let parked = Expr::col(Alias::new("state")).eq("parked");
-                    let done = match change {
-                        SourceChange::Delivered => {
-                            let q = Query::delete()
-                                .from_table(table)
-                                .cond_where(this)
-                                .to_owned();
-                            tx.unchecked_connection().execute(&q).await
-                        }
-                        SourceChange::Discard => {
-                            let q = Query::delete()
-                                .from_table(table)
-                                .cond_where(this.add(parked))
-                                .to_owned();
-                            tx.unchecked_connection().execute(&q).await
-                        }
-                        SourceChange::Failed {
-                            error,
-                            attempts,
-                            next_at,
-                            parked,
-                        } => {
-                            let q = Query::update()
-                                .table(table)
-                                .value(Alias::new("attempts"), *attempts)
-                                .value(Alias::new("next_at"), *next_at)
-                                .value(Alias::new("last_error"), error.as_str())
-                                .value(
-                                    Alias::new("state"),
-                                    if *parked { "parked" } else { "pending" },
-                                )
-                                // Not a message parked (or retried) meanwhile.
-                                .cond_where(this.add(Expr::col(Alias::new("state")).eq("pending")))
-                                .to_owned();
-                            tx.unchecked_connection().execute(&q).await
-                        }
-                        SourceChange::Retry => {
-                            let q = Query::update()
-                                .table(table)
-                                .value(Alias::new("attempts"), 0)
-                                .value(Alias::new("next_at"), 0i64)
-                                .value(Alias::new("state"), "pending")
-                                .cond_where(this.add(parked))
-                                .to_owned();
-                            tx.unchecked_connection().execute(&q).await
-                        }
-                    };
-                    let n = done
+                    let conn = tx.unchecked_connection();
+                    let n = conn
+                        .execute_raw(statement(conn.get_database_backend()))
+                        .await
                         .map_err(|e| db_err(tx.shard(), OUTBOX.name, "write", e))?
                         .rows_affected();
                     Ok(n > 0)
                 })
                 .await
         })
+    }
+}
+
+/// The statement that makes `change` to `row` in its sender's outbox.
+fn change_statement(
+    row: &Row,
+    change: &SourceChange,
+) -> impl Fn(sea_orm::DbBackend) -> sea_orm::Statement {
+    let table = Alias::new(OUTBOX.name);
+    let this = Condition::all()
+        .add(Expr::col(Alias::new("id")).eq(row.id.as_str()))
+        .add(Expr::col(Alias::new("grp")).eq(row.grp.as_str()))
+        .add(Expr::col(Alias::new("key_text")).eq(row.key_text.as_str()));
+    let parked = Expr::col(Alias::new("state")).eq("parked");
+    enum Built {
+        Delete(sea_orm::sea_query::DeleteStatement),
+        Update(sea_orm::sea_query::UpdateStatement),
+    }
+    let built = match change {
+        SourceChange::Delivered => Built::Delete(
+            Query::delete()
+                .from_table(table)
+                .cond_where(this)
+                .to_owned(),
+        ),
+        SourceChange::Discard => Built::Delete(
+            Query::delete()
+                .from_table(table)
+                .cond_where(this.add(parked))
+                .to_owned(),
+        ),
+        SourceChange::Failed {
+            error,
+            attempts,
+            next_at,
+            parked,
+        } => Built::Update(
+            Query::update()
+                .table(table)
+                .value(Alias::new("attempts"), *attempts)
+                .value(Alias::new("next_at"), *next_at)
+                .value(Alias::new("last_error"), error.as_str())
+                .value(
+                    Alias::new("state"),
+                    if *parked { "parked" } else { "pending" },
+                )
+                // Not a message parked (or retried) meanwhile.
+                .cond_where(this.add(Expr::col(Alias::new("state")).eq("pending")))
+                .to_owned(),
+        ),
+        SourceChange::Retry => Built::Update(
+            Query::update()
+                .table(table)
+                .value(Alias::new("attempts"), 0)
+                .value(Alias::new("next_at"), 0i64)
+                .value(Alias::new("state"), "pending")
+                .cond_where(this.add(parked))
+                .to_owned(),
+        ),
+    };
+    move |backend| match &built {
+        Built::Delete(q) => backend.build(q),
+        Built::Update(q) => backend.build(q),
     }
 }
