@@ -944,7 +944,9 @@ async fn reference_drift_is_repaired_and_a_move_target_gets_the_table(dbs: &mut 
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let row = theirs
-        .read(<currency::Entity as sea_orm::EntityTrait>::find_by_id(code(4)))
+        .read(<currency::Entity as sea_orm::EntityTrait>::find_by_id(
+            code(4),
+        ))
         .await
         .unwrap();
     assert_eq!(row[0].name, "after a crash");

@@ -4,7 +4,7 @@ use crate::boxed::boxed;
 use crate::entity::{EntityGroup, InGroup, table_name};
 use crate::error::{Result, ShardError};
 use crate::exec::{Begun, Shards};
-use crate::pipeline::{AfterCommit, Replaced, WriteCtx, WriteOp, WriteStage, Written};
+use crate::pipeline::{AfterCommit, Batch, Replaced, WriteCtx, WriteOp, WriteStage, Written};
 use crate::read::TxFind;
 use crate::topology::Target;
 use futures::future::BoxFuture;
@@ -283,6 +283,103 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
     {
         let models: Vec<A> = models.into_iter().collect();
         boxed(|| self.insert_rows::<A::Entity>(models))
+    }
+
+    /// Inserts a row of the transaction's key without reading it back:
+    /// SeaORM's [`Insert::exec_without_returning`](sea_orm::Insert::exec_without_returning),
+    /// one `INSERT` and nothing else (no `RETURNING`, and on MySQL/MariaDB
+    /// no `SELECT` by primary key after it); returns the number of rows
+    /// inserted. Like SeaORM's `Entity::insert(..).exec_without_returning`,
+    /// it runs no `ActiveModelBehavior` hook. The shard key is checked and
+    /// an unset id with `#[shardkit(id = "...")]` filled as for
+    /// [`insert`](Self::insert); an entity whose writes a stage must see row
+    /// by row (a global index, a registered rollout) takes the whole write
+    /// pipeline instead, reading the row back as `insert` does.
+    pub fn insert_without_returning<A>(&self, model: A) -> BoxFuture<'_, Result<u64>>
+    where
+        A: ActiveModelTrait + ActiveModelBehavior + Send + 'static,
+        A::Entity: InGroup<G> + EntityTrait<ActiveModel = A>,
+        <A::Entity as EntityTrait>::Model: IntoActiveModel<A>,
+    {
+        boxed(|| self.write_without_returning::<A::Entity>(WriteOp::Insert, model))
+    }
+
+    /// Updates a row of the transaction's key by primary key without
+    /// reading it back: one `UPDATE` of the set columns matching the
+    /// primary key and the shard key (SeaORM's `Entity::update_many()`
+    /// with the row's values); returns the number of rows updated (0 when
+    /// the key has no such row). No `ActiveModelBehavior` hook runs. An
+    /// entity whose writes a stage must see row by row takes the whole
+    /// pipeline, as [`update`](Self::update) does.
+    pub fn update_without_returning<A>(&self, model: A) -> BoxFuture<'_, Result<u64>>
+    where
+        A: ActiveModelTrait + ActiveModelBehavior + Send + 'static,
+        A::Entity: InGroup<G> + EntityTrait<ActiveModel = A>,
+        <A::Entity as EntityTrait>::Model: IntoActiveModel<A>,
+    {
+        boxed(|| self.write_without_returning::<A::Entity>(WriteOp::Update, model))
+    }
+
+    async fn write_without_returning<E: InGroup<G>>(
+        &self,
+        op: WriteOp,
+        mut model: E::ActiveModel,
+    ) -> Result<u64>
+    where
+        E::ActiveModel: 'static,
+    {
+        let name = op.as_str();
+        self.check::<E>(&model)?;
+        let ctx = self.ctx();
+        match self.stages.batch::<E>(&ctx, op) {
+            Batch::Statement => {}
+            // A stage has work per row (or refuses): the whole pipeline.
+            Batch::PerRow | Batch::Refused(_) => {
+                return self.write::<E>(op, model).await.map(|_| 1);
+            }
+        }
+        self.stages.prepare::<E>(&ctx, op, &mut model).await?;
+        self.check::<E>(&model)?;
+        crate::trace::in_span(self.write_span::<E>(name), async {
+            let rows = match op {
+                WriteOp::Insert => E::insert(model)
+                    .exec_without_returning(&self.txn)
+                    .await
+                    .map_err(|e| self.write_err::<E>(name, e))?,
+                _ => {
+                    let pk: Vec<sea_orm::Value> = <E::PrimaryKey as sea_orm::Iterable>::iter()
+                        .map(|c| {
+                            sea_orm::ActiveValue::into_value(
+                                model.get(sea_orm::PrimaryKeyToColumn::into_column(c)),
+                            )
+                            .ok_or_else(|| {
+                                self.write_err::<E>(
+                                    name,
+                                    DbErr::Custom(
+                                        "an update without its primary key set".to_owned(),
+                                    ),
+                                )
+                            })
+                        })
+                        .collect::<Result<_>>()?;
+                    // The primary key selects the row; it is not set again.
+                    let mut model = model;
+                    for c in <E::PrimaryKey as sea_orm::Iterable>::iter() {
+                        model.not_set(sea_orm::PrimaryKeyToColumn::into_column(c));
+                    }
+                    E::update_many()
+                        .set(model)
+                        .filter(crate::exec::keyset::pk_condition::<E>(&pk))
+                        .filter(self.key_condition::<E>())
+                        .exec(&self.txn)
+                        .await
+                        .map_err(|e| self.write_err::<E>(name, e))?
+                        .rows_affected
+                }
+            };
+            Ok(rows)
+        })
+        .await
     }
 
     async fn insert_rows<E: InGroup<G>>(&self, models: Vec<E::ActiveModel>) -> Result<Vec<E::Model>>

@@ -16,6 +16,7 @@ use parity::{
     batch_writes_on_a_small_pool_all_complete, batch_writes_touch_only_the_key,
     keyed_streams_return_the_keys_rows, multi_shard_projections_merge_or_refuse,
     related_reads_stay_within_the_key, save_inserts_or_updates,
+    writes_without_returning_send_one_statement,
 };
 use reads::{
     keyed_partial_selects_decode_projections, keyed_reads_paginate_within_their_key,
@@ -33,6 +34,7 @@ backend_tests!(2 =>
     save_inserts_or_updates,
     batch_writes_on_a_small_pool_all_complete,
     multi_shard_projections_merge_or_refuse,
+    writes_without_returning_send_one_statement,
     // reads.rs
     keyed_partial_selects_decode_projections,
     u64_keys_above_i64_max,

@@ -885,3 +885,113 @@ pub(crate) async fn multi_shard_projections_merge_or_refuse(dbs: &mut TestDbs) {
     assert!(err.to_string().contains("`id`"), "{err}");
     assert_eq!(sent.lock().unwrap().len(), before, "no statement ran");
 }
+
+/// `insert_without_returning` and `update_without_returning`: one statement
+/// each (no `RETURNING`, no read-back `SELECT`), the key checked, an id
+/// filled; on an entity with global indexes the whole pipeline runs, so its
+/// index rows are written.
+pub(crate) async fn writes_without_returning_send_one_statement(dbs: &mut TestDbs) {
+    let (cluster, sent) = recording_cluster(dbs, 2, "[groups.Customer]\n").await;
+    cluster.migrate::<Migrator>().await.unwrap();
+    let tx = cluster.begin::<Customer>(9).await.unwrap();
+    sent.lock().unwrap().clear();
+    assert_eq!(
+        tx.insert_without_returning(cart(1, 9, "old"))
+            .await
+            .unwrap(),
+        1
+    );
+    assert_eq!(
+        tx.update_without_returning(cart(1, 9, "new"))
+            .await
+            .unwrap(),
+        1
+    );
+    // Another key's row with the same primary key is not this key's.
+    assert_eq!(
+        tx.update_without_returning(cart(2, 9, "none"))
+            .await
+            .unwrap(),
+        0
+    );
+    let statements: Vec<String> = sent
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|(_, s)| s.sql.to_ascii_uppercase())
+        // Background statements of the instance aside.
+        .filter(|s| s.contains("CARTS"))
+        .collect();
+    assert_eq!(statements.len(), 3, "{statements:#?}");
+    assert!(!statements[1].contains("SET \"ID\"") && !statements[1].contains("SET `ID`"));
+    assert!(statements[0].starts_with("INSERT") && !statements[0].contains("RETURNING"));
+    assert!(statements[1].starts_with("UPDATE") && !statements[1].contains("RETURNING"));
+    assert!(
+        statements.iter().all(|s| !s.starts_with("SELECT")),
+        "{statements:#?}"
+    );
+    // An id left unset is filled as by `insert`.
+    assert_eq!(
+        tx.insert_without_returning(event::ActiveModel {
+            customer_id: Set(9),
+            ..Default::default()
+        })
+        .await
+        .unwrap(),
+        1
+    );
+    // Another key's row is refused before any SQL, and the transaction with it.
+    let carts_sent = || {
+        sent.lock()
+            .unwrap()
+            .iter()
+            .filter(|(_, s)| s.sql.to_ascii_uppercase().contains("CARTS"))
+            .count()
+    };
+    let before = carts_sent();
+    let err = tx
+        .insert_without_returning(cart(3, 10, "theirs"))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, ShardError::CrossShardWrite { .. }), "{err:?}");
+    assert_eq!(carts_sent(), before);
+    assert!(matches!(
+        tx.commit().await,
+        Err(ShardError::RollbackOnly { .. })
+    ));
+
+    let tx = cluster.begin::<Customer>(9).await.unwrap();
+    tx.insert_without_returning(cart(1, 9, "old"))
+        .await
+        .unwrap();
+    tx.update_without_returning(cart(1, 9, "new"))
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    let carts = cluster.find::<cart::Entity>().key(9).all().await.unwrap();
+    assert_eq!(
+        carts.iter().map(|c| c.label.as_str()).collect::<Vec<_>>(),
+        ["new"]
+    );
+    assert_eq!(
+        cluster
+            .find::<event::Entity>()
+            .key(9)
+            .count()
+            .await
+            .unwrap(),
+        0
+    );
+
+    // Global indexes: the row is found through its index afterwards.
+    cluster.gsi().create::<contact::Entity>().await.unwrap();
+    let tx = cluster.begin::<Customer>(9).await.unwrap();
+    assert_eq!(
+        tx.insert_without_returning(contact::row(7, 9, "nine@x", "555-9"))
+            .await
+            .unwrap(),
+        1
+    );
+    tx.commit().await.unwrap();
+    assert_eq!(phone_owners(&cluster, "555-9").await, [7]);
+}
