@@ -20,46 +20,10 @@ cd "$(dirname "$0")/../.."
 n1="${1:-100}"
 n2="${2:-400}"
 rounds="${3:-3}"
-bin=$(cargo bench -p shardkit-tests --bench overhead --no-run --message-format=json 2>/dev/null \
-  | python3 -c 'import json,sys
-for line in sys.stdin:
-    m = json.loads(line)
-    if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "overhead" and m.get("executable"):
-        print(m["executable"])')
-out=$(mktemp -d)
-count() { # mode backend op n -> main-thread instructions
-  valgrind --tool=callgrind --separate-threads=yes --callgrind-out-file="$out/cg.%p" \
-    "$bin" "$@" >/dev/null 2>"$out/log"
-  grep -h "^summary:" "$out"/cg.*-01 | awk '{s+=$2} END {print s}'
-  rm -f "$out"/cg.*
-}
-compare() { # base other label cases...
-  local base=$1 other=$2 label=$3; shift 3
-  printf '%-9s %-7s %22s %22s %7s\n' backend op "$base/op (min..max)" "$other/op (min..max)" "$label"
-  for case in "$@"; do
-    set -- $case
-    samples=""
-    for _ in $(seq 1 "$rounds"); do
-      for mode in "$base" "$other"; do
-        a=$(count "$mode" "$1" "$2" "$n1")
-        b=$(count "$mode" "$1" "$2" "$n2")
-        samples="$samples $mode:$(( (b - a) / (n2 - n1) ))"
-      done
-    done
-    python3 - "$1" "$2" "$base" "$other" $samples <<'PY'
-import sys
-backend, op, base, other, *samples = sys.argv[1:]
-per = {base: [], other: []}
-for s in samples:
-    mode, n = s.split(":")
-    per[mode].append(int(n))
-p, k = per[base], per[other]
-print(f"{backend:<9} {op:<7} {min(p):>9} ({min(p)}..{max(p)}) {min(k):>9} ({min(k)}..{max(k)}) {min(k)/min(p):7.3f}")
-PY
-  done
-}
+# shellcheck source=callgrind.sh
+. tests/benches/callgrind.sh
+bin=$(bench_bin overhead)
 if [ "${ONLY:-}" != session ]; then
   compare plain shardkit ratio "sqlite read" "postgres read" "sqlite update" "postgres update"
 fi
 compare shardkit session "session ratio" "sqlite read" "postgres read"
-rm -rf "$out"
