@@ -103,42 +103,27 @@ pub mod purchase {
     impl ActiveModelBehavior for ActiveModel {}
 }
 
+/// The table after a second migration adds `tag`.
+pub mod note_tag {
+    use sea_orm::entity::prelude::*;
+
+    #[sea_orm::model]
+    #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel, shardkit::Sharded)]
+    #[sea_orm(table_name = "notes")]
+    #[shardkit(group = super::Writer)]
+    pub struct Model {
+        #[sea_orm(primary_key, auto_increment = false)]
+        #[shardkit(shard_key)]
+        pub id: i64,
+        pub body: String,
+        pub memo: Option<String>,
+        pub tag: Option<String>,
+    }
+
+    impl ActiveModelBehavior for ActiveModel {}
+}
+
 const MEMO: &str = "m20261127_000302_notes_memo";
-
-/// Adds `notes.memo`: one statement, so a failure leaves nothing half done
-/// on any backend.
-struct AddMemo;
-
-impl MigrationName for AddMemo {
-    fn name(&self) -> &str {
-        MEMO
-    }
-}
-
-#[async_trait::async_trait]
-impl MigrationTrait for AddMemo {
-    async fn up(&self, manager: &SchemaManager) -> Result<(), DbErr> {
-        manager
-            .alter_table(
-                Table::alter()
-                    .table(Alias::new("notes"))
-                    .add_column(ColumnDef::new(Alias::new("memo")).text().null())
-                    .to_owned(),
-            )
-            .await
-    }
-
-    async fn down(&self, manager: &SchemaManager) -> Result<(), DbErr> {
-        manager
-            .alter_table(
-                Table::alter()
-                    .table(Alias::new("notes"))
-                    .drop_column(Alias::new("memo"))
-                    .to_owned(),
-            )
-            .await
-    }
-}
 
 fn base() -> Vec<Box<dyn MigrationTrait>> {
     use shardkit_tests::models::CreateTable;
@@ -169,11 +154,46 @@ impl MigratorTrait for Before {
 
 pub struct After;
 
+/// Adds a nullable text column to `notes`: one statement, so a failure
+/// leaves nothing half done on any backend.
+struct AddColumn(&'static str, &'static str);
+
+impl MigrationName for AddColumn {
+    fn name(&self) -> &str {
+        self.0
+    }
+}
+
+#[async_trait::async_trait]
+impl MigrationTrait for AddColumn {
+    async fn up(&self, manager: &SchemaManager) -> Result<(), DbErr> {
+        manager
+            .alter_table(
+                Table::alter()
+                    .table(Alias::new("notes"))
+                    .add_column(ColumnDef::new(Alias::new(self.1)).text().null())
+                    .to_owned(),
+            )
+            .await
+    }
+}
+
+pub struct Tagged;
+
+#[async_trait::async_trait]
+impl MigratorTrait for Tagged {
+    fn migrations() -> Vec<Box<dyn MigrationTrait>> {
+        let mut all = After::migrations();
+        all.push(Box::new(AddColumn("m20261127_000305_notes_tag", "tag")));
+        all
+    }
+}
+
 #[async_trait::async_trait]
 impl MigratorTrait for After {
     fn migrations() -> Vec<Box<dyn MigrationTrait>> {
         let mut all = base();
-        all.push(Box::new(AddMemo));
+        all.push(Box::new(AddColumn(MEMO, "memo")));
         all
     }
 }
@@ -364,6 +384,7 @@ async fn a_failing_migration_leaves_the_others_migrated_and_the_next_run_finishe
 const NOTES: i64 = 200;
 
 async fn a_migration_during_a_move_reaches_the_target(dbs: &mut TestDbs) {
+    let _turn = FAILPOINTS.lock().await;
     let cluster = connect(&toml(dbs, 30_000)).await;
     cluster.migrate::<Before>().await.unwrap();
     cluster.refresh_bucket_maps().await.unwrap();
@@ -417,7 +438,9 @@ async fn a_migration_during_a_move_reaches_the_target(dbs: &mut TestDbs) {
             let mut n = 0;
             while !stop.load(Ordering::SeqCst) {
                 n += 1;
-                let id = 1 + (w * 25 + n) % NOTES;
+                // Each writer its own notes: a memo recorded after its commit is
+                // the note's last.
+                let id = 1 + (n * 8 + w) % NOTES;
                 let with_memo = migrated.load(Ordering::SeqCst);
                 let memo = format!("{w}-{n}");
                 let written = c
@@ -529,7 +552,7 @@ async fn a_migration_during_a_move_reaches_the_target(dbs: &mut TestDbs) {
         .unwrap()
         .entity::<note::Entity>();
     let back: Vec<u32> = quarter.iter().copied().take(4).collect();
-    let plan = old.plan_buckets(back, "s0").await.unwrap();
+    let plan = old.plan_buckets(back.clone(), "s0").await.unwrap();
     let started = old.start(&plan).await.unwrap();
     let err = old.run(started.id).await.unwrap_err();
     let text = err.to_string();
@@ -538,11 +561,78 @@ async fn a_migration_during_a_move_reaches_the_target(dbs: &mut TestDbs) {
         "{text}"
     );
     old.abort(started.id).await.unwrap();
+
+    // A column that lands after the copy: a mover without it has copied
+    // and replayed rows without its values. Its cut-over stops and sends
+    // the move back to copying, and a mover with the column copies again.
+    let old = cluster
+        .rebalance::<Writer>()
+        .unwrap()
+        .entity::<note_memo::Entity>();
+    let plan = old.plan_buckets(back, "s0").await.unwrap();
+    let started = old.start(&plan).await.unwrap();
+    fail::cfg("shardkit::rebalance::verified", "return").unwrap();
+    let stopped = old.run(started.id).await;
+    fail::remove("shardkit::rebalance::verified");
+    assert!(stopped.is_err());
+    cluster.migrate::<Tagged>().await.unwrap();
+    let mut tags = std::collections::BTreeMap::new();
+    for id in 1..=NOTES {
+        if cluster.shard_of::<Writer>(&id).await.unwrap() != "s4" {
+            continue;
+        }
+        let tag = format!("tag-{id}");
+        cluster
+            .transaction::<Writer, _, _>(id, |tx| {
+                let tag = tag.clone();
+                async move {
+                    tx.update_many::<note_tag::Entity>()
+                        .col_expr(note_tag::Column::Tag, sea_orm::sea_query::Expr::value(tag))
+                        .exec()
+                        .await
+                }
+            })
+            .await
+            .unwrap();
+        tags.insert(id, tag);
+    }
+    let err = old.run(started.id).await.unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("has column(s) `tag` that the mover's entity lacks"),
+        "{err}"
+    );
+    let status = old.status(started.id).await.unwrap();
+    assert_eq!(
+        status.phase,
+        shardkit::rebalance::MovePhase::Copying,
+        "{status:?}"
+    );
+    let new = cluster
+        .rebalance::<Writer>()
+        .unwrap()
+        .entity::<note_tag::Entity>();
+    let done = new.run(started.id).await.unwrap();
+    assert_eq!(done.phase, shardkit::rebalance::MovePhase::Done, "{done:?}");
+    cluster.refresh_bucket_maps().await.unwrap();
+    let mut moved = 0;
+    for (id, tag) in &tags {
+        let row = cluster
+            .find::<note_tag::Entity>()
+            .key(*id)
+            .one()
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(row.tag.as_deref(), Some(tag.as_str()), "note {id}");
+        moved += usize::from(cluster.shard_of::<Writer>(id).await.unwrap() == "s0");
+    }
+    assert!(moved > 0);
 }
 
-/// Failpoints are process-wide: the scenarios that write reference tables
-/// take turns (one of them arms one).
-static REFERENCE_WRITES: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+/// Failpoints are process-wide: the scenarios that arm one, write
+/// reference tables or move buckets take turns.
+static FAILPOINTS: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 const CURRENCIES: i64 = 12;
 const BUYERS: i64 = 200;
@@ -590,7 +680,7 @@ async fn seed_buyers(cluster: &Cluster) {
 /// go down; afterwards every copy is at the source's version with its rows,
 /// and no connection is left behind.
 async fn reference_writes_reach_every_shard_while_one_refuses_and_one_hangs(dbs: &mut TestDbs) {
-    let _turn = REFERENCE_WRITES.lock().await;
+    let _turn = FAILPOINTS.lock().await;
     let plain = toml(dbs, 60_000);
     let b = connect(&plain).await;
     b.migrate::<Before>().await.unwrap();
@@ -818,7 +908,7 @@ async fn reference_writes_reach_every_shard_while_one_refuses_and_one_hangs(dbs:
 /// was lost gets the table from a bucket move before it takes buckets, and
 /// a transaction on a key reads its currency on the key's shard.
 async fn reference_drift_is_repaired_and_a_move_target_gets_the_table(dbs: &mut TestDbs) {
-    let _turn = REFERENCE_WRITES.lock().await;
+    let _turn = FAILPOINTS.lock().await;
     let cluster = connect(&toml(dbs, 60_000)).await;
     cluster.migrate::<Before>().await.unwrap();
     cluster.refresh_bucket_maps().await.unwrap();

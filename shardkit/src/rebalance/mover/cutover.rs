@@ -25,7 +25,7 @@ impl<G> Rebalance<G> {
         self.failpoint("cutting_over", id, target)?;
         // A migration that reached some shards and not others is waited
         // for here, before any write waits behind the fence.
-        self.schemas_agree(status, target).await?;
+        self.schemas_agree(token, status, target).await?;
         // A shard that takes buckets holds every reference table its rows
         // join first (the ones this instance registered).
         self.references.catch_up_all(target).await?;
@@ -92,7 +92,7 @@ impl<G> Rebalance<G> {
         // A migration that landed between the check above and the fence:
         // the writes it let through are replayed, but a column the target
         // lacks (or the entity does not copy) would lose their values.
-        if let Err(e) = self.schemas_agree_now(status, target).await {
+        if let Err(e) = self.schemas_agree_now(token, status, target).await {
             self.unfence(token, id, &sources).await;
             return Err(e);
         }
@@ -179,7 +179,7 @@ impl<G> Rebalance<G> {
     /// a cut-over that stopped before flipping the map.
     async fn unfence(&self, token: &Token, id: i64, sources: &[(ShardId, Vec<u32>)]) {
         for (src, buckets) in sources {
-            let _ = set_states(
+            if let Err(e) = set_states(
                 Some(token),
                 self.conn(*src),
                 self.group,
@@ -189,7 +189,12 @@ impl<G> Rebalance<G> {
                 Some(id),
                 None,
             )
-            .await;
+            .await
+            {
+                // The buckets stay fenced until the move runs again (its
+                // cut-over fences and flips them) or is aborted.
+                tracing::error!(group = self.group, id, shard = %self.shards.shard_name(*src), error = %e.report(), "moving buckets left fenced: run or abort the move");
+            }
         }
     }
 

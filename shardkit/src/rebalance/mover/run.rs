@@ -370,7 +370,7 @@ impl<G> Rebalance<G> {
                 }
                 MovePhase::Copying => {
                     self.failpoint("copying", id, target)?;
-                    self.schemas_agree(&status, target).await?;
+                    self.schemas_agree(token, &mut status, target).await?;
                     // The rows copied may reference the reference tables.
                     self.references.catch_up_all(target).await?;
                     let sources = self.sources(&status)?;

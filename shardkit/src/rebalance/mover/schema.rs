@@ -6,7 +6,8 @@
 
 use crate::error::{Result, ShardError};
 use crate::rebalance::db_err;
-use crate::rebalance::mover::{MoveStatus, Rebalance};
+use crate::rebalance::fencing::Token;
+use crate::rebalance::mover::{MovePhase, MoveStatus, Rebalance};
 use crate::topology::ShardId;
 use sea_orm::{ConnectionTrait, DatabaseConnection, DbBackend, Statement};
 use std::collections::BTreeSet;
@@ -25,13 +26,21 @@ impl<G> Rebalance<G> {
     /// `rebalance.schema_wait_ms` for a migration still under way, then
     /// stops with [`ShardError::Rebalance`] naming the table, the shards and
     /// the columns.
-    pub(super) async fn schemas_agree(&self, status: &MoveStatus, target: ShardId) -> Result<()> {
+    pub(super) async fn schemas_agree(
+        &self,
+        token: &Token,
+        status: &mut MoveStatus,
+        target: ShardId,
+    ) -> Result<()> {
         let wait = self.shards.rebalance_settings().schema_wait;
         let deadline = tokio::time::Instant::now() + wait;
         loop {
             let Some(mismatch) = self.schema_mismatch(status, target).await? else {
                 return Ok(());
             };
+            if !mismatch.wait {
+                self.copy_again(token, status).await?;
+            }
             if !mismatch.wait || tokio::time::Instant::now() >= deadline {
                 let after = if mismatch.wait {
                     format!(" (waited {wait:?}; the move resumes when run again)")
@@ -48,19 +57,38 @@ impl<G> Rebalance<G> {
     /// The same check without waiting (behind the cut-over's fence).
     pub(super) async fn schemas_agree_now(
         &self,
-        status: &MoveStatus,
+        token: &Token,
+        status: &mut MoveStatus,
         target: ShardId,
     ) -> Result<()> {
         match self.schema_mismatch(status, target).await? {
             None => Ok(()),
-            Some(mismatch) => Err(self.refuse(
-                Some(status.id),
-                format!(
-                    "{}; the cut-over let the moving buckets' writes go on and stopped",
-                    mismatch.reason
-                ),
-            )),
+            Some(mismatch) => {
+                if !mismatch.wait {
+                    self.copy_again(token, status).await?;
+                }
+                Err(self.refuse(
+                    Some(status.id),
+                    format!(
+                        "{}; the cut-over stopped and let the moving buckets' writes go on",
+                        mismatch.reason
+                    ),
+                ))
+            }
         }
+    }
+
+    /// A column the mover's entity lacks appeared after the copy began
+    /// (a migration landed meanwhile): what was copied and replayed since
+    /// lacks its values, and the change log no longer names those keys.
+    /// The move goes back to copying, from the start, so that a mover
+    /// whose entity has the column copies every row again.
+    async fn copy_again(&self, token: &Token, status: &mut MoveStatus) -> Result<()> {
+        if matches!(status.phase, MovePhase::Registered | MovePhase::Copying) {
+            return Ok(());
+        }
+        tracing::warn!(group = self.group, id = status.id, phase = %status.phase, "a moving table gained a column the mover does not copy: the move goes back to copying");
+        self.set_phase(token, status, MovePhase::Copying).await
     }
 
     async fn schema_mismatch(
@@ -71,19 +99,26 @@ impl<G> Rebalance<G> {
         let mut shards: Vec<ShardId> = self.sources(status)?.into_iter().map(|(s, _)| s).collect();
         shards.push(target);
         for entity in &self.entities {
-            let expected: BTreeSet<&str> = entity.columns().into_iter().collect();
-            if expected.is_empty() {
+            let columns = entity.columns();
+            if columns.is_empty() {
                 continue;
             }
             let table = entity.table();
             let mut seen: Option<(&str, BTreeSet<String>)> = None;
             for shard in &shards {
                 let (db, name) = self.conn(*shard);
-                let have = table_columns(db, name, table).await?;
+                let have = self.timed(name, table_columns(db, name, table)).await?;
+                let expected: BTreeSet<String> = columns
+                    .iter()
+                    .map(|c| match db.get_database_backend() {
+                        DbBackend::Postgres => (*c).to_owned(),
+                        _ => c.to_lowercase(),
+                    })
+                    .collect();
                 let lacks: Vec<&str> = expected
                     .iter()
-                    .filter(|c| !have.contains(**c))
-                    .copied()
+                    .filter(|c| !have.contains(*c))
+                    .map(String::as_str)
                     .collect();
                 if !lacks.is_empty() {
                     return Ok(Some(Mismatch {
@@ -111,7 +146,7 @@ impl<G> Rebalance<G> {
                 }
                 let unknown: Vec<&str> = have
                     .iter()
-                    .filter(|c| !expected.contains(c.as_str()))
+                    .filter(|c| !expected.contains(*c))
                     .map(String::as_str)
                     .collect();
                 if !unknown.is_empty() {
@@ -140,7 +175,10 @@ fn list<'a>(columns: impl IntoIterator<Item = &'a str>) -> String {
         .join(", ")
 }
 
-/// The columns `table` has on `db` (none when it does not exist).
+/// The columns `table` has on `db` (none when it does not exist), by name,
+/// lower-cased where the database compares names without case (MySQL,
+/// MariaDB, SQLite); a MySQL invisible column (a generated invisible
+/// primary key) is not one the application writes, and is left out.
 async fn table_columns(
     db: &DatabaseConnection,
     shard: &str,
@@ -149,13 +187,16 @@ async fn table_columns(
     let backend = db.get_database_backend();
     let sql = match backend {
         DbBackend::Sqlite => "SELECT name FROM pragma_table_info(?)",
+        // The table the search path finds, as an unqualified name in a
+        // statement would.
         DbBackend::Postgres => {
-            "SELECT column_name::text AS name FROM information_schema.columns \
-             WHERE table_schema = current_schema() AND table_name = $1"
+            "SELECT attname::text AS name FROM pg_attribute \
+             WHERE attrelid = to_regclass(quote_ident($1)) AND attnum > 0 AND NOT attisdropped"
         }
         _ => {
             "SELECT CAST(column_name AS CHAR) AS name FROM information_schema.columns \
-             WHERE table_schema = DATABASE() AND table_name = ?"
+             WHERE table_schema = DATABASE() AND table_name = ? \
+             AND COALESCE(extra, '') NOT LIKE '%INVISIBLE%'"
         }
     };
     let rows = db
@@ -165,6 +206,10 @@ async fn table_columns(
     rows.iter()
         .map(|row| {
             row.try_get::<String>("", "name")
+                .map(|name| match backend {
+                    DbBackend::Postgres => name,
+                    _ => name.to_lowercase(),
+                })
                 .map_err(|e| db_err(shard, table, "read the columns of", e))
         })
         .collect::<std::result::Result<_, ShardError>>()
