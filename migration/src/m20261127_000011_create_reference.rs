@@ -1,18 +1,13 @@
-//! Reference tables: the version of each shard's copy, and the log of
-//! changes on the source shard.
+//! Reference tables: the version of each shard's copy.
 //!
-//! - `shardkit_reference_versions`: one row per reference table (`tbl`) on
-//!   every shard: the version its copy holds. On the source shard (the
-//!   cluster's first) it is also the counter a write takes its version
-//!   from.
-//! - `shardkit_reference_log`: on the source shard, the primary key (as
-//!   text) of every row each version wrote or deleted, so that a copy that
-//!   is behind takes only the rows changed since its version.
+//! `shardkit_reference_versions` holds one row per reference table (`tbl`)
+//! on every shard: the version its copy holds. On the source shard (the
+//! cluster's first) it is also the counter a write takes its version from.
 
 use sea_orm_migration::prelude::*;
 use sea_orm_migration::sea_orm::DbBackend;
 
-/// Creates the reference tables' version and log tables.
+/// Creates the reference tables' version table.
 pub struct Migration;
 
 impl MigrationName for Migration {
@@ -52,32 +47,17 @@ impl MigrationTrait for Migration {
                     .col(big("version"))
                     .to_owned(),
             )
-            .await?;
-        manager
-            .create_table(
-                Table::create()
-                    .table(Alias::new("shardkit_reference_log"))
-                    .if_not_exists()
-                    .col(text(b, "tbl", 128))
-                    .col(big("version"))
-                    .col(text(b, "pk", 500))
-                    .primary_key(
-                        Index::create()
-                            .col(Alias::new("tbl"))
-                            .col(Alias::new("version"))
-                            .col(Alias::new("pk")),
-                    )
-                    .to_owned(),
-            )
             .await
     }
 
     async fn down(&self, manager: &SchemaManager) -> Result<(), DbErr> {
-        for t in ["shardkit_reference_log", "shardkit_reference_versions"] {
-            manager
-                .drop_table(Table::drop().table(Alias::new(t)).if_exists().to_owned())
-                .await?;
-        }
-        Ok(())
+        manager
+            .drop_table(
+                Table::drop()
+                    .table(Alias::new("shardkit_reference_versions"))
+                    .if_exists()
+                    .to_owned(),
+            )
+            .await
     }
 }

@@ -634,6 +634,11 @@ impl Cluster {
         options: &MigrateOptions,
     ) -> Result<(MigrationReport, Option<ShardError>)> {
         let (report, failed) = self.shards.migrate_with::<M>(options).await;
+        // Cancelled: databases were left as they were; what follows a
+        // migration waits for the run that finishes it.
+        if options.cancelled() {
+            return Ok((report, failed));
+        }
         // The movable groups' maps and every shard's bucket states (a shard
         // added to the config gets its own), even when a database failed
         // (a ticket server down): a half-done set-up must not leave a map

@@ -37,6 +37,11 @@ impl MigrateOptions {
         self.control = control;
         self
     }
+
+    /// Whether the run was cancelled.
+    pub(crate) fn cancelled(&self) -> bool {
+        self.control.is_cancelled()
+    }
 }
 
 impl std::fmt::Debug for MigrateOptions {

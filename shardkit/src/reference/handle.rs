@@ -3,13 +3,13 @@
 
 use crate::entity::{ReferenceEntity, ReferenceTable, table_name};
 use crate::error::{Result, ShardError};
-use crate::key::{model_pk, model_pk_values, value_text};
+use crate::key::model_pk_values;
 use crate::read::ReferenceFence;
 use crate::reference::state::{References, SOURCE};
-use crate::reference::sync::{Change, catch_up, db_err, push, version_of, write_source};
+use crate::reference::sync::{Change, catch_up, db_err, push, texts, version_of, write_source};
 use crate::reference::watch::{Typed, register};
 use crate::topology::ShardId;
-use sea_orm::{EntityTrait, Iterable, QueryTrait, Select};
+use sea_orm::{QueryTrait, Select};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -501,18 +501,6 @@ where
     }
 }
 
-/// Each row's values as text, by primary key (as text).
-fn texts<E: EntityTrait>(rows: &[E::Model]) -> BTreeMap<String, Vec<Option<String>>> {
-    rows.iter()
-        .map(|r| {
-            let values: Vec<Option<String>> = <E::Column as Iterable>::iter()
-                .map(|c| value_text(&sea_orm::ModelTrait::get(r, c)))
-                .collect();
-            (model_pk::<E>(r), values)
-        })
-        .collect()
-}
-
 /// A digest of a copy's rows (FNV-1a over the rows in key order).
 fn digest(rows: &BTreeMap<String, Vec<Option<String>>>) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
@@ -589,7 +577,7 @@ async fn repair_copy<E: ReferenceEntity>(
                 .await
                 .map_err(err("set the version of"))?;
         }
-        crate::reference::sync::replace_rows::<E, _>(&txn, rows)
+        crate::reference::sync::sync_rows::<E, _>(&txn, rows)
             .await
             .map_err(err("repair"))?;
         txn.commit().await.map_err(err("commit"))?;

@@ -7,23 +7,25 @@
 //! [`Cluster::reference`](crate::Cluster::reference).
 //!
 //! - **The source.** The cluster's first shard holds the copy every other
-//!   one follows, a counter per table and the log of the primary keys each
-//!   version changed (`shardkit_reference_versions`,
-//!   `shardkit_reference_log`). A write is one transaction there: it takes
-//!   the next version, changes the rows and logs their keys. Once it has
+//!   one follows and a counter per table (`shardkit_reference_versions`,
+//!   which holds every copy's version too). A write is one transaction
+//!   there: it takes the next version and changes the rows. Once it has
 //!   committed it is durable, whatever else is down.
 //! - **The copies.** The write is then applied to every other shard, each
 //!   in one transaction that moves the copy's version from the one before
 //!   to the new one (compare and set). A shard that is down, or whose copy
 //!   is not at the version before, is brought up later by a catch-up: in
-//!   one snapshot of the source, its version and the rows the log names
-//!   since the copy's version; then, in one transaction on the shard, those
-//!   rows written (or deleted) and the copy's version set. A copy passes
-//!   from version to version, each one whole: it never holds part of a
-//!   version. A background task of every instance that registered the table
-//!   runs the catch-up for copies that are behind; a read that finds its
-//!   copy behind runs it first; a bucket move runs it on its target before
-//!   the cut-over.
+//!   one snapshot of the source, its version and its rows; then, in one
+//!   transaction on the shard, the copy's version set and its rows compared
+//!   with the source's, the missing and different ones written and the
+//!   extra ones deleted (each by its own typed key: a copy is never
+//!   emptied). A copy passes from version to version, each one whole: it
+//!   never holds part of a version. A background task of every instance
+//!   that registered the table reads every copy's version each second and
+//!   runs the catch-up for copies not at the source's (behind, or ahead of
+//!   a source restored to an earlier point, which they follow back); a read
+//!   that finds its copy behind runs it first; a bucket move runs it on its
+//!   target before it copies and before the cut-over.
 //! - **Never backwards.** An instance remembers the newest version it has
 //!   read or written of each table. A read that joins a reference table
 //!   (a keyed read's `find_also_related` / `find_with_related`, or

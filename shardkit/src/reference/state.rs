@@ -36,8 +36,6 @@ struct Inner {
     copies: Mutex<HashMap<(&'static str, u32), i64>>,
     tables: Mutex<Vec<&'static dyn ReferenceTable>>,
     task: Mutex<Option<tokio::task::JoinHandle<()>>>,
-    /// The version up to which each table's log was pruned by this instance.
-    pruned: Mutex<HashMap<&'static str, i64>>,
 }
 
 impl Drop for Inner {
@@ -61,7 +59,6 @@ impl References {
                 copies: Mutex::default(),
                 tables: Mutex::default(),
                 task: Mutex::default(),
-                pruned: Mutex::default(),
             }),
         }
     }
@@ -104,22 +101,12 @@ impl References {
         }
     }
 
-    /// The version up to which this instance pruned `table`'s log.
-    pub(super) fn pruned(&self, table: &'static str) -> i64 {
-        lock(&self.inner.pruned).get(table).copied().unwrap_or(0)
-    }
-
-    pub(super) fn set_pruned(&self, table: &'static str, version: i64) {
-        lock(&self.inner.pruned).insert(table, version);
-    }
-
-    /// The oldest version any copy is known to hold (0: one not known).
-    pub(super) fn oldest_copy(&self, table: &'static str) -> i64 {
-        let copies = lock(&self.inner.copies);
-        (0..self.inner.shards.topology().shards().len() as u32)
-            .map(|s| copies.get(&(table, s)).copied().unwrap_or(0))
-            .min()
-            .unwrap_or(0)
+    /// `shard`'s copy of `table` holds `version`, read just now (lower
+    /// than what was known: the copy lost versions, and the background
+    /// catch-up and the read fence see it).
+    pub(super) fn copy_is(&self, table: &'static str, shard: ShardId, version: i64) {
+        lock(&self.inner.copies).insert((table, shard.0), version);
+        crate::metrics::reference_copy_version(table, self.inner.shards.shard_name(shard), version);
     }
 
     /// The shard whose own pool `conn` is (not a replica's).

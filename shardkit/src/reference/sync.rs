@@ -1,26 +1,21 @@
 //! The statements behind reference tables: the versions, a write on the
-//! source with its log, applying a write to a copy, and a copy's catch-up
-//! from a snapshot of the source.
+//! source, applying a write to a copy, and a copy's catch-up from a
+//! snapshot of the source (the source's rows against the copy's, row by
+//! row: every value typed by the entity, none rebuilt from text).
 
 use crate::entity::{ReferenceEntity, table_name};
 use crate::error::{Origin, Result, ShardError, Subsystem, is_unique_violation};
-use crate::key::{TUPLE_SEPARATOR, model_pk, tuple_text, typed_value};
+use crate::key::{model_pk, tuple_text, value_text};
 use crate::reference::state::{References, SOURCE};
 use crate::topology::ShardId;
 use sea_orm::sea_query::{Alias, Expr, ExprTrait, Query};
 use sea_orm::{
     ActiveModelTrait, ConnectionTrait, DbBackend, DbErr, EntityTrait, IntoActiveModel,
-    IsolationLevel, Iterable, PrimaryKeyToColumn, QueryFilter, TransactionTrait, Value,
+    IsolationLevel, Iterable, QueryFilter, TransactionTrait, Value,
 };
-use std::collections::BTreeSet;
+use std::collections::BTreeMap;
 
 pub(crate) const VERSIONS: &str = "shardkit_reference_versions";
-pub(crate) const LOG: &str = "shardkit_reference_log";
-
-/// The longest primary key (as text) a reference table's log keeps.
-const MAX_PK_TEXT: usize = 500;
-/// Past this many changed keys, a catch-up copies the whole table.
-const MAX_DELTA: usize = 10_000;
 
 /// One change of a reference write.
 pub(crate) enum Change<E: EntityTrait> {
@@ -32,15 +27,6 @@ pub(crate) enum Change<E: EntityTrait> {
     Upsert(E::Model),
     /// The row of this primary key: refused when it is not there.
     Delete(Vec<Value>),
-}
-
-impl<E: EntityTrait> Change<E> {
-    fn pk(&self) -> String {
-        match self {
-            Change::Insert(m) | Change::Update(m) | Change::Upsert(m) => model_pk::<E>(m),
-            Change::Delete(pk) => tuple_text(pk),
-        }
-    }
 }
 
 pub(super) fn db_err(shard: &str, table: &str, operation: &str, source: DbErr) -> ShardError {
@@ -127,37 +113,13 @@ fn pk_condition<E: EntityTrait>(pk: &[Value]) -> sea_orm::Condition {
     crate::exec::keyset::pk_condition::<E>(pk)
 }
 
-/// The primary key values of a row's text key.
-fn parse_pk<E: EntityTrait>(text: &str) -> Vec<Value> {
-    let columns: Vec<E::Column> = <E::PrimaryKey as Iterable>::iter()
-        .map(PrimaryKeyToColumn::into_column)
-        .collect();
-    if columns.len() == 1 {
-        return vec![typed_value::<E>(columns[0], text)];
-    }
-    columns
-        .into_iter()
-        .zip(text.split(TUPLE_SEPARATOR))
-        .map(|(c, t)| typed_value::<E>(c, t))
-        .collect()
-}
-
-/// Writes `changes` on the source as the next version of `E`'s table, with
-/// the log of their keys, in one transaction; returns the version.
+/// Writes `changes` on the source as the next version of `E`'s table, in one
+/// transaction; returns the version.
 pub(super) async fn write_source<E>(refs: &References, changes: &[Change<E>]) -> Result<i64>
 where
     E: ReferenceEntity,
 {
     let table = table_name::<E>();
-    let mut pks: Vec<String> = changes.iter().map(Change::pk).collect();
-    if let Some(long) = pks.iter().find(|pk| pk.len() > MAX_PK_TEXT) {
-        return Err(refused::<E>(format!(
-            "the primary key `{}` is longer than the {MAX_PK_TEXT} characters the change log keeps",
-            long.chars().take(40).collect::<String>()
-        )));
-    }
-    pks.sort();
-    pks.dedup();
     let shards = refs.shards();
     let name = shards.shard_name(SOURCE);
     let db = shards.shard_conn(SOURCE);
@@ -202,18 +164,6 @@ where
                         Applied::Db(e) => db_err(name, table, "write", e),
                     })?;
             }
-            for chunk in pks.chunks(200) {
-                let mut insert = Query::insert();
-                insert.into_table(Alias::new(LOG)).columns([
-                    Alias::new("tbl"),
-                    Alias::new("version"),
-                    Alias::new("pk"),
-                ]);
-                for pk in chunk {
-                    insert.values_panic([table.into(), version.into(), pk.clone().into()]);
-                }
-                txn.execute(&insert).await.map_err(err("log a change of"))?;
-            }
             txn.commit().await.map_err(err("commit a write of"))?;
             Ok(version)
         };
@@ -226,10 +176,10 @@ where
                 refs.saw(table, version);
                 return Ok(version);
             }
-            Err(e)
-                if attempt < 5
-                    && matches!(e.retry(), crate::Retry::Transaction | crate::Retry::Now) =>
-            {
+            // Only a transaction the database aborted (rolled back for
+            // sure) is written again: after a timeout or a lost connection
+            // the commit may have happened.
+            Err(e) if attempt < 5 && e.retry() == crate::Retry::Transaction => {
                 tracing::debug!(table, attempt, error = %e.report(), "reference write aborted; writing it again");
             }
             Err(e) => return Err(e),
@@ -363,63 +313,63 @@ where
     }
 }
 
-/// Makes `db`'s copy hold exactly `rows`: each written over what is there,
-/// then the rows the source does not have deleted (row by row, never the
-/// whole table: rows of the shard's own tables may reference these).
-pub(super) async fn replace_rows<E, C>(db: &C, rows: &[E::Model]) -> std::result::Result<(), DbErr>
+/// Each row's values as text, by primary key (as text): what copies are
+/// compared by.
+pub(super) fn texts<E: EntityTrait>(rows: &[E::Model]) -> BTreeMap<String, Vec<Option<String>>> {
+    rows.iter()
+        .map(|r| {
+            let values: Vec<Option<String>> = <E::Column as Iterable>::iter()
+                .map(|c| value_text(&sea_orm::ModelTrait::get(r, c)))
+                .collect();
+            (model_pk::<E>(r), values)
+        })
+        .collect()
+}
+
+/// Makes `db`'s copy hold exactly `rows`: the rows that are missing or
+/// differ written over, then the rows the source does not have deleted,
+/// each by its own typed primary key (never the whole table: rows of the
+/// shard's own tables may reference these). Returns the rows changed.
+pub(super) async fn sync_rows<E, C>(db: &C, rows: &[E::Model]) -> std::result::Result<u64, DbErr>
 where
     E: ReferenceEntity,
     C: ConnectionTrait,
 {
-    let keep: BTreeSet<String> = rows.iter().map(model_pk::<E>).collect();
+    let here = E::find().all(db).await?;
+    let have = texts::<E>(&here);
+    let want = texts::<E>(rows);
+    let mut changed = 0;
     for row in rows {
-        crate::exec::keyset::upsert::<E, _>(db, row.clone()).await?;
-    }
-    for row in E::find().all(db).await? {
-        if !keep.contains(&model_pk::<E>(&row)) {
-            E::delete_many()
-                .filter(pk_condition::<E>(&crate::key::model_pk_values::<E>(&row)))
-                .exec(db)
-                .await?;
+        let pk = model_pk::<E>(row);
+        if have.get(&pk) != want.get(&pk) {
+            crate::exec::keyset::upsert::<E, _>(db, row.clone()).await?;
+            changed += 1;
         }
     }
-    Ok(())
+    for row in &here {
+        if !want.contains_key(&model_pk::<E>(row)) {
+            E::delete_many()
+                .filter(pk_condition::<E>(&crate::key::model_pk_values::<E>(row)))
+                .exec(db)
+                .await?;
+            changed += 1;
+        }
+    }
+    Ok(changed)
 }
 
-/// Deletes the source's log of `table` up to version `upto` (what no copy
-/// needs: every copy is known to hold `upto` or later).
-pub(super) async fn prune_log(refs: &References, table: &'static str, upto: i64) -> Result<u64> {
-    let shards = refs.shards();
-    let name = shards.shard_name(SOURCE);
-    let db = shards.shard_conn(SOURCE);
-    let stmt = Query::delete()
-        .from_table(Alias::new(LOG))
-        .and_where(Expr::col(Alias::new("tbl")).eq(table))
-        .and_where(Expr::col(Alias::new("version")).lte(upto))
-        .to_owned();
-    let prune = async {
-        db.execute(&stmt)
-            .await
-            .map(|r| r.rows_affected())
-            .map_err(|e| db_err(name, LOG, "prune", e))
-    };
-    shards
-        .bounded(SOURCE, "reference", shards.read_settings().timeout, prune)
-        .await
-}
-
-/// What a copy at version `from` takes to reach the source's version.
-struct Delta<M> {
+/// The source at one moment: its version and its rows.
+struct Snapshot<M> {
     version: i64,
-    /// Every row (the copy is replaced), or only those of `keys`.
-    whole: bool,
-    keys: Vec<String>,
     rows: Vec<M>,
 }
 
-/// In one snapshot of the source: its version and, when it is past
-/// `from`, the rows changed since (or every row).
-async fn read_source<E: ReferenceEntity>(refs: &References, from: i64) -> Result<Delta<E::Model>> {
+/// In one snapshot of the source: its version, and its rows unless the
+/// version is `from` (the copy holds it already).
+async fn read_source<E: ReferenceEntity>(
+    refs: &References,
+    from: i64,
+) -> Result<Snapshot<E::Model>> {
     let table = table_name::<E>();
     let shards = refs.shards();
     let name = shards.shard_name(SOURCE);
@@ -435,68 +385,13 @@ async fn read_source<E: ReferenceEntity>(refs: &References, from: i64) -> Result
         let version = version_of(&txn, table)
             .await
             .map_err(err("read the version of"))?;
-        let mut delta = Delta {
-            version,
-            whole: from == 0,
-            keys: Vec::new(),
-            rows: Vec::new(),
-        };
-        if version <= from {
-            txn.commit().await.map_err(err("end a snapshot of"))?;
-            return Ok(delta);
-        }
-        if !delta.whole {
-            // A log pruned past `from` cannot say what changed since: the
-            // copy is written whole.
-            let oldest = Query::select()
-                .expr_as(Expr::col(Alias::new("version")).min(), Alias::new("oldest"))
-                .from(Alias::new(LOG))
-                .and_where(Expr::col(Alias::new("tbl")).eq(table))
-                .to_owned();
-            let oldest = match txn
-                .query_one(&oldest)
-                .await
-                .map_err(err("read the log of"))?
-            {
-                Some(row) => row
-                    .try_get::<Option<i64>>("", "oldest")
-                    .map_err(err("read the log of"))?,
-                None => None,
-            };
-            delta.whole = oldest.is_none_or(|o| o > from + 1);
-        }
-        if !delta.whole {
-            let stmt = Query::select()
-                .distinct()
-                .column(Alias::new("pk"))
-                .from(Alias::new(LOG))
-                .and_where(Expr::col(Alias::new("tbl")).eq(table))
-                .and_where(Expr::col(Alias::new("version")).gt(from))
-                .and_where(Expr::col(Alias::new("version")).lte(version))
-                .to_owned();
-            let rows = txn.query_all(&stmt).await.map_err(err("read the log of"))?;
-            delta.keys = rows
-                .iter()
-                .map(|r| r.try_get::<String>("", "pk"))
-                .collect::<std::result::Result<_, _>>()
-                .map_err(err("read the log of"))?;
-            delta.whole = delta.keys.len() > MAX_DELTA;
-        }
-        if delta.whole {
-            delta.keys.clear();
-            delta.rows = E::find().all(&txn).await.map_err(err("read"))?;
+        let rows = if version == from {
+            Vec::new()
         } else {
-            for chunk in delta.keys.chunks(100) {
-                let any = chunk.iter().fold(sea_orm::Condition::any(), |c, pk| {
-                    c.add(pk_condition::<E>(&parse_pk::<E>(pk)))
-                });
-                delta
-                    .rows
-                    .extend(E::find().filter(any).all(&txn).await.map_err(err("read"))?);
-            }
-        }
+            E::find().all(&txn).await.map_err(err("read"))?
+        };
         txn.commit().await.map_err(err("end a snapshot of"))?;
-        Ok(delta)
+        Ok(Snapshot { version, rows })
     };
     shards
         .bounded(SOURCE, "reference", shards.read_settings().timeout, read)
@@ -522,10 +417,22 @@ pub(crate) async fn catch_up<E: ReferenceEntity>(refs: &References, shard: Shard
                 .map_err(err("read the version of"))
         };
         let from = shards.bounded(shard, "reference", timeout, read).await?;
-        refs.copy_at(table, shard, from);
-        let delta = read_source::<E>(refs, from).await?;
-        if delta.version <= from {
+        refs.copy_is(table, shard, from);
+        let source = read_source::<E>(refs, from).await?;
+        if source.version == from {
             return Ok(from);
+        }
+        if source.version < from {
+            // The source lost versions this copy has (restored to an
+            // earlier point, or failed over to a replica behind it): the
+            // copy follows the source back.
+            tracing::warn!(
+                table,
+                shard = name,
+                copy = from,
+                source = source.version,
+                "a reference copy is ahead of its source: set back to the source's rows and version"
+            );
         }
         let apply = async {
             if from == 0 {
@@ -534,50 +441,34 @@ pub(crate) async fn catch_up<E: ReferenceEntity>(refs: &References, shard: Shard
                     .map_err(err("create the version of"))?;
             }
             let txn = crate::exec::begin_write(db).await.map_err(err("begin"))?;
-            if !move_version(&txn, table, from, delta.version)
+            if !move_version(&txn, table, from, source.version)
                 .await
                 .map_err(err("move the version of"))?
             {
                 return Ok(false);
             }
-            if delta.whole {
-                replace_rows::<E, _>(&txn, &delta.rows)
-                    .await
-                    .map_err(err("copy"))?;
-            } else {
-                let present: BTreeSet<String> = delta.rows.iter().map(model_pk::<E>).collect();
-                for row in &delta.rows {
-                    crate::exec::keyset::upsert::<E, _>(&txn, row.clone())
-                        .await
-                        .map_err(err("write"))?;
-                }
-                for pk in delta.keys.iter().filter(|k| !present.contains(*k)) {
-                    E::delete_many()
-                        .filter(pk_condition::<E>(&parse_pk::<E>(pk)))
-                        .exec(&txn)
-                        .await
-                        .map_err(err("delete from"))?;
-                }
-            }
+            sync_rows::<E, _>(&txn, &source.rows)
+                .await
+                .map_err(err("write"))?;
             txn.commit().await.map_err(err("commit"))?;
             Ok(true)
         };
         if shards.bounded(shard, "reference", timeout, apply).await? {
-            refs.copy_at(table, shard, delta.version);
+            refs.copy_is(table, shard, source.version);
             tracing::debug!(
                 table,
                 shard = name,
                 from,
-                to = delta.version,
+                to = source.version,
                 "reference copy caught up"
             );
-            return Ok(delta.version);
+            return Ok(source.version);
         }
     }
-    Err(ShardError::Reference {
-        table,
-        reason: format!(
-            "the copy on `{name}` kept changing under its catch-up; it is caught up later"
+    Err(ShardError::Unavailable {
+        shard: name.to_owned(),
+        cause: format!(
+            "the copy of reference table `{table}` kept changing under its catch-up (other writers); it is caught up later"
         ),
     })
 }

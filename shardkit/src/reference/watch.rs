@@ -6,7 +6,7 @@ use crate::entity::{ReferenceEntity, ReferenceTable, table_name};
 use crate::error::{Result, ShardError};
 use crate::read::{ReadFrom, ReadGuard, ReferenceFence};
 use crate::reference::state::References;
-use crate::reference::sync::{catch_up, prune_log, source_version, version_of};
+use crate::reference::sync::{catch_up, db_err, source_version, version_of};
 use crate::topology::ShardId;
 use futures::future::BoxFuture;
 use sea_orm::{DatabaseConnection, DbErr};
@@ -16,10 +16,6 @@ use std::time::Duration;
 
 /// How often each instance looks for copies behind the source.
 const CATCH_UP_EVERY: Duration = Duration::from_secs(1);
-
-/// The source's log is pruned once every copy is this many versions past
-/// the last prune.
-const PRUNE_EVERY: i64 = 100;
 
 /// Registers `table`: this instance's background task keeps its copies up
 /// to date from now on (started with the first table).
@@ -46,10 +42,13 @@ pub(crate) fn register(refs: &References, table: &'static dyn ReferenceTable) {
     });
 }
 
-/// One background pass: every copy behind its table's source version is
-/// caught up (a shard that fails is tried again next pass).
+/// One background pass: every copy's version read, and every copy not at
+/// its table's source version caught up (a shard that fails is tried again
+/// next pass).
 async fn pass(refs: &References) {
-    let shards = refs.shards().topology().shards().len() as u32;
+    let shards = refs.shards();
+    let count = shards.topology().shards().len() as u32;
+    let timeout = shards.read_settings().timeout;
     for table in refs.tables() {
         let name = table.table();
         let source = match source_version(refs, name).await {
@@ -59,25 +58,28 @@ async fn pass(refs: &References) {
                 continue;
             }
         };
-        let behind = (1..shards)
-            .map(ShardId)
-            .filter(|s| refs.copy(name, *s) < source);
-        let runs = behind.map(|s| async move {
+        let runs = (1..count).map(ShardId).map(|s| async move {
+            let read = async {
+                version_of(shards.shard_conn(s), name)
+                    .await
+                    .map_err(|e| db_err(shards.shard_name(s), name, "read the version of", e))
+            };
+            match shards.bounded(s, "reference", timeout, read).await {
+                Ok(v) if v == source => {
+                    refs.copy_is(name, s, v);
+                    return;
+                }
+                Ok(v) => refs.copy_is(name, s, v),
+                Err(e) => {
+                    tracing::debug!(table = name, shard = %shards.shard_name(s), error = %e.report(), "reference copy not read; catching up later");
+                    return;
+                }
+            }
             if let Err(e) = table.catch_up(refs, s.0 as usize).await {
-                tracing::debug!(table = name, shard = %refs.shards().shard_name(s), error = %e.report(), "reference copy behind; catching up later");
+                tracing::debug!(table = name, shard = %shards.shard_name(s), error = %e.report(), "reference copy behind; catching up later");
             }
         });
         futures::future::join_all(runs).await;
-        // The log up to the oldest copy's version is needed by no copy.
-        let oldest = refs.oldest_copy(name);
-        if oldest >= refs.pruned(name) + PRUNE_EVERY {
-            match prune_log(refs, name, oldest).await {
-                Ok(_) => refs.set_pruned(name, oldest),
-                Err(e) => {
-                    tracing::debug!(table = name, error = %e.report(), "reference log not pruned")
-                }
-            }
-        }
     }
 }
 
