@@ -189,6 +189,35 @@ impl ClusterBuilder {
     }
 }
 
+/// The error of [`Cluster::try_transaction`], like SeaORM's
+/// `TransactionError`: shardkit's own, or the work's.
+#[derive(Debug)]
+pub enum TransactionError<E> {
+    /// Beginning or committing the transaction failed, or it was
+    /// rollback-only; the work's effects are not committed.
+    Connection(ShardError),
+    /// The work returned this error; the transaction was rolled back.
+    Transaction(E),
+}
+
+impl<E: std::fmt::Display> std::fmt::Display for TransactionError<E> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            TransactionError::Connection(e) => std::fmt::Display::fmt(e, f),
+            TransactionError::Transaction(e) => std::fmt::Display::fmt(e, f),
+        }
+    }
+}
+
+impl<E: std::error::Error + 'static> std::error::Error for TransactionError<E> {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            TransactionError::Connection(e) => Some(e),
+            TransactionError::Transaction(e) => Some(e),
+        }
+    }
+}
+
 impl std::fmt::Debug for Cluster {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Cluster")
@@ -413,6 +442,107 @@ impl Cluster {
         Fut: std::future::Future<Output = Result<T>>,
     {
         self.transaction_attempts::<G, T, Fut>(key, 3, work).await
+    }
+
+    /// Runs `work` in a transaction for group `G` pinned to `key`, with an
+    /// error type of the application's, like SeaORM's
+    /// [`TransactionTrait::transaction`](sea_orm::TransactionTrait::transaction):
+    /// commits when `work` returns `Ok`, rolls back and returns
+    /// [`TransactionError::Transaction`] with the work's error when it
+    /// returns `Err`, and returns [`TransactionError::Connection`] when
+    /// beginning or committing fails (a
+    /// [`ShardError`] whose [`retry`](ShardError::retry) says what to do).
+    /// `work` runs once: unlike [`transaction`](Self::transaction), nothing
+    /// is run again after an abort, since only the application knows
+    /// whether its error came from one. An application error type that
+    /// wraps `ShardError` (`From<ShardError>`) lets `?` work on shardkit's
+    /// calls inside.
+    ///
+    /// ```
+    /// # use shardkit::prelude::*;
+    /// # #[derive(EntityGroup)] #[shardkit(key = i64)] pub struct Customer;
+    /// #[derive(Debug)]
+    /// enum AppError {
+    ///     Db(ShardError),
+    ///     TooLarge(i64),
+    /// }
+    /// impl From<ShardError> for AppError {
+    ///     fn from(e: ShardError) -> Self {
+    ///         AppError::Db(e)
+    ///     }
+    /// }
+    /// impl std::fmt::Display for AppError {
+    ///     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+    ///         match self {
+    ///             AppError::Db(e) => write!(f, "{e}"),
+    ///             AppError::TooLarge(n) => write!(f, "{n} is too large"),
+    ///         }
+    ///     }
+    /// }
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> shardkit::Result<()> {
+    /// # let cluster = Cluster::connect(ClusterConfig::from_toml(
+    /// #     "shards = [{ name = \"s0\", url = \"sqlite::memory:\" }]\n[groups.Customer]\n",
+    /// # )?).await?;
+    /// let refused = cluster
+    ///     .try_transaction::<Customer, i64, AppError, _>(42, |tx| async move {
+    ///         let n = tx.key() * 2; // tx.insert(..).await?; ..
+    ///         if n > 50 {
+    ///             return Err(AppError::TooLarge(n)); // rolled back
+    ///         }
+    ///         Ok(n)
+    ///     })
+    ///     .await;
+    /// assert!(matches!(
+    ///     refused,
+    ///     Err(shardkit::TransactionError::Transaction(AppError::TooLarge(84)))
+    /// ));
+    /// # Ok(()) }
+    /// ```
+    pub async fn try_transaction<G, T, E, Fut>(
+        &self,
+        key: G::Key,
+        work: impl FnOnce(Arc<ShardTx<G>>) -> Fut,
+    ) -> std::result::Result<T, TransactionError<E>>
+    where
+        G: EntityGroup,
+        Fut: std::future::Future<Output = std::result::Result<T, E>>,
+    {
+        let tx = Arc::new(
+            self.begin::<G>(key)
+                .await
+                .map_err(TransactionError::Connection)?,
+        );
+        let outcome = work(Arc::clone(&tx)).await;
+        match (outcome, Arc::try_unwrap(tx)) {
+            (Ok(value), Ok(tx)) => tx
+                .commit()
+                .await
+                .map(|()| value)
+                .map_err(TransactionError::Connection),
+            (Err(err), Ok(tx)) => {
+                // The work's error is the one to report; a failed rollback
+                // only means the connection is gone too.
+                let _ = tx.rollback().await;
+                Err(TransactionError::Transaction(err))
+            }
+            (Err(err), Err(shared)) => {
+                drop(shared);
+                Err(TransactionError::Transaction(err))
+            }
+            (Ok(_), Err(shared)) => {
+                let shard = shared.shard().to_owned();
+                // Dropping the last clone rolls back.
+                drop(shared);
+                Err(TransactionError::Connection(ShardError::RollbackOnly {
+                    group: G::NAME,
+                    shard,
+                    reason: "the transaction closure kept a clone of its ShardTx past its end; \
+                             nothing was committed"
+                        .to_owned(),
+                }))
+            }
+        }
     }
 
     /// [`transaction`](Self::transaction) with at most `attempts` runs of

@@ -205,6 +205,7 @@ pub use clock::{Clock, ManualClock, SystemClock};
 pub use cluster::{
     Cluster, ClusterBuilder, DatabaseMigrationStatus, Directory, EntitySet, MigrateOptions,
     MigrationProgress, MigrationReport, SetupReport, ShardTx, StatementEvent, StatementObserver,
+    TransactionError,
 };
 pub use entity::{
     EntityGroup, GroupKey, InGroup, Joinable, KeyRef, ReferenceEntity, ShardKey, ShardedEntity,

@@ -16,6 +16,7 @@ backend_tests!(2 =>
     driver_errors_are_classified_by_code,
     errors_say_what_failed_where_and_the_drivers_cause_once,
     insert_many_checks_every_row_first,
+    a_closure_with_its_own_error_type_commits_or_rolls_back,
 );
 
 fn order_row(id: i64, customer: i64) -> order::ActiveModel {
@@ -447,4 +448,74 @@ async fn insert_many_checks_every_row_first(dbs: &mut TestDbs) {
             .unwrap();
         assert_eq!(found.len(), 1, "c{id}");
     }
+}
+
+/// An application's error, which wraps shardkit's.
+#[derive(Debug)]
+enum AppError {
+    Shard(ShardError),
+    Refused(&'static str),
+}
+
+impl From<ShardError> for AppError {
+    fn from(e: ShardError) -> Self {
+        AppError::Shard(e)
+    }
+}
+
+/// `try_transaction`: the work's own error type, `?` on shardkit's calls
+/// through `From`; committed on `Ok`, rolled back on the work's error
+/// (returned as `Transaction`), and a refused write inside is the work's
+/// error too, with nothing committed.
+async fn a_closure_with_its_own_error_type_commits_or_rolls_back(dbs: &mut TestDbs) {
+    let cluster = dbs.cluster(2, "[groups.Customer]\n").await;
+    cluster.migrate::<Migrator>().await.unwrap();
+    let row = cluster
+        .try_transaction::<Customer, _, AppError, _>(7, |tx| async move {
+            Ok(tx.insert(order_row(1, 7)).await?)
+        })
+        .await
+        .unwrap();
+    assert_eq!(row.id, 1);
+    let refused = cluster
+        .try_transaction::<Customer, (), AppError, _>(7, |tx| async move {
+            tx.insert(order_row(2, 7)).await?;
+            Err(AppError::Refused("out of stock"))
+        })
+        .await;
+    assert!(
+        matches!(
+            refused,
+            Err(shardkit::TransactionError::Transaction(AppError::Refused(
+                "out of stock"
+            )))
+        ),
+        "{refused:?}"
+    );
+    let cross = cluster
+        .try_transaction::<Customer, (), AppError, _>(7, |tx| async move {
+            tx.insert(order_row(3, 7)).await?;
+            tx.insert(order_row(4, 8)).await?;
+            Ok(())
+        })
+        .await;
+    assert!(
+        matches!(
+            cross,
+            Err(shardkit::TransactionError::Transaction(AppError::Shard(
+                ShardError::CrossShardWrite { .. }
+            )))
+        ),
+        "{cross:?}"
+    );
+    let ids: Vec<i64> = cluster
+        .find::<order::Entity>()
+        .key(7)
+        .all()
+        .await
+        .unwrap()
+        .iter()
+        .map(|o| o.id)
+        .collect();
+    assert_eq!(ids, [1], "only the committed work's row");
 }
