@@ -2,7 +2,7 @@
 //! server, `SHARDKIT_PG_URL`; skipped with a printed line when it is
 //! unreachable), four shard databases.
 //!
-//! (a) Throughput: 8 tasks each make 40 transfers, interleaved round by
+//! (a) Throughput: 8 tasks each make 150 transfers, interleaved round by
 //!     round (medians): a single-key transfer (two wallets of one holder,
 //!     debited and credited in one transaction) against a cross-key one
 //!     (debit and send in the sender's transaction, then the relay's
@@ -26,7 +26,7 @@ use std::time::{Duration, Instant, SystemTime};
 const DBS: [&str; 4] = ["sko_bench_0", "sko_bench_1", "sko_bench_2", "sko_bench_3"];
 const HOLDERS: i64 = 400;
 const TASKS: i64 = 8;
-const PER_TASK: i64 = 40;
+const PER_TASK: i64 = 150;
 
 #[derive(shardkit::EntityGroup)]
 #[shardkit(key = i64)]

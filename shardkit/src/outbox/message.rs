@@ -271,15 +271,22 @@ impl<M: Message> Typed<M> {
             }
             Err(e) => return Delivery::Unavailable(e.report().to_string()),
         };
-        match record_in_inbox(&tx, &row.id, cluster.shards().now_ms()).await {
-            Ok(true) => {}
-            Ok(false) => {
-                let _ = tx.rollback().await;
-                return Delivery::Duplicate;
-            }
-            Err(e) => {
-                let _ = tx.rollback().await;
-                return Delivery::Unavailable(e.report().to_string());
+        // PostgreSQL: the inbox row goes in last (below), where its insert
+        // also proves the transaction is still alive. Elsewhere first, so
+        // a message applied before is found before the handler runs.
+        let inbox_last =
+            tx.unchecked_connection().get_database_backend() == sea_orm::DbBackend::Postgres;
+        if !inbox_last {
+            match record_in_inbox(&tx, &row.id, cluster.shards().now_ms()).await {
+                Ok(true) => {}
+                Ok(false) => {
+                    let _ = tx.rollback().await;
+                    return Delivery::Duplicate;
+                }
+                Err(e) => {
+                    let _ = tx.rollback().await;
+                    return Delivery::Unavailable(e.report().to_string());
+                }
             }
         }
         let tx = Arc::new(tx);
@@ -304,14 +311,36 @@ impl<M: Message> Typed<M> {
         // in the transaction proves the commit carries the work.
         // The read's own error is the cause (PostgreSQL: "current
         // transaction is aborted"); a lost connection puts the message off.
-        let ended = match in_inbox(&tx, &row.id).await {
-            Ok(true) => None,
-            Ok(false) => Some(String::from("its inbox row is gone")),
-            Err(e) if not_the_work(&e) => {
-                let _ = tx.rollback().await;
-                return Delivery::Unavailable(e.report().to_string());
+        // On PostgreSQL the inbox insert does both: a transaction the
+        // database ended refuses it ("current transaction is aborted"), and
+        // a message applied before (or by a relay that raced this one)
+        // conflicts with its row, so this attempt's work is rolled back.
+        // (MySQL/MariaDB need the read-back: after a deadlock a handler
+        // swallowed, the statements that follow commit on their own, so an
+        // insert there would succeed without the work.)
+        let ended = if inbox_last {
+            match record_in_inbox(&tx, &row.id, cluster.shards().now_ms()).await {
+                Ok(true) => None,
+                Ok(false) => {
+                    let _ = tx.rollback().await;
+                    return Delivery::Duplicate;
+                }
+                Err(e) if not_the_work(&e) => {
+                    let _ = tx.rollback().await;
+                    return Delivery::Unavailable(e.report().to_string());
+                }
+                Err(e) => Some(e.report().to_string()),
             }
-            Err(e) => Some(e.report().to_string()),
+        } else {
+            match in_inbox(&tx, &row.id).await {
+                Ok(true) => None,
+                Ok(false) => Some(String::from("its inbox row is gone")),
+                Err(e) if not_the_work(&e) => {
+                    let _ = tx.rollback().await;
+                    return Delivery::Unavailable(e.report().to_string());
+                }
+                Err(e) => Some(e.report().to_string()),
+            }
         };
         if let Some(cause) = ended {
             let _ = tx.rollback().await;
