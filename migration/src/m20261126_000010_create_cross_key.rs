@@ -27,7 +27,7 @@ impl MigrationName for Migration {
 /// A text column compared byte for byte: MySQL/MariaDB's default
 /// collations would make keys, ids and request ids that differ only in case
 /// or accents equal.
-fn text(backend: DbBackend, name: &str, len: u32) -> ColumnDef {
+pub(crate) fn text(backend: DbBackend, name: &str, len: u32) -> ColumnDef {
     let mut def = ColumnDef::new(Alias::new(name));
     match backend {
         DbBackend::MySql => def.custom(Alias::new(format!(
@@ -38,7 +38,7 @@ fn text(backend: DbBackend, name: &str, len: u32) -> ColumnDef {
     def.not_null().to_owned()
 }
 
-fn big(name: &str) -> ColumnDef {
+pub(crate) fn big(name: &str) -> ColumnDef {
     ColumnDef::new(Alias::new(name))
         .big_integer()
         .not_null()

@@ -4,8 +4,8 @@
 //! on every shard: the version its copy holds. On the source shard (the
 //! cluster's first) it is also the counter a write takes its version from.
 
+use crate::m20261126_000010_create_cross_key::{big, text};
 use sea_orm_migration::prelude::*;
-use sea_orm_migration::sea_orm::DbBackend;
 
 /// Creates the reference tables' version table.
 pub struct Migration;
@@ -14,24 +14,6 @@ impl MigrationName for Migration {
     fn name(&self) -> &str {
         "m20261127_000011_create_reference"
     }
-}
-
-fn text(backend: DbBackend, name: &str, len: u32) -> ColumnDef {
-    let mut def = ColumnDef::new(Alias::new(name));
-    match backend {
-        DbBackend::MySql => def.custom(Alias::new(format!(
-            "VARCHAR({len}) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin"
-        ))),
-        _ => def.string_len(len),
-    };
-    def.not_null().to_owned()
-}
-
-fn big(name: &str) -> ColumnDef {
-    ColumnDef::new(Alias::new(name))
-        .big_integer()
-        .not_null()
-        .to_owned()
 }
 
 #[async_trait::async_trait]

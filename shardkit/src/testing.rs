@@ -318,6 +318,32 @@ impl TestShards {
         toml
     }
 
+    /// [`shards_toml_with`](Self::shards_toml_with) with shards `through`
+    /// reached at `127.0.0.1:<port>` (a test proxy in front of the server)
+    /// instead of the server: `(shard index, port)`.
+    pub fn shards_toml_through(
+        &self,
+        shards: usize,
+        pool: &str,
+        through: &[(usize, u16)],
+    ) -> String {
+        let mut toml = self.shards_toml_with(shards, pool, &[]);
+        for &(i, port) in through {
+            let url = match self.backend {
+                Backend::MySql => format!("mysql://root@127.0.0.1:{port}/{}", self.names[i]),
+                _ => format!("postgres://postgres@127.0.0.1:{port}/{}", self.names[i]),
+            };
+            toml = toml.replace(
+                &format!(
+                    "name = \"s{i}\"\nhost = \"server\"\ndatabase = \"{}\"\n",
+                    self.names[i]
+                ),
+                &format!("name = \"s{i}\"\nurl = \"{url}\"\n"),
+            );
+        }
+        toml
+    }
+
     /// Connects a cluster over the first `shards` databases with `groups` (TOML
     /// `[groups.*]` tables) appended.
     pub async fn cluster(&self, shards: usize, groups: &str) -> Cluster {

@@ -207,26 +207,13 @@ fn toml(dbs: &TestDbs, schema_wait_ms: u64) -> String {
 /// The config, with shards `through` reached through proxies on the given
 /// ports.
 fn toml_through(dbs: &TestDbs, schema_wait_ms: u64, through: &[(usize, u16)]) -> String {
-    let mut shards = dbs
-        .shards_toml_with(
+    let shards = dbs
+        .shards_toml_through(
             5,
             "connect_timeout_secs = 1\nacquire_timeout_secs = 2\n",
-            &[],
+            through,
         )
         .replace("max_connections = 4", "max_connections = 2");
-    for &(i, port) in through {
-        let url = match dbs.backend {
-            Backend::MySql => format!("mysql://root@127.0.0.1:{port}/{}", dbs.names[i]),
-            _ => format!("postgres://postgres@127.0.0.1:{port}/{}", dbs.names[i]),
-        };
-        shards = shards.replace(
-            &format!(
-                "name = \"s{i}\"\nhost = \"server\"\ndatabase = \"{}\"\n",
-                dbs.names[i]
-            ),
-            &format!("name = \"s{i}\"\nurl = \"{url}\"\n"),
-        );
-    }
     let four = "shards = [\"s0\", \"s1\", \"s2\", \"s3\"]\nmovable = true";
     format!(
         "{shards}\n[groups.Writer]\nbuckets = {BUCKETS}\n{four}\n\n[groups.Buyer]\nbuckets = {BUCKETS}\n{four}\n\n[rebalance]\nrefresh_ms = 50\ncleanup_grace_ms = 0\nchunk = 50\nschema_wait_ms = {schema_wait_ms}\n\n[read]\ntimeout_ms = 1500\n"

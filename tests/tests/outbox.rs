@@ -110,26 +110,13 @@ fn groups() -> String {
 }
 
 fn toml(dbs: &TestDbs, through: &[(usize, u16)]) -> String {
-    let mut shards = dbs
-        .shards_toml_with(
+    let shards = dbs
+        .shards_toml_through(
             5,
             "connect_timeout_secs = 1\nacquire_timeout_secs = 2\n",
-            &[],
+            through,
         )
         .replace("max_connections = 4", "max_connections = 2");
-    for &(i, port) in through {
-        let url = match dbs.backend {
-            Backend::MySql => format!("mysql://root@127.0.0.1:{port}/{}", dbs.names[i]),
-            _ => format!("postgres://postgres@127.0.0.1:{port}/{}", dbs.names[i]),
-        };
-        shards = shards.replace(
-            &format!(
-                "name = \"s{i}\"\nhost = \"server\"\ndatabase = \"{}\"\n",
-                dbs.names[i]
-            ),
-            &format!("name = \"s{i}\"\nurl = \"{url}\"\n"),
-        );
-    }
     format!("{shards}\n{}\n[read]\ntimeout_ms = 3000\n", groups())
 }
 
