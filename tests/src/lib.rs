@@ -178,6 +178,8 @@ pub struct Proxy {
     pub port: u16,
     kill: tokio::sync::watch::Sender<bool>,
     frozen: tokio::sync::watch::Sender<bool>,
+    /// Connections being forwarded (their tasks not yet ended).
+    open: std::sync::Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl Proxy {
@@ -195,6 +197,8 @@ impl Proxy {
         let port = listener.local_addr().expect("proxy address").port();
         let (kill, mut killed) = tokio::sync::watch::channel(false);
         let (frozen, freezes) = tokio::sync::watch::channel(false);
+        let open = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counted = std::sync::Arc::clone(&open);
         tokio::spawn(async move {
             loop {
                 let accepted = tokio::select! {
@@ -207,7 +211,10 @@ impl Proxy {
                 let target = target.clone();
                 let mut killed = killed.clone();
                 let mut freezes = freezes.clone();
+                counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                let done = Countdown(std::sync::Arc::clone(&counted));
                 tokio::spawn(async move {
+                    let _done = done;
                     let Ok(mut server) = tokio::net::TcpStream::connect(&target).await else {
                         return;
                     };
@@ -223,18 +230,46 @@ impl Proxy {
                 });
             }
         });
-        Proxy { port, kill, frozen }
+        Proxy {
+            port,
+            kill,
+            frozen,
+            open,
+        }
     }
 
-    /// Cuts every connection and refuses new ones.
+    /// Cuts every connection and refuses new ones (the forwarding tasks
+    /// close their sockets as they run; [`killed`](Self::killed) waits).
     pub fn kill(&self) {
         let _ = self.kill.send(true);
+    }
+
+    /// [`kill`](Self::kill), then waits until every connection through the
+    /// proxy is closed (at most 2 s): a client's next statement on one of
+    /// them finds it closed, not still forwarding.
+    pub async fn killed(&self) {
+        self.kill();
+        let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(2);
+        while self.open.load(std::sync::atomic::Ordering::SeqCst) > 0
+            && tokio::time::Instant::now() < deadline
+        {
+            tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+        }
     }
 
     /// Stops forwarding on every connection (open ones and new ones) while
     /// keeping them open: the server looks hung mid-statement.
     pub fn freeze(&self) {
         let _ = self.frozen.send(true);
+    }
+}
+
+/// Counts a forwarded connection down when its task ends.
+struct Countdown(std::sync::Arc<std::sync::atomic::AtomicUsize>);
+
+impl Drop for Countdown {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
     }
 }
 
