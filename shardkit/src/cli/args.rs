@@ -114,7 +114,7 @@ pub(crate) enum ReferenceAction {
         /// Only this table.
         table: Option<String>,
     },
-    /// Compares every copy with the source (digests, then rows).
+    /// Compares every copy with the source, row by row.
     Verify {
         /// Only this table.
         table: Option<String>,

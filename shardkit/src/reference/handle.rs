@@ -6,11 +6,13 @@ use crate::error::{Result, ShardError};
 use crate::key::model_pk_values;
 use crate::read::ReferenceFence;
 use crate::reference::state::{References, SOURCE};
-use crate::reference::sync::{Change, catch_up, db_err, push, texts, version_of, write_source};
+use crate::reference::sync::{
+    Change, Snapshot, apply_snapshot, catch_up, db_err, push, read_source, texts, version_of,
+    write_source,
+};
 use crate::reference::watch::{Typed, register};
 use crate::topology::ShardId;
 use sea_orm::{QueryTrait, Select};
-use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -115,8 +117,8 @@ pub struct CopyReport {
     pub shard: String,
     /// The copy's version when it was read.
     pub version: i64,
-    /// Whether its digest matched the source's (no row compared then).
-    pub digest_matches: bool,
+    /// Whether its rows are the source's, value for value.
+    pub matches: bool,
     /// Primary keys (as text) of rows the source has and the copy lacks.
     pub missing: Vec<String>,
     /// Primary keys of rows the copy has and the source does not.
@@ -367,8 +369,7 @@ where
                 .bounded(s, "reference", shards.read_settings().timeout, read)
                 .await;
             if let Ok(v) = &version {
-                self.refs.copy_at(Self::table(), s, *v);
-                crate::metrics::reference_copy_version(Self::table(), name, *v);
+                self.refs.copy_is(Self::table(), s, *v);
             }
             CopyStatus {
                 shard: name.to_owned(),
@@ -399,8 +400,8 @@ where
         self.status().await
     }
 
-    /// Compares every copy with the source: a digest of each copy's rows
-    /// first, and row by row where it differs from the source's; with
+    /// Compares every copy with the source (one snapshot of it), row by row
+    /// by primary key, every value as text; with
     /// `repair`, a copy that differs gets the source's rows and version in
     /// one transaction (a copy whose version moved past the source's
     /// snapshot meanwhile is left for the next run, and says so).
@@ -408,25 +409,8 @@ where
         let shards = self.refs.shards();
         let timeout = shards.read_settings().timeout;
         let table = Self::table();
-        let source_name = shards.shard_name(SOURCE);
-        let source_db = shards.shard_conn(SOURCE);
-        let snapshot = async {
-            let isolation = (source_db.get_database_backend() != sea_orm::DbBackend::Sqlite)
-                .then_some(sea_orm::IsolationLevel::RepeatableRead);
-            let err = |e| db_err(source_name, table, "verify", e);
-            let txn = sea_orm::TransactionTrait::begin_with_config(source_db, isolation, None)
-                .await
-                .map_err(err)?;
-            let version = version_of(&txn, table).await.map_err(err)?;
-            let rows = E::find().all(&txn).await.map_err(err)?;
-            txn.commit().await.map_err(err)?;
-            Ok((version, rows))
-        };
-        let (version, rows) = shards
-            .bounded(SOURCE, "reference", timeout, snapshot)
-            .await?;
+        let Snapshot { version, rows } = read_source::<E>(&self.refs, None).await?;
         let source = texts::<E>(&rows);
-        let digest = digest(&source);
         let count = shards.topology().shards().len() as u32;
         let mut copies = Vec::new();
         for s in (1..count).map(ShardId) {
@@ -435,7 +419,7 @@ where
             let mut report = CopyReport {
                 shard: name.to_owned(),
                 version: 0,
-                digest_matches: false,
+                matches: false,
                 missing: Vec::new(),
                 extra: Vec::new(),
                 differing: Vec::new(),
@@ -458,8 +442,8 @@ where
             };
             report.version = v;
             let copy = texts::<E>(&copy);
-            report.digest_matches = digest == self::digest(&copy);
-            if !report.digest_matches {
+            report.matches = copy == source;
+            if !report.matches {
                 for (pk, values) in &source {
                     match copy.get(pk) {
                         None => report.missing.push(pk.clone()),
@@ -480,7 +464,7 @@ where
                         "the copy moved to version {v}, past the source's snapshot ({version}), while it was compared: run verify again"
                     ));
                 } else {
-                    match repair_copy::<E>(&self.refs, s, v, version, &rows).await {
+                    match apply_snapshot::<E>(&self.refs, s, v, version, &rows).await {
                         Ok(true) => report.repaired = true,
                         Ok(false) => report.error = Some(
                             "the copy's version changed while it was repaired: run verify again"
@@ -499,95 +483,4 @@ where
             copies,
         })
     }
-}
-
-/// A digest of a copy's rows (FNV-1a over the rows in key order).
-fn digest(rows: &BTreeMap<String, Vec<Option<String>>>) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    let mut eat = |bytes: &[u8]| {
-        for b in bytes {
-            h ^= u64::from(*b);
-            h = h.wrapping_mul(0x0100_0000_01b3);
-        }
-    };
-    for (pk, values) in rows {
-        eat(pk.as_bytes());
-        eat(&[0x1e]);
-        for v in values {
-            match v {
-                Some(text) => {
-                    eat(&[1]);
-                    eat(text.as_bytes());
-                }
-                None => eat(&[0]),
-            }
-            eat(&[0x1f]);
-        }
-        eat(&[0x1d]);
-    }
-    h
-}
-
-/// Replaces `shard`'s copy with `rows` (the source at `version`) when the
-/// copy is still at `from`.
-async fn repair_copy<E: ReferenceEntity>(
-    refs: &References,
-    shard: ShardId,
-    from: i64,
-    version: i64,
-    rows: &[E::Model],
-) -> Result<bool> {
-    let table = table_name::<E>();
-    let shards = refs.shards();
-    let name = shards.shard_name(shard);
-    let db = shards.shard_conn(shard);
-    let err = |op: &'static str| move |e| db_err(name, table, op, e);
-    let repair = async {
-        use sea_orm::ConnectionTrait;
-        use sea_orm::sea_query::{Alias, Expr, ExprTrait, Query};
-        let txn = crate::exec::begin_write(db).await.map_err(err("begin"))?;
-        let set = Query::update()
-            .table(Alias::new(crate::reference::sync::VERSIONS))
-            .value(Alias::new("version"), version)
-            .and_where(Expr::col(Alias::new("tbl")).eq(table))
-            .and_where(Expr::col(Alias::new("version")).eq(from))
-            .to_owned();
-        if txn
-            .execute(&set)
-            .await
-            .map_err(err("set the version of"))?
-            .rows_affected()
-            != 1
-        {
-            // No version row at all (a copy never written): one at `version`.
-            if from != 0
-                || version_of(&txn, table)
-                    .await
-                    .map_err(err("read the version of"))?
-                    != 0
-            {
-                return Ok(false);
-            }
-            let insert = Query::insert()
-                .into_table(Alias::new(crate::reference::sync::VERSIONS))
-                .columns([Alias::new("tbl"), Alias::new("version")])
-                .values_panic([table.into(), version.into()])
-                .to_owned();
-            txn.execute(&insert)
-                .await
-                .map_err(err("set the version of"))?;
-        }
-        crate::reference::sync::sync_rows::<E, _>(&txn, rows)
-            .await
-            .map_err(err("repair"))?;
-        txn.commit().await.map_err(err("commit"))?;
-        Ok(true)
-    };
-    let done = shards
-        .bounded(shard, "reference", shards.read_settings().timeout, repair)
-        .await?;
-    if done {
-        refs.copy_at(table, shard, version);
-    }
-    Ok(done)
 }

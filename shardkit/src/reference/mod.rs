@@ -36,8 +36,7 @@
 //!   [`ShardTx`](crate::ShardTx) read the copy as the transaction sees it.
 //! - **Consistency tools.** [`Reference::status`] gives each copy's
 //!   version, [`Reference::verify`] compares every copy with the source
-//!   (a digest per copy, then row by row where the digests differ) and
-//!   repairs them; `shardctl reference status|verify`.
+//!   row by row and repairs them; `shardctl reference status|verify`.
 //! - **Foreign keys.** A shard's own tables may reference a reference
 //!   table (SeaORM's `belongs_to` makes the key). A copy is never emptied
 //!   and refilled: rows are written over and only the rows the source no

@@ -79,7 +79,7 @@ impl References {
         *v = (*v).max(version);
     }
 
-    /// A version `shard`'s copy of `table` is known to hold or be past.
+    /// The version `shard`'s copy of `table` was last seen at.
     pub(super) fn copy(&self, table: &'static str, shard: ShardId) -> i64 {
         lock(&self.inner.copies)
             .get(&(table, shard.0))
@@ -87,23 +87,9 @@ impl References {
             .unwrap_or(0)
     }
 
-    /// `shard`'s copy of `table` holds `version` (or a later one).
-    pub(super) fn copy_at(&self, table: &'static str, shard: ShardId, version: i64) {
-        let mut copies = lock(&self.inner.copies);
-        let v = copies.entry((table, shard.0)).or_default();
-        if version > *v {
-            *v = version;
-            crate::metrics::reference_copy_version(
-                table,
-                self.inner.shards.shard_name(shard),
-                version,
-            );
-        }
-    }
-
-    /// `shard`'s copy of `table` holds `version`, read just now (lower
-    /// than what was known: the copy lost versions, and the background
-    /// catch-up and the read fence see it).
+    /// `shard`'s copy of `table` holds `version`, as read or written just
+    /// now (lower than what was known when the copy lost versions: the
+    /// background catch-up and the read fence then see it).
     pub(super) fn copy_is(&self, table: &'static str, shard: ShardId, version: i64) {
         lock(&self.inner.copies).insert((table, shard.0), version);
         crate::metrics::reference_copy_version(table, self.inner.shards.shard_name(shard), version);

@@ -67,7 +67,7 @@ pub(crate) async fn source_version(refs: &References, table: &'static str) -> Re
     let v = shards
         .bounded(SOURCE, "reference", shards.read_settings().timeout, read)
         .await?;
-    refs.copy_at(table, SOURCE, v);
+    refs.copy_is(table, SOURCE, v);
     Ok(v)
 }
 
@@ -172,7 +172,7 @@ where
             .await
         {
             Ok(version) => {
-                refs.copy_at(table, SOURCE, version);
+                refs.copy_is(table, SOURCE, version);
                 refs.saw(table, version);
                 return Ok(version);
             }
@@ -306,7 +306,7 @@ where
         .bounded(shard, "reference", shards.read_settings().timeout, apply)
         .await?;
     if applied {
-        refs.copy_at(table, shard, version);
+        refs.copy_is(table, shard, version);
         Ok(version)
     } else {
         catch_up::<E>(refs, shard).await
@@ -359,16 +359,16 @@ where
 }
 
 /// The source at one moment: its version and its rows.
-struct Snapshot<M> {
-    version: i64,
-    rows: Vec<M>,
+pub(super) struct Snapshot<M> {
+    pub(super) version: i64,
+    pub(super) rows: Vec<M>,
 }
 
 /// In one snapshot of the source: its version, and its rows unless the
 /// version is `from` (the copy holds it already).
-async fn read_source<E: ReferenceEntity>(
+pub(super) async fn read_source<E: ReferenceEntity>(
     refs: &References,
-    from: i64,
+    from: Option<i64>,
 ) -> Result<Snapshot<E::Model>> {
     let table = table_name::<E>();
     let shards = refs.shards();
@@ -385,7 +385,7 @@ async fn read_source<E: ReferenceEntity>(
         let version = version_of(&txn, table)
             .await
             .map_err(err("read the version of"))?;
-        let rows = if version == from {
+        let rows = if Some(version) == from {
             Vec::new()
         } else {
             E::find().all(&txn).await.map_err(err("read"))?
@@ -396,6 +396,46 @@ async fn read_source<E: ReferenceEntity>(
     shards
         .bounded(SOURCE, "reference", shards.read_settings().timeout, read)
         .await
+}
+
+/// Sets `shard`'s copy to `rows` at `version` in one transaction, when the
+/// copy is still at `from` (compare and set); false when it moved meanwhile.
+pub(super) async fn apply_snapshot<E: ReferenceEntity>(
+    refs: &References,
+    shard: ShardId,
+    from: i64,
+    version: i64,
+    rows: &[E::Model],
+) -> Result<bool> {
+    let table = table_name::<E>();
+    let shards = refs.shards();
+    let name = shards.shard_name(shard);
+    let db = shards.shard_conn(shard);
+    let err = |op: &'static str| move |e| db_err(name, table, op, e);
+    let apply = async {
+        if from == 0 {
+            ensure_row(db, table)
+                .await
+                .map_err(err("create the version of"))?;
+        }
+        let txn = crate::exec::begin_write(db).await.map_err(err("begin"))?;
+        if !move_version(&txn, table, from, version)
+            .await
+            .map_err(err("move the version of"))?
+        {
+            return Ok(false);
+        }
+        sync_rows::<E, _>(&txn, rows).await.map_err(err("write"))?;
+        txn.commit().await.map_err(err("commit"))?;
+        Ok(true)
+    };
+    let applied = shards
+        .bounded(shard, "reference", shards.read_settings().timeout, apply)
+        .await?;
+    if applied {
+        refs.copy_is(table, shard, version);
+    }
+    Ok(applied)
 }
 
 /// Brings `shard`'s copy of `E`'s table to the source's version (see the
@@ -418,7 +458,7 @@ pub(crate) async fn catch_up<E: ReferenceEntity>(refs: &References, shard: Shard
         };
         let from = shards.bounded(shard, "reference", timeout, read).await?;
         refs.copy_is(table, shard, from);
-        let source = read_source::<E>(refs, from).await?;
+        let source = read_source::<E>(refs, Some(from)).await?;
         if source.version == from {
             return Ok(from);
         }
@@ -434,27 +474,7 @@ pub(crate) async fn catch_up<E: ReferenceEntity>(refs: &References, shard: Shard
                 "a reference copy is ahead of its source: set back to the source's rows and version"
             );
         }
-        let apply = async {
-            if from == 0 {
-                ensure_row(db, table)
-                    .await
-                    .map_err(err("create the version of"))?;
-            }
-            let txn = crate::exec::begin_write(db).await.map_err(err("begin"))?;
-            if !move_version(&txn, table, from, source.version)
-                .await
-                .map_err(err("move the version of"))?
-            {
-                return Ok(false);
-            }
-            sync_rows::<E, _>(&txn, &source.rows)
-                .await
-                .map_err(err("write"))?;
-            txn.commit().await.map_err(err("commit"))?;
-            Ok(true)
-        };
-        if shards.bounded(shard, "reference", timeout, apply).await? {
-            refs.copy_is(table, shard, source.version);
+        if apply_snapshot::<E>(refs, shard, from, source.version, &source.rows).await? {
             tracing::debug!(
                 table,
                 shard = name,

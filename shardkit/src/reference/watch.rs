@@ -118,7 +118,7 @@ impl ReferenceFence for References {
                     .map_err(|e| DbErr::Custom(e.report().to_string()))?;
             }
             if let Some(s) = shard {
-                self.copy_at(name, s, have);
+                self.copy_is(name, s, have);
             }
             if have < need {
                 return Err(DbErr::Custom(format!(
@@ -138,7 +138,7 @@ impl ReferenceFence for References {
             let name = table.table();
             let have = version_of(conn, name).await?;
             if let Some(s) = self.shard_of(conn) {
-                self.copy_at(name, s, have);
+                self.copy_is(name, s, have);
             }
             self.saw(name, have);
             Ok(())

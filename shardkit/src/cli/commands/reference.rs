@@ -125,7 +125,7 @@ pub(super) async fn reference(
                     "copies": report.copies.iter().map(|c| json!({
                         "shard": c.shard,
                         "version": c.version,
-                        "digest_matches": c.digest_matches,
+                        "matches": c.matches,
                         "missing": c.missing,
                         "extra": c.extra,
                         "differing": c.differing,
