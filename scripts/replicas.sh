@@ -5,6 +5,7 @@
 #
 #   PostgreSQL 15 primary   127.0.0.1:5442   postgres, trust auth
 #   PostgreSQL 15 replica   127.0.0.1:5443   streaming replica, hot_standby
+#   PostgreSQL 15 replica   127.0.0.1:5444   a second streaming replica (reads spread over two servers)
 #   MariaDB primary         127.0.0.1:3316   root, empty password
 #   MariaDB replica         127.0.0.1:3317   GTID replica (MASTER_USE_GTID=slave_pos), read_only
 #
@@ -14,12 +15,12 @@
 #        scripts/replicas.sh delay pg MILLISECONDS | delay mariadb SECONDS
 #
 # start          create what is missing, start what is stopped, wait until all
-#                four servers accept connections and both replicas replicate,
+#                five servers accept connections and the three replicas replicate,
 #                then print the SHARDKIT_*_URL exports. Idempotent. A replica
 #                that was cloned from an earlier (since reset) primary, or that
 #                cannot catch up any more, is rebuilt. Replicas start with no
 #                apply delay (one an interrupted test left is cleared).
-# stop           stop the four servers (data is kept).
+# stop           stop the five servers (data is kept).
 # status         up/down and replication state of each server.
 # reset          stop and delete all data; the next start is fresh.
 # env            print the exports only.
@@ -47,6 +48,9 @@ PG_REPLICA_PORT=5443
 PG_SLOT=shardkit_replica
 PG_PRIMARY_DIR="$BASE/pg-primary"
 PG_REPLICA_DIR="$BASE/pg-replica"
+PG_REPLICA2_PORT=5444
+PG_SLOT2=shardkit_replica2
+PG_REPLICA2_DIR="$BASE/pg-replica2"
 
 MARIADBD="${MARIADBD:-/usr/sbin/mariadbd}"
 MY_PRIMARY_PORT=3316
@@ -155,8 +159,8 @@ pg_stop() { # dir
 }
 
 # Settings shared by both roles, rewritten on every start so edits here apply.
-pg_write_conf() { # dir port role
-  local dir="$1" port="$2" role="$3"
+pg_write_conf() { # dir port role [slot application_name] (the last two for a replica)
+  local dir="$1" port="$2" role="$3" slot="${4:-$PG_SLOT}" app="${5:-shardkit-replica}"
   cat >"$dir/data/shardkit.conf" <<EOF
 # Written by shardkit scripts/replicas.sh on every start; edits are overwritten.
 listen_addresses = '127.0.0.1'
@@ -179,8 +183,8 @@ log_line_prefix = '%m [%p] '
 EOF
   if [ "$role" = replica ]; then
     cat >>"$dir/data/shardkit.conf" <<EOF
-primary_conninfo = 'host=127.0.0.1 port=$PG_PRIMARY_PORT user=postgres application_name=shardkit-replica'
-primary_slot_name = '$PG_SLOT'
+primary_conninfo = 'host=127.0.0.1 port=$PG_PRIMARY_PORT user=postgres application_name=$app'
+primary_slot_name = '$slot'
 EOF
   fi
   chown postgres:postgres "$dir/data/shardkit.conf"
@@ -223,24 +227,24 @@ pg_create_primary() {
   touch "$dir/$READY"
 }
 
-pg_ensure_slot() {
-  pg_q "$PG_PRIMARY_PORT" "SELECT pg_create_physical_replication_slot('$PG_SLOT', true)
-    WHERE NOT EXISTS (SELECT 1 FROM pg_replication_slots WHERE slot_name = '$PG_SLOT')" >/dev/null
+pg_ensure_slot() { # slot
+  pg_q "$PG_PRIMARY_PORT" "SELECT pg_create_physical_replication_slot('$1', true)
+    WHERE NOT EXISTS (SELECT 1 FROM pg_replication_slots WHERE slot_name = '$1')" >/dev/null
 }
 
-pg_create_replica() {
-  local dir="$PG_REPLICA_DIR"
+pg_create_replica() { # dir slot
+  local dir="$1" slot="$2"
   pg_stop "$dir"
   rm -rf "$dir"
   pg_mkdirs "$dir"
   # A fresh slot: the old one may hold WAL for a replica that no longer exists.
-  pg_q "$PG_PRIMARY_PORT" "SELECT pg_drop_replication_slot('$PG_SLOT')
-    FROM pg_replication_slots WHERE slot_name = '$PG_SLOT' AND NOT active" >/dev/null
-  pg_ensure_slot
+  pg_q "$PG_PRIMARY_PORT" "SELECT pg_drop_replication_slot('$slot')
+    FROM pg_replication_slots WHERE slot_name = '$slot' AND NOT active" >/dev/null
+  pg_ensure_slot "$slot"
   say "pg_basebackup PostgreSQL replica into $dir/data"
   rm -rf "$dir/data"
   as_pg "$PG_BIN/pg_basebackup" -h 127.0.0.1 -p "$PG_PRIMARY_PORT" -U postgres \
-    -D "$dir/data" -X stream -S "$PG_SLOT" -c fast >"$dir/log/basebackup.log" 2>&1 ||
+    -D "$dir/data" -X stream -S "$slot" -c fast >"$dir/log/basebackup.log" 2>&1 ||
     die "pg_basebackup failed" "$dir/log/basebackup.log"
   chmod 700 "$dir/data"
   rm -f "$dir/data/postmaster.pid" "$dir/data/postmaster.opts"
@@ -248,16 +252,16 @@ pg_create_replica() {
   touch "$dir/$READY"
 }
 
-pg_replica_streaming() {
+pg_replica_streaming() { # port application_name
   [ "$(pg_q "$PG_PRIMARY_PORT" "SELECT count(*) FROM pg_stat_replication
-        WHERE application_name = 'shardkit-replica' AND state = 'streaming'" 2>/dev/null)" = 1 ] &&
-    [ "$(pg_q "$PG_REPLICA_PORT" "SELECT pg_is_in_recovery()" 2>/dev/null)" = t ]
+        WHERE application_name = '$2' AND state = 'streaming'" 2>/dev/null)" = 1 ] &&
+    [ "$(pg_q "$1" "SELECT pg_is_in_recovery()" 2>/dev/null)" = t ]
 }
 
-pg_wait_streaming() { # seconds -> 0 when streaming
+pg_wait_streaming() { # seconds port application_name -> 0 when streaming
   local i
   for i in $(seq 1 "$1"); do
-    pg_replica_streaming && return 0
+    pg_replica_streaming "$2" "$3" && return 0
     sleep 1
   done
   return 1
@@ -273,51 +277,60 @@ pg_up() {
   pg_wait_ready "$PG_PRIMARY_DIR" "$PG_PRIMARY_PORT"
   [ "$(pg_q "$PG_PRIMARY_PORT" "SELECT pg_is_in_recovery()")" = f ] ||
     die "the PostgreSQL primary on $PG_PRIMARY_PORT is in recovery" "$(pg_log "$PG_PRIMARY_DIR")"
-  pg_ensure_slot
+  pg_ensure_slot "$PG_SLOT"
+  pg_replica_up "$PG_REPLICA_DIR" "$PG_REPLICA_PORT" "$PG_SLOT" shardkit-replica
+  pg_replica_up "$PG_REPLICA2_DIR" "$PG_REPLICA2_PORT" "$PG_SLOT2" shardkit-replica2
+}
 
-  # Replica: rebuilt when missing, half-made, or cloned from another primary.
-  local sysid rebuilt=0
+# One streaming replica: rebuilt when missing, half-made, or cloned from
+# another primary; started; streaming; replaying.
+pg_replica_up() { # dir port slot application_name
+  local dir="$1" port="$2" slot="$3" app="$4" sysid rebuilt=0
   sysid="$(pg_q "$PG_PRIMARY_PORT" "SELECT system_identifier FROM pg_control_system()")"
-  if [ ! -f "$PG_REPLICA_DIR/$READY" ] || [ ! -f "$PG_REPLICA_DIR/data/standby.signal" ]; then
-    pg_create_replica; rebuilt=1
-  elif [ "$(pg_sysid_of_dir "$PG_REPLICA_DIR")" != "$sysid" ]; then
-    say "PostgreSQL replica was cloned from an earlier primary; rebuilding it"
-    pg_create_replica; rebuilt=1
+  if [ ! -f "$dir/$READY" ] || [ ! -f "$dir/data/standby.signal" ]; then
+    pg_create_replica "$dir" "$slot"; rebuilt=1
+  elif [ "$(pg_sysid_of_dir "$dir")" != "$sysid" ]; then
+    say "PostgreSQL replica $dir was cloned from an earlier primary; rebuilding it"
+    pg_create_replica "$dir" "$slot"; rebuilt=1
   fi
-  pg_write_conf "$PG_REPLICA_DIR" "$PG_REPLICA_PORT" replica
-  pg_start "$PG_REPLICA_DIR" "$PG_REPLICA_PORT"
-  pg_wait_ready "$PG_REPLICA_DIR" "$PG_REPLICA_PORT"
-  if ! pg_wait_streaming "$TIMEOUT"; then
+  pg_write_conf "$dir" "$port" replica "$slot" "$app"
+  pg_start "$dir" "$port"
+  pg_wait_ready "$dir" "$port"
+  if ! pg_wait_streaming "$TIMEOUT" "$port" "$app"; then
     [ "$rebuilt" = 0 ] ||
-      die "PostgreSQL replica on $PG_REPLICA_PORT is not streaming after ${TIMEOUT}s" \
-        "$(pg_log "$PG_REPLICA_DIR")" "$(pg_log "$PG_PRIMARY_DIR")"
-    say "PostgreSQL replica does not stream (WAL gone?); rebuilding it"
-    tail -n 10 "$(pg_log "$PG_REPLICA_DIR")" >&2 || true
-    pg_create_replica
-    pg_write_conf "$PG_REPLICA_DIR" "$PG_REPLICA_PORT" replica
-    pg_start "$PG_REPLICA_DIR" "$PG_REPLICA_PORT"
-    pg_wait_ready "$PG_REPLICA_DIR" "$PG_REPLICA_PORT"
-    pg_wait_streaming "$TIMEOUT" ||
-      die "PostgreSQL replica on $PG_REPLICA_PORT is not streaming after ${TIMEOUT}s" \
-        "$(pg_log "$PG_REPLICA_DIR")" "$(pg_log "$PG_PRIMARY_DIR")"
+      die "PostgreSQL replica on $port is not streaming after ${TIMEOUT}s" \
+        "$(pg_log "$dir")" "$(pg_log "$PG_PRIMARY_DIR")"
+    say "PostgreSQL replica on $port does not stream (WAL gone?); rebuilding it"
+    tail -n 10 "$(pg_log "$dir")" >&2 || true
+    pg_create_replica "$dir" "$slot"
+    pg_write_conf "$dir" "$port" replica "$slot" "$app"
+    pg_start "$dir" "$port"
+    pg_wait_ready "$dir" "$port"
+    pg_wait_streaming "$TIMEOUT" "$port" "$app" ||
+      die "PostgreSQL replica on $port is not streaming after ${TIMEOUT}s" \
+        "$(pg_log "$dir")" "$(pg_log "$PG_PRIMARY_DIR")"
   fi
-  if [ "$(pg_q "$PG_REPLICA_PORT" "SELECT pg_is_wal_replay_paused()")" = t ]; then
-    say "PostgreSQL replica replay was paused; resuming it"
-    pg_q "$PG_REPLICA_PORT" "SELECT pg_wal_replay_resume()" >/dev/null
+  if [ "$(pg_q "$port" "SELECT pg_is_wal_replay_paused()")" = t ]; then
+    say "PostgreSQL replica on $port: replay was paused; resuming it"
+    pg_q "$port" "SELECT pg_wal_replay_resume()" >/dev/null
   fi
-  say "PostgreSQL primary :$PG_PRIMARY_PORT -> replica :$PG_REPLICA_PORT streaming"
+  say "PostgreSQL primary :$PG_PRIMARY_PORT -> replica :$port streaming"
 }
 
 pg_down() {
+  pg_stop "$PG_REPLICA2_DIR"
   pg_stop "$PG_REPLICA_DIR"
   pg_stop "$PG_PRIMARY_DIR"
 }
 
 pg_status() {
   local role dir port
-  for role in primary replica; do
-    if [ "$role" = primary ]; then dir="$PG_PRIMARY_DIR"; port="$PG_PRIMARY_PORT"
-    else dir="$PG_REPLICA_DIR"; port="$PG_REPLICA_PORT"; fi
+  for role in primary replica replica2; do
+    case "$role" in
+      primary) dir="$PG_PRIMARY_DIR"; port="$PG_PRIMARY_PORT" ;;
+      replica) dir="$PG_REPLICA_DIR"; port="$PG_REPLICA_PORT" ;;
+      *) dir="$PG_REPLICA2_DIR"; port="$PG_REPLICA2_PORT" ;;
+    esac
     if pg_ready "$port" && pg_running "$dir"; then
       printf 'postgres %-8s 127.0.0.1:%s up\n' "$role" "$port"
       if [ "$role" = primary ]; then
@@ -346,10 +359,11 @@ pg_status() {
 }
 
 pg_pause() { pg_q "$PG_REPLICA_PORT" "SELECT pg_wal_replay_pause()" >/dev/null; pg_q "$PG_REPLICA_PORT" "SELECT 'replay_paused=' || pg_is_wal_replay_paused()"; }
-pg_delay() { # milliseconds
-  pg_q "$PG_REPLICA_PORT" "ALTER SYSTEM SET recovery_min_apply_delay = '${1}ms'" >/dev/null
-  pg_q "$PG_REPLICA_PORT" "SELECT pg_reload_conf()" >/dev/null
-  pg_q "$PG_REPLICA_PORT" "SHOW recovery_min_apply_delay"
+pg_delay() { # milliseconds [port]
+  local port="${2:-$PG_REPLICA_PORT}"
+  pg_q "$port" "ALTER SYSTEM SET recovery_min_apply_delay = '${1}ms'" >/dev/null
+  pg_q "$port" "SELECT pg_reload_conf()" >/dev/null
+  pg_q "$port" "SHOW recovery_min_apply_delay"
 }
 pg_resume() { pg_q "$PG_REPLICA_PORT" "SELECT pg_wal_replay_resume()" >/dev/null; pg_q "$PG_REPLICA_PORT" "SELECT 'replay_paused=' || pg_is_wal_replay_paused()"; }
 
@@ -621,6 +635,7 @@ print_env() {
   cat <<EOF
 export SHARDKIT_PG_PRIMARY_URL=postgres://postgres@127.0.0.1:$PG_PRIMARY_PORT
 export SHARDKIT_PG_REPLICA_URL=postgres://postgres@127.0.0.1:$PG_REPLICA_PORT
+export SHARDKIT_PG_REPLICA2_URL=postgres://postgres@127.0.0.1:$PG_REPLICA2_PORT
 export SHARDKIT_MYSQL_PRIMARY_URL=mysql://root@127.0.0.1:$MY_PRIMARY_PORT
 export SHARDKIT_MYSQL_REPLICA_URL=mysql://root@127.0.0.1:$MY_REPLICA_PORT
 EOF
@@ -651,6 +666,7 @@ case "$cmd" in
     # An apply delay an interrupted test left behind would slow every
     # later scenario: replicas start without one.
     pg_delay 0 >/dev/null
+    pg_delay 0 "$PG_REPLICA2_PORT" >/dev/null
     my_delay 0 >/dev/null
     say "all up in $(($(date +%s) - t0))s"
     print_env
@@ -668,8 +684,8 @@ case "$cmd" in
     need_root; take_lock
     pg_down
     my_down
-    say "deleting $PG_PRIMARY_DIR $PG_REPLICA_DIR $MY_PRIMARY_DIR $MY_REPLICA_DIR"
-    rm -rf "$PG_PRIMARY_DIR" "$PG_REPLICA_DIR" "$MY_PRIMARY_DIR" "$MY_REPLICA_DIR"
+    say "deleting $PG_PRIMARY_DIR $PG_REPLICA_DIR $PG_REPLICA2_DIR $MY_PRIMARY_DIR $MY_REPLICA_DIR"
+    rm -rf "$PG_PRIMARY_DIR" "$PG_REPLICA_DIR" "$PG_REPLICA2_DIR" "$MY_PRIMARY_DIR" "$MY_REPLICA_DIR"
     ;;
   env)
     print_env

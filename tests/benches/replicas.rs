@@ -1,14 +1,16 @@
-//! Read replicas on the PostgreSQL pair of `scripts/replicas.sh start`
-//! (primary 127.0.0.1:5442, streaming replica 5443; skipped with a printed
-//! line when they are unreachable).
+//! Read replicas on the PostgreSQL servers of `scripts/replicas.sh start`
+//! (primary 127.0.0.1:5442, streaming replicas 5443 and 5444; skipped with
+//! a printed line when they are unreachable).
 //!
-//! (a) reads/s of keyed reads with `Consistency::Replica` over two replica
-//!     entries, as a ratio to primary-only reads, interleaved round by round
-//!     (medians); and each entry's share of the replica reads. Both entries
-//!     name the one replica server, so this measures the rotation's split
-//!     and shardkit's cost, not a second server's capacity (on this 2-core
-//!     machine primary and replica share the cores anyway).
-//! (b) with the replica applying changes 300 ms late: 8 writers each commit
+//! (a) reads/s of keyed reads with `Consistency::Replica` over the two
+//!     replicas, as a ratio to primary-only reads, interleaved round by
+//!     round (medians); and each replica's share of the replica reads (on
+//!     this 2-core machine the three servers share the cores, so the
+//!     replicas add no capacity here). Plain SeaORM reads of the same rows
+//!     on the primary and on the replicas, in the same rounds, show how
+//!     much of the ratio is the servers' (a hot standby answers a read
+//!     slower than its primary) and how much is shardkit's.
+//! (b) with the replicas applying changes 300 ms late: 8 writers each commit
 //!     with a session and read back with `Consistency::AtLeast`; the p50/p99
 //!     of the read-back (the token wait, or the wait and the fallback) and
 //!     the share of reads the primary answered.
@@ -25,19 +27,22 @@ use std::time::{Duration, Instant};
 
 const PRIMARY: &str = "postgres://postgres@127.0.0.1:5442";
 const REPLICA: &str = "postgres://postgres@127.0.0.1:5443";
+const REPLICA2: &str = "postgres://postgres@127.0.0.1:5444";
 const DBS: [&str; 2] = ["skr_bench_0", "skr_bench_1"];
 const READS: i64 = 400;
 
 async fn apply_delay(ms: u64) {
-    let db = sea_orm::Database::connect(REPLICA).await.unwrap();
-    db.execute_unprepared(&format!(
-        "ALTER SYSTEM SET recovery_min_apply_delay = '{ms}ms'"
-    ))
-    .await
-    .unwrap();
-    db.execute_unprepared("SELECT pg_reload_conf()")
+    for replica in [REPLICA, REPLICA2] {
+        let db = sea_orm::Database::connect(replica).await.unwrap();
+        db.execute_unprepared(&format!(
+            "ALTER SYSTEM SET recovery_min_apply_delay = '{ms}ms'"
+        ))
         .await
         .unwrap();
+        db.execute_unprepared("SELECT pg_reload_conf()")
+            .await
+            .unwrap();
+    }
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
@@ -48,9 +53,11 @@ async fn main() {
         );
         return;
     };
-    if sea_orm::Database::connect(REPLICA).await.is_err() {
-        println!("replicas: no replica at {REPLICA}: skipped (scripts/replicas.sh start)");
-        return;
+    for replica in [REPLICA, REPLICA2] {
+        if sea_orm::Database::connect(replica).await.is_err() {
+            println!("replicas: no replica at {replica}: skipped (scripts/replicas.sh start)");
+            return;
+        }
     }
     let mut toml = String::from("[pool]\nmax_connections = 8\n[read]\nreplica_wait_ms = 1000\n");
     for (i, db) in DBS.iter().enumerate() {
@@ -63,7 +70,7 @@ async fn main() {
             .await
             .unwrap();
         toml.push_str(&format!(
-            "[[shards]]\nname = \"s{i}\"\nurl = \"{PRIMARY}/{db}\"\nreplicas = [\n  {{ name = \"s{i}ra\", url = \"{REPLICA}/{db}\" }},\n  {{ name = \"s{i}rb\", url = \"{REPLICA}/{db}?application_name=b\" }},\n]\n"
+            "[[shards]]\nname = \"s{i}\"\nurl = \"{PRIMARY}/{db}\"\nreplicas = [\n  {{ name = \"s{i}ra\", url = \"{REPLICA}/{db}\" }},\n  {{ name = \"s{i}rb\", url = \"{REPLICA2}/{db}\" }},\n]\n"
         ));
     }
     toml.push_str("[groups.Customer]\n");
@@ -109,17 +116,63 @@ async fn main() {
             }
         }) as shardkit_tests::Job<'static>
     };
-    let medians = interleaved(7, 2, |kind| match kind {
+    // Plain SeaORM: the same statement on the shard databases, or on
+    // their replicas (the two replicas in turn).
+    let plain = |urls: Vec<String>| async move {
+        let mut dbs = Vec::new();
+        for url in urls {
+            let mut options = sea_orm::ConnectOptions::new(url);
+            options.max_connections(8).sqlx_logging(false);
+            dbs.push(sea_orm::Database::connect(options).await.unwrap());
+        }
+        Arc::new(dbs)
+    };
+    let plain_primary = plain(DBS.iter().map(|db| format!("{PRIMARY}/{db}")).collect()).await;
+    let plain_replicas = plain(
+        [REPLICA, REPLICA2]
+            .iter()
+            .flat_map(|r| DBS.iter().map(move |db| format!("{r}/{db}")))
+            .collect(),
+    )
+    .await;
+    let plain_reads = |dbs: Arc<Vec<sea_orm::DatabaseConnection>>| {
+        Box::pin(async move {
+            use sea_orm::{ColumnTrait, EntityTrait, QueryFilter};
+            for id in 1..=READS {
+                let db = &dbs[id as usize % dbs.len()];
+                order::Entity::find()
+                    .filter(order::Column::CustomerId.eq(id))
+                    .one(db)
+                    .await
+                    .unwrap();
+            }
+        }) as shardkit_tests::Job<'static>
+    };
+    let medians = interleaved(9, 4, |kind| match kind {
         0 => reads(Consistency::Primary),
-        _ => reads(Consistency::Replica { max_lag: None }),
+        1 => reads(Consistency::Replica { max_lag: None }),
+        2 => plain_reads(Arc::clone(&plain_primary)),
+        _ => plain_reads(Arc::clone(&plain_replicas)),
     })
     .await;
     let rate = |d: Duration| READS as f64 / d.as_secs_f64();
+    let ratio = |a: usize, b: usize| medians[b].as_secs_f64() / medians[a].as_secs_f64();
     println!(
-        "replicas/spread: primary {:.0} reads/s, replica {:.0} reads/s, ratio {:.3}",
+        "replicas/spread: shardkit primary {:.0} reads/s, replica {:.0} reads/s, ratio {:.3}",
         rate(medians[0]),
         rate(medians[1]),
-        medians[0].as_secs_f64() / medians[1].as_secs_f64()
+        ratio(1, 0)
+    );
+    println!(
+        "replicas/spread: plain SeaORM primary {:.0} reads/s, replicas {:.0} reads/s, ratio {:.3}",
+        rate(medians[2]),
+        rate(medians[3]),
+        ratio(3, 2)
+    );
+    println!(
+        "replicas/spread: shardkit ÷ plain SeaORM, on the primary {:.3}, on the replicas {:.3}",
+        ratio(0, 2),
+        ratio(1, 3)
     );
     let shares = per_replica.lock().unwrap().clone();
     let total: u64 = shares.values().sum();

@@ -197,7 +197,7 @@ async fn counted(config: ClusterConfig) -> (Cluster, Arc<AtomicU64>) {
 async fn read_your_writes(pair: Pair) {
     let dbs = Dbs::create(pair, "ryw", 2).await;
     let delay = match pair {
-        Pair::Postgres => Duration::from_millis(150),
+        Pair::Postgres => Duration::from_millis(300),
         Pair::MySql => Duration::from_secs(1),
     };
     let wait_ms = delay.as_millis() as u64 * 3;
@@ -210,9 +210,12 @@ async fn read_your_writes(pair: Pair) {
     // The replica has the tables before the delay starts.
     tokio::time::sleep(Duration::from_millis(500)).await;
     set_apply_delay(pair, delay).await;
-    let rounds = match pair {
-        Pair::Postgres => 12,
-        Pair::MySql => 4,
+    // Each writer reads its row back `reads` times after every commit:
+    // the first read waits for the replica, the later ones find it past
+    // the session's position already (thousands of reads in all).
+    let (rounds, reads) = match pair {
+        Pair::Postgres => (12, 25),
+        Pair::MySql => (4, 40),
     };
     let stale = |consistency: fn(&Session) -> Consistency, base: i64| {
         let cluster = cluster.clone();
@@ -221,7 +224,7 @@ async fn read_your_writes(pair: Pair) {
                 let cluster = cluster.clone();
                 tokio::spawn(async move {
                     let session = Session::new();
-                    let mut stale = 0u64;
+                    let (mut stale, mut done) = (0u64, 0u64);
                     for version in 1..=rounds {
                         let tx = cluster.begin::<Customer>(task).await.expect("begin");
                         let row = order::ActiveModel {
@@ -235,33 +238,42 @@ async fn read_your_writes(pair: Pair) {
                             tx.update(row).await.expect("update");
                         }
                         tx.commit_in(&session).await.expect("commit");
-                        let seen = cluster
-                            .find::<order::Entity>()
-                            .key(task)
-                            .consistency(consistency(&session))
-                            .one()
-                            .await
-                            .expect("read");
-                        if seen.is_none_or(|r| r.total_cents < version) {
-                            stale += 1;
+                        for _ in 0..reads {
+                            let seen = cluster
+                                .find::<order::Entity>()
+                                .key(task)
+                                .consistency(consistency(&session))
+                                .one()
+                                .await
+                                .expect("read");
+                            done += 1;
+                            if seen.is_none_or(|r| r.total_cents < version) {
+                                stale += 1;
+                            }
                         }
                     }
-                    stale
+                    (stale, done)
                 })
             });
-            let mut stale = 0;
+            let (mut stale, mut done) = (0, 0);
             for task in futures::future::join_all(tasks).await {
-                stale += task.expect("writer");
+                let (s, d) = task.expect("writer");
+                stale += s;
+                done += d;
             }
-            stale
+            (stale, done)
         }
     };
     let before = on_replica.load(Ordering::Relaxed);
-    let with_session = stale(Consistency::at_least, 0).await;
+    let (with_session, reads_done) = stale(Consistency::at_least, 0).await;
     let replica_reads = on_replica.load(Ordering::Relaxed) - before;
-    let any_replica = stale(|_| Consistency::Replica { max_lag: None }, 1000).await;
+    let (any_replica, _) = stale(|_| Consistency::Replica { max_lag: None }, 1000).await;
     set_apply_delay(pair, Duration::ZERO).await;
-    assert_eq!(with_session, 0, "reads with the session saw older rows");
+    assert_eq!(reads_done, 8 * rounds as u64 * reads);
+    assert_eq!(
+        with_session, 0,
+        "reads with the session saw older rows ({with_session} of {reads_done})"
+    );
     let waits = recorded::totals().samples("shardkit_replica_token_wait_seconds{}");
     assert!(!waits.is_empty(), "no token wait recorded");
     assert!(
