@@ -18,6 +18,14 @@ pub(crate) mod shards;
 pub(crate) mod sqlite;
 
 pub(crate) use begin::begin_write;
+
+/// An identifier quoted for `backend`.
+pub(crate) fn quoted(backend: sea_orm::DbBackend, name: &str) -> String {
+    match backend {
+        sea_orm::DbBackend::MySql => format!("`{}`", name.replace('`', "``")),
+        _ => format!("\"{}\"", name.replace('"', "\"\"")),
+    }
+}
 pub(crate) use connect::{SIDE_LOCK_WAIT_SECS, SIDE_MYSQL_SESSION};
 pub use directory::Directory;
 pub use migrate::{DatabaseMigrationStatus, MigrateOptions, MigrationProgress, MigrationReport};

@@ -4,6 +4,7 @@
 
 use crate::entity::{EntityGroup, ShardKey, ShardedEntity, table_name};
 use crate::error::{Result, Retry, ShardError};
+use crate::exec::quoted;
 use crate::gsi::{Durability, Gsi, IndexDef, Removal, gsi_err};
 use crate::key::value_text;
 use crate::read::{KeyOf, exact_eq, key_condition};
@@ -586,14 +587,6 @@ pub(super) fn write_err(index: &IndexDef, value: &str, shard: &str, e: DbErr) ->
         }
     } else {
         gsi_err(shard, &index.table, format!("write {}", index.table), e)
-    }
-}
-
-/// An identifier quoted for `backend`.
-pub(super) fn quoted(backend: DbBackend, name: &str) -> String {
-    match backend {
-        DbBackend::MySql => format!("`{}`", name.replace('`', "``")),
-        _ => format!("\"{}\"", name.replace('"', "\"\"")),
     }
 }
 

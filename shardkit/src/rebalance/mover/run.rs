@@ -560,8 +560,5 @@ pub(super) fn parse_copy_cursor(text: Option<&str>) -> (usize, usize, Option<Str
 }
 
 pub(super) fn quote(db: &DatabaseConnection, table: &str) -> String {
-    match db.get_database_backend() {
-        DbBackend::MySql => format!("`{table}`"),
-        _ => format!("\"{table}\""),
-    }
+    crate::exec::quoted(db.get_database_backend(), table)
 }
