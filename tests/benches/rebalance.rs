@@ -14,7 +14,8 @@
 //! - `fence`: what being movable costs a write: one single-row update
 //!   transaction on a cluster whose group is `movable` (the fence's read of
 //!   the bucket's state first) and on one whose group is not, over the same
-//!   databases, interleaved round by round; medians and their ratio.
+//!   databases, interleaved round by round; medians and their ratio. On
+//!   SQLite, PostgreSQL and MariaDB (each skipped when unreachable).
 //!
 //! `cargo bench -p shardkit-tests --bench rebalance` (skips with a printed
 //! line when PostgreSQL is unreachable). Pass `--rows N` to change the copy
@@ -297,7 +298,7 @@ async fn writes() {
 }
 
 async fn fence() {
-    for backend in [Backend::Sqlite, Backend::Postgres] {
+    for backend in [Backend::Sqlite, Backend::Postgres, Backend::MySql] {
         let Some(dbs) = TestDbs::create_if_reachable(backend, "bench_rebalance_fence", 2).await
         else {
             continue;
