@@ -79,12 +79,25 @@ struct Phases {
 }
 
 async fn copy(rows: i64) {
+    // s0 and s1 are the cluster's shards; the third database takes the raw
+    // COPYs it is compared with.
     let Some(dbs) =
-        TestDbs::create_if_reachable(Backend::Postgres, "bench_rebalance_copy", 2).await
+        TestDbs::create_if_reachable(Backend::Postgres, "bench_rebalance_copy", 3).await
     else {
         return;
     };
     let cluster = loaded(&dbs, rows).await;
+    let scratch = &dbs.names[2];
+    psql(&format!(
+        "pg_dump --schema-only -t orders '{{server}}/{}' | psql -q '{{server}}/{scratch}'",
+        dbs.names[0]
+    ));
+    // The server's own COPY of the same rows before the move and after it,
+    // into the same empty table each time; their mean is the comparison.
+    let raw_before = raw_copy(&dbs.names[0], scratch);
+    psql(&format!(
+        "psql -q '{{server}}/{scratch}' -c 'TRUNCATE orders'"
+    ));
     let phases = Arc::new(Mutex::new(Phases::default()));
     let seen = Arc::clone(&phases);
     let moves = cluster
@@ -113,13 +126,15 @@ async fn copy(rows: i64) {
         "rebalance/postgres/copy: {rows} rows in {:.2} s = {rate:.0} rows/s (target >= 100,000)",
         copy_time.as_secs_f64(),
     );
-    // The server's own COPY of the same rows between the same two
-    // databases, in the same run: s1 now holds every row, s0 none.
-    if let Some(raw) = raw_copy(&dbs.names[1], &dbs.names[0]) {
+    // s1 now holds every row.
+    let raw_after = raw_copy(&dbs.names[1], scratch);
+    if let (Some(before), Some(after)) = (raw_before, raw_after) {
+        let raw = (before + after) / 2;
         let raw_rate = rows as f64 / raw.as_secs_f64().max(1e-9);
         println!(
-            "rebalance/postgres/copy: raw COPY TO STDOUT | COPY FROM STDIN of the same rows {:.2} s = {raw_rate:.0} rows/s; the move's copy is {:.2}x of it (goal >= 0.8x)",
-            raw.as_secs_f64(),
+            "rebalance/postgres/copy: raw COPY TO STDOUT | COPY FROM STDIN of the same rows {:.2} s before the move, {:.2} s after: {raw_rate:.0} rows/s; the move's copy is {:.2}x of it (goal >= 0.8x)",
+            before.as_secs_f64(),
+            after.as_secs_f64(),
             rate / raw_rate
         );
     }
@@ -144,20 +159,28 @@ async fn copy(rows: i64) {
 /// `COPY orders TO STDOUT` on database `from` piped into `COPY orders FROM
 /// STDIN` on `to` with psql; `None` (and a line saying why) without psql.
 fn raw_copy(from: &str, to: &str) -> Option<Duration> {
-    let server = Backend::Postgres.server_url()?;
-    let pipe = format!(
-        "psql -q -v ON_ERROR_STOP=1 '{server}/{from}' -c 'COPY orders TO STDOUT' | psql -q -v ON_ERROR_STOP=1 '{server}/{to}' -c 'COPY orders FROM STDIN'"
-    );
     let t = Instant::now();
+    psql(&format!(
+        "psql -q -v ON_ERROR_STOP=1 '{{server}}/{from}' -c 'COPY orders TO STDOUT' | psql -q -v ON_ERROR_STOP=1 '{{server}}/{to}' -c 'COPY orders FROM STDIN'"
+    ))
+    .then(|| t.elapsed())
+}
+
+/// Runs a shell pipeline of PostgreSQL's client tools, `{server}` standing
+/// for the test server's URL; `false` (and a line saying why) when it fails.
+fn psql(pipeline: &str) -> bool {
+    let Some(server) = Backend::Postgres.server_url() else {
+        return false;
+    };
     match std::process::Command::new("sh")
         .arg("-c")
-        .arg(&pipe)
+        .arg(pipeline.replace("{server}", &server))
         .status()
     {
-        Ok(status) if status.success() => Some(t.elapsed()),
+        Ok(status) if status.success() => true,
         other => {
-            println!("rebalance/postgres/copy: raw COPY skipped ({other:?})");
-            None
+            println!("rebalance/postgres/copy: `{pipeline}` failed ({other:?})");
+            false
         }
     }
 }

@@ -228,7 +228,8 @@ where
 /// How [`upsert_rows`] writes.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Write {
-    /// A plain `INSERT` first: a copy's rows are new to the target unless
+    /// A plain `INSERT` first (on PostgreSQL, `COPY … FROM STDIN`, see
+    /// [`pg_copy`](super::pg_copy)): a copy's rows are new to the target unless
     /// the copy runs again (a move taken over, or sent back to copying),
     /// and the database inserts rows faster when it need not check each
     /// for a conflict (PostgreSQL's speculative insertion for `ON
@@ -242,13 +243,15 @@ enum Write {
 
 /// Writes `rows` on `db` over whatever it has under their primary keys, in
 /// one transaction under the mover's fence (run again when the database
-/// aborts it).
+/// aborts it). `copy_text`, the same rows in `COPY`'s text format (see
+/// [`copy_text`]), is what a PostgreSQL target gets first.
 async fn upsert_rows<E>(
     token: &Token,
     (db, shard): (&DatabaseConnection, &str),
     what: &str,
     rows: Vec<E::Model>,
     write: Write,
+    copy_text: Option<String>,
 ) -> Result<()>
 where
     E: ShardedEntity,
@@ -256,12 +259,33 @@ where
     if rows.is_empty() {
         return Ok(());
     }
-    if write == Write::InsertFirst
-        && again(table_name::<E>(), shard, || {
-            upsert_once::<E>(token, (db, shard), what, rows.clone(), Write::InsertFirst)
-        })
-        .await?
-    {
+    let written = match (write, copy_text) {
+        (Write::InsertFirst, Some(text)) => {
+            let columns: Vec<&str> = <E::Column as Iterable>::iter()
+                .map(|c| sea_orm::IdenStatic::as_str(&c))
+                .collect();
+            let copied = again(table_name::<E>(), shard, || {
+                super::pg_copy::copy_in(
+                    token,
+                    (db, shard),
+                    what,
+                    table_name::<E>(),
+                    &columns,
+                    text.clone(),
+                )
+            })
+            .await?;
+            matches!(copied, super::pg_copy::Copied::Written)
+        }
+        (Write::InsertFirst, None) => {
+            again(table_name::<E>(), shard, || {
+                upsert_once::<E>(token, (db, shard), what, rows.clone(), Write::InsertFirst)
+            })
+            .await?
+        }
+        (Write::Upsert, _) => false,
+    };
+    if written {
         return Ok(());
     }
     again(table_name::<E>(), shard, || {
@@ -269,6 +293,20 @@ where
     })
     .await
     .map(|_| ())
+}
+
+/// `rows` in `COPY`'s text format, for a PostgreSQL target (`None` for
+/// another, or when a value has a type the format is not rendered for).
+/// Rendered as a chunk is read, so that it runs while the chunk before is
+/// written.
+fn copy_text<E: ShardedEntity>(dst: &DatabaseConnection, rows: &[E::Model]) -> Option<String> {
+    if dst.get_database_backend() != DbBackend::Postgres || rows.is_empty() {
+        return None;
+    }
+    let mut text = String::with_capacity(rows.len() * 32);
+    rows.iter()
+        .all(|m| super::pg_copy::row_text(&crate::key::model_values::<E>(m), &mut text))
+        .then_some(text)
 }
 
 /// One transaction of [`upsert_rows`]: `false` when a plain insert found a
@@ -312,13 +350,7 @@ where
         };
         match written {
             Ok(_) => {}
-            Err(err)
-                if on_conflict.is_none()
-                    && matches!(
-                        err.sql_err(),
-                        Some(sea_orm::SqlErr::UniqueConstraintViolation(_))
-                    ) =>
-            {
+            Err(err) if on_conflict.is_none() && crate::error::is_unique_violation(&err) => {
                 txn.rollback().await.map_err(&e)?;
                 return Ok(false);
             }
@@ -485,25 +517,27 @@ where
                     let logged = logged_keys(src, token.id(), &keys).await?;
                     moving.retain(|m| !logged.contains(&E::shard_key(m).to_directory_text()));
                 }
-                Ok::<_, ShardError>((moving, next))
+                let text = copy_text::<E>(dst.0, &moving);
+                Ok::<_, ShardError>((moving, text, next))
             };
             let mut copied = 0u64;
             let mut current = read(after.map(|a| parse_pk::<E>(a))).await?;
             for i in 0..chunks.max(1) {
-                let (moving, next) = current;
+                let (moving, text, next) = current;
                 copied += moving.len() as u64;
                 // The next chunk is read while this one is written.
                 match next {
                     Some(next) if i + 1 < chunks => {
                         let (written, read_next) = futures::join!(
-                            upsert_rows::<E>(token, dst, "copy", moving, Write::InsertFirst),
+                            upsert_rows::<E>(token, dst, "copy", moving, Write::InsertFirst, text),
                             read(Some(next))
                         );
                         written?;
                         current = read_next?;
                     }
                     next => {
-                        upsert_rows::<E>(token, dst, "copy", moving, Write::InsertFirst).await?;
+                        upsert_rows::<E>(token, dst, "copy", moving, Write::InsertFirst, text)
+                            .await?;
                         return Ok(Chunk {
                             rows: copied,
                             next: next.map(|pk| tuple_text(&pk)),
@@ -525,7 +559,7 @@ where
         Box::pin(async move {
             let rows = rows_of_keys::<E, _>(src.0, src.1, keys).await?;
             let n = rows.len() as u64;
-            upsert_rows::<E>(token, dst, "replay", rows, Write::Upsert).await?;
+            upsert_rows::<E>(token, dst, "replay", rows, Write::Upsert, None).await?;
             Ok(n)
         })
     }

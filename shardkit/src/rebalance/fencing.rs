@@ -234,6 +234,47 @@ impl Token {
         Ok(txn)
     }
 
+    /// [`Token::begin`] on a sqlx connection of `db`'s PostgreSQL pool, for
+    /// a statement SeaORM's transaction cannot carry (`COPY … FROM STDIN`,
+    /// see [`pg_copy`](super::pg_copy)): the same idle bound, the same
+    /// fence read under a shared lock, the same parking points.
+    pub(crate) async fn begin_pg(
+        &self,
+        (db, shard): (&DatabaseConnection, &str),
+        what: &str,
+    ) -> Result<sea_orm::sqlx::Transaction<'static, sea_orm::sqlx::Postgres>> {
+        use sea_orm::sqlx;
+        self.park("park", what).await;
+        let err = |e: sqlx::Error| db_err(shard, FENCES, "check", super::pg_copy::db_err(e));
+        let mut txn = db
+            .get_postgres_connection_pool()
+            .begin()
+            .await
+            .map_err(err)?;
+        let idle = self.idle.as_millis().max(1000);
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "SET LOCAL idle_in_transaction_session_timeout = '{idle}ms'"
+        )))
+        .execute(&mut *txn)
+        .await
+        .map_err(err)?;
+        let now: Option<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+            "SELECT generation FROM {FENCES} WHERE grp = $1 AND move_id = $2 FOR SHARE"
+        )))
+        .bind(self.group)
+        .bind(self.id)
+        .fetch_optional(&mut *txn)
+        .await
+        .map_err(err)?;
+        if now != Some(self.generation) {
+            let _ = txn.rollback().await;
+            return Err(self.taken_over(shard, now));
+        }
+        // A paused process inside its transaction, holding the fence's lock.
+        self.park("park_open", what).await;
+        Ok(txn)
+    }
+
     /// Fault injection: `shardkit::rebalance::park::<what>` parks the mover
     /// before that write (`park_open::<what>`: inside its transaction, the
     /// fence's lock held), for as long as the failpoint's argument is part

@@ -57,6 +57,7 @@ mod keyed_rows;
 mod live;
 mod map;
 mod mover;
+mod pg_copy;
 mod reads;
 
 pub(crate) use begin::Fenced;
