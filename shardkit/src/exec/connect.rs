@@ -215,7 +215,7 @@ impl Shards {
                     cleanup_grace: Duration::from_millis(
                         config.rebalance.cleanup_grace_ms.unwrap_or(60_000),
                     ),
-                    chunk: config.rebalance.chunk.unwrap_or(20_000),
+                    chunk_setting: config.rebalance.chunk,
                     step_timeout: Duration::from_millis(
                         config.rebalance.step_timeout_ms.unwrap_or(60_000),
                     ),

@@ -96,12 +96,38 @@ pub(crate) struct RebalanceSettings {
     pub(crate) refresh: Duration,
     pub(crate) cutover_wait: Duration,
     pub(crate) cleanup_grace: Duration,
-    pub(crate) chunk: u64,
+    /// `[rebalance] chunk`, when set (see [`copy_chunk`](Self::copy_chunk)
+    /// and [`chunk`](Self::chunk)).
+    pub(crate) chunk_setting: Option<u64>,
     /// How long one step of a mover (a run of copied chunks, a replay
     /// batch, a cleaning chunk) may take.
     pub(crate) step_timeout: Duration,
     /// How long a move waits for its tables' columns to agree.
     pub(crate) schema_wait: Duration,
+}
+
+impl RebalanceSettings {
+    /// Rows per copy chunk from a `src` shard to a `dst` shard: `[rebalance]
+    /// chunk`, else 50,000 between PostgreSQL shards and 20,000 elsewhere.
+    /// Between PostgreSQL shards a chunk is read and written with `COPY`,
+    /// where a chunk's fixed part (its read, its transaction, the fence,
+    /// the commit) weighs more: chunks of 50,000 rows copied at 0.82–0.88 ×
+    /// the server's own `COPY`, chunks of 20,000 at 0.61–0.69 ×.
+    pub(crate) fn copy_chunk(&self, src: sea_orm::DbBackend, dst: sea_orm::DbBackend) -> u64 {
+        use sea_orm::DatabaseBackend::Postgres;
+        self.chunk_setting
+            .unwrap_or(if (src, dst) == (Postgres, Postgres) {
+                50_000
+            } else {
+                20_000
+            })
+    }
+
+    /// Rows per chunk of a move's other steps (compare, replay, clean):
+    /// `[rebalance] chunk`, else 20,000.
+    pub(crate) fn chunk(&self) -> u64 {
+        self.chunk_setting.unwrap_or(20_000)
+    }
 }
 
 /// Called after every statement a shard runs (see [`ClusterBuilder::on_statement`](crate::ClusterBuilder::on_statement)).

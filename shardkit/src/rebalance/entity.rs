@@ -243,15 +243,13 @@ enum Write {
 
 /// Writes `rows` on `db` over whatever it has under their primary keys, in
 /// one transaction under the mover's fence (run again when the database
-/// aborts it). `copy_text`, the same rows in `COPY`'s text format (see
-/// [`copy_text`]), is what a PostgreSQL target gets first.
+/// aborts it).
 async fn upsert_rows<E>(
     token: &Token,
     (db, shard): (&DatabaseConnection, &str),
     what: &str,
     rows: Vec<E::Model>,
     write: Write,
-    copy_text: Option<String>,
 ) -> Result<()>
 where
     E: ShardedEntity,
@@ -259,33 +257,12 @@ where
     if rows.is_empty() {
         return Ok(());
     }
-    let written = match (write, copy_text) {
-        (Write::InsertFirst, Some(text)) => {
-            let columns: Vec<&str> = <E::Column as Iterable>::iter()
-                .map(|c| sea_orm::IdenStatic::as_str(&c))
-                .collect();
-            let copied = again(table_name::<E>(), shard, || {
-                super::pg_copy::copy_in(
-                    token,
-                    (db, shard),
-                    what,
-                    table_name::<E>(),
-                    &columns,
-                    text.clone(),
-                )
-            })
-            .await?;
-            matches!(copied, super::pg_copy::Copied::Written)
-        }
-        (Write::InsertFirst, None) => {
-            again(table_name::<E>(), shard, || {
-                upsert_once::<E>(token, (db, shard), what, rows.clone(), Write::InsertFirst)
-            })
-            .await?
-        }
-        (Write::Upsert, _) => false,
-    };
-    if written {
+    if write == Write::InsertFirst
+        && again(table_name::<E>(), shard, || {
+            upsert_once::<E>(token, (db, shard), what, rows.clone(), Write::InsertFirst)
+        })
+        .await?
+    {
         return Ok(());
     }
     again(table_name::<E>(), shard, || {
@@ -293,6 +270,152 @@ where
     })
     .await
     .map(|_| ())
+}
+
+/// A copy chunk's moving rows, as the target gets them.
+enum Moving<M> {
+    /// Models, written with a multi-row `INSERT` (a target other than
+    /// PostgreSQL, or a value `COPY`'s text is not rendered for).
+    Models(Vec<M>),
+    /// Rows in `COPY`'s text format, for a PostgreSQL target (see
+    /// [`pg_copy`](super::pg_copy)).
+    Text { text: Vec<u8>, rows: u64 },
+}
+
+impl<M> Moving<M> {
+    fn rows(&self) -> u64 {
+        match self {
+            Moving::Models(rows) => rows.len() as u64,
+            Moving::Text { rows, .. } => *rows,
+        }
+    }
+}
+
+/// Writes a copy chunk's moving rows on the target.
+async fn write_moving<E: ShardedEntity>(
+    token: &Token,
+    dst: (&DatabaseConnection, &str),
+    moving: Moving<E::Model>,
+) -> Result<()> {
+    match moving {
+        Moving::Models(rows) => {
+            upsert_rows::<E>(token, dst, "copy", rows, Write::InsertFirst).await
+        }
+        Moving::Text { rows: 0, .. } => Ok(()),
+        Moving::Text { text, .. } => {
+            let name = |c: E::Column| sea_orm::IdenStatic::as_str(&c);
+            let columns = super::pg_copy::Columns {
+                table: table_name::<E>(),
+                all: <E::Column as Iterable>::iter().map(name).collect(),
+                key: <E::PrimaryKey as Iterable>::iter()
+                    .map(|pk| name(pk.into_column()))
+                    .collect(),
+            };
+            super::pg_copy::write(token, dst, "copy", &columns, &text).await
+        }
+    }
+}
+
+/// Whether `E`'s primary key columns are of types whose text, as
+/// PostgreSQL writes it, [`typed_value`](crate::key::typed_value) reads
+/// back as the value a bound parameter compares with (a copy read with
+/// `COPY` takes the next chunk's start from the text).
+fn plain_pk<E: EntityTrait>() -> bool {
+    use sea_orm::ColumnTrait;
+    use sea_orm::sea_query::ColumnType;
+    <E::PrimaryKey as Iterable>::iter().all(|pk| {
+        matches!(
+            pk.into_column().def().get_column_type(),
+            ColumnType::BigInteger
+                | ColumnType::BigUnsigned
+                | ColumnType::Integer
+                | ColumnType::Unsigned
+                | ColumnType::SmallInteger
+                | ColumnType::TinyInteger
+                | ColumnType::Uuid
+                | ColumnType::String(_)
+                | ColumnType::Text
+                | ColumnType::Char(_)
+        )
+    })
+}
+
+/// The chunk of `E`'s rows after `after` on a PostgreSQL source, read with
+/// `COPY (SELECT …) TO STDOUT`: the moving rows' lines and the next chunk's
+/// start. `None` when a row's shard key or primary key does not read back
+/// from its text (the caller reads the chunk as models instead).
+async fn read_by_copy<E: ShardedEntity>(
+    token: &Token,
+    src: (&DatabaseConnection, &str),
+    (after, chunk): (Option<&[Value]>, u64),
+    buckets: &Buckets,
+    skip_logged: bool,
+) -> Result<Option<(Moving<E::Model>, Option<Vec<Value>>)>> {
+    use super::pg_copy::{field, lines};
+    use sea_orm::QueryTrait;
+    let select = keyset::chunk::<E>(after, chunk)
+        .into_query()
+        .to_string(sea_orm::sea_query::PostgresQueryBuilder);
+    let text = super::pg_copy::copy_out(src.0, &select)
+        .await
+        .map_err(err::<E>(src.1, "copy from"))?;
+    let columns: Vec<E::Column> = <E::Column as Iterable>::iter().collect();
+    let at = |column: E::Column| {
+        let name = sea_orm::IdenStatic::as_str(&column);
+        columns
+            .iter()
+            .position(|c| sea_orm::IdenStatic::as_str(c) == name)
+    };
+    let Some(key_at) = at(E::shard_key_column()) else {
+        return Ok(None);
+    };
+    let mut kept: Vec<(String, std::ops::Range<usize>)> = Vec::new();
+    let (mut count, mut last) = (0u64, None);
+    for line in lines(&text) {
+        let row = &text[line.clone()];
+        let Some(key) = field(row, key_at)
+            .and_then(|k| <<E::Group as EntityGroup>::Key as ShardKey>::from_directory_text(&k))
+        else {
+            return Ok(None);
+        };
+        if buckets.holds(&key) {
+            kept.push((key.to_directory_text(), line.clone()));
+        }
+        count += 1;
+        last = Some(line);
+    }
+    let next = match last {
+        Some(line) if count == chunk => {
+            let row = &text[line];
+            let mut pk = Vec::new();
+            for column in <E::PrimaryKey as Iterable>::iter().map(PrimaryKeyToColumn::into_column) {
+                let Some(value) = at(column).and_then(|i| field(row, i)) else {
+                    return Ok(None);
+                };
+                pk.push(crate::key::typed_value::<E>(column, &value));
+            }
+            Some(pk)
+        }
+        _ => None,
+    };
+    if skip_logged && !kept.is_empty() {
+        // Read after the chunk: the log entry of every row in it committed
+        // with the row.
+        let keys: Vec<String> = kept.iter().map(|(k, _)| k.clone()).collect();
+        let logged = logged_keys(src, token.id(), &keys).await?;
+        kept.retain(|(k, _)| !logged.contains(k));
+    }
+    let mut moving = Vec::with_capacity(kept.iter().map(|(_, r)| r.len()).sum());
+    for (_, line) in &kept {
+        moving.extend_from_slice(&text[line.clone()]);
+    }
+    Ok(Some((
+        Moving::Text {
+            text: moving,
+            rows: kept.len() as u64,
+        },
+        next,
+    )))
 }
 
 /// `rows` in `COPY`'s text format, for a PostgreSQL target (`None` for
@@ -493,9 +616,25 @@ where
         skip_logged: bool,
     ) -> BoxFuture<'a, Result<Chunk>> {
         Box::pin(async move {
+            // Between PostgreSQL shards a chunk is read with `COPY`.
+            let by_copy = src.0.get_database_backend() == DbBackend::Postgres
+                && dst.0.get_database_backend() == DbBackend::Postgres
+                && plain_pk::<E>();
             // Reads the chunk after `after`: its moving rows and where the
             // next starts.
             let read = |after: Option<Vec<Value>>| async move {
+                if by_copy
+                    && let Some(read) = read_by_copy::<E>(
+                        token,
+                        src,
+                        (after.as_deref(), chunk),
+                        buckets,
+                        skip_logged,
+                    )
+                    .await?
+                {
+                    return Ok(read);
+                }
                 let rows = keyset::chunk::<E>(after.as_deref(), chunk)
                     .all(src.0)
                     .await
@@ -517,27 +656,30 @@ where
                     let logged = logged_keys(src, token.id(), &keys).await?;
                     moving.retain(|m| !logged.contains(&E::shard_key(m).to_directory_text()));
                 }
-                let text = copy_text::<E>(dst.0, &moving);
-                Ok::<_, ShardError>((moving, text, next))
+                let moving = match copy_text::<E>(dst.0, &moving) {
+                    Some(text) => Moving::Text {
+                        text: text.into_bytes(),
+                        rows: moving.len() as u64,
+                    },
+                    None => Moving::Models(moving),
+                };
+                Ok::<_, ShardError>((moving, next))
             };
             let mut copied = 0u64;
             let mut current = read(after.map(|a| parse_pk::<E>(a))).await?;
             for i in 0..chunks.max(1) {
-                let (moving, text, next) = current;
-                copied += moving.len() as u64;
+                let (moving, next) = current;
+                copied += moving.rows();
                 // The next chunk is read while this one is written.
                 match next {
                     Some(next) if i + 1 < chunks => {
-                        let (written, read_next) = futures::join!(
-                            upsert_rows::<E>(token, dst, "copy", moving, Write::InsertFirst, text),
-                            read(Some(next))
-                        );
+                        let (written, read_next) =
+                            futures::join!(write_moving::<E>(token, dst, moving), read(Some(next)));
                         written?;
                         current = read_next?;
                     }
                     next => {
-                        upsert_rows::<E>(token, dst, "copy", moving, Write::InsertFirst, text)
-                            .await?;
+                        write_moving::<E>(token, dst, moving).await?;
                         return Ok(Chunk {
                             rows: copied,
                             next: next.map(|pk| tuple_text(&pk)),
@@ -559,7 +701,7 @@ where
         Box::pin(async move {
             let rows = rows_of_keys::<E, _>(src.0, src.1, keys).await?;
             let n = rows.len() as u64;
-            upsert_rows::<E>(token, dst, "replay", rows, Write::Upsert, None).await?;
+            upsert_rows::<E>(token, dst, "replay", rows, Write::Upsert).await?;
             Ok(n)
         })
     }

@@ -1,20 +1,98 @@
-//! A copy chunk between PostgreSQL shards written with `COPY … FROM STDIN`:
-//! the server's bulk path, where a multi-row `INSERT` parses one parameter
-//! per column and row and inserts row by row. SeaORM's transaction cannot
-//! carry `COPY`, so the chunk's transaction runs on a sqlx connection of
-//! the target's pool, under the same fence as every other mover write
-//! ([`Token::begin_pg`]).
+//! A copy chunk between PostgreSQL shards, read with `COPY (SELECT …) TO
+//! STDOUT` and written with `COPY … FROM STDIN`: the server's bulk path,
+//! where a multi-row `INSERT` parses one parameter per column and row and
+//! inserts row by row, and the client decodes every value into a model. The
+//! mover reads each row's line only for its shard key (which bucket) and,
+//! at the chunk's end, its primary key (where the next chunk starts); the
+//! moving rows' lines go to the target as they came. SeaORM's connection
+//! cannot carry `COPY`, so these statements run on sqlx connections of the
+//! shards' pools; the write, in one transaction under the same fence as
+//! every other mover write ([`Token::begin_pg`]).
 
 use crate::error::{Result, ShardError};
 use crate::rebalance::fencing::Token;
 use sea_orm::{DatabaseConnection, DbErr, RuntimeErr, Value};
+use std::borrow::Cow;
 use std::fmt::Write as _;
+use std::ops::Range;
 use std::sync::Arc;
 
 /// A sqlx error as SeaORM reports one, so shardkit's classification (a
 /// unique violation, a retryable abort, a lost connection) reads it alike.
 pub(crate) fn db_err(e: sea_orm::sqlx::Error) -> DbErr {
     DbErr::Exec(RuntimeErr::SqlxError(Arc::new(e)))
+}
+
+/// The output of `COPY (select) TO STDOUT` on `db`, in `COPY`'s text
+/// format: a line per row, columns in the select's order.
+pub(crate) async fn copy_out(db: &DatabaseConnection, select: &str) -> Result<Vec<u8>, DbErr> {
+    use futures::StreamExt;
+    let mut conn = db
+        .get_postgres_connection_pool()
+        .acquire()
+        .await
+        .map_err(db_err)?;
+    let mut stream = conn
+        .copy_out_raw(&format!("COPY ({select}) TO STDOUT"))
+        .await
+        .map_err(db_err)?;
+    let mut text = Vec::new();
+    while let Some(bytes) = stream.next().await {
+        text.extend_from_slice(&bytes.map_err(db_err)?);
+    }
+    Ok(text)
+}
+
+/// Each row's line in `text` (its newline included): a newline in a value
+/// is escaped, so every newline byte ends a row.
+pub(crate) fn lines(text: &[u8]) -> impl Iterator<Item = Range<usize>> + '_ {
+    let mut start = 0;
+    std::iter::from_fn(move || {
+        if start >= text.len() {
+            return None;
+        }
+        let end = text[start..]
+            .iter()
+            .position(|b| *b == b'\n')
+            .map_or(text.len(), |i| start + i + 1);
+        let line = start..end;
+        start = end;
+        Some(line)
+    })
+}
+
+/// Column `index` of a row's line, its escapes undone; `None` for NULL
+/// (`\N`), a missing column or text that is not UTF-8.
+pub(crate) fn field(line: &[u8], index: usize) -> Option<Cow<'_, str>> {
+    let line = line.strip_suffix(b"\n").unwrap_or(line);
+    let raw = line.split(|b| *b == b'\t').nth(index)?;
+    if raw == b"\\N" {
+        return None;
+    }
+    let raw = std::str::from_utf8(raw).ok()?;
+    if !raw.contains('\\') {
+        return Some(Cow::Borrowed(raw));
+    }
+    let mut out = String::with_capacity(raw.len());
+    let mut chars = raw.chars();
+    while let Some(c) = chars.next() {
+        if c != '\\' {
+            out.push(c);
+            continue;
+        }
+        out.push(match chars.next()? {
+            'b' => '\u{8}',
+            'f' => '\u{c}',
+            'n' => '\n',
+            'r' => '\r',
+            't' => '\t',
+            'v' => '\u{b}',
+            // PostgreSQL writes no octal or hex escapes; a backslash before
+            // any other character stands for that character.
+            other => other,
+        });
+    }
+    Some(Cow::Owned(out))
 }
 
 /// Appends `values` to `out` as one row of `COPY`'s text format; `false`
@@ -140,22 +218,54 @@ pub(crate) enum Copied {
     Conflict,
 }
 
-/// Copies `text` (rows in `COPY`'s text format) into `table`'s `columns`
-/// on `db`, in one transaction under the mover's fence.
-pub(crate) async fn copy_in(
+/// A table's columns for a copy: all of them in the order of the rows'
+/// text, and which of them are the primary key.
+pub(crate) struct Columns<'a> {
+    pub(crate) table: &'a str,
+    pub(crate) all: Vec<&'a str>,
+    pub(crate) key: Vec<&'a str>,
+}
+
+/// Writes `text` (rows in `COPY`'s text format) into `columns.table` on
+/// `db` over whatever it has under their primary keys: a plain `COPY`
+/// first; when a row is there already, the rows go through a temporary
+/// table and an `INSERT … ON CONFLICT (primary key) DO UPDATE`. Each in one
+/// transaction under the mover's fence, run again when the database aborts
+/// it.
+pub(crate) async fn write(
     token: &Token,
     (db, shard): (&DatabaseConnection, &str),
     what: &str,
-    table: &str,
-    columns: &[&str],
-    text: String,
+    columns: &Columns<'_>,
+    text: &[u8],
+) -> Result<()> {
+    let once = |upsert| copy_in(token, (db, shard), what, columns, text, upsert);
+    if let Copied::Written = super::entity::again(columns.table, shard, || once(false)).await? {
+        return Ok(());
+    }
+    super::entity::again(columns.table, shard, || once(true))
+        .await
+        .map(|_| ())
+}
+
+/// One transaction of [`write`]; with `upsert`, through a temporary table.
+async fn copy_in(
+    token: &Token,
+    (db, shard): (&DatabaseConnection, &str),
+    what: &str,
+    columns: &Columns<'_>,
+    text: &[u8],
+    upsert: bool,
 ) -> Result<Copied> {
     let q = |name: &str| crate::exec::quoted(sea_orm::DbBackend::Postgres, name);
-    let statement = format!(
-        "COPY {} ({}) FROM STDIN",
-        q(table),
-        columns.iter().map(|c| q(c)).collect::<Vec<_>>().join(", ")
-    );
+    let table = columns.table;
+    let list = |cols: &[&str]| cols.iter().map(|c| q(c)).collect::<Vec<_>>().join(", ");
+    let all = list(&columns.all);
+    // The rows land in the table itself, or in a temporary table the
+    // upsert reads (dropped with the transaction, whatever its end).
+    const ROWS: &str = "shardkit_copy_rows";
+    let into = if upsert { q(ROWS) } else { q(table) };
+    let statement = format!("COPY {into} ({all}) FROM STDIN");
     let err = |e: DbErr| {
         ShardError::db(
             crate::error::Origin::table(crate::error::Subsystem::Rebalance, table),
@@ -166,23 +276,53 @@ pub(crate) async fn copy_in(
     };
     let mut txn = token.begin_pg((db, shard), what).await?;
     let copied = async {
+        use sea_orm::sqlx::{AssertSqlSafe, raw_sql};
+        if upsert {
+            raw_sql(AssertSqlSafe(format!(
+                "CREATE TEMPORARY TABLE {into} (LIKE {}) ON COMMIT DROP",
+                q(table)
+            )))
+            .execute(&mut *txn)
+            .await?;
+        }
         let mut copy = txn.copy_in_raw(&statement).await?;
-        if let Err(e) = copy.send(text.into_bytes()).await {
-            let _ = copy
-                .abort("shardkit: the copy's data could not be sent")
-                .await;
+        if let Err(e) = copy.send(text).await {
+            let _ = copy.abort("shardkit: the copy's data could not be sent").await;
             return Err(e);
         }
-        copy.finish().await
+        copy.finish().await?;
+        if upsert {
+            let key = list(&columns.key);
+            let others: Vec<&str> = columns
+                .all
+                .iter()
+                .copied()
+                .filter(|c| !columns.key.contains(c))
+                .collect();
+            // A table of primary-key columns only sets the key to itself.
+            let set = if others.is_empty() { &columns.key } else { &others };
+            let set = set
+                .iter()
+                .map(|c| format!("{0} = EXCLUDED.{0}", q(c)))
+                .collect::<Vec<_>>()
+                .join(", ");
+            raw_sql(AssertSqlSafe(format!(
+                "INSERT INTO {} ({all}) SELECT {all} FROM {into} ON CONFLICT ({key}) DO UPDATE SET {set}",
+                q(table)
+            )))
+            .execute(&mut *txn)
+            .await?;
+        }
+        Ok(())
     }
     .await
     .map_err(db_err);
     match copied {
-        Ok(_) => {
+        Ok(()) => {
             txn.commit().await.map_err(|e| err(db_err(e)))?;
             Ok(Copied::Written)
         }
-        Err(e) if crate::error::is_unique_violation(&e) => {
+        Err(e) if !upsert && crate::error::is_unique_violation(&e) => {
             txn.rollback().await.map_err(|e| err(db_err(e)))?;
             Ok(Copied::Conflict)
         }
@@ -193,6 +333,19 @@ pub(crate) async fn copy_in(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn lines_and_fields() {
+        let text = b"1\tab\\tc\t\\N\n2\tx\\\\y\tz\n";
+        let rows: Vec<_> = lines(text).collect();
+        assert_eq!(rows, vec![0..11, 11..20]);
+        let first = &text[rows[0].clone()];
+        assert_eq!(field(first, 0).as_deref(), Some("1"));
+        assert_eq!(field(first, 1).as_deref(), Some("ab\tc"));
+        assert_eq!(field(first, 2), None);
+        assert_eq!(field(first, 3), None);
+        assert_eq!(field(&text[rows[1].clone()], 1).as_deref(), Some("x\\y"));
+    }
 
     #[test]
     fn rows_in_copy_text() {

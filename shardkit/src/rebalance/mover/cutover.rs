@@ -204,7 +204,7 @@ impl<G> Rebalance<G> {
         status: &mut MoveStatus,
         cursor: Option<String>,
     ) -> Result<()> {
-        let chunk = self.shards.rebalance_settings().chunk;
+        let chunk = self.shards.rebalance_settings().chunk();
         let sources = self.sources(status)?;
         let (mut si, mut ei, mut after) = parse_copy_cursor(cursor.as_deref());
         while si < sources.len() {
@@ -354,7 +354,7 @@ impl<G> Rebalance<G> {
             self.drop_log(token, (db, name), "abort").await?;
         }
         let moving = self.moving(&all).await?;
-        let chunk = self.shards.rebalance_settings().chunk;
+        let chunk = self.shards.rebalance_settings().chunk();
         // Children first: a row's foreign keys point at entities listed
         // before it.
         for entity in self.entities.iter().rev() {

@@ -397,7 +397,10 @@ impl<G> Rebalance<G> {
                                             self.conn(*src),
                                             self.conn(target),
                                             after.as_deref(),
-                                            settings.chunk,
+                                            settings.copy_chunk(
+                                                self.conn(*src).0.get_database_backend(),
+                                                self.conn(target).0.get_database_backend(),
+                                            ),
                                             RUN,
                                             &only_here,
                                             skip_logged,
@@ -466,7 +469,7 @@ impl<G> Rebalance<G> {
                             break;
                         }
                     }
-                    self.compare(token, &mut status, target, settings.chunk)
+                    self.compare(token, &mut status, target, settings.chunk())
                         .await?;
                     self.set_phase(token, &mut status, MovePhase::Verified)
                         .await?;
