@@ -6,6 +6,7 @@ use crate::error::{Result, ShardError};
 use crate::exec::keyset;
 use crate::exec::keyset::{model_pk_values, tuple_text};
 use crate::rebalance::db_err;
+use crate::rebalance::errors::again;
 use crate::rebalance::fencing::Token;
 use crate::topology::{RangeBound, RangeUnit};
 use futures::future::BoxFuture;
@@ -195,34 +196,6 @@ pub(crate) async fn bounded<T>(
             shard: shard.to_owned(),
             after: step,
         })?
-}
-
-/// Runs `work` again when the database aborted it (a deadlock with the
-/// shard's own writers of other buckets, on MySQL/MariaDB's gap locks), or
-/// after the wait it asks for when the database was busy (SQLite's
-/// `database is locked`: another instance's writer held the file for the
-/// whole busy timeout): at most 5 attempts.
-pub(super) async fn again<T, F, Fut>(table: &str, shard: &str, mut work: F) -> Result<T>
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Result<T>>,
-{
-    let mut attempt = 1;
-    loop {
-        match work().await {
-            Err(e) if attempt < 5 => {
-                let wait = match e.retry() {
-                    crate::Retry::Transaction => Duration::ZERO,
-                    crate::Retry::After(wait) => wait,
-                    _ => return Err(e),
-                };
-                tracing::debug!(table, shard, attempt, error = %e.report(), ?wait, "move statement aborted or refused by a busy database; again");
-                tokio::time::sleep(wait).await;
-                attempt += 1;
-            }
-            other => return other,
-        }
-    }
 }
 
 /// How [`upsert_rows`] writes.

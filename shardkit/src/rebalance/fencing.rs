@@ -245,7 +245,7 @@ impl Token {
     ) -> Result<sea_orm::sqlx::Transaction<'static, sea_orm::sqlx::Postgres>> {
         use sea_orm::sqlx;
         self.park("park", what).await;
-        let err = |e: sqlx::Error| db_err(shard, FENCES, "check", super::pg_copy::db_err(e));
+        let err = |e: sqlx::Error| db_err(shard, FENCES, "check", super::errors::sqlx_err(e));
         let mut txn = db
             .get_postgres_connection_pool()
             .begin()

@@ -10,18 +10,12 @@
 //! every other mover write ([`Token::begin_pg`]).
 
 use crate::error::{Result, ShardError};
+use crate::rebalance::errors::sqlx_err;
 use crate::rebalance::fencing::Token;
-use sea_orm::{DatabaseConnection, DbErr, RuntimeErr, Value};
+use sea_orm::{DatabaseConnection, DbErr, Value};
 use std::borrow::Cow;
 use std::fmt::Write as _;
 use std::ops::Range;
-use std::sync::Arc;
-
-/// A sqlx error as SeaORM reports one, so shardkit's classification (a
-/// unique violation, a retryable abort, a lost connection) reads it alike.
-pub(crate) fn db_err(e: sea_orm::sqlx::Error) -> DbErr {
-    DbErr::Exec(RuntimeErr::SqlxError(Arc::new(e)))
-}
 
 /// The output of `COPY (select) TO STDOUT` on `db`, in `COPY`'s text
 /// format: a line per row, columns in the select's order.
@@ -31,14 +25,14 @@ pub(crate) async fn copy_out(db: &DatabaseConnection, select: &str) -> Result<Ve
         .get_postgres_connection_pool()
         .acquire()
         .await
-        .map_err(db_err)?;
+        .map_err(sqlx_err)?;
     let mut stream = conn
         .copy_out_raw(&format!("COPY ({select}) TO STDOUT"))
         .await
-        .map_err(db_err)?;
+        .map_err(sqlx_err)?;
     let mut text = Vec::new();
     while let Some(bytes) = stream.next().await {
-        text.extend_from_slice(&bytes.map_err(db_err)?);
+        text.extend_from_slice(&bytes.map_err(sqlx_err)?);
     }
     Ok(text)
 }
@@ -240,10 +234,10 @@ pub(crate) async fn write(
     text: &[u8],
 ) -> Result<()> {
     let once = |upsert| copy_in(token, (db, shard), what, columns, text, upsert);
-    if let Copied::Written = super::entity::again(columns.table, shard, || once(false)).await? {
+    if let Copied::Written = super::errors::again(columns.table, shard, || once(false)).await? {
         return Ok(());
     }
-    super::entity::again(columns.table, shard, || once(true))
+    super::errors::again(columns.table, shard, || once(true))
         .await
         .map(|_| ())
 }
@@ -316,14 +310,14 @@ async fn copy_in(
         Ok(())
     }
     .await
-    .map_err(db_err);
+    .map_err(sqlx_err);
     match copied {
         Ok(()) => {
-            txn.commit().await.map_err(|e| err(db_err(e)))?;
+            txn.commit().await.map_err(|e| err(sqlx_err(e)))?;
             Ok(Copied::Written)
         }
         Err(e) if !upsert && crate::error::is_unique_violation(&e) => {
-            txn.rollback().await.map_err(|e| err(db_err(e)))?;
+            txn.rollback().await.map_err(|e| err(sqlx_err(e)))?;
             Ok(Copied::Conflict)
         }
         Err(e) => Err(err(e)),
