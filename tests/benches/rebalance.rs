@@ -4,7 +4,10 @@
 //! - `copy`: 1,000,000 rows of a three-column table (`orders`: id,
 //!   customer_id, total_cents; indexed on customer_id, as a shard key is)
 //!   moved from s0 to s1, every bucket of the group: the copy phase's rows
-//!   per second, and the whole move's time by phase.
+//!   per second, the whole move's time by phase, and the copy against the
+//!   server's own copy of the same rows with its client tools (PostgreSQL:
+//!   psql's `COPY` out and in; MariaDB too: `mariadb-dump`'s multi-row
+//!   `INSERT`s loaded with `mariadb`).
 //! - `writes`: 100,000 rows moved while a writer starts one single-row
 //!   update transaction every millisecond (1,000 writes/s, up to 16 in
 //!   flight) on keys of the moving buckets: each write's latency, the p99
@@ -57,16 +60,25 @@ async fn loaded(dbs: &TestDbs, rows: i64) -> Cluster {
             .unwrap();
     }
     let db = cluster.connection("s0").unwrap();
+    let series = match db.get_database_backend() {
+        // MariaDB's SEQUENCE engine.
+        sea_orm::DbBackend::MySql => format!("(SELECT seq AS g FROM seq_1_to_{rows}) s"),
+        _ => format!("generate_series(1, {rows}) g"),
+    };
     db.execute_raw(Statement::from_string(
         db.get_database_backend(),
         format!(
             "INSERT INTO orders (id, customer_id, total_cents) \
-             SELECT g, g % {CUSTOMERS}, g % 5000 FROM generate_series(1, {rows}) g"
+             SELECT g, g % {CUSTOMERS}, g % 5000 FROM {series}"
         ),
     ))
     .await
     .unwrap();
-    db.execute_unprepared("ANALYZE orders").await.unwrap();
+    let analyze = match db.get_database_backend() {
+        sea_orm::DbBackend::MySql => "ANALYZE TABLE orders",
+        _ => "ANALYZE orders",
+    };
+    db.execute_unprepared(analyze).await.unwrap();
     cluster
 }
 
@@ -78,25 +90,28 @@ struct Phases {
     copied: (u64, Option<Instant>),
 }
 
-async fn copy(rows: i64) {
+async fn copy(backend: Backend, rows: i64) {
     // s0 and s1 are the cluster's shards; the third database takes the raw
-    // COPYs it is compared with.
-    let Some(dbs) =
-        TestDbs::create_if_reachable(Backend::Postgres, "bench_rebalance_copy", 3).await
-    else {
+    // copies it is compared with.
+    let Some(dbs) = TestDbs::create_if_reachable(backend, "bench_rebalance_copy", 3).await else {
         return;
     };
+    let name = format!("{backend:?}").to_lowercase();
     let cluster = loaded(&dbs, rows).await;
     let scratch = &dbs.names[2];
-    psql(&format!(
-        "pg_dump --schema-only -t orders '{{server}}/{}' | psql -q '{{server}}/{scratch}'",
-        dbs.names[0]
+    let tools = Tools::of(backend);
+    tools.run(&format!(
+        "{} | {} >/dev/null",
+        tools.schema(&dbs.names[0]),
+        tools.client(scratch)
     ));
-    // The server's own COPY of the same rows before the move and after it,
+    // The server's own copy of the same rows before the move and after it,
     // into the same empty table each time; their mean is the comparison.
-    let raw_before = raw_copy(&dbs.names[0], scratch);
-    psql(&format!(
-        "psql -q '{{server}}/{scratch}' -c 'TRUNCATE orders'"
+    let raw_before = tools.raw_copy(&dbs.names[0], scratch);
+    tools.run(&format!(
+        "{}{}'TRUNCATE orders'",
+        tools.client(scratch),
+        tools.command_flag()
     ));
     let phases = Arc::new(Mutex::new(Phases::default()));
     let seen = Arc::clone(&phases);
@@ -123,16 +138,17 @@ async fn copy(rows: i64) {
     let copy_time = s.copied.1.unwrap_or(copy_start) - copy_start;
     let rate = s.copied.0 as f64 / copy_time.as_secs_f64().max(1e-9);
     println!(
-        "rebalance/postgres/copy: {rows} rows in {:.2} s = {rate:.0} rows/s (target >= 100,000)",
+        "rebalance/{name}/copy: {rows} rows in {:.2} s = {rate:.0} rows/s (target >= 100,000)",
         copy_time.as_secs_f64(),
     );
     // s1 now holds every row.
-    let raw_after = raw_copy(&dbs.names[1], scratch);
+    let raw_after = tools.raw_copy(&dbs.names[1], scratch);
     if let (Some(before), Some(after)) = (raw_before, raw_after) {
         let raw = (before + after) / 2;
         let raw_rate = rows as f64 / raw.as_secs_f64().max(1e-9);
         println!(
-            "rebalance/postgres/copy: raw COPY TO STDOUT | COPY FROM STDIN of the same rows {:.2} s before the move, {:.2} s after: {raw_rate:.0} rows/s; the move's copy is {:.2}x of it (goal >= 0.8x)",
+            "rebalance/{name}/copy: raw {} of the same rows {:.2} s before the move, {:.2} s after: {raw_rate:.0} rows/s; the move's copy is {:.2}x of it (goal >= 0.8x)",
+            tools.raw_name(),
             before.as_secs_f64(),
             after.as_secs_f64(),
             rate / raw_rate
@@ -149,38 +165,101 @@ async fn copy(rows: i64) {
         ));
     }
     println!(
-        "rebalance/postgres/copy: whole move {:.2} s ({line}then cut-over and cleaning)",
+        "rebalance/{name}/copy: whole move {:.2} s ({line}then cut-over and cleaning)",
         total.as_secs_f64()
     );
     drop(cluster);
     dbs.cleanup().await;
 }
 
-/// `COPY orders TO STDOUT` on database `from` piped into `COPY orders FROM
-/// STDIN` on `to` with psql; `None` (and a line saying why) without psql.
-fn raw_copy(from: &str, to: &str) -> Option<Duration> {
-    let t = Instant::now();
-    psql(&format!(
-        "psql -q -v ON_ERROR_STOP=1 '{{server}}/{from}' -c 'COPY orders TO STDOUT' | psql -q -v ON_ERROR_STOP=1 '{{server}}/{to}' -c 'COPY orders FROM STDIN'"
-    ))
-    .then(|| t.elapsed())
+/// The server's own client tools, for the raw copy a move's copy is
+/// compared with: psql's `COPY … TO STDOUT | COPY … FROM STDIN` on
+/// PostgreSQL; a dump (multi-row `INSERT`s) loaded with the client on
+/// MariaDB.
+struct Tools {
+    backend: Backend,
+    /// The server URL (PostgreSQL) or the client's connection flags.
+    server: String,
 }
 
-/// Runs a shell pipeline of PostgreSQL's client tools, `{server}` standing
-/// for the test server's URL; `false` (and a line saying why) when it fails.
-fn psql(pipeline: &str) -> bool {
-    let Some(server) = Backend::Postgres.server_url() else {
-        return false;
-    };
-    match std::process::Command::new("sh")
-        .arg("-c")
-        .arg(pipeline.replace("{server}", &server))
-        .status()
-    {
-        Ok(status) if status.success() => true,
-        other => {
-            println!("rebalance/postgres/copy: `{pipeline}` failed ({other:?})");
-            false
+impl Tools {
+    fn of(backend: Backend) -> Tools {
+        let url = backend.server_url().unwrap_or_default();
+        let server = match backend {
+            Backend::MySql => {
+                // mysql://user@host:port
+                let rest = url.trim_start_matches("mysql://");
+                let (user, address) = rest.split_once('@').unwrap_or(("root", rest));
+                let (host, port) = address.split_once(':').unwrap_or((address, "3306"));
+                format!("-h {host} -P {port} -u {user}")
+            }
+            _ => url,
+        };
+        Tools { backend, server }
+    }
+
+    fn raw_name(&self) -> &'static str {
+        match self.backend {
+            Backend::MySql => "mariadb-dump | mariadb (multi-row INSERTs)",
+            _ => "COPY TO STDOUT | COPY FROM STDIN",
+        }
+    }
+
+    /// The client on database `db`.
+    fn client(&self, db: &str) -> String {
+        match self.backend {
+            Backend::MySql => format!("mariadb {} {db}", self.server),
+            _ => format!("psql -q -v ON_ERROR_STOP=1 '{}/{db}'", self.server),
+        }
+    }
+
+    /// How the client is given one statement.
+    fn command_flag(&self) -> &'static str {
+        match self.backend {
+            Backend::MySql => " -e ",
+            _ => " -c ",
+        }
+    }
+
+    /// `orders`' definition on database `db`, as statements.
+    fn schema(&self, db: &str) -> String {
+        match self.backend {
+            Backend::MySql => format!("mariadb-dump --no-data {} {db} orders", self.server),
+            _ => format!("pg_dump --schema-only -t orders '{}/{db}'", self.server),
+        }
+    }
+
+    /// `orders`' rows from database `from` into `to`; `None` (and a line
+    /// saying why) when the tools fail.
+    fn raw_copy(&self, from: &str, to: &str) -> Option<Duration> {
+        let pipeline = match self.backend {
+            Backend::MySql => format!(
+                "mariadb-dump --no-create-info --single-transaction {} {from} orders | {}",
+                self.server,
+                self.client(to)
+            ),
+            _ => format!(
+                "{} -c 'COPY orders TO STDOUT' | {} -c 'COPY orders FROM STDIN'",
+                self.client(from),
+                self.client(to)
+            ),
+        };
+        let t = Instant::now();
+        self.run(&pipeline).then(|| t.elapsed())
+    }
+
+    /// Runs a shell pipeline; `false` (and a line saying why) when it fails.
+    fn run(&self, pipeline: &str) -> bool {
+        match std::process::Command::new("sh")
+            .arg("-c")
+            .arg(pipeline)
+            .status()
+        {
+            Ok(status) if status.success() => true,
+            other => {
+                println!("rebalance/copy: `{pipeline}` failed ({other:?})");
+                false
+            }
         }
     }
 }
@@ -405,7 +484,8 @@ fn main() {
         .unwrap();
     runtime.block_on(async {
         if wants("copy") {
-            copy(rows).await;
+            copy(Backend::Postgres, rows).await;
+            copy(Backend::MySql, rows).await;
         }
         if wants("writes") {
             writes().await;
