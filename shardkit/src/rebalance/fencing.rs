@@ -202,20 +202,7 @@ impl Token {
         let err = |e| db_err(shard, FENCES, "check", e);
         let txn = crate::exec::begin_write(db).await.map_err(err)?;
         let backend = txn.get_database_backend();
-        let idle = self.idle.as_millis().max(1000);
-        let set = match backend {
-            DbBackend::Postgres => Some(format!(
-                "SET LOCAL idle_in_transaction_session_timeout = '{idle}ms'"
-            )),
-            // MariaDB only (MySQL reads the comment as a comment).
-            DbBackend::MySql => Some(format!(
-                "SET SESSION /*M!100300 idle_transaction_timeout = {}, */ innodb_lock_wait_timeout = {}",
-                idle.div_ceil(1000),
-                crate::exec::SIDE_LOCK_WAIT_SECS
-            )),
-            _ => None,
-        };
-        if let Some(set) = set {
+        if let Some(set) = self.idle_bound(backend) {
             txn.execute_unprepared(&set).await.map_err(err)?;
         }
         let now = txn
@@ -232,6 +219,24 @@ impl Token {
         // A paused process inside its transaction, holding the fence's lock.
         self.park("park_open", what).await;
         Ok(txn)
+    }
+
+    /// The statement that bounds how long a mover's transaction may sit
+    /// idle on `backend` before the server ends it.
+    fn idle_bound(&self, backend: DbBackend) -> Option<String> {
+        let idle = self.idle.as_millis().max(1000);
+        match backend {
+            DbBackend::Postgres => Some(format!(
+                "SET LOCAL idle_in_transaction_session_timeout = '{idle}ms'"
+            )),
+            // MariaDB only (MySQL reads the comment as a comment).
+            DbBackend::MySql => Some(format!(
+                "SET SESSION /*M!100300 idle_transaction_timeout = {}, */ innodb_lock_wait_timeout = {}",
+                idle.div_ceil(1000),
+                crate::exec::SIDE_LOCK_WAIT_SECS
+            )),
+            _ => None,
+        }
     }
 
     /// [`Token::begin`] on a sqlx connection of `db`'s PostgreSQL pool, for
@@ -251,28 +256,27 @@ impl Token {
             .begin()
             .await
             .map_err(err)?;
-        let idle = self.idle.as_millis().max(1000);
-        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-            "SET LOCAL idle_in_transaction_session_timeout = '{idle}ms'"
-        )))
-        .execute(&mut *txn)
-        .await
-        .map_err(err)?;
-        let now: Option<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
-            "SELECT generation FROM {FENCES} WHERE grp = $1 AND move_id = $2 FOR SHARE"
-        )))
-        .bind(self.group)
-        .bind(self.id)
-        .fetch_optional(&mut *txn)
-        .await
-        .map_err(err)?;
-        if now != Some(self.generation) {
-            let _ = txn.rollback().await;
-            return Err(self.taken_over(shard, now));
+        let idle = self.idle_bound(DbBackend::Postgres).unwrap_or_default();
+        sqlx::raw_sql(sqlx::AssertSqlSafe(idle))
+            .execute(&mut *txn)
+            .await
+            .map_err(err)?;
+        // The fence read as `begin` sends it, its values bound here.
+        let select = self.select(DbBackend::Postgres, "SHARE").sql;
+        let now: Option<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(select))
+            .bind(self.group)
+            .bind(self.id)
+            .fetch_optional(&mut *txn)
+            .await
+            .map_err(err)?;
+        if now == Some(self.generation) {
+            // A paused process inside its transaction, holding the fence's
+            // lock.
+            self.park("park_open", what).await;
+            return Ok(txn);
         }
-        // A paused process inside its transaction, holding the fence's lock.
-        self.park("park_open", what).await;
-        Ok(txn)
+        let _ = txn.rollback().await;
+        Err(self.taken_over(shard, now))
     }
 
     /// Fault injection: `shardkit::rebalance::park::<what>` parks the mover
