@@ -247,8 +247,9 @@ where
 
 /// A copy chunk's moving rows, as the target gets them.
 enum Moving<M> {
-    /// Models, written with a multi-row `INSERT` (a target other than
-    /// PostgreSQL, or a value `COPY`'s text is not rendered for).
+    /// Models, written with a multi-row `INSERT` (between shards other than
+    /// PostgreSQL, or a table whose primary key `COPY`'s text does not
+    /// carry, see [`plain_pk`]).
     Models(Vec<M>),
     /// Rows in `COPY`'s text format, for a PostgreSQL target (see
     /// [`pg_copy`](super::pg_copy)).
@@ -325,10 +326,18 @@ async fn read_by_copy<E: ShardedEntity>(
     skip_logged: bool,
 ) -> Result<Option<(Moving<E::Model>, Option<Vec<Value>>)>> {
     use super::pg_copy::{field, lines};
-    use sea_orm::QueryTrait;
-    let select = keyset::chunk::<E>(after, chunk)
-        .into_query()
-        .to_string(sea_orm::sea_query::PostgresQueryBuilder);
+    // The stored values, column by column (no column's `select_as`): the
+    // lines go to the target's table as they are.
+    let mut select = Query::select();
+    select
+        .columns(<E::Column as Iterable>::iter())
+        .from(E::default())
+        .cond_where(keyset::after_condition::<E>(after))
+        .limit(chunk);
+    for pk in <E::PrimaryKey as Iterable>::iter() {
+        select.order_by(pk.into_column(), sea_orm::Order::Asc);
+    }
+    let select = select.to_string(sea_orm::sea_query::PostgresQueryBuilder);
     let text = super::pg_copy::copy_out(src.0, &select)
         .await
         .map_err(err::<E>(src.1, "copy from"))?;
@@ -389,20 +398,6 @@ async fn read_by_copy<E: ShardedEntity>(
         },
         next,
     )))
-}
-
-/// `rows` in `COPY`'s text format, for a PostgreSQL target (`None` for
-/// another, or when a value has a type the format is not rendered for).
-/// Rendered as a chunk is read, so that it runs while the chunk before is
-/// written.
-fn copy_text<E: ShardedEntity>(dst: &DatabaseConnection, rows: &[E::Model]) -> Option<String> {
-    if dst.get_database_backend() != DbBackend::Postgres || rows.is_empty() {
-        return None;
-    }
-    let mut text = String::with_capacity(rows.len() * 32);
-    rows.iter()
-        .all(|m| super::pg_copy::row_text(&crate::key::model_values::<E>(m), &mut text))
-        .then_some(text)
 }
 
 /// One transaction of [`upsert_rows`]: `false` when a plain insert found a
@@ -590,9 +585,12 @@ where
     ) -> BoxFuture<'a, Result<Chunk>> {
         Box::pin(async move {
             // Between PostgreSQL shards a chunk is read with `COPY`.
+            // (A table in a named schema keeps the models: the copy's
+            // statements name the table as the search path finds it.)
             let by_copy = src.0.get_database_backend() == DbBackend::Postgres
                 && dst.0.get_database_backend() == DbBackend::Postgres
-                && plain_pk::<E>();
+                && plain_pk::<E>()
+                && sea_orm::EntityName::schema_name(&E::default()).is_none();
             // Reads the chunk after `after`: its moving rows and where the
             // next starts.
             let read = |after: Option<Vec<Value>>| async move {
@@ -629,14 +627,7 @@ where
                     let logged = logged_keys(src, token.id(), &keys).await?;
                     moving.retain(|m| !logged.contains(&E::shard_key(m).to_directory_text()));
                 }
-                let moving = match copy_text::<E>(dst.0, &moving) {
-                    Some(text) => Moving::Text {
-                        text: text.into_bytes(),
-                        rows: moving.len() as u64,
-                    },
-                    None => Moving::Models(moving),
-                };
-                Ok::<_, ShardError>((moving, next))
+                Ok::<_, ShardError>((Moving::Models(moving), next))
             };
             let mut copied = 0u64;
             let mut current = read(after.map(|a| parse_pk::<E>(a))).await?;

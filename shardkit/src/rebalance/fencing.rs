@@ -239,23 +239,20 @@ impl Token {
         }
     }
 
-    /// [`Token::begin`] on a sqlx connection of `db`'s PostgreSQL pool, for
+    /// [`Token::begin`] on a sqlx connection of a shard's PostgreSQL pool, for
     /// a statement SeaORM's transaction cannot carry (`COPY … FROM STDIN`,
     /// see [`pg_copy`](super::pg_copy)): the same idle bound, the same
     /// fence read under a shared lock, the same parking points.
-    pub(crate) async fn begin_pg(
+    pub(crate) async fn begin_pg<'c>(
         &self,
-        (db, shard): (&DatabaseConnection, &str),
+        conn: &'c mut sea_orm::sqlx::PgConnection,
+        shard: &str,
         what: &str,
-    ) -> Result<sea_orm::sqlx::Transaction<'static, sea_orm::sqlx::Postgres>> {
+    ) -> Result<sea_orm::sqlx::Transaction<'c, sea_orm::sqlx::Postgres>> {
         use sea_orm::sqlx;
         self.park("park", what).await;
         let err = |e: sqlx::Error| db_err(shard, FENCES, "check", super::errors::sqlx_err(e));
-        let mut txn = db
-            .get_postgres_connection_pool()
-            .begin()
-            .await
-            .map_err(err)?;
+        let mut txn = sqlx::Connection::begin(conn).await.map_err(err)?;
         let idle = self.idle_bound(DbBackend::Postgres).unwrap_or_default();
         sqlx::raw_sql(sqlx::AssertSqlSafe(idle))
             .execute(&mut *txn)

@@ -12,28 +12,63 @@
 use crate::error::{Result, ShardError};
 use crate::rebalance::errors::sqlx_err;
 use crate::rebalance::fencing::Token;
-use sea_orm::{DatabaseConnection, DbErr, Value};
+use sea_orm::sqlx::Postgres;
+use sea_orm::sqlx::pool::PoolConnection;
+use sea_orm::{DatabaseConnection, DbErr};
 use std::borrow::Cow;
-use std::fmt::Write as _;
 use std::ops::Range;
+
+/// A pooled connection for a `COPY`, closed instead of returned to its
+/// pool unless the work on it finished: a `COPY` cut off midway (the
+/// mover's step timeout drops it) can leave the connection's replies out of
+/// step with its next statements, and the pool is shared with every other
+/// statement of the shard.
+pub(crate) struct CopyConn {
+    conn: PoolConnection<Postgres>,
+    done: bool,
+}
+
+impl CopyConn {
+    pub(crate) async fn acquire(db: &DatabaseConnection) -> Result<CopyConn, DbErr> {
+        let conn = db
+            .get_postgres_connection_pool()
+            .acquire()
+            .await
+            .map_err(sqlx_err)?;
+        Ok(CopyConn { conn, done: false })
+    }
+
+    /// The work finished: the connection goes back to its pool.
+    fn done(&mut self) {
+        self.done = true;
+    }
+}
+
+impl Drop for CopyConn {
+    fn drop(&mut self) {
+        if !self.done {
+            self.conn.close_on_drop();
+        }
+    }
+}
 
 /// The output of `COPY (select) TO STDOUT` on `db`, in `COPY`'s text
 /// format: a line per row, columns in the select's order.
 pub(crate) async fn copy_out(db: &DatabaseConnection, select: &str) -> Result<Vec<u8>, DbErr> {
     use futures::StreamExt;
-    let mut conn = db
-        .get_postgres_connection_pool()
-        .acquire()
-        .await
-        .map_err(sqlx_err)?;
-    let mut stream = conn
-        .copy_out_raw(&format!("COPY ({select}) TO STDOUT"))
-        .await
-        .map_err(sqlx_err)?;
+    let mut conn = CopyConn::acquire(db).await?;
     let mut text = Vec::new();
-    while let Some(bytes) = stream.next().await {
-        text.extend_from_slice(&bytes.map_err(sqlx_err)?);
+    {
+        let mut stream = conn
+            .conn
+            .copy_out_raw(&format!("COPY ({select}) TO STDOUT"))
+            .await
+            .map_err(sqlx_err)?;
+        while let Some(bytes) = stream.next().await {
+            text.extend_from_slice(&bytes.map_err(sqlx_err)?);
+        }
     }
+    conn.done();
     Ok(text)
 }
 
@@ -87,121 +122,6 @@ pub(crate) fn field(line: &[u8], index: usize) -> Option<Cow<'_, str>> {
         });
     }
     Some(Cow::Owned(out))
-}
-
-/// Appends `values` to `out` as one row of `COPY`'s text format; `false`
-/// (and `out` as it was) when a value has a type this renders no text for,
-/// so the caller writes the chunk another way.
-pub(crate) fn row_text(values: &[Value], out: &mut String) -> bool {
-    let start = out.len();
-    for (i, value) in values.iter().enumerate() {
-        if i > 0 {
-            out.push('\t');
-        }
-        if !value_text(value, out) {
-            out.truncate(start);
-            return false;
-        }
-    }
-    out.push('\n');
-    true
-}
-
-/// One value in `COPY`'s text format: `\N` for NULL; otherwise the text
-/// PostgreSQL's input function for the column's type reads, with the
-/// format's escapes.
-fn value_text(value: &Value, out: &mut String) -> bool {
-    macro_rules! shown {
-        ($v:expr) => {
-            match $v {
-                Some(v) => {
-                    let _ = write!(out, "{v}");
-                }
-                None => out.push_str("\\N"),
-            }
-        };
-    }
-    match value {
-        Value::Bool(v) => match v {
-            Some(b) => out.push(if *b { 't' } else { 'f' }),
-            None => out.push_str("\\N"),
-        },
-        Value::TinyInt(v) => shown!(v),
-        Value::SmallInt(v) => shown!(v),
-        Value::Int(v) => shown!(v),
-        Value::BigInt(v) => shown!(v),
-        Value::TinyUnsigned(v) => shown!(v),
-        Value::SmallUnsigned(v) => shown!(v),
-        Value::Unsigned(v) => shown!(v),
-        Value::BigUnsigned(v) => shown!(v),
-        Value::Float(v) => float(v.map(f64::from), out),
-        Value::Double(v) => float(*v, out),
-        Value::String(v) => match v {
-            Some(s) => escaped(s, out),
-            None => out.push_str("\\N"),
-        },
-        Value::Char(v) => match v {
-            Some(c) => escaped(c.encode_utf8(&mut [0; 4]), out),
-            None => out.push_str("\\N"),
-        },
-        Value::Bytes(v) => match v {
-            // bytea's hex input, `\x…`, its backslash escaped.
-            Some(bytes) => {
-                out.push_str("\\\\x");
-                for b in bytes {
-                    let _ = write!(out, "{b:02x}");
-                }
-            }
-            None => out.push_str("\\N"),
-        },
-        Value::Json(v) => match v {
-            Some(json) => escaped(&json.to_string(), out),
-            None => out.push_str("\\N"),
-        },
-        Value::ChronoDate(v) => shown!(v),
-        Value::ChronoTime(v) => shown!(v),
-        Value::ChronoDateTime(v) => shown!(v),
-        Value::ChronoDateTimeUtc(v) => shown!(v.map(|t| t.to_rfc3339())),
-        Value::ChronoDateTimeLocal(v) => shown!(v.map(|t| t.to_rfc3339())),
-        Value::ChronoDateTimeWithTimeZone(v) => shown!(v.map(|t| t.to_rfc3339())),
-        Value::Uuid(v) => shown!(v),
-        // A PostgreSQL enum's label.
-        Value::Enum(v) => match v {
-            sea_orm::sea_query::OptionEnum::Some(e) => escaped(&e.value, out),
-            sea_orm::sea_query::OptionEnum::None(_) => out.push_str("\\N"),
-        },
-        // Decimals, arrays, network types, the time and jiff crates' types
-        // (features an application may turn on): the multi-row `INSERT`
-        // binds them as SeaORM does.
-        _ => return false,
-    }
-    true
-}
-
-fn float(v: Option<f64>, out: &mut String) {
-    match v {
-        None => out.push_str("\\N"),
-        Some(f) if f.is_nan() => out.push_str("NaN"),
-        Some(f) if f.is_infinite() => out.push_str(if f > 0.0 { "Infinity" } else { "-Infinity" }),
-        // Rust's shortest text that reads back as the same value.
-        Some(f) => {
-            let _ = write!(out, "{f:?}");
-        }
-    }
-}
-
-/// Text with `COPY`'s escapes: backslash, and the row and column
-/// delimiters.
-fn escaped(s: &str, out: &mut String) {
-    for c in s.chars() {
-        match c {
-            '\\' => out.push_str("\\\\"),
-            '\t' => out.push_str("\\t"),
-            '\n' => out.push_str("\\n"),
-            '\r' => out.push_str("\\r"),
-            c => out.push(c),
-        }
-    }
 }
 
 /// What [`copy_in`] did.
@@ -268,12 +188,15 @@ async fn copy_in(
             e,
         )
     };
-    let mut txn = token.begin_pg((db, shard), what).await?;
+    let mut conn = CopyConn::acquire(db).await.map_err(err)?;
+    let mut txn = token.begin_pg(&mut conn.conn, shard, what).await?;
     let copied = async {
         use sea_orm::sqlx::{AssertSqlSafe, raw_sql};
         if upsert {
+            // The copied columns only, with their types: no constraint,
+            // default or identity of the table's comes along.
             raw_sql(AssertSqlSafe(format!(
-                "CREATE TEMPORARY TABLE {into} (LIKE {}) ON COMMIT DROP",
+                "CREATE TEMPORARY TABLE {into} ON COMMIT DROP AS SELECT {all} FROM {} WITH NO DATA",
                 q(table)
             )))
             .execute(&mut *txn)
@@ -281,7 +204,9 @@ async fn copy_in(
         }
         let mut copy = txn.copy_in_raw(&statement).await?;
         if let Err(e) = copy.send(text).await {
-            let _ = copy.abort("shardkit: the copy's data could not be sent").await;
+            let _ = copy
+                .abort("shardkit: the copy's data could not be sent")
+                .await;
             return Err(e);
         }
         copy.finish().await?;
@@ -294,14 +219,21 @@ async fn copy_in(
                 .filter(|c| !columns.key.contains(c))
                 .collect();
             // A table of primary-key columns only sets the key to itself.
-            let set = if others.is_empty() { &columns.key } else { &others };
+            let set = if others.is_empty() {
+                &columns.key
+            } else {
+                &others
+            };
             let set = set
                 .iter()
                 .map(|c| format!("{0} = EXCLUDED.{0}", q(c)))
                 .collect::<Vec<_>>()
                 .join(", ");
+            // A `GENERATED ALWAYS` identity column takes the source's
+            // value, as `COPY` gives it.
             raw_sql(AssertSqlSafe(format!(
-                "INSERT INTO {} ({all}) SELECT {all} FROM {into} ON CONFLICT ({key}) DO UPDATE SET {set}",
+                "INSERT INTO {} ({all}) OVERRIDING SYSTEM VALUE SELECT {all} FROM {into} \
+                 ON CONFLICT ({key}) DO UPDATE SET {set}",
                 q(table)
             )))
             .execute(&mut *txn)
@@ -311,17 +243,16 @@ async fn copy_in(
     }
     .await
     .map_err(sqlx_err);
-    match copied {
-        Ok(()) => {
-            txn.commit().await.map_err(|e| err(sqlx_err(e)))?;
-            Ok(Copied::Written)
-        }
+    let outcome = match copied {
+        Ok(()) => txn.commit().await.map(|_| Copied::Written),
         Err(e) if !upsert && crate::error::is_unique_violation(&e) => {
-            txn.rollback().await.map_err(|e| err(sqlx_err(e)))?;
-            Ok(Copied::Conflict)
+            txn.rollback().await.map(|_| Copied::Conflict)
         }
-        Err(e) => Err(err(e)),
-    }
+        Err(e) => return Err(err(e)),
+    };
+    let outcome = outcome.map_err(|e| err(sqlx_err(e)))?;
+    conn.done();
+    Ok(outcome)
 }
 
 #[cfg(test)]
@@ -339,38 +270,5 @@ mod tests {
         assert_eq!(field(first, 2), None);
         assert_eq!(field(first, 3), None);
         assert_eq!(field(&text[rows[1].clone()], 1).as_deref(), Some("x\\y"));
-    }
-
-    #[test]
-    fn rows_in_copy_text() {
-        let mut out = String::new();
-        assert!(row_text(
-            &[
-                Value::BigInt(Some(-7)),
-                Value::String(Some("a\tb\nc\\d\re".into())),
-                Value::Bool(Some(true)),
-                Value::Double(Some(0.1)),
-                Value::Double(Some(f64::NEG_INFINITY)),
-                Value::Bytes(Some(vec![0, 255])),
-                Value::Int(None),
-            ],
-            &mut out
-        ));
-        assert_eq!(
-            out,
-            "-7\ta\\tb\\nc\\\\d\\re\tt\t0.1\t-Infinity\t\\\\x00ff\t\\N\n"
-        );
-        let mut out = String::new();
-        let label = sea_orm::sea_query::Enum {
-            type_name: "mood".into(),
-            value: "o\tk".into(),
-        };
-        assert!(row_text(
-            &[Value::Enum(sea_orm::sea_query::OptionEnum::Some(Box::new(
-                label
-            )))],
-            &mut out
-        ));
-        assert_eq!(out, "o\\tk\n");
     }
 }
