@@ -7,7 +7,7 @@ use crate::key::model_pk_values;
 use crate::read::ReferenceFence;
 use crate::reference::state::{References, SOURCE};
 use crate::reference::sync::{
-    Change, Snapshot, apply_snapshot, catch_up, db_err, push, read_source, texts, version_of,
+    Change, Rows, Snapshot, apply_version, catch_up, db_err, push, read_source, texts, version_of,
     write_source,
 };
 use crate::reference::watch::{Typed, register};
@@ -464,7 +464,8 @@ where
                         "the copy moved to version {v}, past the source's snapshot ({version}), while it was compared: run verify again"
                     ));
                 } else {
-                    match apply_snapshot::<E>(&self.refs, s, v, version, &rows).await {
+                    match apply_version::<E>(&self.refs, s, v, version, Rows::Snapshot(&rows)).await
+                    {
                         Ok(true) => report.repaired = true,
                         Ok(false) => report.error = Some(
                             "the copy's version changed while it was repaired: run verify again"

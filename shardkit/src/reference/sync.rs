@@ -264,53 +264,20 @@ pub(super) async fn push<E>(
 where
     E: ReferenceEntity,
 {
-    let table = table_name::<E>();
-    let shards = refs.shards();
-    let name = shards.shard_name(shard);
-    let db = shards.shard_conn(shard);
-    let err = |op: &'static str| move |e| db_err(name, table, op, e);
-    let fresh = refs.copy(table, shard) == 0;
-    let apply = async {
-        if fresh {
-            ensure_row(db, table)
-                .await
-                .map_err(err("create the version of"))?;
-        }
-        let txn = crate::exec::begin_write(db).await.map_err(err("begin"))?;
-        if !move_version(&txn, table, version - 1, version)
-            .await
-            .map_err(err("move the version of"))?
-        {
-            return Ok(false);
-        }
-        for change in changes {
-            match change {
-                Change::Insert(row) | Change::Update(row) | Change::Upsert(row) => {
-                    crate::exec::keyset::upsert::<E, _>(&txn, row.clone())
-                        .await
-                        .map_err(err("write"))?;
-                }
-                Change::Delete(pk) => {
-                    E::delete_many()
-                        .filter(pk_condition::<E>(pk))
-                        .exec(&txn)
-                        .await
-                        .map_err(err("delete from"))?;
-                }
-            }
-        }
-        txn.commit().await.map_err(err("commit"))?;
-        Ok(true)
-    };
-    let applied = shards
-        .bounded(shard, "reference", shards.read_settings().timeout, apply)
-        .await?;
-    if applied {
-        refs.copy_is(table, shard, version);
+    let rows = Rows::Changes(changes);
+    if apply_version::<E>(refs, shard, version - 1, version, rows).await? {
         Ok(version)
     } else {
         catch_up::<E>(refs, shard).await
     }
+}
+
+/// What [`apply_version`] writes on a copy.
+pub(super) enum Rows<'a, E: ReferenceEntity> {
+    /// One version's changes, on a copy at the version before.
+    Changes(&'a [Change<E>]),
+    /// Every row of the source at the version (a catch-up, a repair).
+    Snapshot(&'a [E::Model]),
 }
 
 /// Each row's values as text, by primary key (as text): what copies are
@@ -398,22 +365,25 @@ pub(super) async fn read_source<E: ReferenceEntity>(
         .await
 }
 
-/// Sets `shard`'s copy to `rows` at `version` in one transaction, when the
-/// copy is still at `from` (compare and set); false when it moved meanwhile.
-pub(super) async fn apply_snapshot<E: ReferenceEntity>(
+/// Moves `shard`'s copy from version `from` to `version` and writes `rows`
+/// there, in one transaction, when the copy is still at `from` (compare and
+/// set); false when it moved meanwhile.
+pub(super) async fn apply_version<E: ReferenceEntity>(
     refs: &References,
     shard: ShardId,
     from: i64,
     version: i64,
-    rows: &[E::Model],
+    rows: Rows<'_, E>,
 ) -> Result<bool> {
     let table = table_name::<E>();
     let shards = refs.shards();
     let name = shards.shard_name(shard);
     let db = shards.shard_conn(shard);
     let err = |op: &'static str| move |e| db_err(name, table, op, e);
+    // A copy this instance knows nothing of may lack its version row.
+    let fresh = from == 0 || refs.copy(table, shard) == 0;
     let apply = async {
-        if from == 0 {
+        if fresh {
             ensure_row(db, table)
                 .await
                 .map_err(err("create the version of"))?;
@@ -425,7 +395,29 @@ pub(super) async fn apply_snapshot<E: ReferenceEntity>(
         {
             return Ok(false);
         }
-        sync_rows::<E, _>(&txn, rows).await.map_err(err("write"))?;
+        match rows {
+            Rows::Snapshot(rows) => {
+                sync_rows::<E, _>(&txn, rows).await.map_err(err("write"))?;
+            }
+            Rows::Changes(changes) => {
+                for change in changes {
+                    match change {
+                        Change::Insert(row) | Change::Update(row) | Change::Upsert(row) => {
+                            crate::exec::keyset::upsert::<E, _>(&txn, row.clone())
+                                .await
+                                .map_err(err("write"))?;
+                        }
+                        Change::Delete(pk) => {
+                            E::delete_many()
+                                .filter(pk_condition::<E>(pk))
+                                .exec(&txn)
+                                .await
+                                .map_err(err("delete from"))?;
+                        }
+                    }
+                }
+            }
+        }
         txn.commit().await.map_err(err("commit"))?;
         Ok(true)
     };
@@ -474,7 +466,15 @@ pub(crate) async fn catch_up<E: ReferenceEntity>(refs: &References, shard: Shard
                 "a reference copy is ahead of its source: set back to the source's rows and version"
             );
         }
-        if apply_snapshot::<E>(refs, shard, from, source.version, &source.rows).await? {
+        if apply_version::<E>(
+            refs,
+            shard,
+            from,
+            source.version,
+            Rows::Snapshot(&source.rows),
+        )
+        .await?
+        {
             tracing::debug!(
                 table,
                 shard = name,
