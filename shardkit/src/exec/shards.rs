@@ -357,13 +357,8 @@ impl Shards {
             .map_err(begin_failed)?;
         // Under the shard's breaker: a shard that refuses or hangs fails the
         // begin with its cause instead of after the pool's acquire timeout.
-        let begin = async {
-            // Boxed where it is made: the breaker and its timeout around it
-            // would otherwise copy the driver's large future.
-            Box::pin(crate::exec::begin_write(conn))
-                .await
-                .map_err(begin_failed)
-        };
+        // SeaORM boxes the driver's begin: this future is a pointer.
+        let begin = async { crate::exec::begin_write(conn).await.map_err(begin_failed) };
         let txn = self.bounded(target.shard, G::NAME, None, begin).await?;
         Ok(Begun {
             txn,

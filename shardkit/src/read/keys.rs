@@ -63,12 +63,21 @@ pub(super) fn add_key<E: ShardedEntity>(
     key: &KeyOf<E>,
     backend: DbBackend,
 ) {
-    let keys = std::slice::from_ref(key);
-    let query = QueryTrait::query(select);
-    if binary_text_keys::<E>(keys, backend) {
-        query.cond_where(key_condition::<E>(keys, backend));
+    QueryTrait::query(select).and_where(key_expr::<E>(key, backend));
+}
+
+/// The one-key predicate of [`key_condition`] as one expression, added to
+/// every statement of a key's transaction and every keyed read: the column
+/// is qualified by the table's static name (SeaORM's entity name would be
+/// copied into a new string each time, and again when the statement is
+/// built), and the comparison is not wrapped in a condition of its own.
+pub(crate) fn key_expr<E: ShardedEntity>(key: &KeyOf<E>, backend: DbBackend) -> Expr {
+    let column = || Expr::col((table_name::<E>(), E::shard_key_column()));
+    let eq = column().eq(key.clone());
+    if binary_text_keys::<E>(std::slice::from_ref(key), backend) {
+        eq.and(column().cast_as("BINARY").eq(key.clone()))
     } else {
-        query.and_where(Expr::col((E::default(), E::shard_key_column())).eq(key.clone()));
+        eq
     }
 }
 

@@ -18,7 +18,7 @@ use futures::future::BoxFuture;
 use sea_orm::sea_query::{IntoCondition, SimpleExpr};
 use sea_orm::{
     ActiveModelBehavior, ActiveModelTrait, ActiveValue, Condition, EntityTrait, IdenStatic,
-    IntoActiveModel, Iterable, QueryFilter, QuerySelect,
+    IntoActiveModel, Iterable, QueryFilter, QuerySelect, QueryTrait,
 };
 
 impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
@@ -105,7 +105,7 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
             tx: self,
             set: E::ActiveModel::default(),
             exprs: Vec::new(),
-            filter: Condition::all(),
+            filter: None,
             run: |batch| boxed(|| batch.run()),
         }
     }
@@ -116,7 +116,7 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
     pub fn delete_many<E: InGroup<G>>(&self) -> TxDeleteMany<'_, G, P, E> {
         TxDeleteMany {
             tx: self,
-            filter: Condition::all(),
+            filter: None,
             entity: std::marker::PhantomData,
             run: |batch| boxed(|| batch.run()),
         }
@@ -126,10 +126,13 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
     /// lock the batch's writes will take.
     async fn rows_for_batch<E: InGroup<G>>(
         &self,
-        filter: Condition,
+        filter: Option<Condition>,
         op: &str,
     ) -> Result<Vec<E::Model>> {
-        let mut select = E::find().filter(self.key_condition::<E>()).filter(filter);
+        let mut select = E::find().filter(self.key_expr::<E>());
+        if let Some(filter) = filter {
+            select = select.filter(filter);
+        }
         if sea_orm::ConnectionTrait::get_database_backend(&self.txn) != sea_orm::DbBackend::Sqlite {
             select = select.lock_exclusive();
         }
@@ -137,6 +140,14 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
             .all(&self.txn)
             .await
             .map_err(|e| self.write_err::<E>(op, e))
+    }
+}
+
+/// `filter` and `condition`, combined with `AND`.
+fn and(filter: Option<Condition>, condition: impl IntoCondition) -> Condition {
+    match filter {
+        None => condition.into_condition(),
+        Some(filter) => filter.add(condition.into_condition()),
     }
 }
 
@@ -156,7 +167,9 @@ pub struct TxUpdateMany<'t, G: EntityGroup, P, E: ShardedEntity> {
     tx: &'t ShardTx<G, P>,
     set: E::ActiveModel,
     exprs: Vec<(E::Column, SimpleExpr)>,
-    filter: Condition,
+    /// The filters, `None` before the first (not nested in an empty
+    /// condition: the statement takes the caller's as it is).
+    filter: Option<Condition>,
     /// How `exec` runs it, chosen by `update_many` where `E` is known to be
     /// of `G` (the builder's own methods need no such bound, so writing
     /// another group's entity fails to compile once, at `update_many`).
@@ -191,7 +204,7 @@ impl<'t, G: EntityGroup, P: WriteStage, E: ShardedEntity> TxUpdateMany<'t, G, P,
     /// Adds a condition (SeaORM's `QueryFilter::filter`); conditions are
     /// combined with `AND`, and always with the shard key's.
     pub fn filter(mut self, condition: impl IntoCondition) -> Self {
-        self.filter = self.filter.add(condition.into_condition());
+        self.filter = Some(and(self.filter, condition));
         self
     }
 
@@ -260,9 +273,11 @@ impl<'t, G: EntityGroup, P: WriteStage, E: InGroup<G>> TxUpdateMany<'t, G, P, E>
                 for (column, expr) in exprs {
                     update = update.col_expr(column, expr);
                 }
+                QueryTrait::query(&mut update).and_where(tx.key_expr::<E>());
+                if let Some(filter) = filter {
+                    update = update.filter(filter);
+                }
                 return update
-                    .filter(tx.key_condition::<E>())
-                    .filter(filter)
                     .exec(&tx.txn)
                     .await
                     .map(|done| done.rows_affected)
@@ -278,6 +293,22 @@ impl<'t, G: EntityGroup, P: WriteStage, E: InGroup<G>> TxUpdateMany<'t, G, P, E>
                  read the rows and update each",
             ));
         }
+        // Boxed: the pipeline's state would otherwise sit in the one
+        // statement's future (one allocation of kilobytes per batch).
+        Box::pin(tx.update_rows::<E>(filter, set, set_columns)).await
+    }
+}
+
+impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
+    /// [`TxUpdateMany`] row by row: each row the filter matches through
+    /// the whole pipeline.
+    async fn update_rows<E: InGroup<G>>(
+        &self,
+        filter: Option<Condition>,
+        set: E::ActiveModel,
+        set_columns: Vec<E::Column>,
+    ) -> Result<u64> {
+        let (tx, op) = (self, "update_many");
         let rows = tx.rows_for_batch::<E>(filter, op).await?;
         let mut changed = 0;
         for row in rows {
@@ -305,7 +336,8 @@ impl<'t, G: EntityGroup, P: WriteStage, E: InGroup<G>> TxUpdateMany<'t, G, P, E>
 #[must_use = "a delete does nothing until `.exec()` runs it"]
 pub struct TxDeleteMany<'t, G: EntityGroup, P, E: ShardedEntity> {
     tx: &'t ShardTx<G, P>,
-    filter: Condition,
+    /// As [`TxUpdateMany`]'s.
+    filter: Option<Condition>,
     entity: std::marker::PhantomData<fn() -> E>,
     /// As [`TxUpdateMany`]'s.
     run: for<'a> fn(TxDeleteMany<'a, G, P, E>) -> BoxFuture<'a, Result<u64>>,
@@ -315,7 +347,7 @@ impl<'t, G: EntityGroup, P: WriteStage, E: ShardedEntity> TxDeleteMany<'t, G, P,
     /// Adds a condition (SeaORM's `QueryFilter::filter`); conditions are
     /// combined with `AND`, and always with the shard key's.
     pub fn filter(mut self, condition: impl IntoCondition) -> Self {
-        self.filter = self.filter.add(condition.into_condition());
+        self.filter = Some(and(self.filter, condition));
         self
     }
 
@@ -333,9 +365,12 @@ impl<'t, G: EntityGroup, P: WriteStage, E: InGroup<G>> TxDeleteMany<'t, G, P, E>
         tx.ensure_open()?;
         match tx.stages.batch::<E>(&tx.ctx(), WriteOp::Delete) {
             Batch::Statement => {
-                return E::delete_many()
-                    .filter(tx.key_condition::<E>())
-                    .filter(filter)
+                let mut delete = E::delete_many();
+                QueryTrait::query(&mut delete).and_where(tx.key_expr::<E>());
+                if let Some(filter) = filter {
+                    delete = delete.filter(filter);
+                }
+                return delete
                     .exec(&tx.txn)
                     .await
                     .map(|done| done.rows_affected)
@@ -344,6 +379,16 @@ impl<'t, G: EntityGroup, P: WriteStage, E: InGroup<G>> TxDeleteMany<'t, G, P, E>
             Batch::Refused(reason) => return Err(unsupported::<E>(op, reason)),
             Batch::PerRow => {}
         }
+        // Boxed, as `TxUpdateMany`'s rows.
+        Box::pin(tx.delete_rows::<E>(filter)).await
+    }
+}
+
+impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
+    /// [`TxDeleteMany`] row by row: each row the filter matches through
+    /// the whole pipeline.
+    async fn delete_rows<E: InGroup<G>>(&self, filter: Option<Condition>) -> Result<u64> {
+        let (tx, op) = (self, "delete_many");
         let rows = tx.rows_for_batch::<E>(filter, op).await?;
         let mut deleted = 0;
         for row in rows {

@@ -167,7 +167,7 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
         model: &E::ActiveModel,
         op: &str,
     ) -> Result<sea_orm::Select<E>> {
-        let mut select = E::find().filter(self.key_condition::<E>());
+        let mut select = E::find().filter(self.key_expr::<E>());
         for key in <E::PrimaryKey as sea_orm::Iterable>::iter() {
             let column = sea_orm::PrimaryKeyToColumn::into_column(key);
             match model.get(column) {
@@ -216,9 +216,9 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
     }
 
     /// The transaction's key as a predicate on `E` (see [`crate::read`]).
-    pub(super) fn key_condition<E: InGroup<G>>(&self) -> sea_orm::Condition {
-        crate::read::key_condition::<E>(
-            std::slice::from_ref(&self.key),
+    pub(super) fn key_expr<E: InGroup<G>>(&self) -> sea_orm::sea_query::Expr {
+        crate::read::key_expr::<E>(
+            &self.key,
             sea_orm::ConnectionTrait::get_database_backend(&self.txn),
         )
     }
@@ -334,8 +334,10 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
         match self.stages.batch::<E>(&ctx, op) {
             Batch::Statement => {}
             // A stage has work per row (or refuses): the whole pipeline.
+            // Boxed: the pipeline's state would otherwise sit in every
+            // statement-path future (one allocation of kilobytes per write).
             Batch::PerRow | Batch::Refused(_) => {
-                return self.write::<E>(op, model).await.map(|_| 1);
+                return Box::pin(self.write::<E>(op, model)).await.map(|_| 1);
             }
         }
         self.stages.prepare::<E>(&ctx, op, &mut model).await?;
@@ -370,7 +372,7 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
                     E::update_many()
                         .set(model)
                         .filter(crate::exec::keyset::pk_condition::<E>(&pk))
-                        .filter(self.key_condition::<E>())
+                        .filter(self.key_expr::<E>())
                         .exec(&self.txn)
                         .await
                         .map_err(|e| self.write_err::<E>(name, e))?
@@ -484,7 +486,7 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
                     let update = E::update(model)
                         .validate()
                         .map_err(|e| self.write_err::<E>(name, e))?
-                        .filter(self.key_condition::<E>());
+                        .filter(self.key_expr::<E>());
                     let row = update
                         .exec(&self.txn)
                         .await
@@ -553,7 +555,7 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
                     let delete = <A::Entity as EntityTrait>::delete(model.clone())
                         .validate()
                         .map_err(|e| self.write_err::<A::Entity>(name, e))?
-                        .filter(self.key_condition::<A::Entity>());
+                        .filter(self.key_expr::<A::Entity>());
                     let rows = delete
                         .exec(&self.txn)
                         .await
