@@ -12,8 +12,11 @@
 //!   at 8 and 32 clients, the variants interleaved round by round, medians
 //!   (each backend and client count in a process of its own).
 //! - `tests/benches/tpcb.sh`: client instructions per transaction under
-//!   callgrind (`tpcb <plain|one|four> <postgres|mysql> <transactions>`, one
-//!   task on a current-thread runtime).
+//!   callgrind (`tpcb <plain|keyed|one|four> <postgres|mysql> <transactions>`,
+//!   one task on a current-thread runtime). `keyed` is plain SeaORM sending
+//!   the statements shardkit sends: each also matches the branch (`AND bid
+//!   = $n`), the predicate shardkit adds to every statement of a key's
+//!   transaction; against it, `one` shows shardkit's own work.
 
 use sea_orm::sea_query::Expr;
 use sea_orm::{
@@ -139,16 +142,20 @@ impl sea_orm_migration::MigratorTrait for Migrator {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Variant {
     Plain,
+    /// Plain SeaORM with shardkit's key predicate (callgrind only).
+    Keyed,
     One,
     Four,
 }
 
 impl Variant {
+    /// The variants measured for throughput.
     const ALL: [Variant; 3] = [Variant::Plain, Variant::One, Variant::Four];
 
     fn name(self) -> &'static str {
         match self {
             Variant::Plain => "plain",
+            Variant::Keyed => "keyed",
             Variant::One => "one",
             Variant::Four => "four",
         }
@@ -198,34 +205,40 @@ fn history_row(t: Txn) -> history::ActiveModel {
     }
 }
 
-/// One TPC-B transaction with plain SeaORM.
-async fn plain(db: &DatabaseConnection, t: Txn) -> i64 {
+/// One TPC-B transaction with plain SeaORM; `keyed`: every statement also
+/// matches the branch, as shardkit's do.
+async fn plain(db: &DatabaseConnection, t: Txn, keyed: bool) -> i64 {
     let txn = db.begin().await.expect("begin");
-    account::Entity::update_many()
+    let mut update = account::Entity::update_many()
         .col_expr(
             account::Column::Abalance,
             Expr::col(account::Column::Abalance).add(t.delta),
         )
-        .filter(account::Column::Aid.eq(t.aid))
-        .exec(&txn)
-        .await
-        .expect("account");
-    let balance = account::Entity::find()
-        .filter(account::Column::Aid.eq(t.aid))
+        .filter(account::Column::Aid.eq(t.aid));
+    if keyed {
+        update = update.filter(account::Column::Bid.eq(t.bid));
+    }
+    update.exec(&txn).await.expect("account");
+    let mut find = account::Entity::find().filter(account::Column::Aid.eq(t.aid));
+    if keyed {
+        find = find.filter(account::Column::Bid.eq(t.bid));
+    }
+    let balance = find
         .one(&txn)
         .await
         .expect("read")
         .expect("the account")
         .abalance;
-    teller::Entity::update_many()
+    let mut update = teller::Entity::update_many()
         .col_expr(
             teller::Column::Tbalance,
             Expr::col(teller::Column::Tbalance).add(t.delta),
         )
-        .filter(teller::Column::Tid.eq(t.tid))
-        .exec(&txn)
-        .await
-        .expect("teller");
+        .filter(teller::Column::Tid.eq(t.tid));
+    if keyed {
+        update = update.filter(teller::Column::Bid.eq(t.bid));
+    }
+    update.exec(&txn).await.expect("teller");
     branch::Entity::update_many()
         .col_expr(
             branch::Column::Bbalance,
@@ -294,7 +307,7 @@ struct Setup {
 impl Setup {
     async fn run(&self, t: Txn) -> i64 {
         match (&self.plain, &self.cluster) {
-            (Some(db), _) => plain(db, t).await,
+            (Some(db), _) => plain(db, t, self.variant == Variant::Keyed).await,
             (None, Some(cluster)) => sharded(cluster, t).await,
             (None, None) => unreachable!("a setup has a database"),
         }
@@ -412,7 +425,7 @@ async fn setup(backend: Backend, variant: Variant, pool: u32) -> Option<Setup> {
             .unwrap();
     }
     Some(match variant {
-        Variant::Plain => {
+        Variant::Plain | Variant::Keyed => {
             drop(cluster);
             let mut options = sea_orm::ConnectOptions::new(format!("{server}/{}", names[0]));
             options.max_connections(pool).sqlx_logging(false);
@@ -509,10 +522,13 @@ fn main() {
             }
         }
         [variant, backend, n] => {
-            let variant = Variant::ALL
+            let variant = [Variant::Keyed]
                 .into_iter()
+                .chain(Variant::ALL)
                 .find(|v| v.name() == variant)
-                .unwrap_or_else(|| panic!("variant `{variant}`: expected plain, one or four"));
+                .unwrap_or_else(|| {
+                    panic!("variant `{variant}`: expected plain, keyed, one or four")
+                });
             let n: i64 = n.parse().expect("a number of transactions");
             tokio::runtime::Builder::new_current_thread()
                 .enable_all()
@@ -534,6 +550,6 @@ fn main() {
                 }
             }
         }
-        _ => panic!("usage: tpcb [<plain|one|four> <postgres|mysql> <transactions>]"),
+        _ => panic!("usage: tpcb [<plain|keyed|one|four> <postgres|mysql> <transactions>]"),
     }
 }

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Client instructions per TPC-B transaction (see tpcb.rs): plain SeaORM
-# against shardkit on one shard, then shardkit on one shard against four,
+# against shardkit on one shard, then plain SeaORM with shardkit's key
+# predicate against shardkit on one shard,
 # under callgrind (see callgrind.sh), on PostgreSQL and MySQL/MariaDB.
 # Usage: tests/benches/tpcb.sh [N1 N2 ROUNDS]   (default 500 2000 2)
 set -euo pipefail
@@ -12,3 +13,6 @@ rounds="${3:-2}"
 . tests/benches/callgrind.sh
 bin=$(bench_bin tpcb)
 compare plain one ratio postgres mysql
+# The same against plain SeaORM sending shardkit's statements (each with
+# the key predicate): what shardkit's own work costs.
+compare keyed one ratio postgres mysql

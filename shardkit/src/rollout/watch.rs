@@ -4,12 +4,14 @@
 //!
 //! Every instance that registers a rollout records the old table in
 //! `shardkit_rollout_instances` and renews the row on every phase refresh.
-//! An instance re-reads those rows of every group in the background at most
-//! every [`RECHECK`] (the first write starts it); a write of an entity this
+//! An instance re-reads those rows of every group in the background every
+//! [`RECHECK`], from its first write on (the cluster's periodic task, which
+//! stops with the cluster); a write of an entity this
 //! instance has no rollout for, whose table a live row names, is logged once
 //! at warn level and listed by
 //! [`Cluster::rollouts_not_registered`](crate::Cluster::rollouts_not_registered).
-//! Until a read finds a live row, a write pays two atomic loads here.
+//! Until a read finds a live row, a write pays two atomic loads here (no
+//! clock read).
 
 use crate::entity::{ShardedEntity, table_name};
 use crate::exec::Shards;
@@ -17,9 +19,9 @@ use crate::rollout::state::INSTANCES_TABLE;
 use sea_orm::ConnectionTrait;
 use sea_orm::sea_query::{Alias, Query};
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// How often the rows are re-read.
 pub(crate) const RECHECK: Duration = Duration::from_secs(30);
@@ -39,10 +41,8 @@ struct Seen {
 
 /// The old tables of rollouts registered by live instances.
 pub(crate) struct Watch {
-    start: Instant,
-    /// When the next read is due (ms since `start`).
-    due_ms: AtomicU64,
-    reading: AtomicBool,
+    /// Whether the periodic read runs (from the first write on).
+    started: AtomicBool,
     /// Whether the last read found any live rollout.
     any: AtomicBool,
     seen: Mutex<Seen>,
@@ -51,43 +51,32 @@ pub(crate) struct Watch {
 impl Default for Watch {
     fn default() -> Self {
         Watch {
-            start: Instant::now(),
-            due_ms: AtomicU64::new(0),
-            reading: AtomicBool::new(false),
+            started: AtomicBool::new(false),
             any: AtomicBool::new(false),
             seen: Mutex::new(Seen::default()),
         }
     }
 }
 
-/// Clears `reading` however the read ends (cancelled with its runtime too).
-struct Reading(Arc<Watch>);
-
-impl Drop for Reading {
-    fn drop(&mut self) {
-        self.0.reading.store(false, Ordering::Release);
-    }
-}
-
 impl Watch {
     /// Notes a write of `E`, which this instance has no rollout for.
     pub(crate) fn wrote<E: ShardedEntity>(self: &Arc<Self>, shards: &Shards) {
-        let now = u64::try_from(self.start.elapsed().as_millis()).unwrap_or(u64::MAX);
-        if now >= self.due_ms.load(Ordering::Acquire) && !self.reading.swap(true, Ordering::AcqRel)
-        {
-            self.due_ms.store(
-                now.saturating_add(RECHECK.as_millis() as u64),
-                Ordering::Release,
+        if !self.started.load(Ordering::Acquire) && !self.started.swap(true, Ordering::AcqRel) {
+            let watch = Arc::clone(self);
+            crate::exec::periodic::spawn(
+                shards,
+                RECHECK,
+                crate::exec::periodic::FirstPass::Now,
+                move |shards: Shards| {
+                    let watch = Arc::clone(&watch);
+                    async move {
+                        let tables = read_live_tables(&shards).await;
+                        watch.any.store(!tables.is_empty(), Ordering::Release);
+                        watch.seen.lock().unwrap_or_else(|p| p.into_inner()).tables = tables;
+                        std::ops::ControlFlow::Continue(())
+                    }
+                },
             );
-            let guard = Reading(Arc::clone(self));
-            let shards = shards.for_task();
-            tokio::spawn(async move {
-                let tables = read_live_tables(&shards).await;
-                let watch = &guard.0;
-                watch.any.store(!tables.is_empty(), Ordering::Release);
-                watch.seen.lock().unwrap_or_else(|p| p.into_inner()).tables = tables;
-                drop(guard);
-            });
         }
         if !self.any.load(Ordering::Acquire) {
             return;
