@@ -143,11 +143,13 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
     }
 }
 
-/// `filter` and `condition`, combined with `AND`.
+/// `filter` and `condition`, combined with `AND` whatever the first one's
+/// own kind (`Condition::add` would join `condition` into an `any` or a
+/// negated first filter).
 fn and(filter: Option<Condition>, condition: impl IntoCondition) -> Condition {
     match filter {
         None => condition.into_condition(),
-        Some(filter) => filter.add(condition.into_condition()),
+        Some(filter) => Condition::all().add(filter).add(condition.into_condition()),
     }
 }
 

@@ -485,6 +485,43 @@ pub(crate) async fn batch_writes_touch_only_the_key(dbs: &mut TestDbs) {
         2
     );
 
+    // Filters chained on a batch are ANDed, whatever the first one's kind:
+    // an `any` first filter does not take in the next one.
+    let tx = cluster.begin::<Customer>(a).await.unwrap();
+    let changed = tx
+        .update_many::<cart_item::Entity>()
+        .set(cart_item::ActiveModel {
+            sku: Set("wrong".into()),
+            ..Default::default()
+        })
+        .filter(
+            sea_orm::Condition::any()
+                .add(cart_item::Column::Id.eq(10))
+                .add(cart_item::Column::Id.eq(20)),
+        )
+        .filter(cart_item::Column::Quantity.eq(99))
+        .exec()
+        .await
+        .unwrap();
+    assert_eq!(changed, 0, "(id 10 or 20) and quantity 99: no row");
+    // An empty `any` matches nothing, and still nothing with a second filter.
+    let deleted = tx
+        .delete_many::<cart_item::Entity>()
+        .filter(sea_orm::Condition::any())
+        .filter(cart_item::Column::CartId.eq(1))
+        .exec()
+        .await
+        .unwrap();
+    assert_eq!(deleted, 0, "an empty any() and cart 1: no row");
+    tx.commit().await.unwrap();
+    let mine = cluster
+        .find::<cart_item::Entity>()
+        .key(a)
+        .all()
+        .await
+        .unwrap();
+    assert_eq!(skus(&mine), vec!["renamed", "renamed"]);
+
     // delete_many: a's rows only.
     let tx = cluster.begin::<Customer>(a).await.unwrap();
     let deleted = tx.delete_many::<cart_item::Entity>().exec().await.unwrap();
