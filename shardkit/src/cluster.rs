@@ -858,9 +858,10 @@ impl Cluster {
     /// instance has written without registering them, as (old table,
     /// rollout) pairs: its writes of those tables are neither dual-written
     /// nor cached. Each is also logged once at warn level. Found from
-    /// `shardkit_rollout_instances`, re-read in the background at most every
-    /// 30 s per group, so a write shortly after another instance registers
-    /// may not be listed yet.
+    /// `shardkit_rollout_instances`, re-read in the background every 30 s
+    /// (one table per group) from this instance's first write on, so a
+    /// write shortly after another instance registers may not be listed
+    /// yet.
     pub fn rollouts_not_registered(&self) -> Vec<(String, String)> {
         self.features.rollouts.watch.not_registered()
     }
