@@ -792,11 +792,37 @@ async fn text_keys_match_exactly(dbs: &mut TestDbs) {
         .unwrap();
     assert_eq!(deleted, 0);
     tx.commit().await.unwrap();
-    let all = note::Entity::find()
+    // Nor can a batch of "acme" reach the other two keys' rows.
+    let changed = cluster
+        .transaction::<Tenant, _, _>("acme".to_string(), |tx| async move {
+            tx.update_many::<note::Entity>()
+                .set(note::ActiveModel {
+                    body: Set("batch".into()),
+                    ..Default::default()
+                })
+                .exec()
+                .await
+        })
+        .await
+        .unwrap();
+    assert_eq!(changed, 1, "acme's own row only");
+    let deleted = cluster
+        .transaction::<Tenant, _, _>("acme".to_string(), |tx| async move {
+            tx.delete_many::<note::Entity>()
+                .filter(note::Column::Id.is_in([1, 2]))
+                .exec()
+                .await
+        })
+        .await
+        .unwrap();
+    assert_eq!(deleted, 0, "rows 1 and 2 are Acme's and \"acme \"'s");
+    let mut all = note::Entity::find()
         .all(cluster.connection("s0").unwrap())
         .await
         .unwrap();
-    assert_eq!(all.len(), 3);
+    all.sort_by_key(|n| n.id);
+    let bodies: Vec<&str> = all.iter().map(|n| n.body.as_str()).collect();
+    assert_eq!(bodies, ["batch", "\"Acme\"", "\"acme \""]);
 }
 
 /// `[pool] create_databases = true` creates a shard database that does not

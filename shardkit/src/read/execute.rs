@@ -309,7 +309,7 @@ impl<E: ShardedEntity> Read<E> {
                 for (id, keys) in by_shard {
                     let backend = self.shards.shard_conn(id).get_database_backend();
                     let mut chunk = self.key_chunk(&base, backend)?;
-                    if binary_text_keys::<E>(&keys, backend) {
+                    if binary_text_keys(&keys, backend) {
                         // Each key is bound twice (see `key_condition`).
                         chunk = (chunk / 2).max(1);
                     }

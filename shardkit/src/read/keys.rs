@@ -9,15 +9,24 @@ use sea_orm::{
     QueryTrait, Related, Select,
 };
 
-/// The shard-key predicate of a read or write: `key = ?` or `key IN (...)`.
+/// The shard-key predicate of a read or write: `key = ?` or `key IN (...)`,
+/// one expression on the column qualified by the table's static name
+/// (SeaORM's entity name would be copied into a new string each time, and
+/// again when the statement is built).
 ///
 /// MySQL/MariaDB's default collations compare text case- and
 /// trailing-space-insensitively (`'acme' = 'Acme '`), which would let one key
 /// reach another key's rows on a shared shard; for text keys there the
 /// predicate adds the same comparison on `CAST(key AS BINARY)`. The plain
 /// comparison stays first so the key's index is still used.
-pub(crate) fn key_condition<E: ShardedEntity>(keys: &[KeyOf<E>], backend: DbBackend) -> Condition {
+pub(crate) fn key_condition<E: ShardedEntity>(keys: &[KeyOf<E>], backend: DbBackend) -> Expr {
     column_key_condition::<E, KeyOf<E>>(E::shard_key_column(), keys, backend)
+}
+
+/// [`key_condition`] of one key: what every statement of a key's
+/// transaction and every keyed read carries.
+pub(crate) fn key_expr<E: ShardedEntity>(key: &KeyOf<E>, backend: DbBackend) -> Expr {
+    key_condition::<E>(std::slice::from_ref(key), backend)
 }
 
 /// [`key_condition`] on `column` of `E`.
@@ -25,23 +34,23 @@ fn column_key_condition<E: EntityTrait, K: ShardKey>(
     column: E::Column,
     keys: &[K],
     backend: DbBackend,
-) -> Condition {
-    let compare = |cond: Condition, expr: Expr| match keys {
-        [key] => cond.add(expr.eq(key.clone())),
-        _ => cond.add(expr.is_in(keys.iter().cloned())),
+) -> Expr {
+    let compare = |expr: Expr| match keys {
+        [key] => expr.eq(key.clone()),
+        _ => expr.is_in(keys.iter().cloned()),
     };
-    let cond = compare(Condition::all(), Expr::col((E::default(), column)));
-    let text = keys
-        .first()
-        .is_some_and(|k| matches!(k.key_ref(), KeyRef::Text(_)));
-    if backend == DbBackend::MySql && text {
-        compare(cond, Expr::col((E::default(), column)).cast_as("BINARY"))
+    let column = || Expr::col((table_name::<E>(), column));
+    let plain = compare(column());
+    if binary_text_keys(keys, backend) {
+        plain.and(compare(column().cast_as("BINARY")))
     } else {
-        cond
+        plain
     }
 }
 
-pub(super) fn binary_text_keys<E: ShardedEntity>(keys: &[KeyOf<E>], backend: DbBackend) -> bool {
+/// Whether [`key_condition`] compares `keys` twice (text keys on
+/// MySQL/MariaDB), binding each twice.
+pub(super) fn binary_text_keys<K: ShardKey>(keys: &[K], backend: DbBackend) -> bool {
     backend == DbBackend::MySql
         && keys
             .first()
@@ -64,21 +73,6 @@ pub(super) fn add_key<E: ShardedEntity>(
     backend: DbBackend,
 ) {
     QueryTrait::query(select).and_where(key_expr::<E>(key, backend));
-}
-
-/// The one-key predicate of [`key_condition`] as one expression, added to
-/// every statement of a key's transaction and every keyed read: the column
-/// is qualified by the table's static name (SeaORM's entity name would be
-/// copied into a new string each time, and again when the statement is
-/// built), and the comparison is not wrapped in a condition of its own.
-pub(crate) fn key_expr<E: ShardedEntity>(key: &KeyOf<E>, backend: DbBackend) -> Expr {
-    let column = || Expr::col((table_name::<E>(), E::shard_key_column()));
-    let eq = column().eq(key.clone());
-    if binary_text_keys::<E>(std::slice::from_ref(key), backend) {
-        eq.and(column().cast_as("BINARY").eq(key.clone()))
-    } else {
-        eq
-    }
 }
 
 pub(super) fn read_span<E: ShardedEntity>(

@@ -18,7 +18,7 @@ use futures::future::BoxFuture;
 use sea_orm::sea_query::{IntoCondition, SimpleExpr};
 use sea_orm::{
     ActiveModelBehavior, ActiveModelTrait, ActiveValue, Condition, EntityTrait, IdenStatic,
-    IntoActiveModel, Iterable, QueryFilter, QuerySelect, QueryTrait,
+    IntoActiveModel, Iterable, QueryFilter, QuerySelect,
 };
 
 impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
@@ -275,7 +275,7 @@ impl<'t, G: EntityGroup, P: WriteStage, E: InGroup<G>> TxUpdateMany<'t, G, P, E>
                 for (column, expr) in exprs {
                     update = update.col_expr(column, expr);
                 }
-                QueryTrait::query(&mut update).and_where(tx.key_expr::<E>());
+                update = update.filter(tx.key_expr::<E>());
                 if let Some(filter) = filter {
                     update = update.filter(filter);
                 }
@@ -310,8 +310,8 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
         set: E::ActiveModel,
         set_columns: Vec<E::Column>,
     ) -> Result<u64> {
-        let (tx, op) = (self, "update_many");
-        let rows = tx.rows_for_batch::<E>(filter, op).await?;
+        let op = "update_many";
+        let rows = self.rows_for_batch::<E>(filter, op).await?;
         let mut changed = 0;
         for row in rows {
             let mut model = row.into_active_model();
@@ -319,14 +319,14 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
                 if let ActiveValue::Set(value) = set.get(*column) {
                     model
                         .try_set(*column, value)
-                        .map_err(|e| tx.poison(tx.write_err::<E>(op, e)))?;
+                        .map_err(|e| self.poison(self.write_err::<E>(op, e)))?;
                 }
             }
             // All or nothing, like the one statement: a row that fails
             // leaves the rows before it written, so nothing may commit.
-            tx.write::<E>(WriteOp::Update, model)
+            self.write::<E>(WriteOp::Update, model)
                 .await
-                .map_err(|e| tx.poison(e))?;
+                .map_err(|e| self.poison(e))?;
             changed += 1;
         }
         Ok(changed)
@@ -367,8 +367,7 @@ impl<'t, G: EntityGroup, P: WriteStage, E: InGroup<G>> TxDeleteMany<'t, G, P, E>
         tx.ensure_open()?;
         match tx.stages.batch::<E>(&tx.ctx(), WriteOp::Delete) {
             Batch::Statement => {
-                let mut delete = E::delete_many();
-                QueryTrait::query(&mut delete).and_where(tx.key_expr::<E>());
+                let mut delete = E::delete_many().filter(tx.key_expr::<E>());
                 if let Some(filter) = filter {
                     delete = delete.filter(filter);
                 }
@@ -390,15 +389,14 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
     /// [`TxDeleteMany`] row by row: each row the filter matches through
     /// the whole pipeline.
     async fn delete_rows<E: InGroup<G>>(&self, filter: Option<Condition>) -> Result<u64> {
-        let (tx, op) = (self, "delete_many");
-        let rows = tx.rows_for_batch::<E>(filter, op).await?;
+        let rows = self.rows_for_batch::<E>(filter, "delete_many").await?;
         let mut deleted = 0;
         for row in rows {
             // All or nothing, as for `update_many`.
-            deleted += tx
+            deleted += self
                 .delete_row(row.into_active_model())
                 .await
-                .map_err(|e| tx.poison(e))?;
+                .map_err(|e| self.poison(e))?;
         }
         Ok(deleted)
     }
