@@ -1,8 +1,6 @@
 //! Beginning a write transaction: `BEGIN IMMEDIATE` on SQLite, so a writer takes the write lock before its first statement.
 
-use sea_orm::{
-    ConnectionTrait, DbBackend, DbErr, SqliteTransactionMode, TransactionOptions, TransactionTrait,
-};
+use sea_orm::{DbErr, SqliteTransactionMode, TransactionOptions, TransactionTrait};
 
 /// Opens a transaction that may write. On SQLite it takes the write lock up
 /// front (`BEGIN IMMEDIATE`), waiting out other writers with the busy
@@ -12,14 +10,7 @@ use sea_orm::{
 /// then writes cannot wait (SQLite refuses the upgrade at once with
 /// `database is locked`, since waiting could deadlock). Other backends begin as usual, and inside a
 /// transaction this is a savepoint.
-pub(crate) async fn begin_write<C>(db: &C) -> Result<C::Transaction, DbErr>
-where
-    C: TransactionTrait + ConnectionTrait,
-{
-    if db.get_database_backend() != DbBackend::Sqlite {
-        // SeaORM's plain `begin`, without the options' allocation.
-        return db.begin().await;
-    }
+pub(crate) async fn begin_write<C: TransactionTrait>(db: &C) -> Result<C::Transaction, DbErr> {
     db.begin_with_options(TransactionOptions {
         sqlite_transaction_mode: Some(SqliteTransactionMode::Immediate),
         ..TransactionOptions::default()
