@@ -380,10 +380,11 @@ pub(super) async fn apply_version<E: ReferenceEntity>(
     let name = shards.shard_name(shard);
     let db = shards.shard_conn(shard);
     let err = |op: &'static str| move |e| db_err(name, table, op, e);
-    // A copy this instance knows nothing of may lack its version row.
-    let fresh = from == 0 || refs.copy(table, shard) == 0;
+    // A copy at version 0 may lack its version row. One from a later
+    // version has it, or the compare below fails and the catch-up finds
+    // the copy at 0.
     let apply = async {
-        if fresh {
+        if from == 0 {
             ensure_row(db, table)
                 .await
                 .map_err(err("create the version of"))?;
