@@ -19,6 +19,7 @@
 //! | `shardkit_bucket_map_epoch` | gauge | `group` | the epoch of the bucket map this instance routes by |
 //! | `shardkit_bucket_fenced_total` | counter | `group` | write transactions a shard's fence refused (rerouted after a map refresh) |
 //! | `shardkit_move_rows_copied_total` | counter | `group` | rows a bucket move copied to its target |
+//! | `shardkit_move_rows_written_total` | counter | `group`, `method` | rows a move's copy wrote on its target, with `COPY` (`copy`, between PostgreSQL shards) or multi-row `INSERT`s (`insert`) |
 //! | `shardkit_move_changes_applied_total` | counter | `group` | logged keys a bucket move replayed on its target |
 //! | `shardkit_move_pending_changes` | gauge | `group` | keys logged and not yet replayed (the move's lag) |
 //! | `shardkit_move_phase` | gauge | `group` | the running move's phase (0 `registered` … 6 `done`, 7 `aborted`) |
@@ -186,6 +187,13 @@ pub(crate) fn fenced(group: &'static str) {
 
 pub(crate) fn move_copied(group: &str, rows: u64) {
     counter!("shardkit_move_rows_copied_total", "group" => group.to_owned()).increment(rows);
+}
+
+/// A move's copy wrote `rows` on its target, with `COPY` (`method="copy"`,
+/// between PostgreSQL shards) or multi-row `INSERT`s (`"insert"`).
+pub(crate) fn move_written(group: &'static str, method: &'static str, rows: u64) {
+    counter!("shardkit_move_rows_written_total", "group" => group, "method" => method)
+        .increment(rows);
 }
 
 pub(crate) fn move_applied(group: &str, keys: u64) {

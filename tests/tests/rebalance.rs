@@ -397,6 +397,8 @@ fn quarter() -> Vec<u32> {
 }
 
 async fn two_instances_write_while_a_quarter_of_the_buckets_move(dbs: &mut TestDbs) {
+    // Metrics recorded from here on (the move's copy method, below).
+    shardkit_tests::recorded::totals();
     let a = connect(dbs, 20).await;
     let acked: Shared = Arc::default();
     seed(&a, &acked, 1..=120).await;
@@ -490,6 +492,13 @@ async fn two_instances_write_while_a_quarter_of_the_buckets_move(dbs: &mut TestD
         m.list(false).await.unwrap().is_empty(),
         "no move left running"
     );
+    // Between PostgreSQL shards the copy ran with `COPY` (other backends'
+    // scenarios, side by side in this process, count "insert" only).
+    if dbs.backend == Backend::Postgres {
+        let copied = shardkit_tests::recorded::totals()
+            .counter("shardkit_move_rows_written_total{group=Customer,method=copy}");
+        assert!(copied > 0, "no row was copied with COPY");
+    }
 }
 
 /// The Customer group as four key ranges of 40 (s0..s3, the last one

@@ -107,20 +107,15 @@ pub(crate) struct RebalanceSettings {
 }
 
 impl RebalanceSettings {
-    /// Rows per copy chunk from a `src` shard to a `dst` shard: `[rebalance]
-    /// chunk`, else 50,000 between PostgreSQL shards and 20,000 elsewhere.
-    /// Between PostgreSQL shards a chunk is read and written with `COPY`,
-    /// where a chunk's fixed part (its read, its transaction, the fence,
-    /// the commit) weighs more: chunks of 50,000 rows copied at 0.82–0.88 ×
-    /// the server's own `COPY`, chunks of 20,000 at 0.61–0.69 ×.
-    pub(crate) fn copy_chunk(&self, src: sea_orm::DbBackend, dst: sea_orm::DbBackend) -> u64 {
-        use sea_orm::DatabaseBackend::Postgres;
+    /// Rows per copy chunk: `[rebalance] chunk`, else 50,000 for an entity
+    /// copied with `COPY` (between PostgreSQL shards) and 20,000 for one
+    /// copied as models. With `COPY` a chunk's fixed part (its read, its
+    /// transaction, the fence, the commit) weighs more: chunks of 50,000
+    /// rows copied at 0.82–0.88 × the server's own `COPY`, chunks of 20,000
+    /// at 0.61–0.69 ×.
+    pub(crate) fn copy_chunk(&self, by_copy: bool) -> u64 {
         self.chunk_setting
-            .unwrap_or(if (src, dst) == (Postgres, Postgres) {
-                50_000
-            } else {
-                20_000
-            })
+            .unwrap_or(if by_copy { 50_000 } else { 20_000 })
     }
 
     /// Rows per chunk of a move's other steps (compare, replay, clean):

@@ -149,6 +149,19 @@ pub(crate) fn key_and_other_columns<E: EntityTrait>() -> (Vec<E::Column>, Vec<E:
     (pks, others)
 }
 
+/// What an upsert of `E` matches on and what it sets: the primary-key
+/// columns, and the others (a table of primary-key columns only sets the
+/// key to itself, since an upsert must set something).
+pub(crate) fn upsert_columns<E: EntityTrait>() -> (Vec<E::Column>, Vec<E::Column>) {
+    let (pks, others) = key_and_other_columns::<E>();
+    let set = if others.is_empty() {
+        pks.clone()
+    } else {
+        others
+    };
+    (pks, set)
+}
+
 /// A model's column values, in `Column::iter()` order: how the write
 /// pipeline hands a row to a feature that finds it by entity type.
 pub(crate) fn model_values<E: EntityTrait>(row: &E::Model) -> Vec<Value> {

@@ -83,6 +83,14 @@ pub(crate) trait MoveEntity: Send + Sync {
     /// an integer, a string, a UUID); `None` when it is not a key.
     fn bound_at(&self, key: &str) -> Option<RangeBound>;
 
+    /// Whether its chunks from a `src` shard to a `dst` shard are read and
+    /// written with `COPY` (see [`pg_copy`](super::pg_copy)), which sets
+    /// their size ([`RebalanceSettings::copy_chunk`](crate::exec::RebalanceSettings::copy_chunk)).
+    fn by_copy(&self, src: DbBackend, dst: DbBackend) -> bool {
+        let _ = (src, dst);
+        false
+    }
+
     /// Copies the moving buckets' rows of the next `chunks` source chunks
     /// (primary key after `after`) to the target, over what the target has
     /// under those primary keys; each chunk is read while the one before is
@@ -271,21 +279,31 @@ async fn write_moving<E: ShardedEntity>(
     dst: (&DatabaseConnection, &str),
     moving: Moving<E::Model>,
 ) -> Result<()> {
+    let group = <E::Group as EntityGroup>::NAME;
     match moving {
         Moving::Models(rows) => {
-            upsert_rows::<E>(token, dst, "copy", rows, Write::InsertFirst).await
+            let n = rows.len() as u64;
+            upsert_rows::<E>(token, dst, "copy", rows, Write::InsertFirst).await?;
+            crate::metrics::move_written(group, "insert", n);
+            Ok(())
         }
         Moving::Text { rows: 0, .. } => Ok(()),
-        Moving::Text { text, .. } => {
-            let name = |c: E::Column| sea_orm::IdenStatic::as_str(&c);
+        Moving::Text { text, rows } => {
+            let names = |cols: Vec<E::Column>| {
+                cols.into_iter()
+                    .map(|c| sea_orm::IdenStatic::as_str(&c))
+                    .collect()
+            };
+            let (key, update) = crate::key::upsert_columns::<E>();
             let columns = super::pg_copy::Columns {
                 table: table_name::<E>(),
-                all: <E::Column as Iterable>::iter().map(name).collect(),
-                key: <E::PrimaryKey as Iterable>::iter()
-                    .map(|pk| name(pk.into_column()))
-                    .collect(),
+                all: names(<E::Column as Iterable>::iter().collect()),
+                key: names(key),
+                update: names(update),
             };
-            super::pg_copy::write(token, dst, "copy", &columns, &text).await
+            super::pg_copy::write(token, dst, "copy", &columns, &text).await?;
+            crate::metrics::move_written(group, "copy", rows);
+            Ok(())
         }
     }
 }
@@ -351,7 +369,7 @@ async fn read_by_copy<E: ShardedEntity>(
     let Some(key_at) = at(E::shard_key_column()) else {
         return Ok(None);
     };
-    let mut kept: Vec<(String, std::ops::Range<usize>)> = Vec::new();
+    let mut kept: Vec<(<E::Group as EntityGroup>::Key, std::ops::Range<usize>)> = Vec::new();
     let (mut count, mut last) = (0u64, None);
     for line in lines(&text) {
         let row = &text[line.clone()];
@@ -361,7 +379,7 @@ async fn read_by_copy<E: ShardedEntity>(
             return Ok(None);
         };
         if buckets.holds(&key) {
-            kept.push((key.to_directory_text(), line.clone()));
+            kept.push((key, line.clone()));
         }
         count += 1;
         last = Some(line);
@@ -380,12 +398,8 @@ async fn read_by_copy<E: ShardedEntity>(
         }
         _ => None,
     };
-    if skip_logged && !kept.is_empty() {
-        // Read after the chunk: the log entry of every row in it committed
-        // with the row.
-        let keys: Vec<String> = kept.iter().map(|(k, _)| k.clone()).collect();
-        let logged = logged_keys(src, token.id(), &keys).await?;
-        kept.retain(|(k, _)| !logged.contains(k));
+    if skip_logged {
+        drop_logged(src, token.id(), &mut kept, |(k, _)| k.to_directory_text()).await?;
     }
     let mut moving = Vec::with_capacity(kept.iter().map(|(_, r)| r.len()).sum());
     for (_, line) in &kept {
@@ -414,10 +428,9 @@ where
 {
     let e = err::<E>(shard, "copy to");
     let on_conflict = (write == Write::Upsert).then(|| {
-        let (pks, others) = crate::key::key_and_other_columns::<E>();
-        let mut on_conflict = OnConflict::columns(pks.clone());
-        // A table of primary-key columns only sets the key to itself.
-        on_conflict.update_columns(if others.is_empty() { pks } else { others });
+        let (pks, set) = crate::key::upsert_columns::<E>();
+        let mut on_conflict = OnConflict::columns(pks);
+        on_conflict.update_columns(set);
         on_conflict
     });
     let txn = token.begin((db, shard), what).await?;
@@ -491,6 +504,24 @@ async fn delete_pks<E: ShardedEntity>(
         .await?;
     }
     Ok(deleted)
+}
+
+/// Drops the `rows` of a chunk whose key (`key`, as directory text) has a
+/// pending entry in move `move_id`'s change log on the source. Read after
+/// the chunk: the log entry of every row in it committed with the row.
+async fn drop_logged<T>(
+    src: (&DatabaseConnection, &str),
+    move_id: i64,
+    rows: &mut Vec<T>,
+    key: impl Fn(&T) -> String,
+) -> Result<()> {
+    if rows.is_empty() {
+        return Ok(());
+    }
+    let keys: Vec<String> = rows.iter().map(&key).collect();
+    let logged = logged_keys(src, move_id, &keys).await?;
+    rows.retain(|row| !logged.contains(&key(row)));
+    Ok(())
 }
 
 /// Which of `keys` have a pending entry in move `move_id`'s change log on
@@ -572,6 +603,15 @@ where
             .and_then(|k| RangeBound::at_key(&k))
     }
 
+    /// Between PostgreSQL shards. (A table in a named schema keeps the
+    /// models: the copy's statements name the table as the search path
+    /// finds it.)
+    fn by_copy(&self, src: DbBackend, dst: DbBackend) -> bool {
+        (src, dst) == (DbBackend::Postgres, DbBackend::Postgres)
+            && plain_pk::<E>()
+            && sea_orm::EntityName::schema_name(&E::default()).is_none()
+    }
+
     fn copy_chunks<'a>(
         &'a self,
         token: &'a Token,
@@ -584,13 +624,7 @@ where
         skip_logged: bool,
     ) -> BoxFuture<'a, Result<Chunk>> {
         Box::pin(async move {
-            // Between PostgreSQL shards a chunk is read with `COPY`.
-            // (A table in a named schema keeps the models: the copy's
-            // statements name the table as the search path finds it.)
-            let by_copy = src.0.get_database_backend() == DbBackend::Postgres
-                && dst.0.get_database_backend() == DbBackend::Postgres
-                && plain_pk::<E>()
-                && sea_orm::EntityName::schema_name(&E::default()).is_none();
+            let by_copy = self.by_copy(src.0.get_database_backend(), dst.0.get_database_backend());
             // Reads the chunk after `after`: its moving rows and where the
             // next starts.
             let read = |after: Option<Vec<Value>>| async move {
@@ -617,15 +651,11 @@ where
                     .into_iter()
                     .filter(|m| buckets.holds(&E::shard_key(m)))
                     .collect();
-                if skip_logged && !moving.is_empty() {
-                    // Read after the chunk: the log entry of every row in
-                    // it committed with the row.
-                    let keys: Vec<String> = moving
-                        .iter()
-                        .map(|m| E::shard_key(m).to_directory_text())
-                        .collect();
-                    let logged = logged_keys(src, token.id(), &keys).await?;
-                    moving.retain(|m| !logged.contains(&E::shard_key(m).to_directory_text()));
+                if skip_logged {
+                    drop_logged(src, token.id(), &mut moving, |m| {
+                        E::shard_key(m).to_directory_text()
+                    })
+                    .await?;
                 }
                 Ok::<_, ShardError>((Moving::Models(moving), next))
             };

@@ -9,7 +9,7 @@
 //! shards' pools; the write, in one transaction under the same fence as
 //! every other mover write ([`Token::begin_pg`]).
 
-use crate::error::{Result, ShardError};
+use crate::error::Result;
 use crate::rebalance::errors::sqlx_err;
 use crate::rebalance::fencing::Token;
 use sea_orm::sqlx::Postgres;
@@ -138,6 +138,8 @@ pub(crate) struct Columns<'a> {
     pub(crate) table: &'a str,
     pub(crate) all: Vec<&'a str>,
     pub(crate) key: Vec<&'a str>,
+    /// What the upsert sets ([`upsert_columns`](crate::key::upsert_columns)).
+    pub(crate) update: Vec<&'a str>,
 }
 
 /// Writes `text` (rows in `COPY`'s text format) into `columns.table` on
@@ -180,14 +182,7 @@ async fn copy_in(
     const ROWS: &str = "shardkit_copy_rows";
     let into = if upsert { q(ROWS) } else { q(table) };
     let statement = format!("COPY {into} ({all}) FROM STDIN");
-    let err = |e: DbErr| {
-        ShardError::db(
-            crate::error::Origin::table(crate::error::Subsystem::Rebalance, table),
-            shard.to_owned(),
-            format!("copy to {table}"),
-            e,
-        )
-    };
+    let err = |e: DbErr| super::errors::db_err(shard, table, "copy to", e);
     let mut conn = CopyConn::acquire(db).await.map_err(err)?;
     let mut txn = token.begin_pg(&mut conn.conn, shard, what).await?;
     let copied = async {
@@ -212,19 +207,8 @@ async fn copy_in(
         copy.finish().await?;
         if upsert {
             let key = list(&columns.key);
-            let others: Vec<&str> = columns
-                .all
-                .iter()
-                .copied()
-                .filter(|c| !columns.key.contains(c))
-                .collect();
-            // A table of primary-key columns only sets the key to itself.
-            let set = if others.is_empty() {
-                &columns.key
-            } else {
-                &others
-            };
-            let set = set
+            let set = columns
+                .update
                 .iter()
                 .map(|c| format!("{0} = EXCLUDED.{0}", q(c)))
                 .collect::<Vec<_>>()

@@ -397,10 +397,10 @@ impl<G> Rebalance<G> {
                                             self.conn(*src),
                                             self.conn(target),
                                             after.as_deref(),
-                                            settings.copy_chunk(
+                                            settings.copy_chunk(entity.by_copy(
                                                 self.conn(*src).0.get_database_backend(),
                                                 self.conn(target).0.get_database_backend(),
-                                            ),
+                                            )),
                                             RUN,
                                             &only_here,
                                             skip_logged,
