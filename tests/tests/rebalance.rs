@@ -29,6 +29,7 @@ backend_tests!(5 =>
     a_migrate_that_fails_on_a_ticket_server_leaves_the_movable_group_writable,
     an_instance_that_has_not_refreshed_reads_a_moved_row_as_at_the_flip,
     [Postgres, MySql] a_mover_paused_inside_its_transaction_does_not_block_the_next,
+    [Postgres] a_mover_paused_while_sending_a_copy_does_not_block_the_next,
     a_begin_whose_fence_read_the_database_aborts_begins_again,
     [Sqlite] a_move_run_by_another_process_on_the_same_sqlite_files,
     [Sqlite] child_process_mover,
@@ -1901,6 +1902,22 @@ async fn an_instance_that_has_not_refreshed_reads_a_moved_row_as_at_the_flip(dbs
 /// `idle_transaction_timeout`), the new mover's fence goes in and it
 /// finishes the move; the paused mover's write never lands.
 async fn a_mover_paused_inside_its_transaction_does_not_block_the_next(dbs: &mut TestDbs) {
+    paused_mover_then_take_over(dbs, "shardkit::rebalance::park_open::copy").await;
+}
+
+/// A mover paused between two sends of a `COPY`'s data (PostgreSQL to
+/// PostgreSQL), the fence's shared lock held: the server's idle bound does
+/// not end a `COPY` waiting for its data, so the process that takes the
+/// move over ends that session (it is named for the move and its
+/// generation), installs its fence and finishes the move; the paused
+/// mover's chunk never lands.
+async fn a_mover_paused_while_sending_a_copy_does_not_block_the_next(dbs: &mut TestDbs) {
+    paused_mover_then_take_over(dbs, "shardkit::rebalance::park_sending::copy").await;
+}
+
+/// The first mover parks at failpoint `at` (on the move's target); a
+/// second instance's mover takes the move over and finishes it.
+async fn paused_mover_then_take_over(dbs: &mut TestDbs, at: &str) {
     let (a, acked, stop, w) = seeded_with_writer(dbs, 40).await;
     let b = ahead_instance(dbs).await;
     let target_db = dbs.names[4].clone();
@@ -1912,7 +1929,6 @@ async fn a_mover_paused_inside_its_transaction_does_not_block_the_next(dbs: &mut
         .await
         .unwrap()
         .id;
-    let at = "shardkit::rebalance::park_open::copy";
     fail::cfg(at, &format!("return({target_db}@1)")).unwrap();
     let first = tokio::spawn(async move { m.run(id).await });
     until("parked inside its transaction", || {

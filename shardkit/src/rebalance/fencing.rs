@@ -133,6 +133,9 @@ impl Token {
         wait: Duration,
     ) -> Result<()> {
         let err = |e| db_err(shard, FENCES, "install", e);
+        if db.get_database_backend() == DbBackend::Postgres {
+            self.end_older_copies(db, shard).await;
+        }
         let mut attempt = 0;
         loop {
             let txn = crate::exec::begin_write(db).await.map_err(err)?;
@@ -253,11 +256,18 @@ impl Token {
         self.park("park", what).await;
         let err = |e: sqlx::Error| db_err(shard, FENCES, "check", super::errors::sqlx_err(e));
         let mut txn = sqlx::Connection::begin(conn).await.map_err(err)?;
+        // The idle bound does not cover a `COPY` waiting for its data (the
+        // server holds cancels there), so the session is named for the
+        // move and generation: a mover that takes the move over ends it
+        // ([`Token::end_older_copies`]).
         let idle = self.idle_bound(DbBackend::Postgres).unwrap_or_default();
-        sqlx::raw_sql(sqlx::AssertSqlSafe(idle))
-            .execute(&mut *txn)
-            .await
-            .map_err(err)?;
+        let name = self.session_name(self.generation);
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "{idle}; SET LOCAL application_name = '{name}'"
+        )))
+        .execute(&mut *txn)
+        .await
+        .map_err(err)?;
         // The fence read as `begin` sends it, its values bound here.
         let select = self.select(DbBackend::Postgres, "SHARE").sql;
         let now: Option<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(select))
@@ -276,9 +286,91 @@ impl Token {
         Err(self.taken_over(shard, now))
     }
 
+    /// The `application_name` of this move's `COPY` sessions at
+    /// `generation`: the generation before the group, so that the server's
+    /// cut at 63 bytes only shortens the group. (Group names are Rust
+    /// identifiers: nothing to quote.)
+    fn session_name(&self, generation: i64) -> String {
+        let mut name = format!("shardkit move {}.{generation} {}", self.id, self.group);
+        name.truncate(63);
+        name
+    }
+
+    /// On a PostgreSQL shard, before this mover's fence goes in: ends the
+    /// sessions of older generations of this move that are in, or
+    /// stopped after, a `COPY`. A mover paused while sending a `COPY`'s
+    /// data holds the fence's shared lock, and neither the idle bound nor a
+    /// statement timeout ends a `COPY` waiting for its data; its hold has
+    /// lapsed (that is why this mover took over), so its transaction is
+    /// one the fence would refuse anyway. Best effort: without the right
+    /// to end another session, the install waits as before.
+    async fn end_older_copies(&self, db: &DatabaseConnection, shard: &str) {
+        let prefix = format!("shardkit move {}.", self.id);
+        let stmt = Statement::from_sql_and_values(
+            DbBackend::Postgres,
+            "SELECT pid, application_name FROM pg_stat_activity \
+             WHERE datname = current_database() AND pid <> pg_backend_pid() \
+             AND starts_with(application_name, $1) AND starts_with(query, 'COPY ')",
+            [prefix.clone().into()],
+        );
+        let rows = match db.query_all_raw(stmt).await {
+            Ok(rows) => rows,
+            Err(e) => {
+                tracing::warn!(shard, error = %e, "could not list an older mover's COPY sessions");
+                return;
+            }
+        };
+        for row in rows {
+            let (Ok(pid), Ok(name)) = (
+                row.try_get::<i32>("", "pid"),
+                row.try_get::<String>("", "application_name"),
+            ) else {
+                continue;
+            };
+            let older = name
+                .strip_prefix(&prefix)
+                .and_then(|rest| rest.split_once(' '))
+                .and_then(|(g, group)| Some((g.parse::<i64>().ok()?, group)))
+                .is_some_and(|(g, group)| {
+                    g < self.generation && !group.is_empty() && self.group.starts_with(group)
+                });
+            if !older {
+                continue;
+            }
+            let end = Statement::from_sql_and_values(
+                DbBackend::Postgres,
+                "SELECT pg_terminate_backend($1)",
+                [pid.into()],
+            );
+            match db.execute_raw(end).await {
+                Ok(_) => tracing::warn!(
+                    group = self.group,
+                    id = self.id,
+                    generation = self.generation,
+                    shard,
+                    pid,
+                    "ended the COPY of an older mover of this move"
+                ),
+                Err(e) => tracing::warn!(
+                    shard,
+                    pid,
+                    error = %e,
+                    "could not end an older mover's COPY: the install waits for it"
+                ),
+            }
+        }
+    }
+
+    /// A paused process in the middle of sending a `COPY`'s data (see
+    /// [`Token::park`]).
+    pub(crate) async fn park_sending(&self, what: &str) {
+        self.park("park_sending", what).await;
+    }
+
     /// Fault injection: `shardkit::rebalance::park::<what>` parks the mover
     /// before that write (`park_open::<what>`: inside its transaction, the
-    /// fence's lock held), for as long as the failpoint's argument is part
+    /// fence's lock held; `park_sending::<what>`: between two sends of a
+    /// `COPY`'s data), for as long as the failpoint's argument is part
     /// of the target database's URL (any move, without one); `<part>@<n>`
     /// parks only the mover holding generation `n`. It evaluates
     /// `shardkit::rebalance::parked` once when it parks.

@@ -198,11 +198,26 @@ async fn copy_in(
             .await?;
         }
         let mut copy = txn.copy_in_raw(&statement).await?;
-        if let Err(e) = copy.send(text).await {
-            let _ = copy
-                .abort("shardkit: the copy's data could not be sent")
-                .await;
-            return Err(e);
+        // The data in two sends, split at a line, with a parking point
+        // between them (a process paused while sending).
+        let half = text[..text.len() / 2]
+            .iter()
+            .rposition(|b| *b == b'\n')
+            .map_or(0, |i| i + 1);
+        let (head, tail) = text.split_at(half);
+        for (i, part) in [head, tail].into_iter().enumerate() {
+            if i == 1 {
+                token.park_sending(what).await;
+            }
+            if part.is_empty() {
+                continue;
+            }
+            if let Err(e) = copy.send(part).await {
+                let _ = copy
+                    .abort("shardkit: the copy's data could not be sent")
+                    .await;
+                return Err(e);
+            }
         }
         copy.finish().await?;
         if upsert {
