@@ -40,7 +40,9 @@ pub struct Find<E: ShardedEntity, R = Unkeyed> {
     /// Another entity the statement joins whose reads the guard decides
     /// too ([`Cluster::find_related`](crate::Cluster::find_related)'s model).
     pub(super) joined: Option<(std::any::TypeId, &'static str)>,
-    pub(super) select: Select<E>,
+    /// Boxed where the read is made: the builder methods and `split` move
+    /// a `Find`, and the statement is most of its size.
+    pub(super) select: Box<Select<E>>,
     pub(super) route: R,
     pub(super) order: Vec<(E::Column, Order)>,
     pub(super) limit: Option<u64>,
@@ -69,7 +71,7 @@ impl<E: ShardedEntity> Find<E, Unkeyed> {
             index,
             guard,
             joined: None,
-            select,
+            select: Box::new(select),
             route: Unkeyed,
             order: Vec::new(),
             limit: None,
@@ -339,9 +341,9 @@ impl<E: ShardedEntity, R> Find<E, R> {
             offset: self.offset,
             consistency: self.consistency,
         };
-        // Boxed once: the statement then moves through planning as a
-        // pointer and is changed in place.
-        (read, Box::new(self.select), self.route.spec())
+        // The statement moves through planning as a pointer and is changed
+        // in place.
+        (read, self.select, self.route.spec())
     }
 }
 

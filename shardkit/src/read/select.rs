@@ -109,13 +109,13 @@ impl<E: ShardedEntity, R: MultiShard + Routed<E>> Find<E, R> {
     /// Selects no column yet (SeaORM's `QuerySelect::select_only`); add
     /// them with [`column`](Self::column).
     pub fn select_only(mut self) -> Self {
-        self.select = QuerySelect::select_only(self.select);
+        self.select = Box::new(QuerySelect::select_only(*self.select));
         self
     }
 
     /// Selects one column (SeaORM's `QuerySelect::column`).
     pub fn column(mut self, column: E::Column) -> Self {
-        self.select = QuerySelect::column(self.select, column);
+        self.select = Box::new(QuerySelect::column(*self.select, column));
         self
     }
 
