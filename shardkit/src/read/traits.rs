@@ -27,7 +27,9 @@ macro_rules! select_traits {
 impl<E: ShardedEntity, R> QueryFilter for Find<E, R> {
     type QueryStatement = SelectStatement;
     fn query(&mut self) -> &mut SelectStatement {
-        QueryTrait::query(std::borrow::BorrowMut::<sea_orm::Select<_>>::borrow_mut(&mut self.select))
+        QueryTrait::query(std::borrow::BorrowMut::<sea_orm::Select<_>>::borrow_mut(
+            &mut self.select,
+        ))
     }
 }
 
@@ -39,6 +41,8 @@ select_traits!(TxFind<'t, E, C>, ['t, E: ShardedEntity, C]);
 impl<E: ShardedEntity, C> QueryFilter for TxFind<'_, E, C> {
     type QueryStatement = SelectStatement;
     fn query(&mut self) -> &mut SelectStatement {
-        QueryTrait::query(std::borrow::BorrowMut::<sea_orm::Select<_>>::borrow_mut(&mut self.select))
+        QueryTrait::query(std::borrow::BorrowMut::<sea_orm::Select<_>>::borrow_mut(
+            &mut self.select,
+        ))
     }
 }
