@@ -400,7 +400,20 @@ fn quarter() -> Vec<u32> {
 async fn two_instances_write_while_a_quarter_of_the_buckets_move(dbs: &mut TestDbs) {
     // Metrics recorded from here on (the move's copy method, below).
     shardkit_tests::recorded::totals();
-    let a = connect(dbs, 20).await;
+    // The mover's instance keeps the `COPY` statements its observer sees.
+    let copies: Arc<Mutex<Vec<(String, String)>>> = Arc::default();
+    let kept = Arc::clone(&copies);
+    let a = Cluster::builder(config(dbs, 20))
+        .on_statement(move |e| {
+            if e.statement.sql.starts_with("COPY") {
+                let sql = e.statement.sql.clone();
+                kept.lock().unwrap().push((e.shard.to_owned(), sql));
+            }
+        })
+        .connect()
+        .await
+        .unwrap();
+    a.refresh_bucket_maps().await.unwrap();
     let acked: Shared = Arc::default();
     seed(&a, &acked, 1..=120).await;
     // The second instance never refreshes its map on its own; the third
@@ -499,6 +512,23 @@ async fn two_instances_write_while_a_quarter_of_the_buckets_move(dbs: &mut TestD
         let copied = shardkit_tests::recorded::totals()
             .counter("shardkit_move_rows_written_total{group=Customer,method=copy}");
         assert!(copied > 0, "no row was copied with COPY");
+        // Its statements reached the observer: read on the sources,
+        // written on the target.
+        let copies = copies.lock().unwrap();
+        assert!(
+            copies
+                .iter()
+                .any(|(shard, sql)| shard == "s4" && sql.ends_with("FROM STDIN")),
+            "no COPY into s4 observed: {copies:?}"
+        );
+        assert!(
+            copies
+                .iter()
+                .any(|(shard, sql)| shard != "s4" && sql.ends_with("TO STDOUT")),
+            "no COPY out of a source observed: {copies:?}"
+        );
+    } else {
+        assert!(copies.lock().unwrap().is_empty());
     }
 }
 

@@ -356,7 +356,7 @@ async fn read_by_copy<E: ShardedEntity>(
         select.order_by(pk.into_column(), sea_orm::Order::Asc);
     }
     let select = select.to_string(sea_orm::sea_query::PostgresQueryBuilder);
-    let text = super::pg_copy::copy_out(src.0, &select)
+    let text = super::pg_copy::copy_out(token, src, &select)
         .await
         .map_err(err::<E>(src.1, "copy from"))?;
     let columns: Vec<E::Column> = <E::Column as Iterable>::iter().collect();

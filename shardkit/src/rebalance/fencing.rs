@@ -45,6 +45,9 @@ pub(crate) struct Token {
     /// Parked at a failpoint: a paused process, which renews nothing.
     #[cfg(feature = "failpoints")]
     parked: std::sync::atomic::AtomicBool,
+    /// Where the statements sent outside SeaORM are reported (the
+    /// `on_statement` observer and the statement metrics).
+    shards: Shards,
 }
 
 impl Token {
@@ -57,7 +60,7 @@ impl Token {
         idle: Duration,
     ) -> Self {
         #[cfg(not(feature = "failpoints"))]
-        let _ = (shards, target);
+        let _ = target;
         Token {
             group,
             id,
@@ -67,7 +70,21 @@ impl Token {
             scope: shards.topology().shard(target).url.expose().to_owned(),
             #[cfg(feature = "failpoints")]
             parked: std::sync::atomic::AtomicBool::new(false),
+            shards: shards.for_task(),
         }
+    }
+
+    /// Reports `sql`, a statement of this mover sent on a sqlx connection
+    /// of shard `shard` (a `COPY` and its upsert), as SeaORM reports its
+    /// own: to the `on_statement` observer and the statement metrics.
+    pub(crate) fn observe(&self, shard: &str, sql: &str, elapsed: Duration, failed: bool) {
+        crate::metrics::ShardMetrics::new(shard).record(sql, elapsed, failed);
+        self.shards.observe(
+            shard,
+            &Statement::from_string(DbBackend::Postgres, sql),
+            elapsed,
+            failed,
+        );
     }
 
     /// The move.

@@ -17,6 +17,7 @@ use sea_orm::sqlx::pool::PoolConnection;
 use sea_orm::{DatabaseConnection, DbErr};
 use std::borrow::Cow;
 use std::ops::Range;
+use std::time::Instant;
 
 /// A pooled connection for a `COPY`, closed instead of returned to its
 /// pool unless the work on it finished: a `COPY` cut off midway (the
@@ -54,20 +55,26 @@ impl Drop for CopyConn {
 
 /// The output of `COPY (select) TO STDOUT` on `db`, in `COPY`'s text
 /// format: a line per row, columns in the select's order.
-pub(crate) async fn copy_out(db: &DatabaseConnection, select: &str) -> Result<Vec<u8>, DbErr> {
+pub(crate) async fn copy_out(
+    token: &Token,
+    (db, shard): (&DatabaseConnection, &str),
+    select: &str,
+) -> Result<Vec<u8>, DbErr> {
     use futures::StreamExt;
     let mut conn = CopyConn::acquire(db).await?;
+    let statement = format!("COPY ({select}) TO STDOUT");
+    let started = Instant::now();
     let mut text = Vec::new();
-    {
-        let mut stream = conn
-            .conn
-            .copy_out_raw(&format!("COPY ({select}) TO STDOUT"))
-            .await
-            .map_err(sqlx_err)?;
+    let read = async {
+        let mut stream = conn.conn.copy_out_raw(&statement).await?;
         while let Some(bytes) = stream.next().await {
-            text.extend_from_slice(&bytes.map_err(sqlx_err)?);
+            text.extend_from_slice(&bytes?);
         }
+        Ok(())
     }
+    .await;
+    token.observe(shard, &statement, started.elapsed(), read.is_err());
+    read.map_err(sqlx_err)?;
     conn.done();
     Ok(text)
 }
@@ -185,41 +192,30 @@ async fn copy_in(
     let err = |e: DbErr| super::errors::db_err(shard, table, "copy to", e);
     let mut conn = CopyConn::acquire(db).await.map_err(err)?;
     let mut txn = token.begin_pg(&mut conn.conn, shard, what).await?;
+    // Each statement is reported as SeaORM reports its own.
+    let seen = |sql: &str, started: Instant, failed: bool| {
+        token.observe(shard, sql, started.elapsed(), failed)
+    };
     let copied = async {
         use sea_orm::sqlx::{AssertSqlSafe, raw_sql};
         if upsert {
             // The copied columns only, with their types: no constraint,
             // default or identity of the table's comes along.
-            raw_sql(AssertSqlSafe(format!(
+            let create = format!(
                 "CREATE TEMPORARY TABLE {into} ON COMMIT DROP AS SELECT {all} FROM {} WITH NO DATA",
                 q(table)
-            )))
-            .execute(&mut *txn)
-            .await?;
+            );
+            let started = Instant::now();
+            let created = raw_sql(AssertSqlSafe(create.as_str()))
+                .execute(&mut *txn)
+                .await;
+            seen(&create, started, created.is_err());
+            created?;
         }
-        let mut copy = txn.copy_in_raw(&statement).await?;
-        // The data in two sends, split at a line, with a parking point
-        // between them (a process paused while sending).
-        let half = text[..text.len() / 2]
-            .iter()
-            .rposition(|b| *b == b'\n')
-            .map_or(0, |i| i + 1);
-        let (head, tail) = text.split_at(half);
-        for (i, part) in [head, tail].into_iter().enumerate() {
-            if i == 1 {
-                token.park_sending(what).await;
-            }
-            if part.is_empty() {
-                continue;
-            }
-            if let Err(e) = copy.send(part).await {
-                let _ = copy
-                    .abort("shardkit: the copy's data could not be sent")
-                    .await;
-                return Err(e);
-            }
-        }
-        copy.finish().await?;
+        let started = Instant::now();
+        let sent = send(&mut txn, &statement, text, token, what).await;
+        seen(&statement, started, sent.is_err());
+        sent?;
         if upsert {
             let key = list(&columns.key);
             let set = columns
@@ -230,13 +226,17 @@ async fn copy_in(
                 .join(", ");
             // A `GENERATED ALWAYS` identity column takes the source's
             // value, as `COPY` gives it.
-            raw_sql(AssertSqlSafe(format!(
+            let insert = format!(
                 "INSERT INTO {} ({all}) OVERRIDING SYSTEM VALUE SELECT {all} FROM {into} \
                  ON CONFLICT ({key}) DO UPDATE SET {set}",
                 q(table)
-            )))
-            .execute(&mut *txn)
-            .await?;
+            );
+            let started = Instant::now();
+            let inserted = raw_sql(AssertSqlSafe(insert.as_str()))
+                .execute(&mut *txn)
+                .await;
+            seen(&insert, started, inserted.is_err());
+            inserted?;
         }
         Ok(())
     }
@@ -252,6 +252,39 @@ async fn copy_in(
     let outcome = outcome.map_err(|e| err(sqlx_err(e)))?;
     conn.done();
     Ok(outcome)
+}
+
+/// `COPY … FROM STDIN` of `text` in `txn`: the data in two sends, split at
+/// a line, with a parking point between them (a process paused while
+/// sending, see [`Token::park_sending`]).
+async fn send(
+    txn: &mut sea_orm::sqlx::Transaction<'_, Postgres>,
+    statement: &str,
+    text: &[u8],
+    token: &Token,
+    what: &str,
+) -> Result<(), sea_orm::sqlx::Error> {
+    let mut copy = txn.copy_in_raw(statement).await?;
+    let half = text[..text.len() / 2]
+        .iter()
+        .rposition(|b| *b == b'\n')
+        .map_or(0, |i| i + 1);
+    let (head, tail) = text.split_at(half);
+    for (i, part) in [head, tail].into_iter().enumerate() {
+        if i == 1 {
+            token.park_sending(what).await;
+        }
+        if part.is_empty() {
+            continue;
+        }
+        if let Err(e) = copy.send(part).await {
+            let _ = copy
+                .abort("shardkit: the copy's data could not be sent")
+                .await;
+            return Err(e);
+        }
+    }
+    copy.finish().await.map(drop)
 }
 
 #[cfg(test)]
