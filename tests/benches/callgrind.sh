@@ -12,7 +12,11 @@
 # side run (the programs use a current-thread runtime). How often a future
 # is polled before the database answers depends on timing, so counts of
 # identical runs differ by a few percent: hence the rounds and the minimum.
-# Needs: n1, n2, rounds.
+# Each park of the runtime in between (an answer not there yet) costs a few
+# thousand instructions, so the totals are bimodal; the "poll path" columns
+# count the benchmark's future alone ($future, callgrind's inclusive cost),
+# which leaves the park out and moves much less.
+# Needs: n1, n2, rounds, future.
 
 bench_bin() {
   cargo bench -p shardkit-tests --bench "$1" --no-run --message-format=json 2>/dev/null \
@@ -27,10 +31,18 @@ for line in sys.stdin:
 callgrind_out=$(mktemp -d)
 trap 'rm -rf "$callgrind_out"' EXIT
 
-count() { # bench-args... -> main-thread instructions
+count() { # bench-args... -> "main-thread-total poll-path" instructions
   valgrind --tool=callgrind --separate-threads=yes --callgrind-out-file="$callgrind_out/cg.%p" \
     "$bin" "$@" >/dev/null 2>"$callgrind_out/log"
-  grep -h "^summary:" "$callgrind_out"/cg.*-01 | awk '{s+=$2} END {print s}'
+  total=$(grep -h "^summary:" "$callgrind_out"/cg.*-01 | awk '{s+=$2} END {print s}')
+  # The inclusive count of the benchmark's future ($future): its polls
+  # only, without the runtime's park in between.
+  poll=$(callgrind_annotate --inclusive=yes --threshold=100 "$callgrind_out"/cg.*-01 2>/dev/null \
+    | F="$future" awk '{
+        line = $0; sub(/ \[.*\]$/, "", line); f = ENVIRON["F"]; at = length(line) - length(f)
+        if (substr(line, at + 1) == f && substr(line, at, 1) == ":") { gsub(",", "", $1); print $1; exit }
+      }')
+  echo "$total ${poll:-0}"
   rm -f "$callgrind_out"/cg.*
 }
 
@@ -42,21 +54,26 @@ compare() { # base other label cases...
     for _ in $(seq 1 "$rounds"); do
       for mode in "$base" "$other"; do
         # shellcheck disable=SC2086 # a case is a word list
-        a=$(count "$mode" $case "$n1")
+        read -r a pa <<<"$(count "$mode" $case "$n1")"
         # shellcheck disable=SC2086
-        b=$(count "$mode" $case "$n2")
-        samples="$samples $mode:$(( (b - a) / (n2 - n1) ))"
+        read -r b pb <<<"$(count "$mode" $case "$n2")"
+        samples="$samples $mode:$(( (b - a) / (n2 - n1) )):$(( (pb - pa) / (n2 - n1) ))"
       done
     done
     python3 - "$case" "$base" "$other" $samples <<'PY'
 import sys
 case, base, other, *samples = sys.argv[1:]
 per = {base: [], other: []}
+polls = {base: [], other: []}
 for s in samples:
-    mode, n = s.split(":")
+    mode, n, poll = s.split(":")
     per[mode].append(int(n))
+    polls[mode].append(int(poll))
 p, k = per[base], per[other]
-print(f"{case:<18} {min(p):>9} ({min(p)}..{max(p)}) {min(k):>9} ({min(k)}..{max(k)}) {min(k)/min(p):7.3f}")
+pp, pk = polls[base], polls[other]
+poll = f"{min(pk)/min(pp):7.3f}" if min(pp) > 0 else "      -"
+print(f"{case:<18} {min(p):>9} ({min(p)}..{max(p)}) {min(k):>9} ({min(k)}..{max(k)}) {min(k)/min(p):7.3f}"
+      f"   poll path {min(pp)} ({min(pp)}..{max(pp)}) {min(pk)} ({min(pk)}..{max(pk)}) {poll}")
 PY
   done
 }

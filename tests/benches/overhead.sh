@@ -19,6 +19,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 n1="${1:-100}"
 n2="${2:-400}"
+future="overhead::run::{{closure}}"
 rounds="${3:-3}"
 # shellcheck source=callgrind.sh
 . tests/benches/callgrind.sh

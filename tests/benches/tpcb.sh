@@ -8,6 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 n1="${1:-500}"
 n2="${2:-2000}"
+future="tpcb::Setup::run::{{closure}}"
 rounds="${3:-2}"
 # shellcheck source=callgrind.sh
 . tests/benches/callgrind.sh
