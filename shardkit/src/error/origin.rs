@@ -100,3 +100,15 @@ pub enum Retry {
     /// failure): everything it did is gone; run the whole transaction again.
     Transaction,
 }
+
+/// A short, growing, jittered pause before attempt `attempt + 1` of work
+/// the database aborted (a deadlock, a serialization failure, a lost
+/// unique claim), so that the attempts that collided do not collide again
+/// in lockstep: 4 ms, 8 ms, 16 ms … at most 128 ms, plus up to 4 ms.
+pub(crate) fn abort_backoff(attempt: u32) -> std::time::Duration {
+    use std::hash::{BuildHasher, Hasher};
+    // A fresh random seed per call: jitter without a clock or an RNG crate.
+    let jitter = std::hash::RandomState::new().build_hasher().finish() % 4_000_000;
+    std::time::Duration::from_millis(2u64 << Ord::min(attempt, 6))
+        + std::time::Duration::from_nanos(jitter)
+}

@@ -16,7 +16,7 @@ use sea_orm::{
     ConnectionTrait, DbBackend, DbErr, ExprTrait, QueryFilter, Statement, StatementBuilder,
     TransactionSession, TransactionTrait, Value,
 };
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 impl Gsi {
     /// Whether the owner row of an index entry exists: a row of shard key
@@ -260,7 +260,7 @@ impl Gsi {
             match result {
                 Err(e) if attempt < CLAIM_ATTEMPTS && e.retry() == Retry::Transaction => {
                     tracing::debug!(index = %index.table, attempt, error = %e, "unique claim aborted by the database; retrying");
-                    tokio::time::sleep(claim_backoff(attempt)).await;
+                    tokio::time::sleep(crate::error::abort_backoff(attempt)).await;
                     attempt += 1;
                 }
                 other => return other,
@@ -564,15 +564,6 @@ pub(super) fn check_len(index: &IndexDef, value: &str) -> Result<()> {
 
 /// How many times a unique claim runs when the database aborts it.
 pub(super) const CLAIM_ATTEMPTS: u32 = 5;
-
-/// A short, growing, jittered pause between claim attempts, so racing
-/// claims do not collide again in lockstep.
-pub(super) fn claim_backoff(attempt: u32) -> Duration {
-    use std::hash::{BuildHasher, Hasher};
-    // A fresh random seed per call: jitter without a clock or an RNG crate.
-    let jitter = std::hash::RandomState::new().build_hasher().finish() % 4_000_000;
-    Duration::from_millis(2u64 << Ord::min(attempt, 6)) + Duration::from_nanos(jitter)
-}
 
 pub(super) use crate::error::is_unique_violation;
 
