@@ -192,12 +192,7 @@ async fn copy_in(
     let err = |e: DbErr| super::errors::db_err(shard, table, "copy to", e);
     let mut conn = CopyConn::acquire(db).await.map_err(err)?;
     let mut txn = token.begin_pg(&mut conn.conn, shard, what).await?;
-    // Each statement is reported as SeaORM reports its own.
-    let seen = |sql: &str, started: Instant, failed: bool| {
-        token.observe(shard, sql, started.elapsed(), failed)
-    };
     let copied = async {
-        use sea_orm::sqlx::{AssertSqlSafe, raw_sql};
         if upsert {
             // The copied columns only, with their types: no constraint,
             // default or identity of the table's comes along.
@@ -205,16 +200,11 @@ async fn copy_in(
                 "CREATE TEMPORARY TABLE {into} ON COMMIT DROP AS SELECT {all} FROM {} WITH NO DATA",
                 q(table)
             );
-            let started = Instant::now();
-            let created = raw_sql(AssertSqlSafe(create.as_str()))
-                .execute(&mut *txn)
-                .await;
-            seen(&create, started, created.is_err());
-            created?;
+            execute(&mut txn, token, shard, &create).await?;
         }
         let started = Instant::now();
         let sent = send(&mut txn, &statement, text, token, what).await;
-        seen(&statement, started, sent.is_err());
+        token.observe(shard, &statement, started.elapsed(), sent.is_err());
         sent?;
         if upsert {
             let key = list(&columns.key);
@@ -231,12 +221,7 @@ async fn copy_in(
                  ON CONFLICT ({key}) DO UPDATE SET {set}",
                 q(table)
             );
-            let started = Instant::now();
-            let inserted = raw_sql(AssertSqlSafe(insert.as_str()))
-                .execute(&mut *txn)
-                .await;
-            seen(&insert, started, inserted.is_err());
-            inserted?;
+            execute(&mut txn, token, shard, &insert).await?;
         }
         Ok(())
     }
@@ -252,6 +237,21 @@ async fn copy_in(
     let outcome = outcome.map_err(|e| err(sqlx_err(e)))?;
     conn.done();
     Ok(outcome)
+}
+
+/// Runs `sql` in `txn`, reported as SeaORM reports its own statements
+/// ([`Token::observe`]).
+async fn execute(
+    txn: &mut sea_orm::sqlx::Transaction<'_, Postgres>,
+    token: &Token,
+    shard: &str,
+    sql: &str,
+) -> Result<(), sea_orm::sqlx::Error> {
+    use sea_orm::sqlx::{AssertSqlSafe, raw_sql};
+    let started = Instant::now();
+    let done = raw_sql(AssertSqlSafe(sql)).execute(&mut **txn).await;
+    token.observe(shard, sql, started.elapsed(), done.is_err());
+    done.map(drop)
 }
 
 /// `COPY … FROM STDIN` of `text` in `txn`: the data in two sends, split at
