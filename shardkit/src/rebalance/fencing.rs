@@ -278,7 +278,7 @@ impl Token {
         // move and generation: a mover that takes the move over ends it
         // ([`Token::end_older_copies`]).
         let idle = self.idle_bound(DbBackend::Postgres).unwrap_or_default();
-        let name = self.session_name(self.generation);
+        let name = session_name(self.id, self.generation, self.group);
         sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
             "{idle}; SET LOCAL application_name = '{name}'"
         )))
@@ -301,16 +301,6 @@ impl Token {
         }
         let _ = txn.rollback().await;
         Err(self.taken_over(shard, now))
-    }
-
-    /// The `application_name` of this move's `COPY` sessions at
-    /// `generation`: the generation before the group, so that the server's
-    /// cut at 63 bytes only shortens the group. (Group names are Rust
-    /// identifiers: nothing to quote.)
-    fn session_name(&self, generation: i64) -> String {
-        let mut name = format!("shardkit move {}.{generation} {}", self.id, self.group);
-        name.truncate(63);
-        name
     }
 
     /// On a PostgreSQL shard, before this mover's fence goes in: ends the
@@ -479,4 +469,34 @@ pub(crate) async fn reset_lock_wait(
             .await?;
     }
     Ok(())
+}
+
+/// The `application_name` of move `id`'s `COPY` sessions at `generation`:
+/// the generation before the group, so that the server's cut at 63 bytes
+/// only shortens the group (cut here the same way, at a character's end).
+/// Group names are Rust identifiers: nothing to quote.
+fn session_name(id: i64, generation: i64, group: &str) -> String {
+    let mut name = format!("shardkit move {id}.{generation} {group}");
+    let end = (0..=name.len().min(63))
+        .rev()
+        .find(|&i| name.is_char_boundary(i))
+        .unwrap_or(0);
+    name.truncate(end);
+    name
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn session_names_are_cut_at_63_bytes_on_a_character() {
+        assert_eq!(
+            super::session_name(7, 2, "Customer"),
+            "shardkit move 7.2 Customer"
+        );
+        let long = "Ünïcödé".repeat(10);
+        let name = super::session_name(123, 4, &long);
+        assert!(name.len() <= 63, "{name}");
+        assert!(name.starts_with("shardkit move 123.4 Ü"));
+        assert!(long.starts_with(name.strip_prefix("shardkit move 123.4 ").unwrap()));
+    }
 }
