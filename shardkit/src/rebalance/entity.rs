@@ -518,9 +518,11 @@ async fn drop_logged<T>(
     if rows.is_empty() {
         return Ok(());
     }
-    let keys: Vec<String> = rows.iter().map(&key).collect();
+    let keys: Vec<String> = rows.iter().map(key).collect();
     let logged = logged_keys(src, move_id, &keys).await?;
-    rows.retain(|row| !logged.contains(&key(row)));
+    // The keys once: `retain` visits the rows in order.
+    let mut keys = keys.iter();
+    rows.retain(|_| keys.next().is_some_and(|k| !logged.contains(k)));
     Ok(())
 }
 
