@@ -30,6 +30,7 @@ backend_tests!(5 =>
     an_instance_that_has_not_refreshed_reads_a_moved_row_as_at_the_flip,
     [Postgres, MySql] a_mover_paused_inside_its_transaction_does_not_block_the_next,
     [Postgres] a_mover_paused_while_sending_a_copy_does_not_block_the_next,
+    [Postgres] a_table_in_a_named_schema_moves_with_copy,
     a_begin_whose_fence_read_the_database_aborts_begins_again,
     [Sqlite] a_move_run_by_another_process_on_the_same_sqlite_files,
     [Sqlite] child_process_mover,
@@ -1943,6 +1944,149 @@ async fn a_mover_paused_inside_its_transaction_does_not_block_the_next(dbs: &mut
 /// mover's chunk never lands.
 async fn a_mover_paused_while_sending_a_copy_does_not_block_the_next(dbs: &mut TestDbs) {
     paused_mover_then_take_over(dbs, "shardkit::rebalance::park_sending::copy").await;
+}
+
+/// A Customer-group table in PostgreSQL's schema `app`, not in the
+/// search path.
+mod app_note {
+    use sea_orm::entity::prelude::*;
+
+    #[sea_orm::model]
+    #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel, shardkit::Sharded)]
+    #[sea_orm(schema_name = "app", table_name = "notes")]
+    #[shardkit(group = shardkit_tests::models::Customer)]
+    pub struct Model {
+        #[sea_orm(primary_key, auto_increment = false)]
+        pub id: i64,
+        #[shardkit(shard_key)]
+        pub customer_id: i64,
+        pub body: String,
+    }
+
+    impl ActiveModelBehavior for ActiveModel {}
+}
+
+/// A table in a named schema (`app.notes`) moves like the others, between
+/// PostgreSQL shards with `COPY` into the schema's table: its columns are
+/// checked there, its rows land there on the target and leave the sources,
+/// and the table of the same name in the search path (the migration's
+/// `public.notes`, with other columns) is not touched.
+async fn a_table_in_a_named_schema_moves_with_copy(dbs: &mut TestDbs) {
+    let copies: Arc<Mutex<Vec<(String, String)>>> = Arc::default();
+    let kept = Arc::clone(&copies);
+    let a = Cluster::builder(config(dbs, 20))
+        .on_statement(move |e| {
+            if e.statement.sql.starts_with("COPY") {
+                let sql = e.statement.sql.clone();
+                kept.lock().unwrap().push((e.shard.to_owned(), sql));
+            }
+        })
+        .connect()
+        .await
+        .unwrap();
+    a.migrate::<Migrator>().await.unwrap();
+    a.refresh_bucket_maps().await.unwrap();
+    let columns = "(id BIGINT PRIMARY KEY, customer_id BIGINT NOT NULL, body TEXT NOT NULL)";
+    for shard in a.topology().shard_names() {
+        a.connection(shard)
+            .unwrap()
+            .execute_unprepared(&format!(
+                "CREATE SCHEMA app; CREATE TABLE app.notes {columns}"
+            ))
+            .await
+            .unwrap();
+    }
+    let keys = 1..=120i64;
+    for key in keys.clone() {
+        a.transaction::<Customer, _, _>(key, |tx| async move {
+            for id in [key * 10, key * 10 + 1] {
+                tx.insert_without_returning(app_note::ActiveModel {
+                    id: Set(id),
+                    customer_id: Set(key),
+                    body: Set(first_name(id)),
+                })
+                .await?;
+            }
+            Ok(())
+        })
+        .await
+        .unwrap_or_else(|e| panic!("notes of {key}: {}", e.report()));
+    }
+    let m = mover(&a).entity::<app_note::Entity>();
+    let plan = m.plan_buckets(quarter(), "s4").await.unwrap();
+    let id = m.start(&plan).await.unwrap().id;
+    let done = m
+        .run(id)
+        .await
+        .unwrap_or_else(|e| panic!("the move: {}", e.report()));
+    assert_eq!(done.phase, MovePhase::Done);
+    a.refresh_bucket_maps().await.unwrap();
+
+    // Every note on its key's owner, once, as written.
+    let mut found: BTreeMap<i64, Vec<(String, i64, String)>> = BTreeMap::new();
+    for shard in a.topology().shard_names() {
+        let db = a.connection(shard).unwrap();
+        for n in app_note::Entity::find().all(db).await.unwrap() {
+            found
+                .entry(n.id)
+                .or_default()
+                .push((shard.to_owned(), n.customer_id, n.body));
+        }
+        let decoy = db
+            .query_one_raw(sea_orm::Statement::from_string(
+                db.get_database_backend(),
+                "SELECT count(*) AS n FROM public.notes",
+            ))
+            .await
+            .unwrap()
+            .unwrap()
+            .try_get::<i64>("", "n")
+            .unwrap();
+        assert_eq!(decoy, 0, "public.notes on {shard} was written");
+    }
+    assert_eq!(found.len(), 240);
+    let map = a
+        .topology()
+        .live_owners("Customer")
+        .unwrap()
+        .unwrap()
+        .snapshot();
+    for key in keys {
+        let owner = a
+            .topology()
+            .shard(map.owner_of(&key).expect("every key has an owner"))
+            .name
+            .clone();
+        assert_eq!(
+            owner == "s4",
+            bucket(key).is_multiple_of(4),
+            "owner of {key}"
+        );
+        for id in [key * 10, key * 10 + 1] {
+            assert_eq!(
+                found[&id],
+                vec![(owner.clone(), key, first_name(id))],
+                "note {id} (bucket {})",
+                bucket(key)
+            );
+        }
+        // Routed to it.
+        let read = a
+            .find::<app_note::Entity>()
+            .key(key)
+            .all()
+            .await
+            .unwrap_or_else(|e| panic!("notes of {key}: {}", e.report()));
+        assert_eq!(read.len(), 2, "notes of {key}");
+    }
+    // Written with `COPY` into the schema's table.
+    let copies = copies.lock().unwrap();
+    assert!(
+        copies
+            .iter()
+            .any(|(shard, sql)| shard == "s4" && sql.starts_with(r#"COPY "app"."notes""#)),
+        "no COPY into app.notes on s4 observed: {copies:?}"
+    );
 }
 
 /// The first mover parks at failpoint `at` (on the move's target); a

@@ -91,24 +91,47 @@ pub(crate) fn tuple_text(values: &[Value]) -> String {
     text
 }
 
+/// The column types whose stored text [`typed_value`] reads back as the
+/// value a bound parameter compares with.
+pub(crate) enum TextType {
+    BigInt,
+    Int,
+    Uuid,
+    Text,
+}
+
+/// `column`'s [`TextType`]; `None` for a type whose text is kept as text
+/// and may not compare like the column's values.
+pub(crate) fn text_type<E: EntityTrait>(column: E::Column) -> Option<TextType> {
+    use sea_orm::ColumnTrait;
+    use sea_orm::sea_query::ColumnType;
+    match column.def().get_column_type() {
+        ColumnType::BigInteger | ColumnType::BigUnsigned => Some(TextType::BigInt),
+        ColumnType::Integer
+        | ColumnType::Unsigned
+        | ColumnType::SmallInteger
+        | ColumnType::TinyInteger => Some(TextType::Int),
+        ColumnType::Uuid => Some(TextType::Uuid),
+        ColumnType::String(_) | ColumnType::Text | ColumnType::Char(_) => Some(TextType::Text),
+        _ => None,
+    }
+}
+
 /// A value from its stored text, typed like `column` (so a comparison with
 /// the column compares like with like). Text that does not parse as the
 /// column's type stays text.
 pub(crate) fn typed_value<E: EntityTrait>(column: E::Column, text: &str) -> Value {
-    use sea_orm::ColumnTrait;
-    use sea_orm::sea_query::ColumnType;
-    match column.def().get_column_type() {
-        ColumnType::BigInteger | ColumnType::BigUnsigned => text
+    match text_type::<E>(column) {
+        Some(TextType::BigInt) => text
             .parse::<i64>()
             .map_or_else(|_| text.into(), Value::from),
-        ColumnType::Integer
-        | ColumnType::Unsigned
-        | ColumnType::SmallInteger
-        | ColumnType::TinyInteger => text
+        Some(TextType::Int) => text
             .parse::<i32>()
             .map_or_else(|_| text.into(), Value::from),
-        ColumnType::Uuid => uuid::Uuid::parse_str(text).map_or_else(|_| text.into(), Value::from),
-        _ => text.into(),
+        Some(TextType::Uuid) => {
+            uuid::Uuid::parse_str(text).map_or_else(|_| text.into(), Value::from)
+        }
+        Some(TextType::Text) | None => text.into(),
     }
 }
 

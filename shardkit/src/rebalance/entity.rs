@@ -62,9 +62,61 @@ pub(crate) struct Compared {
     pub(crate) keys: Vec<String>,
 }
 
+/// A moving table: its name and the schema its entity names, if any
+/// (PostgreSQL's schema, MySQL/MariaDB's database, SQLite's attached
+/// database; SeaORM's `schema_name`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct MovingTable {
+    pub(crate) schema: Option<String>,
+    pub(crate) name: &'static str,
+    /// `schema.name`, or `name`: in messages and in the move's record.
+    shown: String,
+}
+
+impl MovingTable {
+    pub(crate) fn new(schema: Option<&str>, name: &'static str) -> Self {
+        let shown = match schema {
+            Some(schema) => format!("{schema}.{name}"),
+            None => name.to_owned(),
+        };
+        MovingTable {
+            schema: schema.map(str::to_owned),
+            name,
+            shown,
+        }
+    }
+
+    pub(crate) fn of<E: EntityTrait>() -> Self {
+        Self::new(
+            sea_orm::EntityName::schema_name(&E::default()),
+            table_name::<E>(),
+        )
+    }
+
+    pub(crate) fn as_str(&self) -> &str {
+        &self.shown
+    }
+
+    /// The table in a statement for `backend`: quoted, and qualified with
+    /// its schema when it has one.
+    pub(crate) fn quoted(&self, backend: DbBackend) -> String {
+        let name = crate::exec::quoted(backend, self.name);
+        match &self.schema {
+            Some(schema) => format!("{}.{name}", crate::exec::quoted(backend, schema)),
+            None => name,
+        }
+    }
+}
+
+impl std::fmt::Display for MovingTable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.shown)
+    }
+}
+
 /// An entity of the moving group, type-erased for the mover.
 pub(crate) trait MoveEntity: Send + Sync {
-    fn table(&self) -> &'static str;
+    fn table(&self) -> &MovingTable;
 
     /// Whether every move carries it without being listed (shardkit's own
     /// keyed tables), after the listed entities.
@@ -156,11 +208,17 @@ pub(crate) trait MoveEntity: Send + Sync {
     ) -> BoxFuture<'a, Result<Compared>>;
 }
 
-pub(crate) struct Mover<E>(std::marker::PhantomData<fn() -> E>);
+pub(crate) struct Mover<E> {
+    table: MovingTable,
+    _entity: std::marker::PhantomData<fn() -> E>,
+}
 
-impl<E> Mover<E> {
+impl<E: EntityTrait> Mover<E> {
     pub(crate) fn new() -> Self {
-        Mover(std::marker::PhantomData)
+        Mover {
+            table: MovingTable::of::<E>(),
+            _entity: std::marker::PhantomData,
+        }
     }
 }
 
@@ -295,8 +353,9 @@ async fn write_moving<E: ShardedEntity>(
                     .collect()
             };
             let (key, update) = crate::key::upsert_columns::<E>();
+            let table = MovingTable::of::<E>();
             let columns = super::pg_copy::Columns {
-                table: table_name::<E>(),
+                table: &table,
                 all: names(<E::Column as Iterable>::iter().collect()),
                 key: names(key),
                 update: names(update),
@@ -313,23 +372,8 @@ async fn write_moving<E: ShardedEntity>(
 /// back as the value a bound parameter compares with (a copy read with
 /// `COPY` takes the next chunk's start from the text).
 fn plain_pk<E: EntityTrait>() -> bool {
-    use sea_orm::ColumnTrait;
-    use sea_orm::sea_query::ColumnType;
-    <E::PrimaryKey as Iterable>::iter().all(|pk| {
-        matches!(
-            pk.into_column().def().get_column_type(),
-            ColumnType::BigInteger
-                | ColumnType::BigUnsigned
-                | ColumnType::Integer
-                | ColumnType::Unsigned
-                | ColumnType::SmallInteger
-                | ColumnType::TinyInteger
-                | ColumnType::Uuid
-                | ColumnType::String(_)
-                | ColumnType::Text
-                | ColumnType::Char(_)
-        )
-    })
+    <E::PrimaryKey as Iterable>::iter()
+        .all(|pk| crate::key::text_type::<E>(pk.into_column()).is_some())
 }
 
 /// The chunk of `E`'s rows after `after` on a PostgreSQL source, read with
@@ -349,7 +393,7 @@ async fn read_by_copy<E: ShardedEntity>(
     let mut select = Query::select();
     select
         .columns(<E::Column as Iterable>::iter())
-        .from(E::default())
+        .from(sea_orm::EntityName::table_ref(&E::default()))
         .cond_where(keyset::after_condition::<E>(after))
         .limit(chunk);
     for pk in <E::PrimaryKey as Iterable>::iter() {
@@ -590,8 +634,8 @@ impl<E> MoveEntity for Mover<E>
 where
     E: ShardedEntity,
 {
-    fn table(&self) -> &'static str {
-        table_name::<E>()
+    fn table(&self) -> &MovingTable {
+        &self.table
     }
 
     fn columns(&self) -> Vec<&'static str> {
@@ -605,13 +649,9 @@ where
             .and_then(|k| RangeBound::at_key(&k))
     }
 
-    /// Between PostgreSQL shards. (A table in a named schema keeps the
-    /// models: the copy's statements name the table as the search path
-    /// finds it.)
+    /// Between PostgreSQL shards.
     fn by_copy(&self, src: DbBackend, dst: DbBackend) -> bool {
-        (src, dst) == (DbBackend::Postgres, DbBackend::Postgres)
-            && plain_pk::<E>()
-            && sea_orm::EntityName::schema_name(&E::default()).is_none()
+        (src, dst) == (DbBackend::Postgres, DbBackend::Postgres) && plain_pk::<E>()
     }
 
     fn copy_chunks<'a>(

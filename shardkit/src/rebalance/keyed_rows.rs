@@ -7,7 +7,9 @@ use crate::entity::ShardKey;
 use crate::error::Result;
 use crate::exec::keyed_tables::{KeyedTable, text_at};
 use crate::rebalance::db_err;
-use crate::rebalance::entity::{Buckets, Chunk, Compared, MoveEntity, bounded, logged_keys};
+use crate::rebalance::entity::{
+    Buckets, Chunk, Compared, MoveEntity, MovingTable, bounded, logged_keys,
+};
 use crate::rebalance::errors::again;
 use crate::rebalance::fencing::Token;
 use crate::topology::RangeBound;
@@ -21,6 +23,7 @@ use std::time::Duration;
 pub(crate) struct KeyedRows<K> {
     group: &'static str,
     table: &'static KeyedTable,
+    moving: MovingTable,
     _key: std::marker::PhantomData<fn() -> K>,
 }
 
@@ -29,6 +32,7 @@ impl<K: ShardKey> KeyedRows<K> {
         KeyedRows {
             group,
             table,
+            moving: MovingTable::new(None, table.name),
             _key: std::marker::PhantomData,
         }
     }
@@ -172,8 +176,8 @@ fn next_of(rows: &[Vec<Value>], chunk: u64) -> Option<String> {
 }
 
 impl<K: ShardKey> MoveEntity for KeyedRows<K> {
-    fn table(&self) -> &'static str {
-        self.table.name
+    fn table(&self) -> &MovingTable {
+        &self.moving
     }
 
     fn implicit(&self) -> bool {

@@ -142,7 +142,7 @@ pub(crate) enum Copied {
 /// A table's columns for a copy: all of them in the order of the rows'
 /// text, and which of them are the primary key.
 pub(crate) struct Columns<'a> {
-    pub(crate) table: &'a str,
+    pub(crate) table: &'a super::entity::MovingTable,
     pub(crate) all: Vec<&'a str>,
     pub(crate) key: Vec<&'a str>,
     /// What the upsert sets ([`upsert_columns`](crate::key::upsert_columns)).
@@ -163,10 +163,11 @@ pub(crate) async fn write(
     text: &[u8],
 ) -> Result<()> {
     let once = |upsert| copy_in(token, (db, shard), what, columns, text, upsert);
-    if let Copied::Written = super::errors::again(columns.table, shard, || once(false)).await? {
+    let table = columns.table.as_str();
+    if let Copied::Written = super::errors::again(table, shard, || once(false)).await? {
         return Ok(());
     }
-    super::errors::again(columns.table, shard, || once(true))
+    super::errors::again(table, shard, || once(true))
         .await
         .map(|_| ())
 }
@@ -181,15 +182,16 @@ async fn copy_in(
     upsert: bool,
 ) -> Result<Copied> {
     let q = |name: &str| crate::exec::quoted(sea_orm::DbBackend::Postgres, name);
-    let table = columns.table;
+    // The table as the entity names it: in its schema, if it has one.
+    let table = columns.table.quoted(sea_orm::DbBackend::Postgres);
     let list = |cols: &[&str]| cols.iter().map(|c| q(c)).collect::<Vec<_>>().join(", ");
     let all = list(&columns.all);
     // The rows land in the table itself, or in a temporary table the
     // upsert reads (dropped with the transaction, whatever its end).
     const ROWS: &str = "shardkit_copy_rows";
-    let into = if upsert { q(ROWS) } else { q(table) };
+    let into = if upsert { q(ROWS) } else { table.clone() };
     let statement = format!("COPY {into} ({all}) FROM STDIN");
-    let err = |e: DbErr| super::errors::db_err(shard, table, "copy to", e);
+    let err = |e: DbErr| super::errors::db_err(shard, columns.table.as_str(), "copy to", e);
     let mut conn = CopyConn::acquire(db).await.map_err(err)?;
     let mut txn = token.begin_pg(&mut conn.conn, shard, what).await?;
     let copied = async {
@@ -197,8 +199,7 @@ async fn copy_in(
             // The copied columns only, with their types: no constraint,
             // default or identity of the table's comes along.
             let create = format!(
-                "CREATE TEMPORARY TABLE {into} ON COMMIT DROP AS SELECT {all} FROM {} WITH NO DATA",
-                q(table)
+                "CREATE TEMPORARY TABLE {into} ON COMMIT DROP AS SELECT {all} FROM {table} WITH NO DATA"
             );
             execute(&mut txn, token, shard, &create).await?;
         }
@@ -217,9 +218,8 @@ async fn copy_in(
             // A `GENERATED ALWAYS` identity column takes the source's
             // value, as `COPY` gives it.
             let insert = format!(
-                "INSERT INTO {} ({all}) OVERRIDING SYSTEM VALUE SELECT {all} FROM {into} \
-                 ON CONFLICT ({key}) DO UPDATE SET {set}",
-                q(table)
+                "INSERT INTO {table} ({all}) OVERRIDING SYSTEM VALUE SELECT {all} FROM {into} \
+                 ON CONFLICT ({key}) DO UPDATE SET {set}"
             );
             execute(&mut txn, token, shard, &insert).await?;
         }

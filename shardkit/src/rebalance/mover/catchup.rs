@@ -161,7 +161,7 @@ impl<G> Rebalance<G> {
                 tracing::warn!(
                     group = self.group,
                     id = status.id,
-                    table = entity.table(),
+                    table = %entity.table(),
                     keys = unexplained.len(),
                     "rows differ without a logged change: copying them again"
                 );

@@ -53,7 +53,7 @@ impl<G> Rebalance<G> {
         self.entities
             .iter()
             .filter(|e| !e.implicit())
-            .map(|e| e.table())
+            .map(|e| e.table().as_str())
             .collect::<Vec<_>>()
             .join(",")
     }

@@ -197,7 +197,11 @@ impl<G> std::fmt::Debug for Rebalance<G> {
             .field("group", &self.group)
             .field(
                 "entities",
-                &self.entities.iter().map(|e| e.table()).collect::<Vec<_>>(),
+                &self
+                    .entities
+                    .iter()
+                    .map(|e| e.table().as_str())
+                    .collect::<Vec<_>>(),
             )
             .finish()
     }
@@ -220,7 +224,8 @@ fn carry<E>(entities: &mut Vec<Arc<dyn MoveEntity>>)
 where
     E: ShardedEntity,
 {
-    if !entities.iter().any(|e| e.table() == table_name::<E>()) {
+    let table = crate::rebalance::entity::MovingTable::of::<E>();
+    if !entities.iter().any(|e| *e.table() == table) {
         // Before shardkit's own tables, which come last.
         let at = entities
             .iter()

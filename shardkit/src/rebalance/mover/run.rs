@@ -419,7 +419,7 @@ impl<G> Rebalance<G> {
                                         tracing::debug!(
                                             group = self.group,
                                             id,
-                                            table = entity.table(),
+                                            table = %entity.table(),
                                             "a copied row's parent is not on the target yet; replaying, then copying without logged keys"
                                         );
                                         // Bounded: under steady writes the
@@ -521,12 +521,15 @@ impl<G> Rebalance<G> {
             for entity in &self.entities {
                 let stmt = Statement::from_string(
                     db.get_database_backend(),
-                    format!("SELECT COUNT(*) AS n FROM {}", quote(db, entity.table())),
+                    format!(
+                        "SELECT COUNT(*) AS n FROM {}",
+                        entity.table().quoted(db.get_database_backend())
+                    ),
                 );
                 let n: i64 = db
                     .query_one_raw(stmt)
                     .await
-                    .map_err(|e| db_err(name, entity.table(), "count", e))?
+                    .map_err(|e| db_err(name, entity.table().as_str(), "count", e))?
                     .and_then(|r| r.try_get("", "n").ok())
                     .unwrap_or(0);
                 total += n as u64 * buckets.len() as u64 / owned.max(1) as u64;
@@ -560,8 +563,4 @@ pub(super) fn parse_copy_cursor(text: Option<&str>) -> (usize, usize, Option<Str
     let ei = parts.next().and_then(|p| p.parse().ok()).unwrap_or(0);
     let after = parts.next().filter(|p| !p.is_empty()).map(str::to_owned);
     (si, ei, after)
-}
-
-pub(super) fn quote(db: &DatabaseConnection, table: &str) -> String {
-    crate::exec::quoted(db.get_database_backend(), table)
 }

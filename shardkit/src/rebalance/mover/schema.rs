@@ -6,6 +6,7 @@
 
 use crate::error::{Result, ShardError};
 use crate::rebalance::db_err;
+use crate::rebalance::entity::MovingTable;
 use crate::rebalance::fencing::Token;
 use crate::rebalance::mover::{MovePhase, MoveStatus, Rebalance};
 use crate::topology::ShardId;
@@ -182,27 +183,30 @@ fn list<'a>(columns: impl IntoIterator<Item = &'a str>) -> String {
 async fn table_columns(
     db: &DatabaseConnection,
     shard: &str,
-    table: &str,
+    table: &MovingTable,
 ) -> Result<BTreeSet<String>> {
     let backend = db.get_database_backend();
+    // In the entity's schema when it names one; otherwise the table an
+    // unqualified name in a statement finds (the search path, the
+    // connection's database, SQLite's main).
     let sql = match backend {
-        DbBackend::Sqlite => "SELECT name FROM pragma_table_info(?)",
-        // The table the search path finds, as an unqualified name in a
-        // statement would.
+        DbBackend::Sqlite => "SELECT name FROM pragma_table_info(?2, COALESCE(?1, 'main'))",
         DbBackend::Postgres => {
             "SELECT attname::text AS name FROM pg_attribute \
-             WHERE attrelid = to_regclass(quote_ident($1)) AND attnum > 0 AND NOT attisdropped"
+             WHERE attrelid = to_regclass(COALESCE(quote_ident($1) || '.', '') || quote_ident($2)) \
+             AND attnum > 0 AND NOT attisdropped"
         }
         _ => {
             "SELECT CAST(column_name AS CHAR) AS name FROM information_schema.columns \
-             WHERE table_schema = DATABASE() AND table_name = ? \
+             WHERE table_schema = COALESCE(?, DATABASE()) AND table_name = ? \
              AND COALESCE(extra, '') NOT LIKE '%INVISIBLE%'"
         }
     };
+    let values = [table.schema.clone().into(), table.name.into()];
     let rows = db
-        .query_all_raw(Statement::from_sql_and_values(backend, sql, [table.into()]))
+        .query_all_raw(Statement::from_sql_and_values(backend, sql, values))
         .await
-        .map_err(|e| db_err(shard, table, "read the columns of", e))?;
+        .map_err(|e| db_err(shard, table.as_str(), "read the columns of", e))?;
     rows.iter()
         .map(|row| {
             row.try_get::<String>("", "name")
@@ -210,7 +214,7 @@ async fn table_columns(
                     DbBackend::Postgres => name,
                     _ => name.to_lowercase(),
                 })
-                .map_err(|e| db_err(shard, table, "read the columns of", e))
+                .map_err(|e| db_err(shard, table.as_str(), "read the columns of", e))
         })
         .collect::<std::result::Result<_, ShardError>>()
 }
