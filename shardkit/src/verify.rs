@@ -293,7 +293,7 @@ async fn db_digest<E: EntityTrait>(
     let stmt = Query::select()
         .expr_as(Expr::cust("COUNT(*)"), Alias::new("n"))
         .expr_as(Expr::cust(sum), Alias::new("s"))
-        .from(E::default())
+        .from(sea_orm::EntityName::table_ref(&E::default()))
         .cond_where(after_condition::<E>(after))
         .cond_where(upto_condition::<E>(upto))
         .to_owned();
