@@ -118,15 +118,18 @@ pub(crate) type MoveMark = Option<(u64, i64)>;
 /// the one its writes keep.
 #[derive(Clone, Debug)]
 pub struct ReadFrom {
+    /// Its name, for its global indexes' tables and for messages.
     pub(crate) table: &'static str,
+    /// The table in statements: in its entity's schema, if it names one.
+    pub(crate) table_ref: sea_orm::sea_query::TableRef,
     /// Its indexed columns, and whether each is unique.
     pub(crate) indexes: Arc<[(&'static str, bool)]>,
 }
 
 /// Reads table `from` in place of `E`'s own: `FROM from AS e_table`, so the
 /// statement's column references still resolve.
-pub(crate) fn read_from<E: ShardedEntity>(select: &mut Select<E>, from: &'static str) {
+pub(crate) fn read_from<E: ShardedEntity>(select: &mut Select<E>, from: &ReadFrom) {
     QueryTrait::query(select)
         .from_clear()
-        .from_as(sea_orm::sea_query::Alias::new(from), E::default());
+        .from_as(from.table_ref.clone(), E::default());
 }

@@ -94,7 +94,7 @@ impl<'t, E: ShardedEntity, C: ConnectionTrait> TxFind<'t, E, C> {
         let mut select = keyed_select::<E>(select, key, conn.get_database_backend());
         let refused = match guard_check::<E>(guard) {
             Ok(Some(from)) => {
-                read_from::<E>(&mut select, from.table);
+                read_from::<E>(&mut select, &from);
                 None
             }
             Ok(None) => None,

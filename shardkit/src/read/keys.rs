@@ -153,12 +153,7 @@ where
         // `R`'s reads go to another table (a rollout's new table): join it
         // under `R`'s name, so the condition still resolves.
         Some(from) => {
-            QueryTrait::query(&mut select).join_as(
-                join,
-                sea_orm::sea_query::Alias::new(from.table),
-                R::default(),
-                on,
-            );
+            QueryTrait::query(&mut select).join_as(join, from.table_ref.clone(), R::default(), on);
         }
         None => {
             QueryTrait::query(&mut select).join(join, to, on);
@@ -193,7 +188,7 @@ where
     let mut select = R::find();
     QueryTrait::query(&mut select).join_as(
         JoinType::InnerJoin,
-        sea_orm::sea_query::Alias::new(from.table),
+        from.table_ref.clone(),
         M::Entity::default(),
         Condition::from(rel),
     );

@@ -266,7 +266,7 @@ impl<E: ShardedEntity> Read<E> {
             None => None,
         };
         if let Some(from) = &from {
-            read_from::<E>(&mut select, from.table);
+            read_from::<E>(&mut select, from);
         }
         let (mut select, spec, index, lookup_failed) = match spec {
             RouteSpec::Index(..) => self.resolve_index(select, spec, from.as_ref()).await?,

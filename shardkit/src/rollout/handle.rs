@@ -229,6 +229,7 @@ pub(crate) fn read_new_table<Old: ShardedEntity, New: ShardedEntity>()
 -> Option<crate::read::ReadFrom> {
     old_columns_in_new::<Old, New>().then(|| crate::read::ReadFrom {
         table: table_name::<New>(),
+        table_ref: sea_orm::EntityName::table_ref(&New::default()),
         indexes: New::GLOBAL_INDEXES
             .iter()
             .map(|(column, unique)| (sea_orm::IdenStatic::as_str(column), *unique))

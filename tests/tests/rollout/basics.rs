@@ -111,7 +111,10 @@ async fn remove(cluster: &Cluster, id: i64, customer: i64) -> shardkit::Result<u
 
 /// Advances as soon as the gap allows: a refusal names the wait, and the
 /// clock is moved by exactly that much.
-async fn advance(people: &People, clock: &ManualClock) -> Phase {
+async fn advance<New: shardkit::ShardedEntity<Group = Customer>>(
+    people: &RolloutHandle<person_v1::Entity, New>,
+    clock: &ManualClock,
+) -> Phase {
     loop {
         match people.advance().await {
             Ok(phase) => return phase,
@@ -806,6 +809,108 @@ pub(crate) async fn advance_when_ready_waits_out_the_gap(dbs: &mut TestDbs) {
         "{err:?}"
     );
     assert_eq!(people.refresh().await.unwrap(), Phase::Off);
+}
+
+/// The `people` rollout's new table in PostgreSQL's schema `app`, beside
+/// the migration's `public.people_v2` of the same name.
+mod app_person {
+    use sea_orm::entity::prelude::*;
+
+    #[sea_orm::model]
+    #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel, shardkit::Sharded)]
+    #[sea_orm(schema_name = "app", table_name = "people_v2")]
+    #[shardkit(group = shardkit_tests::models::Customer)]
+    pub struct Model {
+        #[sea_orm(primary_key, auto_increment = false)]
+        pub id: i64,
+        #[shardkit(shard_key)]
+        pub customer_id: i64,
+        pub first_name: String,
+        pub last_name: String,
+        pub display_name: String,
+        pub city: String,
+    }
+
+    impl ActiveModelBehavior for ActiveModel {}
+}
+
+/// From `read_new` on, the old entity's reads are answered by the new
+/// table in its entity's schema (`app.people_v2`): keyed, inside a
+/// transaction, and in the plan; never by the table of that name the
+/// search path finds (`public.people_v2`, which holds a decoy row).
+pub(crate) async fn old_reads_follow_the_phase_into_a_named_schema(dbs: &mut TestDbs) {
+    let clock = test_clock();
+    let (app, _) = connect(dbs, &clock).await;
+    app.migrate::<Migrator>().await.unwrap();
+    for shard in app.topology().shard_names() {
+        app.connection(shard)
+            .unwrap()
+            .execute_unprepared(
+                "CREATE SCHEMA app; CREATE TABLE app.people_v2 (LIKE public.people_v2 INCLUDING ALL)",
+            )
+            .await
+            .unwrap();
+    }
+    let to_app = |old: &person_v1::Model| -> app_person::Model {
+        let new = person_to_v2(old);
+        app_person::Model {
+            id: new.id,
+            customer_id: new.customer_id,
+            first_name: new.first_name,
+            last_name: new.last_name,
+            display_name: new.display_name,
+            city: new.city,
+        }
+    };
+    let from_app = |new: &app_person::Model| -> person_v1::Model {
+        person_v1::Model {
+            id: new.id,
+            customer_id: new.customer_id,
+            first_name: new.first_name.clone(),
+            last_name: new.last_name.clone(),
+            city: new.city.clone(),
+        }
+    };
+    let people: RolloutHandle<person_v1::Entity, app_person::Entity> = app
+        .register_rollout(
+            Rollout::new("people_app", to_app)
+                .to_old(from_app)
+                .cache_ttl(TTL)
+                .refresh_interval(REFRESH),
+        )
+        .await
+        .unwrap();
+    put(&app, &person(1, 5, "Ann", "Lee", "Oslo"))
+        .await
+        .unwrap();
+    for phase in [Phase::CacheBoth, Phase::DualWrite] {
+        assert_eq!(advance(&people, &clock).await, phase);
+    }
+    clock.advance(people.gap());
+    assert!(people.backfill().await.unwrap().finished);
+    assert_eq!(advance(&people, &clock).await, Phase::ReadNew);
+    exec_on(
+        &app,
+        5,
+        "INSERT INTO public.people_v2 (id, customer_id, first_name, last_name, display_name, city) \
+         VALUES (9, 5, 'Decoy', 'Row', 'Decoy Row', 'Nowhere')",
+    )
+    .await;
+    set_city(&app, 1, 5, "Rome").await.unwrap();
+    let rows = app.find::<person_v1::Entity>().key(5).all().await.unwrap();
+    assert_eq!(rows, vec![person(1, 5, "Ann", "Lee", "Rome")]);
+    let tx = app.begin::<Customer>(5).await.unwrap();
+    let inside = tx.find::<person_v1::Entity>().all().await.unwrap();
+    assert_eq!(inside, rows);
+    tx.rollback().await.unwrap();
+    let plan = app
+        .find::<person_v1::Entity>()
+        .key(5)
+        .explain()
+        .await
+        .unwrap()
+        .to_string();
+    assert!(plan.contains(r#""app"."people_v2""#), "{plan}");
 }
 
 /// Code that reads the old entity keeps reading the latest rows: from

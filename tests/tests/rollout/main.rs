@@ -26,8 +26,8 @@ use basics::{
     backfill_when_ready_waits_out_the_gap_and_resumes_after_a_timeout,
     cancelled_backfill_stops_at_a_chunk_and_resumes, failed_new_write_rolls_back_old,
     full_rollout_walk, old_index_reads_follow_the_phase, old_reads_follow_the_phase,
-    phase_gap_is_enforced, status_lists_the_instances, verify_finds_injected_differences,
-    verify_shards_compares_copies,
+    old_reads_follow_the_phase_into_a_named_schema, phase_gap_is_enforced,
+    status_lists_the_instances, verify_finds_injected_differences, verify_shards_compares_copies,
 };
 use folds::{
     a_failed_part_dual_write_rolls_back_the_transaction,
@@ -56,6 +56,7 @@ backend_tests!(4 =>
     backfill_when_ready_waits_out_the_gap_and_resumes_after_a_timeout,
     cancelled_backfill_stops_at_a_chunk_and_resumes,
     old_reads_follow_the_phase,
+    [Postgres] old_reads_follow_the_phase_into_a_named_schema,
     old_index_reads_follow_the_phase,
     status_lists_the_instances,
     an_instance_without_the_rollout_is_visible,
