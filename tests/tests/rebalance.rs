@@ -398,13 +398,15 @@ fn quarter() -> Vec<u32> {
     (0..BUCKETS).step_by(4).collect()
 }
 
-async fn two_instances_write_while_a_quarter_of_the_buckets_move(dbs: &mut TestDbs) {
-    // Metrics recorded from here on (the move's copy method, below).
-    shardkit_tests::recorded::totals();
-    // The mover's instance keeps the `COPY` statements its observer sees.
-    let copies: Arc<Mutex<Vec<(String, String)>>> = Arc::default();
+/// The `COPY` statements an instance's observer saw: (shard, SQL).
+type Copies = Arc<Mutex<Vec<(String, String)>>>;
+
+/// An instance (`config(dbs, 20)`) that keeps the `COPY` statements its
+/// observer sees.
+async fn copy_observed(dbs: &TestDbs) -> (Cluster, Copies) {
+    let copies: Copies = Arc::default();
     let kept = Arc::clone(&copies);
-    let a = Cluster::builder(config(dbs, 20))
+    let cluster = Cluster::builder(config(dbs, 20))
         .on_statement(move |e| {
             if e.statement.sql.starts_with("COPY") {
                 let sql = e.statement.sql.clone();
@@ -414,6 +416,14 @@ async fn two_instances_write_while_a_quarter_of_the_buckets_move(dbs: &mut TestD
         .connect()
         .await
         .unwrap();
+    (cluster, copies)
+}
+
+async fn two_instances_write_while_a_quarter_of_the_buckets_move(dbs: &mut TestDbs) {
+    // Metrics recorded from here on (the move's copy method, below).
+    shardkit_tests::recorded::totals();
+    // The mover's instance keeps the `COPY` statements its observer sees.
+    let (a, copies) = copy_observed(dbs).await;
     a.refresh_bucket_maps().await.unwrap();
     let acked: Shared = Arc::default();
     seed(&a, &acked, 1..=120).await;
@@ -1972,18 +1982,7 @@ mod app_note {
 /// and the table of the same name in the search path (the migration's
 /// `public.notes`, with other columns) is not touched.
 async fn a_table_in_a_named_schema_moves_with_copy(dbs: &mut TestDbs) {
-    let copies: Arc<Mutex<Vec<(String, String)>>> = Arc::default();
-    let kept = Arc::clone(&copies);
-    let a = Cluster::builder(config(dbs, 20))
-        .on_statement(move |e| {
-            if e.statement.sql.starts_with("COPY") {
-                let sql = e.statement.sql.clone();
-                kept.lock().unwrap().push((e.shard.to_owned(), sql));
-            }
-        })
-        .connect()
-        .await
-        .unwrap();
+    let (a, copies) = copy_observed(dbs).await;
     a.migrate::<Migrator>().await.unwrap();
     a.refresh_bucket_maps().await.unwrap();
     let columns = "(id BIGINT PRIMARY KEY, customer_id BIGINT NOT NULL, body TEXT NOT NULL)";
