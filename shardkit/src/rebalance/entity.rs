@@ -69,7 +69,7 @@ pub(crate) struct Compared {
 pub(crate) struct MovingTable {
     pub(crate) schema: Option<String>,
     pub(crate) name: &'static str,
-    /// `schema.name`, or `name`: in messages and in the move's record.
+    /// `schema.name`, or `name`: in messages.
     shown: String,
 }
 

@@ -48,12 +48,14 @@ impl<G> Rebalance<G> {
         Ok(())
     }
 
-    /// The entities' tables as the move stores them.
+    /// The entities' tables as the move stores them: their names, without
+    /// a schema (as every build has stored them, so that a move registered
+    /// by one build runs in another).
     pub(super) fn tables(&self) -> String {
         self.entities
             .iter()
             .filter(|e| !e.implicit())
-            .map(|e| e.table().as_str())
+            .map(|e| e.table().name)
             .collect::<Vec<_>>()
             .join(",")
     }

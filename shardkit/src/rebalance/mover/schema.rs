@@ -188,9 +188,9 @@ async fn table_columns(
     let backend = db.get_database_backend();
     // In the entity's schema when it names one; otherwise the table an
     // unqualified name in a statement finds (the search path, the
-    // connection's database, SQLite's main).
+    // connection's database, SQLite's temp, main and attached databases).
     let sql = match backend {
-        DbBackend::Sqlite => "SELECT name FROM pragma_table_info(?2, COALESCE(?1, 'main'))",
+        DbBackend::Sqlite => "SELECT name FROM pragma_table_info(?2, ?1)",
         DbBackend::Postgres => {
             "SELECT attname::text AS name FROM pg_attribute \
              WHERE attrelid = to_regclass(COALESCE(quote_ident($1) || '.', '') || quote_ident($2)) \
