@@ -334,7 +334,10 @@ async fn errors_say_what_failed_where_and_the_drivers_cause_once(dbs: &mut TestD
                 if row.try_get::<i64>("", "n").unwrap() > 0 {
                     break;
                 }
-                tokio::task::yield_now().await;
+                // InnoDB refreshes `information_schema.innodb_trx` only
+                // once it has not been read for 100 ms: a watcher reading
+                // it back to back would never see A wait.
+                tokio::time::sleep(std::time::Duration::from_millis(150)).await;
             }
             let result = b.update(set_total(1, 21)).await;
             drop(b);

@@ -354,8 +354,10 @@ async fn write_moving<E: ShardedEntity>(
             };
             let (key, update) = crate::key::upsert_columns::<E>();
             let table = MovingTable::of::<E>();
+            let quoted = table.quoted(DbBackend::Postgres);
             let columns = super::pg_copy::Columns {
-                table: &table,
+                table: table.as_str(),
+                quoted: &quoted,
                 all: names(<E::Column as Iterable>::iter().collect()),
                 key: names(key),
                 update: names(update),

@@ -142,7 +142,10 @@ pub(crate) enum Copied {
 /// A table's columns for a copy: all of them in the order of the rows'
 /// text, and which of them are the primary key.
 pub(crate) struct Columns<'a> {
-    pub(crate) table: &'a super::entity::MovingTable,
+    /// The table in messages (with its schema, if it has one).
+    pub(crate) table: &'a str,
+    /// The table in statements: quoted, and qualified with its schema.
+    pub(crate) quoted: &'a str,
     pub(crate) all: Vec<&'a str>,
     pub(crate) key: Vec<&'a str>,
     /// What the upsert sets ([`upsert_columns`](crate::key::upsert_columns)).
@@ -163,11 +166,10 @@ pub(crate) async fn write(
     text: &[u8],
 ) -> Result<()> {
     let once = |upsert| copy_in(token, (db, shard), what, columns, text, upsert);
-    let table = columns.table.as_str();
-    if let Copied::Written = super::errors::again(table, shard, || once(false)).await? {
+    if let Copied::Written = super::errors::again(columns.table, shard, || once(false)).await? {
         return Ok(());
     }
-    super::errors::again(table, shard, || once(true))
+    super::errors::again(columns.table, shard, || once(true))
         .await
         .map(|_| ())
 }
@@ -182,16 +184,15 @@ async fn copy_in(
     upsert: bool,
 ) -> Result<Copied> {
     let q = |name: &str| crate::exec::quoted(sea_orm::DbBackend::Postgres, name);
-    // The table as the entity names it: in its schema, if it has one.
-    let table = columns.table.quoted(sea_orm::DbBackend::Postgres);
+    let table = columns.quoted;
     let list = |cols: &[&str]| cols.iter().map(|c| q(c)).collect::<Vec<_>>().join(", ");
     let all = list(&columns.all);
     // The rows land in the table itself, or in a temporary table the
     // upsert reads (dropped with the transaction, whatever its end).
     const ROWS: &str = "shardkit_copy_rows";
-    let into = if upsert { q(ROWS) } else { table.clone() };
+    let into = if upsert { q(ROWS) } else { table.to_owned() };
     let statement = format!("COPY {into} ({all}) FROM STDIN");
-    let err = |e: DbErr| super::errors::db_err(shard, columns.table.as_str(), "copy to", e);
+    let err = |e: DbErr| super::errors::db_err(shard, columns.table, "copy to", e);
     let mut conn = CopyConn::acquire(db).await.map_err(err)?;
     let mut txn = token.begin_pg(&mut conn.conn, shard, what).await?;
     let copied = async {
