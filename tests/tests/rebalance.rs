@@ -252,6 +252,23 @@ fn eight_writers(
         .collect()
 }
 
+/// Every row of `E` on every shard, by the id `row` gives with its value:
+/// the shards it is on, each with that value.
+async fn placed<E: EntityTrait, T>(
+    cluster: &Cluster,
+    row: impl Fn(E::Model) -> (i64, T),
+) -> BTreeMap<i64, Vec<(String, T)>> {
+    let mut found: BTreeMap<i64, Vec<(String, T)>> = BTreeMap::new();
+    for shard in cluster.topology().shard_names() {
+        let db = cluster.connection(shard).unwrap();
+        for model in E::find().all(db).await.unwrap() {
+            let (id, value) = row(model);
+            found.entry(id).or_default().push((shard.to_owned(), value));
+        }
+    }
+    found
+}
+
 /// Every acknowledged row is on its bucket's owner (as `cluster`'s map says)
 /// exactly once, with what was acknowledged; no other row exists; the
 /// global indexes find every contact.
@@ -269,23 +286,9 @@ async fn check_placement(cluster: &Cluster, acked: &Shared) {
         .unwrap()
         .unwrap()
         .snapshot();
-    let mut customers: BTreeMap<i64, Vec<(String, String)>> = BTreeMap::new();
-    let mut orders: BTreeMap<i64, Vec<Placed>> = BTreeMap::new();
-    for shard in cluster.topology().shard_names() {
-        let db = cluster.connection(shard).unwrap();
-        for c in customer::Entity::find().all(db).await.unwrap() {
-            customers
-                .entry(c.id)
-                .or_default()
-                .push((shard.to_owned(), c.name));
-        }
-        for o in order::Entity::find().all(db).await.unwrap() {
-            orders
-                .entry(o.id)
-                .or_default()
-                .push((shard.to_owned(), (o.customer_id, o.total_cents)));
-        }
-    }
+    let mut customers = placed::<customer::Entity, _>(cluster, |c| (c.id, c.name)).await;
+    let mut orders: BTreeMap<i64, Vec<Placed>> =
+        placed::<order::Entity, _>(cluster, |o| (o.id, (o.customer_id, o.total_cents))).await;
     let owner = |key: i64| {
         cluster
             .topology()
@@ -1676,23 +1679,9 @@ async fn a_copy_converges_while_writers_add_parents_and_children(dbs: &mut TestD
         .unwrap()
         .snapshot();
     let owner = |key: i64| a.topology().shard(map.owner_of(&key).unwrap()).name.clone();
-    let mut found_carts: BTreeMap<i64, Vec<(String, i64, String)>> = BTreeMap::new();
-    let mut found_items: BTreeMap<i64, Vec<(String, i64, i64)>> = BTreeMap::new();
-    for shard in a.topology().shard_names() {
-        let db = a.connection(shard).unwrap();
-        for c in cart::Entity::find().all(db).await.unwrap() {
-            found_carts
-                .entry(c.id)
-                .or_default()
-                .push((shard.to_owned(), c.customer_id, c.label));
-        }
-        for i in cart_item::Entity::find().all(db).await.unwrap() {
-            found_items
-                .entry(i.id)
-                .or_default()
-                .push((shard.to_owned(), i.customer_id, i.cart_id));
-        }
-    }
+    let mut found_carts = placed::<cart::Entity, _>(&a, |c| (c.id, (c.customer_id, c.label))).await;
+    let mut found_items =
+        placed::<cart_item::Entity, _>(&a, |i| (i.id, (i.customer_id, i.cart_id))).await;
     let acked_carts = carts.lock().unwrap();
     let moved = acked_carts
         .carts
@@ -1703,7 +1692,7 @@ async fn a_copy_converges_while_writers_add_parents_and_children(dbs: &mut TestD
     for (id, (key, label)) in &acked_carts.carts {
         assert_eq!(
             found_carts.remove(id).unwrap_or_default(),
-            vec![(owner(*key), *key, label.clone())],
+            vec![(owner(*key), (*key, label.clone()))],
             "cart {id} of customer {key}"
         );
     }
@@ -1714,7 +1703,7 @@ async fn a_copy_converges_while_writers_add_parents_and_children(dbs: &mut TestD
     for (id, (key, cart)) in &acked_carts.items {
         assert_eq!(
             found_items.remove(id).unwrap_or_default(),
-            vec![(owner(*key), *key, *cart)],
+            vec![(owner(*key), (*key, *cart))],
             "item {id} of customer {key}"
         );
     }
@@ -2022,15 +2011,9 @@ async fn a_table_in_a_named_schema_moves_with_copy(dbs: &mut TestDbs) {
     a.refresh_bucket_maps().await.unwrap();
 
     // Every note on its key's owner, once, as written.
-    let mut found: BTreeMap<i64, Vec<(String, i64, String)>> = BTreeMap::new();
+    let found = placed::<app_note::Entity, _>(&a, |n| (n.id, (n.customer_id, n.body))).await;
     for shard in a.topology().shard_names() {
         let db = a.connection(shard).unwrap();
-        for n in app_note::Entity::find().all(db).await.unwrap() {
-            found
-                .entry(n.id)
-                .or_default()
-                .push((shard.to_owned(), n.customer_id, n.body));
-        }
         let decoy = db
             .query_one_raw(sea_orm::Statement::from_string(
                 db.get_database_backend(),
@@ -2064,7 +2047,7 @@ async fn a_table_in_a_named_schema_moves_with_copy(dbs: &mut TestDbs) {
         for id in [key * 10, key * 10 + 1] {
             assert_eq!(
                 found[&id],
-                vec![(owner.clone(), key, first_name(id))],
+                vec![(owner.clone(), (key, first_name(id)))],
                 "note {id} (bucket {})",
                 bucket(key)
             );
