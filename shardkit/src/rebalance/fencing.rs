@@ -74,10 +74,19 @@ impl Token {
         }
     }
 
-    /// Reports `sql`, a statement of this mover sent on a sqlx connection
-    /// of shard `shard` (a `COPY` and its upsert), as SeaORM reports its
-    /// own: to the `on_statement` observer and the statement metrics.
-    pub(crate) fn observe(&self, shard: &str, sql: &str, elapsed: Duration, failed: bool) {
+    /// Runs `work`, statement `sql` of this mover sent on a sqlx
+    /// connection of shard `shard` (a `COPY` and its upsert), and reports
+    /// it as SeaORM reports its own: to the `on_statement` observer and the
+    /// statement metrics, with how long it took and whether it failed.
+    pub(crate) async fn observed<T, E>(
+        &self,
+        shard: &str,
+        sql: &str,
+        work: impl std::future::Future<Output = std::result::Result<T, E>>,
+    ) -> std::result::Result<T, E> {
+        let started = std::time::Instant::now();
+        let done = work.await;
+        let (elapsed, failed) = (started.elapsed(), done.is_err());
         crate::metrics::ShardMetrics::new(shard).record(sql, elapsed, failed);
         self.shards.observe(
             shard,
@@ -85,6 +94,7 @@ impl Token {
             elapsed,
             failed,
         );
+        done
     }
 
     /// The move.

@@ -17,7 +17,6 @@ use sea_orm::sqlx::pool::PoolConnection;
 use sea_orm::{DatabaseConnection, DbErr};
 use std::borrow::Cow;
 use std::ops::Range;
-use std::time::Instant;
 
 /// A pooled connection for a `COPY`, closed instead of returned to its
 /// pool unless the work on it finished: a `COPY` cut off midway (the
@@ -63,7 +62,6 @@ pub(crate) async fn copy_out(
     use futures::StreamExt;
     let mut conn = CopyConn::acquire(db).await?;
     let statement = format!("COPY ({select}) TO STDOUT");
-    let started = Instant::now();
     let mut text = Vec::new();
     let read = async {
         let mut stream = conn.conn.copy_out_raw(&statement).await?;
@@ -71,10 +69,11 @@ pub(crate) async fn copy_out(
             text.extend_from_slice(&bytes?);
         }
         Ok(())
-    }
-    .await;
-    token.observe(shard, &statement, started.elapsed(), read.is_err());
-    read.map_err(sqlx_err)?;
+    };
+    token
+        .observed(shard, &statement, read)
+        .await
+        .map_err(sqlx_err)?;
     conn.done();
     Ok(text)
 }
@@ -204,10 +203,8 @@ async fn copy_in(
             );
             execute(&mut txn, token, shard, &create).await?;
         }
-        let started = Instant::now();
-        let sent = send(&mut txn, &statement, text, token, what).await;
-        token.observe(shard, &statement, started.elapsed(), sent.is_err());
-        sent?;
+        let sent = send(&mut txn, &statement, text, token, what);
+        token.observed(shard, &statement, sent).await?;
         if upsert {
             let key = list(&columns.key);
             let set = columns
@@ -241,7 +238,7 @@ async fn copy_in(
 }
 
 /// Runs `sql` in `txn`, reported as SeaORM reports its own statements
-/// ([`Token::observe`]).
+/// ([`Token::observed`]).
 async fn execute(
     txn: &mut sea_orm::sqlx::Transaction<'_, Postgres>,
     token: &Token,
@@ -249,10 +246,8 @@ async fn execute(
     sql: &str,
 ) -> Result<(), sea_orm::sqlx::Error> {
     use sea_orm::sqlx::{AssertSqlSafe, raw_sql};
-    let started = Instant::now();
-    let done = raw_sql(AssertSqlSafe(sql)).execute(&mut **txn).await;
-    token.observe(shard, sql, started.elapsed(), done.is_err());
-    done.map(drop)
+    let done = raw_sql(AssertSqlSafe(sql)).execute(&mut **txn);
+    token.observed(shard, sql, done).await.map(drop)
 }
 
 /// `COPY … FROM STDIN` of `text` in `txn`: the data in two sends, split at
