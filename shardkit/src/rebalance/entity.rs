@@ -65,24 +65,18 @@ pub(crate) struct Compared {
 /// A moving table: its name and the schema its entity names, if any
 /// (PostgreSQL's schema, MySQL/MariaDB's database, SQLite's attached
 /// database; SeaORM's `schema_name`).
+/// Shown as `schema.name`, or `name`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct MovingTable {
     pub(crate) schema: Option<String>,
     pub(crate) name: &'static str,
-    /// `schema.name`, or `name`: in messages.
-    shown: String,
 }
 
 impl MovingTable {
     pub(crate) fn new(schema: Option<&str>, name: &'static str) -> Self {
-        let shown = match schema {
-            Some(schema) => format!("{schema}.{name}"),
-            None => name.to_owned(),
-        };
         MovingTable {
             schema: schema.map(str::to_owned),
             name,
-            shown,
         }
     }
 
@@ -91,10 +85,6 @@ impl MovingTable {
             sea_orm::EntityName::schema_name(&E::default()),
             table_name::<E>(),
         )
-    }
-
-    pub(crate) fn as_str(&self) -> &str {
-        &self.shown
     }
 
     /// The table in a statement for `backend`: quoted, and qualified with
@@ -110,7 +100,10 @@ impl MovingTable {
 
 impl std::fmt::Display for MovingTable {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.shown)
+        match &self.schema {
+            Some(schema) => write!(f, "{schema}.{}", self.name),
+            None => f.write_str(self.name),
+        }
     }
 }
 
@@ -335,6 +328,7 @@ impl<M> Moving<M> {
 async fn write_moving<E: ShardedEntity>(
     token: &Token,
     dst: (&DatabaseConnection, &str),
+    table: &MovingTable,
     moving: Moving<E::Model>,
 ) -> Result<()> {
     let group = <E::Group as EntityGroup>::NAME;
@@ -353,10 +347,9 @@ async fn write_moving<E: ShardedEntity>(
                     .collect()
             };
             let (key, update) = crate::key::upsert_columns::<E>();
-            let table = MovingTable::of::<E>();
-            let quoted = table.quoted(DbBackend::Postgres);
+            let (shown, quoted) = (table.to_string(), table.quoted(DbBackend::Postgres));
             let columns = super::pg_copy::Columns {
-                table: table.as_str(),
+                table: &shown,
                 quoted: &quoted,
                 all: names(<E::Column as Iterable>::iter().collect()),
                 key: names(key),
@@ -711,13 +704,15 @@ where
                 // The next chunk is read while this one is written.
                 match next {
                     Some(next) if i + 1 < chunks => {
-                        let (written, read_next) =
-                            futures::join!(write_moving::<E>(token, dst, moving), read(Some(next)));
+                        let (written, read_next) = futures::join!(
+                            write_moving::<E>(token, dst, &self.table, moving),
+                            read(Some(next))
+                        );
                         written?;
                         current = read_next?;
                     }
                     next => {
-                        write_moving::<E>(token, dst, moving).await?;
+                        write_moving::<E>(token, dst, &self.table, moving).await?;
                         return Ok(Chunk {
                             rows: copied,
                             next: next.map(|pk| tuple_text(&pk)),

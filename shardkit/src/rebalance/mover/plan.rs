@@ -200,7 +200,7 @@ impl<G> std::fmt::Debug for Rebalance<G> {
                 &self
                     .entities
                     .iter()
-                    .map(|e| e.table().as_str())
+                    .map(|e| e.table().to_string())
                     .collect::<Vec<_>>(),
             )
             .finish()

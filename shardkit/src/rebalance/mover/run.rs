@@ -529,7 +529,7 @@ impl<G> Rebalance<G> {
                 let n: i64 = db
                     .query_one_raw(stmt)
                     .await
-                    .map_err(|e| db_err(name, entity.table().as_str(), "count", e))?
+                    .map_err(|e| db_err(name, &entity.table().to_string(), "count", e))?
                     .and_then(|r| r.try_get("", "n").ok())
                     .unwrap_or(0);
                 total += n as u64 * buckets.len() as u64 / owned.max(1) as u64;

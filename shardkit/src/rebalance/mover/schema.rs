@@ -206,7 +206,7 @@ async fn table_columns(
     let rows = db
         .query_all_raw(Statement::from_sql_and_values(backend, sql, values))
         .await
-        .map_err(|e| db_err(shard, table.as_str(), "read the columns of", e))?;
+        .map_err(|e| db_err(shard, &table.to_string(), "read the columns of", e))?;
     rows.iter()
         .map(|row| {
             row.try_get::<String>("", "name")
@@ -214,7 +214,7 @@ async fn table_columns(
                     DbBackend::Postgres => name,
                     _ => name.to_lowercase(),
                 })
-                .map_err(|e| db_err(shard, table.as_str(), "read the columns of", e))
+                .map_err(|e| db_err(shard, &table.to_string(), "read the columns of", e))
         })
         .collect::<std::result::Result<_, ShardError>>()
 }
