@@ -837,10 +837,12 @@ mod app_person {
 /// From `read_new` on, the old entity's reads are answered by the new
 /// table in its entity's schema (`app.people_v2`): keyed, inside a
 /// transaction, and in the plan; never by the table of that name the
-/// search path finds (`public.people_v2`, which holds a decoy row).
+/// search path finds (`public.people_v2`, which holds a decoy row). The
+/// verifiers compare it there too (a rollout's, and two shards' copies by
+/// digests in the database), and no statement names it without its schema.
 pub(crate) async fn old_reads_follow_the_phase_into_a_named_schema(dbs: &mut TestDbs) {
     let clock = test_clock();
-    let (app, _) = connect(dbs, &clock).await;
+    let (app, sent) = connect(dbs, &clock).await;
     app.migrate::<Migrator>().await.unwrap();
     for shard in app.topology().shard_names() {
         app.connection(shard)
@@ -851,6 +853,8 @@ pub(crate) async fn old_reads_follow_the_phase_into_a_named_schema(dbs: &mut Tes
             .await
             .unwrap();
     }
+    // From here on, the rollout's statements (the migration's are not).
+    sent.lock().unwrap().clear();
     let to_app = |old: &person_v1::Model| -> app_person::Model {
         let new = person_to_v2(old);
         app_person::Model {
@@ -911,6 +915,24 @@ pub(crate) async fn old_reads_follow_the_phase_into_a_named_schema(dbs: &mut Tes
         .unwrap()
         .to_string();
     assert!(plan.contains(r#""app"."people_v2""#), "{plan}");
+    let report = people.verify(VerifyOptions::default()).await.unwrap();
+    assert!(report.is_consistent(), "{report:?}");
+    // Two shards' copies compared by digests the databases compute.
+    let names: Vec<&str> = app.topology().shard_names().collect();
+    let copies = app
+        .verify_shards::<app_person::Entity>(names[0], names[1], None, VerifyOptions::default())
+        .await
+        .unwrap();
+    assert!(copies.chunks_in_database > 0, "{copies:?}");
+    let unqualified: Vec<String> = statements(&sent)
+        .into_iter()
+        .filter(|sql| {
+            sql.contains("people_v2")
+                && !sql.contains(r#""app"."people_v2""#)
+                && !sql.contains("public.people_v2")
+        })
+        .collect();
+    assert!(unqualified.is_empty(), "{unqualified:#?}");
 }
 
 /// Code that reads the old entity keeps reading the latest rows: from
