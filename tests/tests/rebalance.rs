@@ -1965,8 +1965,9 @@ mod app_note {
     impl ActiveModelBehavior for ActiveModel {}
 }
 
-/// A table in a named schema (`app.notes`) moves like the others, between
-/// PostgreSQL shards with `COPY` into the schema's table: its columns are
+/// A table in a named schema (`app.notes`) moves like the others while
+/// eight writers on pools of 2 add to it, between PostgreSQL shards with
+/// `COPY` into the schema's table: its columns are
 /// checked there, its rows land there on the target and leave the sources,
 /// and the table of the same name in the search path (the migration's
 /// `public.notes`, with other columns) is not touched.
@@ -1984,22 +1985,43 @@ async fn a_table_in_a_named_schema_moves_with_copy(dbs: &mut TestDbs) {
             .await
             .unwrap();
     }
-    let keys = 1..=120i64;
-    for key in keys.clone() {
-        a.transaction::<Customer, _, _>(key, |tx| async move {
-            for id in [key * 10, key * 10 + 1] {
+    // Notes acknowledged to the application: (id, key).
+    let acked: Arc<Mutex<Vec<(i64, i64)>>> = Arc::default();
+    let add = |cluster: Cluster, acked: Arc<Mutex<Vec<(i64, i64)>>>, key: i64, id: i64| async move {
+        cluster
+            .transaction::<Customer, _, _>(key, |tx| async move {
                 tx.insert_without_returning(app_note::ActiveModel {
                     id: Set(id),
                     customer_id: Set(key),
                     body: Set(first_name(id)),
                 })
-                .await?;
-            }
-            Ok(())
-        })
-        .await
-        .unwrap_or_else(|e| panic!("notes of {key}: {}", e.report()));
+                .await
+            })
+            .await
+            .unwrap_or_else(|e| panic!("note {id} of {key}: {}", e.report()));
+        acked.lock().unwrap().push((id, key));
+    };
+    for key in 1..=120i64 {
+        for id in [key * 10, key * 10 + 1] {
+            add(a.clone(), Arc::clone(&acked), key, id).await;
+        }
     }
+    // Eight writers on the instance's pools of 2 while the move runs (the
+    // change log and its replay, in the schema's table).
+    let stop = Arc::new(AtomicBool::new(false));
+    let writers: Vec<_> = (0..8i64)
+        .map(|w| {
+            let (a, acked, stop, add) = (a.clone(), Arc::clone(&acked), Arc::clone(&stop), add);
+            tokio::spawn(async move {
+                let mut n = 0;
+                while !stop.load(Ordering::SeqCst) {
+                    let key = 1 + (w + 8 * n) % 120;
+                    add(a.clone(), Arc::clone(&acked), key, 100_000 + 8 * n + w).await;
+                    n += 1;
+                }
+            })
+        })
+        .collect();
     let m = mover(&a).entity::<app_note::Entity>();
     let plan = m.plan_buckets(quarter(), "s4").await.unwrap();
     let id = m.start(&plan).await.unwrap().id;
@@ -2008,6 +2030,10 @@ async fn a_table_in_a_named_schema_moves_with_copy(dbs: &mut TestDbs) {
         .await
         .unwrap_or_else(|e| panic!("the move: {}", e.report()));
     assert_eq!(done.phase, MovePhase::Done);
+    stop.store(true, Ordering::SeqCst);
+    for w in writers {
+        w.await.unwrap();
+    }
     a.refresh_bucket_maps().await.unwrap();
 
     // Every note on its key's owner, once, as written.
@@ -2026,40 +2052,44 @@ async fn a_table_in_a_named_schema_moves_with_copy(dbs: &mut TestDbs) {
             .unwrap();
         assert_eq!(decoy, 0, "public.notes on {shard} was written");
     }
-    assert_eq!(found.len(), 240);
+    let acked = acked.lock().unwrap().clone();
+    assert!(acked.len() > 240, "no note written during the move");
+    assert_eq!(found.len(), acked.len());
     let map = a
         .topology()
         .live_owners("Customer")
         .unwrap()
         .unwrap()
         .snapshot();
-    for key in keys {
-        let owner = a
-            .topology()
+    let owner = |key: i64| {
+        a.topology()
             .shard(map.owner_of(&key).expect("every key has an owner"))
             .name
-            .clone();
+            .clone()
+    };
+    for &(id, key) in &acked {
         assert_eq!(
-            owner == "s4",
+            owner(key) == "s4",
             bucket(key).is_multiple_of(4),
             "owner of {key}"
         );
-        for id in [key * 10, key * 10 + 1] {
-            assert_eq!(
-                found[&id],
-                vec![(owner.clone(), (key, first_name(id)))],
-                "note {id} (bucket {})",
-                bucket(key)
-            );
-        }
-        // Routed to it.
+        assert_eq!(
+            found[&id],
+            vec![(owner(key), (key, first_name(id)))],
+            "note {id} (bucket {})",
+            bucket(key)
+        );
+    }
+    // Routed to it.
+    for key in 1..=120i64 {
         let read = a
             .find::<app_note::Entity>()
             .key(key)
             .all()
             .await
             .unwrap_or_else(|e| panic!("notes of {key}: {}", e.report()));
-        assert_eq!(read.len(), 2, "notes of {key}");
+        let written = acked.iter().filter(|(_, k)| *k == key).count();
+        assert_eq!(read.len(), written, "notes of {key}");
     }
     // Written with `COPY` into the schema's table.
     let copies = copies.lock().unwrap();
