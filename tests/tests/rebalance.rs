@@ -252,6 +252,23 @@ fn eight_writers(
         .collect()
 }
 
+/// Each key's owner by `cluster`'s map as it is now.
+fn owners(cluster: &Cluster) -> impl Fn(i64) -> String + '_ {
+    let map = cluster
+        .topology()
+        .live_owners("Customer")
+        .unwrap()
+        .unwrap()
+        .snapshot();
+    move |key| {
+        cluster
+            .topology()
+            .shard(map.owner_of(&key).expect("every key has an owner"))
+            .name
+            .clone()
+    }
+}
+
 /// Every row of `E` on every shard, by the id `row` gives with its value:
 /// the shards it is on, each with that value.
 async fn placed<E: EntityTrait, T>(
@@ -280,22 +297,10 @@ async fn check_placement(cluster: &Cluster, acked: &Shared) {
             orders: a.orders.clone(),
         }
     };
-    let map = cluster
-        .topology()
-        .live_owners("Customer")
-        .unwrap()
-        .unwrap()
-        .snapshot();
+    let owner = owners(cluster);
     let mut customers = placed::<customer::Entity, _>(cluster, |c| (c.id, c.name)).await;
     let mut orders: BTreeMap<i64, Vec<Placed>> =
         placed::<order::Entity, _>(cluster, |o| (o.id, (o.customer_id, o.total_cents))).await;
-    let owner = |key: i64| {
-        cluster
-            .topology()
-            .shard(map.owner_of(&key).expect("every key has an owner"))
-            .name
-            .clone()
-    };
     for (id, name) in &acked.customers {
         let found = customers.remove(id).unwrap_or_default();
         assert_eq!(
@@ -1672,13 +1677,7 @@ async fn a_copy_converges_while_writers_add_parents_and_children(dbs: &mut TestD
     }
     assert!(written > 0);
     a.refresh_bucket_maps().await.unwrap();
-    let map = a
-        .topology()
-        .live_owners("Customer")
-        .unwrap()
-        .unwrap()
-        .snapshot();
-    let owner = |key: i64| a.topology().shard(map.owner_of(&key).unwrap()).name.clone();
+    let owner = owners(&a);
     let mut found_carts = placed::<cart::Entity, _>(&a, |c| (c.id, (c.customer_id, c.label))).await;
     let mut found_items =
         placed::<cart_item::Entity, _>(&a, |i| (i.id, (i.customer_id, i.cart_id))).await;
@@ -2055,18 +2054,7 @@ async fn a_table_in_a_named_schema_moves_with_copy(dbs: &mut TestDbs) {
     let acked = acked.lock().unwrap().clone();
     assert!(acked.len() > 240, "no note written during the move");
     assert_eq!(found.len(), acked.len());
-    let map = a
-        .topology()
-        .live_owners("Customer")
-        .unwrap()
-        .unwrap()
-        .snapshot();
-    let owner = |key: i64| {
-        a.topology()
-            .shard(map.owner_of(&key).expect("every key has an owner"))
-            .name
-            .clone()
-    };
+    let owner = owners(&a);
     for &(id, key) in &acked {
         assert_eq!(
             owner(key) == "s4",
