@@ -2,11 +2,14 @@
 //! ([`crate::exec::health`]).
 
 use crate::error::{Result, ShardError};
-use crate::exec::health::{Gate, HEALTHY_FOR, REPROBE, SUSPECT_AFTER, suspects_down};
+use crate::exec::health::{Gate, REPROBE, SUSPECT_AFTER, ShardHealth, suspects_down};
 use crate::exec::shards::Shards;
+use crate::exec::watchdog::{self, Due, Ticker};
 use crate::topology::ShardId;
 use std::future::Future;
+use std::ops::ControlFlow;
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::Duration;
 
 /// The breaker around every request (see [`crate::exec::health`]).
@@ -56,21 +59,26 @@ impl Shards {
                     }
                 }
             }
-            tokio::select! {
-                biased;
-                result = fut => match result {
-                    // The pool gave up connecting (its own timeout may be
-                    // shorter than the probe's): ask the probe why. (Not
-                    // for a server at its connection limit: it is up.)
-                    Err(ref err) if suspects_down(err) && health.can_probe() => {
-                        match self.probe_shared(id).await {
-                            Err(cause) => Err(unavailable(cause)),
-                            Ok(()) => result,
-                        }
+            let result = if health.can_probe() {
+                match self.watched(id, fut).await {
+                    Ok(result) => result,
+                    Err(cause) => return Err(unavailable(cause)),
+                }
+            } else {
+                // SQLite: opened in-process, nothing to probe or watch.
+                fut.await
+            };
+            match result {
+                // The pool gave up connecting (its own timeout may be
+                // shorter than the probe's): ask the probe why. (Not
+                // for a server at its connection limit: it is up.)
+                Err(ref err) if suspects_down(err) && health.can_probe() => {
+                    match self.probe_shared(id).await {
+                        Err(cause) => Err(unavailable(cause)),
+                        Ok(()) => result,
                     }
-                    other => other,
-                },
-                cause = self.watch(id) => Err(unavailable(cause)),
+                }
+                other => other,
             }
         };
         let result = match timeout {
@@ -91,15 +99,71 @@ impl Shards {
         result
     }
 
-    /// Completes (with the cause) only once shard `id` is found down.
-    async fn watch(&self, id: ShardId) -> String {
-        tokio::time::sleep(SUSPECT_AFTER).await;
-        loop {
-            match self.probe_shared(id).await {
-                Err(cause) => return cause,
-                Ok(()) => tokio::time::sleep(HEALTHY_FOR).await,
+    /// Runs `fut` on shard `id` while the shard's watch looks on: its
+    /// output, or the cause once the shard is found down while `fut` waited
+    /// longer than [`SUSPECT_AFTER`].
+    async fn watched<T>(
+        &self,
+        id: ShardId,
+        fut: impl Future<Output = T>,
+    ) -> std::result::Result<T, String> {
+        let mut waiting = self.health(id).waiting().registration();
+        let mut fut = std::pin::pin!(fut);
+        std::future::poll_fn(|cx| {
+            if let Poll::Ready(out) = fut.as_mut().poll(cx) {
+                return Poll::Ready(Ok(out));
+            }
+            match waiting.poll(cx.waker()) {
+                watchdog::Poll::Down(cause) => Poll::Ready(Err(cause)),
+                watchdog::Poll::Waiting(ticker) => {
+                    if let Some(ticker) = ticker {
+                        self.start_watch(id, ticker);
+                    }
+                    Poll::Pending
+                }
+            }
+        })
+        .await
+    }
+
+    /// Starts shard `id`'s watch task: it sleeps until the oldest waiting
+    /// request is due, then probes the shard (a recent probe's outcome
+    /// stands for [`HEALTHY_FOR`](crate::exec::health::HEALTHY_FOR)); found down, the requests that were
+    /// overdue fail with the cause. It ends when nothing waits.
+    fn start_watch(&self, id: ShardId, ticker: Ticker) {
+        /// Gives the watch up when the task ends, however it ends.
+        struct Claim(Arc<ShardHealth>, Ticker);
+        impl Drop for Claim {
+            fn drop(&mut self) {
+                self.0.waiting().release(self.1);
             }
         }
+        let claim = Claim(Arc::clone(self.health(id)), ticker);
+        crate::exec::periodic::spawn_paced(self, move |shards: Shards| {
+            // (The closure owns the whole claim: it ends with the task.)
+            let Claim(_, ticker) = &claim;
+            let ticker = *ticker;
+            async move {
+                let waiting = shards.health(id).waiting();
+                match waiting.due(SUSPECT_AFTER) {
+                    Due::Idle if waiting.stop_if_idle(ticker) => ControlFlow::Break(()),
+                    // Registered just now: look again at once.
+                    Due::Idle => ControlFlow::Continue(Duration::ZERO),
+                    Due::At(at) => ControlFlow::Continue(
+                        at.saturating_duration_since(tokio::time::Instant::now()),
+                    ),
+                    Due::Now(cutoff) => {
+                        if let Err(cause) = shards.probe_shared(id).await {
+                            waiting.fail_since(cutoff, &cause);
+                            return ControlFlow::Continue(Duration::ZERO);
+                        }
+                        // Up: the overdue requests wait on; look again
+                        // (the probe's outcome stands for a while).
+                        ControlFlow::Continue(SUSPECT_AFTER)
+                    }
+                }
+            }
+        });
     }
 
     /// Shard `id`'s state from a recent, running or new probe (a failure

@@ -33,6 +33,7 @@
 
 use crate::clock::Clock;
 use crate::error::{ShardError, SqlxCause, is_capacity, sqlx_is_capacity};
+use crate::exec::watchdog::Watchdog;
 use crate::topology::DatabaseUrl;
 use futures::FutureExt as _;
 use futures::future::{BoxFuture, Shared};
@@ -79,6 +80,8 @@ pub(crate) struct ShardHealth {
     state: Mutex<State>,
     /// Whether a background probe task runs for this shard.
     reprobing: AtomicBool,
+    /// The requests waiting on the shard, for the breaker's watch.
+    waiting: Watchdog,
 }
 
 /// A breaker's state. Only a probe's end changes whether the shard is down,
@@ -146,7 +149,13 @@ impl ShardHealth {
             url: url.clone(),
             state: Mutex::new(State::default()),
             reprobing: AtomicBool::new(false),
+            waiting: Watchdog::default(),
         }
+    }
+
+    /// The requests waiting on the shard.
+    pub(crate) fn waiting(&self) -> &Watchdog {
+        &self.waiting
     }
 
     fn state(&self) -> MutexGuard<'_, State> {
@@ -164,7 +173,7 @@ impl ShardHealth {
     /// [`PROBE_GAP`]) and waits on it, else fails at once.
     pub(crate) fn gate(self: &Arc<Self>, clock: &Arc<dyn Clock>) -> Gate {
         let mut state = self.state();
-        state.clock = Some(Arc::clone(clock));
+        remember(&mut state, clock);
         let Some((cause, _)) = &state.down else {
             return Gate::Closed;
         };
@@ -320,7 +329,7 @@ impl ShardHealth {
     pub(crate) async fn check_on(self: &Arc<Self>, clock: &Arc<dyn Clock>) -> ProbeResult {
         let probe = {
             let mut state = self.state();
-            state.clock = Some(Arc::clone(clock));
+            remember(&mut state, clock);
             match (&state.running, &state.last) {
                 (Some((_, probe)), _) => probe.clone(),
                 (None, Some((at, _, result))) if at.elapsed() < HEALTHY_FOR => {
@@ -330,6 +339,18 @@ impl ShardHealth {
             }
         };
         probe.await
+    }
+}
+
+/// Keeps `clock` as the one the breaker was last asked with (without
+/// touching its count when it is the one kept already).
+fn remember(state: &mut State, clock: &Arc<dyn Clock>) {
+    if !state
+        .clock
+        .as_ref()
+        .is_some_and(|kept| Arc::ptr_eq(kept, clock))
+    {
+        state.clock = Some(Arc::clone(clock));
     }
 }
 

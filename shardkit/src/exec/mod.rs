@@ -1,6 +1,7 @@
 //! The execution layer: the connected databases ([`Shards`]), how a write
 //! transaction begins, and (in sibling modules) each shard's breaker
-//! ([`crate::exec::health`]), periodic tasks ([`crate::exec::periodic`]) and keyset
+//! ([`crate::exec::health`]) and the requests it watches
+//! ([`crate::exec::watchdog`]), periodic tasks ([`crate::exec::periodic`]) and keyset
 //! scans ([`crate::exec::keyset`]).
 
 mod begin;
@@ -16,6 +17,7 @@ mod replica_reads;
 pub(crate) mod replicas;
 pub(crate) mod shards;
 pub(crate) mod sqlite;
+pub(crate) mod watchdog;
 
 pub(crate) use begin::begin_write;
 

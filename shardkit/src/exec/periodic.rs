@@ -111,3 +111,40 @@ where
         }
     })
 }
+
+/// Runs `pass` at once, then again after the wait each pass returns
+/// ([`ControlFlow::Continue`]), until a pass returns [`ControlFlow::Break`]
+/// or the cluster's last user handle is dropped (as [`spawn`]).
+pub(crate) fn spawn_paced<H, F, Fut>(handle: &H, mut pass: F) -> JoinHandle<()>
+where
+    H: Handle,
+    F: FnMut(H) -> Fut + Send + 'static,
+    Fut: Future<Output = ControlFlow<(), Duration>> + Send,
+{
+    let weak = handle.downgrade();
+    let mut stopped = handle.stop_signal().subscribe();
+    tokio::spawn(async move {
+        let mut wait = Duration::ZERO;
+        loop {
+            if !wait.is_zero() {
+                tokio::select! {
+                    _ = tokio::time::sleep(wait) => {}
+                    _ = stopped.changed() => return,
+                }
+            }
+            let Some(handle) = H::upgrade(&weak) else {
+                return;
+            };
+            if stopped.has_changed().is_err() {
+                return;
+            }
+            tokio::select! {
+                flow = pass(handle) => match flow {
+                    ControlFlow::Break(()) => return,
+                    ControlFlow::Continue(next) => wait = next,
+                },
+                _ = stopped.changed() => return,
+            }
+        }
+    })
+}
