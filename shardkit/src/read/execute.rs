@@ -44,8 +44,10 @@ impl<E: ShardedEntity> Read<E> {
             )));
         };
         // Reads of the primary (the default) make no replica future at all.
+        // (Boxed where taken: the replica's wait would make every read's
+        // future larger.)
         if !matches!(self.consistency, Consistency::Primary)
-            && let Some(value) = self.on_replica(target.shard, op, &run, &select).await
+            && let Some(value) = Box::pin(self.on_replica(target.shard, op, &run, &select)).await
         {
             return R::finish(value, self.gathered(1, Vec::new()));
         }

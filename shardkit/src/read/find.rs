@@ -265,7 +265,8 @@ impl<E: ShardedEntity, R> Find<E, R> {
                 })
                 .await;
         }
-        let (rows, gathered) = read.rows(plan, "one").await;
+        // (Boxed where taken: a keyed read's future stays small.)
+        let (rows, gathered) = Box::pin(read.rows(plan, "one")).await;
         R::finish(rows?.into_iter().next(), gathered)
     }
 
