@@ -3,8 +3,9 @@
 //! A pool asked for a connection to a server that refuses or never answers
 //! retries until its acquire timeout (30 s by default) and then reports only
 //! "pool timed out". shardkit instead watches every request that waits on a
-//! shard: one still waiting after [`SUSPECT_AFTER`] starts a probe (one
-//! connection opened directly, bounded by the connect timeout). One probe
+//! PostgreSQL or MySQL shard ([`crate::exec::watchdog`]; SQLite's files are
+//! opened in-process): one still waiting after [`SUSPECT_AFTER`] starts a
+//! probe (one connection opened directly, bounded by the connect timeout). One probe
 //! runs at a time per shard, shared by everyone who asks. A failed probe
 //! marks the shard down with the driver's own cause ("connection refused",
 //! "no answer within 1 s"): the waiting requests fail with

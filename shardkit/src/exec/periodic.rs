@@ -126,7 +126,11 @@ where
     tokio::spawn(async move {
         let mut wait = Duration::ZERO;
         loop {
-            if !wait.is_zero() {
+            if wait.is_zero() {
+                // Passes that ask for no wait still let the runtime run
+                // other tasks in between.
+                tokio::task::yield_now().await;
+            } else {
                 tokio::select! {
                     _ = tokio::time::sleep(wait) => {}
                     _ = stopped.changed() => return,

@@ -104,20 +104,27 @@ impl Watchdog {
     /// The shard was found down with `cause`: fails and wakes the requests
     /// that started at or before `cutoff`.
     pub(crate) fn fail_since(&self, cutoff: Instant, cause: &str) {
-        let mut state = self.state();
-        for entry in state.slots.iter_mut().flatten() {
-            if entry.since <= cutoff && entry.failed.is_none() {
-                entry.failed = Some(cause.to_owned());
-                entry.waker.wake_by_ref();
+        let mut woken = Vec::new();
+        {
+            let mut state = self.state();
+            for entry in state.slots.iter_mut().flatten() {
+                if entry.since <= cutoff && entry.failed.is_none() {
+                    entry.failed = Some(cause.to_owned());
+                    woken.push(entry.waker.clone());
+                }
             }
         }
+        // Woken with the lock released: a waker may run code that
+        // registers or drops a request of this shard.
+        woken.into_iter().for_each(Waker::wake);
     }
 
-    /// Ends the watch task `ticker` if nothing waits (a request that
-    /// registers later starts a new one).
+    /// Ends the watch task `ticker` if no request waits that it still has
+    /// to watch (a failed one is woken already and leaves on its next
+    /// poll; a request that registers later starts a new task).
     pub(crate) fn stop_if_idle(&self, ticker: Ticker) -> bool {
         let mut state = self.state();
-        if state.slots.iter().any(Option::is_some) {
+        if state.slots.iter().flatten().any(|e| e.failed.is_none()) {
             return false;
         }
         if state.ticker == Some(ticker.number) {
@@ -159,13 +166,7 @@ impl Registration<'_> {
                 }
             };
             self.slot = Some(slot);
-            if state.ticker.is_some() {
-                return Poll::Waiting(None);
-            }
-            state.tickers += 1;
-            let number = state.tickers;
-            state.ticker = Some(number);
-            return Poll::Waiting(Some(Ticker { number }));
+            return Poll::Waiting(state.claim());
         };
         let Some(entry) = state.slots[slot].as_mut() else {
             return Poll::Waiting(None);
@@ -177,7 +178,23 @@ impl Registration<'_> {
         if !entry.waker.will_wake(waker) {
             entry.waker = waker.clone();
         }
-        Poll::Waiting(None)
+        // The watch task may have ended without stopping (its runtime
+        // shut down): a request still waiting starts another.
+        Poll::Waiting(state.claim())
+    }
+}
+
+impl Waiting {
+    /// A new watch task's claim, when none runs.
+    fn claim(&mut self) -> Option<Ticker> {
+        if self.ticker.is_some() {
+            return None;
+        }
+        self.tickers += 1;
+        self.ticker = Some(self.tickers);
+        Some(Ticker {
+            number: self.tickers,
+        })
     }
 }
 
@@ -258,10 +275,21 @@ mod tests {
             _ => panic!("the newer request is not due yet"),
         }
 
-        drop(old);
+        assert!(!dog.stop_if_idle(ticker), "the newer one is still watched");
+
+        // The watch task ended without stopping (its runtime shut down): a
+        // request still waiting starts another on its next poll.
+        dog.release(ticker);
+        let ticker = waiting(new.poll(&waker)).expect("a waiting request restarts the watch");
+        assert!(waiting(new.poll(&waker)).is_none());
+
         drop(new);
+        // Only a failed request is left, woken already: nothing to watch,
+        // so the task stops (it must not go round for it until it leaves).
         assert!(matches!(dog.due(after), Due::Idle));
         assert!(dog.stop_if_idle(ticker));
+        drop(old);
+        assert!(matches!(dog.due(after), Due::Idle));
         let mut next = dog.registration();
         assert!(
             waiting(next.poll(&waker)).is_some(),

@@ -210,6 +210,61 @@ pub(crate) async fn short_cuts_fail_requests_only_until_the_shard_answers(dbs: &
     );
 }
 
+/// Eight readers on spawned tasks wait on s1 (a pool of 2) when it starts
+/// refusing: the shard's watch task probes once the oldest has waited
+/// 150 ms and fails every overdue reader with the cause, each within a
+/// second; the watch then ends (it must not go round for readers it
+/// failed while they leave), and nothing stays connected.
+pub(crate) async fn waiting_readers_fail_together_when_the_watch_finds_the_shard_down(
+    dbs: &mut TestDbs,
+) {
+    let server = dbs.backend.server_address().unwrap();
+    let before = dbs.server_connections().await;
+    let proxy = Proxy::start(server.clone()).await;
+    let healthy = dbs
+        .shards_toml_with(1, "connect_timeout_secs = 2\n", &[])
+        .replace("max_connections = 4", "max_connections = 2");
+    let url = proxied_url(dbs, proxy.port);
+    let toml =
+        format!("{healthy}\n[[shards]]\nname = \"s1\"\nurl = \"{url}\"\n\n[groups.Customer]\n");
+    let cluster = Cluster::connect(ClusterConfig::from_toml(&toml).unwrap())
+        .await
+        .unwrap();
+    cluster.migrate::<Migrator>().await.unwrap();
+    let key = key_on(&cluster, "s1").await;
+    insert(&cluster, key, "watched").await;
+
+    proxy.killed().await;
+    let readers: Vec<_> = (0..8)
+        .map(|_| {
+            let cluster = cluster.clone();
+            tokio::spawn(async move {
+                let t = Instant::now();
+                let read = cluster.find::<customer::Entity>().key(key).one().await;
+                (read, t.elapsed())
+            })
+        })
+        .collect();
+    // A bound on the whole, so that a watch that keeps a worker busy fails
+    // the scenario instead of hanging it.
+    let ended = tokio::time::timeout(Duration::from_secs(20), futures::future::join_all(readers))
+        .await
+        .expect("the readers are still waiting after 20 s");
+    for ended in ended {
+        let (read, took) = ended.unwrap();
+        assert_unavailable(&read.unwrap_err(), "refused");
+        assert!(took < Duration::from_secs(1), "a reader took {took:?}");
+    }
+
+    drop(cluster);
+    drop(proxy);
+    let after = dbs.settle_connections(before, Duration::from_secs(5)).await;
+    assert!(
+        after <= before,
+        "server connections: {before} before, {after} after"
+    );
+}
+
 /// s1 refuses (its proxy killed) and stays so: the first read fails with
 /// the cause once the probe finds the shard down, and every later request
 /// at once. The cluster's clock decides when the next probe is due: while

@@ -17,6 +17,7 @@ use breaker::{
     a_hung_shard_fails_fast_one_probe_at_a_time,
     a_refused_shard_fails_fast_and_the_probing_request_succeeds,
     short_cuts_fail_requests_only_until_the_shard_answers,
+    waiting_readers_fail_together_when_the_watch_finds_the_shard_down,
 };
 use faults::{
     create_databases_skips_a_lazy_shard_that_is_down, down_shard_comes_back_once_reachable,
@@ -30,6 +31,7 @@ backend_tests!(2 =>
     [Postgres, MySql] short_cuts_fail_requests_only_until_the_shard_answers,
     [Postgres, MySql] a_refused_shard_fails_fast_and_the_probing_request_succeeds,
     [Postgres, MySql] a_hung_shard_fails_fast_one_probe_at_a_time,
+    [Postgres, MySql] waiting_readers_fail_together_when_the_watch_finds_the_shard_down,
     // faults.rs
     index_first_writes_on_small_pools_all_complete,
     [Postgres, MySql] refused_shard_fails_fast_with_its_cause,
