@@ -5,7 +5,8 @@
 //! "pool timed out". shardkit instead watches every request that waits on a
 //! PostgreSQL or MySQL shard ([`crate::exec::watchdog`]; SQLite's files are
 //! opened in-process): one still waiting after [`SUSPECT_AFTER`] starts a
-//! probe (one connection opened directly, bounded by the connect timeout). One probe
+//! probe (one connection opened directly, bounded by the connect timeout),
+//! or takes the outcome of one that ended less than [`HEALTHY_FOR`] ago. One probe
 //! runs at a time per shard, shared by everyone who asks. A failed probe
 //! marks the shard down with the driver's own cause ("connection refused",
 //! "no answer within 1 s"): the waiting requests fail with

@@ -133,11 +133,24 @@ impl Watchdog {
         true
     }
 
-    /// The watch task `ticker` is gone.
+    /// The watch task `ticker` is gone. If it ended without stopping (its
+    /// runtime shut down) while requests wait, one of them is woken: its
+    /// next poll starts another task, on its own runtime. (A request
+    /// waiting on a server that never answers is not polled otherwise.)
     pub(crate) fn release(&self, ticker: Ticker) {
-        let mut state = self.state();
-        if state.ticker == Some(ticker.number) {
+        let waker = {
+            let mut state = self.state();
+            if state.ticker != Some(ticker.number) {
+                return;
+            }
             state.ticker = None;
+            let mut watched = state.slots.iter().flatten();
+            watched
+                .find(|e| e.failed.is_none())
+                .map(|e| e.waker.clone())
+        };
+        if let Some(waker) = waker {
+            waker.wake();
         }
     }
 }
@@ -278,8 +291,13 @@ mod tests {
         assert!(!dog.stop_if_idle(ticker), "the newer one is still watched");
 
         // The watch task ended without stopping (its runtime shut down): a
-        // request still waiting starts another on its next poll.
+        // request still waiting is woken, and starts another on its poll.
         dog.release(ticker);
+        assert_eq!(
+            woken.0.load(Ordering::SeqCst),
+            2,
+            "the waiting one is woken"
+        );
         let ticker = waiting(new.poll(&waker)).expect("a waiting request restarts the watch");
         assert!(waiting(new.poll(&waker)).is_none());
 
