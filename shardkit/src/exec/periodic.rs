@@ -98,18 +98,29 @@ where
                 _ = tick.tick() => {}
                 _ = stopped.changed() => return,
             }
-            let Some(handle) = H::upgrade(&weak) else {
-                return;
-            };
-            if stopped.has_changed().is_err() {
-                return;
-            }
-            tokio::select! {
-                flow = pass(handle) => if flow.is_break() { return },
-                _ = stopped.changed() => return,
+            match one_pass(&weak, &mut stopped, &mut pass).await {
+                Some(ControlFlow::Continue(())) => {}
+                Some(ControlFlow::Break(())) | None => return,
             }
         }
     })
+}
+
+/// One pass on a handle for it, unless the cluster has no user left
+/// (`None`: the task ends), also while the pass runs.
+async fn one_pass<H: Handle, F: FnMut(H) -> Fut, Fut: Future>(
+    weak: &H::Weak,
+    stopped: &mut watch::Receiver<()>,
+    pass: &mut F,
+) -> Option<Fut::Output> {
+    let handle = H::upgrade(weak)?;
+    if stopped.has_changed().is_err() {
+        return None;
+    }
+    tokio::select! {
+        out = pass(handle) => Some(out),
+        _ = stopped.changed() => None,
+    }
 }
 
 /// Runs `pass` at once, then again after the wait each pass returns
@@ -136,18 +147,9 @@ where
                     _ = stopped.changed() => return,
                 }
             }
-            let Some(handle) = H::upgrade(&weak) else {
-                return;
-            };
-            if stopped.has_changed().is_err() {
-                return;
-            }
-            tokio::select! {
-                flow = pass(handle) => match flow {
-                    ControlFlow::Break(()) => return,
-                    ControlFlow::Continue(next) => wait = next,
-                },
-                _ = stopped.changed() => return,
+            match one_pass(&weak, &mut stopped, &mut pass).await {
+                Some(ControlFlow::Continue(next)) => wait = next,
+                Some(ControlFlow::Break(())) | None => return,
             }
         }
     })

@@ -61,6 +61,16 @@ fn assert_unavailable(err: &ShardError, says: &str) {
     }
 }
 
+/// Once the cluster and the proxy are dropped, the server holds no more
+/// connections than `before`.
+async fn assert_no_connection_left(dbs: &TestDbs, before: usize) {
+    let after = dbs.settle_connections(before, Duration::from_secs(5)).await;
+    assert!(
+        after <= before,
+        "server connections: {before} before, {after} after"
+    );
+}
+
 /// How long after the proxy listens again the shard must serve requests.
 const RECOVER: Duration = Duration::from_millis(250);
 
@@ -203,11 +213,7 @@ pub(crate) async fn short_cuts_fail_requests_only_until_the_shard_answers(dbs: &
 
     drop(cluster);
     drop(proxy);
-    let after = dbs.settle_connections(before, Duration::from_secs(5)).await;
-    assert!(
-        after <= before,
-        "server connections: {before} before, {after} after"
-    );
+    assert_no_connection_left(dbs, before).await;
 }
 
 /// Eight readers on spawned tasks wait on s1 (a pool of 2) when it starts
@@ -258,11 +264,7 @@ pub(crate) async fn waiting_readers_fail_together_when_the_watch_finds_the_shard
 
     drop(cluster);
     drop(proxy);
-    let after = dbs.settle_connections(before, Duration::from_secs(5)).await;
-    assert!(
-        after <= before,
-        "server connections: {before} before, {after} after"
-    );
+    assert_no_connection_left(dbs, before).await;
 }
 
 /// s1 refuses (its proxy killed) and stays so: the first read fails with
