@@ -20,9 +20,11 @@ impl Shards {
     /// at most [`HALF_OPEN_WAIT`](crate::exec::health::HALF_OPEN_WAIT) from
     /// the probe's start) and runs if the probe finds the shard up; it fails
     /// with [`ShardError::Unavailable`] if the probe finds it down, and at
-    /// once when no probe is due. While the shard is up it fails with
-    /// `Unavailable` as soon as a probe started while `fut` waits finds it
-    /// down; otherwise `fut` decides (or the timeout, [`ShardError::Timeout`]).
+    /// once when no probe is due. While the shard is up, a PostgreSQL or
+    /// MySQL request that has waited [`SUSPECT_AFTER`] fails with
+    /// `Unavailable` once the shard's watch finds the shard down (by a probe,
+    /// or one that ended less than a second ago; see [`Self::watched`]);
+    /// otherwise `fut` decides (or the timeout, [`ShardError::Timeout`]).
     pub(crate) async fn bounded<T>(
         &self,
         id: ShardId,
