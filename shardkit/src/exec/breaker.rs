@@ -2,7 +2,7 @@
 //! ([`crate::exec::health`]).
 
 use crate::error::{Result, ShardError};
-use crate::exec::health::{Gate, REPROBE, SUSPECT_AFTER, ShardHealth, suspects_down};
+use crate::exec::health::{Gate, HEALTHY_FOR, REPROBE, SUSPECT_AFTER, ShardHealth, suspects_down};
 use crate::exec::shards::Shards;
 use crate::exec::watchdog::{self, Due, Ticker};
 use crate::topology::ShardId;
@@ -130,7 +130,7 @@ impl Shards {
 
     /// Starts shard `id`'s watch task: it sleeps until the oldest waiting
     /// request is due, then probes the shard (a recent probe's outcome
-    /// stands for [`HEALTHY_FOR`](crate::exec::health::HEALTHY_FOR)); found down, the requests that were
+    /// stands for [`HEALTHY_FOR`]); found down, the requests that were
     /// overdue fail with the cause. It ends when no request waits that it has not failed.
     fn start_watch(&self, id: ShardId, ticker: Ticker) {
         /// Gives the watch up when the task ends, however it ends.
@@ -159,9 +159,15 @@ impl Shards {
                             waiting.fail_since(cutoff, &cause);
                             return ControlFlow::Continue(Duration::ZERO);
                         }
-                        // Up: the overdue requests wait on; look again
-                        // (the probe's outcome stands for a while).
-                        ControlFlow::Continue(SUSPECT_AFTER)
+                        // Up: the overdue requests wait on, looked at
+                        // again once that outcome is old ([`HEALTHY_FOR`]),
+                        // or sooner when a newer request is due.
+                        let now = tokio::time::Instant::now();
+                        let next = waiting.due_after(cutoff, SUSPECT_AFTER);
+                        let wait = next.map_or(HEALTHY_FOR, |at| {
+                            at.saturating_duration_since(now).min(HEALTHY_FOR)
+                        });
+                        ControlFlow::Continue(wait)
                     }
                 }
             }

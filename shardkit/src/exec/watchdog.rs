@@ -101,6 +101,17 @@ impl Watchdog {
         }
     }
 
+    /// When the first request that started after `cutoff` (and has not
+    /// failed) is due, `after` its start.
+    pub(crate) fn due_after(&self, cutoff: Instant, after: Duration) -> Option<Instant> {
+        let state = self.state();
+        let newer = state.slots.iter().flatten();
+        newer
+            .filter(|e| e.failed.is_none() && e.since > cutoff)
+            .map(|e| e.since + after)
+            .min()
+    }
+
     /// The shard was found down with `cause`: fails and wakes the requests
     /// that started at or before `cutoff`.
     pub(crate) fn fail_since(&self, cutoff: Instant, cause: &str) {
@@ -271,6 +282,11 @@ mod tests {
         let Due::Now(cutoff) = dog.due(after) else {
             panic!("the first request is overdue")
         };
+        // Found up instead: the next look is when the newer one is due.
+        assert_eq!(
+            dog.due_after(cutoff, after).map(|at| at - started),
+            Some(Duration::from_millis(250))
+        );
         dog.fail_since(cutoff, "refused");
         assert_eq!(
             woken.0.load(Ordering::SeqCst),
