@@ -131,7 +131,8 @@ impl Shards {
     /// Starts shard `id`'s watch task: it sleeps until the oldest waiting
     /// request is due, then probes the shard (a recent probe's outcome
     /// stands for [`HEALTHY_FOR`]); found down, the requests that were
-    /// overdue fail with the cause. It ends when no request waits that it has not failed.
+    /// overdue fail with the cause. It ends when no request waits that it
+    /// has not failed.
     fn start_watch(&self, id: ShardId, ticker: Ticker) {
         /// Gives the watch up when the task ends, however it ends.
         struct Claim(Arc<ShardHealth>, Ticker);

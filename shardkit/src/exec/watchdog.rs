@@ -13,6 +13,7 @@
 //!
 //! [`SUSPECT_AFTER`]: crate::exec::health::SUSPECT_AFTER
 
+use slab::Slab;
 use std::sync::{Mutex, MutexGuard};
 use std::task::Waker;
 use std::time::Duration;
@@ -26,10 +27,8 @@ pub(crate) struct Watchdog {
 
 #[derive(Default)]
 struct Waiting {
-    /// The waiting requests, by slot; `None` marks a free slot.
-    slots: Vec<Option<Entry>>,
-    /// Free slots.
-    free: Vec<usize>,
+    /// The waiting requests.
+    slots: Slab<Entry>,
     /// The watch task that runs, by its number (see [`Ticker`]).
     ticker: Option<u64>,
     /// The last watch task's number.
@@ -86,7 +85,11 @@ impl Watchdog {
     /// their start.
     pub(crate) fn due(&self, after: Duration) -> Due {
         let state = self.state();
-        let oldest = state.slots.iter().flatten().filter(|e| e.failed.is_none());
+        let oldest = state
+            .slots
+            .iter()
+            .map(|(_, e)| e)
+            .filter(|e| e.failed.is_none());
         match oldest.map(|e| e.since).min() {
             None => Due::Idle,
             Some(since) => {
@@ -105,7 +108,7 @@ impl Watchdog {
     /// failed) is due, `after` its start.
     pub(crate) fn due_after(&self, cutoff: Instant, after: Duration) -> Option<Instant> {
         let state = self.state();
-        let newer = state.slots.iter().flatten();
+        let newer = state.slots.iter().map(|(_, e)| e);
         newer
             .filter(|e| e.failed.is_none() && e.since > cutoff)
             .map(|e| e.since + after)
@@ -118,7 +121,7 @@ impl Watchdog {
         let mut woken = Vec::new();
         {
             let mut state = self.state();
-            for entry in state.slots.iter_mut().flatten() {
+            for (_, entry) in state.slots.iter_mut() {
                 if entry.since <= cutoff && entry.failed.is_none() {
                     entry.failed = Some(cause.to_owned());
                     woken.push(entry.waker.clone());
@@ -135,7 +138,7 @@ impl Watchdog {
     /// poll; a request that registers later starts a new task).
     pub(crate) fn stop_if_idle(&self, ticker: Ticker) -> bool {
         let mut state = self.state();
-        if state.slots.iter().flatten().any(|e| e.failed.is_none()) {
+        if state.slots.iter().any(|(_, e)| e.failed.is_none()) {
             return false;
         }
         if state.ticker == Some(ticker.number) {
@@ -155,7 +158,7 @@ impl Watchdog {
                 return;
             }
             state.ticker = None;
-            let mut watched = state.slots.iter().flatten();
+            let mut watched = state.slots.iter().map(|(_, e)| e);
             watched
                 .find(|e| e.failed.is_none())
                 .map(|e| e.waker.clone())
@@ -179,20 +182,10 @@ impl Registration<'_> {
                 waker: waker.clone(),
                 failed: None,
             };
-            let slot = match state.free.pop() {
-                Some(slot) => {
-                    state.slots[slot] = Some(entry);
-                    slot
-                }
-                None => {
-                    state.slots.push(Some(entry));
-                    state.slots.len() - 1
-                }
-            };
-            self.slot = Some(slot);
+            self.slot = Some(state.slots.insert(entry));
             return Poll::Waiting(state.claim());
         };
-        let Some(entry) = state.slots[slot].as_mut() else {
+        let Some(entry) = state.slots.get_mut(slot) else {
             return Poll::Waiting(None);
         };
         // (Kept: a failed entry is not due again until the request drops it.)
@@ -233,9 +226,7 @@ pub(crate) enum Poll {
 impl Drop for Registration<'_> {
     fn drop(&mut self) {
         if let Some(slot) = self.slot {
-            let mut state = self.dog.state();
-            state.slots[slot] = None;
-            state.free.push(slot);
+            self.dog.state().slots.remove(slot);
         }
     }
 }
