@@ -217,54 +217,82 @@ pub(crate) async fn short_cuts_fail_requests_only_until_the_shard_answers(dbs: &
 }
 
 /// Eight readers on spawned tasks wait on s1 (a pool of 2) when it starts
-/// refusing: the shard's watch task probes once the oldest has waited
-/// 150 ms and fails every overdue reader with the cause, each within a
-/// second; the watch then ends (it must not go round for readers it
-/// failed while they leave), and nothing stays connected.
+/// refusing, and again when it accepts and never answers (its proxy
+/// frozen: the pooled connections stay open, nothing comes back). Every
+/// reader fails with the probe's cause (the refusal; no answer within the
+/// connect timeout), within the watch's 150 ms plus the probe (refusing:
+/// only the watch is that fast; frozen: the pool's acquire, bounded by the
+/// connect timeout, may get there too); the watch then ends (it must not
+/// go round for readers it failed while they leave), and nothing stays
+/// connected.
 pub(crate) async fn waiting_readers_fail_together_when_the_watch_finds_the_shard_down(
     dbs: &mut TestDbs,
 ) {
-    let server = dbs.backend.server_address().unwrap();
-    let before = dbs.server_connections().await;
-    let proxy = Proxy::start(server.clone()).await;
-    let healthy = dbs
-        .shards_toml_with(1, "connect_timeout_secs = 2\n", &[])
-        .replace("max_connections = 4", "max_connections = 2");
-    let url = proxied_url(dbs, proxy.port);
-    let toml =
-        format!("{healthy}\n[[shards]]\nname = \"s1\"\nurl = \"{url}\"\n\n[groups.Customer]\n");
-    let cluster = Cluster::connect(ClusterConfig::from_toml(&toml).unwrap())
-        .await
-        .unwrap();
-    cluster.migrate::<Migrator>().await.unwrap();
-    let key = key_on(&cluster, "s1").await;
-    insert(&cluster, key, "watched").await;
+    // (whether s1 hangs or refuses, what the cause says, how long a reader
+    // may take: 150 ms, then the probe, refused at once or bounded by the
+    // 1 s connect timeout)
+    let faults = [(false, "refused", 1), (true, "within 1000 ms", 3)];
+    for (frozen, says, within) in faults {
+        let server = dbs.backend.server_address().unwrap();
+        let before = dbs.server_connections().await;
+        let proxy = Proxy::start(server.clone()).await;
+        let healthy = dbs
+            .shards_toml_with(1, "connect_timeout_secs = 1\n", &[])
+            .replace("max_connections = 4", "max_connections = 2");
+        let url = proxied_url(dbs, proxy.port);
+        let toml =
+            format!("{healthy}\n[[shards]]\nname = \"s1\"\nurl = \"{url}\"\n\n[groups.Customer]\n");
+        let cluster = Cluster::connect(ClusterConfig::from_toml(&toml).unwrap())
+            .await
+            .unwrap();
+        cluster.migrate::<Migrator>().await.unwrap();
+        let key = key_on(&cluster, "s1").await;
+        // (The row is there from the first fault's round on.)
+        if cluster
+            .find::<customer::Entity>()
+            .key(key)
+            .one()
+            .await
+            .unwrap()
+            .is_none()
+        {
+            insert(&cluster, key, "watched").await;
+        }
 
-    proxy.killed().await;
-    let readers: Vec<_> = (0..8)
-        .map(|_| {
-            let cluster = cluster.clone();
-            tokio::spawn(async move {
-                let t = Instant::now();
-                let read = cluster.find::<customer::Entity>().key(key).one().await;
-                (read, t.elapsed())
+        if frozen {
+            proxy.freeze();
+        } else {
+            proxy.killed().await;
+        }
+        let readers: Vec<_> = (0..8)
+            .map(|_| {
+                let cluster = cluster.clone();
+                tokio::spawn(async move {
+                    let t = Instant::now();
+                    let read = cluster.find::<customer::Entity>().key(key).one().await;
+                    (read, t.elapsed())
+                })
             })
-        })
-        .collect();
-    // A bound on the whole, so that a watch that keeps a worker busy fails
-    // the scenario instead of hanging it.
-    let ended = tokio::time::timeout(Duration::from_secs(20), futures::future::join_all(readers))
-        .await
-        .expect("the readers are still waiting after 20 s");
-    for ended in ended {
-        let (read, took) = ended.unwrap();
-        assert_unavailable(&read.unwrap_err(), "refused");
-        assert!(took < Duration::from_secs(1), "a reader took {took:?}");
-    }
+            .collect();
+        // A bound on the whole, so that a watch that keeps a worker busy (or
+        // a reader nobody watches) fails the scenario instead of hanging it.
+        let ended =
+            tokio::time::timeout(Duration::from_secs(20), futures::future::join_all(readers))
+                .await
+                .unwrap_or_else(|_| panic!("{says}: the readers are still waiting after 20 s"));
+        for ended in ended {
+            let (read, took) = ended.unwrap();
+            assert_unavailable(&read.unwrap_err(), says);
+            assert!(
+                took < Duration::from_secs(within),
+                "{says}: a reader took {took:?}"
+            );
+        }
 
-    drop(cluster);
-    drop(proxy);
-    assert_no_connection_left(dbs, before).await;
+        drop(cluster);
+        drop(proxy);
+        assert_no_connection_left(dbs, before).await;
+    }
 }
 
 /// s1 refuses (its proxy killed) and stays so: the first read fails with
