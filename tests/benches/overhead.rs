@@ -15,8 +15,10 @@
 //!   shard (which has no replica, so the shard answers): the client-side
 //!   cost of the session's bookkeeping, compared with `shardkit`.
 //! - `update`: a one-row update transaction (`cluster.begin(k)`,
-//!   `tx.update`, `commit`) against SeaORM's `begin`, `Entity::update` with
-//!   the same key predicate, `commit`.
+//!   `tx.update`, `commit`) against SeaORM's `begin_with_options`,
+//!   `Entity::update` with the same key predicate, `commit`. Both begin the
+//!   same way: `BEGIN IMMEDIATE` on SQLite (shardkit takes a write
+//!   transaction's lock up front, see `exec::begin`), `BEGIN` elsewhere.
 //!
 //! Set-up (connecting, migrating, the row) is the same whatever the count,
 //! so the difference between two counts divided by the difference in
@@ -26,7 +28,10 @@
 //! on SQLite, to keep the code working.
 
 use sea_orm::ActiveValue::{Set, Unchanged};
-use sea_orm::{ColumnTrait, DatabaseConnection, EntityTrait, QueryFilter, TransactionTrait};
+use sea_orm::{
+    ColumnTrait, DatabaseConnection, EntityTrait, QueryFilter, SqliteTransactionMode,
+    TransactionOptions, TransactionTrait,
+};
 use shardkit::{Cluster, Consistency, Session};
 use shardkit_tests::models::{Customer, Migrator, order};
 use shardkit_tests::{Backend, TestDbs};
@@ -82,7 +87,13 @@ async fn update(mode: Mode, cluster: &Cluster, db: &DatabaseConnection, value: i
     };
     match mode {
         Mode::Plain => {
-            let txn = db.begin().await.expect("begin");
+            let txn = db
+                .begin_with_options(TransactionOptions {
+                    sqlite_transaction_mode: Some(SqliteTransactionMode::Immediate),
+                    ..TransactionOptions::default()
+                })
+                .await
+                .expect("begin");
             let row = order::Entity::update(model)
                 .validate()
                 .expect("a valid update")
