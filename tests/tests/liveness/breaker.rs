@@ -218,26 +218,40 @@ pub(crate) async fn short_cuts_fail_requests_only_until_the_shard_answers(dbs: &
 
 /// Eight readers on spawned tasks wait on s1 (a pool of 2) when it starts
 /// refusing, and again when it accepts and never answers (its proxy
-/// frozen: the pooled connections stay open, nothing comes back). Every
-/// reader fails with the probe's cause (the refusal; no answer within the
-/// connect timeout), within the watch's 150 ms plus the probe (refusing:
-/// only the watch is that fast; frozen: the pool's acquire, bounded by the
-/// connect timeout, may get there too); the watch then ends (it must not
-/// go round for readers it failed while they leave), and nothing stays
-/// connected.
+/// frozen: the pooled connections stay open, nothing comes back), once with
+/// the pool's ping before each acquire and once without it. Every reader
+/// fails with the probe's cause (the refusal; no answer within the connect
+/// timeout), within the watch's 150 ms plus the probe; the watch then ends
+/// (it must not go round for readers it failed while they leave), and
+/// nothing stays connected.
+///
+/// Nothing but the watch ends these waits that fast: refusing, the pool
+/// gives up on new connections only after the connect timeout; frozen
+/// with the ping, a reader that takes a pooled connection waits for the
+/// ping's answer, and without it, for its statement's (bounded by nothing
+/// else); the others wait for those connections.
+/// (With the watch task disabled, the refusing round fails with `a reader
+/// took 1.00 s`, and each frozen one with the readers still waiting after
+/// 20 s.)
 pub(crate) async fn waiting_readers_fail_together_when_the_watch_finds_the_shard_down(
     dbs: &mut TestDbs,
 ) {
-    // (whether s1 hangs or refuses, what the cause says, how long a reader
-    // may take: 150 ms, then the probe, refused at once or bounded by the
-    // 1 s connect timeout)
-    let faults = [(false, "refused", 1), (true, "within 1000 ms", 3)];
-    for (frozen, says, within) in faults {
+    // (whether s1 hangs or refuses, the pool's settings, what the cause
+    // says, how long a reader may take: 150 ms, then the probe, refused at
+    // once or bounded by the 1 s connect timeout)
+    let pinged = "connect_timeout_secs = 1\n";
+    let unpinged = "connect_timeout_secs = 1\ntest_before_acquire = false\n";
+    let faults = [
+        (false, pinged, "refused", 1),
+        (true, pinged, "within 1000 ms", 3),
+        (true, unpinged, "within 1000 ms", 3),
+    ];
+    for (frozen, pool, says, within) in faults {
         let server = dbs.backend.server_address().unwrap();
         let before = dbs.server_connections().await;
         let proxy = Proxy::start(server.clone()).await;
         let healthy = dbs
-            .shards_toml_with(1, "connect_timeout_secs = 1\n", &[])
+            .shards_toml_with(1, pool, &[])
             .replace("max_connections = 4", "max_connections = 2");
         let url = proxied_url(dbs, proxy.port);
         let toml =
