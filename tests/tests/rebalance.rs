@@ -31,6 +31,7 @@ backend_tests!(5 =>
     [Postgres, MySql] a_mover_paused_inside_its_transaction_does_not_block_the_next,
     [Postgres] a_mover_paused_while_sending_a_copy_does_not_block_the_next,
     [Postgres] a_table_in_a_named_schema_moves_with_copy,
+    [MySql] a_table_in_a_database_every_shard_shares_is_not_moved,
     a_begin_whose_fence_read_the_database_aborts_begins_again,
     [Sqlite] a_move_run_by_another_process_on_the_same_sqlite_files,
     [Sqlite] child_process_mover,
@@ -2087,6 +2088,100 @@ async fn a_table_in_a_named_schema_moves_with_copy(dbs: &mut TestDbs) {
             .any(|(shard, sql)| shard == "s4" && sql.starts_with(r#"COPY "app"."notes""#)),
         "no COPY into app.notes on s4 observed: {copies:?}"
     );
+}
+
+/// A Customer-group table in database `shardkit_shared_test` of the MySQL
+/// server: with shards that are databases of one server, the same table
+/// for all of them.
+mod shared_note {
+    use sea_orm::entity::prelude::*;
+
+    #[sea_orm::model]
+    #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel, shardkit::Sharded)]
+    #[sea_orm(schema_name = "shardkit_shared_test", table_name = "notes")]
+    #[shardkit(group = shardkit_tests::models::Customer)]
+    pub struct Model {
+        #[sea_orm(primary_key, auto_increment = false)]
+        pub id: i64,
+        #[shardkit(shard_key)]
+        pub customer_id: i64,
+        pub body: String,
+    }
+
+    impl ActiveModelBehavior for ActiveModel {}
+}
+
+/// On MySQL/MariaDB an entity's `schema_name` names a database of the
+/// server, so with shards that are databases of one server its table is
+/// one table for them all: a move would copy its rows onto themselves and
+/// then delete them from the source. The move is refused when it is
+/// started, naming the table and the shards; nothing is registered, and
+/// every note is still there, once.
+async fn a_table_in_a_database_every_shard_shares_is_not_moved(dbs: &mut TestDbs) {
+    let a = connect(dbs, 20).await;
+    a.migrate::<Migrator>().await.unwrap();
+    a.refresh_bucket_maps().await.unwrap();
+    let db = a.connection("s0").unwrap();
+    for sql in [
+        "CREATE DATABASE IF NOT EXISTS shardkit_shared_test",
+        "DROP TABLE IF EXISTS shardkit_shared_test.notes",
+        "CREATE TABLE shardkit_shared_test.notes \
+         (id BIGINT PRIMARY KEY, customer_id BIGINT NOT NULL, body TEXT NOT NULL)",
+    ] {
+        db.execute_unprepared(sql).await.unwrap();
+    }
+    for key in 1..=40i64 {
+        a.transaction::<Customer, _, _>(key, |tx| async move {
+            tx.insert_without_returning(shared_note::ActiveModel {
+                id: Set(key),
+                customer_id: Set(key),
+                body: Set(first_name(key)),
+            })
+            .await
+        })
+        .await
+        .unwrap_or_else(|e| panic!("note of {key}: {}", e.report()));
+    }
+    let m = a
+        .rebalance::<Customer>()
+        .unwrap()
+        .entity::<shared_note::Entity>();
+    let plan = m.plan_buckets(quarter(), "s4").await.unwrap();
+    match m.start(&plan).await {
+        Err(ShardError::Rebalance {
+            id: None, reason, ..
+        }) => assert!(
+            reason.starts_with("`shardkit_shared_test.notes` would be the same table on shards `s")
+                && reason.contains("and `s4`: they are databases of one MySQL/MariaDB server"),
+            "{reason}"
+        ),
+        other => panic!("a move of a table every shard shares: {other:?}"),
+    }
+    assert_eq!(
+        m.list(true).await.unwrap().len(),
+        0,
+        "a move was registered"
+    );
+    let notes = db
+        .query_all_raw(sea_orm::Statement::from_string(
+            db.get_database_backend(),
+            "SELECT id, customer_id, body FROM shardkit_shared_test.notes ORDER BY id",
+        ))
+        .await
+        .unwrap()
+        .iter()
+        .map(|row| {
+            let id: i64 = row.try_get("", "id").unwrap();
+            let key: i64 = row.try_get("", "customer_id").unwrap();
+            let body: String = row.try_get("", "body").unwrap();
+            (id, key, body)
+        })
+        .collect::<Vec<_>>();
+    let expected: Vec<_> = (1..=40i64).map(|k| (k, k, first_name(k))).collect();
+    assert_eq!(notes, expected);
+    db.execute_unprepared("DROP DATABASE shardkit_shared_test")
+        .await
+        .unwrap();
 }
 
 /// The first mover parks at failpoint `at` (on the move's target); a

@@ -127,6 +127,15 @@ impl<G> Rebalance<G> {
             // finished here).
             self.retire_split_ranges().await?;
         }
+        let mut sources = Vec::new();
+        for (_, from) in &plan.buckets {
+            let id = self.shard_id(from)?;
+            if !sources.contains(&id) {
+                sources.push(id);
+            }
+        }
+        self.tables_apart(None, &sources, self.shard_id(&plan.target)?)
+            .await?;
         let snapshot = map.snapshot();
         for (b, from) in &plan.buckets {
             let now_on = snapshot

@@ -92,12 +92,60 @@ impl<G> Rebalance<G> {
         self.set_phase(token, status, MovePhase::Copying).await
     }
 
+    /// Refuses a move that would copy a moving table onto itself: on
+    /// MySQL/MariaDB an entity's `schema_name` names a database of the
+    /// server, so when a source and the target are databases of one server,
+    /// `schema.table` is the same table on both. The copy would find every
+    /// row already there, and the clean-up would then delete the moved
+    /// buckets' rows from it. Checked at `start` and before every copy.
+    pub(super) async fn tables_apart(
+        &self,
+        id: Option<i64>,
+        sources: &[ShardId],
+        target: ShardId,
+    ) -> Result<()> {
+        let (to_db, to_name) = self.conn(target);
+        if to_db.get_database_backend() != DbBackend::MySql {
+            return Ok(());
+        }
+        let named: Vec<String> = self
+            .entities
+            .iter()
+            .map(|e| e.table())
+            .filter(|t| t.schema.is_some())
+            .map(ToString::to_string)
+            .collect();
+        if named.is_empty() {
+            return Ok(());
+        }
+        for &source in sources.iter().filter(|s| **s != target) {
+            let (from_db, from_name) = self.conn(source);
+            let shared = self
+                .timed(
+                    from_name,
+                    one_mysql_server((from_db, from_name), (to_db, to_name)),
+                )
+                .await?;
+            if shared {
+                return Err(self.refuse(
+                    id,
+                    format!(
+                        "{} would be the same table on shards `{from_name}` and `{to_name}`: they are databases of one MySQL/MariaDB server, where a `schema_name` names a database of the server, so the move would copy the rows onto themselves and then delete them; give the entity no `schema_name` (its table is then each shard's own) or move to a shard on another server",
+                        list(named.iter().map(String::as_str))
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
     async fn schema_mismatch(
         &self,
         status: &MoveStatus,
         target: ShardId,
     ) -> Result<Option<Mismatch>> {
         let mut shards: Vec<ShardId> = self.sources(status)?.into_iter().map(|(s, _)| s).collect();
+        self.tables_apart(Some(status.id), &shards, target).await?;
         shards.push(target);
         for entity in &self.entities {
             let columns = entity.columns();
@@ -174,6 +222,44 @@ fn list<'a>(columns: impl IntoIterator<Item = &'a str>) -> String {
         .map(|c| format!("`{c}`"))
         .collect::<Vec<_>>()
         .join(", ")
+}
+
+/// Whether two MySQL/MariaDB shards are databases of one server: a named
+/// lock taken on a connection of the first (`GET_LOCK`, server-wide) is
+/// seen in use from the second only when they share the server. The lock's
+/// name is new each time; it goes with the connection if the process dies,
+/// and stays with the pooled connection until it closes if the step
+/// timeout cuts the check short (no one asks for that name again).
+async fn one_mysql_server(
+    (a, a_name): (&DatabaseConnection, &str),
+    (b, b_name): (&DatabaseConnection, &str),
+) -> Result<bool> {
+    use sea_orm::TransactionTrait;
+    let lock = format!("shardkit-server-{}", uuid::Uuid::new_v4().simple());
+    let err = |shard: &str| {
+        let shard = shard.to_owned();
+        move |e| db_err(&shard, "server", "identify the", e)
+    };
+    let sql =
+        |sql: &str| Statement::from_sql_and_values(DbBackend::MySql, sql, [lock.clone().into()]);
+    // A transaction keeps the lock's connection for the check.
+    let held = a.begin().await.map_err(err(a_name))?;
+    held.query_one_raw(sql("SELECT GET_LOCK(?, 0) AS got"))
+        .await
+        .map_err(err(a_name))?;
+    let used = b
+        .query_one_raw(sql("SELECT IS_USED_LOCK(?) IS NOT NULL AS used"))
+        .await
+        .map_err(err(b_name))?
+        .map(|row| row.try_get::<bool>("", "used"))
+        .transpose()
+        .map_err(err(b_name))?
+        .unwrap_or(false);
+    held.query_one_raw(sql("SELECT RELEASE_LOCK(?) AS released"))
+        .await
+        .map_err(err(a_name))?;
+    held.commit().await.map_err(err(a_name))?;
+    Ok(used)
 }
 
 /// The columns `table` has on `db` (none when it does not exist), by name,
