@@ -2115,8 +2115,10 @@ mod shared_note {
 /// server, so with shards that are databases of one server its table is
 /// one table for them all: a move would copy its rows onto themselves and
 /// then delete them from the source. The move is refused when it is
-/// started, naming the table and the shards; nothing is registered, and
-/// every note is still there, once.
+/// started, naming the table and the shards, and nothing is registered.
+/// Moves that got past the check (as by an earlier build) are aborted, or
+/// cleaned up, without deleting a note from the one table: every note is
+/// still there, once, and found by its key.
 async fn a_table_in_a_database_every_shard_shares_is_not_moved(dbs: &mut TestDbs) {
     let a = connect(dbs, 20).await;
     a.migrate::<Migrator>().await.unwrap();
@@ -2162,6 +2164,39 @@ async fn a_table_in_a_database_every_shard_shares_is_not_moved(dbs: &mut TestDbs
         0,
         "a move was registered"
     );
+    // Moves that got past the check (registered and run as by a build
+    // without it): one aborted, one run to the end. Neither deletes a note
+    // from the one table, and each note is found by its key afterwards.
+    {
+        let _turn = FAILPOINTS.lock().await;
+        fail::cfg("shardkit::rebalance::tables_apart_unchecked", "return").unwrap();
+        let aborted = async {
+            let id = m.start(&plan).await?.id;
+            m.abort(id).await
+        }
+        .await;
+        let done = async {
+            let id = m.start(&plan).await?.id;
+            m.run(id).await
+        }
+        .await;
+        fail::remove("shardkit::rebalance::tables_apart_unchecked");
+        let phase = |r: shardkit::Result<shardkit::rebalance::MoveStatus>| {
+            r.unwrap_or_else(|e| panic!("{}", e.report())).phase
+        };
+        assert_eq!(phase(aborted), MovePhase::Aborted);
+        assert_eq!(phase(done), MovePhase::Done);
+    }
+    a.refresh_bucket_maps().await.unwrap();
+    for key in 1..=40i64 {
+        let found = a
+            .find::<shared_note::Entity>()
+            .key(key)
+            .all()
+            .await
+            .unwrap_or_else(|e| panic!("notes of {key}: {}", e.report()));
+        assert_eq!(found.len(), 1, "notes of {key}");
+    }
     let notes = db
         .query_all_raw(sea_orm::Statement::from_string(
             db.get_database_backend(),

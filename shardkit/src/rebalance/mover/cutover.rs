@@ -207,13 +207,23 @@ impl<G> Rebalance<G> {
         let chunk = self.shards.rebalance_settings().chunk();
         let sources = self.sources(status)?;
         let (mut si, mut ei, mut after) = parse_copy_cursor(cursor.as_deref());
+        let target = self.shard_id(&status.target)?;
         while si < sources.len() {
             let (src, buckets) = &sources[si];
             let only_here = self.moving(buckets).await?;
+            // A table the source shares with the target holds the moved rows
+            // themselves (see `tables_apart`): left as it is.
+            let shared = self.share_named_tables(*src, target).await?;
             while ei < self.entities.len() {
+                // Children first (the entities in reverse order).
+                let entity = &self.entities[self.entities.len() - 1 - ei];
+                if shared && entity.table().schema.is_some() {
+                    tracing::warn!(group = self.group, id = status.id, table = %entity.table(), "the moved rows' table is one table on the source and the target: nothing to clean");
+                    after = None;
+                    ei += 1;
+                    continue;
+                }
                 loop {
-                    // Children first (the entities in reverse order).
-                    let entity = &self.entities[self.entities.len() - 1 - ei];
                     let done = self
                         .timed(
                             self.shards.shard_name(*src),
@@ -355,9 +365,19 @@ impl<G> Rebalance<G> {
         }
         let moving = self.moving(&all).await?;
         let chunk = self.shards.rebalance_settings().chunk();
+        // A table the target shares with a source holds the source's rows
+        // themselves (see `tables_apart`): left as it is.
+        let mut shared = false;
+        for (src, _) in self.sources(&status)? {
+            shared |= self.share_named_tables(src, target).await?;
+        }
         // Children first: a row's foreign keys point at entities listed
         // before it.
         for entity in self.entities.iter().rev() {
+            if shared && entity.table().schema.is_some() {
+                tracing::warn!(group = self.group, id, table = %entity.table(), "the moving rows' table is one table on the source and the target: nothing to remove from the target");
+                continue;
+            }
             let mut after: Option<String> = None;
             loop {
                 let done = self

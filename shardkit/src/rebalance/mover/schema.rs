@@ -33,6 +33,8 @@ impl<G> Rebalance<G> {
         status: &mut MoveStatus,
         target: ShardId,
     ) -> Result<()> {
+        let sources: Vec<ShardId> = self.sources(status)?.into_iter().map(|(s, _)| s).collect();
+        self.tables_apart(Some(status.id), &sources, target).await?;
         let wait = self.shards.rebalance_settings().schema_wait;
         let deadline = tokio::time::Instant::now() + wait;
         loop {
@@ -97,40 +99,37 @@ impl<G> Rebalance<G> {
     /// server, so when a source and the target are databases of one server,
     /// `schema.table` is the same table on both. The copy would find every
     /// row already there, and the clean-up would then delete the moved
-    /// buckets' rows from it. Checked at `start` and before every copy.
+    /// buckets' rows from it. Checked at `start` and when the copy phase
+    /// begins; a move that got past it (registered by an earlier build, or
+    /// by a mover that did not list the entity) leaves such a table's rows
+    /// in place when it cleans up or is aborted ([`Self::share_named_tables`]).
     pub(super) async fn tables_apart(
         &self,
         id: Option<i64>,
         sources: &[ShardId],
         target: ShardId,
     ) -> Result<()> {
-        let (to_db, to_name) = self.conn(target);
-        if to_db.get_database_backend() != DbBackend::MySql {
-            return Ok(());
-        }
-        let named: Vec<String> = self
-            .entities
-            .iter()
-            .map(|e| e.table())
-            .filter(|t| t.schema.is_some())
-            .map(ToString::to_string)
-            .collect();
-        if named.is_empty() {
+        // Fault injection: a move registered and run as by a build without
+        // this check, for the clean-up's and the abort's own.
+        #[cfg(feature = "failpoints")]
+        if fail::eval("shardkit::rebalance::tables_apart_unchecked", |_| ()).is_some() {
             return Ok(());
         }
         for &source in sources.iter().filter(|s| **s != target) {
-            let (from_db, from_name) = self.conn(source);
-            let shared = self
-                .timed(
-                    from_name,
-                    one_mysql_server((from_db, from_name), (to_db, to_name)),
-                )
-                .await?;
-            if shared {
+            if self.share_named_tables(source, target).await? {
+                let (from, to) = (
+                    self.shards.shard_name(source),
+                    self.shards.shard_name(target),
+                );
+                let named = self.named_tables();
+                let (what, verb) = match named.len() {
+                    1 => ("entity", "would be the same table"),
+                    _ => ("entities", "would each be one table"),
+                };
                 return Err(self.refuse(
                     id,
                     format!(
-                        "{} would be the same table on shards `{from_name}` and `{to_name}`: they are databases of one MySQL/MariaDB server, where a `schema_name` names a database of the server, so the move would copy the rows onto themselves and then delete them; give the entity no `schema_name` (its table is then each shard's own) or move to a shard on another server",
+                        "{} {verb} on shards `{from}` and `{to}`: they are databases of one MySQL/MariaDB server, where a `schema_name` names a database of the server, so the move would copy the rows onto themselves and then delete them from the source; give the {what} no `schema_name` (the table is then each shard's own; its rows must first be brought into the shards' databases) or move to a shard on another server",
                         list(named.iter().map(String::as_str))
                     ),
                 ));
@@ -139,13 +138,104 @@ impl<G> Rebalance<G> {
         Ok(())
     }
 
+    /// The moving tables that name a schema, as `schema.table`.
+    fn named_tables(&self) -> Vec<String> {
+        self.entities
+            .iter()
+            .map(|e| e.table())
+            .filter(|t| t.schema.is_some())
+            .map(ToString::to_string)
+            .collect()
+    }
+
+    /// Whether shards `a` and `b` see one table under a moving table's
+    /// `schema.table`: both MySQL/MariaDB, databases of one server, and a
+    /// moving table names a schema (there, a database of the server).
+    pub(super) async fn share_named_tables(&self, a: ShardId, b: ShardId) -> Result<bool> {
+        let named = self.named_tables();
+        let mysql = |id| self.conn(id).0.get_database_backend() == DbBackend::MySql;
+        if a == b || named.is_empty() || !mysql(a) || !mysql(b) {
+            return Ok(false);
+        }
+        self.one_mysql_server(a, b, &named[0]).await
+    }
+
+    /// Whether MySQL/MariaDB shards `a` and `b` are databases of one server:
+    /// a named lock taken on a connection of `a` (`GET_LOCK`, server-wide)
+    /// is seen in use from `b` only when they share the server. Asked of
+    /// the servers, not read off the URLs (aliases, proxies). The lock's
+    /// name is new each time; it goes with the connection if the process
+    /// dies, and stays with the pooled connection until it closes if a
+    /// step timeout cuts the check short (no one asks for that name again).
+    /// A lock that is not granted fails the check: the move does not go on
+    /// without an answer.
+    async fn one_mysql_server(&self, a: ShardId, b: ShardId, table: &str) -> Result<bool> {
+        use sea_orm::TransactionTrait;
+        let (a_name, b_name) = (self.shards.shard_name(a), self.shards.shard_name(b));
+        let lock = format!("shardkit-server-{}", uuid::Uuid::new_v4().simple());
+        let sql = |sql: &str| {
+            Statement::from_sql_and_values(DbBackend::MySql, sql, [lock.clone().into()])
+        };
+        let err = |shard: &str| {
+            let shard = shard.to_owned();
+            move |e| db_err(&shard, table, "identify the server of", e)
+        };
+        let int = |row: Option<sea_orm::QueryResult>, shard: &str, column: &str| {
+            row.map(|row| row.try_get::<Option<i64>>("", column))
+                .transpose()
+                .map(Option::flatten)
+                .map_err(err(shard))
+        };
+        // A transaction keeps the lock's connection for the check: one of
+        // the shard's pool, as a side connection never waits for another.
+        let held = self
+            .timed(a_name, async {
+                self.shards.shard_conn(a).begin().await.map_err(err(a_name))
+            })
+            .await?;
+        let got = self
+            .timed(a_name, async {
+                let row = held
+                    .query_one_raw(sql("SELECT GET_LOCK(?, 0) AS got"))
+                    .await;
+                int(row.map_err(err(a_name))?, a_name, "got")
+            })
+            .await?;
+        if got != Some(1) {
+            return Err(self.refuse(
+                None,
+                format!(
+                    "could not tell whether shards `{a_name}` and `{b_name}` are databases of one server, which decides whether {table} is one table on both: a named lock on `{a_name}` was not granted (GET_LOCK answered {})",
+                    got.map_or("NULL".to_owned(), |g| g.to_string())
+                ),
+            ));
+        }
+        let used = self
+            .timed(b_name, async {
+                let row = self
+                    .conn(b)
+                    .0
+                    .query_one_raw(sql("SELECT IS_USED_LOCK(?) IS NOT NULL AS used"))
+                    .await;
+                int(row.map_err(err(b_name))?, b_name, "used")
+            })
+            .await?;
+        self.timed(a_name, async {
+            held.query_one_raw(sql("SELECT RELEASE_LOCK(?) AS released"))
+                .await
+                .map_err(err(a_name))?;
+            held.commit().await.map_err(err(a_name))
+        })
+        .await?;
+        Ok(used == Some(1))
+    }
+
     async fn schema_mismatch(
         &self,
         status: &MoveStatus,
         target: ShardId,
     ) -> Result<Option<Mismatch>> {
         let mut shards: Vec<ShardId> = self.sources(status)?.into_iter().map(|(s, _)| s).collect();
-        self.tables_apart(Some(status.id), &shards, target).await?;
         shards.push(target);
         for entity in &self.entities {
             let columns = entity.columns();
@@ -222,44 +312,6 @@ fn list<'a>(columns: impl IntoIterator<Item = &'a str>) -> String {
         .map(|c| format!("`{c}`"))
         .collect::<Vec<_>>()
         .join(", ")
-}
-
-/// Whether two MySQL/MariaDB shards are databases of one server: a named
-/// lock taken on a connection of the first (`GET_LOCK`, server-wide) is
-/// seen in use from the second only when they share the server. The lock's
-/// name is new each time; it goes with the connection if the process dies,
-/// and stays with the pooled connection until it closes if the step
-/// timeout cuts the check short (no one asks for that name again).
-async fn one_mysql_server(
-    (a, a_name): (&DatabaseConnection, &str),
-    (b, b_name): (&DatabaseConnection, &str),
-) -> Result<bool> {
-    use sea_orm::TransactionTrait;
-    let lock = format!("shardkit-server-{}", uuid::Uuid::new_v4().simple());
-    let err = |shard: &str| {
-        let shard = shard.to_owned();
-        move |e| db_err(&shard, "server", "identify the", e)
-    };
-    let sql =
-        |sql: &str| Statement::from_sql_and_values(DbBackend::MySql, sql, [lock.clone().into()]);
-    // A transaction keeps the lock's connection for the check.
-    let held = a.begin().await.map_err(err(a_name))?;
-    held.query_one_raw(sql("SELECT GET_LOCK(?, 0) AS got"))
-        .await
-        .map_err(err(a_name))?;
-    let used = b
-        .query_one_raw(sql("SELECT IS_USED_LOCK(?) IS NOT NULL AS used"))
-        .await
-        .map_err(err(b_name))?
-        .map(|row| row.try_get::<bool>("", "used"))
-        .transpose()
-        .map_err(err(b_name))?
-        .unwrap_or(false);
-    held.query_one_raw(sql("SELECT RELEASE_LOCK(?) AS released"))
-        .await
-        .map_err(err(a_name))?;
-    held.commit().await.map_err(err(a_name))?;
-    Ok(used)
 }
 
 /// The columns `table` has on `db` (none when it does not exist), by name,
