@@ -747,6 +747,124 @@ fn sqlite_replica_is_a_config_error() {
     );
 }
 
+/// A Customer-group table in database `shardkit_apart_test` of a MySQL
+/// server (each server has its own).
+mod apart_note {
+    use sea_orm::entity::prelude::*;
+
+    #[sea_orm::model]
+    #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel, shardkit::Sharded)]
+    #[sea_orm(schema_name = "shardkit_apart_test", table_name = "notes")]
+    #[shardkit(group = shardkit_tests::models::Customer)]
+    pub struct Model {
+        #[sea_orm(primary_key, auto_increment = false)]
+        pub id: i64,
+        #[shardkit(shard_key)]
+        pub customer_id: i64,
+        pub body: String,
+    }
+
+    impl ActiveModelBehavior for ActiveModel {}
+}
+
+/// On MySQL/MariaDB a `schema_name` names a database of the server: between
+/// shards on two servers (the default server and the replica pair's
+/// primary), `shardkit_apart_test.notes` is each server's own, so a move of
+/// its buckets is not refused as one within a server is (`rebalance.rs`),
+/// and the notes leave the source's server for the target's.
+async fn named_database_moves_between_servers() {
+    let (primary, _) = Pair::MySql.urls();
+    let default = std::env::var("SHARDKIT_MYSQL_URL")
+        .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306".to_owned());
+    let servers = [default.clone(), primary.clone()];
+    for url in &servers {
+        let admin = sea_orm::Database::connect(url).await.expect("server");
+        for sql in [
+            "DROP DATABASE IF EXISTS skr_apart",
+            "CREATE DATABASE skr_apart",
+            "CREATE DATABASE IF NOT EXISTS shardkit_apart_test",
+            "DROP TABLE IF EXISTS shardkit_apart_test.notes",
+            "CREATE TABLE shardkit_apart_test.notes \
+             (id BIGINT PRIMARY KEY, customer_id BIGINT NOT NULL, body TEXT NOT NULL)",
+        ] {
+            admin.execute_unprepared(sql).await.expect(sql);
+        }
+    }
+    let toml = format!(
+        "[pool]\nmax_connections = 2\n[rebalance]\nrefresh_ms = 50\ncleanup_grace_ms = 0\n\
+         [[shards]]\nname = \"s0\"\nurl = \"{default}/skr_apart\"\n\
+         [[shards]]\nname = \"s1\"\nurl = \"{primary}/skr_apart\"\n\
+         [groups.Customer]\nbuckets = 16\nshards = [\"s0\"]\nmovable = true\n"
+    );
+    let cluster = Cluster::connect(ClusterConfig::from_toml(&toml).unwrap())
+        .await
+        .unwrap();
+    cluster.migrate::<Migrator>().await.expect("migrate");
+    cluster.refresh_bucket_maps().await.expect("maps");
+    for key in 1..=40i64 {
+        let tx = cluster.begin::<Customer>(key).await.unwrap();
+        tx.insert_without_returning(apart_note::ActiveModel {
+            id: Set(key),
+            customer_id: Set(key),
+            body: Set(format!("note {key}")),
+        })
+        .await
+        .unwrap();
+        tx.commit().await.unwrap();
+    }
+    let moves = cluster
+        .rebalance::<Customer>()
+        .unwrap()
+        .entity::<apart_note::Entity>();
+    let plan = moves.plan_buckets(0..16, "s1").await.unwrap();
+    let started = moves
+        .start(&plan)
+        .await
+        .unwrap_or_else(|e| panic!("start: {}", e.report()));
+    let done = moves
+        .run(started.id)
+        .await
+        .unwrap_or_else(|e| panic!("run: {}", e.report()));
+    assert_eq!(done.phase, shardkit::rebalance::MovePhase::Done, "{done:?}");
+    cluster.refresh_bucket_maps().await.expect("maps");
+    for key in 1..=40i64 {
+        let found = cluster
+            .find::<apart_note::Entity>()
+            .key(key)
+            .all()
+            .await
+            .unwrap();
+        assert_eq!(found.len(), 1, "notes of {key}");
+    }
+    drop(cluster);
+    let mut counts = Vec::new();
+    for url in &servers {
+        let admin = sea_orm::Database::connect(url).await.expect("server");
+        let n = admin
+            .query_one_raw(sea_orm::Statement::from_string(
+                DbBackend::MySql,
+                "SELECT COUNT(*) AS n FROM shardkit_apart_test.notes",
+            ))
+            .await
+            .unwrap()
+            .unwrap()
+            .try_get::<i64>("", "n")
+            .unwrap();
+        counts.push(n);
+        for sql in [
+            "DROP DATABASE skr_apart",
+            "DROP DATABASE shardkit_apart_test",
+        ] {
+            admin.execute_unprepared(sql).await.expect(sql);
+        }
+    }
+    assert_eq!(
+        counts,
+        [0, 40],
+        "notes on the source's server, the target's"
+    );
+}
+
 fn main() -> std::process::ExitCode {
     let args = Arguments::from_args();
     // Before any cluster: metrics register with the recorder there is.
@@ -799,5 +917,19 @@ fn main() -> std::process::ExitCode {
             );
         }
     }
+    // Two MySQL servers: the default one and the pair's primary.
+    let up = Pair::MySql.reachable();
+    trials.push(
+        Trial::test("named_database_moves_between_servers::mysql", || {
+            tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+                .unwrap()
+                .block_on(named_database_moves_between_servers());
+            Ok(())
+        })
+        .with_ignored_flag(!up && !ci),
+    );
     libtest_mimic::run(&args, trials).exit_code()
 }
