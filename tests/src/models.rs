@@ -145,6 +145,28 @@ pub mod note {
     impl ActiveModelBehavior for ActiveModel {}
 }
 
+/// Customer-group notes in database `shardkit_shared_test` of a MySQL/MariaDB
+/// server (a `schema_name` names a database of the server there): one
+/// table for every shard on that server. The scenarios that use it create
+/// and drop it themselves.
+pub mod server_note {
+    use sea_orm::entity::prelude::*;
+
+    #[sea_orm::model]
+    #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel, shardkit::Sharded)]
+    #[sea_orm(schema_name = "shardkit_shared_test", table_name = "notes")]
+    #[shardkit(group = crate::models::Customer)]
+    pub struct Model {
+        #[sea_orm(primary_key, auto_increment = false)]
+        pub id: i64,
+        #[shardkit(shard_key)]
+        pub customer_id: i64,
+        pub body: String,
+    }
+
+    impl ActiveModelBehavior for ActiveModel {}
+}
+
 /// Sensor readings keyed by device UUID.
 pub mod reading {
     use sea_orm::entity::prelude::*;

@@ -2090,27 +2090,6 @@ async fn a_table_in_a_named_schema_moves_with_copy(dbs: &mut TestDbs) {
     );
 }
 
-/// A Customer-group table in database `shardkit_shared_test` of the MySQL
-/// server: with shards that are databases of one server, the same table
-/// for all of them.
-mod shared_note {
-    use sea_orm::entity::prelude::*;
-
-    #[sea_orm::model]
-    #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel, shardkit::Sharded)]
-    #[sea_orm(schema_name = "shardkit_shared_test", table_name = "notes")]
-    #[shardkit(group = shardkit_tests::models::Customer)]
-    pub struct Model {
-        #[sea_orm(primary_key, auto_increment = false)]
-        pub id: i64,
-        #[shardkit(shard_key)]
-        pub customer_id: i64,
-        pub body: String,
-    }
-
-    impl ActiveModelBehavior for ActiveModel {}
-}
-
 /// On MySQL/MariaDB an entity's `schema_name` names a database of the
 /// server, so with shards that are databases of one server its table is
 /// one table for them all: a move would copy its rows onto themselves and
@@ -2134,7 +2113,7 @@ async fn a_table_in_a_database_every_shard_shares_is_not_moved(dbs: &mut TestDbs
     }
     for key in 1..=40i64 {
         a.transaction::<Customer, _, _>(key, |tx| async move {
-            tx.insert_without_returning(shared_note::ActiveModel {
+            tx.insert_without_returning(server_note::ActiveModel {
                 id: Set(key),
                 customer_id: Set(key),
                 body: Set(first_name(key)),
@@ -2147,7 +2126,7 @@ async fn a_table_in_a_database_every_shard_shares_is_not_moved(dbs: &mut TestDbs
     let m = a
         .rebalance::<Customer>()
         .unwrap()
-        .entity::<shared_note::Entity>();
+        .entity::<server_note::Entity>();
     let plan = m.plan_buckets(quarter(), "s4").await.unwrap();
     match m.start(&plan).await {
         Err(ShardError::Rebalance {
@@ -2190,7 +2169,7 @@ async fn a_table_in_a_database_every_shard_shares_is_not_moved(dbs: &mut TestDbs
     a.refresh_bucket_maps().await.unwrap();
     for key in 1..=40i64 {
         let found = a
-            .find::<shared_note::Entity>()
+            .find::<server_note::Entity>()
             .key(key)
             .all()
             .await

@@ -9,7 +9,9 @@
 use libtest_mimic::{Arguments, Trial};
 use sea_orm::{ActiveValue::Set, ConnectionTrait, DbBackend};
 use shardkit::{Cluster, ClusterConfig, Consistency, Session, ShardError};
-use shardkit_tests::models::{Customer, Migrator, order, person_to_v2, person_v1, person_v2};
+use shardkit_tests::models::{
+    Customer, Migrator, order, person_to_v2, person_v1, person_v2, server_note,
+};
 use shardkit_tests::{Proxy, recorded};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -747,29 +749,9 @@ fn sqlite_replica_is_a_config_error() {
     );
 }
 
-/// A Customer-group table in database `shardkit_apart_test` of a MySQL
-/// server (each server has its own).
-mod apart_note {
-    use sea_orm::entity::prelude::*;
-
-    #[sea_orm::model]
-    #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel, shardkit::Sharded)]
-    #[sea_orm(schema_name = "shardkit_apart_test", table_name = "notes")]
-    #[shardkit(group = shardkit_tests::models::Customer)]
-    pub struct Model {
-        #[sea_orm(primary_key, auto_increment = false)]
-        pub id: i64,
-        #[shardkit(shard_key)]
-        pub customer_id: i64,
-        pub body: String,
-    }
-
-    impl ActiveModelBehavior for ActiveModel {}
-}
-
 /// On MySQL/MariaDB a `schema_name` names a database of the server: between
 /// shards on two servers (the default server and the replica pair's
-/// primary), `shardkit_apart_test.notes` is each server's own, so a move of
+/// primary), `shardkit_shared_test.notes` is each server's own, so a move of
 /// its buckets is not refused as one within a server is (`rebalance.rs`),
 /// and the notes leave the source's server for the target's.
 async fn named_database_moves_between_servers() {
@@ -782,9 +764,9 @@ async fn named_database_moves_between_servers() {
         for sql in [
             "DROP DATABASE IF EXISTS skr_apart",
             "CREATE DATABASE skr_apart",
-            "CREATE DATABASE IF NOT EXISTS shardkit_apart_test",
-            "DROP TABLE IF EXISTS shardkit_apart_test.notes",
-            "CREATE TABLE shardkit_apart_test.notes \
+            "CREATE DATABASE IF NOT EXISTS shardkit_shared_test",
+            "DROP TABLE IF EXISTS shardkit_shared_test.notes",
+            "CREATE TABLE shardkit_shared_test.notes \
              (id BIGINT PRIMARY KEY, customer_id BIGINT NOT NULL, body TEXT NOT NULL)",
         ] {
             admin.execute_unprepared(sql).await.expect(sql);
@@ -803,7 +785,7 @@ async fn named_database_moves_between_servers() {
     cluster.refresh_bucket_maps().await.expect("maps");
     for key in 1..=40i64 {
         let tx = cluster.begin::<Customer>(key).await.unwrap();
-        tx.insert_without_returning(apart_note::ActiveModel {
+        tx.insert_without_returning(server_note::ActiveModel {
             id: Set(key),
             customer_id: Set(key),
             body: Set(format!("note {key}")),
@@ -815,7 +797,7 @@ async fn named_database_moves_between_servers() {
     let moves = cluster
         .rebalance::<Customer>()
         .unwrap()
-        .entity::<apart_note::Entity>();
+        .entity::<server_note::Entity>();
     let plan = moves.plan_buckets(0..16, "s1").await.unwrap();
     let started = moves
         .start(&plan)
@@ -829,7 +811,7 @@ async fn named_database_moves_between_servers() {
     cluster.refresh_bucket_maps().await.expect("maps");
     for key in 1..=40i64 {
         let found = cluster
-            .find::<apart_note::Entity>()
+            .find::<server_note::Entity>()
             .key(key)
             .all()
             .await
@@ -843,7 +825,7 @@ async fn named_database_moves_between_servers() {
         let n = admin
             .query_one_raw(sea_orm::Statement::from_string(
                 DbBackend::MySql,
-                "SELECT COUNT(*) AS n FROM shardkit_apart_test.notes",
+                "SELECT COUNT(*) AS n FROM shardkit_shared_test.notes",
             ))
             .await
             .unwrap()
@@ -853,7 +835,7 @@ async fn named_database_moves_between_servers() {
         counts.push(n);
         for sql in [
             "DROP DATABASE skr_apart",
-            "DROP DATABASE shardkit_apart_test",
+            "DROP DATABASE shardkit_shared_test",
         ] {
             admin.execute_unprepared(sql).await.expect(sql);
         }

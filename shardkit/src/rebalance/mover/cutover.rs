@@ -213,7 +213,9 @@ impl<G> Rebalance<G> {
             let only_here = self.moving(buckets).await?;
             // A table the source shares with the target holds the moved rows
             // themselves (see `tables_apart`): left as it is.
-            let shared = self.share_named_tables(*src, target).await?;
+            let shared = self
+                .share_named_tables(Some(status.id), *src, target)
+                .await?;
             while ei < self.entities.len() {
                 // Children first (the entities in reverse order).
                 let entity = &self.entities[self.entities.len() - 1 - ei];
@@ -369,7 +371,7 @@ impl<G> Rebalance<G> {
         // themselves (see `tables_apart`): left as it is.
         let mut shared = false;
         for (src, _) in self.sources(&status)? {
-            shared |= self.share_named_tables(src, target).await?;
+            shared |= self.share_named_tables(Some(id), src, target).await?;
         }
         // Children first: a row's foreign keys point at entities listed
         // before it.

@@ -116,7 +116,7 @@ impl<G> Rebalance<G> {
             return Ok(());
         }
         for &source in sources.iter().filter(|s| **s != target) {
-            if self.share_named_tables(source, target).await? {
+            if self.share_named_tables(id, source, target).await? {
                 let (from, to) = (
                     self.shards.shard_name(source),
                     self.shards.shard_name(target),
@@ -151,13 +151,18 @@ impl<G> Rebalance<G> {
     /// Whether shards `a` and `b` see one table under a moving table's
     /// `schema.table`: both MySQL/MariaDB, databases of one server, and a
     /// moving table names a schema (there, a database of the server).
-    pub(super) async fn share_named_tables(&self, a: ShardId, b: ShardId) -> Result<bool> {
+    pub(super) async fn share_named_tables(
+        &self,
+        id: Option<i64>,
+        a: ShardId,
+        b: ShardId,
+    ) -> Result<bool> {
         let named = self.named_tables();
         let mysql = |id| self.conn(id).0.get_database_backend() == DbBackend::MySql;
         if a == b || named.is_empty() || !mysql(a) || !mysql(b) {
             return Ok(false);
         }
-        self.one_mysql_server(a, b, &named[0]).await
+        self.one_mysql_server(id, a, b, &named[0]).await
     }
 
     /// Whether MySQL/MariaDB shards `a` and `b` are databases of one server:
@@ -169,7 +174,13 @@ impl<G> Rebalance<G> {
     /// step timeout cuts the check short (no one asks for that name again).
     /// A lock that is not granted fails the check: the move does not go on
     /// without an answer.
-    async fn one_mysql_server(&self, a: ShardId, b: ShardId, table: &str) -> Result<bool> {
+    async fn one_mysql_server(
+        &self,
+        id: Option<i64>,
+        a: ShardId,
+        b: ShardId,
+        table: &str,
+    ) -> Result<bool> {
         use sea_orm::TransactionTrait;
         let (a_name, b_name) = (self.shards.shard_name(a), self.shards.shard_name(b));
         let lock = format!("shardkit-server-{}", uuid::Uuid::new_v4().simple());
@@ -203,7 +214,7 @@ impl<G> Rebalance<G> {
             .await?;
         if got != Some(1) {
             return Err(self.refuse(
-                None,
+                id,
                 format!(
                     "could not tell whether shards `{a_name}` and `{b_name}` are databases of one server, which decides whether {table} is one table on both: a named lock on `{a_name}` was not granted (GET_LOCK answered {})",
                     got.map_or("NULL".to_owned(), |g| g.to_string())
