@@ -16,6 +16,7 @@ use sea_orm::{
     DbBackend, DbErr, EntityTrait, IntoActiveModel, Iterable, PrimaryKeyToColumn, QueryFilter,
     QuerySelect, Value,
 };
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 /// The moving buckets of a hash group (a membership table over all
@@ -661,11 +662,17 @@ where
         skip_logged: bool,
     ) -> BoxFuture<'a, Result<Chunk>> {
         Box::pin(async move {
-            let by_copy = self.by_copy(src.0.get_database_backend(), dst.0.get_database_backend());
+            // Cleared when a chunk's text does not read back: the chunks
+            // after it are read as models at once, not tried with `COPY`
+            // first.
+            let by_copy = AtomicBool::new(
+                self.by_copy(src.0.get_database_backend(), dst.0.get_database_backend()),
+            );
+            let by_copy = &by_copy;
             // Reads the chunk after `after`: its moving rows and where the
             // next starts.
             let read = |after: Option<Vec<Value>>| async move {
-                if by_copy
+                if by_copy.load(Ordering::Relaxed)
                     && let Some(read) = read_by_copy::<E>(
                         token,
                         src,
@@ -677,6 +684,7 @@ where
                 {
                     return Ok(read);
                 }
+                by_copy.store(false, Ordering::Relaxed);
                 let rows = keyset::chunk::<E>(after.as_deref(), chunk)
                     .all(src.0)
                     .await
