@@ -179,6 +179,28 @@ fn shard_defined_twice() {
 }
 
 #[test]
+fn one_database_named_twice() {
+    let twice = |url: &str| {
+        format!(
+            "[[shards]]\nname = \"s0\"\nurl = \"{url}\"\n[[shards]]\nname = \"s1\"\nurl = \"{url}\"\n"
+        )
+    };
+    let (entry, message) = rejected(&twice("sqlite://s0.db"));
+    assert_eq!(entry, "shards[1] (\"s1\")");
+    assert!(
+        message.contains("shard `s1` is the same database as shards[0]"),
+        "{message}"
+    );
+    // A named in-memory database shared by every pool is one database too.
+    let (entry, _) = rejected(&twice("sqlite:file:x?mode=memory&cache=shared"));
+    assert_eq!(entry, "shards[1] (\"s1\")");
+    // Private in-memory databases: each pool's own.
+    for url in ["sqlite::memory:", "sqlite:file:x?mode=memory"] {
+        ClusterConfig::from_toml(&twice(url)).unwrap_or_else(|e| panic!("{url}: {e}"));
+    }
+}
+
+#[test]
 fn malformed_urls() {
     let (entry, message) = rejected("[[shards]]\nname = \"s0\"\nurl = \"not a url\"\n");
     assert_eq!(entry, "shards[0] (\"s0\")");

@@ -32,6 +32,8 @@ backend_tests!(5 =>
     [Postgres] a_mover_paused_while_sending_a_copy_does_not_block_the_next,
     [Postgres] a_table_in_a_named_schema_moves_with_copy,
     [MySql] a_table_in_a_database_every_shard_shares_is_not_moved,
+    a_shard_whose_url_reaches_another_shards_database_takes_no_move,
+    [Postgres] shards_that_are_schemas_of_one_database_move_their_own_tables_only,
     a_begin_whose_fence_read_the_database_aborts_begins_again,
     [Sqlite] a_move_run_by_another_process_on_the_same_sqlite_files,
     [Sqlite] child_process_mover,
@@ -2196,6 +2198,196 @@ async fn a_table_in_a_database_every_shard_shares_is_not_moved(dbs: &mut TestDbs
     db.execute_unprepared("DROP DATABASE shardkit_shared_test")
         .await
         .unwrap();
+}
+
+/// The config with shard s4 reached by `url` instead of its own database.
+fn with_s4_at(dbs: &TestDbs, url: &str) -> ClusterConfig {
+    let toml = toml_with(
+        dbs,
+        &format!("buckets = {BUCKETS}\nshards = [\"s0\", \"s1\", \"s2\", \"s3\"]"),
+        20,
+    );
+    let own = match dbs.backend {
+        Backend::Sqlite => format!(
+            "name = \"s4\"\nurl = \"sqlite://{}?mode=rwc\"\n",
+            dbs.names[4]
+        ),
+        _ => format!(
+            "name = \"s4\"\nhost = \"server\"\ndatabase = \"{}\"\n",
+            dbs.names[4]
+        ),
+    };
+    assert!(toml.contains(&own), "{toml}");
+    let toml = toml.replace(&own, &format!("name = \"s4\"\nurl = \"{url}\"\n"));
+    ClusterConfig::from_toml(&toml).unwrap_or_else(|e| panic!("config: {e}\n{toml}"))
+}
+
+/// Every customer is read by its key, as written.
+async fn each_customer_found(cluster: &Cluster, acked: &Shared) {
+    let customers = acked.lock().unwrap().customers.clone();
+    for (id, name) in customers {
+        let found = cluster
+            .find::<customer::Entity>()
+            .key(id)
+            .one()
+            .await
+            .unwrap_or_else(|e| panic!("customer {id}: {}", e.report()));
+        assert_eq!(found.map(|c| c.name), Some(name), "customer {id}");
+    }
+}
+
+/// Shard s4's URL reaches s0's database, spelled another way (a parameter
+/// that changes nothing; for SQLite, the file's path through `./`), so the
+/// config's check for one database named twice lets it through. A move
+/// from s0 to s4 would copy every row onto itself and then delete the
+/// moved buckets' rows: it is refused when it starts, naming the tables and
+/// the shards, nothing is registered, and every customer is still found.
+async fn a_shard_whose_url_reaches_another_shards_database_takes_no_move(dbs: &mut TestDbs) {
+    let alias = match dbs.backend {
+        Backend::Sqlite => {
+            let path = std::path::Path::new(&dbs.names[0]);
+            format!(
+                "sqlite://{}/./{}?mode=rwc",
+                path.parent().unwrap().display(),
+                path.file_name().unwrap().to_string_lossy()
+            )
+        }
+        Backend::Postgres => format!(
+            "{}/{}?application_name=alias",
+            dbs.backend.server_url().unwrap(),
+            dbs.names[0]
+        ),
+        Backend::MySql => format!(
+            "{}/{}?charset=utf8mb4",
+            dbs.backend.server_url().unwrap(),
+            dbs.names[0]
+        ),
+    };
+    // Seeded by an instance with s4's own database; then s4's URL is
+    // changed to the alias (a shard added to the config by mistake at
+    // another shard's database) and that instance migrates, which finds
+    // every migration applied.
+    let seeded = connect(dbs, 20).await;
+    let acked: Shared = Arc::default();
+    seed(&seeded, &acked, 1..=40).await;
+    drop(seeded);
+    let a = Cluster::connect(with_s4_at(dbs, &alias)).await.unwrap();
+    a.migrate::<Migrator>().await.unwrap();
+    a.refresh_bucket_maps().await.unwrap();
+    let m = mover(&a);
+    let plan = m.plan_buckets(quarter(), "s4").await.unwrap();
+    let why = match dbs.backend {
+        Backend::Postgres => {
+            "they are one PostgreSQL database, and the table each one's search path finds is the same"
+        }
+        _ => "the two shards' URLs reach one database",
+    };
+    match m.start(&plan).await {
+        Err(ShardError::Rebalance {
+            id: None, reason, ..
+        }) => assert!(
+            // The group's tables, the outbox's among them.
+            reason.starts_with("`customers`, `orders`, `contacts`, `shardkit_outbox`, ")
+                && reason.contains(&format!(
+                    "would each be one table on shards `s0` and `s4`: {why}, so the move would copy the rows onto themselves"
+                ))
+                && reason.contains("give each shard a database of its own in the config"),
+            "{reason}"
+        ),
+        other => panic!("a move onto the source's own database: {other:?}"),
+    }
+    assert_eq!(
+        m.list(true).await.unwrap().len(),
+        0,
+        "a move was registered"
+    );
+    each_customer_found(&a, &acked).await;
+}
+
+/// Shard s4 is schema `shard4` of s0's database (its URL sets the search
+/// path). Tables the search path finds are each shard's own, and move: the
+/// Customer group's quarter of the buckets goes to s4 and every customer and
+/// order is then on its owner, once. A table in a named schema (`app.notes`)
+/// is one table for s0 and s4: a move that lists it is refused at start,
+/// naming it, and nothing is registered.
+async fn shards_that_are_schemas_of_one_database_move_their_own_tables_only(dbs: &mut TestDbs) {
+    let server = dbs.backend.server_url().unwrap();
+    let s0 = sea_orm::Database::connect(format!("{server}/{}", dbs.names[0]))
+        .await
+        .unwrap();
+    s0.execute_unprepared("CREATE SCHEMA shard4").await.unwrap();
+    let url = format!(
+        "{server}/{}?options=-c%20search_path%3Dshard4",
+        dbs.names[0]
+    );
+    let a = Cluster::connect(with_s4_at(dbs, &url)).await.unwrap();
+    let acked: Shared = Arc::default();
+    seed(&a, &acked, 1..=40).await;
+    let columns = "(id BIGINT PRIMARY KEY, customer_id BIGINT NOT NULL, body TEXT NOT NULL)";
+    for shard in ["s0", "s1", "s2", "s3"] {
+        a.connection(shard)
+            .unwrap()
+            .execute_unprepared(&format!(
+                "CREATE SCHEMA app; CREATE TABLE app.notes {columns}"
+            ))
+            .await
+            .unwrap();
+    }
+    for key in 1..=40i64 {
+        a.transaction::<Customer, _, _>(key, |tx| async move {
+            tx.insert_without_returning(app_note::ActiveModel {
+                id: Set(key),
+                customer_id: Set(key),
+                body: Set(first_name(key)),
+            })
+            .await
+        })
+        .await
+        .unwrap_or_else(|e| panic!("note of {key}: {}", e.report()));
+    }
+    let with_notes = mover(&a).entity::<app_note::Entity>();
+    let plan = with_notes.plan_buckets(quarter(), "s4").await.unwrap();
+    match with_notes.start(&plan).await {
+        Err(ShardError::Rebalance {
+            id: None, reason, ..
+        }) => assert!(
+            reason.starts_with(
+                "`app.notes` would be the same table on shards `s0` and `s4`: they are one PostgreSQL database (each with its own search path)"
+            ),
+            "{reason}"
+        ),
+        other => panic!("a move of a table two schema shards share: {other:?}"),
+    }
+    assert_eq!(with_notes.list(true).await.unwrap().len(), 0);
+
+    let m = mover(&a);
+    let id = m.start(&plan).await.unwrap().id;
+    let done = m
+        .run(id)
+        .await
+        .unwrap_or_else(|e| panic!("the move: {}", e.report()));
+    assert_eq!(done.phase, MovePhase::Done);
+    a.refresh_bucket_maps().await.unwrap();
+    check_placement(&a, &acked).await;
+    let owner = owners(&a);
+    assert!(
+        (1..=40i64).any(|k| owner(k) == "s4"),
+        "no customer moved to s4"
+    );
+    // In s4's own schema, not s0's tables.
+    let in_shard4 = s0
+        .query_one_raw(sea_orm::Statement::from_string(
+            sea_orm::DbBackend::Postgres,
+            "SELECT count(*) AS n FROM shard4.customers",
+        ))
+        .await
+        .unwrap()
+        .unwrap()
+        .try_get::<i64>("", "n")
+        .unwrap();
+    let moved = (1..=40i64).filter(|k| owner(*k) == "s4").count();
+    assert_eq!(in_shard4, moved as i64);
+    s0.close().await.unwrap();
 }
 
 /// The first mover parks at failpoint `at` (on the move's target); a

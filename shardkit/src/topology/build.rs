@@ -71,10 +71,11 @@ impl Topology {
                 ));
             }
             let url = locate_database(&entry, &hosts, &shard.url, &shard.host, &shard.database)?;
-            // Two names for one database would make every scatter read it twice.
-            // (Each `sqlite::memory:` connection is a database of its own.)
-            let in_memory =
-                url.expose().contains(":memory:") || url.expose().contains("mode=memory");
+            // Two names for one database would make every scatter read it twice,
+            // and a bucket move between them would delete the rows it moved.
+            // (Each `sqlite::memory:` pool is a database of its own; a named
+            // in-memory database with `cache=shared` is one for every pool.)
+            let in_memory = url.is_sqlite_memory();
             if let Some(other) = shards
                 .iter()
                 .position(|s: &ShardSpec| s.url == url)

@@ -214,12 +214,14 @@ impl<G> Rebalance<G> {
             // A table the source shares with the target holds the moved rows
             // themselves (see `tables_apart`): left as it is.
             let shared = self
-                .share_named_tables(Some(status.id), *src, target)
-                .await?;
+                .shared_tables(Some(status.id), *src, target)
+                .await?
+                .map(|(_, tables)| tables)
+                .unwrap_or_default();
             while ei < self.entities.len() {
                 // Children first (the entities in reverse order).
                 let entity = &self.entities[self.entities.len() - 1 - ei];
-                if shared && entity.table().schema.is_some() {
+                if shared.contains(&entity.table().to_string()) {
                     tracing::warn!(group = self.group, id = status.id, table = %entity.table(), "the moved rows' table is one table on the source and the target: nothing to clean");
                     after = None;
                     ei += 1;
@@ -369,14 +371,16 @@ impl<G> Rebalance<G> {
         let chunk = self.shards.rebalance_settings().chunk();
         // A table the target shares with a source holds the source's rows
         // themselves (see `tables_apart`): left as it is.
-        let mut shared = false;
+        let mut shared = Vec::new();
         for (src, _) in self.sources(&status)? {
-            shared |= self.share_named_tables(Some(id), src, target).await?;
+            if let Some((_, tables)) = self.shared_tables(Some(id), src, target).await? {
+                shared.extend(tables);
+            }
         }
         // Children first: a row's foreign keys point at entities listed
         // before it.
         for entity in self.entities.iter().rev() {
-            if shared && entity.table().schema.is_some() {
+            if shared.contains(&entity.table().to_string()) {
                 tracing::warn!(group = self.group, id, table = %entity.table(), "the moving rows' table is one table on the source and the target: nothing to remove from the target");
                 continue;
             }

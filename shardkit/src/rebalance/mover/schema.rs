@@ -94,15 +94,14 @@ impl<G> Rebalance<G> {
         self.set_phase(token, status, MovePhase::Copying).await
     }
 
-    /// Refuses a move that would copy a moving table onto itself: on
-    /// MySQL/MariaDB an entity's `schema_name` names a database of the
-    /// server, so when a source and the target are databases of one server,
-    /// `schema.table` is the same table on both. The copy would find every
-    /// row already there, and the clean-up would then delete the moved
-    /// buckets' rows from it. Checked at `start` and when the copy phase
-    /// begins; a move that got past it (registered by an earlier build, or
-    /// by a mover that did not list the entity) leaves such a table's rows
-    /// in place when it cleans up or is aborted ([`Self::share_named_tables`]).
+    /// Refuses a move that would copy a moving table onto itself: a source
+    /// and the target that reach one table under a moving table's name (see
+    /// [`Self::shared_tables`]). The copy would find every row already there,
+    /// and the clean-up would then delete the moved buckets' rows from it.
+    /// Checked at `start` and when the copy phase begins; a move that got
+    /// past it (registered by an earlier build, or by a mover that did not
+    /// list the entity) leaves such a table's rows in place when it cleans
+    /// up or is aborted.
     pub(super) async fn tables_apart(
         &self,
         id: Option<i64>,
@@ -116,65 +115,119 @@ impl<G> Rebalance<G> {
             return Ok(());
         }
         for &source in sources.iter().filter(|s| **s != target) {
-            if self.share_named_tables(id, source, target).await? {
-                let (from, to) = (
-                    self.shards.shard_name(source),
-                    self.shards.shard_name(target),
-                );
-                let named = self.named_tables();
-                let (what, verb) = match named.len() {
-                    1 => ("entity", "would be the same table"),
-                    _ => ("entities", "would each be one table"),
-                };
-                return Err(self.refuse(
-                    id,
-                    format!(
-                        "{} {verb} on shards `{from}` and `{to}`: they are databases of one MySQL/MariaDB server, where a `schema_name` names a database of the server, so the move would copy the rows onto themselves and then delete them from the source; give the {what} no `schema_name` (the table is then each shard's own; its rows must first be brought into the shards' databases) or move to a shard on another server",
-                        list(named.iter().map(String::as_str))
-                    ),
-                ));
-            }
+            let Some((why, tables)) = self.shared_tables(id, source, target).await? else {
+                continue;
+            };
+            let (from, to) = (
+                self.shards.shard_name(source),
+                self.shards.shard_name(target),
+            );
+            let verb = match tables.len() {
+                1 => "would be the same table",
+                _ => "would each be one table",
+            };
+            return Err(self.refuse(
+                id,
+                format!(
+                    "{} {verb} on shards `{from}` and `{to}`: {}, so the move would copy the rows onto themselves and then delete them from the source; {}",
+                    list(tables.iter().map(String::as_str)),
+                    why.reason(),
+                    why.remedy(tables.len() > 1),
+                ),
+            ));
         }
         Ok(())
     }
 
-    /// The moving tables that name a schema, as `schema.table`.
-    fn named_tables(&self) -> Vec<String> {
-        self.entities
-            .iter()
-            .map(|e| e.table())
-            .filter(|t| t.schema.is_some())
-            .map(ToString::to_string)
-            .collect()
-    }
-
-    /// Whether shards `a` and `b` see one table under a moving table's
-    /// `schema.table`: both MySQL/MariaDB, databases of one server, and a
-    /// moving table names a schema (there, a database of the server).
-    pub(super) async fn share_named_tables(
+    /// The moving tables that are one table on shards `a` and `b`, and why;
+    /// `None` when each has its own. Asked of the databases, not read off
+    /// the URLs (aliases, proxies, a path spelled two ways):
+    /// - MySQL/MariaDB: a named lock taken on `a` (`GET_LOCK`, server-wide)
+    ///   is seen in use from `b` only when they share the server. There a
+    ///   `schema_name` names a database of the server, so such a table is
+    ///   one table; the others are when both connect to one database.
+    /// - PostgreSQL: an advisory lock taken on `a` is seen in `b`'s
+    ///   `pg_locks` row for its own database only when both are one
+    ///   database (shards that are schemas of one database, each with its
+    ///   search path); then a table is one table when its name finds the
+    ///   same relation on both.
+    /// - SQLite: the database file a table's name finds is one file.
+    pub(super) async fn shared_tables(
         &self,
         id: Option<i64>,
         a: ShardId,
         b: ShardId,
-    ) -> Result<bool> {
-        let named = self.named_tables();
-        let mysql = |id| self.conn(id).0.get_database_backend() == DbBackend::MySql;
-        if a == b || named.is_empty() || !mysql(a) || !mysql(b) {
-            return Ok(false);
+    ) -> Result<Option<(OneTable, Vec<String>)>> {
+        let tables: Vec<&MovingTable> = self.entities.iter().map(|e| e.table()).collect();
+        let backend = |id| self.conn(id).0.get_database_backend();
+        if a == b || tables.is_empty() || backend(a) != backend(b) {
+            return Ok(None);
         }
-        self.one_mysql_server(id, a, b, &named[0]).await
+        let first = tables[0].to_string();
+        let (why, shared): (OneTable, Vec<&MovingTable>) = match backend(a) {
+            DbBackend::MySql => {
+                if !self.one_server(id, a, b, &first).await? {
+                    return Ok(None);
+                }
+                let (da, fold) = self.mysql_database(a, &first).await?;
+                let (db, _) = self.mysql_database(b, &first).await?;
+                // Names compare as the server compares them.
+                if da == db || (fold && da.eq_ignore_ascii_case(&db)) {
+                    (OneTable::Database, tables)
+                } else {
+                    let named = tables.into_iter().filter(|t| t.schema.is_some()).collect();
+                    (OneTable::MySqlServer, named)
+                }
+            }
+            DbBackend::Postgres => {
+                let Some((oa, ob)) = self.one_pg_database(id, a, b, &tables).await? else {
+                    return Ok(None);
+                };
+                let shared: Vec<&MovingTable> = tables
+                    .iter()
+                    .zip(oa.iter().zip(&ob))
+                    .filter(|(_, (x, y))| x.is_some() && x == y)
+                    .map(|(t, _)| *t)
+                    .collect();
+                let why = if shared.iter().any(|t| t.schema.is_none()) {
+                    OneTable::PgSearchPath
+                } else {
+                    OneTable::PgSchemas
+                };
+                (why, shared)
+            }
+            _ => {
+                let mut shared = Vec::new();
+                for table in tables {
+                    let (fa, fb) = (
+                        self.sqlite_file(id, a, table).await?,
+                        self.sqlite_file(id, b, table).await?,
+                    );
+                    if fa.is_some() && fa == fb {
+                        shared.push(table);
+                    }
+                }
+                (OneTable::Database, shared)
+            }
+        };
+        if shared.is_empty() {
+            return Ok(None);
+        }
+        Ok(Some((
+            why,
+            shared.iter().map(ToString::to_string).collect(),
+        )))
     }
 
     /// Whether MySQL/MariaDB shards `a` and `b` are databases of one server:
     /// a named lock taken on a connection of `a` (`GET_LOCK`, server-wide)
-    /// is seen in use from `b` only when they share the server. Asked of
-    /// the servers, not read off the URLs (aliases, proxies). The lock's
+    /// is seen in use from `b` only when they share the server. The lock's
     /// name is new each time; it goes with the connection if the process
     /// dies, and stays with the pooled connection until it closes if a
     /// step timeout cuts the check short (no one asks for that name again).
     /// A lock that is not granted fails the check: the move does not go on
     /// without an answer.
-    async fn one_mysql_server(
+    async fn one_server(
         &self,
         id: Option<i64>,
         a: ShardId,
@@ -187,16 +240,7 @@ impl<G> Rebalance<G> {
         let sql = |sql: &str| {
             Statement::from_sql_and_values(DbBackend::MySql, sql, [lock.clone().into()])
         };
-        let err = |shard: &str| {
-            let shard = shard.to_owned();
-            move |e| db_err(&shard, table, "identify the server of", e)
-        };
-        let int = |row: Option<sea_orm::QueryResult>, shard: &str, column: &str| {
-            row.map(|row| row.try_get::<Option<i64>>("", column))
-                .transpose()
-                .map(Option::flatten)
-                .map_err(err(shard))
-        };
+        let err = |shard: &str| identify_err(shard, table);
         // A transaction keeps the lock's connection for the check: one of
         // the shard's pool, as a side connection never waits for another.
         let held = self
@@ -209,7 +253,7 @@ impl<G> Rebalance<G> {
                 let row = held
                     .query_one_raw(sql("SELECT GET_LOCK(?, 0) AS got"))
                     .await;
-                int(row.map_err(err(a_name))?, a_name, "got")
+                int(row.map_err(err(a_name))?, a_name, table, "got")
             })
             .await?;
         if got != Some(1) {
@@ -228,7 +272,7 @@ impl<G> Rebalance<G> {
                     .0
                     .query_one_raw(sql("SELECT IS_USED_LOCK(?) IS NOT NULL AS used"))
                     .await;
-                int(row.map_err(err(b_name))?, b_name, "used")
+                int(row.map_err(err(b_name))?, b_name, table, "used")
             })
             .await?;
         self.timed(a_name, async {
@@ -239,6 +283,181 @@ impl<G> Rebalance<G> {
         })
         .await?;
         Ok(used == Some(1))
+    }
+
+    /// The database a MySQL/MariaDB shard's connections use, and whether
+    /// the server compares database names without case
+    /// (`lower_case_table_names` not 0).
+    async fn mysql_database(&self, id: ShardId, table: &str) -> Result<(String, bool)> {
+        let (db, name) = self.conn(id);
+        self.timed(name, async {
+            let row = db
+                .query_one_raw(Statement::from_string(
+                    DbBackend::MySql,
+                    "SELECT DATABASE() AS db, CAST(@@lower_case_table_names AS SIGNED) AS fold",
+                ))
+                .await
+                .map_err(identify_err(name, table))?;
+            let database = row
+                .as_ref()
+                .map(|row| row.try_get::<Option<String>>("", "db"))
+                .transpose()
+                .map_err(identify_err(name, table))?
+                .flatten()
+                .unwrap_or_default();
+            let fold = int(row, name, table, "fold")?.unwrap_or(0) != 0;
+            Ok((database, fold))
+        })
+        .await
+    }
+
+    /// When PostgreSQL shards `a` and `b` are one database: the relation
+    /// each of `tables` finds on each (its OID, `None` when there is none).
+    /// An advisory lock taken in a transaction on `a` (its keys new each
+    /// time; it ends with the transaction, or with the connection if the
+    /// process dies) is listed in `pg_locks` under `a`'s database; `b` looks
+    /// for it under its own. Not granted, the check fails.
+    async fn one_pg_database(
+        &self,
+        id: Option<i64>,
+        a: ShardId,
+        b: ShardId,
+        tables: &[&MovingTable],
+    ) -> Result<Option<(Vec<Option<i64>>, Vec<Option<i64>>)>> {
+        use sea_orm::TransactionTrait;
+        let (a_name, b_name) = (self.shards.shard_name(a), self.shards.shard_name(b));
+        let first = tables[0].to_string();
+        let err = |shard: &str| identify_err(shard, &first);
+        let keys = uuid::Uuid::new_v4().as_u64_pair().0;
+        let (k1, k2) = ((keys >> 33) as i32, (keys & 0x7fff_ffff) as i32);
+        let held = self
+            .timed(a_name, async {
+                self.shards.shard_conn(a).begin().await.map_err(err(a_name))
+            })
+            .await?;
+        let got = self
+            .timed(a_name, async {
+                let row = held
+                    .query_one_raw(Statement::from_sql_and_values(
+                        DbBackend::Postgres,
+                        "SELECT pg_try_advisory_xact_lock($1, $2) AS got",
+                        [k1.into(), k2.into()],
+                    ))
+                    .await
+                    .map_err(err(a_name))?;
+                row.map(|row| row.try_get::<bool>("", "got"))
+                    .transpose()
+                    .map_err(err(a_name))
+            })
+            .await?;
+        if got != Some(true) {
+            return Err(self.refuse(
+                id,
+                format!(
+                    "could not tell whether shards `{a_name}` and `{b_name}` are one database, which decides whether {first} is one table on both: an advisory lock on `{a_name}` was not granted"
+                ),
+            ));
+        }
+        let seen = self
+            .timed(b_name, async {
+                let row = self
+                    .conn(b)
+                    .0
+                    .query_one_raw(Statement::from_sql_and_values(
+                        DbBackend::Postgres,
+                        "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' \
+                         AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
+                         AND classid::bigint = $1 AND objid::bigint = $2 AND objsubid = 2) AS seen",
+                        [i64::from(k1).into(), i64::from(k2).into()],
+                    ))
+                    .await
+                    .map_err(err(b_name))?;
+                row.map(|row| row.try_get::<bool>("", "seen"))
+                    .transpose()
+                    .map_err(err(b_name))
+            })
+            .await?;
+        self.timed(a_name, async { held.commit().await.map_err(err(a_name)) })
+            .await?;
+        if seen != Some(true) {
+            return Ok(None);
+        }
+        let mut oids = (Vec::new(), Vec::new());
+        for table in tables {
+            oids.0.push(self.pg_relation(a, table).await?);
+            oids.1.push(self.pg_relation(b, table).await?);
+        }
+        Ok(Some(oids))
+    }
+
+    /// The OID of the relation `table`'s name finds on PostgreSQL shard `id`
+    /// (in its schema, or by the connection's search path).
+    async fn pg_relation(&self, id: ShardId, table: &MovingTable) -> Result<Option<i64>> {
+        let (db, name) = self.conn(id);
+        let what = table.to_string();
+        self.timed(name, async {
+            let row = db
+                .query_one_raw(Statement::from_sql_and_values(
+                    DbBackend::Postgres,
+                    "SELECT to_regclass(COALESCE(quote_ident($1) || '.', '') || quote_ident($2))::oid::bigint AS oid",
+                    [table.schema.clone().into(), table.name.into()],
+                ))
+                .await
+                .map_err(identify_err(name, &what))?;
+            Ok(row
+                .map(|row| row.try_get::<Option<i64>>("", "oid"))
+                .transpose()
+                .map_err(identify_err(name, &what))?
+                .flatten())
+        })
+        .await
+    }
+
+    /// The file of the SQLite database `table`'s name finds on shard `id`
+    /// (`main`, or the attached database its schema names), as the file
+    /// system identifies it; `None` for an in-memory or temporary one.
+    async fn sqlite_file(
+        &self,
+        move_id: Option<i64>,
+        id: ShardId,
+        table: &MovingTable,
+    ) -> Result<Option<FileId>> {
+        let (db, name) = self.conn(id);
+        let what = table.to_string();
+        let path = self
+            .timed(name, async {
+                let row = db
+                    .query_one_raw(Statement::from_sql_and_values(
+                        DbBackend::Sqlite,
+                        "SELECT file FROM pragma_database_list WHERE name = ? COLLATE NOCASE",
+                        [table
+                            .schema
+                            .clone()
+                            .unwrap_or_else(|| "main".to_owned())
+                            .into()],
+                    ))
+                    .await
+                    .map_err(identify_err(name, &what))?;
+                row.map(|row| row.try_get::<Option<String>>("", "file"))
+                    .transpose()
+                    .map_err(identify_err(name, &what))
+                    .map(Option::flatten)
+            })
+            .await?;
+        let Some(path) = path.filter(|p| !p.is_empty()) else {
+            return Ok(None);
+        };
+        match tokio::fs::metadata(&path).await {
+            Ok(meta) => Ok(Some(FileId::of(&path, &meta))),
+            // An open database whose file cannot be looked at: no answer,
+            // and no answer is not "apart".
+            Err(e) => Err(self.refuse(
+                move_id,
+                format!(
+                    "could not tell whether {table} on shard `{name}` is one table with the move's other shard's: its file {path} could not be looked at: {e}"
+                ),
+            )),
+        }
     }
 
     async fn schema_mismatch(
@@ -366,4 +585,92 @@ async fn table_columns(
                 .map_err(|e| db_err(shard, &table.to_string(), "read the columns of", e))
         })
         .collect::<std::result::Result<_, ShardError>>()
+}
+
+/// Why two shards reach one table under a moving table's name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum OneTable {
+    /// The two shards' URLs reach one database.
+    Database,
+    /// MySQL/MariaDB databases of one server, and a `schema_name`.
+    MySqlServer,
+    /// Schemas of one PostgreSQL database, and a `schema_name`.
+    PgSchemas,
+    /// One PostgreSQL database, whose search paths find one table.
+    PgSearchPath,
+}
+
+impl OneTable {
+    fn reason(self) -> &'static str {
+        match self {
+            OneTable::Database => "the two shards' URLs reach one database",
+            OneTable::MySqlServer => {
+                "they are databases of one MySQL/MariaDB server, where a `schema_name` names a database of the server"
+            }
+            OneTable::PgSchemas => {
+                "they are one PostgreSQL database (each with its own search path), where a `schema_name` names the same schema for both"
+            }
+            OneTable::PgSearchPath => {
+                "they are one PostgreSQL database, and the table each one's search path finds is the same"
+            }
+        }
+    }
+
+    fn remedy(self, several: bool) -> String {
+        let what = if several { "entities" } else { "entity" };
+        match self {
+            OneTable::Database => {
+                "give each shard a database of its own in the config (a shard is one database)".to_owned()
+            }
+            OneTable::MySqlServer => format!(
+                "give the {what} no `schema_name` (the table is then each shard's own; its rows must first be brought into the shards' databases) or move to a shard on another server"
+            ),
+            OneTable::PgSearchPath => {
+                "give each shard a database of its own in the config, or a search path whose first schema is its own and holds its tables (migrate the shard)".to_owned()
+            }
+            OneTable::PgSchemas => format!(
+                "give the {what} no `schema_name` (the table is then the one each shard's search path finds; its rows must first be brought there) or move to a shard in another database"
+            ),
+        }
+    }
+}
+
+/// A file as the file system identifies it.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum FileId {
+    #[cfg(unix)]
+    Inode(u64, u64),
+    #[cfg(not(unix))]
+    Path(std::path::PathBuf),
+}
+
+impl FileId {
+    #[cfg(unix)]
+    fn of(_path: &str, meta: &std::fs::Metadata) -> Self {
+        use std::os::unix::fs::MetadataExt;
+        FileId::Inode(meta.dev(), meta.ino())
+    }
+
+    #[cfg(not(unix))]
+    fn of(path: &str, _meta: &std::fs::Metadata) -> Self {
+        FileId::Path(std::fs::canonicalize(path).unwrap_or_else(|_| path.into()))
+    }
+}
+
+fn identify_err(shard: &str, table: &str) -> impl Fn(sea_orm::DbErr) -> ShardError + use<> {
+    let (shard, table) = (shard.to_owned(), table.to_owned());
+    move |e| db_err(&shard, &table, "identify the database of", e)
+}
+
+/// A row's integer column, `None` for no row or NULL.
+fn int(
+    row: Option<sea_orm::QueryResult>,
+    shard: &str,
+    table: &str,
+    column: &str,
+) -> Result<Option<i64>> {
+    row.map(|row| row.try_get::<Option<i64>>("", column))
+        .transpose()
+        .map(Option::flatten)
+        .map_err(identify_err(shard, table))
 }
