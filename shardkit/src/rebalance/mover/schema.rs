@@ -166,7 +166,7 @@ impl<G> Rebalance<G> {
         let first = tables[0].to_string();
         let (why, shared): (OneTable, Vec<&MovingTable>) = match backend(a) {
             DbBackend::MySql => {
-                if !self.one_server(id, a, b, &first).await? {
+                if !self.lock_seen(id, a, b, &first).await? {
                     return Ok(None);
                 }
                 let (da, fold) = self.mysql_database(a, &first).await?;
@@ -219,15 +219,21 @@ impl<G> Rebalance<G> {
         )))
     }
 
-    /// Whether MySQL/MariaDB shards `a` and `b` are databases of one server:
-    /// a named lock taken on a connection of `a` (`GET_LOCK`, server-wide)
-    /// is seen in use from `b` only when they share the server. The lock's
-    /// name is new each time; it goes with the connection if the process
-    /// dies, and stays with the pooled connection until it closes if a
-    /// step timeout cuts the check short (no one asks for that name again).
-    /// A lock that is not granted fails the check: the move does not go on
-    /// without an answer.
-    async fn one_server(
+    /// Whether a lock taken on shard `a` is seen from shard `b`: `Same`
+    /// holds the lock in a transaction of `a`'s pool (so the lock keeps its
+    /// connection), then `b` is asked whether it sees it. A lock that is not
+    /// granted fails the check: the move does not go on without an answer.
+    ///
+    /// - MySQL/MariaDB (`Same::Server`): a named lock (`GET_LOCK`,
+    ///   server-wide), seen in use from `b` only when they share the server.
+    ///   Its name is new each time; it goes with the connection if the
+    ///   process dies, and stays with the pooled connection until it closes
+    ///   if a step timeout cuts the check short (no one asks for that name
+    ///   again).
+    /// - PostgreSQL (`Same::Database`): an advisory lock of new keys, listed
+    ///   in `pg_locks` under `a`'s database; `b` looks for it under its own.
+    ///   It ends with the transaction, or with the connection.
+    async fn lock_seen(
         &self,
         id: Option<i64>,
         a: ShardId,
@@ -236,13 +242,40 @@ impl<G> Rebalance<G> {
     ) -> Result<bool> {
         use sea_orm::TransactionTrait;
         let (a_name, b_name) = (self.shards.shard_name(a), self.shards.shard_name(b));
-        let lock = format!("shardkit-server-{}", uuid::Uuid::new_v4().simple());
-        let sql = |sql: &str| {
-            Statement::from_sql_and_values(DbBackend::MySql, sql, [lock.clone().into()])
+        let backend = self.conn(a).0.get_database_backend();
+        let [take, look, release, what, lock] = match backend {
+            DbBackend::MySql => [
+                "SELECT GET_LOCK(?, 0) AS got",
+                "SELECT IS_USED_LOCK(?) IS NOT NULL AS seen",
+                "SELECT RELEASE_LOCK(?) AS released",
+                "databases of one server",
+                "a named lock",
+            ],
+            _ => [
+                "SELECT pg_try_advisory_xact_lock($1, $2)::int::bigint AS got",
+                "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' \
+                 AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
+                 AND classid::bigint = $1 AND objid::bigint = $2 AND objsubid = 2)::int::bigint AS seen",
+                "",
+                "one database",
+                "an advisory lock",
+            ],
         };
+        // The lock's name, or its two keys (non-negative `int4`s).
+        let values: Vec<sea_orm::Value> = match backend {
+            DbBackend::MySql => {
+                vec![format!("shardkit-server-{}", uuid::Uuid::new_v4().simple()).into()]
+            }
+            _ => {
+                let keys = uuid::Uuid::new_v4().as_u64_pair().0;
+                vec![
+                    ((keys >> 33) as i32).into(),
+                    ((keys & 0x7fff_ffff) as i32).into(),
+                ]
+            }
+        };
+        let sql = |sql: &str| Statement::from_sql_and_values(backend, sql, values.clone());
         let err = |shard: &str| identify_err(shard, table);
-        // A transaction keeps the lock's connection for the check: one of
-        // the shard's pool, as a side connection never waits for another.
         let held = self
             .timed(a_name, async {
                 self.shards.shard_conn(a).begin().await.map_err(err(a_name))
@@ -250,9 +283,7 @@ impl<G> Rebalance<G> {
             .await?;
         let got = self
             .timed(a_name, async {
-                let row = held
-                    .query_one_raw(sql("SELECT GET_LOCK(?, 0) AS got"))
-                    .await;
+                let row = held.query_one_raw(sql(take)).await;
                 int(row.map_err(err(a_name))?, a_name, table, "got")
             })
             .await?;
@@ -260,29 +291,27 @@ impl<G> Rebalance<G> {
             return Err(self.refuse(
                 id,
                 format!(
-                    "could not tell whether shards `{a_name}` and `{b_name}` are databases of one server, which decides whether {table} is one table on both: a named lock on `{a_name}` was not granted (GET_LOCK answered {})",
+                    "could not tell whether shards `{a_name}` and `{b_name}` are {what}, which decides whether {table} is one table on both: {lock} on `{a_name}` was not granted (it answered {})",
                     got.map_or("NULL".to_owned(), |g| g.to_string())
                 ),
             ));
         }
-        let used = self
+        let seen = self
             .timed(b_name, async {
-                let row = self
-                    .conn(b)
-                    .0
-                    .query_one_raw(sql("SELECT IS_USED_LOCK(?) IS NOT NULL AS used"))
-                    .await;
-                int(row.map_err(err(b_name))?, b_name, table, "used")
+                let row = self.conn(b).0.query_one_raw(sql(look)).await;
+                int(row.map_err(err(b_name))?, b_name, table, "seen")
             })
             .await?;
         self.timed(a_name, async {
-            held.query_one_raw(sql("SELECT RELEASE_LOCK(?) AS released"))
-                .await
-                .map_err(err(a_name))?;
+            if !release.is_empty() {
+                held.query_one_raw(sql(release))
+                    .await
+                    .map_err(err(a_name))?;
+            }
             held.commit().await.map_err(err(a_name))
         })
         .await?;
-        Ok(used == Some(1))
+        Ok(seen == Some(1))
     }
 
     /// The database a MySQL/MariaDB shard's connections use, and whether
@@ -311,12 +340,9 @@ impl<G> Rebalance<G> {
         .await
     }
 
-    /// When PostgreSQL shards `a` and `b` are one database: the relation
-    /// each of `tables` finds on each (its OID, `None` when there is none).
-    /// An advisory lock taken in a transaction on `a` (its keys new each
-    /// time; it ends with the transaction, or with the connection if the
-    /// process dies) is listed in `pg_locks` under `a`'s database; `b` looks
-    /// for it under its own. Not granted, the check fails.
+    /// When PostgreSQL shards `a` and `b` are one database
+    /// ([`Self::lock_seen`]): the relation each of `tables` finds on each
+    /// (its OID, `None` when there is none).
     async fn one_pg_database(
         &self,
         id: Option<i64>,
@@ -324,62 +350,7 @@ impl<G> Rebalance<G> {
         b: ShardId,
         tables: &[&MovingTable],
     ) -> Result<Option<(Vec<Option<i64>>, Vec<Option<i64>>)>> {
-        use sea_orm::TransactionTrait;
-        let (a_name, b_name) = (self.shards.shard_name(a), self.shards.shard_name(b));
-        let first = tables[0].to_string();
-        let err = |shard: &str| identify_err(shard, &first);
-        let keys = uuid::Uuid::new_v4().as_u64_pair().0;
-        let (k1, k2) = ((keys >> 33) as i32, (keys & 0x7fff_ffff) as i32);
-        let held = self
-            .timed(a_name, async {
-                self.shards.shard_conn(a).begin().await.map_err(err(a_name))
-            })
-            .await?;
-        let got = self
-            .timed(a_name, async {
-                let row = held
-                    .query_one_raw(Statement::from_sql_and_values(
-                        DbBackend::Postgres,
-                        "SELECT pg_try_advisory_xact_lock($1, $2) AS got",
-                        [k1.into(), k2.into()],
-                    ))
-                    .await
-                    .map_err(err(a_name))?;
-                row.map(|row| row.try_get::<bool>("", "got"))
-                    .transpose()
-                    .map_err(err(a_name))
-            })
-            .await?;
-        if got != Some(true) {
-            return Err(self.refuse(
-                id,
-                format!(
-                    "could not tell whether shards `{a_name}` and `{b_name}` are one database, which decides whether {first} is one table on both: an advisory lock on `{a_name}` was not granted"
-                ),
-            ));
-        }
-        let seen = self
-            .timed(b_name, async {
-                let row = self
-                    .conn(b)
-                    .0
-                    .query_one_raw(Statement::from_sql_and_values(
-                        DbBackend::Postgres,
-                        "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' \
-                         AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
-                         AND classid::bigint = $1 AND objid::bigint = $2 AND objsubid = 2) AS seen",
-                        [i64::from(k1).into(), i64::from(k2).into()],
-                    ))
-                    .await
-                    .map_err(err(b_name))?;
-                row.map(|row| row.try_get::<bool>("", "seen"))
-                    .transpose()
-                    .map_err(err(b_name))
-            })
-            .await?;
-        self.timed(a_name, async { held.commit().await.map_err(err(a_name)) })
-            .await?;
-        if seen != Some(true) {
+        if !self.lock_seen(id, a, b, &tables[0].to_string()).await? {
             return Ok(None);
         }
         let mut oids = (Vec::new(), Vec::new());
