@@ -6,6 +6,7 @@ use crate::cluster::{Cluster, ShardTx};
 use crate::entity::{EntityGroup, ShardKey};
 use crate::error::{ErrorKind, Origin, Result, ShardError, Subsystem};
 use crate::exec::keyed_tables::{INBOX, OUTBOX};
+use futures::FutureExt;
 use futures::future::BoxFuture;
 use sea_orm::sea_query::{Alias, Expr, ExprTrait, Query};
 use sea_orm::{Condition, ConnectionTrait, QueryResult};
@@ -290,12 +291,29 @@ impl<M: Message> Typed<M> {
             }
         }
         let tx = Arc::new(tx);
-        let outcome = handler(Arc::clone(&tx), message).await;
+        // A handler that panics fails its attempt like one that returns an
+        // error: the panic would otherwise end the relay's task for this
+        // shard, and the message would panic it again after a restart,
+        // never counted or parked. (Its transaction was dropped with it.)
+        let handled = Arc::clone(&tx);
+        let outcome = std::panic::AssertUnwindSafe(async move { handler(handled, message).await })
+            .catch_unwind()
+            .await;
         let Ok(tx) = Arc::try_unwrap(tx) else {
             return Delivery::Failed(
                 "the handler kept a clone of its ShardTx past its end; nothing was committed"
                     .to_owned(),
             );
+        };
+        let outcome = match outcome {
+            Ok(outcome) => outcome,
+            Err(panic) => {
+                let _ = tx.rollback().await;
+                return Delivery::Failed(format!(
+                    "the handler panicked: {}",
+                    panic_text(panic.as_ref())
+                ));
+            }
         };
         if let Err(e) = outcome {
             let _ = tx.rollback().await;
@@ -505,4 +523,13 @@ fn change_statement(
         Built::Delete(q) => backend.build(q),
         Built::Update(q) => backend.build(q),
     }
+}
+
+/// What a panic said (`panic!`'s message), or that it said nothing readable.
+fn panic_text(panic: &(dyn std::any::Any + Send)) -> &str {
+    panic
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("a panic without a message")
 }
