@@ -118,9 +118,13 @@ pub struct SagaReport {
     pub done: u64,
     /// Sagas whose compensations all ran.
     pub compensated: u64,
-    /// Sagas left unfinished for now (a shard unreachable, a step or a
-    /// compensation to try again after its backoff).
+    /// Sagas driven and left unfinished for now (a shard unreachable, a
+    /// step or a compensation to try again after its backoff). Sagas still
+    /// waiting out an earlier backoff are neither driven nor counted.
     pub waiting: u64,
+    /// Shards whose sagas could not be read: theirs are driven at a later
+    /// resume, and the other shards' now.
+    pub unreachable: u64,
 }
 
 /// How one step (or compensation) went.
@@ -352,7 +356,13 @@ impl Cluster {
     /// ones only unless `finished`; at most 1,000 per shard.
     pub async fn saga_status(&self, finished: bool) -> Result<Vec<SagaStatus>> {
         let mut out = Vec::new();
-        for (status, _, _) in list(self, None, finished, 1000, None).await? {
+        let listed = Listed {
+            name: None,
+            finished,
+            due: None,
+            limit: 1000,
+        };
+        for (status, _, _) in list(self, listed, None, false).await?.0 {
             out.push(status);
         }
         Ok(out)
@@ -378,39 +388,68 @@ impl<O: EntityGroup, D> Clone for Sagas<O, D> {
 /// act on (the owner's, not a copy a bucket move left or made).
 type Owned<'a> = &'a (dyn Fn(&str, &str) -> bool + Sync);
 
-/// Rows of `shardkit_sagas` on every shard, of `name` when given: those
+/// Which rows of `shardkit_sagas` [`list`] reads on each shard.
+#[derive(Clone, Copy)]
+struct Listed<'a> {
+    /// Of this saga definition only.
+    name: Option<&'a str>,
+    /// Finished ones too.
+    finished: bool,
+    /// Only those whose wait is over at this time (ms), the longest
+    /// waiting first: sagas still backing off do not fill the page.
+    due: Option<i64>,
+    /// At most this many per shard.
+    limit: u64,
+}
+
+/// Rows of `shardkit_sagas` on every shard, as `listed` says: those
 /// `owned` says are the owner's; without it, one row per saga (the one
-/// changed last).
+/// changed last). With `skip_failed`, a shard that cannot be read is left
+/// out (logged, and counted in the second value) instead of failing the
+/// whole list.
 async fn list(
     cluster: &Cluster,
-    name: Option<&str>,
-    finished: bool,
-    limit: u64,
+    listed: Listed<'_>,
     owned: Option<Owned<'_>>,
-) -> Result<Vec<(SagaStatus, String, i64)>> {
+    skip_failed: bool,
+) -> Result<(Vec<(SagaStatus, String, i64)>, u64)> {
     let shards = cluster.shards();
     let mut out = Vec::new();
+    let mut failed = 0;
     for i in 0..shards.topology().shards().len() as u32 {
         let id = ShardId(i);
         let shard = shards.shard_name(id);
         let mut q = Query::select();
         q.columns(SAGAS.names())
             .from(Alias::new(SAGAS.name))
-            .limit(limit);
-        if let Some(name) = name {
+            .limit(listed.limit);
+        if let Some(name) = listed.name {
             q.and_where(Expr::col(Alias::new("name")).eq(name));
         }
-        if !finished {
+        if !listed.finished {
             q.and_where(Expr::col(Alias::new("state")).is_in(["running", "compensating"]));
         }
+        if let Some(now) = listed.due {
+            q.and_where(Expr::col(Alias::new("next_at")).lte(now))
+                .order_by(Alias::new("next_at"), sea_orm::Order::Asc);
+        }
         let db = shards.side_conn(id);
-        let rows = shards
+        let read = shards
             .bounded(id, "saga", Some(Duration::from_secs(10)), async {
                 db.query_all(&q)
                     .await
                     .map_err(|e| db_err(shard, SAGAS.name, "read", e))
             })
-            .await?;
+            .await;
+        let rows = match read {
+            Ok(rows) => rows,
+            Err(e) if skip_failed => {
+                tracing::warn!(shard, error = %e.report(), "sagas not read on this shard; they are driven at a later resume");
+                failed += 1;
+                continue;
+            }
+            Err(e) => return Err(e),
+        };
         for r in rows {
             let row = SagaStatus::read(&r).map_err(|e| db_err(shard, SAGAS.name, "read", e))?;
             if owned.is_none_or(|owned| owned(&row.0.origin.1, shard)) {
@@ -422,7 +461,7 @@ async fn list(
         out.sort_by(|a, b| (&a.0.id, b.0.updated_at).cmp(&(&b.0.id, a.0.updated_at)));
         out.dedup_by(|later, first| later.0.id == first.0.id);
     }
-    Ok(out)
+    Ok((out, failed))
 }
 
 impl<O, D> Sagas<O, D>
@@ -581,18 +620,22 @@ where
     }
 
     /// Drives every unfinished saga of this definition whose wait is over,
-    /// on every shard.
+    /// on every shard: on each, the longest waiting first, at most 1,000
+    /// per resume (so sagas still backing off never crowd out the ones that
+    /// are due). A shard that cannot be read is left for a later resume
+    /// and counted in [`SagaReport::unreachable`]; the others' sagas are
+    /// driven now.
     pub async fn resume(&self) -> Result<SagaReport> {
         let mut report = SagaReport::default();
         let owned = |key: &str, shard: &str| owned_by::<O>(&self.cluster, key, shard);
-        let rows = list(
-            &self.cluster,
-            Some(self.saga.name),
-            false,
-            1000,
-            Some(&owned),
-        )
-        .await?;
+        let listed = Listed {
+            name: Some(self.saga.name),
+            finished: false,
+            due: Some(self.cluster.shards().now_ms()),
+            limit: 1000,
+        };
+        let (rows, unreachable) = list(&self.cluster, listed, Some(&owned), true).await?;
+        report.unreachable = unreachable;
         for (status, _, _) in rows {
             let Some(origin) = O::Key::from_directory_text(&status.origin.1) else {
                 continue;
