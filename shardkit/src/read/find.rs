@@ -537,12 +537,13 @@ async fn fenced<T>(
     let fence = fence
         .as_ref()
         .and_then(|(table, guard)| guard.reference_fence().map(|f| (*table, f)));
-    if let Some((table, f)) = fence {
-        f.before(table, conn).await?;
-    }
+    let need = match fence {
+        Some((table, f)) => f.before(table, conn).await?,
+        None => 0,
+    };
     let rows = read.await?;
     if let Some((table, f)) = fence {
-        f.after(table, conn).await?;
+        f.after(table, conn, need).await?;
     }
     Ok(rows)
 }

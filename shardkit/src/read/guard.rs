@@ -39,18 +39,21 @@ pub(crate) trait ReadGuard: Send + Sync {
 /// before (brought up to date first when it is behind), and what the copy
 /// held by the end of the read is what the instance has seen since.
 pub(crate) trait ReferenceFence: Send + Sync {
-    /// Before the statement on `conn` (a shard, or one of its replicas).
+    /// Before the statement on `conn` (a shard, or one of its replicas):
+    /// returns the version the read needs, for [`after`](Self::after).
     fn before<'a>(
         &'a self,
         table: &'static dyn ReferenceTable,
         conn: &'a DatabaseConnection,
-    ) -> futures::future::BoxFuture<'a, std::result::Result<(), DbErr>>;
+    ) -> futures::future::BoxFuture<'a, std::result::Result<i64, DbErr>>;
 
-    /// After it, on the same connection.
+    /// After it, on the same connection: refuses the rows when the copy is
+    /// older than `need` (set back while the instance took it to be new).
     fn after<'a>(
         &'a self,
         table: &'static dyn ReferenceTable,
         conn: &'a DatabaseConnection,
+        need: i64,
     ) -> futures::future::BoxFuture<'a, std::result::Result<(), DbErr>>;
 }
 

@@ -300,7 +300,7 @@ where
             let select = select.clone();
             let read = async {
                 let fence: &dyn ReferenceFence = &self.refs;
-                fence
+                let need = fence
                     .before(table, conn)
                     .await
                     .map_err(|e| db_err(name, Self::table(), "read", e))?;
@@ -309,7 +309,7 @@ where
                     .await
                     .map_err(|e| db_err(name, Self::table(), "read", e))?;
                 fence
-                    .after(table, conn)
+                    .after(table, conn, need)
                     .await
                     .map_err(|e| db_err(name, Self::table(), "read", e))?;
                 Ok(rows)

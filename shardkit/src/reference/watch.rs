@@ -46,6 +46,11 @@ pub(crate) fn register(refs: &References, table: &'static dyn ReferenceTable) {
 /// its table's source version caught up (a shard that fails is tried again
 /// next pass).
 async fn pass(refs: &References) {
+    // Fault injection: no background pass (a copy set back stays so).
+    #[cfg(feature = "failpoints")]
+    if fail::eval("shardkit::reference::no_pass", |_| ()).is_some() {
+        return;
+    }
     let shards = refs.shards();
     let count = shards.topology().shards().len() as u32;
     let timeout = shards.read_settings().timeout;
@@ -99,14 +104,14 @@ impl ReferenceFence for References {
         &'a self,
         table: &'static dyn ReferenceTable,
         conn: &'a DatabaseConnection,
-    ) -> BoxFuture<'a, std::result::Result<(), DbErr>> {
+    ) -> BoxFuture<'a, std::result::Result<i64, DbErr>> {
         Box::pin(async move {
             register(self, table);
             let name = table.table();
             let need = self.seen(name);
             let shard = self.shard_of(conn);
             if need == 0 || shard.is_some_and(|s| self.copy(name, s) >= need) {
-                return Ok(());
+                return Ok(need);
             }
             let mut have = version_of(conn, name).await?;
             if have < need
@@ -121,11 +126,9 @@ impl ReferenceFence for References {
                 self.copy_is(name, s, have);
             }
             if have < need {
-                return Err(DbErr::Custom(format!(
-                    "the copy of reference table `{name}` here is at version {have}, older than version {need} this instance has read"
-                )));
+                return Err(older(name, have, need));
             }
-            Ok(())
+            Ok(need)
         })
     }
 
@@ -133,6 +136,7 @@ impl ReferenceFence for References {
         &'a self,
         table: &'static dyn ReferenceTable,
         conn: &'a DatabaseConnection,
+        need: i64,
     ) -> BoxFuture<'a, std::result::Result<(), DbErr>> {
         Box::pin(async move {
             let name = table.table();
@@ -140,10 +144,22 @@ impl ReferenceFence for References {
             if let Some(s) = self.shard_of(conn) {
                 self.copy_is(name, s, have);
             }
+            // `before` may have taken the instance's word for the copy: a
+            // copy set back since (a restore, another instance following
+            // the source back) shows here, and its rows are not returned.
+            if have < need {
+                return Err(older(name, have, need));
+            }
             self.saw(name, have);
             Ok(())
         })
     }
+}
+
+fn older(name: &str, have: i64, need: i64) -> DbErr {
+    DbErr::Custom(format!(
+        "the copy of reference table `{name}` here is at version {have}, older than version {need} this instance has read"
+    ))
 }
 
 /// A reference entity's table as the object reads and catch-ups call
