@@ -1106,6 +1106,56 @@ async fn parked_messages_are_listed_retried_and_discarded_and_order_holds(dbs: &
         outbox.deliver().await.unwrap(),
         shardkit::RelayReport::default()
     );
+    // A handler slower than the step timeout: cut off, its transaction
+    // rolled back, and put off by the backoff without counting an attempt
+    // (not run again back to back, holding the receiving key's rows).
+    let slow = relay(&cluster)
+        .step_timeout(Duration::from_millis(300))
+        .backoff(Duration::from_secs(60), Duration::from_secs(60))
+        .handle::<Credit, _, _, _>(|tx, c: Credit| async move {
+            if c.amount == 77 {
+                tokio::time::sleep(Duration::from_secs(2)).await;
+            }
+            apply_credit(&tx, c).await
+        });
+    let id = send_credit(&cluster, 1, 2, 26, 77).await;
+    let report = slow.deliver().await.unwrap();
+    assert_eq!((report.applied, report.deferred), (0, 1), "{report:?}");
+    let shard = cluster.shard_of::<Holder>(&1).await.unwrap();
+    let db = cluster.connection(shard).unwrap();
+    let row = db
+        .query_one_raw(sea_orm::Statement::from_sql_and_values(
+            db.get_database_backend(),
+            match db.get_database_backend() {
+                sea_orm::DbBackend::Postgres => {
+                    "SELECT attempts, next_at, last_error FROM shardkit_outbox WHERE id = $1"
+                }
+                _ => "SELECT attempts, next_at, last_error FROM shardkit_outbox WHERE id = ?",
+            },
+            [id.clone().into()],
+        ))
+        .await
+        .unwrap()
+        .expect("the message is pending");
+    let attempts: i32 = row.try_get("", "attempts").unwrap();
+    let next_at: i64 = row.try_get("", "next_at").unwrap();
+    let error: Option<String> = row.try_get("", "last_error").unwrap();
+    assert_eq!(attempts, 0);
+    assert!(
+        next_at as u64 > shardkit::Clock::now_millis(cluster.clock().as_ref()) + 50_000,
+        "not put off: next_at {next_at}"
+    );
+    assert!(
+        error
+            .as_deref()
+            .is_some_and(|e| e.starts_with("not applied within the step timeout (300ms)")),
+        "{error:?}"
+    );
+    assert_eq!(
+        slow.deliver().await.unwrap(),
+        shardkit::RelayReport::default()
+    );
+    assert_eq!(balance(&cluster, 2).await, 33);
 }
 
 /// A handler that swallows a failed statement and returns `Ok` on

@@ -261,6 +261,8 @@ impl Outbox {
     /// The longest a relay waits for one shard's step (reading its outbox,
     /// applying one receiving key's messages) before it gives up on it for
     /// this pass (default 10 s): a shard that hangs holds nothing else up.
+    /// A message not applied within it is put off by the backoff, without
+    /// counting an attempt.
     pub fn step_timeout(mut self, timeout: Duration) -> Self {
         self.settings.step_timeout = timeout;
         self
@@ -396,11 +398,15 @@ impl Outbox {
         report
     }
 
-    /// [`deliver_pair`](Self::deliver_pair) bounded by the step timeout.
+    /// [`deliver_pair`](Self::deliver_pair): its applies bounded by the
+    /// step timeout (one that runs out is put off by the backoff, see
+    /// below), the whole pair by twice that (the sender's row changes are
+    /// bounded too).
     fn bounded_pair(&self, pair: Vec<(Row, Arc<dyn Kind>)>) -> BoxFuture<'_, RelayReport> {
         let step = self.settings.step_timeout;
         Box::pin(async move {
-            tokio::time::timeout(step, self.deliver_pair(pair))
+            let applies_by = tokio::time::Instant::now() + step;
+            tokio::time::timeout(step.saturating_mul(2), self.deliver_pair(pair, applies_by))
                 .await
                 .unwrap_or(RelayReport {
                     deferred: 1,
@@ -411,7 +417,11 @@ impl Outbox {
 
     /// Applies a pair's messages in order, stopping at the first that
     /// cannot be applied now.
-    async fn deliver_pair(&self, pair: Vec<(Row, Arc<dyn Kind>)>) -> RelayReport {
+    async fn deliver_pair(
+        &self,
+        pair: Vec<(Row, Arc<dyn Kind>)>,
+        applies_by: tokio::time::Instant,
+    ) -> RelayReport {
         let mut report = RelayReport::default();
         let shards = self.cluster.shards();
         for (row, kind) in pair {
@@ -429,7 +439,19 @@ impl Outbox {
                     INBOX_TTL.as_secs() / 86_400
                 ))
             } else {
-                kind.deliver(&self.cluster, &row).await
+                // An apply cut off by the step timeout (its transaction
+                // rolled back) is put off by the backoff like a shard that
+                // did not answer, not tried again at the next pass: a slow
+                // handler would otherwise run back to back, holding the
+                // receiving key's rows (on SQLite, its file's write lock).
+                tokio::time::timeout_at(applies_by, kind.deliver(&self.cluster, &row))
+                    .await
+                    .unwrap_or_else(|_| {
+                        Delivery::Unavailable(format!(
+                            "not applied within the step timeout ({:?}): the handler or the receiving shard is slow",
+                            self.settings.step_timeout
+                        ))
+                    })
             };
             let mut step = RelayReport::default();
             let change = match delivery {
