@@ -226,6 +226,21 @@ async fn connect(toml: &str) -> Cluster {
         .unwrap()
 }
 
+/// Waits (at most 10 s) until no copy of `table` is behind its source.
+async fn caught_up<E: shardkit::ReferenceEntity + 'static>(
+    table: &shardkit::reference::Reference<E>,
+) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let status = table.status().await.unwrap();
+        if status.behind().is_empty() {
+            return;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{status:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 async fn exec(cluster: &Cluster, shard: &str, sql: &str) {
     let db = cluster.connection(shard).unwrap();
     db.execute_unprepared(sql)
@@ -993,15 +1008,7 @@ async fn reference_drift_is_repaired_and_a_move_target_gets_the_table(dbs: &mut 
     let other = connect(&toml(dbs, 60_000)).await;
     let theirs = other.reference::<currency::Entity>();
     assert_eq!(theirs.version().await.unwrap(), 3);
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let status = theirs.status().await.unwrap();
-        if status.behind().is_empty() {
-            break;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "{status:?}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    caught_up(&theirs).await;
     let row = theirs
         .read(<currency::Entity as sea_orm::EntityTrait>::find_by_id(
             code(4),
@@ -1126,15 +1133,7 @@ async fn reference_drift_is_repaired_and_a_move_target_gets_the_table(dbs: &mut 
     );
     drop(no_pass);
     // The next pass brings the copy back, and the read goes through.
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let status = currencies.status().await.unwrap();
-        if status.behind().is_empty() {
-            break;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "{status:?}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    caught_up(&currencies).await;
     let rows = cluster
         .find::<purchase::Entity>()
         .key(buyer)

@@ -885,6 +885,16 @@ async fn send_credit(cluster: &Cluster, from: i64, to: i64, seq: i64, amount: i6
         .unwrap()
 }
 
+/// The parked messages every shard's outbox lists.
+async fn all_parked(outbox: &shardkit::Outbox) -> Vec<shardkit::ParkedMessage> {
+    let status = outbox.status().await.unwrap();
+    status
+        .shards
+        .iter()
+        .flat_map(|s| s.parked.clone())
+        .collect()
+}
+
 /// Panics whose message is `expected` are not printed (the scenario
 /// makes them on purpose); every other panic is, as before.
 fn quiet_panics(expected: &'static str) {
@@ -974,12 +984,7 @@ async fn parked_messages_are_listed_retried_and_discarded_and_order_holds(dbs: &
         (1..=20).filter(|&s| s != 5).collect::<Vec<_>>(),
         "applied in order"
     );
-    let status = outbox.status().await.unwrap();
-    let parked: Vec<_> = status
-        .shards
-        .iter()
-        .flat_map(|s| s.parked.clone())
-        .collect();
+    let parked = all_parked(&outbox).await;
     assert_eq!(parked.len(), 1);
     assert_eq!(parked[0].id, parked_id);
     assert_eq!(parked[0].attempts, 2);
@@ -1014,12 +1019,7 @@ async fn parked_messages_are_listed_retried_and_discarded_and_order_holds(dbs: &
     send_credit(&cluster, 1, 2, 25, 1).await;
     let report = outbox.deliver().await.unwrap();
     assert_eq!((report.applied, report.parked), (1, 1), "{report:?}");
-    let status = outbox.status().await.unwrap();
-    let parked: Vec<_> = status
-        .shards
-        .iter()
-        .flat_map(|s| s.parked.clone())
-        .collect();
+    let parked = all_parked(&outbox).await;
     assert_eq!(parked.len(), 1);
     assert_eq!(parked[0].id, id);
     assert_eq!(
@@ -1193,13 +1193,8 @@ async fn a_handler_that_swallows_a_failed_statement_commits_nothing(dbs: &mut Te
     let report = outbox.deliver().await.unwrap();
     assert_eq!((report.applied, report.parked), (0, 1), "{report:?}");
     assert_eq!(balance(&cluster, 2).await, 0, "nothing credited");
-    let status = outbox.status().await.unwrap();
-    let parked: Vec<_> = status
-        .shards
-        .iter()
-        .flat_map(|s| s.parked.clone())
-        .collect();
-    assert_eq!(parked.len(), 1, "{status:?}");
+    let parked = all_parked(&outbox).await;
+    assert_eq!(parked.len(), 1, "{parked:?}");
     assert_eq!(parked[0].id, id);
     let why = parked[0].last_error.clone().unwrap_or_default();
     assert!(
