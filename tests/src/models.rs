@@ -145,10 +145,11 @@ pub mod note {
     impl ActiveModelBehavior for ActiveModel {}
 }
 
-/// Customer-group notes in database `shardkit_shared_test` of a MySQL/MariaDB
-/// server (a `schema_name` names a database of the server there): one
-/// table for every shard on that server. The scenarios that use it create
-/// and drop it themselves.
+/// Customer-group notes under `schema_name = "shardkit_shared_test"`: on
+/// MySQL/MariaDB a database of the server (one table for every shard on
+/// that server); on PostgreSQL a schema of the shard's database, not in its
+/// search path. The scenarios that use it create (and on MySQL drop) it
+/// themselves.
 pub mod server_note {
     use sea_orm::entity::prelude::*;
 

@@ -226,6 +226,17 @@ async fn connect(toml: &str) -> Cluster {
         .unwrap()
 }
 
+/// The currency of buyer `buyer`'s first purchase, joined on the buyer's
+/// shard (a keyed read through the reference fence).
+async fn currency_of(cluster: &Cluster, buyer: i64) -> shardkit::Result<Option<currency::Model>> {
+    let rows = cluster
+        .find::<purchase::Entity>()
+        .key(buyer)
+        .find_also_related(currency::Entity)
+        .await?;
+    Ok(rows.into_iter().next().and_then(|(_, cur)| cur))
+}
+
 /// Waits (at most 10 s) until no copy of `table` is behind its source.
 async fn caught_up<E: shardkit::ReferenceEntity + 'static>(
     table: &shardkit::reference::Reference<E>,
@@ -1042,13 +1053,8 @@ async fn reference_drift_is_repaired_and_a_move_target_gets_the_table(dbs: &mut 
     for buyer in 1..=BUYERS {
         let on_s4 = cluster.shard_of::<Buyer>(&buyer).await.unwrap() == "s4";
         moved += usize::from(on_s4);
-        let rows = cluster
-            .find::<purchase::Entity>()
-            .key(buyer)
-            .find_also_related(currency::Entity)
-            .await
-            .unwrap();
-        let cur = rows[0].1.as_ref().expect("currency on the buyer's shard");
+        let cur = currency_of(&cluster, buyer).await.unwrap();
+        let cur = cur.as_ref().expect("currency on the buyer's shard");
         assert_eq!(cur.code, bought(buyer));
         if buyer % 10 == 3 {
             assert_eq!(cur.name, "renamed");
@@ -1102,24 +1108,18 @@ async fn reference_drift_is_repaired_and_a_move_target_gets_the_table(dbs: &mut 
         )
         .await;
         exec(&cluster, &shard, "UPDATE currencies SET name = 'restored'").await;
-        match cluster
-            .find::<purchase::Entity>()
-            .key(buyer)
-            .find_also_related(currency::Entity)
-            .await
-        {
+        match currency_of(&cluster, buyer).await {
             Err(e) => {
                 refused = Some(e);
                 break;
             }
-            Ok(rows) => {
+            Ok(read) => {
                 let now = currencies.status().await.unwrap();
                 let copy = now.copies.iter().find(|c| c.shard == shard).unwrap();
                 assert_eq!(
                     copy.version,
                     Ok(source),
-                    "the set-back copy was read: {:?}",
-                    rows[0].1
+                    "the set-back copy was read: {read:?}"
                 );
             }
         }
@@ -1134,13 +1134,8 @@ async fn reference_drift_is_repaired_and_a_move_target_gets_the_table(dbs: &mut 
     drop(no_pass);
     // The next pass brings the copy back, and the read goes through.
     caught_up(&currencies).await;
-    let rows = cluster
-        .find::<purchase::Entity>()
-        .key(buyer)
-        .find_also_related(currency::Entity)
-        .await
-        .unwrap();
-    assert_eq!(rows[0].1.as_ref().map(|c| c.name.as_str()), Some("renamed"));
+    let cur = currency_of(&cluster, buyer).await.unwrap();
+    assert_eq!(cur.map(|c| c.name), Some("renamed".to_owned()));
     assert!(
         currencies
             .explain(&<currency::Entity as sea_orm::EntityTrait>::find())

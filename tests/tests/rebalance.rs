@@ -1947,27 +1947,7 @@ async fn a_mover_paused_while_sending_a_copy_does_not_block_the_next(dbs: &mut T
     paused_mover_then_take_over(dbs, "shardkit::rebalance::park_sending::copy").await;
 }
 
-/// A Customer-group table in PostgreSQL's schema `app`, not in the
-/// search path.
-mod app_note {
-    use sea_orm::entity::prelude::*;
-
-    #[sea_orm::model]
-    #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel, shardkit::Sharded)]
-    #[sea_orm(schema_name = "app", table_name = "notes")]
-    #[shardkit(group = shardkit_tests::models::Customer)]
-    pub struct Model {
-        #[sea_orm(primary_key, auto_increment = false)]
-        pub id: i64,
-        #[shardkit(shard_key)]
-        pub customer_id: i64,
-        pub body: String,
-    }
-
-    impl ActiveModelBehavior for ActiveModel {}
-}
-
-/// A table in a named schema (`app.notes`) moves like the others while
+/// A table in a named schema (`shardkit_shared_test.notes`) moves like the others while
 /// eight writers on pools of 2 add to it, between PostgreSQL shards with
 /// `COPY` into the schema's table: its columns are
 /// checked there, its rows land there on the target and leave the sources,
@@ -1982,7 +1962,7 @@ async fn a_table_in_a_named_schema_moves_with_copy(dbs: &mut TestDbs) {
         a.connection(shard)
             .unwrap()
             .execute_unprepared(&format!(
-                "CREATE SCHEMA app; CREATE TABLE app.notes {columns}"
+                "CREATE SCHEMA shardkit_shared_test; CREATE TABLE shardkit_shared_test.notes {columns}"
             ))
             .await
             .unwrap();
@@ -1992,7 +1972,7 @@ async fn a_table_in_a_named_schema_moves_with_copy(dbs: &mut TestDbs) {
     let add = |cluster: Cluster, acked: Arc<Mutex<Vec<(i64, i64)>>>, key: i64, id: i64| async move {
         cluster
             .transaction::<Customer, _, _>(key, |tx| async move {
-                tx.insert_without_returning(app_note::ActiveModel {
+                tx.insert_without_returning(server_note::ActiveModel {
                     id: Set(id),
                     customer_id: Set(key),
                     body: Set(first_name(id)),
@@ -2024,7 +2004,7 @@ async fn a_table_in_a_named_schema_moves_with_copy(dbs: &mut TestDbs) {
             })
         })
         .collect();
-    let m = mover(&a).entity::<app_note::Entity>();
+    let m = mover(&a).entity::<server_note::Entity>();
     let plan = m.plan_buckets(quarter(), "s4").await.unwrap();
     let id = m.start(&plan).await.unwrap().id;
     let done = m
@@ -2039,7 +2019,7 @@ async fn a_table_in_a_named_schema_moves_with_copy(dbs: &mut TestDbs) {
     a.refresh_bucket_maps().await.unwrap();
 
     // Every note on its key's owner, once, as written.
-    let found = placed::<app_note::Entity, _>(&a, |n| (n.id, (n.customer_id, n.body))).await;
+    let found = placed::<server_note::Entity, _>(&a, |n| (n.id, (n.customer_id, n.body))).await;
     for shard in a.topology().shard_names() {
         let db = a.connection(shard).unwrap();
         let decoy = db
@@ -2074,7 +2054,7 @@ async fn a_table_in_a_named_schema_moves_with_copy(dbs: &mut TestDbs) {
     // Routed to it.
     for key in 1..=120i64 {
         let read = a
-            .find::<app_note::Entity>()
+            .find::<server_note::Entity>()
             .key(key)
             .all()
             .await
@@ -2085,10 +2065,9 @@ async fn a_table_in_a_named_schema_moves_with_copy(dbs: &mut TestDbs) {
     // Written with `COPY` into the schema's table.
     let copies = copies.lock().unwrap();
     assert!(
-        copies
-            .iter()
-            .any(|(shard, sql)| shard == "s4" && sql.starts_with(r#"COPY "app"."notes""#)),
-        "no COPY into app.notes on s4 observed: {copies:?}"
+        copies.iter().any(|(shard, sql)| shard == "s4"
+            && sql.starts_with(r#"COPY "shardkit_shared_test"."notes""#)),
+        "no COPY into shardkit_shared_test.notes on s4 observed: {copies:?}"
     );
 }
 
@@ -2113,37 +2092,17 @@ async fn a_table_in_a_database_every_shard_shares_is_not_moved(dbs: &mut TestDbs
     ] {
         db.execute_unprepared(sql).await.unwrap();
     }
-    for key in 1..=40i64 {
-        a.transaction::<Customer, _, _>(key, |tx| async move {
-            tx.insert_without_returning(server_note::ActiveModel {
-                id: Set(key),
-                customer_id: Set(key),
-                body: Set(first_name(key)),
-            })
-            .await
-        })
-        .await
-        .unwrap_or_else(|e| panic!("note of {key}: {}", e.report()));
-    }
+    add_notes(&a).await;
     let m = a
         .rebalance::<Customer>()
         .unwrap()
         .entity::<server_note::Entity>();
     let plan = m.plan_buckets(quarter(), "s4").await.unwrap();
-    match m.start(&plan).await {
-        Err(ShardError::Rebalance {
-            id: None, reason, ..
-        }) => assert!(
-            reason.starts_with("`shardkit_shared_test.notes` would be the same table on shards `s")
-                && reason.contains("and `s4`: they are databases of one MySQL/MariaDB server"),
-            "{reason}"
-        ),
-        other => panic!("a move of a table every shard shares: {other:?}"),
-    }
-    assert_eq!(
-        m.list(true).await.unwrap().len(),
-        0,
-        "a move was registered"
+    let reason = start_refused(&m, &plan).await;
+    assert!(
+        reason.starts_with("`shardkit_shared_test.notes` would be the same table on shards `s")
+            && reason.contains("and `s4`: they are databases of one MySQL/MariaDB server"),
+        "{reason}"
     );
     // Moves that got past the check (registered and run as by a build
     // without it): one aborted, one run to the end. Neither deletes a note
@@ -2198,6 +2157,40 @@ async fn a_table_in_a_database_every_shard_shares_is_not_moved(dbs: &mut TestDbs
     db.execute_unprepared("DROP DATABASE shardkit_shared_test")
         .await
         .unwrap();
+}
+
+/// Notes 1..=40, each of its own customer, in `server_note`'s table.
+async fn add_notes(cluster: &Cluster) {
+    for key in 1..=40i64 {
+        cluster
+            .transaction::<Customer, _, _>(key, |tx| async move {
+                tx.insert_without_returning(server_note::ActiveModel {
+                    id: Set(key),
+                    customer_id: Set(key),
+                    body: Set(first_name(key)),
+                })
+                .await
+            })
+            .await
+            .unwrap_or_else(|e| panic!("note of {key}: {}", e.report()));
+    }
+}
+
+/// The reason `start` refused `plan` with, before registering anything.
+async fn start_refused(m: &Rebalance<Customer>, plan: &shardkit::rebalance::MovePlan) -> String {
+    match m.start(plan).await {
+        Err(ShardError::Rebalance {
+            id: None, reason, ..
+        }) => {
+            assert_eq!(
+                m.list(true).await.unwrap().len(),
+                0,
+                "a move was registered"
+            );
+            reason
+        }
+        other => panic!("a move that would copy rows onto themselves: {other:?}"),
+    }
 }
 
 /// The config with shard s4 reached by `url` instead of its own database.
@@ -2282,24 +2275,15 @@ async fn a_shard_whose_url_reaches_another_shards_database_takes_no_move(dbs: &m
         }
         _ => "the two shards' URLs reach one database",
     };
-    match m.start(&plan).await {
-        Err(ShardError::Rebalance {
-            id: None, reason, ..
-        }) => assert!(
-            // The group's tables, the outbox's among them.
-            reason.starts_with("`customers`, `orders`, `contacts`, `shardkit_outbox`, ")
-                && reason.contains(&format!(
-                    "would each be one table on shards `s0` and `s4`: {why}, so the move would copy the rows onto themselves"
-                ))
-                && reason.contains("give each shard a database of its own in the config"),
-            "{reason}"
-        ),
-        other => panic!("a move onto the source's own database: {other:?}"),
-    }
-    assert_eq!(
-        m.list(true).await.unwrap().len(),
-        0,
-        "a move was registered"
+    let reason = start_refused(&m, &plan).await;
+    // The group's tables, the outbox's among them.
+    assert!(
+        reason.starts_with("`customers`, `orders`, `contacts`, `shardkit_outbox`, ")
+            && reason.contains(&format!(
+                "would each be one table on shards `s0` and `s4`: {why}, so the move would copy the rows onto themselves"
+            ))
+            && reason.contains("give each shard a database of its own in the config"),
+        "{reason}"
     );
     each_customer_found(&a, &acked).await;
 }
@@ -2307,7 +2291,7 @@ async fn a_shard_whose_url_reaches_another_shards_database_takes_no_move(dbs: &m
 /// Shard s4 is schema `shard4` of s0's database (its URL sets the search
 /// path). Tables the search path finds are each shard's own, and move: the
 /// Customer group's quarter of the buckets goes to s4 and every customer and
-/// order is then on its owner, once. A table in a named schema (`app.notes`)
+/// order is then on its owner, once. A table in a named schema (`shardkit_shared_test.notes`)
 /// is one table for s0 and s4: a move that lists it is refused at start,
 /// naming it, and nothing is registered.
 async fn shards_that_are_schemas_of_one_database_move_their_own_tables_only(dbs: &mut TestDbs) {
@@ -2328,37 +2312,21 @@ async fn shards_that_are_schemas_of_one_database_move_their_own_tables_only(dbs:
         a.connection(shard)
             .unwrap()
             .execute_unprepared(&format!(
-                "CREATE SCHEMA app; CREATE TABLE app.notes {columns}"
+                "CREATE SCHEMA shardkit_shared_test; CREATE TABLE shardkit_shared_test.notes {columns}"
             ))
             .await
             .unwrap();
     }
-    for key in 1..=40i64 {
-        a.transaction::<Customer, _, _>(key, |tx| async move {
-            tx.insert_without_returning(app_note::ActiveModel {
-                id: Set(key),
-                customer_id: Set(key),
-                body: Set(first_name(key)),
-            })
-            .await
-        })
-        .await
-        .unwrap_or_else(|e| panic!("note of {key}: {}", e.report()));
-    }
-    let with_notes = mover(&a).entity::<app_note::Entity>();
+    add_notes(&a).await;
+    let with_notes = mover(&a).entity::<server_note::Entity>();
     let plan = with_notes.plan_buckets(quarter(), "s4").await.unwrap();
-    match with_notes.start(&plan).await {
-        Err(ShardError::Rebalance {
-            id: None, reason, ..
-        }) => assert!(
-            reason.starts_with(
-                "`app.notes` would be the same table on shards `s0` and `s4`: they are one PostgreSQL database (each with its own search path)"
-            ),
-            "{reason}"
+    let reason = start_refused(&with_notes, &plan).await;
+    assert!(
+        reason.starts_with(
+            "`shardkit_shared_test.notes` would be the same table on shards `s0` and `s4`: they are one PostgreSQL database (each with its own search path)"
         ),
-        other => panic!("a move of a table two schema shards share: {other:?}"),
-    }
-    assert_eq!(with_notes.list(true).await.unwrap().len(), 0);
+        "{reason}"
+    );
 
     let m = mover(&a);
     let id = m.start(&plan).await.unwrap().id;

@@ -221,7 +221,7 @@ impl<G> Rebalance<G> {
             while ei < self.entities.len() {
                 // Children first (the entities in reverse order).
                 let entity = &self.entities[self.entities.len() - 1 - ei];
-                if shared.contains(&entity.table().to_string()) {
+                if shared.contains(entity.table()) {
                     tracing::warn!(group = self.group, id = status.id, table = %entity.table(), "the moved rows' table is one table on the source and the target: nothing to clean");
                     after = None;
                     ei += 1;
@@ -380,7 +380,7 @@ impl<G> Rebalance<G> {
         // Children first: a row's foreign keys point at entities listed
         // before it.
         for entity in self.entities.iter().rev() {
-            if shared.contains(&entity.table().to_string()) {
+            if shared.contains(entity.table()) {
                 tracing::warn!(group = self.group, id, table = %entity.table(), "the moving rows' table is one table on the source and the target: nothing to remove from the target");
                 continue;
             }

@@ -118,6 +118,7 @@ impl<G> Rebalance<G> {
             let Some((why, tables)) = self.shared_tables(id, source, target).await? else {
                 continue;
             };
+            let names: Vec<String> = tables.iter().map(ToString::to_string).collect();
             let (from, to) = (
                 self.shards.shard_name(source),
                 self.shards.shard_name(target),
@@ -130,7 +131,7 @@ impl<G> Rebalance<G> {
                 id,
                 format!(
                     "{} {verb} on shards `{from}` and `{to}`: {}, so the move would copy the rows onto themselves and then delete them from the source; {}",
-                    list(tables.iter().map(String::as_str)),
+                    list(names.iter().map(String::as_str)),
                     why.reason(),
                     why.remedy(tables.len() > 1),
                 ),
@@ -157,7 +158,7 @@ impl<G> Rebalance<G> {
         id: Option<i64>,
         a: ShardId,
         b: ShardId,
-    ) -> Result<Option<(OneTable, Vec<String>)>> {
+    ) -> Result<Option<(OneTable, Vec<MovingTable>)>> {
         let tables: Vec<&MovingTable> = self.entities.iter().map(|e| e.table()).collect();
         let backend = |id| self.conn(id).0.get_database_backend();
         if a == b || tables.is_empty() || backend(a) != backend(b) {
@@ -213,24 +214,21 @@ impl<G> Rebalance<G> {
         if shared.is_empty() {
             return Ok(None);
         }
-        Ok(Some((
-            why,
-            shared.iter().map(ToString::to_string).collect(),
-        )))
+        Ok(Some((why, shared.into_iter().cloned().collect())))
     }
 
-    /// Whether a lock taken on shard `a` is seen from shard `b`: `Same`
+    /// Whether a lock taken on shard `a` is seen from shard `b`: it
     /// holds the lock in a transaction of `a`'s pool (so the lock keeps its
     /// connection), then `b` is asked whether it sees it. A lock that is not
     /// granted fails the check: the move does not go on without an answer.
     ///
-    /// - MySQL/MariaDB (`Same::Server`): a named lock (`GET_LOCK`,
+    /// - MySQL/MariaDB (seen: the same server): a named lock (`GET_LOCK`,
     ///   server-wide), seen in use from `b` only when they share the server.
     ///   Its name is new each time; it goes with the connection if the
     ///   process dies, and stays with the pooled connection until it closes
     ///   if a step timeout cuts the check short (no one asks for that name
     ///   again).
-    /// - PostgreSQL (`Same::Database`): an advisory lock of new keys, listed
+    /// - PostgreSQL (seen: the same database): an advisory lock of new keys, listed
     ///   in `pg_locks` under `a`'s database; `b` looks for it under its own.
     ///   It ends with the transaction, or with the connection.
     async fn lock_seen(
