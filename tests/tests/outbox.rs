@@ -99,13 +99,28 @@ impl Message for Credit {
     type To = Holder;
 }
 
+/// A message to a group whose ranges leave keys without a shard.
+#[derive(serde::Serialize, serde::Deserialize, Clone, Debug)]
+struct Gift {
+    amount: i64,
+}
+
+impl Message for Gift {
+    const NAME: &'static str = "gift";
+    type From = Holder;
+    type To = shardkit_tests::models::Account;
+}
+
+/// A key of `Account` outside its one range: no shard holds it.
+const NO_SHARD: i32 = 5000;
+
 const ACCOUNTS: i64 = 1000;
 const START: i64 = 1000;
 const BUCKETS: u32 = 64;
 
 fn groups() -> String {
     format!(
-        "[groups.Holder]\nbuckets = {BUCKETS}\nshards = [\"s0\", \"s1\", \"s2\", \"s3\"]\nmovable = true\n\n[rebalance]\nrefresh_ms = 50\ncleanup_grace_ms = 0\nchunk = 200\n"
+        "[groups.Holder]\nbuckets = {BUCKETS}\nshards = [\"s0\", \"s1\", \"s2\", \"s3\"]\nmovable = true\n\n[groups.Account]\nplacement = \"range\"\nranges = [{{ shard = \"s0\", to = 1000 }}]\n\n[rebalance]\nrefresh_ms = 50\ncleanup_grace_ms = 0\nchunk = 200\n"
     )
 }
 
@@ -792,6 +807,49 @@ async fn a_saga_whose_step_is_refused_is_compensated_once(dbs: &mut TestDbs) {
         shardkit::SagaReport::default()
     );
     assert_eq!(balance(&cluster, 1).await, 70);
+    // A step whose key no shard holds never begins: the steps before it
+    // are undone and the saga ends compensated, naming the key, instead
+    // of waiting for ever.
+    let gift = Saga::<Holder, Order>::new("gift")
+        .step::<Holder, _, _, _, _, _, _, _>(
+            |o: &Order| o.buyer,
+            |tx, o: Order| async move { add(&tx, -o.amount).await },
+            |tx, o: Order| async move { add(&tx, o.amount).await },
+        )
+        .step::<shardkit_tests::models::Account, _, _, _, _, _, _, _>(
+            |_: &Order| NO_SHARD,
+            |_tx, _o: Order| async {
+                Err::<(), shardkit::BoxError>("a step with no shard ran".into())
+            },
+            |_tx, _o: Order| async {
+                Err::<(), shardkit::BoxError>("the undo of a step that never began ran".into())
+            },
+        );
+    let gift = cluster.sagas(gift);
+    let (id, state) = gift
+        .start(
+            1,
+            &Order {
+                buyer: 1,
+                seller: 2,
+                amount: 9,
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(state, SagaState::Compensated);
+    assert_eq!(balance(&cluster, 1).await, 70, "the debit is undone");
+    let status = gift
+        .status(1, &id)
+        .await
+        .unwrap()
+        .expect("the saga is saved");
+    assert!(
+        status.error.as_deref().is_some_and(
+            |e| e.starts_with(&format!("cannot route group `Account` key {NO_SHARD}: "))
+        ),
+        "{status:?}"
+    );
 }
 
 /// 8 concurrent retries of one request id run the work once and all get
@@ -958,6 +1016,7 @@ async fn parked_messages_are_listed_retried_and_discarded_and_order_holds(dbs: &
                     apply_credit(&tx, c).await
                 }
             })
+            .handle::<Gift, _, _, _>(|_tx, _g: Gift| async { Ok::<(), shardkit::BoxError>(()) })
     };
     // 20 messages from 1 to 2, each in its own transaction; the 5th is 13.
     let mut parked_id = String::new();
@@ -1028,6 +1087,35 @@ async fn parked_messages_are_listed_retried_and_discarded_and_order_holds(dbs: &
     );
     outbox.discard(&id).await.unwrap();
     assert_eq!(balance(&cluster, 2).await, 33);
+    // A message to a key no shard holds (outside every range) counts its
+    // attempts like a failed handler and is parked after them, naming the
+    // key, instead of being put off for ever.
+    let id = cluster
+        .transaction::<Holder, _, _>(1, |tx| async move {
+            tx.send(NO_SHARD, &Gift { amount: 5 }).await
+        })
+        .await
+        .unwrap();
+    let report = outbox.deliver().await.unwrap();
+    assert_eq!(
+        (report.failed, report.parked, report.deferred),
+        (2, 1, 0),
+        "{report:?}"
+    );
+    let parked = all_parked(&outbox).await;
+    assert_eq!(parked.len(), 1);
+    assert_eq!(
+        (parked[0].id.as_str(), parked[0].attempts),
+        (id.as_str(), 2)
+    );
+    assert!(
+        parked[0].last_error.as_deref().is_some_and(
+            |e| e.starts_with(&format!("cannot route group `Account` key {NO_SHARD}: "))
+        ),
+        "{:?}",
+        parked[0].last_error
+    );
+    outbox.discard(&id).await.unwrap();
     let status = outbox.status().await.unwrap();
     assert!(
         status

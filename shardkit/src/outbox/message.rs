@@ -243,6 +243,16 @@ pub(crate) async fn in_inbox<G: EntityGroup>(tx: &ShardTx<G>, id: &str) -> Resul
         .map_err(|e| db_err(tx.shard(), INBOX.name, "read", e))
 }
 
+/// Whether `err` says a key has no shard at all (as opposed to a shard that
+/// could not be reached): waiting does not help until the directory or the
+/// config changes.
+pub(crate) fn unplaceable(err: &ShardError) -> bool {
+    matches!(
+        err,
+        ShardError::Unroutable { .. } | ShardError::UnknownGroup { .. }
+    )
+}
+
 impl<M: Message> Typed<M> {
     async fn apply(&self, cluster: &Cluster, row: &Row) -> Delivery {
         let Some(to) = <<M::To as EntityGroup>::Key as ShardKey>::from_directory_text(&row.to_key)
@@ -270,6 +280,10 @@ impl<M: Message> Typed<M> {
             Err(e) if e.retry() == crate::Retry::Transaction => {
                 return Delivery::Aborted(e.report().to_string());
             }
+            // No shard holds the receiving key (no directory entry, outside
+            // every range): counted like a handler's failure, so the message
+            // is parked after its attempts instead of put off for ever.
+            Err(e) if unplaceable(&e) => return Delivery::Failed(e.report().to_string()),
             Err(e) => return Delivery::Unavailable(e.report().to_string()),
         };
         // PostgreSQL: the inbox row goes in last (below), where its insert
