@@ -16,6 +16,7 @@ backend_tests!(5 =>
     a_saga_whose_step_is_refused_is_compensated_once,
     concurrent_retries_of_a_request_run_it_once,
     parked_messages_are_listed_retried_and_discarded_and_order_holds,
+    a_sender_with_a_backlog_hides_no_other_sender,
     [Postgres] a_handler_that_swallows_a_failed_statement_commits_nothing,
     child_relay,
 );
@@ -1244,6 +1245,68 @@ async fn parked_messages_are_listed_retried_and_discarded_and_order_holds(dbs: &
         shardkit::RelayReport::default()
     );
     assert_eq!(balance(&cluster, 2).await, 33);
+}
+
+/// One sending key with more messages waiting than a pass reads (its
+/// first one failed and backs off for a minute, the rest of its pair wait
+/// behind it) holds up none of the keys after it on its shard.
+async fn a_sender_with_a_backlog_hides_no_other_sender(dbs: &mut TestDbs) {
+    let cluster = connect(&toml(dbs, &[]).replace("movable = true", "movable = false")).await;
+    cluster.migrate::<Migrator>().await.unwrap();
+    cluster
+        .transaction::<Holder, _, _>(2, |tx| async move {
+            tx.insert(wallet::ActiveModel {
+                id: Set(2),
+                balance: Set(0),
+            })
+            .await
+        })
+        .await
+        .unwrap();
+    // A sender after key 1 in the outbox's order, on key 1's shard.
+    let shard = cluster.shard_of::<Holder>(&1).await.unwrap().to_owned();
+    let mut later = 10;
+    while cluster.shard_of::<Holder>(&later).await.unwrap() != shard {
+        later += 1;
+    }
+    // 2,001 messages of key 1 (a pass reads 2,000 per shard), the first
+    // of them refused.
+    cluster
+        .transaction::<Holder, _, _>(1, |tx| async move {
+            for seq in 1..=2001 {
+                let amount = if seq == 1 { 13 } else { 1 };
+                let credit = Credit {
+                    transfer: format!("t{seq}"),
+                    amount,
+                    seq,
+                };
+                tx.send(2, &credit).await?;
+            }
+            Ok(())
+        })
+        .await
+        .unwrap();
+    send_credit(&cluster, later, 2, 1, 100).await;
+    let outbox = relay(&cluster)
+        .backoff(Duration::from_secs(60), Duration::from_secs(60))
+        .handle::<Credit, _, _, _>(|tx, c: Credit| async move {
+            if c.amount == 13 {
+                return Err(shardkit::BoxError::from("thirteen is unlucky"));
+            }
+            apply_credit(&tx, c).await
+        });
+    let report = outbox.deliver().await.unwrap();
+    assert_eq!((report.applied, report.failed), (1, 1), "{report:?}");
+    assert_eq!(balance(&cluster, 2).await, 100, "the later sender's credit");
+    let pending: u64 = outbox
+        .status()
+        .await
+        .unwrap()
+        .shards
+        .iter()
+        .map(|s| s.pending)
+        .sum();
+    assert_eq!(pending, 2001, "key 1's messages wait, in order");
 }
 
 /// A handler that swallows a failed statement and returns `Ok` on

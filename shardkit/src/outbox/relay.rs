@@ -64,10 +64,71 @@ pub struct Outbox {
     /// Per shard, when the running relay last counted its outbox (the
     /// gauges) and pruned it (ms).
     housekeeping: Arc<Mutex<HashMap<u32, [i64; 2]>>>,
+    /// Per shard, the sending key its next pass starts at (see
+    /// [`Window`]); none: the top of the outbox.
+    windows: Arc<Mutex<HashMap<u32, Window>>>,
+}
+
+/// Where a shard's next pass starts reading its pending messages. A pass
+/// reads at most `PAGES` pages in the order of their sending keys; when
+/// that is not all of them, the next pass goes on from the last sending
+/// key it read (from that key's first message again, so every pair's
+/// messages still go in order), and after the end, from the top. A backlog
+/// of messages that cannot go now (put off, waiting behind one) therefore
+/// never hides the sending keys after it for good.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Window {
+    grp: String,
+    key_text: String,
+    /// Whether the key's own messages are read again: not when they alone
+    /// filled the last pass, which would then never get past them.
+    inclusive: bool,
+}
+
+/// Whether passes have read every pending message since they last changed
+/// anything: then `deliver`, and the running relay until its next poll,
+/// stop.
+#[derive(Default)]
+struct Cycle {
+    /// Every pass since one that began at the top changed nothing.
+    quiet_from_top: bool,
+}
+
+impl Cycle {
+    /// After a pass that began at the top (`top`) or not, changed something
+    /// (`progressed`) or not, and read to the end (`end`) or not: whether
+    /// to stop.
+    fn done(&mut self, top: bool, progressed: bool, end: bool) -> bool {
+        if top {
+            self.quiet_from_top = true;
+        }
+        if progressed {
+            self.quiet_from_top = false;
+        }
+        end && self.quiet_from_top
+    }
+}
+
+/// What one pass over a shard did, and where in its outbox it read.
+#[derive(Clone, Copy, Default)]
+struct Pass {
+    report: RelayReport,
+    /// It began at the top of the outbox.
+    top: bool,
+    /// It read to the end (the next pass begins at the top).
+    end: bool,
 }
 
 /// Pages of pending messages a pass reads per shard, at most.
 const PAGES: usize = 4;
+
+/// Where [`Outbox::pending`] starts: after a row (the next page), or at a
+/// pass's [`Window`].
+#[derive(Clone, Copy)]
+enum Start<'a> {
+    After(&'a Row),
+    Window(&'a Window),
+}
 
 /// How long the inbox keeps a message id: 7 days. A message older than
 /// this is parked instead of delivered (its id may be gone from the inbox,
@@ -95,6 +156,7 @@ impl Cluster {
             kinds: Arc::new(HashMap::new()),
             settings: Settings::default(),
             housekeeping: Arc::default(),
+            windows: Arc::default(),
         }
     }
 }
@@ -281,6 +343,7 @@ impl Outbox {
                 let kinds = Arc::clone(&self.kinds);
                 let settings = self.settings;
                 let housekeeping = Arc::clone(&self.housekeeping);
+                let windows = Arc::clone(&self.windows);
                 periodic::spawn(
                     &self.cluster,
                     settings.poll,
@@ -291,11 +354,15 @@ impl Outbox {
                             kinds: Arc::clone(&kinds),
                             settings,
                             housekeeping: Arc::clone(&housekeeping),
+                            windows: Arc::clone(&windows),
                         };
                         async move {
+                            let mut cycle = Cycle::default();
                             loop {
-                                let report = relay.pass_shard(ShardId(i)).await;
-                                if !report.progressed() {
+                                let pass = relay.pass_shard(ShardId(i)).await;
+                                if pass.report.shards_failed > 0
+                                    || cycle.done(pass.top, pass.report.progressed(), pass.end)
+                                {
                                     break;
                                 }
                             }
@@ -313,58 +380,90 @@ impl Outbox {
     /// until a pass finds nothing more; returns what was done.
     pub async fn deliver(&self) -> Result<RelayReport> {
         let mut total = RelayReport::default();
+        let mut cycle = Cycle::default();
         loop {
-            let report = self.pass().await;
-            total.add(report);
-            if !report.progressed() {
+            let pass = self.pass().await;
+            total.add(pass.report);
+            // A shard that could not be read is not waited for.
+            if cycle.done(pass.top, pass.report.progressed(), pass.end) {
                 return Ok(total);
             }
         }
     }
 
     /// One pass over every shard's outbox, the shards at once.
-    fn pass(&self) -> BoxFuture<'_, RelayReport> {
+    fn pass(&self) -> BoxFuture<'_, Pass> {
         Box::pin(self.pass_all())
     }
 
-    async fn pass_all(&self) -> RelayReport {
+    async fn pass_all(&self) -> Pass {
         let shards = self.cluster.shards();
         let ids: Vec<ShardId> = (0..shards.topology().shards().len() as u32)
             .map(ShardId)
             .collect();
-        let reports =
-            futures::future::join_all(ids.into_iter().map(|id| self.pass_shard(id))).await;
-        let mut total = RelayReport::default();
-        for r in reports {
-            total.add(r);
+        let passes = futures::future::join_all(ids.into_iter().map(|id| self.pass_shard(id))).await;
+        let mut all = Pass {
+            top: true,
+            end: true,
+            ..Pass::default()
+        };
+        for pass in passes {
+            all.report.add(pass.report);
+            all.top &= pass.top;
+            all.end &= pass.end;
         }
-        total
+        all
     }
 
-    async fn pass_shard(&self, id: ShardId) -> RelayReport {
+    async fn pass_shard(&self, id: ShardId) -> Pass {
         let shards = self.cluster.shards();
         let name = shards.shard_name(id).to_owned();
         let mut report = RelayReport::default();
+        let window = self.lock_windows().get(&id.0).cloned();
         // Pages of pending messages, so that a full page of messages that
         // cannot go now (put off, or a pair waiting behind one) does not
-        // hide the rest for good.
+        // hide the rest of the window.
         let mut rows = Vec::new();
+        let mut end = false;
         for _ in 0..PAGES {
-            match self.pending(id, None, rows.last()).await {
+            let from = if rows.is_empty() {
+                window.as_ref().map(Start::Window)
+            } else {
+                rows.last().map(Start::After)
+            };
+            match self.pending(id, None, from).await {
                 Ok(page) => {
-                    let full = page.len() as u64 == self.settings.batch;
+                    end = (page.len() as u64) < self.settings.batch;
                     rows.extend(page);
-                    if !full {
+                    if end {
                         break;
                     }
                 }
                 Err(e) => {
                     tracing::debug!(shard = %name, error = %e.report(), "outbox not read; next pass");
                     report.shards_failed = 1;
-                    return report;
+                    // Read again from where it was.
+                    return Pass {
+                        report,
+                        top: window.is_none(),
+                        end: true,
+                    };
                 }
             }
         }
+        let next = match (end, rows.first(), rows.last()) {
+            (false, Some(first), Some(last)) => Some(Window {
+                inclusive: (&first.grp, &first.key_text) != (&last.grp, &last.key_text),
+                grp: last.grp.clone(),
+                key_text: last.key_text.clone(),
+            }),
+            _ => None,
+        };
+        match next {
+            Some(next) => self.lock_windows().insert(id.0, next),
+            None => self.lock_windows().remove(&id.0),
+        };
+        let top = window.is_none();
         // The messages of one sending key to one receiving key, in order.
         let mut pairs: Vec<Vec<(Row, Arc<dyn Kind>)>> = Vec::new();
         let mut at: HashMap<(String, String, String, String), usize> = HashMap::new();
@@ -395,7 +494,11 @@ impl Outbox {
         while let Some(r) = done.next().await {
             report.add(r);
         }
-        report
+        Pass { report, top, end }
+    }
+
+    fn lock_windows(&self) -> std::sync::MutexGuard<'_, HashMap<u32, Window>> {
+        self.windows.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// [`deliver_pair`](Self::deliver_pair): its applies bounded by the
@@ -538,7 +641,7 @@ impl Outbox {
         &self,
         id: ShardId,
         state: Option<&str>,
-        after: Option<&Row>,
+        from: Option<Start<'_>>,
     ) -> Result<Vec<Row>> {
         let shards = self.cluster.shards();
         let name = shards.shard_name(id);
@@ -556,16 +659,33 @@ impl Outbox {
                 .collect();
             stmt.and_where(Expr::col(Alias::new("kind")).is_in(handled));
         }
-        if let Some(after) = after {
-            let columns = ["grp", "key_text", "seq", "id"]
-                .map(|c| SimpleExpr::from(Expr::col(Alias::new(c))));
-            let values: [SimpleExpr; 4] = [
-                Expr::val(after.grp.as_str()),
-                Expr::val(after.key_text.as_str()),
-                Expr::val(after.seq),
-                Expr::val(after.id.as_str()),
-            ];
-            stmt.and_where(Expr::tuple(columns).gt(Expr::tuple(values)));
+        match from {
+            Some(Start::After(after)) => {
+                let columns = ["grp", "key_text", "seq", "id"]
+                    .map(|c| SimpleExpr::from(Expr::col(Alias::new(c))));
+                let values: [SimpleExpr; 4] = [
+                    Expr::val(after.grp.as_str()),
+                    Expr::val(after.key_text.as_str()),
+                    Expr::val(after.seq),
+                    Expr::val(after.id.as_str()),
+                ];
+                stmt.and_where(Expr::tuple(columns).gt(Expr::tuple(values)));
+            }
+            Some(Start::Window(window)) => {
+                let columns =
+                    ["grp", "key_text"].map(|c| SimpleExpr::from(Expr::col(Alias::new(c))));
+                let values: [SimpleExpr; 2] = [
+                    Expr::val(window.grp.as_str()),
+                    Expr::val(window.key_text.as_str()),
+                ];
+                let (columns, values) = (Expr::tuple(columns), Expr::tuple(values));
+                stmt.and_where(if window.inclusive {
+                    columns.gte(values)
+                } else {
+                    columns.gt(values)
+                });
+            }
+            None => {}
         }
         let stmt = stmt
             .order_by(Alias::new("grp"), Order::Asc)
