@@ -25,9 +25,9 @@ use tracing::Instrument;
 
 /// SeaORM's `Select::all` decoding `E::Model`s, its statement built before
 /// the future is made, as [`one_model`] does.
-pub(super) fn all_models<E: EntityTrait>(
+pub(super) fn all_models<E: EntityTrait, C: ConnectionTrait>(
     select: Select<E>,
-    conn: &DatabaseConnection,
+    conn: &C,
 ) -> impl Future<Output = std::result::Result<Vec<E::Model>, DbErr>> + '_ {
     let statement = conn
         .get_database_backend()
@@ -46,10 +46,10 @@ pub(super) fn all_models<E: EntityTrait>(
 /// own boxed query future, a pointer, where `Select::one`'s is a 3.4 KB
 /// chain of futures around copies of the statement. A keyed read boxes what
 /// this returns (see [`Read::single`]), and a box that small is one of the
-/// allocator's cheap sizes.
-pub(super) fn one_model<E: EntityTrait>(
+/// allocator's cheap sizes; a read in a transaction holds it as is.
+pub(super) fn one_model<E: EntityTrait, C: ConnectionTrait>(
     mut select: Select<E>,
-    conn: &DatabaseConnection,
+    conn: &C,
 ) -> impl Future<Output = std::result::Result<Option<E::Model>, DbErr>> + '_ {
     QueryTrait::query(&mut select).limit(1);
     let statement = conn

@@ -185,8 +185,7 @@ impl<'t, E: ShardedEntity, C: ConnectionTrait> TxFind<'t, E, C> {
     /// All matching rows of the transaction's key.
     pub async fn all(mut self) -> Result<Vec<E::Model>> {
         self.ready()?;
-        self.select
-            .all(self.conn)
+        crate::read::execute::all_models(self.select, self.conn)
             .await
             .map_err(|e| read_err::<E>(self.shard, e))
     }
@@ -194,8 +193,7 @@ impl<'t, E: ShardedEntity, C: ConnectionTrait> TxFind<'t, E, C> {
     /// The first matching row of the transaction's key.
     pub async fn one(mut self) -> Result<Option<E::Model>> {
         self.ready()?;
-        self.select
-            .one(self.conn)
+        crate::read::execute::one_model(self.select, self.conn)
             .await
             .map_err(|e| read_err::<E>(self.shard, e))
     }
