@@ -17,6 +17,7 @@ mod replica_reads;
 pub(crate) mod replicas;
 pub(crate) mod shards;
 pub(crate) mod sqlite;
+pub(crate) mod statements;
 pub(crate) mod watchdog;
 
 pub(crate) use begin::begin_write;

@@ -13,55 +13,12 @@ use crate::read::route::{Gathered, RouteSpec, Routed};
 use crate::read::select::RowStream;
 use crate::topology::ShardId;
 use futures::StreamExt;
-use sea_orm::{
-    ConnectionTrait, DatabaseConnection, DbErr, EntityTrait, FromQueryResult, QueryFilter,
-    QueryTrait, Select, Selector, SelectorTrait,
-};
+use sea_orm::{DatabaseConnection, DbErr, QueryFilter, Select, Selector, SelectorTrait};
 use std::collections::{BTreeMap, HashSet};
 use std::future::Future;
 use std::sync::atomic::AtomicUsize;
 use std::sync::atomic::Ordering as AtomicOrdering;
 use tracing::Instrument;
-
-/// SeaORM's `Select::all` decoding `E::Model`s, its statement built before
-/// the future is made, as [`one_model`] does.
-pub(super) fn all_models<E: EntityTrait, C: ConnectionTrait>(
-    select: Select<E>,
-    conn: &C,
-) -> impl Future<Output = std::result::Result<Vec<E::Model>, DbErr>> + '_ {
-    let statement = conn
-        .get_database_backend()
-        .build(QueryTrait::as_query(&select));
-    let rows = conn.query_all_raw(statement);
-    async move {
-        rows.await?
-            .iter()
-            .map(|row| E::Model::from_query_result(row, ""))
-            .collect()
-    }
-}
-
-/// SeaORM's `Select::one` (`LIMIT 1`, the row decoded as `E::Model`), with
-/// the statement built before the future is made: the future holds SeaORM's
-/// own boxed query future, a pointer, where `Select::one`'s is a 3.4 KB
-/// chain of futures around copies of the statement. A keyed read boxes what
-/// this returns (see [`Read::single`]), and a box that small is one of the
-/// allocator's cheap sizes; a read in a transaction holds it as is.
-pub(super) fn one_model<E: EntityTrait, C: ConnectionTrait>(
-    mut select: Select<E>,
-    conn: &C,
-) -> impl Future<Output = std::result::Result<Option<E::Model>, DbErr>> + '_ {
-    QueryTrait::query(&mut select).limit(1);
-    let statement = conn
-        .get_database_backend()
-        .build(QueryTrait::as_query(&select));
-    let row = conn.query_one_raw(statement);
-    async move {
-        row.await?
-            .map(|row| E::Model::from_query_result(&row, ""))
-            .transpose()
-    }
-}
 
 impl<E: ShardedEntity> Read<E> {
     /// Runs a plan whose one key's shard answers as is. When the key came

@@ -236,7 +236,7 @@ impl<E: ShardedEntity, R> Find<E, R> {
         let plan = read.plan(select, spec, ReadOp::All).await?;
         if plan.single.is_some() {
             return read
-                .single::<R, _, _, _>(plan, "all", crate::read::execute::all_models)
+                .single::<R, _, _, _>(plan, "all", crate::exec::statements::all_models)
                 .await;
         }
         let (rows, gathered) = read.rows(plan, "all").await;
@@ -254,7 +254,7 @@ impl<E: ShardedEntity, R> Find<E, R> {
             let shard = read.shards.shard_name(target.shard);
             return read
                 .single::<R, _, _, _>(plan, "one", move |s, conn| {
-                    let one = crate::read::execute::one_model(s, conn);
+                    let one = crate::exec::statements::one_model(s, conn);
                     async move {
                         let row = one.await;
                         if let Ok(None) = &row {

@@ -185,7 +185,7 @@ impl<'t, E: ShardedEntity, C: ConnectionTrait> TxFind<'t, E, C> {
     /// All matching rows of the transaction's key.
     pub async fn all(mut self) -> Result<Vec<E::Model>> {
         self.ready()?;
-        crate::read::execute::all_models(self.select, self.conn)
+        crate::exec::statements::all_models(self.select, self.conn)
             .await
             .map_err(|e| read_err::<E>(self.shard, e))
     }
@@ -193,7 +193,7 @@ impl<'t, E: ShardedEntity, C: ConnectionTrait> TxFind<'t, E, C> {
     /// The first matching row of the transaction's key.
     pub async fn one(mut self) -> Result<Option<E::Model>> {
         self.ready()?;
-        crate::read::execute::one_model(self.select, self.conn)
+        crate::exec::statements::one_model(self.select, self.conn)
             .await
             .map_err(|e| read_err::<E>(self.shard, e))
     }

@@ -279,11 +279,12 @@ impl<'t, G: EntityGroup, P: WriteStage, E: InGroup<G>> TxUpdateMany<'t, G, P, E>
                 if let Some(filter) = filter {
                     update = update.filter(filter);
                 }
-                return update
-                    .exec(&tx.txn)
-                    .await
-                    .map(|done| done.rows_affected)
-                    .map_err(|e| tx.poison_if_aborted(tx.write_err::<E>(op, e)));
+                return crate::exec::statements::rows_affected(
+                    &tx.txn,
+                    &sea_orm::QueryTrait::into_query(update),
+                )
+                .await
+                .map_err(|e| tx.poison_if_aborted(tx.write_err::<E>(op, e)));
             }
             Batch::Refused(reason) => return Err(refuse(&reason)),
             Batch::PerRow => {}
@@ -371,11 +372,12 @@ impl<'t, G: EntityGroup, P: WriteStage, E: InGroup<G>> TxDeleteMany<'t, G, P, E>
                 if let Some(filter) = filter {
                     delete = delete.filter(filter);
                 }
-                return delete
-                    .exec(&tx.txn)
-                    .await
-                    .map(|done| done.rows_affected)
-                    .map_err(|e| tx.poison_if_aborted(tx.write_err::<E>(op, e)));
+                return crate::exec::statements::rows_affected(
+                    &tx.txn,
+                    &sea_orm::QueryTrait::into_query(delete),
+                )
+                .await
+                .map_err(|e| tx.poison_if_aborted(tx.write_err::<E>(op, e)));
             }
             Batch::Refused(reason) => return Err(unsupported::<E>(op, reason)),
             Batch::PerRow => {}

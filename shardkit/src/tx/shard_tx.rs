@@ -344,10 +344,12 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
         self.check::<E>(&model)?;
         crate::trace::in_span(self.write_span::<E>(name), async {
             let rows = match op {
-                WriteOp::Insert => E::insert(model)
-                    .exec_without_returning(&self.txn)
-                    .await
-                    .map_err(|e| self.write_err::<E>(name, e))?,
+                WriteOp::Insert => {
+                    let insert = sea_orm::QueryTrait::into_query(E::insert(model));
+                    crate::exec::statements::rows_affected(&self.txn, &insert)
+                        .await
+                        .map_err(|e| self.write_err::<E>(name, e))?
+                }
                 _ => {
                     let pk: Vec<sea_orm::Value> = <E::PrimaryKey as sea_orm::Iterable>::iter()
                         .map(|c| {
@@ -369,14 +371,24 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
                     for c in <E::PrimaryKey as sea_orm::Iterable>::iter() {
                         model.not_set(sea_orm::PrimaryKeyToColumn::into_column(c));
                     }
-                    E::update_many()
+                    let update = E::update_many()
                         .set(model)
                         .filter(crate::exec::keyset::pk_condition::<E>(&pk))
-                        .filter(self.key_expr::<E>())
-                        .exec(&self.txn)
+                        .filter(self.key_expr::<E>());
+                    if sea_orm::QueryTrait::as_query(&update)
+                        .get_values()
+                        .is_empty()
+                    {
+                        // SeaORM's `exec` of an update that sets nothing.
+                        0
+                    } else {
+                        crate::exec::statements::rows_affected(
+                            &self.txn,
+                            &sea_orm::QueryTrait::into_query(update),
+                        )
                         .await
                         .map_err(|e| self.write_err::<E>(name, e))?
-                        .rows_affected
+                    }
                 }
             };
             Ok(rows)
