@@ -75,6 +75,7 @@ pub mod currency {
     pub struct Model {
         #[sea_orm(primary_key, auto_increment = false)]
         pub code: String,
+        #[sea_orm(unique)]
         pub name: String,
         pub rate: i64,
     }
@@ -872,7 +873,7 @@ async fn reference_writes_reach_every_shard_while_one_refuses_and_one_hangs(dbs:
         "UPDATE shardkit_reference_versions SET version = 1 WHERE tbl = 'currencies'",
     )
     .await;
-    exec(&a, "s3", "UPDATE currencies SET name = 'stale'").await;
+    exec(&a, "s3", "UPDATE currencies SET name = code").await;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     loop {
         let status = currencies.status().await.unwrap();
@@ -1028,6 +1029,40 @@ async fn reference_drift_is_repaired_and_a_move_target_gets_the_table(dbs: &mut 
         .unwrap();
     assert_eq!(row[0].name, "after a crash");
     drop((theirs, other));
+    // A row deleted and its unique name taken by a new one: a copy that
+    // still holds the old row gets the new one once the old one is gone
+    // (deletes before writes), instead of a unique violation for good.
+    currencies
+        .insert(currency::Model {
+            code: "NEW".to_owned(),
+            name: "a taken name".to_owned(),
+            rate: 1,
+        })
+        .await
+        .unwrap();
+    exec(&cluster, "s2", "DELETE FROM currencies WHERE code = 'NEW'").await;
+    exec(
+        &cluster,
+        "s2",
+        "INSERT INTO currencies (code, name, rate) VALUES ('OLD', 'a taken name', 0)",
+    )
+    .await;
+    let report = currencies.verify(true).await.unwrap();
+    let s2 = report.copies.iter().find(|c| c.shard == "s2").unwrap();
+    assert_eq!(
+        (s2.missing.as_slice(), s2.extra.as_slice()),
+        (["NEW".to_owned()].as_slice(), ["OLD".to_owned()].as_slice())
+    );
+    assert!(s2.repaired && s2.error.is_none(), "{s2:?}");
+    assert!(currencies.verify(false).await.unwrap().is_consistent());
+    currencies
+        .delete(currency::Model {
+            code: "NEW".to_owned(),
+            name: String::new(),
+            rate: 0,
+        })
+        .await
+        .unwrap();
 
     // s4 lost its copy (a shard added to the fleet has none): a move brings
     // the table there before the shard takes buckets.
@@ -1107,7 +1142,7 @@ async fn reference_drift_is_repaired_and_a_move_target_gets_the_table(dbs: &mut 
             "UPDATE shardkit_reference_versions SET version = 1 WHERE tbl = 'currencies'",
         )
         .await;
-        exec(&cluster, &shard, "UPDATE currencies SET name = 'restored'").await;
+        exec(&cluster, &shard, "UPDATE currencies SET name = LOWER(code)").await;
         match currency_of(&cluster, buyer).await {
             Err(e) => {
                 refused = Some(e);

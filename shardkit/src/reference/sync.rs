@@ -306,19 +306,21 @@ where
     let have = texts::<E>(&here);
     let want = texts::<E>(rows);
     let mut changed = 0;
-    for row in rows {
-        let pk = model_pk::<E>(row);
-        if have.get(&pk) != want.get(&pk) {
-            crate::exec::keyset::upsert::<E, _>(db, row.clone()).await?;
-            changed += 1;
-        }
-    }
+    // Deletes first: a unique value a deleted row held may be another
+    // row's now.
     for row in &here {
         if !want.contains_key(&model_pk::<E>(row)) {
             E::delete_many()
                 .filter(pk_condition::<E>(&crate::key::model_pk_values::<E>(row)))
                 .exec(db)
                 .await?;
+            changed += 1;
+        }
+    }
+    for row in rows {
+        let pk = model_pk::<E>(row);
+        if have.get(&pk) != want.get(&pk) {
+            crate::exec::keyset::upsert::<E, _>(db, row.clone()).await?;
             changed += 1;
         }
     }
