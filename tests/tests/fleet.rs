@@ -1161,10 +1161,22 @@ async fn reference_drift_is_repaired_and_a_move_target_gets_the_table(dbs: &mut 
     }
     let refused = refused.expect("a pass brought the copy back three times");
     assert!(
-        refused.to_string().contains(&format!(
-            "is at version 1, older than version {source} this instance has read"
-        )),
-        "{refused}"
+        matches!(
+            &refused,
+            ShardError::ReferenceBehind { table: "currencies", shard: s, have: 1, need }
+                if *s == shard && *need == source
+        ),
+        "{refused:?}"
+    );
+    assert_eq!(
+        refused.to_string(),
+        format!(
+            "the copy of reference table `currencies` on `{shard}` is at version 1, older than version {source} this instance has read"
+        )
+    );
+    assert_eq!(
+        refused.retry(),
+        shardkit::Retry::After(Duration::from_secs(1))
     );
     drop(no_pass);
     // The next pass brings the copy back, and the read goes through.

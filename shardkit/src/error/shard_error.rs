@@ -393,6 +393,26 @@ pub enum ShardError {
         reason: String,
     },
 
+    /// A read that joins a reference table found the table's copy on the
+    /// key's shard older than a version this instance has read or written
+    /// before: the copy was set back (a restore of the shard), or a write
+    /// did not reach it and its catch-up has not run yet. No row was
+    /// returned. The background catch-up brings the copy up (it runs about
+    /// once a second): [`Retry::After`] that.
+    #[error(
+        "the copy of reference table `{table}` on `{shard}` is at version {have}, older than version {need} this instance has read"
+    )]
+    ReferenceBehind {
+        /// The reference table.
+        table: &'static str,
+        /// The shard whose copy is behind.
+        shard: String,
+        /// The copy's version.
+        have: i64,
+        /// The version the read needed.
+        need: i64,
+    },
+
     /// Applying migrations to a shard failed. Like [`ShardError::Db`], the
     /// message ends with the driver's own error.
     #[error("migrating shard `{shard}` failed: {}", DriverCause(source))]
@@ -448,6 +468,7 @@ impl ShardError {
             | ShardError::Timeout { .. }
             | ShardError::Unavailable { .. }
             | ShardError::IdsUnavailable { .. }
+            | ShardError::ReferenceBehind { .. }
             | ShardError::ClockMovedBackwards { .. } => ErrorKind::Database,
             ShardError::CrossShardWrite { .. }
             | ShardError::MissingShardKey { .. }
@@ -503,6 +524,7 @@ impl ShardError {
                 })
                 .unwrap_or(Retry::Never),
             ShardError::Unavailable { .. } => Retry::After(REPROBE),
+            ShardError::ReferenceBehind { .. } => Retry::After(std::time::Duration::from_secs(1)),
             ShardError::ClockMovedBackwards { millis } => {
                 Retry::After(std::time::Duration::from_millis(*millis))
             }

@@ -489,15 +489,18 @@ impl<E: ShardedEntity> Find<E, Keyed<KeyOf<E>>> {
             let (read, select, spec) = self.split();
             let r_from = guard_check::<R>(read.guard.as_deref())?;
             let fence = R::__REFERENCE.zip(read.guard.clone());
+            let refused = FenceRefusal::default();
             let plan = read.plan(select, spec, ReadOp::All).await?;
-            read.single::<Keyed<KeyOf<E>>, _, _, _>(plan, "all", move |s, conn| {
-                let backend = conn.get_database_backend();
-                let select =
-                    join_related::<E, R>(s, JoinType::LeftJoin, &key, backend, r_from.as_ref())
-                        .select_with(R::default());
-                fenced(fence.clone(), conn, select.all(conn))
-            })
-            .await
+            let outcome = read
+                .single::<Keyed<KeyOf<E>>, _, _, _>(plan, "all", |s, conn| {
+                    let backend = conn.get_database_backend();
+                    let select =
+                        join_related::<E, R>(s, JoinType::LeftJoin, &key, backend, r_from.as_ref())
+                            .select_with(R::default());
+                    fenced(fence.clone(), &refused, conn, select.all(conn))
+                })
+                .await;
+            fence_error(&refused, outcome)
         })
     }
 
@@ -514,36 +517,60 @@ impl<E: ShardedEntity> Find<E, Keyed<KeyOf<E>>> {
             let (read, select, spec) = self.split();
             let r_from = guard_check::<R>(read.guard.as_deref())?;
             let fence = R::__REFERENCE.zip(read.guard.clone());
+            let refused = FenceRefusal::default();
             let plan = read.plan(select, spec, ReadOp::All).await?;
-            read.single::<Keyed<KeyOf<E>>, _, _, _>(plan, "all", move |s, conn| {
-                let backend = conn.get_database_backend();
-                let select =
-                    join_related::<E, R>(s, JoinType::LeftJoin, &key, backend, r_from.as_ref())
-                        .select_also(R::default());
-                fenced(fence.clone(), conn, select.all(conn))
-            })
-            .await
+            let outcome = read
+                .single::<Keyed<KeyOf<E>>, _, _, _>(plan, "all", |s, conn| {
+                    let backend = conn.get_database_backend();
+                    let select =
+                        join_related::<E, R>(s, JoinType::LeftJoin, &key, backend, r_from.as_ref())
+                            .select_also(R::default());
+                    fenced(fence.clone(), &refused, conn, select.all(conn))
+                })
+                .await;
+            fence_error(&refused, outcome)
         })
     }
 }
 
 /// Runs `read` on `conn` inside a reference table's fence when the read
 /// joins one (see [`ReferenceFence`](crate::read::guard::ReferenceFence)).
+/// The read's statement future answers with a database error; the fence's
+/// own error (a copy behind, a catch-up that could not run) is left in
+/// `refused` for [`fence_error`], with its text as that database error.
 async fn fenced<T>(
     fence: Option<(&'static dyn ReferenceTable, Arc<dyn ReadGuard>)>,
+    refused: &FenceRefusal,
     conn: &DatabaseConnection,
     read: impl std::future::Future<Output = std::result::Result<T, DbErr>>,
 ) -> std::result::Result<T, DbErr> {
     let fence = fence
         .as_ref()
         .and_then(|(table, guard)| guard.reference_fence().map(|f| (*table, f)));
+    let refuse = |e: ShardError| {
+        let text = DbErr::Custom(e.report().to_string());
+        *refused.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+        text
+    };
     let need = match fence {
-        Some((table, f)) => f.before(table, conn).await?,
+        Some((table, f)) => f.before(table, conn).await.map_err(refuse)?,
         None => 0,
     };
     let rows = read.await?;
     if let Some((table, f)) = fence {
-        f.after(table, conn, need).await?;
+        f.after(table, conn, need).await.map_err(refuse)?;
     }
     Ok(rows)
+}
+
+/// Where [`fenced`] leaves the fence's refusal of a read.
+type FenceRefusal = Arc<std::sync::Mutex<Option<ShardError>>>;
+
+/// A fenced read's outcome, failing with the fence's own refusal when
+/// there was one.
+fn fence_error<T>(refused: &FenceRefusal, outcome: Result<T>) -> Result<T> {
+    match refused.lock().unwrap_or_else(|p| p.into_inner()).take() {
+        Some(refusal) if outcome.is_err() => Err(refusal),
+        _ => outcome,
+    }
 }

@@ -4,7 +4,7 @@
 
 use crate::entity::{ReferenceTable, ShardedEntity};
 use crate::error::Result;
-use sea_orm::{DatabaseConnection, DbErr, QueryTrait, Select};
+use sea_orm::{DatabaseConnection, QueryTrait, Select};
 use std::sync::Arc;
 
 /// A check a feature makes before a read of an entity runs: a rollout
@@ -45,7 +45,7 @@ pub(crate) trait ReferenceFence: Send + Sync {
         &'a self,
         table: &'static dyn ReferenceTable,
         conn: &'a DatabaseConnection,
-    ) -> futures::future::BoxFuture<'a, std::result::Result<i64, DbErr>>;
+    ) -> futures::future::BoxFuture<'a, Result<i64>>;
 
     /// After it, on the same connection: refuses the rows when the copy is
     /// older than `need` (set back while the instance took it to be new).
@@ -54,7 +54,7 @@ pub(crate) trait ReferenceFence: Send + Sync {
         table: &'static dyn ReferenceTable,
         conn: &'a DatabaseConnection,
         need: i64,
-    ) -> futures::future::BoxFuture<'a, std::result::Result<(), DbErr>>;
+    ) -> futures::future::BoxFuture<'a, Result<()>>;
 }
 
 /// A feature's guard behind a shared pointer is a guard.

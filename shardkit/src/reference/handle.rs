@@ -300,18 +300,12 @@ where
             let select = select.clone();
             let read = async {
                 let fence: &dyn ReferenceFence = &self.refs;
-                let need = fence
-                    .before(table, conn)
-                    .await
-                    .map_err(|e| db_err(name, Self::table(), "read", e))?;
+                let need = fence.before(table, conn).await?;
                 let rows = select
                     .all(conn)
                     .await
                     .map_err(|e| db_err(name, Self::table(), "read", e))?;
-                fence
-                    .after(table, conn, need)
-                    .await
-                    .map_err(|e| db_err(name, Self::table(), "read", e))?;
+                fence.after(table, conn, need).await?;
                 Ok(rows)
             };
             match shards

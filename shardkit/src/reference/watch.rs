@@ -9,7 +9,7 @@ use crate::reference::state::References;
 use crate::reference::sync::{catch_up, db_err, source_version, version_of};
 use crate::topology::ShardId;
 use futures::future::BoxFuture;
-use sea_orm::{DatabaseConnection, DbErr};
+use sea_orm::DatabaseConnection;
 use std::any::{Any, TypeId};
 use std::ops::ControlFlow;
 use std::time::Duration;
@@ -104,7 +104,7 @@ impl ReferenceFence for References {
         &'a self,
         table: &'static dyn ReferenceTable,
         conn: &'a DatabaseConnection,
-    ) -> BoxFuture<'a, std::result::Result<i64, DbErr>> {
+    ) -> BoxFuture<'a, Result<i64>> {
         Box::pin(async move {
             register(self, table);
             let name = table.table();
@@ -113,20 +113,19 @@ impl ReferenceFence for References {
             if need == 0 || shard.is_some_and(|s| self.copy(name, s) >= need) {
                 return Ok(need);
             }
-            let mut have = version_of(conn, name).await?;
+            let mut have = self.version_here(conn, shard, name).await?;
             if have < need
                 && let Some(s) = shard
             {
-                have = table
-                    .catch_up(self, s.0 as usize)
-                    .await
-                    .map_err(|e| DbErr::Custom(e.report().to_string()))?;
+                // Its own error: the source or this shard not answering
+                // is said as such.
+                have = table.catch_up(self, s.0 as usize).await?;
             }
             if let Some(s) = shard {
                 self.copy_is(name, s, have);
             }
             if have < need {
-                return Err(older(name, have, need));
+                return Err(self.older(shard, name, have, need));
             }
             Ok(need)
         })
@@ -137,18 +136,19 @@ impl ReferenceFence for References {
         table: &'static dyn ReferenceTable,
         conn: &'a DatabaseConnection,
         need: i64,
-    ) -> BoxFuture<'a, std::result::Result<(), DbErr>> {
+    ) -> BoxFuture<'a, Result<()>> {
         Box::pin(async move {
             let name = table.table();
-            let have = version_of(conn, name).await?;
-            if let Some(s) = self.shard_of(conn) {
+            let shard = self.shard_of(conn);
+            let have = self.version_here(conn, shard, name).await?;
+            if let Some(s) = shard {
                 self.copy_is(name, s, have);
             }
             // `before` may have taken the instance's word for the copy: a
             // copy set back since (a restore, another instance following
             // the source back) shows here, and its rows are not returned.
             if have < need {
-                return Err(older(name, have, need));
+                return Err(self.older(shard, name, have, need));
             }
             self.saw(name, have);
             Ok(())
@@ -156,10 +156,40 @@ impl ReferenceFence for References {
     }
 }
 
-fn older(name: &str, have: i64, need: i64) -> DbErr {
-    DbErr::Custom(format!(
-        "the copy of reference table `{name}` here is at version {have}, older than version {need} this instance has read"
-    ))
+impl References {
+    /// The version of `table`'s copy on `conn` (shard `shard`, or one of
+    /// its replicas when `None`).
+    async fn version_here(
+        &self,
+        conn: &DatabaseConnection,
+        shard: Option<ShardId>,
+        table: &'static str,
+    ) -> Result<i64> {
+        version_of(conn, table)
+            .await
+            .map_err(|e| db_err(self.where_is(shard), table, "read the version of", e))
+    }
+
+    /// The refusal of a read whose copy is older than it needs.
+    fn older(
+        &self,
+        shard: Option<ShardId>,
+        table: &'static str,
+        have: i64,
+        need: i64,
+    ) -> ShardError {
+        ShardError::ReferenceBehind {
+            table,
+            shard: self.where_is(shard).to_owned(),
+            have,
+            need,
+        }
+    }
+
+    /// A shard's name; `a replica` for a connection that is none.
+    fn where_is(&self, shard: Option<ShardId>) -> &str {
+        shard.map_or("a replica", |s| self.shards().shard_name(s))
+    }
 }
 
 /// A reference entity's table as the object reads and catch-ups call
