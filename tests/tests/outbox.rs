@@ -786,6 +786,29 @@ async fn a_saga_whose_step_is_refused_is_compensated_once(dbs: &mut TestDbs) {
         "{report:?}"
     );
     drop(other);
+    // The same with s4 hanging (its proxy keeps every connection open and
+    // forwards nothing): resume reports it once its breaker's probe finds
+    // it down, drives nothing twice, and leaves no connection behind.
+    // (SQLite has no server to hang.)
+    if dbs.backend != Backend::Sqlite {
+        let before = dbs.server_connections().await;
+        let frozen = Proxy::start(dbs.backend.server_address().unwrap()).await;
+        let hung = connect(&toml(dbs, &[(4, frozen.port)])).await;
+        frozen.freeze();
+        let report = hung.sagas(order_saga()).resume().await.unwrap();
+        let mut expected = shardkit::SagaReport::default();
+        expected.unreachable = 1;
+        assert_eq!(report, expected);
+        drop(hung);
+        frozen.kill();
+        let after = dbs
+            .settle_connections(before, Duration::from_secs(10))
+            .await;
+        assert!(
+            after <= before,
+            "connections leaked: {before} before, {after} after"
+        );
+    }
     assert_eq!(
         (balance(&cluster, 1).await, balance(&cluster, 2).await),
         (70, 130)
