@@ -86,8 +86,7 @@ struct Window {
 }
 
 /// Whether passes have read every pending message since they last changed
-/// anything: then `deliver`, and the running relay until its next poll,
-/// stop.
+/// anything: then `deliver` stops.
 #[derive(Default)]
 struct Cycle {
     /// Every pass since one that began at the top changed nothing.
@@ -357,12 +356,14 @@ impl Outbox {
                             windows: Arc::clone(&windows),
                         };
                         async move {
-                            let mut cycle = Cycle::default();
+                            // Again at once while passes change something;
+                            // a pass that changed nothing still moved the
+                            // shard's window, so the next poll reads on from
+                            // there (one window per poll: a backlog that
+                            // cannot go is not read whole every 25 ms).
                             loop {
                                 let pass = relay.pass_shard(ShardId(i)).await;
-                                if pass.report.shards_failed > 0
-                                    || cycle.done(pass.top, pass.report.progressed(), pass.end)
-                                {
+                                if !pass.report.progressed() {
                                     break;
                                 }
                             }
