@@ -485,22 +485,8 @@ impl<E: ShardedEntity> Find<E, Keyed<KeyOf<E>>> {
                             .to_owned(),
                 });
             }
-            let key = self.route.0.clone();
-            let (read, select, spec) = self.split();
-            let r_from = guard_check::<R>(read.guard.as_deref())?;
-            let fence = R::__REFERENCE.zip(read.guard.clone());
-            let refused = FenceRefusal::default();
-            let plan = read.plan(select, spec, ReadOp::All).await?;
-            let outcome = read
-                .single::<Keyed<KeyOf<E>>, _, _, _>(plan, "all", |s, conn| {
-                    let backend = conn.get_database_backend();
-                    let select =
-                        join_related::<E, R>(s, JoinType::LeftJoin, &key, backend, r_from.as_ref())
-                            .select_with(R::default());
-                    fenced(fence.clone(), &refused, conn, select.all(conn))
-                })
-                .await;
-            fence_error(&refused, outcome)
+            self.joined::<R, _>(|select, conn| Box::pin(select.select_with(R::default()).all(conn)))
+                .await
         })
     }
 
@@ -512,24 +498,42 @@ impl<E: ShardedEntity> Find<E, Keyed<KeyOf<E>>> {
         R: Joinable<E::Group>,
         E: Related<R>,
     {
-        boxed(move || async move {
-            let key = self.route.0.clone();
-            let (read, select, spec) = self.split();
-            let r_from = guard_check::<R>(read.guard.as_deref())?;
-            let fence = R::__REFERENCE.zip(read.guard.clone());
-            let refused = FenceRefusal::default();
-            let plan = read.plan(select, spec, ReadOp::All).await?;
-            let outcome = read
-                .single::<Keyed<KeyOf<E>>, _, _, _>(plan, "all", |s, conn| {
-                    let backend = conn.get_database_backend();
-                    let select =
-                        join_related::<E, R>(s, JoinType::LeftJoin, &key, backend, r_from.as_ref())
-                            .select_also(R::default());
-                    fenced(fence.clone(), &refused, conn, select.all(conn))
-                })
-                .await;
-            fence_error(&refused, outcome)
+        boxed(move || {
+            self.joined::<R, _>(|select, conn| Box::pin(select.select_also(R::default()).all(conn)))
         })
+    }
+
+    /// The key's rows of `E` left-joined with `R` along `E`'s relation, `R`'s
+    /// side scoped to the key, read by `read` (SeaORM's `select_with` or
+    /// `select_also` and `all`) on the key's shard, inside `R`'s fence when
+    /// `R` is a reference table.
+    async fn joined<R, T>(
+        self,
+        read: impl for<'c> Fn(
+            Select<E>,
+            &'c DatabaseConnection,
+        ) -> BoxFuture<'c, std::result::Result<T, DbErr>>,
+    ) -> Result<T>
+    where
+        R: Joinable<E::Group>,
+        E: Related<R>,
+        T: Default,
+    {
+        let key = self.route.0.clone();
+        let (request, select, spec) = self.split();
+        let r_from = guard_check::<R>(request.guard.as_deref())?;
+        let fence = R::__REFERENCE.zip(request.guard.clone());
+        let refused = FenceRefusal::default();
+        let plan = request.plan(select, spec, ReadOp::All).await?;
+        let outcome = request
+            .single::<Keyed<KeyOf<E>>, _, _, _>(plan, "all", |s, conn| {
+                let backend = conn.get_database_backend();
+                let select =
+                    join_related::<E, R>(s, JoinType::LeftJoin, &key, backend, r_from.as_ref());
+                fenced(fence.clone(), &refused, conn, read(select, conn))
+            })
+            .await;
+        fence_error(&refused, outcome)
     }
 }
 
