@@ -246,7 +246,7 @@ pub(crate) async fn in_inbox<G: EntityGroup>(tx: &ShardTx<G>, id: &str) -> Resul
 /// Whether `err` says a key has no shard at all (as opposed to a shard that
 /// could not be reached): waiting does not help until the directory or the
 /// config changes.
-pub(crate) fn unplaceable(err: &ShardError) -> bool {
+fn unplaceable(err: &ShardError) -> bool {
     matches!(
         err,
         ShardError::Unroutable { .. } | ShardError::UnknownGroup { .. }

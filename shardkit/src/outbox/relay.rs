@@ -381,39 +381,40 @@ impl Outbox {
     /// until a pass finds nothing more; returns what was done.
     pub async fn deliver(&self) -> Result<RelayReport> {
         let mut total = RelayReport::default();
-        let mut cycle = Cycle::default();
+        let count = self.cluster.shards().topology().shards().len();
+        // Each shard's passes until they have read its whole outbox since
+        // they last changed anything (a shard's messages wait on nothing
+        // in another's outbox); a shard that could not be read is not
+        // waited for.
+        let mut cycles: Vec<Option<Cycle>> = (0..count).map(|_| Some(Cycle::default())).collect();
         loop {
-            let pass = self.pass().await;
-            total.add(pass.report);
-            // A shard that could not be read is not waited for.
-            if cycle.done(pass.top, pass.report.progressed(), pass.end) {
+            let ids: Vec<ShardId> = (0..count as u32)
+                .map(ShardId)
+                .filter(|id| cycles[id.0 as usize].is_some())
+                .collect();
+            if ids.is_empty() {
                 return Ok(total);
+            }
+            let passes = self.pass(ids.clone()).await;
+            for (id, pass) in ids.into_iter().zip(passes) {
+                total.add(pass.report);
+                let slot = &mut cycles[id.0 as usize];
+                if pass.report.shards_failed > 0
+                    || slot.as_mut().is_some_and(|cycle| {
+                        cycle.done(pass.top, pass.report.progressed(), pass.end)
+                    })
+                {
+                    *slot = None;
+                }
             }
         }
     }
 
-    /// One pass over every shard's outbox, the shards at once.
-    fn pass(&self) -> BoxFuture<'_, Pass> {
-        Box::pin(self.pass_all())
-    }
-
-    async fn pass_all(&self) -> Pass {
-        let shards = self.cluster.shards();
-        let ids: Vec<ShardId> = (0..shards.topology().shards().len() as u32)
-            .map(ShardId)
-            .collect();
-        let passes = futures::future::join_all(ids.into_iter().map(|id| self.pass_shard(id))).await;
-        let mut all = Pass {
-            top: true,
-            end: true,
-            ..Pass::default()
-        };
-        for pass in passes {
-            all.report.add(pass.report);
-            all.top &= pass.top;
-            all.end &= pass.end;
-        }
-        all
+    /// One pass over each of `ids`' outboxes, the shards at once.
+    fn pass(&self, ids: Vec<ShardId>) -> BoxFuture<'_, Vec<Pass>> {
+        Box::pin(futures::future::join_all(
+            ids.into_iter().map(|id| self.pass_shard(id)),
+        ))
     }
 
     async fn pass_shard(&self, id: ShardId) -> Pass {
@@ -453,11 +454,21 @@ impl Outbox {
             }
         }
         let next = match (end, rows.first(), rows.last()) {
-            (false, Some(first), Some(last)) => Some(Window {
-                inclusive: (&first.grp, &first.key_text) != (&last.grp, &last.key_text),
-                grp: last.grp.clone(),
-                key_text: last.key_text.clone(),
-            }),
+            (false, Some(first), Some(last)) => {
+                let last_key = (&last.grp, &last.key_text);
+                Some(Window {
+                    // Past the last key when it alone filled the pass, or
+                    // when this pass began at it already (keys the database
+                    // compares as equal, `'k'` and `'k '` under MySQL's
+                    // padding, would otherwise hold the window there).
+                    inclusive: (&first.grp, &first.key_text) != last_key
+                        && window
+                            .as_ref()
+                            .is_none_or(|w| (&w.grp, &w.key_text) != last_key),
+                    grp: last.grp.clone(),
+                    key_text: last.key_text.clone(),
+                })
+            }
             _ => None,
         };
         match next {

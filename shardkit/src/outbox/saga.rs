@@ -13,9 +13,7 @@ use crate::cluster::{Cluster, ShardTx};
 use crate::entity::{EntityGroup, ShardKey};
 use crate::error::{Result, ShardError};
 use crate::exec::keyed_tables::SAGAS;
-use crate::outbox::message::{
-    BoxError, db_err, in_inbox, not_the_work, owned_by, record_in_inbox, unplaceable,
-};
+use crate::outbox::message::{BoxError, db_err, in_inbox, not_the_work, owned_by, record_in_inbox};
 use crate::topology::ShardId;
 use futures::future::BoxFuture;
 use sea_orm::sea_query::{Alias, Expr, ExprTrait, Query};
@@ -135,10 +133,6 @@ enum Outcome {
     Done,
     /// The step's work returned an error of its own: the saga compensates.
     Refused(String),
-    /// The step's key has no shard (no directory entry, outside every
-    /// range): the step never began, so the saga compensates the steps
-    /// before it.
-    Unplaceable(String),
     /// A shard could not be reached: try again later.
     Later(String),
 }
@@ -180,12 +174,12 @@ impl<G: EntityGroup, D: Clone + Send + Sync + 'static> Step<D> for TypedStep<G, 
         undo: bool,
     ) -> BoxFuture<'a, Outcome> {
         Box::pin(async move {
+            // A key that no shard holds here waits too, not refused: another
+            // instance (a config rolled out there first, a directory entry
+            // assigned meanwhile) may place it and run the step, whose undo
+            // could then never be fenced.
             let tx = match cluster.begin::<G>((self.key)(data)).await {
                 Ok(tx) => tx,
-                // A step that ran had a shard; its undo waits for one.
-                Err(e) if !undo && unplaceable(&e) => {
-                    return Outcome::Unplaceable(e.report().to_string());
-                }
                 Err(e) => return Outcome::Later(e.report().to_string()),
             };
             let now = cluster.shards().now_ms();
@@ -594,8 +588,6 @@ where
                         // Undo this step (it did not commit: its undo
                         // fences it) and every one before it.
                         Outcome::Refused(e) => ((SagaState::Compensating, step + 1), Some(e)),
-                        // Nothing of this step to fence: it could not begin.
-                        Outcome::Unplaceable(e) => ((SagaState::Compensating, step), Some(e)),
                         Outcome::Later(e) => {
                             self.failed(&origin, id, &status, e).await?;
                             return Ok(SagaState::Running);
@@ -609,7 +601,7 @@ where
                         .await
                     {
                         Outcome::Done => ((SagaState::Compensating, step - 1), None),
-                        Outcome::Refused(e) | Outcome::Unplaceable(e) | Outcome::Later(e) => {
+                        Outcome::Refused(e) | Outcome::Later(e) => {
                             self.failed(&origin, id, &status, e).await?;
                             return Ok(SagaState::Compensating);
                         }

@@ -552,9 +552,9 @@ async fn fenced<T>(
         .as_ref()
         .and_then(|(table, guard)| guard.reference_fence().map(|f| (*table, f)));
     let refuse = |e: ShardError| {
-        let text = DbErr::Custom(e.report().to_string());
-        *refused.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
-        text
+        let text = e.report().to_string();
+        *refused.lock().unwrap_or_else(|p| p.into_inner()) = Some((text.clone(), e));
+        DbErr::Custom(text)
     };
     let need = match fence {
         Some((table, f)) => f.before(table, conn).await.map_err(refuse)?,
@@ -567,14 +567,23 @@ async fn fenced<T>(
     Ok(rows)
 }
 
-/// Where [`fenced`] leaves the fence's refusal of a read.
-type FenceRefusal = Arc<std::sync::Mutex<Option<ShardError>>>;
+/// Where [`fenced`] leaves the fence's last refusal of a read, with the
+/// text it answered the statement future with.
+type FenceRefusal = Arc<std::sync::Mutex<Option<(String, ShardError)>>>;
 
-/// A fenced read's outcome, failing with the fence's own refusal when
-/// there was one.
+/// A fenced read's outcome, failing with the fence's own refusal when that
+/// is what it failed with: a replica's refusal followed by the shard's own
+/// failure (a timeout, the breaker) is the shard's failure.
 fn fence_error<T>(refused: &FenceRefusal, outcome: Result<T>) -> Result<T> {
-    match refused.lock().unwrap_or_else(|p| p.into_inner()).take() {
-        Some(refusal) if outcome.is_err() => Err(refusal),
-        _ => outcome,
+    let refusal = refused.lock().unwrap_or_else(|p| p.into_inner()).take();
+    match (outcome, refusal) {
+        (
+            Err(ShardError::Db {
+                source: DbErr::Custom(said),
+                ..
+            }),
+            Some((text, refusal)),
+        ) if said == text => Err(refusal),
+        (outcome, _) => outcome,
     }
 }
