@@ -1063,6 +1063,36 @@ async fn reference_drift_is_repaired_and_a_move_target_gets_the_table(dbs: &mut 
         })
         .await
         .unwrap();
+    // A name passed on: C01 gave up `currency 1`, then C00 took it. A copy
+    // still at the old names is repaired although C00, written first,
+    // meets C01's old name: it is written again after C01.
+    for (i, name) in [(1, "freed"), (0, "currency 1")] {
+        currencies
+            .update(currency::Model {
+                code: code(i),
+                name: name.to_owned(),
+                rate: 0,
+            })
+            .await
+            .unwrap();
+    }
+    exec(
+        &cluster,
+        "s2",
+        "UPDATE currencies SET name = 'currency 0' WHERE code = 'C00'",
+    )
+    .await;
+    exec(
+        &cluster,
+        "s2",
+        "UPDATE currencies SET name = 'currency 1' WHERE code = 'C01'",
+    )
+    .await;
+    let report = currencies.verify(true).await.unwrap();
+    let s2 = report.copies.iter().find(|c| c.shard == "s2").unwrap();
+    assert_eq!(s2.differing, ["C00", "C01"]);
+    assert!(s2.repaired && s2.error.is_none(), "{s2:?}");
+    assert!(currencies.verify(false).await.unwrap().is_consistent());
 
     // s4 lost its copy (a shard added to the fleet has none): a move brings
     // the table there before the shard takes buckets.

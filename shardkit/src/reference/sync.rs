@@ -293,38 +293,93 @@ pub(super) fn texts<E: EntityTrait>(rows: &[E::Model]) -> BTreeMap<String, Vec<O
         .collect()
 }
 
-/// Makes `db`'s copy hold exactly `rows`: the rows that are missing or
-/// differ written over, then the rows the source does not have deleted,
-/// each by its own typed primary key (never the whole table: rows of the
-/// shard's own tables may reference these). Returns the rows changed.
-pub(super) async fn sync_rows<E, C>(db: &C, rows: &[E::Model]) -> std::result::Result<u64, DbErr>
+/// Makes `db`'s copy hold exactly `rows`: the rows the source does not have
+/// deleted, then the rows that are missing or differ written over, each by
+/// its own typed primary key (never the whole table: rows of the shard's
+/// own tables may reference these). Each change runs in a savepoint; one
+/// that a constraint refuses now (a unique value another row still holds,
+/// a row a child still references, a parent not written yet) is tried
+/// again after the others, until a round changes nothing. Returns the rows
+/// changed.
+pub(super) async fn sync_rows<E>(
+    db: &sea_orm::DatabaseTransaction,
+    rows: &[E::Model],
+) -> std::result::Result<u64, DbErr>
 where
     E: ReferenceEntity,
-    C: ConnectionTrait,
 {
     let here = E::find().all(db).await?;
     let have = texts::<E>(&here);
     let want = texts::<E>(rows);
+    let mut changes: Vec<Sync<'_, E::Model>> = here
+        .iter()
+        .filter(|row| !want.contains_key(&model_pk::<E>(row)))
+        .map(|row| Sync::Delete(crate::key::model_pk_values::<E>(row)))
+        .chain(
+            rows.iter()
+                .filter(|row| {
+                    let pk = model_pk::<E>(row);
+                    have.get(&pk) != want.get(&pk)
+                })
+                .map(Sync::Write),
+        )
+        .collect();
     let mut changed = 0;
-    // Deletes first: a unique value a deleted row held may be another
-    // row's now.
-    for row in &here {
-        if !want.contains_key(&model_pk::<E>(row)) {
-            E::delete_many()
-                .filter(pk_condition::<E>(&crate::key::model_pk_values::<E>(row)))
-                .exec(db)
-                .await?;
-            changed += 1;
+    while !changes.is_empty() {
+        let round = changes.len();
+        let mut refused = Vec::new();
+        let mut last = None;
+        for change in changes {
+            let savepoint = db.begin().await?;
+            let done = match &change {
+                Sync::Delete(pk) => E::delete_many()
+                    .filter(pk_condition::<E>(pk))
+                    .exec(&savepoint)
+                    .await
+                    .map(|_| ()),
+                Sync::Write(row) => {
+                    crate::exec::keyset::upsert::<E, _>(&savepoint, (*row).clone()).await
+                }
+            };
+            match done {
+                Ok(()) => {
+                    savepoint.commit().await?;
+                    changed += 1;
+                }
+                Err(e) if constraint_refused(&e) => {
+                    savepoint.rollback().await?;
+                    refused.push(change);
+                    last = Some(e);
+                }
+                Err(e) => return Err(e),
+            }
         }
-    }
-    for row in rows {
-        let pk = model_pk::<E>(row);
-        if have.get(&pk) != want.get(&pk) {
-            crate::exec::keyset::upsert::<E, _>(db, row.clone()).await?;
-            changed += 1;
+        if let Some(e) = last
+            && refused.len() == round
+        {
+            // Nothing went this round: what is left never will.
+            return Err(e);
         }
+        changes = refused;
     }
     Ok(changed)
+}
+/// One change [`sync_rows`] makes.
+enum Sync<'a, M> {
+    Delete(Vec<Value>),
+    Write(&'a M),
+}
+
+/// Whether a constraint refused `err`'s statement (unique or foreign key):
+/// another change of the same catch-up may lift it.
+fn constraint_refused(err: &DbErr) -> bool {
+    matches!(
+        err.sql_err(),
+        Some(
+            sea_orm::SqlErr::UniqueConstraintViolation(_)
+                | sea_orm::SqlErr::ForeignKeyConstraintViolation(_)
+        )
+    )
 }
 
 /// The source at one moment: its version and its rows.
@@ -357,7 +412,10 @@ pub(super) async fn read_source<E: ReferenceEntity>(
         let rows = if Some(version) == from {
             Vec::new()
         } else {
-            E::find().all(&txn).await.map_err(err("read"))?
+            crate::exec::keyset::by_pk(E::find())
+                .all(&txn)
+                .await
+                .map_err(err("read"))?
         };
         txn.commit().await.map_err(err("end a snapshot of"))?;
         Ok(Snapshot { version, rows })
@@ -400,7 +458,7 @@ pub(super) async fn apply_version<E: ReferenceEntity>(
         }
         match rows {
             Rows::Snapshot(rows) => {
-                sync_rows::<E, _>(&txn, rows).await.map_err(err("write"))?;
+                sync_rows::<E>(&txn, rows).await.map_err(err("write"))?;
             }
             Rows::Changes(changes) => {
                 for change in changes {
