@@ -796,9 +796,13 @@ async fn a_saga_whose_step_is_refused_is_compensated_once(dbs: &mut TestDbs) {
         let hung = connect(&toml(dbs, &[(4, frozen.port)])).await;
         frozen.freeze();
         let report = hung.sagas(order_saga()).resume().await.unwrap();
-        let mut expected = shardkit::SagaReport::default();
-        expected.unreachable = 1;
-        assert_eq!(report, expected);
+        assert_eq!(
+            report,
+            shardkit::SagaReport {
+                unreachable: 1,
+                ..Default::default()
+            }
+        );
         drop(hung);
         frozen.kill();
         let after = dbs
