@@ -17,6 +17,7 @@ backend_tests!(5 =>
     concurrent_retries_of_a_request_run_it_once,
     parked_messages_are_listed_retried_and_discarded_and_order_holds,
     a_sender_with_a_backlog_hides_no_other_sender,
+    a_message_a_handler_sends_goes_in_the_same_deliver,
     [Postgres] a_handler_that_swallows_a_failed_statement_commits_nothing,
     child_relay,
 );
@@ -1336,6 +1337,49 @@ async fn a_sender_with_a_backlog_hides_no_other_sender(dbs: &mut TestDbs) {
         .map(|s| s.pending)
         .sum();
     assert_eq!(pending, 2001, "key 1's messages wait, in order");
+}
+
+/// A handler that sends a message on, from the key it received on into
+/// that key's shard's outbox: one `deliver` applies both, though that
+/// shard had nothing to deliver when it was first read.
+async fn a_message_a_handler_sends_goes_in_the_same_deliver(dbs: &mut TestDbs) {
+    let cluster = connect(&toml(dbs, &[]).replace("movable = true", "movable = false")).await;
+    cluster.migrate::<Migrator>().await.unwrap();
+    let first = cluster.shard_of::<Holder>(&1).await.unwrap().to_owned();
+    let mut mid = 2;
+    while cluster.shard_of::<Holder>(&mid).await.unwrap() == first {
+        mid += 1;
+    }
+    for id in [1, mid] {
+        cluster
+            .transaction::<Holder, _, _>(id, |tx| async move {
+                tx.insert(wallet::ActiveModel {
+                    id: Set(id),
+                    balance: Set(0),
+                })
+                .await
+            })
+            .await
+            .unwrap();
+    }
+    let outbox = relay(&cluster).handle::<Credit, _, _, _>(|tx, c: Credit| async move {
+        if c.amount == 7 {
+            let on = Credit {
+                transfer: "forwarded".to_owned(),
+                amount: 1,
+                seq: 1,
+            };
+            tx.send(1, &on).await?;
+        }
+        apply_credit(&tx, c).await
+    });
+    send_credit(&cluster, 1, mid, 1, 7).await;
+    let report = outbox.deliver().await.unwrap();
+    assert_eq!(report.applied, 2, "{report:?}");
+    assert_eq!(
+        (balance(&cluster, mid).await, balance(&cluster, 1).await),
+        (7, 1)
+    );
 }
 
 /// A handler that swallows a failed statement and returns `Ok` on

@@ -383,10 +383,12 @@ impl Outbox {
         let mut total = RelayReport::default();
         let count = self.cluster.shards().topology().shards().len();
         // Each shard's passes until they have read its whole outbox since
-        // they last changed anything (a shard's messages wait on nothing
-        // in another's outbox); a shard that could not be read is not
-        // waited for.
+        // they last changed anything. Any change starts every shard's count
+        // again (a handler may send a message from the key it received on,
+        // into another shard's outbox); a shard that could not be read is
+        // not waited for.
         let mut cycles: Vec<Option<Cycle>> = (0..count).map(|_| Some(Cycle::default())).collect();
+        let mut unread = vec![false; count];
         loop {
             let ids: Vec<ShardId> = (0..count as u32)
                 .map(ShardId)
@@ -396,15 +398,25 @@ impl Outbox {
                 return Ok(total);
             }
             let passes = self.pass(ids.clone()).await;
+            let mut progressed = false;
             for (id, pass) in ids.into_iter().zip(passes) {
                 total.add(pass.report);
-                let slot = &mut cycles[id.0 as usize];
-                if pass.report.shards_failed > 0
-                    || slot.as_mut().is_some_and(|cycle| {
+                progressed |= pass.report.progressed();
+                let i = id.0 as usize;
+                unread[i] = pass.report.shards_failed > 0;
+                if unread[i]
+                    || cycles[i].as_mut().is_some_and(|cycle| {
                         cycle.done(pass.top, pass.report.progressed(), pass.end)
                     })
                 {
-                    *slot = None;
+                    cycles[i] = None;
+                }
+            }
+            if progressed {
+                for (cycle, unread) in cycles.iter_mut().zip(&unread) {
+                    if cycle.is_none() && !unread {
+                        *cycle = Some(Cycle::default());
+                    }
                 }
             }
         }

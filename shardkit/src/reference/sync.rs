@@ -293,14 +293,20 @@ pub(super) fn texts<E: EntityTrait>(rows: &[E::Model]) -> BTreeMap<String, Vec<O
         .collect()
 }
 
-/// Makes `db`'s copy hold exactly `rows`: the rows the source does not have
-/// deleted, then the rows that are missing or differ written over, each by
-/// its own typed primary key (never the whole table: rows of the shard's
-/// own tables may reference these). Each change runs in a savepoint; one
-/// that a constraint refuses now (a unique value another row still holds,
-/// a row a child still references, a parent not written yet) is tried
-/// again after the others, until a round changes nothing. Returns the rows
-/// changed.
+/// Makes `db`'s copy hold exactly `rows`: the rows that are missing or
+/// differ written over (in primary-key order), then the rows the source
+/// does not have deleted, each by its own typed primary key (never the
+/// whole table: rows of the shard's own tables may reference these; and
+/// never a row before the writes, whose delete could cascade to rows a
+/// write was about to point elsewhere). Returns the rows changed.
+///
+/// All in one savepoint first. When a unique or foreign-key constraint
+/// refuses a change for now (a unique value another row holds until its
+/// own change, a parent row not written yet), that savepoint is rolled
+/// back and each change gets one of its own: a refused change waits, the
+/// waiting ones are tried again after each change that goes (the latest
+/// first, so a chain of values passed along goes in one sweep), then in
+/// rounds while a round changes something.
 pub(super) async fn sync_rows<E>(
     db: &sea_orm::DatabaseTransaction,
     rows: &[E::Model],
@@ -311,63 +317,119 @@ where
     let here = E::find().all(db).await?;
     let have = texts::<E>(&here);
     let want = texts::<E>(rows);
-    let mut changes: Vec<Sync<'_, E::Model>> = here
+    let changes: Vec<Sync<'_, E::Model>> = rows
         .iter()
-        .filter(|row| !want.contains_key(&model_pk::<E>(row)))
-        .map(|row| Sync::Delete(crate::key::model_pk_values::<E>(row)))
+        .filter(|row| {
+            let pk = model_pk::<E>(row);
+            have.get(&pk) != want.get(&pk)
+        })
+        .map(Sync::Write)
         .chain(
-            rows.iter()
-                .filter(|row| {
-                    let pk = model_pk::<E>(row);
-                    have.get(&pk) != want.get(&pk)
-                })
-                .map(Sync::Write),
+            here.iter()
+                .filter(|row| !want.contains_key(&model_pk::<E>(row)))
+                .map(|row| Sync::Delete(crate::key::model_pk_values::<E>(row))),
         )
         .collect();
+    let all = db.begin().await?;
+    let mut refused = None;
+    for change in &changes {
+        match change.apply::<E>(&all).await {
+            Ok(()) => {}
+            Err(e) if constraint_refused(&e) => {
+                refused = Some(e);
+                break;
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    if refused.is_none() {
+        all.commit().await?;
+        return Ok(changes.len() as u64);
+    }
+    all.rollback().await?;
     let mut changed = 0;
-    while !changes.is_empty() {
-        let round = changes.len();
-        let mut refused = Vec::new();
-        let mut last = None;
-        for change in changes {
-            let savepoint = db.begin().await?;
-            let done = match &change {
-                Sync::Delete(pk) => E::delete_many()
-                    .filter(pk_condition::<E>(pk))
-                    .exec(&savepoint)
-                    .await
-                    .map(|_| ()),
-                Sync::Write(row) => {
-                    crate::exec::keyset::upsert::<E, _>(&savepoint, (*row).clone()).await
-                }
-            };
-            match done {
-                Ok(()) => {
-                    savepoint.commit().await?;
-                    changed += 1;
-                }
-                Err(e) if constraint_refused(&e) => {
-                    savepoint.rollback().await?;
-                    refused.push(change);
-                    last = Some(e);
-                }
-                Err(e) => return Err(e),
+    let mut waiting: Vec<Sync<'_, E::Model>> = Vec::new();
+    for change in changes {
+        if !change.try_apply::<E>(db, &mut refused).await? {
+            waiting.push(change);
+            continue;
+        }
+        changed += 1;
+        while let Some(next) = waiting.pop() {
+            if !next.try_apply::<E>(db, &mut refused).await? {
+                waiting.push(next);
+                break;
+            }
+            changed += 1;
+        }
+    }
+    while !waiting.is_empty() {
+        let round = waiting.len();
+        let mut still = Vec::new();
+        for change in waiting {
+            if change.try_apply::<E>(db, &mut refused).await? {
+                changed += 1;
+            } else {
+                still.push(change);
             }
         }
-        if let Some(e) = last
-            && refused.len() == round
-        {
-            // Nothing went this round: what is left never will.
-            return Err(e);
+        if still.len() == round {
+            let last = refused.map(|e| e.to_string()).unwrap_or_default();
+            return Err(DbErr::Custom(format!(
+                "{round} change(s) refused by a constraint in every order (two rows swapping unique \
+                 values, or a delete of a row the shard's own rows still reference); the last: {last}"
+            )));
         }
-        changes = refused;
+        waiting = still;
     }
     Ok(changed)
 }
+
 /// One change [`sync_rows`] makes.
 enum Sync<'a, M> {
-    Delete(Vec<Value>),
     Write(&'a M),
+    Delete(Vec<Value>),
+}
+
+impl<M: Clone> Sync<'_, M> {
+    async fn apply<E>(&self, db: &sea_orm::DatabaseTransaction) -> std::result::Result<(), DbErr>
+    where
+        E: ReferenceEntity<Model = M>,
+    {
+        match self {
+            Sync::Write(row) => crate::exec::keyset::upsert::<E, _>(db, (*row).clone()).await,
+            Sync::Delete(pk) => E::delete_many()
+                .filter(pk_condition::<E>(pk))
+                .exec(db)
+                .await
+                .map(|_| ()),
+        }
+    }
+
+    /// The change in a savepoint of its own: whether it went (a constraint
+    /// that refuses it for now is left in `refused`).
+    async fn try_apply<E>(
+        &self,
+        db: &sea_orm::DatabaseTransaction,
+        refused: &mut Option<DbErr>,
+    ) -> std::result::Result<bool, DbErr>
+    where
+        E: ReferenceEntity<Model = M>,
+    {
+        let savepoint = db.begin().await?;
+        match self.apply::<E>(&savepoint).await {
+            Ok(()) => {
+                savepoint.commit().await?;
+                Ok(true)
+            }
+            Err(e) if constraint_refused(&e) => {
+                savepoint.rollback().await?;
+                *refused = Some(e);
+                Ok(false)
+            }
+            Err(e) => Err(e),
+        }
+    }
 }
 
 /// Whether a constraint refused `err`'s statement (unique or foreign key):
