@@ -73,35 +73,16 @@ pub struct Outbox {
 /// reads at most `PAGES` pages in the order of their sending keys; when
 /// that is not all of them, the next pass goes on from the last sending
 /// key it read (from that key's first message again, so every pair's
-/// messages still go in order; within the key when it alone filled the
-/// pass), and after the end, from the top. A backlog of messages that
-/// cannot go now (put off, waiting behind one) therefore never hides the
-/// sending keys after it, nor the key's own messages to other receivers,
-/// for good.
+/// messages still go in order), and after the end, from the top. A backlog
+/// of messages that cannot go now (put off, waiting behind one) therefore
+/// never hides the sending keys after it for good.
 #[derive(Clone, Debug, PartialEq, Eq)]
 struct Window {
     grp: String,
     key_text: String,
-    from: ReadOn,
-}
-
-/// How a [`Window`]'s pass reads on from its sending key.
-#[derive(Clone, Debug, PartialEq, Eq)]
-enum ReadOn {
-    /// From the key's first message (`inclusive`), or from the keys after
-    /// it (when the pass began at the key already: keys the database
-    /// compares as equal, `'k'` and `'k '` under MySQL's padding, would
-    /// otherwise hold the window there).
-    Key { inclusive: bool },
-    /// The key's messages alone filled the passes since its first one: on
-    /// from its message `(seq, id)`. A message of a pair those passes read
-    /// (`seen`) waits behind that pair's earlier one and is not applied;
-    /// a pair first met here starts here, so its messages go.
-    Within {
-        seq: i64,
-        id: String,
-        seen: std::collections::HashSet<(String, String)>,
-    },
+    /// Whether the key's own messages are read again: not when they alone
+    /// filled the last pass, which would then never get past them.
+    inclusive: bool,
 }
 
 /// Whether passes have read every pending message since they last changed
@@ -487,34 +468,17 @@ impl Outbox {
         let next = match (end, rows.first(), rows.last()) {
             (false, Some(first), Some(last)) => {
                 let last_key = (&last.grp, &last.key_text);
-                let from = if (&first.grp, &first.key_text) == last_key {
-                    // One key filled the pass: on within it, so that its
-                    // messages to other receivers are read too.
-                    let mut seen = match &window {
-                        Some(Window {
-                            grp,
-                            key_text,
-                            from: ReadOn::Within { seen, .. },
-                        }) if (grp, key_text) == last_key => seen.clone(),
-                        _ => Default::default(),
-                    };
-                    seen.extend(rows.iter().map(|r| (r.to_grp.clone(), r.to_key.clone())));
-                    ReadOn::Within {
-                        seq: last.seq,
-                        id: last.id.clone(),
-                        seen,
-                    }
-                } else {
-                    ReadOn::Key {
-                        inclusive: window
+                Some(Window {
+                    // Past the last key when it alone filled the pass, or
+                    // when this pass began at it already (keys the database
+                    // compares as equal, `'k'` and `'k '` under MySQL's
+                    // padding, would otherwise hold the window there).
+                    inclusive: (&first.grp, &first.key_text) != last_key
+                        && window
                             .as_ref()
                             .is_none_or(|w| (&w.grp, &w.key_text) != last_key),
-                    }
-                };
-                Some(Window {
                     grp: last.grp.clone(),
                     key_text: last.key_text.clone(),
-                    from,
                 })
             }
             _ => None,
@@ -523,20 +487,6 @@ impl Outbox {
             Some(next) => self.lock_windows().insert(id.0, next),
             None => self.lock_windows().remove(&id.0),
         };
-        // Read on within a key: its pairs met before wait behind their
-        // earlier messages.
-        if let Some(Window {
-            grp,
-            key_text,
-            from: ReadOn::Within { seen, .. },
-        }) = &window
-        {
-            rows.retain(|r| {
-                !(r.grp == *grp
-                    && r.key_text == *key_text
-                    && seen.contains(&(r.to_grp.clone(), r.to_key.clone())))
-            });
-        }
         let top = window.is_none();
         // The messages of one sending key to one receiving key, in order.
         let mut pairs: Vec<Vec<(Row, Arc<dyn Kind>)>> = Vec::new();
@@ -745,32 +695,15 @@ impl Outbox {
                 ];
                 stmt.and_where(Expr::tuple(columns).gt(Expr::tuple(values)));
             }
-            Some(Start::Window(Window {
-                grp,
-                key_text,
-                from: ReadOn::Within { seq, id, .. },
-            })) => {
-                let columns = ["grp", "key_text", "seq", "id"]
-                    .map(|c| SimpleExpr::from(Expr::col(Alias::new(c))));
-                let values: [SimpleExpr; 4] = [
-                    Expr::val(grp.as_str()),
-                    Expr::val(key_text.as_str()),
-                    Expr::val(*seq),
-                    Expr::val(id.as_str()),
-                ];
-                stmt.and_where(Expr::tuple(columns).gt(Expr::tuple(values)));
-            }
-            Some(Start::Window(Window {
-                grp,
-                key_text,
-                from: ReadOn::Key { inclusive },
-            })) => {
+            Some(Start::Window(window)) => {
                 let columns =
                     ["grp", "key_text"].map(|c| SimpleExpr::from(Expr::col(Alias::new(c))));
-                let values: [SimpleExpr; 2] =
-                    [Expr::val(grp.as_str()), Expr::val(key_text.as_str())];
+                let values: [SimpleExpr; 2] = [
+                    Expr::val(window.grp.as_str()),
+                    Expr::val(window.key_text.as_str()),
+                ];
                 let (columns, values) = (Expr::tuple(columns), Expr::tuple(values));
-                stmt.and_where(if *inclusive {
+                stmt.and_where(if window.inclusive {
                     columns.gte(values)
                 } else {
                     columns.gt(values)
