@@ -397,6 +397,20 @@ impl TestShards {
         }
     }
 
+    /// Waits (at most 10 s) until the server holds at most `expected`
+    /// connections to this test's databases, and fails the test with both
+    /// counts when it still holds more: what a scenario asserts after its
+    /// clusters are dropped, so that nothing leaked.
+    pub async fn assert_connections_settle(&self, expected: usize) {
+        let after = self
+            .settle_connections(expected, std::time::Duration::from_secs(10))
+            .await;
+        assert!(
+            after <= expected,
+            "connections leaked: {after} open, at most {expected} expected"
+        );
+    }
+
     /// Waits (polling, at most `within`) until the server holds at most
     /// `expected` connections to this test's databases; returns the last count.
     pub async fn settle_connections(&self, expected: usize, within: std::time::Duration) -> usize {

@@ -145,6 +145,20 @@ async fn connect(toml: &str) -> Cluster {
     cluster
 }
 
+/// Opens wallet `id` with `balance`, in a transaction of its key.
+async fn open_wallet(cluster: &Cluster, id: i64, balance: i64) {
+    cluster
+        .transaction::<Holder, _, _>(id, |tx| async move {
+            tx.insert(wallet::ActiveModel {
+                id: Set(id),
+                balance: Set(balance),
+            })
+            .await
+        })
+        .await
+        .unwrap();
+}
+
 /// The credit handler: adds the amount and records the credit.
 fn relay(cluster: &Cluster) -> shardkit::Outbox {
     cluster
@@ -188,15 +202,7 @@ async fn seed(cluster: &Cluster) {
         let c = cluster.clone();
         tasks.push(tokio::spawn(async move {
             for id in (1..=ACCOUNTS).filter(|i| i % 4 == part) {
-                c.transaction::<Holder, _, _>(id, |tx| async move {
-                    tx.insert(wallet::ActiveModel {
-                        id: Set(id),
-                        balance: Set(START),
-                    })
-                    .await
-                })
-                .await
-                .unwrap();
+                open_wallet(&c, id, START).await;
             }
         }));
     }
@@ -600,13 +606,7 @@ async fn transfers_keep_the_money_under_faults_and_a_move(dbs: &mut TestDbs) {
     drop(a);
     drop(refusing);
     drop(hanging);
-    let after = dbs
-        .settle_connections(before + 12, Duration::from_secs(10))
-        .await;
-    assert!(
-        after <= before + 12,
-        "connections leaked: {before} before, {after} after"
-    );
+    dbs.assert_connections_settle(before + 12).await;
     drop(b);
 }
 
@@ -702,16 +702,7 @@ async fn a_saga_whose_step_is_refused_is_compensated_once(dbs: &mut TestDbs) {
     let cluster = connect(&toml(dbs, &[])).await;
     cluster.migrate::<Migrator>().await.unwrap();
     for id in [1, 2] {
-        cluster
-            .transaction::<Holder, _, _>(id, |tx| async move {
-                tx.insert(wallet::ActiveModel {
-                    id: Set(id),
-                    balance: Set(100),
-                })
-                .await
-            })
-            .await
-            .unwrap();
+        open_wallet(&cluster, id, 100).await;
     }
     let sagas = cluster.sagas(order_saga());
     // Both steps commit.
@@ -806,13 +797,7 @@ async fn a_saga_whose_step_is_refused_is_compensated_once(dbs: &mut TestDbs) {
         );
         drop(hung);
         frozen.kill();
-        let after = dbs
-            .settle_connections(before, Duration::from_secs(10))
-            .await;
-        assert!(
-            after <= before,
-            "connections leaked: {before} before, {after} after"
-        );
+        dbs.assert_connections_settle(before).await;
     }
     assert_eq!(
         (balance(&cluster, 1).await, balance(&cluster, 2).await),
@@ -888,16 +873,7 @@ async fn a_saga_whose_step_is_refused_is_compensated_once(dbs: &mut TestDbs) {
 async fn concurrent_retries_of_a_request_run_it_once(dbs: &mut TestDbs) {
     let cluster = connect(&toml(dbs, &[])).await;
     cluster.migrate::<Migrator>().await.unwrap();
-    cluster
-        .transaction::<Holder, _, _>(7, |tx| async move {
-            tx.insert(wallet::ActiveModel {
-                id: Set(7),
-                balance: Set(0),
-            })
-            .await
-        })
-        .await
-        .unwrap();
+    open_wallet(&cluster, 7, 0).await;
     let runs = Arc::new(AtomicUsize::new(0));
     let pay = |cluster: Cluster, runs: Arc<AtomicUsize>, request: &'static str| async move {
         cluster
@@ -1009,16 +985,7 @@ async fn parked_messages_are_listed_retried_and_discarded_and_order_holds(dbs: &
     let cluster = connect(&toml(dbs, &[]).replace("movable = true", "movable = false")).await;
     cluster.migrate::<Migrator>().await.unwrap();
     for id in [1, 2] {
-        cluster
-            .transaction::<Holder, _, _>(id, |tx| async move {
-                tx.insert(wallet::ActiveModel {
-                    id: Set(id),
-                    balance: Set(0),
-                })
-                .await
-            })
-            .await
-            .unwrap();
+        open_wallet(&cluster, id, 0).await;
     }
     let fail_13 = Arc::new(AtomicBool::new(true));
     let seen_3 = Arc::new(AtomicBool::new(false));
@@ -1283,16 +1250,7 @@ async fn parked_messages_are_listed_retried_and_discarded_and_order_holds(dbs: &
 async fn a_sender_with_a_backlog_hides_no_other_sender(dbs: &mut TestDbs) {
     let cluster = connect(&toml(dbs, &[]).replace("movable = true", "movable = false")).await;
     cluster.migrate::<Migrator>().await.unwrap();
-    cluster
-        .transaction::<Holder, _, _>(2, |tx| async move {
-            tx.insert(wallet::ActiveModel {
-                id: Set(2),
-                balance: Set(0),
-            })
-            .await
-        })
-        .await
-        .unwrap();
+    open_wallet(&cluster, 2, 0).await;
     // A sender after key 1 in the outbox's order, on key 1's shard.
     let shard = cluster.shard_of::<Holder>(&1).await.unwrap().to_owned();
     let mut later = 10;
@@ -1351,16 +1309,7 @@ async fn a_message_a_handler_sends_goes_in_the_same_deliver(dbs: &mut TestDbs) {
         mid += 1;
     }
     for id in [1, mid] {
-        cluster
-            .transaction::<Holder, _, _>(id, |tx| async move {
-                tx.insert(wallet::ActiveModel {
-                    id: Set(id),
-                    balance: Set(0),
-                })
-                .await
-            })
-            .await
-            .unwrap();
+        open_wallet(&cluster, id, 0).await;
     }
     let outbox = relay(&cluster).handle::<Credit, _, _, _>(|tx, c: Credit| async move {
         if c.amount == 7 {
@@ -1390,16 +1339,7 @@ async fn a_handler_that_swallows_a_failed_statement_commits_nothing(dbs: &mut Te
     let cluster = connect(&toml(dbs, &[])).await;
     cluster.migrate::<Migrator>().await.unwrap();
     for id in [1, 2] {
-        cluster
-            .transaction::<Holder, _, _>(id, |tx| async move {
-                tx.insert(wallet::ActiveModel {
-                    id: Set(id),
-                    balance: Set(0),
-                })
-                .await
-            })
-            .await
-            .unwrap();
+        open_wallet(&cluster, id, 0).await;
     }
     let outbox =
         cluster
