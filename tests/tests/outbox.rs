@@ -1246,11 +1246,15 @@ async fn parked_messages_are_listed_retried_and_discarded_and_order_holds(dbs: &
 
 /// One sending key with more messages waiting than a pass reads (its
 /// first one failed and backs off for a minute, the rest of its pair wait
-/// behind it) holds up none of the keys after it on its shard.
+/// behind it) holds up neither the keys after it on its shard nor its own
+/// messages to another receiver, sent after them (applied in order), also
+/// for the running relay while 8 tasks send.
 async fn a_sender_with_a_backlog_hides_no_other_sender(dbs: &mut TestDbs) {
+    let before = dbs.server_connections().await;
     let cluster = connect(&toml(dbs, &[]).replace("movable = true", "movable = false")).await;
     cluster.migrate::<Migrator>().await.unwrap();
     open_wallet(&cluster, 2, 0).await;
+    open_wallet(&cluster, 3, 0).await;
     // A sender after key 1 in the outbox's order, on key 1's shard.
     let shard = cluster.shard_of::<Holder>(&1).await.unwrap().to_owned();
     let mut later = 10;
@@ -1275,6 +1279,8 @@ async fn a_sender_with_a_backlog_hides_no_other_sender(dbs: &mut TestDbs) {
         .await
         .unwrap();
     send_credit(&cluster, later, 2, 1, 100).await;
+    send_credit(&cluster, 1, 3, 1, 50).await;
+    send_credit(&cluster, 1, 3, 2, 60).await;
     let outbox = relay(&cluster)
         .backoff(Duration::from_secs(60), Duration::from_secs(60))
         .handle::<Credit, _, _, _>(|tx, c: Credit| async move {
@@ -1284,8 +1290,15 @@ async fn a_sender_with_a_backlog_hides_no_other_sender(dbs: &mut TestDbs) {
             apply_credit(&tx, c).await
         });
     let report = outbox.deliver().await.unwrap();
-    assert_eq!((report.applied, report.failed), (1, 1), "{report:?}");
+    assert_eq!((report.applied, report.failed), (3, 1), "{report:?}");
     assert_eq!(balance(&cluster, 2).await, 100, "the later sender's credit");
+    assert_eq!(balance(&cluster, 3).await, 110, "key 1's credits to key 3");
+    let mut to_three: Vec<credit::Model> =
+        cluster.find::<credit::Entity>().key(3).all().await.unwrap();
+    // Ids are uuid v7: the order they were applied in.
+    to_three.sort_by(|a, b| a.id.cmp(&b.id));
+    let order: Vec<i64> = to_three.iter().map(|c| c.seq).collect();
+    assert_eq!(order, [1, 2], "key 1's credits to key 3, in order");
     let pending: u64 = outbox
         .status()
         .await
@@ -1295,6 +1308,37 @@ async fn a_sender_with_a_backlog_hides_no_other_sender(dbs: &mut TestDbs) {
         .map(|s| s.pending)
         .sum();
     assert_eq!(pending, 2001, "key 1's messages wait, in order");
+
+    // The running relay, while 8 tasks on pools of 2 send: 4 from key 1 to
+    // key 3, after its backlog, and 4 from the later key to key 2.
+    let running = outbox.clone().poll_every(Duration::from_millis(5)).run();
+    let senders: Vec<_> = (0..8)
+        .map(|t| {
+            let cluster = cluster.clone();
+            tokio::spawn(async move {
+                let (from, to) = if t < 4 { (1, 3) } else { (later, 2) };
+                for n in 0..5 {
+                    send_credit(&cluster, from, to, 10 + t * 5 + n, 1).await;
+                }
+            })
+        })
+        .collect();
+    for sender in senders {
+        sender.await.unwrap();
+    }
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while (balance(&cluster, 3).await, balance(&cluster, 2).await) != (130, 120) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the running relay applied {} and {} of 20 credits each",
+            balance(&cluster, 3).await - 110,
+            balance(&cluster, 2).await - 100
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    running.stop();
+    drop((outbox, cluster));
+    dbs.assert_connections_settle(before).await;
 }
 
 /// A handler that sends a message on, from the key it received on into

@@ -12,7 +12,9 @@ use crate::topology::ShardId;
 use futures::StreamExt;
 use futures::future::BoxFuture;
 use sea_orm::ConnectionTrait;
-use sea_orm::sea_query::{Alias, Expr, ExprTrait, Order, Query, SimpleExpr};
+use sea_orm::sea_query::{
+    Alias, Expr, ExprTrait, Order, OverStatement, Query, SimpleExpr, WindowStatement,
+};
 use serde::Serialize;
 use std::collections::HashMap;
 use std::future::Future;
@@ -62,8 +64,8 @@ pub struct Outbox {
     kinds: Arc<HashMap<&'static str, Arc<dyn Kind>>>,
     settings: Settings,
     /// Per shard, when the running relay last counted its outbox (the
-    /// gauges) and pruned it (ms).
-    housekeeping: Arc<Mutex<HashMap<u32, [i64; 2]>>>,
+    /// gauges), pruned it, and read a sending key's pairs (ms).
+    housekeeping: Arc<Mutex<HashMap<u32, [i64; 3]>>>,
     /// Per shard, the sending key its next pass starts at (see
     /// [`Window`]); none: the top of the outbox.
     windows: Arc<Mutex<HashMap<u32, Window>>>,
@@ -362,7 +364,7 @@ impl Outbox {
                             // there (one window per poll: a backlog that
                             // cannot go is not read whole every 25 ms).
                             loop {
-                                let pass = relay.pass_shard(ShardId(i)).await;
+                                let pass = relay.pass_shard(ShardId(i), true).await;
                                 if !pass.report.progressed() {
                                     break;
                                 }
@@ -425,11 +427,14 @@ impl Outbox {
     /// One pass over each of `ids`' outboxes, the shards at once.
     fn pass(&self, ids: Vec<ShardId>) -> BoxFuture<'_, Vec<Pass>> {
         Box::pin(futures::future::join_all(
-            ids.into_iter().map(|id| self.pass_shard(id)),
+            ids.into_iter().map(|id| self.pass_shard(id, false)),
         ))
     }
 
-    async fn pass_shard(&self, id: ShardId) -> Pass {
+    /// One pass over shard `id`'s outbox; `running`: a pass of the running
+    /// relay, which reads a backlogged key's pairs (see
+    /// [`pair_heads`](Self::pair_heads)) at most once a second per shard.
+    async fn pass_shard(&self, id: ShardId, running: bool) -> Pass {
         let shards = self.cluster.shards();
         let name = shards.shard_name(id).to_owned();
         let mut report = RelayReport::default();
@@ -488,10 +493,30 @@ impl Outbox {
             None => self.lock_windows().remove(&id.0),
         };
         let top = window.is_none();
+        // One sending key's messages alone filled the pass: its messages to
+        // other receivers than the ones read may wait after them; read the
+        // first ones of each of its pairs not read (a failed read leaves
+        // them to the next visit).
+        let mut heads = Vec::new();
+        if let (false, Some(first), Some(last)) = (end, rows.first(), rows.last())
+            && (&first.grp, &first.key_text) == (&last.grp, &last.key_text)
+            // The read sorts the key's whole backlog.
+            && (!running || self.due(id, 2, 1_000))
+        {
+            match self.pair_heads(id, &first.grp, &first.key_text).await {
+                Ok(read) => heads = read,
+                Err(e) => {
+                    tracing::debug!(shard = %name, error = %e.report(), "outbox pairs not read; next pass")
+                }
+            }
+        }
         // The messages of one sending key to one receiving key, in order.
         let mut pairs: Vec<Vec<(Row, Arc<dyn Kind>)>> = Vec::new();
         let mut at: HashMap<(String, String, String, String), usize> = HashMap::new();
-        for row in rows {
+        let read = rows.len();
+        // Pairs `..from_pages` are the ones the pages read.
+        let mut from_pages = 0;
+        for (n, row) in rows.into_iter().chain(heads).enumerate() {
             let Some(kind) = self.kinds.get(row.kind.as_str()) else {
                 continue;
             };
@@ -504,10 +529,19 @@ impl Outbox {
                 row.to_grp.clone(),
                 row.to_key.clone(),
             );
-            let i = *at.entry(pair).or_insert_with(|| {
-                pairs.push(Vec::new());
-                pairs.len() - 1
-            });
+            let i = match at.get(&pair) {
+                // A pair the pages read has its messages from there.
+                Some(&i) if n >= read && i < from_pages => continue,
+                Some(&i) => i,
+                None => {
+                    at.insert(pair, pairs.len());
+                    pairs.push(Vec::new());
+                    pairs.len() - 1
+                }
+            };
+            if n < read {
+                from_pages = pairs.len();
+            }
             pairs[i].push((row, Arc::clone(kind)));
         }
         let pairs: Vec<BoxFuture<'_, RelayReport>> = pairs
@@ -667,22 +701,7 @@ impl Outbox {
         state: Option<&str>,
         from: Option<Start<'_>>,
     ) -> Result<Vec<Row>> {
-        let shards = self.cluster.shards();
-        let name = shards.shard_name(id);
-        let mut stmt = Query::select();
-        stmt.columns(OUTBOX.names())
-            .from(Alias::new(OUTBOX.name))
-            .and_where(Expr::col(Alias::new("state")).eq(state.unwrap_or("pending")));
-        if state.is_none() {
-            // The types this relay applies.
-            let handled: Vec<&str> = self
-                .kinds
-                .iter()
-                .filter(|(_, k)| k.has_handler())
-                .map(|(name, _)| *name)
-                .collect();
-            stmt.and_where(Expr::col(Alias::new("kind")).is_in(handled));
-        }
+        let mut stmt = self.rows_in(state);
         match from {
             Some(Start::After(after)) => {
                 let columns = ["grp", "key_text", "seq", "id"]
@@ -722,7 +741,73 @@ impl Outbox {
                 self.settings.batch
             })
             .to_owned();
-        self.query(id, &stmt, "read")
+        self.rows(id, &stmt).await
+    }
+
+    /// The first messages of each pair of sending key `(grp, key_text)`'s
+    /// pending messages: the heads of all its pairs first (each pair's
+    /// first message), then each one's second, and so on, `batch` at
+    /// most. Read when that key's messages alone filled a pass: those were
+    /// its first ones, maybe all of one pair that waits (its first message
+    /// put off), and its messages to other receivers come after them.
+    /// Every pair's messages here begin at its first, so they still go in
+    /// order (a prefix of the pair's pending messages, whatever the
+    /// database takes for one receiving key).
+    async fn pair_heads(&self, id: ShardId, grp: &str, key_text: &str) -> Result<Vec<Row>> {
+        let rank = Alias::new("pair_rank");
+        let mut inner = self.rows_in(None);
+        inner
+            .and_where(Expr::col(Alias::new("grp")).eq(grp))
+            .and_where(Expr::col(Alias::new("key_text")).eq(key_text))
+            .expr_window_as(
+                Expr::cust("ROW_NUMBER()"),
+                WindowStatement::partition_by(Alias::new("to_grp"))
+                    .partition_by(Alias::new("to_key"))
+                    .order_by(Alias::new("seq"), Order::Asc)
+                    .order_by(Alias::new("id"), Order::Asc)
+                    .to_owned(),
+                rank.clone(),
+            );
+        let stmt = Query::select()
+            .columns(OUTBOX.names())
+            .from_subquery(inner, Alias::new("pending_pairs"))
+            .order_by(rank, Order::Asc)
+            .order_by(Alias::new("to_grp"), Order::Asc)
+            .order_by(Alias::new("to_key"), Order::Asc)
+            .order_by(Alias::new("seq"), Order::Asc)
+            .order_by(Alias::new("id"), Order::Asc)
+            .limit(self.settings.batch)
+            .to_owned();
+        self.rows(id, &stmt).await
+    }
+
+    /// The outbox's rows in `state`, or the pending ones of the types this
+    /// relay applies.
+    fn rows_in(&self, state: Option<&str>) -> sea_orm::sea_query::SelectStatement {
+        let mut stmt = Query::select();
+        stmt.columns(OUTBOX.names())
+            .from(Alias::new(OUTBOX.name))
+            .and_where(Expr::col(Alias::new("state")).eq(state.unwrap_or("pending")));
+        if state.is_none() {
+            let handled: Vec<&str> = self
+                .kinds
+                .iter()
+                .filter(|(_, k)| k.has_handler())
+                .map(|(name, _)| *name)
+                .collect();
+            stmt.and_where(Expr::col(Alias::new("kind")).is_in(handled));
+        }
+        stmt
+    }
+
+    /// The outbox rows `stmt` reads on shard `id`.
+    async fn rows(
+        &self,
+        id: ShardId,
+        stmt: &sea_orm::sea_query::SelectStatement,
+    ) -> Result<Vec<Row>> {
+        let name = self.cluster.shards().shard_name(id);
+        self.query(id, stmt, "read")
             .await?
             .iter()
             .map(|r| Row::read(r).map_err(|e| db_err(name, OUTBOX.name, "read", e)))
@@ -790,24 +875,27 @@ impl Outbox {
     /// about once a minute, deletes its inbox ids and finished sagas older
     /// than [`INBOX_TTL`] and its request outcomes older than
     /// [`REQUEST_TTL`](crate::outbox::REQUEST_TTL).
+    /// Whether shard `id`'s periodic work `slot` (see
+    /// [`housekeeping`](Self::housekeeping)) last ran `every` ms ago or
+    /// more; if so, it runs now.
+    fn due(&self, id: ShardId, slot: usize, every: i64) -> bool {
+        let now = self.cluster.shards().now_ms();
+        let mut last = self
+            .housekeeping
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let at = &mut last.entry(id.0).or_insert([0; 3])[slot];
+        let due = now - *at >= every;
+        if due {
+            *at = now;
+        }
+        due
+    }
+
     async fn housekeeping(&self, id: ShardId) {
         let shards = self.cluster.shards();
         let now = shards.now_ms();
-        let (count, prune) = {
-            let mut last = self
-                .housekeeping
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            let last = last.entry(id.0).or_insert([0, 0]);
-            let due = |at: &mut i64, every: i64| {
-                let due = now - *at >= every;
-                if due {
-                    *at = now;
-                }
-                due
-            };
-            (due(&mut last[0], 1_000), due(&mut last[1], 60_000))
-        };
+        let (count, prune) = (self.due(id, 0, 1_000), self.due(id, 1, 60_000));
         if count && let Ok((pending, parked, _)) = self.counts(id).await {
             crate::metrics::outbox_counts(shards.shard_name(id), pending, parked);
         }
