@@ -866,6 +866,75 @@ async fn a_saga_whose_step_is_refused_is_compensated_once(dbs: &mut TestDbs) {
         ),
         "{status:?}"
     );
+
+    // An operator gives up a saga whose step keeps being put off (its
+    // work reads a key no shard holds, an error to try again): the step's
+    // undo fences it, and the first step is undone.
+    let reads = cluster.clone();
+    let stuck = Saga::<Holder, Order>::new("stuck")
+        .step::<Holder, _, _, _, _, _, _, _>(
+            |o: &Order| o.buyer,
+            |tx, o: Order| async move { add(&tx, -o.amount).await },
+            |tx, o: Order| async move { add(&tx, o.amount).await },
+        )
+        .step::<Holder, _, _, _, _, _, _, _>(
+            |o: &Order| o.seller,
+            move |_tx, _o: Order| {
+                let reads = reads.clone();
+                async move {
+                    reads
+                        .find::<shardkit_tests::models::ledger::Entity>()
+                        .key(NO_SHARD)
+                        .one()
+                        .await?;
+                    Err::<(), shardkit::BoxError>("a read of a key no shard holds".into())
+                }
+            },
+            |_tx, _o: Order| async {
+                Err::<(), shardkit::BoxError>("the undo of a step that never committed ran".into())
+            },
+        );
+    let stuck = cluster.sagas(stuck);
+    let order = Order {
+        buyer: 1,
+        seller: 2,
+        amount: 5,
+    };
+    let (id, state) = stuck.start(1, &order).await.unwrap();
+    assert_eq!(state, SagaState::Running);
+    assert_eq!(balance(&cluster, 1).await, 56, "the first step is done");
+    let state = stuck.abort(1, &id, "the seller left").await.unwrap();
+    assert_eq!(state, SagaState::Compensating);
+    let status = stuck.status(1, &id).await.unwrap().unwrap();
+    assert_eq!(
+        (status.state, status.step, status.error.as_deref()),
+        (SagaState::Compensating, 2, Some("aborted: the seller left"))
+    );
+    // Aborting it again changes nothing; driving it compensates at once
+    // (the step's backoff is over).
+    assert_eq!(
+        stuck.abort(1, &id, "again").await.unwrap(),
+        SagaState::Compensating
+    );
+    assert_eq!(stuck.drive(1, &id).await.unwrap(), SagaState::Compensated);
+    assert_eq!(
+        (balance(&cluster, 1).await, balance(&cluster, 2).await),
+        (61, 130),
+        "the debit is undone, the seller untouched"
+    );
+    match stuck.abort(1, &id, "late").await {
+        Err(shardkit::ShardError::CrossKey { what, reason }) => {
+            assert_eq!(what, format!("saga `stuck` {id}"));
+            assert_eq!(reason, "it is compensated: nothing is left to abort");
+        }
+        other => panic!("aborting a compensated saga: {other:?}"),
+    }
+    match stuck.abort(1, "no-such-saga", "late").await {
+        Err(shardkit::ShardError::CrossKey { reason, .. }) => {
+            assert_eq!(reason, "no such saga on its origin's shard");
+        }
+        other => panic!("aborting a saga that does not exist: {other:?}"),
+    }
 }
 
 /// 8 concurrent retries of one request id run the work once and all get

@@ -657,6 +657,64 @@ where
         Ok(report)
     }
 
+    /// Gives saga `id` (started from `origin`) up, as an operator does
+    /// with one whose step keeps being put off: a running saga starts
+    /// compensating from the step it is at, as when that step is refused,
+    /// with `aborted: {reason}` as its error. That step's undo runs first
+    /// (it fences the step if the step never committed, and undoes it if
+    /// it did), then the undos of the steps before it, at the next
+    /// [`drive`](Self::drive) or [`resume`](Self::resume); this does not
+    /// wait for them. A step that waits for its key's shard makes its undo
+    /// wait there too.
+    ///
+    /// A saga already compensating is left as it is (`Compensating` is
+    /// returned); one that finished, or whose steps all committed, is an
+    /// error ([`ShardError::CrossKey`]). Another process driving the saga
+    /// at once either saves its step first (the abort then applies from
+    /// the step after) or finds the saga compensating.
+    pub async fn abort(&self, origin: O::Key, id: &str, reason: &str) -> Result<SagaState> {
+        let n = self.saga.steps.len() as i32;
+        let refuse = |reason: String| ShardError::CrossKey {
+            what: self.what(id),
+            reason,
+        };
+        loop {
+            let Some((status, _, _)) = self.load(origin.clone(), id).await? else {
+                return Err(refuse("no such saga on its origin's shard".to_owned()));
+            };
+            let step = match status.state {
+                SagaState::Compensating => return Ok(SagaState::Compensating),
+                SagaState::Done | SagaState::Compensated => {
+                    return Err(refuse(format!(
+                        "it is {}: nothing is left to abort",
+                        status.state.as_str()
+                    )));
+                }
+                SagaState::Running if status.step >= n || status.step < 0 => {
+                    return Err(refuse(format!(
+                        "it is at step {} of {n}: every step committed, and the saga finishes at                          its next drive",
+                        status.step
+                    )));
+                }
+                SagaState::Running => status.step,
+            };
+            let next = (SagaState::Compensating, step + 1);
+            if self
+                .save(
+                    &origin,
+                    id,
+                    &status,
+                    next,
+                    Some(format!("aborted: {reason}")),
+                )
+                .await?
+            {
+                return Ok(SagaState::Compensating);
+            }
+            // Another process moved it meanwhile: from where it is now.
+        }
+    }
+
     /// Saga `id` as stored on `origin`'s shard.
     pub async fn status(&self, origin: O::Key, id: &str) -> Result<Option<SagaStatus>> {
         Ok(self.load(origin, id).await?.map(|(s, _, _)| s))
@@ -691,7 +749,7 @@ where
         was: &SagaStatus,
         (state, step): (SagaState, i32),
         error: Option<String>,
-    ) -> Result<()> {
+    ) -> Result<bool> {
         self.update(
             origin,
             id,
@@ -731,17 +789,18 @@ where
             ],
         )
         .await
+        .map(drop)
     }
 
     /// Sets `values` (and `updated_at`) on saga `id` in a transaction of
-    /// its origin, if it is still where `was` found it.
+    /// its origin, if it is still where `was` found it: whether it was.
     async fn update(
         &self,
         origin: &O::Key,
         id: &str,
         was: &SagaStatus,
         values: Vec<(&'static str, sea_orm::Value)>,
-    ) -> Result<()> {
+    ) -> Result<bool> {
         let now = self.cluster.shards().now_ms();
         let values = &values;
         self.cluster
@@ -755,11 +814,12 @@ where
                 for (column, value) in values {
                     q.value(Alias::new(*column), value.clone());
                 }
-                tx.unchecked_connection()
+                let done = tx
+                    .unchecked_connection()
                     .execute(&q)
                     .await
                     .map_err(|e| db_err(tx.shard(), SAGAS.name, "update", e))?;
-                Ok(())
+                Ok(done.rows_affected() > 0)
             })
             .await
     }
