@@ -18,6 +18,7 @@ backend_tests!(5 =>
     parked_messages_are_listed_retried_and_discarded_and_order_holds,
     a_sender_with_a_backlog_hides_no_other_sender,
     a_message_a_handler_sends_goes_in_the_same_deliver,
+    a_pair_waits_for_its_message_another_relay_applies,
     [Postgres] a_handler_that_swallows_a_failed_statement_commits_nothing,
     child_relay,
 );
@@ -97,6 +98,18 @@ struct Credit {
 
 impl Message for Credit {
     const NAME: &'static str = "credit";
+    type From = Holder;
+    type To = Holder;
+}
+
+/// A message only some relays apply.
+#[derive(serde::Serialize, serde::Deserialize, Clone, Debug)]
+struct Memo {
+    amount: i64,
+}
+
+impl Message for Memo {
+    const NAME: &'static str = "memo";
     type From = Holder;
     type To = Holder;
 }
@@ -1406,8 +1419,65 @@ async fn a_sender_with_a_backlog_hides_no_other_sender(dbs: &mut TestDbs) {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     running.stop();
+    // Each task's credits, applied in the order it sent them.
+    for (to, tasks) in [(3, 0..4), (2, 4..8)] {
+        let mut applied: Vec<credit::Model> = cluster
+            .find::<credit::Entity>()
+            .key(to)
+            .all()
+            .await
+            .unwrap();
+        applied.sort_by(|a, b| a.id.cmp(&b.id));
+        for t in tasks {
+            let sent = 10 + t * 5..15 + t * 5;
+            let seqs: Vec<i64> = applied
+                .iter()
+                .map(|c| c.seq)
+                .filter(|seq| sent.contains(seq))
+                .collect();
+            assert_eq!(seqs, sent.collect::<Vec<_>>(), "task {t}'s credits to {to}");
+        }
+    }
     drop((outbox, cluster));
     dbs.assert_connections_settle(before).await;
+}
+
+/// Relays with different handlers: one that has no handler for a pair's
+/// first message does not apply the pair's later ones before another
+/// relay applies it.
+async fn a_pair_waits_for_its_message_another_relay_applies(dbs: &mut TestDbs) {
+    let cluster = connect(&toml(dbs, &[]).replace("movable = true", "movable = false")).await;
+    cluster.migrate::<Migrator>().await.unwrap();
+    open_wallet(&cluster, 2, 0).await;
+    cluster
+        .transaction::<Holder, _, _>(1, |tx| async move {
+            tx.send(2, &Memo { amount: 7 }).await?;
+            let credit = Credit {
+                transfer: "after the memo".to_owned(),
+                amount: 100,
+                seq: 1,
+            };
+            tx.send(2, &credit).await
+        })
+        .await
+        .unwrap();
+    let credits = cluster
+        .outbox()
+        .handle::<Credit, _, _, _>(|tx, c: Credit| async move { apply_credit(&tx, c).await });
+    let memos = cluster
+        .outbox()
+        .handle::<Memo, _, _, _>(|tx, m: Memo| async move { add(&tx, m.amount).await });
+    let report = credits.deliver().await.unwrap();
+    assert_eq!(report.applied, 0, "{report:?}");
+    assert_eq!(
+        balance(&cluster, 2).await,
+        0,
+        "the credit waits for the memo"
+    );
+    assert_eq!(memos.deliver().await.unwrap().applied, 1);
+    assert_eq!(balance(&cluster, 2).await, 7);
+    assert_eq!(credits.deliver().await.unwrap().applied, 1);
+    assert_eq!(balance(&cluster, 2).await, 107);
 }
 
 /// A handler that sends a message on, from the key it received on into

@@ -13,7 +13,7 @@ use futures::StreamExt;
 use futures::future::BoxFuture;
 use sea_orm::ConnectionTrait;
 use sea_orm::sea_query::{
-    Alias, Expr, ExprTrait, Order, OverStatement, Query, SimpleExpr, WindowStatement,
+    Alias, Expr, ExprTrait, Func, Order, OverStatement, Query, SimpleExpr, WindowStatement,
 };
 use serde::Serialize;
 use std::collections::HashMap;
@@ -64,8 +64,11 @@ pub struct Outbox {
     kinds: Arc<HashMap<&'static str, Arc<dyn Kind>>>,
     settings: Settings,
     /// Per shard, when the running relay last counted its outbox (the
-    /// gauges), pruned it, and read a sending key's pairs (ms).
-    housekeeping: Arc<Mutex<HashMap<u32, [i64; 3]>>>,
+    /// gauges) and pruned it (ms).
+    housekeeping: Arc<Mutex<HashMap<u32, [i64; 2]>>>,
+    /// Per handler set, shard and sending key: when a read of the key's
+    /// pairs ([`pair_heads`](Self::pair_heads)) last applied nothing (ms).
+    pair_reads: Arc<Mutex<HashMap<PairRead, i64>>>,
     /// Per shard, the sending key its next pass starts at (see
     /// [`Window`]); none: the top of the outbox.
     windows: Arc<Mutex<HashMap<u32, Window>>>,
@@ -120,6 +123,14 @@ struct Pass {
     end: bool,
 }
 
+/// A sending key's pairs read by one handler set (the address of its
+/// kinds) on one shard.
+type PairRead = (usize, u32, String, String);
+
+/// How long a read of a sending key's pairs that applied nothing holds off
+/// the next (ms): the read sorts the key's whole backlog.
+const PAIR_READ_EVERY: i64 = 1_000;
+
 /// Pages of pending messages a pass reads per shard, at most.
 const PAGES: usize = 4;
 
@@ -157,6 +168,7 @@ impl Cluster {
             kinds: Arc::new(HashMap::new()),
             settings: Settings::default(),
             housekeeping: Arc::default(),
+            pair_reads: Arc::default(),
             windows: Arc::default(),
         }
     }
@@ -345,6 +357,7 @@ impl Outbox {
                 let settings = self.settings;
                 let housekeeping = Arc::clone(&self.housekeeping);
                 let windows = Arc::clone(&self.windows);
+                let pair_reads = Arc::clone(&self.pair_reads);
                 periodic::spawn(
                     &self.cluster,
                     settings.poll,
@@ -356,6 +369,7 @@ impl Outbox {
                             settings,
                             housekeeping: Arc::clone(&housekeeping),
                             windows: Arc::clone(&windows),
+                            pair_reads: Arc::clone(&pair_reads),
                         };
                         async move {
                             // Again at once while passes change something;
@@ -364,7 +378,7 @@ impl Outbox {
                             // there (one window per poll: a backlog that
                             // cannot go is not read whole every 25 ms).
                             loop {
-                                let pass = relay.pass_shard(ShardId(i), true).await;
+                                let pass = relay.pass_shard(ShardId(i)).await;
                                 if !pass.report.progressed() {
                                     break;
                                 }
@@ -427,14 +441,11 @@ impl Outbox {
     /// One pass over each of `ids`' outboxes, the shards at once.
     fn pass(&self, ids: Vec<ShardId>) -> BoxFuture<'_, Vec<Pass>> {
         Box::pin(futures::future::join_all(
-            ids.into_iter().map(|id| self.pass_shard(id, false)),
+            ids.into_iter().map(|id| self.pass_shard(id)),
         ))
     }
 
-    /// One pass over shard `id`'s outbox; `running`: a pass of the running
-    /// relay, which reads a backlogged key's pairs (see
-    /// [`pair_heads`](Self::pair_heads)) at most once a second per shard.
-    async fn pass_shard(&self, id: ShardId, running: bool) -> Pass {
+    async fn pass_shard(&self, id: ShardId) -> Pass {
         let shards = self.cluster.shards();
         let name = shards.shard_name(id).to_owned();
         let mut report = RelayReport::default();
@@ -495,34 +506,39 @@ impl Outbox {
         let top = window.is_none();
         // One sending key's messages alone filled the pass: its messages to
         // other receivers than the ones read may wait after them; read the
-        // first ones of each of its pairs not read (a failed read leaves
-        // them to the next visit).
+        // first ones of each of its pairs the pages did not reach (a failed
+        // read leaves them to the next visit).
         let mut heads = Vec::new();
+        let mut pair_read = None;
         if let (false, Some(first), Some(last)) = (end, rows.first(), rows.last())
             && (&first.grp, &first.key_text) == (&last.grp, &last.key_text)
-            // The read sorts the key's whole backlog.
-            && (!running || self.due(id, 2, 1_000))
         {
-            match self.pair_heads(id, &first.grp, &first.key_text).await {
-                Ok(read) => heads = read,
-                Err(e) => {
-                    tracing::debug!(shard = %name, error = %e.report(), "outbox pairs not read; next pass")
+            let read = (
+                Arc::as_ptr(&self.kinds) as *const () as usize,
+                id.0,
+                first.grp.clone(),
+                first.key_text.clone(),
+            );
+            if self.pair_read_due(&read) {
+                match self.pair_heads(id, last).await {
+                    Ok(found) => heads = found,
+                    Err(e) => {
+                        tracing::warn!(shard = %name, error = %e.report(), "a sending key's pairs past its first messages not read; next visit")
+                    }
                 }
+                pair_read = Some(read);
             }
         }
-        // The messages of one sending key to one receiving key, in order.
+        // The messages of one sending key to one receiving key, in order,
+        // up to the first one this relay cannot apply (a type it has no
+        // handler for: another relay's, which goes first).
         let mut pairs: Vec<Vec<(Row, Arc<dyn Kind>)>> = Vec::new();
+        let mut blocked: Vec<bool> = Vec::new();
         let mut at: HashMap<(String, String, String, String), usize> = HashMap::new();
         let read = rows.len();
         // Pairs `..from_pages` are the ones the pages read.
         let mut from_pages = 0;
         for (n, row) in rows.into_iter().chain(heads).enumerate() {
-            let Some(kind) = self.kinds.get(row.kind.as_str()) else {
-                continue;
-            };
-            if !kind.has_handler() || !kind.owned_by(&self.cluster, &row, &name) {
-                continue;
-            }
             let pair = (
                 row.grp.clone(),
                 row.key_text.clone(),
@@ -536,23 +552,59 @@ impl Outbox {
                 None => {
                     at.insert(pair, pairs.len());
                     pairs.push(Vec::new());
+                    blocked.push(false);
                     pairs.len() - 1
                 }
             };
             if n < read {
                 from_pages = pairs.len();
             }
-            pairs[i].push((row, Arc::clone(kind)));
+            if blocked[i] {
+                continue;
+            }
+            match self.kinds.get(row.kind.as_str()) {
+                Some(kind) if kind.has_handler() => {
+                    if kind.owned_by(&self.cluster, &row, &name) {
+                        pairs[i].push((row, Arc::clone(kind)));
+                    }
+                }
+                _ => blocked[i] = true,
+            }
         }
         let pairs: Vec<BoxFuture<'_, RelayReport>> = pairs
             .into_iter()
+            .filter(|pair| !pair.is_empty())
             .map(|pair| self.bounded_pair(pair))
             .collect();
         let mut done = futures::stream::iter(pairs).buffer_unordered(self.settings.parallel);
         while let Some(r) = done.next().await {
             report.add(r);
         }
+        if let Some(read) = pair_read {
+            let mut reads = self.lock_pair_reads();
+            if report.progressed() {
+                reads.remove(&read);
+            } else {
+                let now = self.cluster.shards().now_ms();
+                reads.retain(|_, at| now - *at < 60 * PAIR_READ_EVERY);
+                reads.insert(read, now);
+            }
+        }
         Pass { report, top, end }
+    }
+
+    /// Whether a read of a sending key's pairs may run now: not within
+    /// [`PAIR_READ_EVERY`] of one that applied nothing (a clock that went
+    /// back does not hold it off).
+    fn pair_read_due(&self, read: &PairRead) -> bool {
+        let now = self.cluster.shards().now_ms();
+        self.lock_pair_reads()
+            .get(read)
+            .is_none_or(|&at| now < at || now - at >= PAIR_READ_EVERY)
+    }
+
+    fn lock_pair_reads(&self) -> std::sync::MutexGuard<'_, HashMap<PairRead, i64>> {
+        self.pair_reads.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     fn lock_windows(&self) -> std::sync::MutexGuard<'_, HashMap<u32, Window>> {
@@ -744,34 +796,53 @@ impl Outbox {
         self.rows(id, &stmt).await
     }
 
-    /// The first messages of each pair of sending key `(grp, key_text)`'s
-    /// pending messages: the heads of all its pairs first (each pair's
-    /// first message), then each one's second, and so on, `batch` at
-    /// most. Read when that key's messages alone filled a pass: those were
-    /// its first ones, maybe all of one pair that waits (its first message
-    /// put off), and its messages to other receivers come after them.
-    /// Every pair's messages here begin at its first, so they still go in
-    /// order (a prefix of the pair's pending messages, whatever the
-    /// database takes for one receiving key).
-    async fn pair_heads(&self, id: ShardId, grp: &str, key_text: &str) -> Result<Vec<Row>> {
-        let rank = Alias::new("pair_rank");
+    /// The first messages of the pairs of `last`'s sending key that begin
+    /// after `last`, the last of that key's messages the pages read (the
+    /// pairs the pages did not reach): every such pair's first message,
+    /// then each one's second, and so on, `batch` at most. Read when that
+    /// key's messages alone filled a pass: those were its first ones, maybe
+    /// all of one pair that waits (its first message put off), and its
+    /// messages to other receivers come after them. Each pair's messages
+    /// here begin at its first, so they still go in order. The pairs are
+    /// told apart by length too: MySQL's padding compares `'k'` and `'k '`
+    /// as one receiving key.
+    async fn pair_heads(&self, id: ShardId, last: &Row) -> Result<Vec<Row>> {
+        let col = |name: &str| Expr::col(Alias::new(name));
+        let mut pair = WindowStatement::new();
+        pair.partition_by(Alias::new("to_grp"))
+            .partition_by(Alias::new("to_key"))
+            .add_partition_by(Func::cust("LENGTH").arg(col("to_key")).into())
+            .order_by(Alias::new("seq"), Order::Asc)
+            .order_by(Alias::new("id"), Order::Asc);
         let mut inner = self.rows_in(None);
         inner
-            .and_where(Expr::col(Alias::new("grp")).eq(grp))
-            .and_where(Expr::col(Alias::new("key_text")).eq(key_text))
+            .and_where(col("grp").eq(last.grp.as_str()))
+            .and_where(col("key_text").eq(last.key_text.as_str()))
             .expr_window_as(
-                Expr::cust("ROW_NUMBER()"),
-                WindowStatement::partition_by(Alias::new("to_grp"))
-                    .partition_by(Alias::new("to_key"))
-                    .order_by(Alias::new("seq"), Order::Asc)
-                    .order_by(Alias::new("id"), Order::Asc)
-                    .to_owned(),
-                rank.clone(),
+                Func::cust("ROW_NUMBER"),
+                pair.clone(),
+                Alias::new("pair_rank"),
+            )
+            .expr_window_as(
+                Func::cust("FIRST_VALUE").arg(col("seq")),
+                pair.clone(),
+                Alias::new("head_seq"),
+            )
+            .expr_window_as(
+                Func::cust("FIRST_VALUE").arg(col("id")),
+                pair,
+                Alias::new("head_id"),
             );
         let stmt = Query::select()
             .columns(OUTBOX.names())
             .from_subquery(inner, Alias::new("pending_pairs"))
-            .order_by(rank, Order::Asc)
+            .and_where(
+                Expr::tuple([col("head_seq"), col("head_id")]).gt(Expr::tuple([
+                    Expr::val(last.seq),
+                    Expr::val(last.id.as_str()),
+                ])),
+            )
+            .order_by(Alias::new("pair_rank"), Order::Asc)
             .order_by(Alias::new("to_grp"), Order::Asc)
             .order_by(Alias::new("to_key"), Order::Asc)
             .order_by(Alias::new("seq"), Order::Asc)
@@ -781,22 +852,14 @@ impl Outbox {
         self.rows(id, &stmt).await
     }
 
-    /// The outbox's rows in `state`, or the pending ones of the types this
-    /// relay applies.
+    /// The outbox's rows in `state` (pending ones by default), of every
+    /// type: one this relay has no handler for still holds up the later
+    /// messages of its pair.
     fn rows_in(&self, state: Option<&str>) -> sea_orm::sea_query::SelectStatement {
         let mut stmt = Query::select();
         stmt.columns(OUTBOX.names())
             .from(Alias::new(OUTBOX.name))
             .and_where(Expr::col(Alias::new("state")).eq(state.unwrap_or("pending")));
-        if state.is_none() {
-            let handled: Vec<&str> = self
-                .kinds
-                .iter()
-                .filter(|(_, k)| k.has_handler())
-                .map(|(name, _)| *name)
-                .collect();
-            stmt.and_where(Expr::col(Alias::new("kind")).is_in(handled));
-        }
         stmt
     }
 
@@ -871,10 +934,6 @@ impl Outbox {
         }
     }
 
-    /// About once a second, sets shard `id`'s pending and parked gauges;
-    /// about once a minute, deletes its inbox ids and finished sagas older
-    /// than [`INBOX_TTL`] and its request outcomes older than
-    /// [`REQUEST_TTL`](crate::outbox::REQUEST_TTL).
     /// Whether shard `id`'s periodic work `slot` (see
     /// [`housekeeping`](Self::housekeeping)) last ran `every` ms ago or
     /// more; if so, it runs now.
@@ -884,14 +943,18 @@ impl Outbox {
             .housekeeping
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let at = &mut last.entry(id.0).or_insert([0; 3])[slot];
-        let due = now - *at >= every;
+        let at = &mut last.entry(id.0).or_insert([0; 2])[slot];
+        let due = now < *at || now - *at >= every;
         if due {
             *at = now;
         }
         due
     }
 
+    /// About once a second, sets shard `id`'s pending and parked gauges;
+    /// about once a minute, deletes its inbox ids and finished sagas older
+    /// than [`INBOX_TTL`] and its request outcomes older than
+    /// [`REQUEST_TTL`](crate::outbox::REQUEST_TTL).
     async fn housekeeping(&self, id: ShardId) {
         let shards = self.cluster.shards();
         let now = shards.now_ms();
