@@ -924,11 +924,13 @@ async fn a_saga_whose_step_is_refused_is_compensated_once(dbs: &mut TestDbs) {
         (SagaState::Compensating, 2, Some("aborted: the seller left"))
     );
     // Aborting it again changes nothing; driving it compensates at once
-    // (the step's backoff is over).
+    // (the abort cleared the step's backoff).
     assert_eq!(
         stuck.abort(1, &id, "again").await.unwrap(),
         SagaState::Compensating
     );
+    let again = stuck.status(1, &id).await.unwrap().unwrap();
+    assert_eq!(again.error.as_deref(), Some("aborted: the seller left"));
     assert_eq!(stuck.drive(1, &id).await.unwrap(), SagaState::Compensated);
     assert_eq!(
         (balance(&cluster, 1).await, balance(&cluster, 2).await),
@@ -1014,6 +1016,82 @@ async fn concurrent_retries_of_a_request_run_it_once(dbs: &mut TestDbs) {
         .unwrap_err();
     assert!(matches!(err, ShardError::CrossKey { .. }), "{err}");
     assert!(err.to_string().contains("1 to 200 characters"), "{err}");
+    let err = cluster
+        .transaction_once::<Holder, i64, _>(7, "req-1 ", |_tx| async { Ok(1) })
+        .await
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("does not end with a space"),
+        "{err}"
+    );
+    // An outcome too big to store is refused, and the work rolled back.
+    let big = cluster
+        .transaction_once::<Holder, String, _>(7, "req-big", |tx| async move {
+            tx.update(wallet::ActiveModel {
+                id: Set(7),
+                balance: Set(-1),
+            })
+            .await?;
+            Ok("x".repeat(70_000))
+        })
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&big, ShardError::CrossKey { reason, .. } if reason.starts_with("its outcome is 70002 bytes of JSON")),
+        "{big}"
+    );
+    assert_eq!(balance(&cluster, 7).await, 15, "nothing was committed");
+    // Work that swallows a failed statement: PostgreSQL ended the
+    // transaction, and the refusal carries the database's own words.
+    if dbs.backend == Backend::Postgres {
+        let ended = cluster
+            .transaction_once::<Holder, i64, _>(7, "req-swallowed", |tx| async move {
+                let _ = tx
+                    .unchecked_connection()
+                    .execute_unprepared("SELECT * FROM no_such_table")
+                    .await;
+                Ok(1)
+            })
+            .await
+            .unwrap_err();
+        let text = ended.to_string();
+        assert!(
+            text.contains("the work returned Ok on a transaction the database had ended")
+                && text.contains("current transaction is aborted"),
+            "{text}"
+        );
+    }
+    // To an instance a day and an hour ahead, req-1's outcome expired: 8
+    // retries of it at once run the work once more (MySQL/MariaDB: a
+    // retry's delete of the expired row must not take another's new
+    // claim), and all get that run's outcome.
+    let ahead = Arc::new(shardkit::clock::ManualClock::new(
+        shardkit::Clock::now_millis(&shardkit::clock::SystemClock) + 25 * 3_600_000,
+    ));
+    let later = Cluster::builder(ClusterConfig::from_toml(&toml(dbs, &[])).unwrap())
+        .clock(ahead)
+        .connect()
+        .await
+        .unwrap();
+    later.refresh_bucket_maps().await.unwrap();
+    let tasks: Vec<_> = (0..8)
+        .map(|_| tokio::spawn(pay(later.clone(), runs.clone(), "req-1")))
+        .collect();
+    let mut outcomes = Vec::new();
+    for t in tasks {
+        outcomes.push(
+            t.await
+                .unwrap()
+                .unwrap_or_else(|e| panic!("{}", e.report())),
+        );
+    }
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        4,
+        "the expired request ran once more"
+    );
+    assert!(outcomes.iter().all(|o| *o == outcomes[0]), "{outcomes:?}");
+    assert_eq!(outcomes[0].0, 20);
 }
 
 /// Sends a credit of `amount` from `from` to `to` in a transaction of its
@@ -1419,6 +1497,9 @@ async fn a_sender_with_a_backlog_hides_no_other_sender(dbs: &mut TestDbs) {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     running.stop();
+    while !running.is_finished() {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     // Each task's credits, applied in the order it sent them.
     for (to, tasks) in [(3, 0..4), (2, 4..8)] {
         let mut applied: Vec<credit::Model> = cluster

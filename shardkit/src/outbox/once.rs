@@ -23,6 +23,23 @@ pub const REQUEST_TTL: Duration = Duration::from_secs(24 * 3600);
 /// The longest request id stored.
 const MAX_REQUEST_ID: usize = 200;
 
+/// The longest outcome stored, in bytes of JSON (MySQL/MariaDB's `TEXT`).
+const MAX_OUTCOME: usize = 65_535;
+
+/// PostgreSQL's answer to a statement after a failed one in the same
+/// transaction (SQLSTATE `25P02`, "current transaction is aborted").
+fn is_in_failed_transaction(e: &sea_orm::DbErr) -> bool {
+    use sea_orm::RuntimeErr;
+    match e {
+        sea_orm::DbErr::Exec(RuntimeErr::SqlxError(e))
+        | sea_orm::DbErr::Query(RuntimeErr::SqlxError(e)) => e
+            .as_database_error()
+            .and_then(|d| d.code())
+            .is_some_and(|code| code == "25P02"),
+        _ => false,
+    }
+}
+
 /// The row id of request `request_id` of `key_text` in group `group`: the
 /// key's length first, so no two (key, request) pairs share one.
 pub(crate) fn request_row_id(group: &str, key_text: &str, request_id: &str) -> String {
@@ -63,6 +80,15 @@ impl Cluster {
                 reason: format!("a request id holds 1 to {MAX_REQUEST_ID} characters"),
             });
         }
+        // MySQL/MariaDB compare `'pay-1'` and `'pay-1 '` as one id.
+        if request_id.ends_with(' ') {
+            return Err(ShardError::CrossKey {
+                what: what(),
+                reason: "a request id does not end with a space (MySQL and MariaDB would take it \
+                         for the id without its trailing spaces)"
+                    .to_owned(),
+            });
+        }
         let key_text = key.to_directory_text();
         let id = request_row_id(G::NAME, &key_text, request_id);
         let mut attempt = 0;
@@ -101,16 +127,26 @@ impl Cluster {
                         });
                     }
                     // Expired (or left without an outcome by a release
-                    // that stored none): forgotten.
+                    // that stored none): forgotten. Only the row read: on
+                    // MySQL/MariaDB the read is a snapshot and the delete
+                    // acts on the row as it is now, which may be another
+                    // run's new claim (then read again).
                     _ => {
                         let gone = Query::delete()
                             .from_table(Alias::new(REQUESTS.name))
                             .and_where(Expr::col(Alias::new("id")).eq(id.as_str()))
+                            .and_where(Expr::col(Alias::new("created_at")).eq(created))
                             .to_owned();
-                        tx.unchecked_connection()
+                        let deleted = tx
+                            .unchecked_connection()
                             .execute(&gone)
                             .await
-                            .map_err(err("delete from"))?;
+                            .map_err(err("delete from"))?
+                            .rows_affected();
+                        if deleted == 0 && attempt < 5 {
+                            let _ = tx.rollback().await;
+                            continue;
+                        }
                     }
                 }
             }
@@ -165,37 +201,55 @@ impl Cluster {
                     return Err(e);
                 }
             };
+            let refuse = |reason: String| ShardError::CrossKey {
+                what: what(),
+                reason,
+            };
             let text = match serde_json::to_string(&value) {
-                Ok(text) => text,
+                Ok(text) if text.len() <= MAX_OUTCOME => text,
+                Ok(text) => {
+                    let _ = tx.rollback().await;
+                    return Err(refuse(format!(
+                        "its outcome is {} bytes of JSON, and one holds at most {MAX_OUTCOME} (a \
+                         MySQL/MariaDB TEXT column): store the result in a row of the work's own \
+                         and return its id; nothing was committed",
+                        text.len()
+                    )));
+                }
                 Err(e) => {
                     let _ = tx.rollback().await;
-                    return Err(ShardError::CrossKey {
-                        what: what(),
-                        reason: format!("the outcome does not serialise: {e}"),
-                    });
+                    return Err(refuse(format!("the outcome does not serialise: {e}")));
                 }
             };
+            // Only this run's claim: on MySQL/MariaDB a transaction the
+            // database ended (a deadlock the work swallowed) runs what
+            // follows on its own, and the claim it rolled back may be
+            // another run's by now, with that run's outcome.
             let store = Query::update()
                 .table(Alias::new(REQUESTS.name))
                 .value(Alias::new("outcome"), text)
                 .and_where(Expr::col(Alias::new("id")).eq(id.as_str()))
+                .and_where(Expr::col(Alias::new("outcome")).is_null())
                 .to_owned();
             // One row, or the work swallowed a failed statement and the
             // database ended the transaction: nothing to commit.
-            let stored = tx
-                .unchecked_connection()
-                .execute(&store)
-                .await
-                .map_err(err("update"))?
-                .rows_affected();
+            let ended = "the work returned Ok on a transaction the database had ended (a failed \
+                         statement whose error it did not return); nothing was committed";
+            let stored = match tx.unchecked_connection().execute(&store).await {
+                Ok(done) => done.rows_affected(),
+                // PostgreSQL refuses every statement after a failed one.
+                Err(e) if is_in_failed_transaction(&e) => {
+                    let _ = tx.rollback().await;
+                    return Err(refuse(format!("{ended}: {e}")));
+                }
+                Err(e) => {
+                    let _ = tx.rollback().await;
+                    return Err(err("update")(e));
+                }
+            };
             if stored != 1 {
                 let _ = tx.rollback().await;
-                return Err(ShardError::CrossKey {
-                    what: what(),
-                    reason: "the work returned Ok on a transaction the database had ended (a \
-                             failed statement whose error it did not return); nothing was committed"
-                        .to_owned(),
-                });
+                return Err(refuse(ended.to_owned()));
             }
             match tx.commit().await {
                 Ok(()) => return Ok(value),

@@ -67,11 +67,19 @@ pub struct Outbox {
     /// gauges) and pruned it (ms).
     housekeeping: Arc<Mutex<HashMap<u32, [i64; 2]>>>,
     /// Per handler set, shard and sending key: when a read of the key's
-    /// pairs ([`pair_heads`](Self::pair_heads)) last applied nothing (ms).
+    /// pairs ([`pair_heads`](Self::pair_heads)) by the running relay last
+    /// applied nothing (ms).
     pair_reads: Arc<Mutex<HashMap<PairRead, i64>>>,
-    /// Per shard, the sending key its next pass starts at (see
-    /// [`Window`]); none: the top of the outbox.
-    windows: Arc<Mutex<HashMap<u32, Window>>>,
+    /// This handle's set of handlers (a new number for each
+    /// [`handle`](Self::handle) or [`message`](Self::message)): clones with
+    /// other handlers keep windows and pair reads of their own.
+    handlers: u64,
+    /// The message types a pair was found waiting on that this relay does
+    /// not know (warned once each).
+    unknown: Arc<Mutex<std::collections::HashSet<String>>>,
+    /// Per handler set and shard, the sending key its next pass starts at
+    /// (see [`Window`]); none: the top of the outbox.
+    windows: Arc<Mutex<HashMap<(u64, u32), Window>>>,
 }
 
 /// Where a shard's next pass starts reading its pending messages. A pass
@@ -123,9 +131,14 @@ struct Pass {
     end: bool,
 }
 
-/// A sending key's pairs read by one handler set (the address of its
-/// kinds) on one shard.
-type PairRead = (usize, u32, String, String);
+/// A sending key's pairs read by one handler set on one shard.
+type PairRead = (u64, u32, String, String);
+
+/// Numbers the handler sets of [`Outbox`] handles.
+fn next_handler_set() -> u64 {
+    static SETS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    SETS.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+}
 
 /// How long a read of a sending key's pairs that applied nothing holds off
 /// the next (ms): the read sorts the key's whole backlog.
@@ -169,6 +182,8 @@ impl Cluster {
             settings: Settings::default(),
             housekeeping: Arc::default(),
             pair_reads: Arc::default(),
+            handlers: next_handler_set(),
+            unknown: Arc::default(),
             windows: Arc::default(),
         }
     }
@@ -298,6 +313,7 @@ impl Outbox {
             })),
         };
         Arc::make_mut(&mut self.kinds).insert(M::NAME, Arc::new(typed));
+        self.handlers = next_handler_set();
         self
     }
 
@@ -308,6 +324,7 @@ impl Outbox {
         kinds
             .entry(M::NAME)
             .or_insert_with(|| Arc::new(Typed::<M> { handler: None }));
+        self.handlers = next_handler_set();
         self
     }
 
@@ -358,6 +375,8 @@ impl Outbox {
                 let housekeeping = Arc::clone(&self.housekeeping);
                 let windows = Arc::clone(&self.windows);
                 let pair_reads = Arc::clone(&self.pair_reads);
+                let unknown = Arc::clone(&self.unknown);
+                let handlers = self.handlers;
                 periodic::spawn(
                     &self.cluster,
                     settings.poll,
@@ -370,6 +389,8 @@ impl Outbox {
                             housekeeping: Arc::clone(&housekeeping),
                             windows: Arc::clone(&windows),
                             pair_reads: Arc::clone(&pair_reads),
+                            handlers,
+                            unknown: Arc::clone(&unknown),
                         };
                         async move {
                             // Again at once while passes change something;
@@ -378,7 +399,7 @@ impl Outbox {
                             // there (one window per poll: a backlog that
                             // cannot go is not read whole every 25 ms).
                             loop {
-                                let pass = relay.pass_shard(ShardId(i)).await;
+                                let pass = relay.pass_shard(ShardId(i), true).await;
                                 if !pass.report.progressed() {
                                     break;
                                 }
@@ -441,15 +462,26 @@ impl Outbox {
     /// One pass over each of `ids`' outboxes, the shards at once.
     fn pass(&self, ids: Vec<ShardId>) -> BoxFuture<'_, Vec<Pass>> {
         Box::pin(futures::future::join_all(
-            ids.into_iter().map(|id| self.pass_shard(id)),
+            ids.into_iter().map(|id| self.pass_shard(id, false)),
         ))
     }
 
-    async fn pass_shard(&self, id: ShardId) -> Pass {
+    /// One pass over shard `id`'s outbox; `running`: a pass of the running
+    /// relay, whose reads of a backlogged key's pairs are held off after
+    /// one that applied nothing (`deliver` reads them every time).
+    async fn pass_shard(&self, id: ShardId, running: bool) -> Pass {
         let shards = self.cluster.shards();
         let name = shards.shard_name(id).to_owned();
         let mut report = RelayReport::default();
-        let window = self.lock_windows().get(&id.0).cloned();
+        // A handle with no handler (an operator's) applies nothing.
+        if !self.kinds.values().any(|k| k.has_handler()) {
+            return Pass {
+                report,
+                top: true,
+                end: true,
+            };
+        }
+        let window = self.lock_windows().get(&(self.handlers, id.0)).cloned();
         // Pages of pending messages, so that a full page of messages that
         // cannot go now (put off, or a pair waiting behind one) does not
         // hide the rest of the window.
@@ -500,8 +532,8 @@ impl Outbox {
             _ => None,
         };
         match next {
-            Some(next) => self.lock_windows().insert(id.0, next),
-            None => self.lock_windows().remove(&id.0),
+            Some(next) => self.lock_windows().insert((self.handlers, id.0), next),
+            None => self.lock_windows().remove(&(self.handlers, id.0)),
         };
         let top = window.is_none();
         // One sending key's messages alone filled the pass: its messages to
@@ -514,19 +546,19 @@ impl Outbox {
             && (&first.grp, &first.key_text) == (&last.grp, &last.key_text)
         {
             let read = (
-                Arc::as_ptr(&self.kinds) as *const () as usize,
+                self.handlers,
                 id.0,
                 first.grp.clone(),
                 first.key_text.clone(),
             );
-            if self.pair_read_due(&read) {
+            if !running || self.pair_read_due(&read) {
                 match self.pair_heads(id, last).await {
                     Ok(found) => heads = found,
                     Err(e) => {
                         tracing::warn!(shard = %name, error = %e.report(), "a sending key's pairs past its first messages not read; next visit")
                     }
                 }
-                pair_read = Some(read);
+                pair_read = running.then_some(read);
             }
         }
         // The messages of one sending key to one receiving key, in order,
@@ -563,12 +595,19 @@ impl Outbox {
                 continue;
             }
             match self.kinds.get(row.kind.as_str()) {
-                Some(kind) if kind.has_handler() => {
-                    if kind.owned_by(&self.cluster, &row, &name) {
-                        pairs[i].push((row, Arc::clone(kind)));
-                    }
+                // The map read once per pair: a move's flip between two of
+                // its rows must not let a later one go alone.
+                Some(kind)
+                    if kind.has_handler()
+                        && (!pairs[i].is_empty() || kind.owned_by(&self.cluster, &row, &name)) =>
+                {
+                    pairs[i].push((row, Arc::clone(kind)));
                 }
-                _ => blocked[i] = true,
+                Some(_) => blocked[i] = true,
+                None => {
+                    blocked[i] = true;
+                    self.warn_unknown(&row);
+                }
             }
         }
         let pairs: Vec<BoxFuture<'_, RelayReport>> = pairs
@@ -603,11 +642,28 @@ impl Outbox {
             .is_none_or(|&at| now < at || now - at >= PAIR_READ_EVERY)
     }
 
+    /// Warns, once per type and handle, that a pair waits on a message of a
+    /// type this relay does not know: applied by another relay, or by none
+    /// (a release rolled back past the type).
+    fn warn_unknown(&self, row: &Row) {
+        let mut unknown = self.unknown.lock().unwrap_or_else(|e| e.into_inner());
+        if unknown.len() < 64 && unknown.insert(row.kind.clone()) {
+            tracing::warn!(
+                message = %row.id,
+                kind = %row.kind,
+                from = %format_args!("{} {}", row.grp, row.key_text),
+                to = %format_args!("{} {}", row.to_grp, row.to_key),
+                "a pair waits on a message of a type this relay does not know: the pair's later \
+                 messages go once a relay that handles it has applied it"
+            );
+        }
+    }
+
     fn lock_pair_reads(&self) -> std::sync::MutexGuard<'_, HashMap<PairRead, i64>> {
         self.pair_reads.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn lock_windows(&self) -> std::sync::MutexGuard<'_, HashMap<u32, Window>> {
+    fn lock_windows(&self) -> std::sync::MutexGuard<'_, HashMap<(u64, u32), Window>> {
         self.windows.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -808,6 +864,13 @@ impl Outbox {
     /// as one receiving key.
     async fn pair_heads(&self, id: ShardId, last: &Row) -> Result<Vec<Row>> {
         let col = |name: &str| Expr::col(Alias::new(name));
+        let length = |e: Expr| -> Expr { Func::cust("LENGTH").arg(e).into() };
+        let handled: Vec<&str> = self
+            .kinds
+            .iter()
+            .filter(|(_, k)| k.has_handler())
+            .map(|(name, _)| *name)
+            .collect();
         let mut pair = WindowStatement::new();
         pair.partition_by(Alias::new("to_grp"))
             .partition_by(Alias::new("to_key"))
@@ -818,6 +881,17 @@ impl Outbox {
         inner
             .and_where(col("grp").eq(last.grp.as_str()))
             .and_where(col("key_text").eq(last.key_text.as_str()))
+            .and_where(length(col("key_text")).eq(length(Expr::val(last.key_text.as_str()))))
+            .expr_window_as(
+                Func::cust("FIRST_VALUE").arg(col("kind")),
+                pair.clone(),
+                Alias::new("head_kind"),
+            )
+            .expr_window_as(
+                Func::cust("FIRST_VALUE").arg(col("next_at")),
+                pair.clone(),
+                Alias::new("head_next_at"),
+            )
             .expr_window_as(
                 Func::cust("ROW_NUMBER"),
                 pair.clone(),
@@ -842,6 +916,10 @@ impl Outbox {
                     Expr::val(last.id.as_str()),
                 ])),
             )
+            // Pairs that can go now: a first message this relay applies,
+            // not put off.
+            .and_where(col("head_kind").is_in(handled))
+            .and_where(col("head_next_at").lte(self.cluster.shards().now_ms()))
             .order_by(Alias::new("pair_rank"), Order::Asc)
             .order_by(Alias::new("to_grp"), Order::Asc)
             .order_by(Alias::new("to_key"), Order::Asc)

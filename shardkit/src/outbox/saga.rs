@@ -690,10 +690,22 @@ where
                         status.state.as_str()
                     )));
                 }
-                SagaState::Running if status.step >= n || status.step < 0 => {
+                _ if status.name != self.saga.name => {
                     return Err(refuse(format!(
-                        "it is at step {} of {n}: every step committed, and the saga finishes at                          its next drive",
-                        status.step
+                        "it is a saga `{}`: abort it with that definition",
+                        status.name
+                    )));
+                }
+                SagaState::Running if status.step < 0 || status.step > n => {
+                    return Err(refuse(format!(
+                        "it is at step {}, and this definition of `{}` has {n} steps: abort it \
+                         with the definition that started it",
+                        status.step, self.saga.name
+                    )));
+                }
+                SagaState::Running if status.step == n => {
+                    return Err(refuse(format!(
+                        "every one of its {n} steps committed: it finishes at its next drive"
                     )));
                 }
                 SagaState::Running => status.step,
