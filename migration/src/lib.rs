@@ -33,6 +33,7 @@ pub mod m20261124_000008_create_ticket_place;
 pub mod m20261125_000009_add_move_fencing;
 pub mod m20261126_000010_create_cross_key;
 pub mod m20261127_000011_create_reference;
+pub mod m20261128_000012_exact_keys;
 
 /// shardkit's migrations, in order.
 pub fn migrations() -> Vec<Box<dyn MigrationTrait>> {
@@ -50,6 +51,7 @@ pub fn migrations() -> Vec<Box<dyn MigrationTrait>> {
         Box::new(m20261125_000009_add_move_fencing::Migration),
         Box::new(m20261126_000010_create_cross_key::Migration),
         Box::new(m20261127_000011_create_reference::Migration),
+        Box::new(m20261128_000012_exact_keys::Migration),
     ]
 }
 

@@ -632,6 +632,34 @@ directory = {{ url = "{directory_url}" }}
     ));
     assert!(directory.remove(&10).await.unwrap());
     assert!(directory.lookup(&10).await.unwrap().is_none());
+    // Directory keys that differ only in case or trailing spaces are three
+    // entries on every backend (MySQL/MariaDB's default collation made them
+    // one, so assigning `acme` moved `Acme`).
+    use sea_orm::ConnectionTrait;
+    use sea_orm::sea_query::{Alias, Expr, ExprTrait};
+    let db = cluster.connection("s1").unwrap();
+    let mut insert = sea_orm::sea_query::Query::insert();
+    insert
+        .into_table(Alias::new("shardkit_directory"))
+        .columns(["group_name", "shard_key", "shard"].map(Alias::new));
+    for (key, shard) in [("Acme", "s0"), ("acme", "s1"), ("acme ", "s2")] {
+        insert.values_panic(["Exact".into(), key.into(), shard.into()]);
+    }
+    db.execute(&insert).await.unwrap();
+    let mut lookup = sea_orm::sea_query::Query::select();
+    lookup
+        .column(Alias::new("shard"))
+        .from(Alias::new("shardkit_directory"))
+        .and_where(Expr::col(Alias::new("group_name")).eq("Exact"))
+        .and_where(Expr::col(Alias::new("shard_key")).eq("acme"));
+    let found: Vec<String> = db
+        .query_all(&lookup)
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.try_get("", "shard").unwrap())
+        .collect();
+    assert_eq!(found, ["s1"]);
     assert!(
         cluster.directory::<Account>().is_err(),
         "Account is range-placed"

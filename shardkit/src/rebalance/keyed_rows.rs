@@ -96,7 +96,15 @@ impl<K: ShardKey> KeyedRows<K> {
         for chunk in keys.chunks(500) {
             let mut q = self.select();
             q.and_where(Expr::col(Alias::new("key_text")).is_in(chunk.iter().map(String::as_str)));
-            rows.extend(self.rows(db, shard, &q, what).await?);
+            // MySQL/MariaDB's padding also matches `'k '` for `'k'`: another
+            // key's rows.
+            let wanted: HashSet<&str> = chunk.iter().map(String::as_str).collect();
+            rows.extend(
+                self.rows(db, shard, &q, what)
+                    .await?
+                    .into_iter()
+                    .filter(|r| wanted.contains(text_at(r, 2))),
+            );
         }
         Ok(rows)
     }
@@ -281,16 +289,14 @@ impl<K: ShardKey> MoveEntity for KeyedRows<K> {
         Box::pin(async move {
             let rows = self.chunk(db, after, None, chunk, "clean").await?;
             let next = next_of(&rows, chunk);
-            let mut keys: Vec<String> = rows
+            // By id: under MySQL/MariaDB's padding, `key_text IN ('k')`
+            // would also take the rows of a key `'k '` that does not move.
+            let ids: Vec<String> = rows
                 .iter()
                 .filter(|r| self.moving(buckets, r))
-                .map(|r| text_at(r, 2).to_owned())
+                .map(|r| text_at(r, 0).to_owned())
                 .collect();
-            keys.sort();
-            keys.dedup();
-            let rows = self
-                .delete_in(token, db, "clean", "key_text", &keys)
-                .await?;
+            let rows = self.delete_in(token, db, "clean", "id", &ids).await?;
             Ok(Chunk { rows, next })
         })
     }
