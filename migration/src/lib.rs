@@ -35,6 +35,8 @@ pub mod m20261126_000010_create_cross_key;
 pub mod m20261127_000011_create_reference;
 pub mod m20261128_000012_exact_keys;
 
+pub use m20261128_000012_exact_keys::mysql_exact_collation;
+
 /// shardkit's migrations, in order.
 pub fn migrations() -> Vec<Box<dyn MigrationTrait>> {
     vec![

@@ -18,7 +18,6 @@
 
 use sea_orm_migration::prelude::*;
 use sea_orm_migration::sea_orm::{ConnectionTrait, DbBackend, Statement, Value};
-use std::collections::BTreeMap;
 
 /// Converts shardkit's key, id and name columns to exact comparison on
 /// MySQL/MariaDB.
@@ -30,35 +29,48 @@ impl MigrationName for Migration {
     }
 }
 
-/// The tables whose text columns are converted.
-const TABLES: [&str; 6] = [
-    "shardkit_directory",
-    "shardkit_outbox",
-    "shardkit_inbox",
-    "shardkit_sagas",
-    "shardkit_requests",
-    "shardkit_reference_versions",
+/// The key, id and name columns converted, per table.
+const COLUMNS: [(&str, &[&str]); 6] = [
+    ("shardkit_directory", &["group_name", "shard_key"]),
+    (
+        "shardkit_outbox",
+        &["id", "grp", "key_text", "to_grp", "to_key", "kind", "state"],
+    ),
+    ("shardkit_inbox", &["id", "grp", "key_text"]),
+    (
+        "shardkit_sagas",
+        &["id", "grp", "key_text", "name", "state"],
+    ),
+    (
+        "shardkit_requests",
+        &["id", "grp", "key_text", "request_id"],
+    ),
+    ("shardkit_reference_versions", &["tbl"]),
 ];
 
-/// The server's binary NO PAD collation, if it has one.
-async fn exact_collation(db: &SchemaManagerConnection<'_>) -> Result<Option<String>, DbErr> {
+/// The binary NO PAD collation of a MySQL/MariaDB server, if it has one:
+/// `utf8mb4_nopad_bin` (MariaDB 10.2+), else `utf8mb4_0900_bin` (MySQL
+/// 8.0.17+). Values in it compare byte for byte: `a@x`, `A@X` and `a@x `
+/// are three values.
+pub async fn mysql_exact_collation<C: ConnectionTrait>(
+    db: &C,
+) -> Result<Option<&'static str>, DbErr> {
     const CANDIDATES: [&str; 2] = ["utf8mb4_nopad_bin", "utf8mb4_0900_bin"];
     let rows = db
         .query_all_raw(Statement::from_sql_and_values(
             DbBackend::MySql,
-            "SELECT COLLATION_NAME AS name FROM information_schema.COLLATIONS \
+            "SELECT CAST(COLLATION_NAME AS CHAR) AS name FROM information_schema.COLLATIONS \
              WHERE COLLATION_NAME IN (?, ?)",
             CANDIDATES.map(Value::from),
         ))
         .await?;
-    let names: Vec<String> = rows
+    let names = rows
         .iter()
-        .filter_map(|r| r.try_get::<String>("", "name").ok())
-        .collect();
+        .map(|r| r.try_get::<String>("", "name"))
+        .collect::<Result<Vec<_>, _>>()?;
     Ok(CANDIDATES
         .into_iter()
-        .find(|c| names.iter().any(|n| n == c))
-        .map(str::to_owned))
+        .find(|c| names.iter().any(|n| n == c)))
 }
 
 #[async_trait::async_trait]
@@ -68,43 +80,55 @@ impl MigrationTrait for Migration {
             return Ok(());
         }
         let db = manager.get_connection();
-        let Some(collation) = exact_collation(db).await? else {
+        // A server without one (MySQL 5.7) keeps the columns as they are.
+        let Some(collation) = mysql_exact_collation(db).await? else {
             return Ok(());
         };
-        let placeholders = vec!["?"; TABLES.len()].join(", ");
-        let mut values: Vec<Value> = TABLES.iter().map(|t| Value::from(*t)).collect();
-        values.push(Value::from(collation.as_str()));
-        let rows = db
-            .query_all_raw(Statement::from_sql_and_values(
-                DbBackend::MySql,
-                format!(
-                    "SELECT TABLE_NAME AS tbl, COLUMN_NAME AS col, COLUMN_TYPE AS ty, \
-                     IS_NULLABLE AS nullable FROM information_schema.COLUMNS \
-                     WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME IN ({placeholders}) \
-                     AND DATA_TYPE = 'varchar' AND COLLATION_NAME <> ? \
-                     ORDER BY TABLE_NAME, ORDINAL_POSITION"
-                ),
-                values,
-            ))
-            .await?;
-        let mut stale: BTreeMap<String, Vec<String>> = BTreeMap::new();
-        for row in rows {
-            let table: String = row.try_get("", "tbl")?;
-            let column: String = row.try_get("", "col")?;
-            let ty: String = row.try_get("", "ty")?;
-            let nullable: String = row.try_get("", "nullable")?;
-            let null = if nullable == "YES" {
-                "NULL"
-            } else {
-                "NOT NULL"
-            };
-            stale.entry(table).or_default().push(format!(
-                "MODIFY `{column}` {ty} CHARACTER SET utf8mb4 COLLATE {collation} {null}"
-            ));
-        }
-        for (table, columns) in stale {
-            db.execute_unprepared(&format!("ALTER TABLE `{table}` {}", columns.join(", ")))
+        for (table, columns) in COLUMNS {
+            let placeholders = vec!["?"; columns.len()].join(", ");
+            let mut values = vec![Value::from(table)];
+            values.extend(columns.iter().map(|c| Value::from(*c)));
+            values.push(Value::from(collation));
+            let rows = db
+                .query_all_raw(Statement::from_sql_and_values(
+                    DbBackend::MySql,
+                    format!(
+                        "SELECT CAST(COLUMN_NAME AS CHAR) AS col, CAST(COLUMN_TYPE AS CHAR) AS ty, \
+                         CAST(IS_NULLABLE AS CHAR) AS nullable FROM information_schema.COLUMNS \
+                         WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = ? \
+                         AND COLUMN_NAME IN ({placeholders}) AND DATA_TYPE = 'varchar' \
+                         AND COLLATION_NAME <> ? ORDER BY ORDINAL_POSITION"
+                    ),
+                    values,
+                ))
                 .await?;
+            let mut stale = Vec::new();
+            for row in rows {
+                let column: String = row.try_get("", "col")?;
+                let ty: String = row.try_get("", "ty")?;
+                let nullable: String = row.try_get("", "nullable")?;
+                let null = if nullable == "YES" {
+                    "NULL"
+                } else {
+                    "NOT NULL"
+                };
+                stale.push(format!(
+                    "MODIFY `{column}` {ty} CHARACTER SET utf8mb4 COLLATE {collation} {null}"
+                ));
+            }
+            if stale.is_empty() {
+                continue;
+            }
+            let alter = format!("ALTER TABLE `{table}` {}", stale.join(", "));
+            // In place where the server can (MariaDB), so writes go on
+            // while a big outbox or inbox converts; else as it must.
+            if db
+                .execute_unprepared(&format!("{alter}, ALGORITHM=INPLACE, LOCK=NONE"))
+                .await
+                .is_err()
+            {
+                db.execute_unprepared(&alter).await?;
+            }
         }
         Ok(())
     }

@@ -255,28 +255,16 @@ pub(super) async fn mysql_exact_collation(
     db: &DatabaseConnection,
     shard: &str,
 ) -> Result<&'static str> {
-    const CANDIDATES: [&str; 2] = ["utf8mb4_nopad_bin", "utf8mb4_0900_bin"];
-    let stmt = Statement::from_sql_and_values(
-        DbBackend::MySql,
-        "SELECT COLLATION_NAME AS name FROM information_schema.COLLATIONS \
-         WHERE COLLATION_NAME IN (?, ?)",
-        CANDIDATES.map(Value::from),
-    );
-    let rows = db.query_all_raw(stmt).await.map_err(|e| {
-        gsi_err(
-            shard,
-            "information_schema.COLLATIONS",
-            "read collations".into(),
-            e,
-        )
-    })?;
-    let names: Vec<String> = rows
-        .iter()
-        .filter_map(|r| r.try_get::<String>("", "name").ok())
-        .collect();
-    CANDIDATES
-        .into_iter()
-        .find(|c| names.iter().any(|n| n == c))
+    shardkit_migration::mysql_exact_collation(db)
+        .await
+        .map_err(|e| {
+            gsi_err(
+                shard,
+                "information_schema.COLLATIONS",
+                "read collations".into(),
+                e,
+            )
+        })?
         .ok_or_else(|| {
             ShardError::config(
                 format!("shards ({shard})"),

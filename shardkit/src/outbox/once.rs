@@ -91,7 +91,17 @@ impl Cluster {
         }
         let key_text = key.to_directory_text();
         let id = request_row_id(G::NAME, &key_text, request_id);
+        // Transactions the database aborted (3 attempts in all), and rounds
+        // lost to another run of the same request (its claim, or a new one
+        // where an expired row was), counted apart.
         let mut attempt = 0;
+        let mut races = 0;
+        let raced = || ShardError::CrossKey {
+            what: what(),
+            reason: "other runs of the same request kept taking its row first; nothing was \
+                     committed, try again"
+                .to_owned(),
+        };
         loop {
             attempt += 1;
             let tx = self.begin::<G>(key.clone()).await?;
@@ -143,8 +153,13 @@ impl Cluster {
                             .await
                             .map_err(err("delete from"))?
                             .rows_affected();
-                        if deleted == 0 && attempt < 5 {
+                        if deleted == 0 {
                             let _ = tx.rollback().await;
+                            races += 1;
+                            if races >= 5 {
+                                return Err(raced());
+                            }
+                            attempt -= 1;
                             continue;
                         }
                     }
@@ -166,9 +181,14 @@ impl Cluster {
                 .to_owned();
             match tx.unchecked_connection().execute(&claim).await {
                 Ok(_) => {}
-                Err(e) if crate::error::is_unique_violation(&e) && attempt < 5 => {
+                Err(e) if crate::error::is_unique_violation(&e) => {
                     // Another run committed the id first: read its outcome.
                     let _ = tx.rollback().await;
+                    races += 1;
+                    if races >= 5 {
+                        return Err(raced());
+                    }
+                    attempt -= 1;
                     continue;
                 }
                 Err(e) => {

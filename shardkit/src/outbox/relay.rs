@@ -531,10 +531,22 @@ impl Outbox {
             }
             _ => None,
         };
-        match next {
-            Some(next) => self.lock_windows().insert((self.handlers, id.0), next),
-            None => self.lock_windows().remove(&(self.handlers, id.0)),
-        };
+        {
+            let mut windows = self.lock_windows();
+            match next {
+                Some(next) => {
+                    // Handles made per request leave windows behind: keep
+                    // a bounded number, this handle's first.
+                    if windows.len() >= 256 {
+                        windows.retain(|(set, _), _| *set == self.handlers);
+                    }
+                    windows.insert((self.handlers, id.0), next);
+                }
+                None => {
+                    windows.remove(&(self.handlers, id.0));
+                }
+            }
+        }
         let top = window.is_none();
         // One sending key's messages alone filled the pass: its messages to
         // other receivers than the ones read may wait after them; read the
