@@ -1212,4 +1212,45 @@ async fn reference_drift_is_repaired_and_a_move_target_gets_the_table(dbs: &mut 
             .explain(&<currency::Entity as sea_orm::EntityTrait>::find())
             .starts_with("reference `currencies` on shard `s")
     );
+    // A copy a constraint holds back: the source deletes a currency only
+    // the buyer's purchase on `shard` uses, and the copy's delete is refused
+    // by the purchase's foreign key. The first read that finds the copy
+    // behind runs its catch-up and gets the refusal; a read in the second
+    // after gets `ReferenceBehind` at once, without a catch-up of its own
+    // (a stuck copy must not make every read run one and hold a connection
+    // waiting for the others). Once the purchase lets go, the background
+    // pass catches the copy up and the read goes through.
+    let one_off = currency::Model {
+        code: "ZZZ".to_owned(),
+        name: "one-off".to_owned(),
+        rate: 1,
+    };
+    currencies.insert(one_off.clone()).await.unwrap();
+    caught_up(&currencies).await;
+    let uses = |code: &str| {
+        format!("UPDATE purchases SET currency_code = '{code}' WHERE buyer_id = {buyer}")
+    };
+    exec(&cluster, &shard, &uses("ZZZ")).await;
+    fail::cfg("shardkit::reference::no_pass", "return").unwrap();
+    let no_pass = Removed("shardkit::reference::no_pass");
+    let gone = currencies.delete(one_off).await.unwrap();
+    assert!(gone.behind.iter().any(|(s, _)| *s == shard), "{gone:?}");
+    let first = currency_of(&cluster, buyer).await.unwrap_err();
+    assert!(
+        !matches!(first, ShardError::ReferenceBehind { .. }),
+        "the first read runs the catch-up and gets its refusal: {first:?}"
+    );
+    let second = currency_of(&cluster, buyer).await.unwrap_err();
+    assert!(
+        matches!(
+            &second,
+            ShardError::ReferenceBehind { table: "currencies", shard: s, .. } if *s == shard
+        ),
+        "{second:?}"
+    );
+    drop(no_pass);
+    exec(&cluster, &shard, &uses(&bought(buyer))).await;
+    caught_up(&currencies).await;
+    let cur = currency_of(&cluster, buyer).await.unwrap();
+    assert_eq!(cur.map(|c| c.code), Some(bought(buyer)));
 }

@@ -36,7 +36,23 @@ struct Inner {
     copies: Mutex<HashMap<(&'static str, u32), i64>>,
     tables: Mutex<Vec<&'static dyn ReferenceTable>>,
     task: Mutex<Option<tokio::task::JoinHandle<()>>>,
+    /// Per `(table, shard)`: one catch-up at a time, and when the last one
+    /// failed.
+    flights: Mutex<HashMap<(&'static str, u32), Arc<Flight>>>,
 }
+
+/// The catch-ups of one copy: one at a time (a read that finds the copy
+/// behind waits for the one under way instead of starting its own), and
+/// the time (ms) the last one failed.
+#[derive(Default)]
+pub(super) struct Flight {
+    running: tokio::sync::Mutex<()>,
+    failed_at: Mutex<Option<i64>>,
+}
+
+/// How long after a failed catch-up of a copy reads of it are refused
+/// without trying again (the background pass tries every second).
+const FAILED_HOLDS_MS: i64 = 1_000;
 
 impl Drop for Inner {
     fn drop(&mut self) {
@@ -59,6 +75,7 @@ impl References {
                 copies: Mutex::default(),
                 tables: Mutex::default(),
                 task: Mutex::default(),
+                flights: Mutex::default(),
             }),
         }
     }
@@ -133,8 +150,57 @@ impl References {
     /// (a bucket move's target, before it takes buckets).
     pub(crate) async fn catch_up_all(&self, shard: ShardId) -> Result<()> {
         for table in self.tables() {
-            table.catch_up(self, shard.0 as usize).await?;
+            self.catch_up(table, shard, None).await?;
         }
         Ok(())
+    }
+
+    /// `table.catch_up` on `shard`, one at a time per copy: a caller that
+    /// finds one under way waits for it. With `need` (a read's fence), the
+    /// copy known to be at `need` after the wait is not caught up again,
+    /// and a catch-up that failed within the last second is not tried
+    /// again: the read gets `Ok(None)` (a copy still behind) at once, so a
+    /// copy stuck on a constraint does not make every read of it run a
+    /// whole catch-up and hold a connection waiting for the others.
+    pub(super) async fn catch_up(
+        &self,
+        table: &'static dyn ReferenceTable,
+        shard: ShardId,
+        need: Option<i64>,
+    ) -> Result<Option<i64>> {
+        let name = table.table();
+        let flight = Arc::clone(
+            lock(&self.inner.flights)
+                .entry((name, shard.0))
+                .or_default(),
+        );
+        let held = || {
+            let now = self.inner.shards.now_ms();
+            need.is_some()
+                && lock(&flight.failed_at).is_some_and(|at| now >= at && now - at < FAILED_HOLDS_MS)
+        };
+        if held() {
+            return Ok(None);
+        }
+        let _one = flight.running.lock().await;
+        if let Some(need) = need {
+            let known = self.copy(name, shard);
+            if known >= need {
+                return Ok(Some(known));
+            }
+            if held() {
+                return Ok(None);
+            }
+        }
+        match table.catch_up(self, shard.0 as usize).await {
+            Ok(version) => {
+                *lock(&flight.failed_at) = None;
+                Ok(Some(version))
+            }
+            Err(e) => {
+                *lock(&flight.failed_at) = Some(self.inner.shards.now_ms());
+                Err(e)
+            }
+        }
     }
 }

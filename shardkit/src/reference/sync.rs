@@ -125,9 +125,15 @@ where
     let db = shards.shard_conn(SOURCE);
     let err = |op: &'static str| move |e| db_err(name, table, op, e);
     if refs.copy(table, SOURCE) == 0 {
-        ensure_row(db, table)
-            .await
-            .map_err(err("create the version of"))?;
+        // Under the source's breaker and the timeout, as the write is.
+        let ensure = async {
+            ensure_row(db, table)
+                .await
+                .map_err(err("create the version of"))
+        };
+        shards
+            .bounded(SOURCE, "reference", shards.read_settings().timeout, ensure)
+            .await?;
     }
     let mut attempt = 0;
     loop {
@@ -521,6 +527,22 @@ pub(super) async fn apply_version<E: ReferenceEntity>(
         match rows {
             Rows::Snapshot(rows) => {
                 sync_rows::<E>(&txn, rows).await.map_err(err("write"))?;
+                // A copy whose primary key compares otherwise than by bytes
+                // (a case-insensitive collation) takes two of the source's
+                // keys for one row: a write of `USD` and a delete of `usd`
+                // would leave neither. Such a copy is not moved on.
+                let count = sea_orm::PaginatorTrait::count(E::find(), &txn)
+                    .await
+                    .map_err(err("count"))?;
+                if count != rows.len() as u64 {
+                    return Err(err("write")(DbErr::Custom(format!(
+                        "the copy would hold {count} rows where the source holds {}: its primary \
+                         key compares keys the source tells apart (a case- or accent-insensitive \
+                         collation, or trailing spaces); give the copy's key the source's \
+                         collation",
+                        rows.len()
+                    ))));
+                }
             }
             Rows::Changes(changes) => {
                 for change in changes {
@@ -576,6 +598,19 @@ pub(crate) async fn catch_up<E: ReferenceEntity>(refs: &References, shard: Shard
         let source = read_source::<E>(refs, Some(from)).await?;
         if source.version == from {
             return Ok(from);
+        }
+        if source.version == 0 {
+            // A source with no version of the table (a new, empty database
+            // in its place, its version row lost) is not followed: setting
+            // every copy back to it would delete every copy's rows.
+            return Err(ShardError::Unavailable {
+                shard: shards.shard_name(SOURCE).to_owned(),
+                cause: format!(
+                    "the source of reference table `{table}` has no version while the copy on \
+                     {name} is at {from}: a source replaced by an empty database is not followed; \
+                     restore the source's table and its row in shardkit_reference_versions"
+                ),
+            });
         }
         if source.version < from {
             // The source lost versions this copy has (restored to an

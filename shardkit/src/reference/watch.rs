@@ -80,7 +80,7 @@ async fn pass(refs: &References) {
                     return;
                 }
             }
-            if let Err(e) = table.catch_up(refs, s.0 as usize).await {
+            if let Err(e) = refs.catch_up(table, s, None).await {
                 tracing::debug!(table = name, shard = %shards.shard_name(s), error = %e.report(), "reference copy behind; catching up later");
             }
         });
@@ -118,8 +118,11 @@ impl ReferenceFence for References {
                 && let Some(s) = shard
             {
                 // Its own error: the source or this shard not answering
-                // is said as such.
-                have = table.catch_up(self, s.0 as usize).await?;
+                // is said as such. A copy whose catch-up failed just now
+                // is behind without another try.
+                if let Some(caught_up) = self.catch_up(table, s, Some(need)).await? {
+                    have = caught_up;
+                }
             }
             if let Some(s) = shard {
                 self.copy_is(name, s, have);
