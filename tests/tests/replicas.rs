@@ -747,6 +747,42 @@ fn sqlite_replica_is_a_config_error() {
         matches!(&err, ShardError::Config { message, .. } if message.contains("a replica serves")),
         "{err}"
     );
+    // A replica serves its shard's database, on a server of its own: not
+    // another database of the replica's server, not the shard itself, not
+    // another shard, not a replica of another shard too.
+    let err = refused(
+        "[[shards]]\nname = \"s0\"\nurl = \"postgres://h/a\"\nreplicas = [{ name = \"s0r1\", url = \"postgres://h2/b\" }]\n",
+    );
+    assert!(
+        matches!(&err, ShardError::Config { entry, message } if entry.ends_with(".replicas[0]")
+            && message.contains("names database `b`, and shard `s0` is database `a`")),
+        "{err}"
+    );
+    let err = refused(
+        "[[shards]]\nname = \"s0\"\nurl = \"postgres://u:secret@h:5432/a\"\nreplicas = [{ name = \"s0r1\", url = \"postgres://u@h:5432/a\" }]\n",
+    );
+    assert!(
+        matches!(&err, ShardError::Config { message, .. }
+            if message.contains("is the database shard `s0` is") && !message.contains("secret")),
+        "{err}"
+    );
+    let err = refused(
+        "[[shards]]\nname = \"s0\"\nurl = \"postgres://h/a\"\n\
+         [[shards]]\nname = \"s1\"\nurl = \"postgres://h2/a\"\nreplicas = [{ name = \"s1r1\", url = \"postgres://h/a\" }]\n",
+    );
+    assert!(
+        matches!(&err, ShardError::Config { entry, message } if entry == "shards[1].replicas[0]"
+            && message.contains("is the database shard `s0` is")),
+        "{err}"
+    );
+    let err = refused(
+        "[[shards]]\nname = \"s0\"\nurl = \"postgres://h/a\"\nreplicas = [{ name = \"r\", url = \"postgres://h3/a\" }]\n\
+         [[shards]]\nname = \"s1\"\nurl = \"postgres://h2/a\"\nreplicas = [{ name = \"r2\", url = \"postgres://h3/a\" }]\n",
+    );
+    assert!(
+        matches!(&err, ShardError::Config { message, .. } if message.contains("replica `r`")),
+        "{err}"
+    );
 }
 
 /// On MySQL/MariaDB a `schema_name` names a database of the server: between

@@ -475,7 +475,11 @@ impl Replica {
     /// The position it has replayed up to.
     async fn replayed(&self) -> std::result::Result<Option<Position>, sea_orm::DbErr> {
         let sql = match self.conn.get_database_backend() {
-            DbBackend::Postgres => "SELECT pg_last_wal_replay_lsn()::text AS p",
+            // A promoted server keeps its last replayed position: none
+            // once it is out of recovery.
+            DbBackend::Postgres => {
+                "SELECT CASE WHEN pg_is_in_recovery() THEN pg_last_wal_replay_lsn()::text END AS p"
+            }
             _ => "SELECT @@gtid_slave_pos AS p",
         };
         read_position(&self.conn, sql).await
@@ -536,7 +540,16 @@ impl Replica {
                             .try_get::<Option<i64>>("", column)?
                             .map(|s| s.max(0) as u64),
                     },
-                    None => None,
+                    // No replication configured: a server of its own (the
+                    // primary itself, another database server), not a
+                    // replica of its shard.
+                    None => {
+                        return Err(sea_orm::DbErr::Custom(
+                            "no replication configured (SHOW SLAVE STATUS is empty): the server \
+                             is not a replica"
+                                .to_owned(),
+                        ));
+                    }
                 };
                 Ok(secs.map(Duration::from_secs))
             }

@@ -213,9 +213,10 @@ impl<E: ShardedEntity, R> Find<E, R> {
     /// replayed past a session's writes (see [`Consistency`]). A read that
     /// a replica cannot serve is answered by the shard itself; a replica
     /// that fails or does not answer within `[read] replica_timeout_ms`
-    /// leaves the rotation and the shard answers. Reads of a `movable`
-    /// group are always answered by the shard. Transactions always read
-    /// their own shard.
+    /// leaves the rotation and the shard answers. A replica answers a read
+    /// of a `movable` group only once it has replayed past the last bucket
+    /// move this instance has seen (see `shardkit::guide::replicas`).
+    /// Transactions always read their own shard.
     pub fn consistency(mut self, consistency: Consistency) -> Self {
         self.consistency = consistency;
         self

@@ -537,6 +537,21 @@ fn replica_specs(
                 ),
             ));
         }
+        // Physical replication copies the whole server: the replica's
+        // database of the shard's name is the shard's.
+        if let (Some(theirs), Some(ours)) = (database_of(&replica.url), database_of(url))
+            && theirs != ours
+        {
+            return Err(ShardError::config(
+                entry,
+                format!(
+                    "replica `{}` names database `{theirs}`, and shard `{shard}` is database \
+                     `{ours}`: a replica serves its shard's database (the same name on the \
+                     replica's server)",
+                    replica.name
+                ),
+            ));
+        }
         specs.push(ReplicaSpec {
             name: replica.name.clone(),
             url: replica.url.clone(),
@@ -545,12 +560,32 @@ fn replica_specs(
     Ok(specs)
 }
 
+/// The database a server URL names (its path), if any.
+fn database_of(url: &DatabaseUrl) -> Option<String> {
+    let parsed = url::Url::parse(url.expose()).ok()?;
+    let name = parsed.path().trim_start_matches('/');
+    (!name.is_empty()).then(|| name.to_owned())
+}
+
+/// The server and database a URL points at, to tell two entries that are
+/// one database apart.
+fn server_database(url: &DatabaseUrl) -> Option<(String, String)> {
+    Some((url.host()?, database_of(url)?))
+}
+
 /// Every replica's name is its own: no shard and no other replica has it.
 fn check_replica_names(shards: &[ShardSpec]) -> Result<()> {
     let mut seen: HashMap<&str, String> = shards
         .iter()
         .enumerate()
         .map(|(i, s)| (s.name.as_str(), format!("shards[{i}]")))
+        .collect();
+    // The databases shards and replicas point at: a replica that is a
+    // shard, or another shard's replica too, would answer for rows that
+    // are not its shard's.
+    let mut databases: HashMap<(String, String), String> = shards
+        .iter()
+        .filter_map(|s| Some((server_database(&s.url)?, format!("shard `{}`", s.name))))
         .collect();
     for (i, shard) in shards.iter().enumerate() {
         for (j, replica) in shard.replicas.iter().enumerate() {
@@ -561,7 +596,21 @@ fn check_replica_names(shards: &[ShardSpec]) -> Result<()> {
                     format!("the name `{}` is taken (by {first})", replica.name),
                 ));
             }
-            seen.insert(&replica.name, entry);
+            seen.insert(&replica.name, entry.clone());
+            if let Some(at) = server_database(&replica.url) {
+                if let Some(other) = databases.get(&at) {
+                    return Err(ShardError::config(
+                        entry,
+                        format!(
+                            "replica `{}` of shard `{}` is the database {other} is \
+                             (server {}, database `{}`): a replica is a server of its own that \
+                             replays its shard",
+                            replica.name, shard.name, at.0, at.1
+                        ),
+                    ));
+                }
+                databases.insert(at, format!("replica `{}`", replica.name));
+            }
         }
     }
     Ok(())
