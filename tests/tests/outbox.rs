@@ -981,17 +981,24 @@ async fn concurrent_retries_of_a_request_run_it_once(dbs: &mut TestDbs) {
             })
             .await
     };
-    let tasks: Vec<_> = (0..8)
-        .map(|_| tokio::spawn(pay(cluster.clone(), runs.clone(), "req-1")))
-        .collect();
-    let mut outcomes = Vec::new();
-    for t in tasks {
-        outcomes.push(
-            t.await
-                .unwrap()
-                .unwrap_or_else(|e| panic!("{}", e.report())),
-        );
-    }
+    // 8 retries of req-1 at once through `cluster`: their outcomes.
+    let eight = |cluster: &Cluster| {
+        let tasks: Vec<_> = (0..8)
+            .map(|_| tokio::spawn(pay(cluster.clone(), runs.clone(), "req-1")))
+            .collect();
+        async move {
+            let mut outcomes = Vec::new();
+            for t in tasks {
+                outcomes.push(
+                    t.await
+                        .unwrap()
+                        .unwrap_or_else(|e| panic!("{}", e.report())),
+                );
+            }
+            outcomes
+        }
+    };
+    let outcomes = eight(&cluster).await;
     assert_eq!(runs.load(Ordering::SeqCst), 1, "the work ran once");
     assert!(outcomes.iter().all(|o| *o == outcomes[0]), "{outcomes:?}");
     assert_eq!(balance(&cluster, 7).await, 5);
@@ -1074,17 +1081,7 @@ async fn concurrent_retries_of_a_request_run_it_once(dbs: &mut TestDbs) {
         .await
         .unwrap();
     later.refresh_bucket_maps().await.unwrap();
-    let tasks: Vec<_> = (0..8)
-        .map(|_| tokio::spawn(pay(later.clone(), runs.clone(), "req-1")))
-        .collect();
-    let mut outcomes = Vec::new();
-    for t in tasks {
-        outcomes.push(
-            t.await
-                .unwrap()
-                .unwrap_or_else(|e| panic!("{}", e.report())),
-        );
-    }
+    let outcomes = eight(&later).await;
     assert_eq!(
         runs.load(Ordering::SeqCst),
         4,

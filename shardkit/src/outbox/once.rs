@@ -102,6 +102,18 @@ impl Cluster {
                      committed, try again"
                 .to_owned(),
         };
+        // Another run took the request's row first: read it again.
+        macro_rules! lost_race {
+            ($tx:expr) => {{
+                let _ = $tx.rollback().await;
+                races += 1;
+                if races >= 5 {
+                    return Err(raced());
+                }
+                attempt -= 1;
+                continue;
+            }};
+        }
         loop {
             attempt += 1;
             let tx = self.begin::<G>(key.clone()).await?;
@@ -154,13 +166,7 @@ impl Cluster {
                             .map_err(err("delete from"))?
                             .rows_affected();
                         if deleted == 0 {
-                            let _ = tx.rollback().await;
-                            races += 1;
-                            if races >= 5 {
-                                return Err(raced());
-                            }
-                            attempt -= 1;
-                            continue;
+                            lost_race!(tx);
                         }
                     }
                 }
@@ -181,16 +187,8 @@ impl Cluster {
                 .to_owned();
             match tx.unchecked_connection().execute(&claim).await {
                 Ok(_) => {}
-                Err(e) if crate::error::is_unique_violation(&e) => {
-                    // Another run committed the id first: read its outcome.
-                    let _ = tx.rollback().await;
-                    races += 1;
-                    if races >= 5 {
-                        return Err(raced());
-                    }
-                    attempt -= 1;
-                    continue;
-                }
+                // Another run committed the id first: read its outcome.
+                Err(e) if crate::error::is_unique_violation(&e) => lost_race!(tx),
                 Err(e) => {
                     let e = err("insert into")(e);
                     let _ = tx.rollback().await;

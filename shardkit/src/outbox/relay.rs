@@ -893,32 +893,17 @@ impl Outbox {
         inner
             .and_where(col("grp").eq(last.grp.as_str()))
             .and_where(col("key_text").eq(last.key_text.as_str()))
-            .and_where(length(col("key_text")).eq(length(Expr::val(last.key_text.as_str()))))
-            .expr_window_as(
-                Func::cust("FIRST_VALUE").arg(col("kind")),
-                pair.clone(),
-                Alias::new("head_kind"),
-            )
-            .expr_window_as(
-                Func::cust("FIRST_VALUE").arg(col("next_at")),
-                pair.clone(),
-                Alias::new("head_next_at"),
-            )
-            .expr_window_as(
-                Func::cust("ROW_NUMBER"),
-                pair.clone(),
-                Alias::new("pair_rank"),
-            )
-            .expr_window_as(
-                Func::cust("FIRST_VALUE").arg(col("seq")),
-                pair.clone(),
-                Alias::new("head_seq"),
-            )
-            .expr_window_as(
-                Func::cust("FIRST_VALUE").arg(col("id")),
-                pair,
-                Alias::new("head_id"),
-            );
+            .and_where(length(col("key_text")).eq(length(Expr::val(last.key_text.as_str()))));
+        let first = |column: &str| Func::cust("FIRST_VALUE").arg(col(column));
+        for (value, name) in [
+            (first("kind"), "head_kind"),
+            (first("next_at"), "head_next_at"),
+            (first("seq"), "head_seq"),
+            (first("id"), "head_id"),
+            (Func::cust("ROW_NUMBER"), "pair_rank"),
+        ] {
+            inner.expr_window_as(value, pair.clone(), Alias::new(name));
+        }
         let stmt = Query::select()
             .columns(OUTBOX.names())
             .from_subquery(inner, Alias::new("pending_pairs"))
