@@ -27,15 +27,7 @@ impl DriverError {
     pub(crate) fn of(source: &DbErr, scrub: impl Fn(&str) -> String) -> Self {
         DriverError {
             message: scrub(&DriverCause(source).to_string()),
-            code: match source {
-                DbErr::Conn(sea_orm::RuntimeErr::SqlxError(e))
-                | DbErr::Exec(sea_orm::RuntimeErr::SqlxError(e))
-                | DbErr::Query(sea_orm::RuntimeErr::SqlxError(e)) => e
-                    .as_database_error()
-                    .and_then(|d| d.code())
-                    .map(|c| c.into_owned()),
-                _ => None,
-            },
+            code: database_code(source),
         }
     }
 
@@ -48,6 +40,20 @@ impl DriverError {
     /// number, SQLite's result code), when the database answered with one.
     pub fn code(&self) -> Option<&str> {
         self.code.as_deref()
+    }
+}
+
+/// The code the database answered `source` with (PostgreSQL's SQLSTATE,
+/// MySQL/MariaDB's error number, SQLite's result code), if it did.
+pub(crate) fn database_code(source: &DbErr) -> Option<String> {
+    match source {
+        DbErr::Conn(sea_orm::RuntimeErr::SqlxError(e))
+        | DbErr::Exec(sea_orm::RuntimeErr::SqlxError(e))
+        | DbErr::Query(sea_orm::RuntimeErr::SqlxError(e)) => e
+            .as_database_error()
+            .and_then(|d| d.code())
+            .map(|c| c.into_owned()),
+        _ => None,
     }
 }
 

@@ -15,7 +15,7 @@ pub(crate) use classify::{
     Synthetic, db_retry, is_capacity, is_missing_table, is_sqlite_busy, is_unique_violation,
     sqlx_is_capacity,
 };
-pub(crate) use driver::{Bounded, QUOTED_CHARS, SqlxCause};
+pub(crate) use driver::{Bounded, QUOTED_CHARS, SqlxCause, database_code};
 pub use driver::{DriverCause, DriverError};
 pub(crate) use origin::abort_backoff;
 pub use origin::{Origin, Retry, Subsystem};

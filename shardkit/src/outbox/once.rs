@@ -26,20 +26,6 @@ const MAX_REQUEST_ID: usize = 200;
 /// The longest outcome stored, in bytes of JSON (MySQL/MariaDB's `TEXT`).
 const MAX_OUTCOME: usize = 65_535;
 
-/// PostgreSQL's answer to a statement after a failed one in the same
-/// transaction (SQLSTATE `25P02`, "current transaction is aborted").
-fn is_in_failed_transaction(e: &sea_orm::DbErr) -> bool {
-    use sea_orm::RuntimeErr;
-    match e {
-        sea_orm::DbErr::Exec(RuntimeErr::SqlxError(e))
-        | sea_orm::DbErr::Query(RuntimeErr::SqlxError(e)) => e
-            .as_database_error()
-            .and_then(|d| d.code())
-            .is_some_and(|code| code == "25P02"),
-        _ => false,
-    }
-}
-
 /// The row id of request `request_id` of `key_text` in group `group`: the
 /// key's length first, so no two (key, request) pairs share one.
 pub(crate) fn request_row_id(group: &str, key_text: &str, request_id: &str) -> String {
@@ -255,10 +241,14 @@ impl Cluster {
                          statement whose error it did not return); nothing was committed";
             let stored = match tx.unchecked_connection().execute(&store).await {
                 Ok(done) => done.rows_affected(),
-                // PostgreSQL refuses every statement after a failed one.
-                Err(e) if is_in_failed_transaction(&e) => {
+                // PostgreSQL refuses every statement after a failed one
+                // (SQLSTATE 25P02, "current transaction is aborted").
+                Err(e) if crate::error::database_code(&e).as_deref() == Some("25P02") => {
                     let _ = tx.rollback().await;
-                    return Err(refuse(format!("{ended}: {e}")));
+                    return Err(refuse(format!(
+                        "{ended}: {}",
+                        crate::error::DriverCause(&e)
+                    )));
                 }
                 Err(e) => {
                     let _ = tx.rollback().await;

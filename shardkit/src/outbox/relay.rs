@@ -886,7 +886,7 @@ impl Outbox {
         let mut pair = WindowStatement::new();
         pair.partition_by(Alias::new("to_grp"))
             .partition_by(Alias::new("to_key"))
-            .add_partition_by(Func::cust("LENGTH").arg(col("to_key")).into())
+            .add_partition_by(length(col("to_key")))
             .order_by(Alias::new("seq"), Order::Asc)
             .order_by(Alias::new("id"), Order::Asc);
         let mut inner = self.rows_in(None);
