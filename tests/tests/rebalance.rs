@@ -1886,8 +1886,11 @@ async fn an_instance_that_has_not_refreshed_reads_a_moved_row_as_at_the_flip(dbs
     let a = Cluster::connect(config.clone()).await.unwrap();
     let acked: Shared = Arc::default();
     seed(&a, &acked, 1..=20).await;
-    let stale = Cluster::connect(config).await.unwrap();
+    let stale = Cluster::connect(config.clone()).await.unwrap();
     stale.refresh_bucket_maps().await.unwrap();
+    // A third instance, as stale, that only reads with a session.
+    let other = Cluster::connect(config).await.unwrap();
+    other.refresh_bucket_maps().await.unwrap();
     let read = |c: &Cluster| {
         let c = c.clone();
         async move {
@@ -1924,6 +1927,53 @@ async fn an_instance_that_has_not_refreshed_reads_a_moved_row_as_at_the_flip(dbs
     assert_eq!(inside.as_deref(), Some("c1-r1"));
     // The rerouted transaction refreshed the map: reads follow.
     assert_eq!(read(&stale).await.as_deref(), Some("c1-r1"));
+
+    // Read-your-writes across instances: a session records the bucket map
+    // its commit was routed by, and an instance with an older map reads
+    // the map again before it routes the session's read, so it reads the
+    // new owner's row, not the old owner's as it was at the flip.
+    let session = shardkit::Session::new();
+    a.transaction_in::<Customer, _, _>(&session, 1, |tx| async move {
+        tx.update(customer::ActiveModel {
+            id: sea_orm::ActiveValue::Unchanged(1),
+            name: Set("c1-session".to_owned()),
+        })
+        .await
+    })
+    .await
+    .unwrap();
+    let carried: shardkit::Session = session.to_string().parse().unwrap();
+    let text = carried.to_string();
+    assert!(
+        text.ends_with(&format!("Customer=map:{}", epoch(&a))),
+        "{text}"
+    );
+    let before = epoch(&other);
+    assert!(before < epoch(&a));
+    let with_session = other
+        .find::<customer::Entity>()
+        .key(1)
+        .consistency(shardkit::Consistency::at_least(&carried))
+        .one()
+        .await
+        .unwrap_or_else(|e| panic!("read with the session: {}", e.report()))
+        .map(|m| m.name);
+    assert_eq!(with_session.as_deref(), Some("c1-session"));
+    assert_eq!(epoch(&other), epoch(&a));
+    // A session from a map the control database never had is refused,
+    // naming it, and reads nothing.
+    let ahead: shardkit::Session = format!("Customer=map:{}", epoch(&a) + 100).parse().unwrap();
+    let refused = other
+        .find::<customer::Entity>()
+        .key(1)
+        .consistency(shardkit::Consistency::at_least(&ahead))
+        .one()
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&refused, ShardError::InvalidSession { reason } if reason.contains("group `Customer`")),
+        "{refused}"
+    );
 }
 
 /// A mover paused inside its write transaction (holding the fence's shared

@@ -179,18 +179,31 @@ async fn read_position(
 }
 
 /// Read-your-writes across requests and processes: the positions of the
-/// commits a user made, per shard. Record a transaction's commit with
+/// commits a user made, per shard, and the newest bucket map each `movable`
+/// group's commits were routed by. Record a transaction's commit with
 /// [`ShardTx::commit_in`](crate::tx::ShardTx::commit_in); read with
 /// [`Consistency::AtLeast`] and a replica answers only once it has replayed
-/// past every commit recorded for its shard (else the shard itself does).
+/// past every commit recorded for its shard (else the shard itself does),
+/// and an instance whose bucket map is older than the session's reads the
+/// map again before it routes the read (a key whose bucket moved is read
+/// on its new owner, not on the old one, whose rows stay as they were at
+/// the move until they are cleaned).
 ///
 /// Cheap to clone (clones share the positions). Its text
-/// ([`Display`](fmt::Display), [`FromStr`]) is short (`s0=pg:16/B374D848;s2=gtid:0-1-42`),
-/// holds no key or row value, and can travel in a cookie or a header from
-/// one request, or one process, to the next.
+/// ([`Display`](fmt::Display), [`FromStr`]) is short
+/// (`s0=pg:16/B374D848;s2=gtid:0-1-42;Customer=map:7`), holds no key or row
+/// value, and can travel in a cookie or a header from one request, or one
+/// process, to the next.
 #[derive(Clone, Default)]
 pub struct Session {
-    positions: Arc<Mutex<BTreeMap<String, Position>>>,
+    seen: Arc<Mutex<Seen>>,
+}
+
+/// What a session has seen: positions per shard, map epochs per group.
+#[derive(Clone, Default)]
+struct Seen {
+    positions: BTreeMap<String, Position>,
+    epochs: BTreeMap<String, u64>,
 }
 
 impl Session {
@@ -201,51 +214,88 @@ impl Session {
 
     /// Whether no commit is recorded.
     pub fn is_empty(&self) -> bool {
-        self.lock().is_empty()
+        let seen = self.lock();
+        seen.positions.is_empty() && seen.epochs.is_empty()
     }
 
     /// Records that a commit on `shard` landed at `position`.
     pub(crate) fn record(&self, shard: &str, position: Position) {
-        let mut map = self.lock();
-        match map.get_mut(shard) {
-            Some(known) => known.merge(position),
-            None => {
-                map.insert(shard.to_owned(), position);
-            }
-        }
+        self.lock().record(shard, position);
+    }
+
+    /// Records that a commit of `group` was routed by its bucket map of
+    /// `epoch`.
+    pub(crate) fn record_epoch(&self, group: &str, epoch: u64) {
+        self.lock().record_epoch(group, epoch);
     }
 
     /// The position a replica of `shard` must have replayed.
     pub(crate) fn position(&self, shard: &str) -> Option<Position> {
-        self.lock().get(shard).cloned()
+        self.lock().positions.get(shard).cloned()
     }
 
-    /// Takes in every position of `other` (another request's session).
+    /// The newest bucket map epoch of `group` a commit recorded here was
+    /// routed by.
+    pub(crate) fn epoch(&self, group: &str) -> Option<u64> {
+        self.lock().epochs.get(group).copied()
+    }
+
+    /// Takes in every position and map epoch of `other` (another
+    /// request's session).
     pub fn merge(&self, other: &Session) {
-        if Arc::ptr_eq(&self.positions, &other.positions) {
+        if Arc::ptr_eq(&self.seen, &other.seen) {
             return;
         }
         let theirs = other.lock().clone();
-        for (shard, position) in theirs {
-            self.record(&shard, position);
+        let mut seen = self.lock();
+        for (shard, position) in theirs.positions {
+            seen.record(&shard, position);
+        }
+        for (group, epoch) in theirs.epochs {
+            seen.record_epoch(&group, epoch);
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, Position>> {
-        self.positions.lock().unwrap_or_else(|p| p.into_inner())
+    fn lock(&self) -> std::sync::MutexGuard<'_, Seen> {
+        self.seen.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
 
+impl Seen {
+    fn record(&mut self, shard: &str, position: Position) {
+        match self.positions.get_mut(shard) {
+            Some(known) => known.merge(position),
+            None => {
+                self.positions.insert(shard.to_owned(), position);
+            }
+        }
+    }
+
+    fn record_epoch(&mut self, group: &str, epoch: u64) {
+        let known = self.epochs.entry(group.to_owned()).or_default();
+        *known = (*known).max(epoch);
+    }
+}
+
+/// The prefix of a map epoch in a session's text (`Customer=map:7`).
+const MAP_EPOCH: &str = "map:";
+
 impl fmt::Display for Session {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let map = self.lock();
-        let mut first = true;
-        for (shard, position) in map.iter() {
-            if !first {
+        let seen = self.lock();
+        let positions = seen
+            .positions
+            .iter()
+            .map(|(shard, p)| format!("{shard}={p}"));
+        let epochs = seen
+            .epochs
+            .iter()
+            .map(|(group, e)| format!("{group}={MAP_EPOCH}{e}"));
+        for (i, part) in positions.chain(epochs).enumerate() {
+            if i > 0 {
                 f.write_str(";")?;
             }
-            first = false;
-            write!(f, "{shard}={position}")?;
+            f.write_str(&part)?;
         }
         Ok(())
     }
@@ -268,14 +318,24 @@ impl FromStr for Session {
             let invalid = |reason: String| ShardError::InvalidSession {
                 reason: format!("`{}`: {reason}", crate::error::Bounded(part)),
             };
-            let (shard, position) = part
-                .split_once('=')
-                .ok_or_else(|| invalid("expected `shard=position`".to_owned()))?;
-            if shard.is_empty() {
-                return Err(invalid("the shard name is empty".to_owned()));
+            let (name, value) = part.split_once('=').ok_or_else(|| {
+                invalid("expected `shard=position` or `group=map:epoch`".to_owned())
+            })?;
+            if name.is_empty() {
+                return Err(invalid("the shard or group name is empty".to_owned()));
             }
-            let position = position.parse::<Position>().map_err(invalid)?;
-            session.record(shard, position);
+            match value.strip_prefix(MAP_EPOCH) {
+                Some(epoch) => {
+                    let epoch = epoch
+                        .parse::<u64>()
+                        .map_err(|_| invalid(format!("`{epoch}` is not a map epoch")))?;
+                    session.record_epoch(name, epoch);
+                }
+                None => {
+                    let position = value.parse::<Position>().map_err(invalid)?;
+                    session.record(name, position);
+                }
+            }
         }
         Ok(session)
     }
@@ -298,7 +358,9 @@ pub enum Consistency {
     /// Read-your-writes: a replica that has replayed past every commit
     /// recorded in the session for the shard read (waiting for one at most
     /// `[read] replica_wait_ms`), else the shard itself. Never older than
-    /// the session's writes.
+    /// the session's writes: a `movable` group's read on an instance whose
+    /// bucket map is older than the one the session's commits were routed
+    /// by reads the map first (a failure to read it fails the read).
     AtLeast(Session),
 }
 
@@ -672,7 +734,31 @@ mod tests {
         let have: Position = "gtid:0-1-43,1-2-6".parse().unwrap();
         assert!(!have.covers(&s.position("s1").unwrap()));
         assert!("".parse::<Session>().unwrap().is_empty());
-        for bad in ["s0", "=pg:0/1", "s0=pg:xyz", "s0=redis:1", "s0=gtid:0-1"] {
+        // Map epochs: the largest one stays, merged or recorded; a group
+        // may share a shard's name.
+        let m: Session = "Customer=map:7;s0=map:2".parse().unwrap();
+        m.record_epoch("Customer", 5);
+        assert_eq!(m.epoch("Customer"), Some(7));
+        s.merge(&m);
+        s.record_epoch("Customer", 9);
+        assert_eq!(
+            s.to_string(),
+            "s0=pg:16/B374D848;s1=gtid:0-1-43,1-2-7;Customer=map:9;s0=map:2"
+        );
+        let back: Session = s.to_string().parse().unwrap();
+        assert_eq!(back.to_string(), s.to_string());
+        assert_eq!((back.epoch("s0"), back.epoch("Order")), (Some(2), None));
+        assert!(!"Customer=map:1".parse::<Session>().unwrap().is_empty());
+        for bad in [
+            "s0",
+            "=pg:0/1",
+            "s0=pg:xyz",
+            "s0=redis:1",
+            "s0=gtid:0-1",
+            "Customer=map:",
+            "Customer=map:-1",
+            "=map:3",
+        ] {
             let err = bad.parse::<Session>().unwrap_err();
             assert!(
                 matches!(err, crate::ShardError::InvalidSession { .. }),

@@ -16,8 +16,14 @@ pub(crate) trait ReadGuard: Send + Sync {
     fn check(&self, entity: std::any::TypeId, table: &'static str) -> Result<Option<ReadFrom>>;
 
     /// Work to await before routing a read of `group` (a bucket map read
-    /// long ago is read again); `None` when there is none.
-    fn before_routing(&self, _group: &'static str) -> Option<futures::future::BoxFuture<'_, ()>> {
+    /// long ago, or older than `seen_epoch`, the epoch a read's session
+    /// saw, is read again); `None` when there is none. `Err`: the read
+    /// must not be routed (the session's map could not be read).
+    fn before_routing(
+        &self,
+        _group: &'static str,
+        _seen_epoch: Option<u64>,
+    ) -> Option<futures::future::BoxFuture<'_, Result<()>>> {
         None
     }
 
@@ -63,8 +69,12 @@ impl<T: ReadGuard + ?Sized> ReadGuard for Arc<T> {
         (**self).check(entity, table)
     }
 
-    fn before_routing(&self, group: &'static str) -> Option<futures::future::BoxFuture<'_, ()>> {
-        (**self).before_routing(group)
+    fn before_routing(
+        &self,
+        group: &'static str,
+        seen_epoch: Option<u64>,
+    ) -> Option<futures::future::BoxFuture<'_, Result<()>>> {
+        (**self).before_routing(group, seen_epoch)
     }
 
     fn move_mark(&self, group: &'static str) -> Option<futures::future::BoxFuture<'_, MoveMark>> {
@@ -87,11 +97,18 @@ impl<A: ReadGuard, B: ReadGuard> ReadGuard for (A, B) {
         }
     }
 
-    fn before_routing(&self, group: &'static str) -> Option<futures::future::BoxFuture<'_, ()>> {
-        match (self.0.before_routing(group), self.1.before_routing(group)) {
+    fn before_routing(
+        &self,
+        group: &'static str,
+        seen_epoch: Option<u64>,
+    ) -> Option<futures::future::BoxFuture<'_, Result<()>>> {
+        match (
+            self.0.before_routing(group, seen_epoch),
+            self.1.before_routing(group, seen_epoch),
+        ) {
             (Some(a), Some(b)) => Some(Box::pin(async move {
-                a.await;
-                b.await;
+                a.await?;
+                b.await
             })),
             (a, b) => a.or(b),
         }

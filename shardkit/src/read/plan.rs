@@ -247,12 +247,16 @@ impl<E: ShardedEntity> Read<E> {
         op: ReadOp,
     ) -> Result<Plan<E>> {
         let mut select = select;
+        let seen_epoch = match &self.consistency {
+            crate::exec::Consistency::AtLeast(session) => session.epoch(Self::group()),
+            _ => None,
+        };
         if let Some(refresh) = self
             .guard
             .as_ref()
-            .and_then(|g| g.before_routing(Self::group()))
+            .and_then(|g| g.before_routing(Self::group(), seen_epoch))
         {
-            refresh.await;
+            refresh.await?;
         }
         let from = match &self.guard {
             Some(guard) => {

@@ -33,13 +33,40 @@ impl ReadGuard for MoveReads {
         Ok(None)
     }
 
-    fn before_routing(&self, group: &'static str) -> Option<BoxFuture<'_, ()>> {
+    fn before_routing(
+        &self,
+        group: &'static str,
+        seen_epoch: Option<u64>,
+    ) -> Option<BoxFuture<'_, crate::error::Result<()>>> {
+        // A session that saw a newer map than this instance holds: its
+        // commits may be on a bucket's new owner, which this map does not
+        // name yet. Read the map first, or refuse the read.
+        let have = match self.shards.topology().live_owners(group) {
+            Ok(Some(map)) => map.epoch(),
+            _ => return None,
+        };
+        if let Some(seen) = seen_epoch.filter(|seen| *seen > have) {
+            return Some(Box::pin(async move {
+                let now = refresh(&self.shards, group).await?;
+                if now < seen {
+                    return Err(crate::error::ShardError::InvalidSession {
+                        reason: format!(
+                            "it has seen epoch {seen} of group `{group}`'s bucket map, and the \
+                             control database holds epoch {now} (a session of another cluster, \
+                             or a control database restored from an older backup)"
+                        ),
+                    });
+                }
+                Ok(())
+            }));
+        }
         read_needs_refresh(&self.shards, group).then(|| {
             Box::pin(async move {
                 if let Err(e) = refresh(&self.shards, group).await {
                     tracing::warn!(group, error = %e.report(), "bucket map refresh before a read failed");
                 }
-            }) as BoxFuture<'_, ()>
+                Ok(())
+            }) as BoxFuture<'_, crate::error::Result<()>>
         })
     }
 

@@ -694,10 +694,24 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
     /// succeeded, the session sends the shard's reads to the shard itself
     /// from then on (never to a replica that may be older), and this still
     /// returns `Ok`: the commit happened.
+    ///
+    /// For a `movable` group it also records the bucket map this instance
+    /// routed by, so that another instance whose map is older reads the map
+    /// again before it routes a read of the session (and reads a key whose
+    /// bucket moved on its new owner).
     pub async fn commit_in(self, session: &crate::exec::Session) -> Result<()> {
         let shards = self.shards.clone();
         let id = self.target.shard;
+        let epoch = shards
+            .topology()
+            .live_owners(G::NAME)
+            .ok()
+            .flatten()
+            .map(|m| m.epoch());
         self.commit().await?;
+        if let Some(epoch) = epoch {
+            session.record_epoch(G::NAME, epoch);
+        }
         if let Some(position) = shards.commit_position(id).await {
             session.record(shards.shard_name(id), position);
         }
