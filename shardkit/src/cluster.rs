@@ -89,6 +89,9 @@ struct Features {
     stages: Arc<Stages>,
     index: Arc<dyn IndexLookup>,
     guard: Arc<ReadGuards>,
+    /// The bucket moves' guard alone, for the reads of features that
+    /// choose their tables themselves (a rollout's old and new tables).
+    moves: Arc<dyn crate::read::ReadGuard>,
     begin: Fenced,
     references: References,
 }
@@ -98,7 +101,7 @@ struct Features {
 /// `read_new` on), then the bucket moves (a map read too long ago is read
 /// again before a read is routed by it; the move mark of a count), then the
 /// reference tables (a read that joins one never sees it go back).
-type ReadGuards = (Arc<Registry>, (MoveReads, References));
+type ReadGuards = (Arc<Registry>, (Arc<MoveReads>, References));
 
 /// Builds a [`Cluster`] with options beyond the config file.
 pub struct ClusterBuilder {
@@ -169,9 +172,10 @@ impl ClusterBuilder {
             );
         }
         let references = References::new(shards.for_task());
+        let moves = Arc::new(MoveReads::new(shards.for_task()));
         let guard: Arc<ReadGuards> = Arc::new((
             Arc::clone(&rollouts),
-            (MoveReads::new(shards.for_task()), references.clone()),
+            (Arc::clone(&moves), references.clone()),
         ));
         Ok(Cluster {
             shards,
@@ -182,6 +186,7 @@ impl ClusterBuilder {
                 stages,
                 index,
                 guard,
+                moves,
                 begin: Fenced,
                 references,
             }),
@@ -886,6 +891,7 @@ impl Cluster {
             registry: &self.features.rollouts,
             shards: &self.shards,
             gsi: &self.features.gsi,
+            moves: &self.features.moves,
         }
     }
 

@@ -451,6 +451,11 @@ fn inputs_that_used_to_panic_are_config_errors() {
     let (entry, message) = rejected(&with("[groups.C]\nbuckets = 4000000000\n"));
     assert_eq!(entry, "groups.C.buckets");
     assert!(message.contains("more than"), "{message}");
+
+    // A session's text lists `group=map:epoch;...`.
+    let (entry, message) = rejected(&with("[groups.\"a=b\"]\n"));
+    assert_eq!(entry, "groups.a=b");
+    assert!(message.contains("may not contain"), "{message}");
 }
 
 #[test]

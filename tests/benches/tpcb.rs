@@ -10,7 +10,9 @@
 //!
 //! - `cargo bench -p shardkit-tests --bench tpcb`: transactions per second
 //!   at 8 and 32 clients, the variants interleaved round by round, medians
-//!   (each backend and client count in a process of its own).
+//!   (each backend and client count in a process of its own). The variants
+//!   share out the same connections (four shards: a quarter each);
+//!   `TPCB_FOUR_POOL=n` gives each of the four shards a pool of `n`.
 //! - `tests/benches/tpcb.sh`: client instructions per transaction under
 //!   callgrind (`tpcb <plain|keyed|one|four> <postgres|mysql> <transactions>`,
 //!   one task on a current-thread runtime). `keyed` is plain SeaORM sending
@@ -453,7 +455,12 @@ async fn throughput(backend: Backend, clients: i64) -> Option<[f64; 3]> {
         // clients, at most 24 (the three variants' pools and shardkit's
         // side pools stay within PostgreSQL's default 100), so at 32
         // clients some wait for a connection in every variant alike.
-        let pool = std::cmp::min(clients, 24) / v.databases() as i64;
+        // `TPCB_FOUR_POOL=n` gives each of the four shards a pool of `n`
+        // instead (as a deployment sizes a pool per database).
+        let pool = match std::env::var("TPCB_FOUR_POOL") {
+            Ok(n) if v == Variant::Four => n.parse().expect("TPCB_FOUR_POOL: a number"),
+            _ => std::cmp::min(clients, 24) / v.databases() as i64,
+        };
         setups.push(Arc::new(setup(backend, v, pool as u32).await?));
     }
     let job = |kind: usize| {

@@ -308,6 +308,8 @@ async fn read_your_writes(pair: Pair) {
         !session.is_empty(),
         "the closure's commit is in the session"
     );
+    // A group that cannot move records no bucket map.
+    assert!(!session.to_string().contains("map:"), "{session}");
     let carried: Session = session.to_string().parse().unwrap();
     let row = other
         .find::<order::Entity>()

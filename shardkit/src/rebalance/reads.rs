@@ -7,6 +7,7 @@ use crate::read::{MoveMark, ReadFrom, ReadGuard};
 use crate::rebalance::live::{move_mark, read_needs_refresh};
 use crate::rebalance::map::refresh;
 use futures::future::BoxFuture;
+use std::collections::HashMap;
 use std::time::Duration;
 
 /// Reads of `movable` groups: a bucket map read too long ago is read again
@@ -14,13 +15,63 @@ use std::time::Duration;
 /// move mark, bounded like a read of the shard it asks.
 pub(crate) struct MoveReads {
     shards: Shards,
+    /// Map reads for sessions ahead of this instance's map, one at a time
+    /// (the reads that waited find the map read); per group, the epoch
+    /// the control database was last found below a session's, and when.
+    behind: tokio::sync::Mutex<HashMap<&'static str, (u64, i64)>>,
 }
+
+/// For how long a control database found below a session's map epoch is
+/// not asked again for a session ahead of it (a session of another
+/// cluster, a control database restored from a backup, or a made-up
+/// session text would otherwise send every read's map read to it).
+const BEHIND_FOR_MS: i64 = 1_000;
 
 impl MoveReads {
     /// The guard over `shards` (a task's handle: it does not keep the
     /// cluster's pools open).
     pub(crate) fn new(shards: Shards) -> Self {
-        MoveReads { shards }
+        MoveReads {
+            shards,
+            behind: tokio::sync::Mutex::default(),
+        }
+    }
+
+    fn epoch(&self, group: &str) -> Option<u64> {
+        match self.shards.topology().live_owners(group) {
+            Ok(Some(map)) => Some(map.epoch()),
+            _ => None,
+        }
+    }
+
+    /// Reads the map of `group` for a session that has seen epoch `seen`.
+    async fn catch_up(&self, group: &'static str, seen: u64) -> crate::error::Result<()> {
+        let mut behind = self.behind.lock().await;
+        if self.epoch(group).is_some_and(|have| have >= seen) {
+            return Ok(());
+        }
+        let now_ms = self.shards.now_ms();
+        if behind
+            .get(group)
+            .is_some_and(|&(_, at)| now_ms - at < BEHIND_FOR_MS)
+        {
+            return Ok(());
+        }
+        let now = refresh(&self.shards, group).await?;
+        if now < seen {
+            let known = behind.insert(group, (now, now_ms));
+            if known.is_none_or(|(epoch, _)| epoch != now) {
+                tracing::warn!(
+                    group,
+                    session = seen,
+                    control = now,
+                    "a session has seen a newer bucket map than the control database holds \
+                     (a session of another cluster, or a control database restored or failed \
+                     over to an older copy): reads are routed by the control database's map"
+                );
+            }
+        }
+        Ok(())
     }
 }
 
@@ -38,27 +89,15 @@ impl ReadGuard for MoveReads {
         group: &'static str,
         seen_epoch: Option<u64>,
     ) -> Option<BoxFuture<'_, crate::error::Result<()>>> {
+        if !self.shards.topology().is_movable(group) {
+            return None;
+        }
         // A session that saw a newer map than this instance holds: its
         // commits may be on a bucket's new owner, which this map does not
-        // name yet. Read the map first, or refuse the read.
-        let have = match self.shards.topology().live_owners(group) {
-            Ok(Some(map)) => map.epoch(),
-            _ => return None,
-        };
+        // name yet. Read the map first; a read that cannot is refused.
+        let have = self.epoch(group)?;
         if let Some(seen) = seen_epoch.filter(|seen| *seen > have) {
-            return Some(Box::pin(async move {
-                let now = refresh(&self.shards, group).await?;
-                if now < seen {
-                    return Err(crate::error::ShardError::InvalidSession {
-                        reason: format!(
-                            "it has seen epoch {seen} of group `{group}`'s bucket map, and the \
-                             control database holds epoch {now} (a session of another cluster, \
-                             or a control database restored from an older backup)"
-                        ),
-                    });
-                }
-                Ok(())
-            }));
+            return Some(Box::pin(self.catch_up(group, seen)));
         }
         read_needs_refresh(&self.shards, group).then(|| {
             Box::pin(async move {

@@ -316,6 +316,9 @@ pub struct RolloutHandle<Old: ShardedEntity, New: ShardedEntity> {
     pub(super) shared: Arc<Shared<Old, New>>,
     pub(super) shards: Shards,
     pub(super) gsi: Arc<GsiState>,
+    /// The bucket moves' read guard: reads of the old and new tables are
+    /// routed by a map no older than a session's.
+    pub(super) moves: Arc<dyn crate::read::ReadGuard>,
 }
 
 impl<Old: ShardedEntity, New: ShardedEntity> Clone for RolloutHandle<Old, New> {
@@ -324,6 +327,7 @@ impl<Old: ShardedEntity, New: ShardedEntity> Clone for RolloutHandle<Old, New> {
             shared: self.shared.clone(),
             shards: self.shards.clone(),
             gsi: Arc::clone(&self.gsi),
+            moves: Arc::clone(&self.moves),
         }
     }
 }

@@ -38,12 +38,14 @@ where
     {
         let shared = Arc::downgrade(&self.shared);
         let gsi = Arc::clone(&self.gsi);
+        let moves = Arc::clone(&self.moves);
         crate::exec::periodic::spawn(&self.shards, interval, first, move |shards| {
             let run = shared.upgrade().map(|shared| {
                 pass(RolloutHandle {
                     shared,
                     shards,
                     gsi: Arc::clone(&gsi),
+                    moves: Arc::clone(&moves),
                 })
             });
             async move {

@@ -10,6 +10,7 @@ use crate::rollout::parts::Parts;
 use crate::rollout::{RolloutHandle, cache_key};
 use sea_orm::sea_query::IntoValueTuple;
 use sea_orm::{PrimaryKeyTrait, QueryFilter, Value};
+use std::sync::Arc;
 
 impl<Old, New> RolloutHandle<Old, New>
 where
@@ -33,12 +34,17 @@ where
         pk: &[Value],
         consistency: &Consistency,
     ) -> Result<Option<Old::Model>> {
-        crate::read::Find::new(self.shards.clone(), None, None, Old::find())
-            .key(key.clone())
-            .filter(pk_condition::<Old>(pk))
-            .consistency(consistency.clone())
-            .one()
-            .await
+        crate::read::Find::new(
+            self.shards.clone(),
+            None,
+            Some(Arc::clone(&self.moves)),
+            Old::find(),
+        )
+        .key(key.clone())
+        .filter(pk_condition::<Old>(pk))
+        .consistency(consistency.clone())
+        .one()
+        .await
     }
 
     pub(super) async fn read_new_table(
@@ -47,12 +53,17 @@ where
         pk: &[Value],
         consistency: &Consistency,
     ) -> Result<Option<New::Model>> {
-        crate::read::Find::new(self.shards.clone(), None, None, New::find())
-            .key(key.clone())
-            .filter(pk_condition::<New>(pk))
-            .consistency(consistency.clone())
-            .one()
-            .await
+        crate::read::Find::new(
+            self.shards.clone(),
+            None,
+            Some(Arc::clone(&self.moves)),
+            New::find(),
+        )
+        .key(key.clone())
+        .filter(pk_condition::<New>(pk))
+        .consistency(consistency.clone())
+        .one()
+        .await
     }
 
     /// The consistency a rollout read runs with: a read of a fold before

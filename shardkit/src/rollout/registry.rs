@@ -75,6 +75,8 @@ pub(crate) struct Rollouts<'c> {
     pub(crate) registry: &'c Registry,
     pub(crate) shards: &'c Shards,
     pub(crate) gsi: &'c Arc<GsiState>,
+    /// The bucket moves' read guard, for the rollout's reads.
+    pub(crate) moves: &'c Arc<dyn crate::read::ReadGuard>,
 }
 
 impl Rollouts<'_> {
@@ -272,6 +274,7 @@ impl Rollouts<'_> {
             shared,
             shards: self.shards.clone(),
             gsi: Arc::clone(self.gsi),
+            moves: Arc::clone(self.moves),
         };
         handle.spawn_every(
             rollout.refresh,
@@ -335,6 +338,7 @@ impl Rollouts<'_> {
             shared,
             shards: self.shards.clone(),
             gsi: Arc::clone(self.gsi),
+            moves: Arc::clone(self.moves),
         })
     }
 }

@@ -143,6 +143,13 @@ impl Topology {
             directories: Vec::new(),
         };
         for (name, group) in &config.groups {
+            if name.contains(['=', ';']) {
+                // A session's text lists `group=map:epoch;...`.
+                return Err(ShardError::config(
+                    format!("groups.{name}"),
+                    "a group's name may not contain `=` or `;`",
+                ));
+            }
             let placement = topology.build_placement(name, group, &hosts)?;
             let shards = topology.compute_shards_of(&placement);
             topology.groups.insert(name.clone(), placement);

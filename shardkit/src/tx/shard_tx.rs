@@ -689,8 +689,8 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
     /// position, MySQL/MariaDB's GTID position, read on the shard right
     /// after the commit), so that later reads with
     /// [`Consistency::AtLeast`](crate::Consistency::AtLeast) of the session
-    /// see this transaction's writes. A shard without replicas records
-    /// nothing. When the position cannot be read after a commit that
+    /// see this transaction's writes. A shard without replicas records no
+    /// position. When the position cannot be read after a commit that
     /// succeeded, the session sends the shard's reads to the shard itself
     /// from then on (never to a replica that may be older), and this still
     /// returns `Ok`: the commit happened.
@@ -702,12 +702,10 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
     pub async fn commit_in(self, session: &crate::exec::Session) -> Result<()> {
         let shards = self.shards.clone();
         let id = self.target.shard;
-        let epoch = shards
-            .topology()
-            .live_owners(G::NAME)
-            .ok()
-            .flatten()
-            .map(|m| m.epoch());
+        let epoch = match shards.topology().live_owners(G::NAME) {
+            Ok(Some(map)) if shards.topology().is_movable(G::NAME) => Some(map.epoch()),
+            _ => None,
+        };
         self.commit().await?;
         if let Some(epoch) = epoch {
             session.record_epoch(G::NAME, epoch);
