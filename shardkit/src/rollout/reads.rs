@@ -34,17 +34,7 @@ where
         pk: &[Value],
         consistency: &Consistency,
     ) -> Result<Option<Old::Model>> {
-        crate::read::Find::new(
-            self.shards.clone(),
-            None,
-            Some(Arc::clone(&self.moves)),
-            Old::find(),
-        )
-        .key(key.clone())
-        .filter(pk_condition::<Old>(pk))
-        .consistency(consistency.clone())
-        .one()
-        .await
+        self.read_table::<Old>(key, pk, consistency).await
     }
 
     pub(super) async fn read_new_table(
@@ -53,14 +43,25 @@ where
         pk: &[Value],
         consistency: &Consistency,
     ) -> Result<Option<New::Model>> {
+        self.read_table::<New>(key, pk, consistency).await
+    }
+
+    /// The row of `E` (the old or the new entity) with primary key `pk`,
+    /// routed by the bucket moves' guard alone (the rollout chose the table).
+    async fn read_table<E: ShardedEntity<Group = Old::Group>>(
+        &self,
+        key: &KeyOf<Old>,
+        pk: &[Value],
+        consistency: &Consistency,
+    ) -> Result<Option<E::Model>> {
         crate::read::Find::new(
             self.shards.clone(),
             None,
             Some(Arc::clone(&self.moves)),
-            New::find(),
+            E::find(),
         )
         .key(key.clone())
-        .filter(pk_condition::<New>(pk))
+        .filter(pk_condition::<E>(pk))
         .consistency(consistency.clone())
         .one()
         .await
