@@ -1089,6 +1089,70 @@ async fn concurrent_retries_of_a_request_run_it_once(dbs: &mut TestDbs) {
     );
     assert!(outcomes.iter().all(|o| *o == outcomes[0]), "{outcomes:?}");
     assert_eq!(outcomes[0].0, 20);
+
+    // Pruning, by the running relay of an instance two days ahead (every
+    // outcome expired): while a bucket of a shard moves, that shard's
+    // outcomes stay (a move's change log would not name their keys, and
+    // its verify would find them gone); once none moves, they go.
+    let stored = shardkit_tests::count_rows(&cluster, "shardkit_requests").await;
+    assert!(stored >= 3, "{stored}");
+    let set_states = |from: &'static str, to: &'static str| {
+        let cluster = cluster.clone();
+        async move {
+            for shard in cluster.topology().shard_names() {
+                let db = cluster.connection(shard).unwrap();
+                db.execute_unprepared(&format!(
+                    "UPDATE shardkit_bucket_states SET state = '{to}' WHERE state = '{from}'"
+                ))
+                .await
+                .unwrap();
+            }
+        }
+    };
+    set_states("owned", "moving").await;
+    let clock = Arc::new(shardkit::clock::ManualClock::new(
+        shardkit::Clock::now_millis(&shardkit::clock::SystemClock) + 50 * 3_600_000,
+    ));
+    let checks = Arc::new(AtomicUsize::new(0));
+    let pruner = Cluster::builder(ClusterConfig::from_toml(&toml(dbs, &[])).unwrap())
+        .clock(clock.clone())
+        .on_statement({
+            let checks = checks.clone();
+            move |e| {
+                if !e.failed
+                    && e.statement
+                        .sql
+                        .starts_with("SELECT state FROM shardkit_bucket_states")
+                {
+                    checks.fetch_add(1, Ordering::SeqCst);
+                }
+            }
+        })
+        .connect()
+        .await
+        .unwrap();
+    let shards = pruner.topology().shard_names().count();
+    let running = relay(&pruner).poll_every(Duration::from_millis(5)).run();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while checks.load(Ordering::SeqCst) < shards {
+        assert!(std::time::Instant::now() < deadline, "no prune pass ran");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        shardkit_tests::count_rows(&cluster, "shardkit_requests").await,
+        stored,
+        "outcomes pruned while their buckets moved"
+    );
+    set_states("moving", "owned").await;
+    clock.advance(Duration::from_secs(61));
+    while shardkit_tests::count_rows(&cluster, "shardkit_requests").await > 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "expired outcomes not pruned"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    running.stop();
 }
 
 /// Sends a credit of `amount` from `from` to `to` in a transaction of its
