@@ -270,7 +270,7 @@ impl Cluster {
 
 /// Deletes the outcomes older than [`REQUEST_TTL`] on `db`.
 pub(crate) async fn prune_requests(
-    db: &impl sea_orm::ConnectionTrait,
+    db: &sea_orm::DatabaseConnection,
     shard: &str,
     now_ms: i64,
 ) -> Result<u64> {

@@ -1042,12 +1042,6 @@ impl Outbox {
             let db = shards.side_conn(id);
             let pruned = shards
                 .bounded(id, "outbox", Some(self.settings.step_timeout), async {
-                    // Not while a bucket of the shard moves: the move would
-                    // find rows gone that its change log does not name.
-                    let Some(txn) = crate::rebalance::begin_unless_moving(db, name).await? else {
-                        tracing::debug!(shard = %name, "a bucket is moving: old inbox ids and outcomes pruned later");
-                        return Ok(0);
-                    };
                     // Saga markers stay: an unfinished saga's compensation
                     // reads them, however long it waited.
                     let inbox = Query::delete()
@@ -1058,7 +1052,7 @@ impl Outbox {
                         )
                         .and_where(Expr::col(Alias::new("id")).not_like("saga:%"))
                         .to_owned();
-                    txn.execute(&inbox)
+                    db.execute(&inbox)
                         .await
                         .map_err(|e| db_err(name, INBOX.name, "delete from", e))?;
                     // Finished sagas, kept as long as their markers.
@@ -1070,14 +1064,10 @@ impl Outbox {
                                 .lt(now - INBOX_TTL.as_millis() as i64),
                         )
                         .to_owned();
-                    txn.execute(&sagas)
+                    db.execute(&sagas)
                         .await
                         .map_err(|e| db_err(name, SAGAS.name, "delete from", e))?;
-                    let pruned = prune_requests(&txn, name, now).await?;
-                    txn.commit()
-                        .await
-                        .map_err(|e| db_err(name, INBOX.name, "commit", e))?;
-                    Ok(pruned)
+                    prune_requests(db, name, now).await
                 })
                 .await;
             if let Err(e) = pruned {

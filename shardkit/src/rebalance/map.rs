@@ -559,38 +559,6 @@ pub(crate) async fn fence(
     }
 }
 
-/// Begins a write transaction on shard `shard` (`db`) for housekeeping
-/// that deletes keyed rows of every group without logging their keys
-/// (expired outcomes and inbox ids): `None` while a bucket of the shard is
-/// moving away (a move's copy and verify see a moving bucket's changes
-/// through its change log, and a row deleted without an entry there
-/// would fail the move), else the transaction, holding the shared lock
-/// of every bucket state of the shard, so no bucket starts moving before
-/// it ends.
-pub(crate) async fn begin_unless_moving(
-    db: &DatabaseConnection,
-    shard: &str,
-) -> Result<Option<DatabaseTransaction>> {
-    let err = |e| db_err(shard, STATES, "read", e);
-    let txn = crate::exec::begin_write(db).await.map_err(err)?;
-    let backend = txn.get_database_backend();
-    let lock = match backend {
-        DbBackend::Postgres => " FOR SHARE",
-        DbBackend::MySql => " LOCK IN SHARE MODE",
-        _ => "",
-    };
-    let stmt = Statement::from_string(backend, format!("SELECT state FROM {STATES}{lock}"));
-    let rows = txn.query_all_raw(stmt).await.map_err(err)?;
-    for row in rows {
-        let state: String = row.try_get("", "state").map_err(err)?;
-        if BucketState::parse(&state) == Some(BucketState::Moving) {
-            let _ = txn.rollback().await;
-            return Ok(None);
-        }
-    }
-    Ok(Some(txn))
-}
-
 fn moved(group: &'static str, bucket: u32, shard: &str, state: BucketState) -> ShardError {
     ShardError::BucketMoved {
         group,

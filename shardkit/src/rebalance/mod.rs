@@ -63,6 +63,6 @@ mod reads;
 pub(crate) use begin::Fenced;
 pub(crate) use errors::{db_err, missing_table};
 pub(crate) use live::{REROUTE_FOR, load_maps, refresh_all, unfinished_moves};
-pub(crate) use map::{after_refusal, begin_unless_moving, fence, refresh, seed_states};
+pub(crate) use map::{after_refusal, fence, refresh, seed_states};
 pub use mover::{AnyGroup, MovePhase, MovePlan, MoveProgress, MoveStatus, RangeSplit, Rebalance};
 pub(crate) use reads::MoveReads;
