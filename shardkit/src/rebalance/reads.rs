@@ -17,7 +17,7 @@ pub(crate) struct MoveReads {
     shards: Shards,
     /// Map reads for sessions ahead of this instance's map, one at a time
     /// (the reads that waited find the map read); per group, the epoch
-    /// the control database was last found below a session's, and when.
+    /// the last session found ahead of the control database, and when.
     behind: tokio::sync::Mutex<HashMap<&'static str, (u64, i64)>>,
 }
 
@@ -44,23 +44,36 @@ impl MoveReads {
         }
     }
 
-    /// Reads the map of `group` for a session that has seen epoch `seen`.
+    /// Reads the map of `group` for a session that has seen epoch `seen`,
+    /// within the read timeout (`[read] timeout_ms`, else 5 s).
     async fn catch_up(&self, group: &'static str, seen: u64) -> crate::error::Result<()> {
         let mut behind = self.behind.lock().await;
         if self.epoch(group).is_some_and(|have| have >= seen) {
             return Ok(());
         }
         let now_ms = self.shards.now_ms();
+        // Only a session at or past the one found ahead of the control
+        // database is spared the map read: a session below it may be a
+        // real commit's after a cut-over.
         if behind
             .get(group)
-            .is_some_and(|&(_, at)| now_ms - at < BEHIND_FOR_MS)
+            .is_some_and(|&(ahead, at)| seen >= ahead && now_ms - at < BEHIND_FOR_MS)
         {
             return Ok(());
         }
-        let now = refresh(&self.shards, group).await?;
+        let control = crate::rebalance::map::control(&self.shards, group)?;
+        let within = self
+            .shards
+            .read_settings()
+            .timeout
+            .unwrap_or(Duration::from_secs(5));
+        let now = self
+            .shards
+            .bounded(control, group, Some(within), refresh(&self.shards, group))
+            .await?;
         if now < seen {
-            let known = behind.insert(group, (now, now_ms));
-            if known.is_none_or(|(epoch, _)| epoch != now) {
+            let known = behind.insert(group, (seen, now_ms));
+            if known.is_none() {
                 tracing::warn!(
                     group,
                     session = seen,
