@@ -38,6 +38,7 @@ backend_tests!(5 =>
     [Sqlite] a_move_run_by_another_process_on_the_same_sqlite_files,
     [Sqlite] child_process_mover,
     a_cancelled_run_stops_at_a_chunk_and_the_next_run_resumes,
+    an_outcome_pruned_on_one_side_of_a_move_does_not_stop_it,
 );
 
 const BUCKETS: u32 = 64;
@@ -2571,4 +2572,117 @@ async fn child_process_mover(_dbs: &mut TestDbs) {
         .await
         .unwrap_or_else(|e| panic!("the move: {}", e.report()));
     println!("\nMOVED {}", done.phase);
+}
+
+/// A relay's prune deletes expired request outcomes on one shard at a
+/// time, with no change-log entry: here on a move's source after the copy
+/// took them. The move's verify leaves expired rows out: it finds no
+/// difference to copy again (a copy again that a prune on the target
+/// raced stopped the move), the move finishes, and the expired request
+/// runs again on the new owner.
+async fn an_outcome_pruned_on_one_side_of_a_move_does_not_stop_it(dbs: &mut TestDbs) {
+    let config = config(dbs, 0);
+    // An instance two days behind stores outcomes that every other
+    // instance finds expired.
+    let past = Cluster::builder(config.clone())
+        .clock(Arc::new(shardkit::clock::ManualClock::new(
+            shardkit::Clock::now_millis(&shardkit::clock::SystemClock) - 48 * 3_600_000,
+        )))
+        .connect()
+        .await
+        .unwrap();
+    past.migrate::<Migrator>().await.unwrap();
+    past.refresh_bucket_maps().await.unwrap();
+    let request = |cluster: &Cluster, value: i64| {
+        let cluster = cluster.clone();
+        async move {
+            cluster
+                .transaction_once::<Customer, i64, _>(1, "req-1", |_tx| async move { Ok(value) })
+                .await
+                .unwrap_or_else(|e| panic!("request: {}", e.report()))
+        }
+    };
+    assert_eq!(request(&past, 1).await, 1);
+    // Deletes of outcomes on the target, while `watch` is set.
+    let watch = Arc::new(AtomicBool::new(false));
+    let deletes = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let a = Cluster::builder(config)
+        .on_statement({
+            let (watch, deletes) = (watch.clone(), deletes.clone());
+            move |e| {
+                let sql = &e.statement.sql;
+                if watch.load(Ordering::SeqCst)
+                    && e.shard == "s4"
+                    && sql.starts_with("DELETE")
+                    && sql.contains("shardkit_requests")
+                {
+                    deletes.fetch_add(1, Ordering::SeqCst);
+                }
+            }
+        })
+        .connect()
+        .await
+        .unwrap();
+    a.refresh_bucket_maps().await.unwrap();
+    let owner = |c: &Cluster| {
+        let id = c.route_now::<Customer>(&1).unwrap().unwrap().shard;
+        c.topology().shard(id).name.clone()
+    };
+    let (source, target) = (owner(&a), "s4");
+    let stored = |shard: String| {
+        let a = a.clone();
+        async move {
+            let db = a.connection(&shard).unwrap();
+            db.query_one_raw(sea_orm::Statement::from_string(
+                db.get_database_backend(),
+                "SELECT COUNT(*) AS n FROM shardkit_requests WHERE key_text = '1'",
+            ))
+            .await
+            .unwrap()
+            .unwrap()
+            .try_get::<i64>("", "n")
+            .unwrap()
+        }
+    };
+    let _turn = FAILPOINTS.lock().await;
+    let name = "shardkit::rebalance::catching_up";
+    fail::cfg(name, &format!("return({})", dbs.names[4])).unwrap();
+    let m = mover(&a);
+    let id = m
+        .start(&m.plan_buckets([bucket(1)], target).await.unwrap())
+        .await
+        .unwrap()
+        .id;
+    // Stopped after the copy: the outcome is on both shards.
+    assert!(m.run(id).await.is_err());
+    fail::remove(name);
+    assert_eq!(
+        (stored(source.clone()).await, stored(target.into()).await),
+        (1, 1)
+    );
+    // What a relay's prune runs on the source.
+    let src = a.connection(&source).unwrap();
+    src.execute_unprepared(&format!(
+        "DELETE FROM shardkit_requests WHERE created_at < {}",
+        shardkit::Clock::now_millis(&shardkit::clock::SystemClock) - 24 * 3_600_000
+    ))
+    .await
+    .unwrap();
+    watch.store(true, Ordering::SeqCst);
+    let done = m
+        .run(id)
+        .await
+        .unwrap_or_else(|e| panic!("the move after the prune: {}", e.report()));
+    watch.store(false, Ordering::SeqCst);
+    assert_eq!(done.phase, MovePhase::Done);
+    assert_eq!(
+        deletes.load(Ordering::SeqCst),
+        0,
+        "the verify copied the expired outcome's key again"
+    );
+    a.refresh_bucket_maps().await.unwrap();
+    assert_eq!(owner(&a), target);
+    // Expired on the new owner too: the request runs again.
+    assert_eq!(request(&a, 2).await, 2);
+    assert_eq!(request(&a, 3).await, 2);
 }

@@ -12,13 +12,8 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 use std::future::Future;
 use std::sync::Arc;
-use std::time::Duration;
 
-/// How long [`Cluster::transaction_once`] keeps a request's outcome: a
-/// retry within this time (24 hours) gets the stored outcome; after it, the
-/// request id is forgotten and a retry runs the work again. The relay
-/// ([`Outbox::run`](crate::Outbox::run)) deletes older outcomes.
-pub const REQUEST_TTL: Duration = Duration::from_secs(24 * 3600);
+pub use crate::exec::keyed_tables::REQUEST_TTL;
 
 /// The longest request id stored.
 const MAX_REQUEST_ID: usize = 200;
@@ -266,21 +261,4 @@ impl Cluster {
             }
         }
     }
-}
-
-/// Deletes the outcomes older than [`REQUEST_TTL`] on `db`.
-pub(crate) async fn prune_requests(
-    db: &sea_orm::DatabaseConnection,
-    shard: &str,
-    now_ms: i64,
-) -> Result<u64> {
-    let stmt = Query::delete()
-        .from_table(Alias::new(REQUESTS.name))
-        .and_where(Expr::col(Alias::new("created_at")).lt(now_ms - REQUEST_TTL.as_millis() as i64))
-        .to_owned();
-    Ok(db
-        .execute(&stmt)
-        .await
-        .map_err(|e| db_err(shard, REQUESTS.name, "delete from", e))?
-        .rows_affected())
 }

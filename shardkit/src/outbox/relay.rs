@@ -4,10 +4,9 @@
 
 use crate::cluster::{Cluster, ShardTx};
 use crate::error::{Result, ShardError};
-use crate::exec::keyed_tables::{INBOX, OUTBOX, SAGAS};
+use crate::exec::keyed_tables::OUTBOX;
 use crate::exec::periodic;
 use crate::outbox::message::{BoxError, Delivery, Kind, Message, Row, SourceChange, Typed, db_err};
-use crate::outbox::once::prune_requests;
 use crate::topology::ShardId;
 use futures::StreamExt;
 use futures::future::BoxFuture;
@@ -155,10 +154,7 @@ enum Start<'a> {
     Window(&'a Window),
 }
 
-/// How long the inbox keeps a message id: 7 days. A message older than
-/// this is parked instead of delivered (its id may be gone from the inbox,
-/// so it could be applied twice); `retry` delivers it anyway.
-pub const INBOX_TTL: Duration = Duration::from_secs(7 * 24 * 3600);
+pub use crate::exec::keyed_tables::INBOX_TTL;
 
 impl std::fmt::Debug for Outbox {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -1042,32 +1038,21 @@ impl Outbox {
             let db = shards.side_conn(id);
             let pruned = shards
                 .bounded(id, "outbox", Some(self.settings.step_timeout), async {
-                    // Saga markers stay: an unfinished saga's compensation
-                    // reads them, however long it waited.
-                    let inbox = Query::delete()
-                        .from_table(Alias::new(INBOX.name))
-                        .and_where(
-                            Expr::col(Alias::new("received_at"))
-                                .lt(now - INBOX_TTL.as_millis() as i64),
-                        )
-                        .and_where(Expr::col(Alias::new("id")).not_like("saga:%"))
-                        .to_owned();
-                    db.execute(&inbox)
-                        .await
-                        .map_err(|e| db_err(name, INBOX.name, "delete from", e))?;
-                    // Finished sagas, kept as long as their markers.
-                    let sagas = Query::delete()
-                        .from_table(Alias::new(SAGAS.name))
-                        .and_where(Expr::col(Alias::new("state")).is_in(["done", "compensated"]))
-                        .and_where(
-                            Expr::col(Alias::new("updated_at"))
-                                .lt(now - INBOX_TTL.as_millis() as i64),
-                        )
-                        .to_owned();
-                    db.execute(&sagas)
-                        .await
-                        .map_err(|e| db_err(name, SAGAS.name, "delete from", e))?;
-                    prune_requests(db, name, now).await
+                    // Each keyed table's rows that go by age (saga markers
+                    // and unfinished sagas stay; see `Expiry`).
+                    for table in crate::exec::keyed_tables::ALL {
+                        let Some(expired) = table.expired_where(now) else {
+                            continue;
+                        };
+                        let delete = Query::delete()
+                            .from_table(Alias::new(table.name))
+                            .cond_where(expired)
+                            .to_owned();
+                        db.execute(&delete)
+                            .await
+                            .map_err(|e| db_err(name, table.name, "delete from", e))?;
+                    }
+                    Ok(())
                 })
                 .await;
             if let Err(e) = pruned {

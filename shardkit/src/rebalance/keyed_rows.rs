@@ -3,6 +3,7 @@
 //! `key_text`, carried like an entity's rows. A move carries them after the
 //! entities listed (nothing of an application's points at them).
 
+use crate::clock::Clock;
 use crate::entity::ShardKey;
 use crate::error::Result;
 use crate::exec::keyed_tables::{KeyedTable, text_at};
@@ -17,22 +18,35 @@ use futures::future::BoxFuture;
 use sea_orm::sea_query::{Alias, Expr, ExprTrait, OnConflict, Order, Query, SelectStatement};
 use sea_orm::{ConnectionTrait, DatabaseConnection, DatabaseTransaction, DbBackend, Value};
 use std::collections::{BTreeMap, HashSet};
+use std::sync::Arc;
 use std::time::Duration;
+
+/// How long before its expiry a row is left out of a move's verify as if
+/// it had expired: a relay whose clock runs up to this much ahead of the
+/// mover's prunes it earlier, on one side of the move only.
+const EXPIRY_MARGIN: Duration = Duration::from_secs(3600);
 
 /// The rows of `table` that belong to keys of type `K` in group `group`.
 pub(crate) struct KeyedRows<K> {
     group: &'static str,
     table: &'static KeyedTable,
     moving: MovingTable,
+    /// The cluster's clock: which rows have gone by age.
+    clock: Arc<dyn Clock>,
     _key: std::marker::PhantomData<fn() -> K>,
 }
 
 impl<K: ShardKey> KeyedRows<K> {
-    pub(crate) fn new(group: &'static str, table: &'static KeyedTable) -> Self {
+    pub(crate) fn new(
+        group: &'static str,
+        table: &'static KeyedTable,
+        clock: Arc<dyn Clock>,
+    ) -> Self {
         KeyedRows {
             group,
             table,
             moving: MovingTable::new(None, table.name),
+            clock,
             _key: std::marker::PhantomData,
         }
     }
@@ -312,6 +326,14 @@ impl<K: ShardKey> MoveEntity for KeyedRows<K> {
         Box::pin(async move {
             let mut out = Compared::default();
             let mut after: Option<String> = None;
+            // Rows that have gone by age (or go within the margin) are left
+            // out on both sides: a relay's prune deletes them on one side
+            // only, with no change-log entry, and an expired row is as good
+            // as gone (see `Expiry`).
+            let now = crate::clock::now_ms(&*self.clock);
+            let compared = |r: &Vec<Value>| {
+                self.moving(buckets, r) && !self.table.expires(r, now, EXPIRY_MARGIN)
+            };
             loop {
                 let rows = bounded(self.group, step, src.1, async {
                     self.chunk(src, after.as_deref(), None, chunk, "verify")
@@ -329,14 +351,14 @@ impl<K: ShardKey> MoveEntity for KeyedRows<K> {
                     .await?;
                     let more = page.len() as u64 == chunk;
                     page_after = page.last().map(|r| text_at(r, 0).to_owned());
-                    theirs.extend(page.into_iter().filter(|r| self.moving(buckets, r)));
+                    theirs.extend(page.into_iter().filter(compared));
                     if !more {
                         break;
                     }
                 }
                 let mine: BTreeMap<&str, &Vec<Value>> = rows
                     .iter()
-                    .filter(|r| self.moving(buckets, r))
+                    .filter(|r| compared(r))
                     .map(|r| (text_at(r, 0), r))
                     .collect();
                 out.rows += mine.len() as u64;

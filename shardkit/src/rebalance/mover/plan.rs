@@ -270,14 +270,18 @@ impl<G: EntityGroup> Rebalance<G> {
     /// Moves of `G`, refused with [`ShardError::Rebalance`] when `G` is
     /// not a `movable` hash or range group.
     pub(crate) fn new(shards: Shards, references: References) -> Result<Self> {
+        let entities = crate::exec::keyed_tables::ALL
+            .iter()
+            .map(|t| {
+                Arc::new(KeyedRows::<G::Key>::new(G::NAME, t, shards.clock().clone()))
+                    as Arc<dyn MoveEntity>
+            })
+            .collect();
         let moves = Rebalance {
             group: G::NAME,
             token: crate::uuid_v7().to_string(),
             shards,
-            entities: crate::exec::keyed_tables::ALL
-                .iter()
-                .map(|t| Arc::new(KeyedRows::<G::Key>::new(G::NAME, t)) as Arc<dyn MoveEntity>)
-                .collect(),
+            entities,
             control: JobControl::new(),
             wait_for_grace: false,
             references,
