@@ -421,7 +421,7 @@ async fn replica_faults(pair: Pair) {
         "{status:?}"
     );
     // Back: it rejoins the rotation after a good probe.
-    let proxy = Proxy::start_on(proxy.port, target).await;
+    let proxy = Proxy::start_on(proxy.port, target.clone()).await;
     let before = on_replica.load(Ordering::Relaxed);
     let deadline = Instant::now() + Duration::from_secs(15);
     loop {
@@ -437,6 +437,59 @@ async fn replica_faults(pair: Pair) {
         status[0].in_rotation && status[0].error.is_none(),
         "{status:?}"
     );
+    // A replica that failed stays out until a good probe, not for a time:
+    // an instance that probes once a minute, its clock moved on, reads
+    // from the shard until it probes, though the replica is back.
+    let clock = Arc::new(shardkit::clock::ManualClock::new(
+        shardkit::Clock::now_millis(&shardkit::clock::SystemClock),
+    ));
+    let on_slow = Arc::new(AtomicU64::new(0));
+    let slow = Cluster::builder(dbs.config(
+        Some(&through),
+        "[read]\nreplica_timeout_ms = 300\nreplica_probe_ms = 60000\ntimeout_ms = 5000\n",
+    ))
+    .clock(clock.clone())
+    .on_statement({
+        let seen = Arc::clone(&on_slow);
+        move |e| {
+            if e.shard.ends_with("r1") && e.statement.sql.contains("orders") {
+                seen.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    })
+    .connect()
+    .await
+    .expect("connect");
+    let slow_read = || async {
+        let row = slow
+            .find::<order::Entity>()
+            .key(1)
+            .consistency(any())
+            .one()
+            .await
+            .expect("a read");
+        assert_eq!(row.map(|r| r.total_cents), Some(5));
+    };
+    slow_read().await;
+    proxy.killed().await;
+    // Its probe fails: out of the rotation.
+    assert!(!slow.replicas().await[0].in_rotation);
+    let proxy = Proxy::start_on(proxy.port, target).await;
+    clock.advance(Duration::from_secs(10));
+    let before = on_slow.load(Ordering::Relaxed);
+    for _ in 0..3 {
+        slow_read().await;
+    }
+    assert_eq!(
+        on_slow.load(Ordering::Relaxed),
+        before,
+        "a replica no probe found good since it failed took reads"
+    );
+    // A probe finds it good: reads go to it again.
+    assert!(slow.replicas().await[0].in_rotation);
+    slow_read().await;
+    assert!(on_slow.load(Ordering::Relaxed) > before);
+    drop(slow);
     drop(proxy);
     drop(cluster);
     // Nothing of the cluster stays connected to the replica.

@@ -1,7 +1,6 @@
 //! Who answers a read, a replica or the shard itself ([`ReadOn`]); the
 //! replicas' lag probe; and where a commit landed, for sessions.
 
-use crate::clock::now_ms;
 use crate::exec::periodic::{FirstPass, spawn};
 use crate::exec::replicas::{
     Consistency, Position, Replica, ReplicaSet, ReplicaStatus, primary_position,
@@ -10,10 +9,6 @@ use crate::exec::shards::Shards;
 use crate::topology::ShardId;
 use std::ops::ControlFlow;
 use std::time::{Duration, Instant};
-
-/// How long a replica that failed stays out of the rotation, unless a probe
-/// finds it well before.
-const REPLICA_DOWN_FOR: Duration = Duration::from_secs(1);
 
 /// Where a read runs.
 pub(crate) enum ReadOn<'a> {
@@ -52,12 +47,11 @@ impl Shards {
         } else {
             None
         };
-        let now = now_ms(self.clock().as_ref());
         let want = match consistency {
             Consistency::Primary => return ReadOn::Primary,
             Consistency::Replica { max_lag } => {
                 let past_floor = |r: &&Replica| floor.as_ref().is_none_or(|f| r.seen_past(f));
-                return match set.candidates(now, *max_lag).find(past_floor) {
+                return match set.candidates(*max_lag).find(past_floor) {
                     Some(replica) => ReadOn::Replica(replica),
                     None => {
                         crate::metrics::replica_fallback(
@@ -78,7 +72,7 @@ impl Shards {
         };
         let Some(want) = want else {
             // Nothing of this session on the shard: any replica will do.
-            return match set.candidates(now, None).next() {
+            return match set.candidates(None).next() {
                 Some(replica) => ReadOn::Replica(replica),
                 None => {
                     crate::metrics::replica_fallback(shard, "down");
@@ -98,12 +92,12 @@ impl Shards {
         let wait = self.inner.read.replica_wait;
         let started = Instant::now();
         let deadline = tokio::time::Instant::now() + wait + self.replica_timeout();
-        let already = set.candidates(now, None).find(|r| r.seen_past(&want));
+        let already = set.candidates(None).find(|r| r.seen_past(&want));
         if let Some(replica) = already {
             crate::metrics::token_wait(started.elapsed());
             return ReadOn::Replica(replica);
         }
-        for replica in set.candidates(now, None) {
+        for replica in set.candidates(None) {
             let left = deadline.saturating_duration_since(tokio::time::Instant::now());
             if left.is_zero() {
                 break;
@@ -127,13 +121,14 @@ impl Shards {
         ReadOn::Primary
     }
 
-    /// Takes `replica` out of the rotation after it failed a read or a
-    /// wait (refused, lost or hung); the next good probe puts it back.
+    /// Takes `replica` out of the rotation after it failed a read, a wait
+    /// or a probe (refused, lost or hung); only a good probe puts it back
+    /// (a timer would send reads to a replica that still refuses or hangs
+    /// between two probes).
     pub(crate) fn replica_failed(&self, replica: &Replica, cause: &dyn std::fmt::Display) {
-        let until = now_ms(self.clock().as_ref()) + REPLICA_DOWN_FOR.as_millis() as i64;
         let cause = replica.url.scrub(&cause.to_string());
         tracing::warn!(replica = %replica.name, %cause, "replica left the rotation");
-        replica.mark_down(until, cause);
+        replica.mark_down(cause);
     }
 
     /// A statement on `replica` failed: a lost or refused connection takes
@@ -250,7 +245,6 @@ impl Shards {
     /// Every replica's state after probing each once now.
     pub(crate) async fn replica_status(&self) -> Vec<ReplicaStatus> {
         self.probe_replicas().await;
-        let now = now_ms(self.clock().as_ref());
         self.inner
             .replicas
             .iter()
@@ -266,7 +260,7 @@ impl Shards {
                         shard: spec.name.clone(),
                         name: r.name.clone(),
                         url: rs.url.redacted(),
-                        in_rotation: r.is_up(now) && error.is_none(),
+                        in_rotation: r.is_up() && error.is_none(),
                         lag: r.lag(),
                         error,
                     }

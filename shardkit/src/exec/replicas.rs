@@ -9,7 +9,7 @@ use sea_orm::{ConnectionTrait, DatabaseConnection, DbBackend, Statement};
 use std::collections::BTreeMap;
 use std::fmt;
 use std::str::FromStr;
-use std::sync::atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -405,8 +405,9 @@ pub(crate) struct Replica {
     /// The last measured lag in milliseconds ([`UNKNOWN`] before the first
     /// good probe and after a failure).
     lag_ms: AtomicU64,
-    /// Out of the rotation until this clock time (ms), after a failure.
-    down_until: AtomicI64,
+    /// Out of the rotation: it failed, and no probe has found it good
+    /// since.
+    down: AtomicBool,
     /// The position the last probe found it had replayed.
     replayed: Mutex<Option<Position>>,
 }
@@ -422,7 +423,7 @@ impl Replica {
             url,
             conn,
             lag_ms: AtomicU64::new(UNKNOWN),
-            down_until: AtomicI64::new(0),
+            down: AtomicBool::new(false),
             last_error: Mutex::new(None),
             replayed: Mutex::new(None),
         }
@@ -436,17 +437,18 @@ impl Replica {
         }
     }
 
-    /// Whether it is in the rotation at `now_ms`.
-    pub(crate) fn is_up(&self, now_ms: i64) -> bool {
-        self.down_until.load(Ordering::Acquire) <= now_ms
+    /// Whether it is in the rotation.
+    pub(crate) fn is_up(&self) -> bool {
+        !self.down.load(Ordering::Acquire)
     }
 
-    /// Takes it out of the rotation until `until_ms`, lag unknown.
-    pub(crate) fn mark_down(&self, until_ms: i64, cause: String) {
+    /// Takes it out of the rotation until a good probe
+    /// ([`measured`](Self::measured)), lag unknown.
+    pub(crate) fn mark_down(&self, cause: String) {
         *self.last_error.lock().unwrap_or_else(|p| p.into_inner()) = Some(cause);
         // What comes back may be another server (a rebuilt replica).
         *self.replayed.lock().unwrap_or_else(|p| p.into_inner()) = None;
-        self.down_until.store(until_ms, Ordering::Release);
+        self.down.store(true, Ordering::Release);
         self.lag_ms.store(UNKNOWN, Ordering::Release);
         crate::metrics::replica_lag(&self.name, None);
     }
@@ -454,7 +456,7 @@ impl Replica {
     /// A good probe: back in the rotation with lag `lag`.
     pub(crate) fn measured(&self, lag: Option<Duration>) {
         *self.last_error.lock().unwrap_or_else(|p| p.into_inner()) = None;
-        self.down_until.store(0, Ordering::Release);
+        self.down.store(false, Ordering::Release);
         let ms = lag.map_or(UNKNOWN, |d| {
             d.as_millis().min(u128::from(UNKNOWN - 1)) as u64
         });
@@ -677,14 +679,9 @@ impl ReplicaSet {
         }
     }
 
-    /// The replicas in the rotation at `now_ms` whose lag is within
-    /// `max_lag` (any lag, even unknown, when `None`), starting with the
-    /// next in turn.
-    pub(crate) fn candidates(
-        &self,
-        now_ms: i64,
-        max_lag: Option<Duration>,
-    ) -> impl Iterator<Item = &Replica> {
+    /// The replicas in the rotation whose lag is within `max_lag` (any
+    /// lag, even unknown, when `None`), starting with the next in turn.
+    pub(crate) fn candidates(&self, max_lag: Option<Duration>) -> impl Iterator<Item = &Replica> {
         let n = self.replicas.len();
         let start = if n == 0 {
             0
@@ -694,7 +691,7 @@ impl ReplicaSet {
         (0..n)
             .map(move |i| &self.replicas[(start + i) % n])
             .filter(move |r| {
-                r.is_up(now_ms) && max_lag.is_none_or(|max| r.lag().is_some_and(|lag| lag <= max))
+                r.is_up() && max_lag.is_none_or(|max| r.lag().is_some_and(|lag| lag <= max))
             })
     }
 }
