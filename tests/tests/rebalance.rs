@@ -1892,6 +1892,25 @@ async fn an_instance_that_has_not_refreshed_reads_a_moved_row_as_at_the_flip(dbs
     // A third instance, as stale, that only reads with a session.
     let other = Cluster::connect(config).await.unwrap();
     other.refresh_bucket_maps().await.unwrap();
+    // On servers, a fourth, as stale, that reaches the control shard (s0)
+    // through a proxy, with a read timeout of 500 ms.
+    let control = match dbs.backend.server_address() {
+        Some(server) => {
+            let proxy = Proxy::start(server).await;
+            let shards = dbs
+                .shards_toml_through(5, "connect_timeout_secs = 1\n", &[(0, proxy.port)])
+                .replace("max_connections = 4", "max_connections = 2");
+            let toml = format!(
+                "{shards}\n[groups.Customer]\nbuckets = {BUCKETS}\nshards = [\"s0\", \"s1\", \"s2\", \"s3\"]\nmovable = true\n\n[rebalance]\nrefresh_ms = 0\ncleanup_grace_ms = 600000\nchunk = 40\n\n[read]\ntimeout_ms = 500\n"
+            );
+            let through = Cluster::connect(ClusterConfig::from_toml(&toml).unwrap())
+                .await
+                .unwrap();
+            through.refresh_bucket_maps().await.unwrap();
+            Some((proxy, through))
+        }
+        None => None,
+    };
     let read = |c: &Cluster| {
         let c = c.clone();
         async move {
@@ -1960,6 +1979,31 @@ async fn an_instance_that_has_not_refreshed_reads_a_moved_row_as_at_the_flip(dbs
         .unwrap_or_else(|e| panic!("read with the session: {}", e.report()))
         .map(|m| m.name);
     assert_eq!(with_session.as_deref(), Some("c1-session"));
+    // A control database that accepts and never answers: the read with the
+    // session fails within its timeout, naming the control shard, instead
+    // of waiting for the map (or reading the old owner's row).
+    if let Some((proxy, through)) = control {
+        proxy.freeze();
+        let started = std::time::Instant::now();
+        let hung = through
+            .find::<customer::Entity>()
+            .key(1)
+            .consistency(shardkit::Consistency::at_least(&carried))
+            .one()
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&hung, ShardError::Timeout { shard, .. } if shard == "s0"),
+            "{hung}"
+        );
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(5),
+            "{:?}",
+            started.elapsed()
+        );
+        proxy.killed().await;
+        drop(through);
+    }
     assert_eq!(epoch(&other), epoch(&a));
     // A session from a map the control database never had (another
     // cluster's, or one made up) is read by the control database's map.

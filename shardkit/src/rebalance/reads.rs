@@ -37,6 +37,15 @@ impl MoveReads {
         }
     }
 
+    /// How long a read of the control database may take for a read: the
+    /// read timeout, else 5 s.
+    fn within(&self) -> Duration {
+        self.shards
+            .read_settings()
+            .timeout
+            .unwrap_or(Duration::from_secs(5))
+    }
+
     fn epoch(&self, group: &str) -> Option<u64> {
         match self.shards.topology().live_owners(group) {
             Ok(Some(map)) => Some(map.epoch()),
@@ -62,14 +71,14 @@ impl MoveReads {
             return Ok(());
         }
         let control = crate::rebalance::map::control(&self.shards, group)?;
-        let within = self
-            .shards
-            .read_settings()
-            .timeout
-            .unwrap_or(Duration::from_secs(5));
         let now = self
             .shards
-            .bounded(control, group, Some(within), refresh(&self.shards, group))
+            .bounded(
+                control,
+                group,
+                Some(self.within()),
+                refresh(&self.shards, group),
+            )
             .await?;
         if now < seen {
             let known = behind.insert(group, (seen, now_ms));
@@ -102,14 +111,14 @@ impl ReadGuard for MoveReads {
         group: &'static str,
         seen_epoch: Option<u64>,
     ) -> Option<BoxFuture<'_, crate::error::Result<()>>> {
-        if !self.shards.topology().is_movable(group) {
-            return None;
-        }
         // A session that saw a newer map than this instance holds: its
         // commits may be on a bucket's new owner, which this map does not
         // name yet. Read the map first; a read that cannot is refused.
-        let have = self.epoch(group)?;
-        if let Some(seen) = seen_epoch.filter(|seen| *seen > have) {
+        // (Only reads with a session look: routing is on every read.)
+        if let Some(seen) = seen_epoch
+            && self.shards.topology().is_movable(group)
+            && self.epoch(group).is_some_and(|have| seen > have)
+        {
             return Some(Box::pin(self.catch_up(group, seen)));
         }
         read_needs_refresh(&self.shards, group).then(|| {
@@ -125,11 +134,7 @@ impl ReadGuard for MoveReads {
     fn move_mark(&self, group: &'static str) -> Option<BoxFuture<'_, MoveMark>> {
         self.shards.topology().is_movable(group).then(|| {
             Box::pin(async move {
-                let within = self
-                    .shards
-                    .read_settings()
-                    .timeout
-                    .unwrap_or(Duration::from_secs(5));
+                let within = self.within();
                 match tokio::time::timeout(within, move_mark(&self.shards, group)).await {
                     Ok(Ok(mark)) => Some(mark),
                     Ok(Err(e)) => {
