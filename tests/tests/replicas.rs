@@ -76,6 +76,8 @@ impl Dbs {
     async fn create(pair: Pair, prefix: &str, n: usize) -> Dbs {
         let (primary, replica) = pair.urls();
         let names: Vec<String> = (0..n).map(|i| format!("skr_{prefix}_{i}")).collect();
+        // A scenario that failed while replay was stopped left it stopped.
+        replay(pair, &replica, true).await;
         let admin = sea_orm::Database::connect(&primary).await.expect("primary");
         let backend = admin.get_database_backend();
         for name in &names {
@@ -394,6 +396,29 @@ async fn replica_faults(pair: Pair) {
         on_replica.load(Ordering::Relaxed) > before,
         "the stream read the shard"
     );
+    // Two instances whose replica may take 3 s and a session's wait 2 s:
+    // a read's own timeout (1 s) bounds them. One waits for a session's
+    // commit, the other reads from any replica.
+    let session = Session::new();
+    let mut timed = Vec::new();
+    for key in [2, 3] {
+        let (instance, _) = counted(dbs.config(
+            Some(&through),
+            "[read]\nreplica_timeout_ms = 3000\nreplica_wait_ms = 2000\nreplica_probe_ms = 60000\n",
+        ))
+        .await;
+        let tx = instance.begin::<Customer>(key).await.unwrap();
+        tx.insert(order::ActiveModel {
+            id: Set(key),
+            customer_id: Set(key),
+            total_cents: Set(key),
+        })
+        .await
+        .unwrap();
+        tx.commit_in(&session).await.unwrap();
+        assert!(instance.replicas().await[0].in_rotation);
+        timed.push((instance, key));
+    }
     // Hangs: answered by the shard within the replica timeout.
     proxy.freeze();
     let started = Instant::now();
@@ -404,6 +429,28 @@ async fn replica_faults(pair: Pair) {
         "fell back after {:?}",
         started.elapsed()
     );
+    // The read's timeout holds whoever answers: the hung replica has half
+    // of it, the shard the rest (before, the wait alone took 2 s, or the
+    // replica 3 s, and then the shard answered).
+    for ((instance, key), consistency) in timed.iter().zip([Consistency::at_least(&session), any()])
+    {
+        let started = Instant::now();
+        let row = instance
+            .find::<order::Entity>()
+            .key(*key)
+            .consistency(consistency.clone())
+            .timeout(Duration::from_secs(1))
+            .one()
+            .await
+            .expect("a hung replica falls back");
+        assert_eq!(row.map(|r| r.total_cents), Some(*key));
+        assert!(
+            started.elapsed() < Duration::from_secs(1),
+            "{consistency:?}: answered after {:?}",
+            started.elapsed()
+        );
+    }
+    drop(timed);
     // Refuses: answered by the shard; the status says why it is out.
     proxy.kill();
     for _ in 0..5 {
@@ -592,6 +639,45 @@ async fn lag_bound(pair: Pair) {
         );
     }
     let skipped = on_replica.load(Ordering::Relaxed) == before;
+    // A replica that is only behind stays in the rotation when a session's
+    // wait for it runs out, even one cut short by the read's timeout (an
+    // instance that probes once a minute, so no probe puts it back).
+    let (patient, on_patient) =
+        counted(dbs.config(None, "[read]\nreplica_probe_ms = 60000\n")).await;
+    let session = Session::new();
+    let tx = patient.begin::<Customer>(2).await.unwrap();
+    tx.insert(order::ActiveModel {
+        id: Set(2),
+        customer_id: Set(2),
+        total_cents: Set(7),
+    })
+    .await
+    .unwrap();
+    tx.commit_in(&session).await.unwrap();
+    let mine = patient
+        .find::<order::Entity>()
+        .key(2)
+        .consistency(Consistency::at_least(&session))
+        .timeout(Duration::from_secs(1))
+        .one()
+        .await
+        .expect("a session read of a replica that is behind");
+    assert_eq!(mine.map(|r| r.total_cents), Some(7));
+    let before = on_patient.load(Ordering::Relaxed);
+    let row = patient
+        .find::<order::Entity>()
+        .key(1)
+        .consistency(Consistency::Replica { max_lag: None })
+        .one()
+        .await
+        .unwrap();
+    assert_eq!(row.map(|r| r.total_cents), Some(1), "the replica's row");
+    assert_eq!(
+        on_patient.load(Ordering::Relaxed),
+        before + 1,
+        "a replica that was only behind left the rotation"
+    );
+    drop(patient);
     replay(pair, &replica, true).await;
     assert!(skipped, "a replica past the bound answered");
     // The metrics tell it too (this binary's recorder; shard names are the

@@ -32,6 +32,6 @@ pub(crate) fn quoted(backend: sea_orm::DbBackend, name: &str) -> String {
 pub(crate) use connect::{SIDE_LOCK_WAIT_SECS, SIDE_MYSQL_SESSION};
 pub use directory::Directory;
 pub use migrate::{DatabaseMigrationStatus, MigrateOptions, MigrationProgress, MigrationReport};
-pub(crate) use replica_reads::ReadOn;
+pub(crate) use replica_reads::{ReadOn, ReadTime};
 pub use replicas::{Consistency, ReplicaStatus, Session};
 pub(crate) use shards::{BeginHook, Begun, RebalanceSettings, Shards};

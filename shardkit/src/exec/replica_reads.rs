@@ -10,6 +10,75 @@ use crate::topology::ShardId;
 use std::ops::ControlFlow;
 use std::time::{Duration, Instant};
 
+/// One read's time on the shards, from when its first statement is
+/// chosen: a read's timeout bounds the whole of it, whoever answers. A
+/// replica (the wait for a session, then its answer) may take at most half
+/// of it, and the shard answers within what is left, so a replica that
+/// hangs costs the read half its timeout, not a second timeout on top.
+pub(crate) struct ReadTime {
+    timeout: Option<Duration>,
+    /// When it began, for a read with a timeout that a replica may answer
+    /// (a read of the primary reads no clock for it).
+    started: Option<tokio::time::Instant>,
+}
+
+impl ReadTime {
+    /// A read under `consistency` with `timeout` (none: unbounded)
+    /// beginning now.
+    pub(crate) fn start(timeout: Option<Duration>, consistency: &Consistency) -> Self {
+        let replica = !matches!(consistency, Consistency::Primary);
+        ReadTime {
+            timeout,
+            started: (replica && timeout.is_some()).then(tokio::time::Instant::now),
+        }
+    }
+
+    /// When the replica's part ends, for a read with a timeout.
+    pub(crate) fn replica_until(&self) -> Option<tokio::time::Instant> {
+        Some(self.started? + self.timeout? / 2)
+    }
+
+    /// How long a replica may take to answer now: the replica timeout,
+    /// within the replica's part of the read's timeout.
+    pub(crate) fn replica_within(&self, shards: &Shards) -> Duration {
+        let bound = shards.replica_timeout();
+        self.replica_until().map_or(bound, |until| {
+            bound.min(until.saturating_duration_since(tokio::time::Instant::now()))
+        })
+    }
+
+    /// What is left of the read's timeout for the shard, if it has one.
+    pub(crate) fn left(&self) -> Option<Duration> {
+        let timeout = self.timeout?;
+        Some(self.started.map_or(timeout, |started| {
+            (started + timeout).saturating_duration_since(tokio::time::Instant::now())
+        }))
+    }
+
+    /// Runs `fut`, the shard's part of the read, under what is left of the
+    /// read's timeout; a `Timeout` names the read's whole timeout.
+    pub(crate) async fn on_shard<T>(
+        &self,
+        shards: &Shards,
+        id: ShardId,
+        group: &'static str,
+        fut: impl std::future::Future<Output = crate::error::Result<T>>,
+    ) -> crate::error::Result<T> {
+        match shards.bounded(id, group, self.left(), fut).await {
+            Err(crate::ShardError::Timeout {
+                group,
+                shard,
+                after,
+            }) => Err(crate::ShardError::Timeout {
+                group,
+                shard,
+                after: self.timeout.unwrap_or(after),
+            }),
+            other => other,
+        }
+    }
+}
+
 /// Where a read runs.
 pub(crate) enum ReadOn<'a> {
     /// The shard itself.
@@ -24,12 +93,15 @@ impl Shards {
     /// satisfies the consistency. For a `movable` group a replica must
     /// also have replayed past the shard's floor (its position when this
     /// instance installed its bucket map), so it holds every row a move
-    /// copied there before the cut-over the map reflects.
+    /// copied there before the cut-over the map reflects. A session's
+    /// wait for a replica ends by `until` (the replica's part of a read's
+    /// timeout, [`ReadTime`]) when there is one.
     pub(crate) async fn read_on(
         &self,
         id: ShardId,
         group: &'static str,
         consistency: &Consistency,
+        until: Option<tokio::time::Instant>,
     ) -> ReadOn<'_> {
         let set = &self.inner.replicas[id.index()];
         if set.replicas.is_empty() || matches!(consistency, Consistency::Primary) {
@@ -92,6 +164,7 @@ impl Shards {
         let wait = self.inner.read.replica_wait;
         let started = Instant::now();
         let deadline = tokio::time::Instant::now() + wait + self.replica_timeout();
+        let deadline = until.map_or(deadline, |until| until.min(deadline));
         let already = set.candidates(None).find(|r| r.seen_past(&want));
         if let Some(replica) = already {
             crate::metrics::token_wait(started.elapsed());
@@ -102,7 +175,11 @@ impl Shards {
             if left.is_zero() {
                 break;
             }
-            let waited = tokio::time::timeout(left, replica.reached(&want, wait.min(left))).await;
+            // The wait ends a quarter before the bound: a replica that is
+            // only behind answers "not yet" in time, and is not taken for
+            // a hung one and put out of the rotation.
+            let waited = wait.min(left - left / 4);
+            let waited = tokio::time::timeout(left, replica.reached(&want, waited)).await;
             match waited {
                 Ok(Ok(true)) => {
                     crate::metrics::token_wait(started.elapsed());
@@ -146,7 +223,8 @@ impl Shards {
         }
     }
 
-    /// How long a replica may take to answer a read.
+    /// How long a replica may take to answer a read (a read with a timeout
+    /// gives it less: [`ReadTime::replica_within`]).
     pub(crate) fn replica_timeout(&self) -> Duration {
         let bound = self.inner.read.replica_timeout;
         self.inner.read.timeout.map_or(bound, |t| t.min(bound))

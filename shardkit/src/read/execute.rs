@@ -3,7 +3,7 @@
 
 use crate::entity::{ShardedEntity, table_name};
 use crate::error::{Result, ShardError, ShardFailure};
-use crate::exec::{Consistency, ReadOn};
+use crate::exec::{Consistency, ReadOn, ReadTime};
 use crate::read::KeyOf;
 use crate::read::keys::{binary_text_keys, key_condition, keyed_select, read_err, read_span};
 use crate::read::moves::owned_only;
@@ -43,11 +43,15 @@ impl<E: ShardedEntity> Read<E> {
                 table_name::<E>()
             )));
         };
+        // One bound for the replica's part and the shard's: the read's
+        // timeout.
+        let time = ReadTime::start(self.timeout, &self.consistency);
         // Reads of the primary (the default) make no replica future at all.
         // (Boxed where taken: the replica's wait would make every read's
         // future larger.)
         if !matches!(self.consistency, Consistency::Primary)
-            && let Some(value) = Box::pin(self.on_replica(target.shard, op, &run, &select)).await
+            && let Some(value) =
+                Box::pin(self.on_replica(target.shard, op, &run, &select, &time)).await
         {
             return R::finish(value, self.gathered(1, Vec::new()));
         }
@@ -58,9 +62,8 @@ impl<E: ShardedEntity> Read<E> {
         // layer around it (span, breaker, timeout) would otherwise copy it.
         let fut = crate::trace::in_span(span, Box::pin(run(*select, conn)));
         let fut = async { fut.await.map_err(|e| read_err::<E>(shard, e)) };
-        match self
-            .shards
-            .bounded(target.shard, Self::group(), self.timeout, fut)
+        match time
+            .on_shard(&self.shards, target.shard, Self::group(), fut)
             .await
         {
             Ok(value) => R::finish(value, self.gathered(1, Vec::new())),
@@ -78,13 +81,15 @@ impl<E: ShardedEntity> Read<E> {
     /// Runs `run` on a replica of shard `id` when the read's consistency
     /// lets one answer. `None` when the shard itself must answer: no
     /// replica may, or the one that tried failed or did not answer within
-    /// the replica timeout (it leaves the rotation until a good probe).
+    /// the replica timeout or its part of the read's (it leaves the
+    /// rotation until a good probe).
     async fn on_replica<'a, T, F, Fut>(
         &'a self,
         id: ShardId,
         op: &'static str,
         run: &F,
         select: &Select<E>,
+        time: &ReadTime,
     ) -> Option<T>
     where
         F: Fn(Select<E>, &'a DatabaseConnection) -> Fut,
@@ -92,13 +97,13 @@ impl<E: ShardedEntity> Read<E> {
     {
         let ReadOn::Replica(replica) = self
             .shards
-            .read_on(id, Self::group(), &self.consistency)
+            .read_on(id, Self::group(), &self.consistency, time.replica_until())
             .await
         else {
             return None;
         };
         let shard = self.shards.shard_name(id);
-        let within = self.shards.replica_timeout();
+        let within = time.replica_within(&self.shards);
         let fut = Box::pin(run(select.clone(), &replica.conn)).instrument(read_span::<E>(
             &replica.name,
             None,
@@ -147,6 +152,7 @@ impl<E: ShardedEntity> Read<E> {
         } = self;
         let group = Self::group();
         let rows = async_stream::stream! {
+            let time = ReadTime::start(timeout, &consistency);
             let shard = shards.shard_name(target.shard);
             let primary = shards.shard_conn(target.shard).clone();
             // A replica, when the consistency lets one answer: opened and
@@ -156,7 +162,8 @@ impl<E: ShardedEntity> Read<E> {
             // its error (rows already read cannot be read again).
             let mut replica = None;
             if !matches!(consistency, Consistency::Primary)
-                && let ReadOn::Replica(r) = shards.read_on(target.shard, group, &consistency).await
+                && let ReadOn::Replica(r) =
+                    shards.read_on(target.shard, group, &consistency, time.replica_until()).await
             {
                 replica = Some((r, r.conn.clone()));
             }
@@ -164,7 +171,7 @@ impl<E: ShardedEntity> Read<E> {
             let mut first = None;
             let mut on_replica = false;
             if let Some((r, conn)) = &replica {
-                let within = shards.replica_timeout();
+                let within = time.replica_within(&shards);
                 let span = read_span::<E>(&r.name, target.bucket, "stream");
                 let open = async {
                     let mut opened = into((*select).clone()).stream(conn).await?;
@@ -195,8 +202,8 @@ impl<E: ShardedEntity> Read<E> {
                             .await
                             .map_err(|e| read_err::<E>(shard, e))
                     };
-                    let opened = shards
-                        .bounded(target.shard, group, timeout, crate::trace::in_span(span, open))
+                    let opened = time
+                        .on_shard(&shards, target.shard, group, crate::trace::in_span(span, open))
                         .await;
                     match opened {
                         Ok(rows) => rows,
@@ -364,8 +371,10 @@ impl<E: ShardedEntity> Read<E> {
                 peak.fetch_max(now, AtomicOrdering::Relaxed);
                 let run = &run;
                 async move {
+                    // Each part's replica and shard share its timeout.
+                    let time = ReadTime::start(timeout, &self.consistency);
                     if !matches!(self.consistency, Consistency::Primary)
-                        && let Some(value) = self.on_replica(id, op, run, &select).await
+                        && let Some(value) = self.on_replica(id, op, run, &select, &time).await
                     {
                         in_flight.fetch_sub(1, AtomicOrdering::Relaxed);
                         return (id, Ok(value));
@@ -373,7 +382,7 @@ impl<E: ShardedEntity> Read<E> {
                     let fut = Box::pin(run(select, cluster.shard_conn(id)))
                         .instrument(read_span::<E>(shard, None, op));
                     let fut = async { fut.await.map_err(|e| read_err::<E>(shard, e)) };
-                    let result = cluster.bounded(id, Self::group(), timeout, fut).await;
+                    let result = time.on_shard(cluster, id, Self::group(), fut).await;
                     in_flight.fetch_sub(1, AtomicOrdering::Relaxed);
                     (id, result)
                 }
