@@ -24,7 +24,7 @@
 //! | `shardkit_move_pending_changes` | gauge | `group` | keys logged and not yet replayed (the move's lag) |
 //! | `shardkit_move_phase` | gauge | `group` | the running move's phase (0 `registered` … 6 `done`, 7 `aborted`) |
 //! | `shardkit_replica_reads_total` | counter | `shard`, `replica` | reads a replica answered |
-//! | `shardkit_replica_fallbacks_total` | counter | `shard`, `reason` (`lag`: none within `max_lag`; `behind`: not past the session's writes in time; `down`: none in the rotation; `failed`: the replica failed the read; `movable`: a movable group) | reads that asked for a replica and were answered by the shard itself |
+//! | `shardkit_replica_fallbacks_total` | counter | `shard`, `reason` (`lag`: none within `max_lag`; `behind`: not past the session's writes in time; `down`: none in the rotation; `failed`: the replica failed the read; `timeout`: the read's timeout ran out before the replica answered; `movable`: a movable group) | reads that asked for a replica and were answered by the shard itself |
 //! | `shardkit_replica_token_wait_seconds` | histogram | | how long a read with a session waited for a replica to replay past its writes |
 //! | `shardkit_replica_lag_seconds` | gauge | `replica` | each replica's last measured lag (`NaN`: unknown, out of the rotation) |
 //! | `shardkit_outbox_pending` | gauge | `shard` | messages waiting in a shard's outbox, as the relay last counted (about once a second) |

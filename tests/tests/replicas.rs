@@ -450,6 +450,25 @@ async fn replica_faults(pair: Pair) {
             started.elapsed()
         );
     }
+    // Cut short by the read's timeout, not by its own, the replica was not
+    // taken for a failed one: the next read asks it again (and waits its
+    // half of the timeout for it) rather than going to the shard at once.
+    let (instance, key) = &timed[1];
+    let started = Instant::now();
+    let row = instance
+        .find::<order::Entity>()
+        .key(*key)
+        .consistency(any())
+        .timeout(Duration::from_secs(1))
+        .one()
+        .await
+        .expect("a hung replica falls back");
+    assert_eq!(row.map(|r| r.total_cents), Some(*key));
+    let took = started.elapsed();
+    assert!(
+        took >= Duration::from_millis(450) && took < Duration::from_secs(1),
+        "the replica was not asked again, or the read took too long: {took:?}"
+    );
     drop(timed);
     // Refuses: answered by the shard; the status says why it is out.
     proxy.kill();

@@ -33,25 +33,40 @@ impl ReadTime {
         }
     }
 
-    /// When the replica's part ends, for a read with a timeout.
+    /// When the replica's part ends, for a read with a timeout (none for a
+    /// timeout too large to fall within the clock's range).
     pub(crate) fn replica_until(&self) -> Option<tokio::time::Instant> {
-        Some(self.started? + self.timeout? / 2)
+        self.started?.checked_add(self.timeout? / 2)
     }
 
-    /// How long a replica may take to answer now: the replica timeout,
-    /// within the replica's part of the read's timeout.
-    pub(crate) fn replica_within(&self, shards: &Shards) -> Duration {
-        let bound = shards.replica_timeout();
-        self.replica_until().map_or(bound, |until| {
-            bound.min(until.saturating_duration_since(tokio::time::Instant::now()))
-        })
+    /// How long a replica may take to answer now: the replica timeout, or
+    /// less when what is left of the replica's part of the read's timeout
+    /// is shorter ([`Within::cut`]).
+    pub(crate) fn replica_within(&self, shards: &Shards) -> Within {
+        let own = shards.replica_timeout();
+        let left = self
+            .replica_until()
+            .map(|until| until.saturating_duration_since(tokio::time::Instant::now()));
+        match left {
+            Some(left) if left < own => Within {
+                bound: left,
+                cut: true,
+            },
+            _ => Within {
+                bound: own,
+                cut: false,
+            },
+        }
     }
 
     /// What is left of the read's timeout for the shard, if it has one.
     pub(crate) fn left(&self) -> Option<Duration> {
         let timeout = self.timeout?;
-        Some(self.started.map_or(timeout, |started| {
-            (started + timeout).saturating_duration_since(tokio::time::Instant::now())
+        let end = self
+            .started
+            .and_then(|started| started.checked_add(timeout));
+        Some(end.map_or(timeout, |end| {
+            end.saturating_duration_since(tokio::time::Instant::now())
         }))
     }
 
@@ -77,6 +92,37 @@ impl ReadTime {
             other => other,
         }
     }
+}
+
+/// How long a replica may take to answer one statement.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Within {
+    pub(crate) bound: Duration,
+    /// The read's timeout, not the replica timeout, set the bound: a
+    /// replica that does not answer within it is not taken for a failed
+    /// one (the shard answers, and the replica stays in the rotation).
+    pub(crate) cut: bool,
+}
+
+impl Within {
+    /// Too short to ask a replica at all: the shard answers at once.
+    pub(crate) fn too_short(&self) -> bool {
+        self.bound < MIN_REPLICA_TIME
+    }
+}
+
+/// The least time worth giving a replica for a statement (a round trip
+/// on a loaded network, with room for the statement).
+const MIN_REPLICA_TIME: Duration = Duration::from_millis(20);
+
+/// How much of `left` a session's wait leaves for the replica's answer:
+/// a quarter, at least 50 ms (or half of `left` when shorter), at most the
+/// replica timeout. A replica that is only behind then answers "not yet"
+/// within `left`, and is not taken for a hung one.
+fn answer_margin(left: Duration, replica_timeout: Duration) -> Duration {
+    (left / 4)
+        .max(Duration::from_millis(50).min(left / 2))
+        .min(replica_timeout)
 }
 
 /// Where a read runs.
@@ -163,7 +209,8 @@ impl Shards {
         // One deadline for the whole choice, however many replicas fail.
         let wait = self.inner.read.replica_wait;
         let started = Instant::now();
-        let deadline = tokio::time::Instant::now() + wait + self.replica_timeout();
+        let replica_timeout = self.replica_timeout();
+        let deadline = tokio::time::Instant::now() + wait + replica_timeout;
         let deadline = until.map_or(deadline, |until| until.min(deadline));
         let already = set.candidates(None).find(|r| r.seen_past(&want));
         if let Some(replica) = already {
@@ -175,12 +222,15 @@ impl Shards {
             if left.is_zero() {
                 break;
             }
-            // The wait ends a quarter before the bound: a replica that is
-            // only behind answers "not yet" in time, and is not taken for
-            // a hung one and put out of the rotation.
-            let waited = wait.min(left - left / 4);
-            let waited = tokio::time::timeout(left, replica.reached(&want, waited)).await;
-            match waited {
+            // The wait ends before the bound, so a replica that is only
+            // behind answers "not yet" in time. Only a replica that misses
+            // its own bound (the wait, then the replica timeout) has
+            // failed; one cut off by the read's timeout has not.
+            let waited = wait.min(left - answer_margin(left, replica_timeout));
+            let own = waited + replica_timeout;
+            let bound = own.min(left);
+            let answer = tokio::time::timeout(bound, replica.reached(&want, waited)).await;
+            match answer {
                 Ok(Ok(true)) => {
                     crate::metrics::token_wait(started.elapsed());
                     return ReadOn::Replica(replica);
@@ -191,7 +241,11 @@ impl Shards {
                     return ReadOn::Primary;
                 }
                 Ok(Err(err)) => self.replica_error(replica, &err),
-                Err(_) => self.replica_failed(replica, &format_args!("no answer within {left:?}")),
+                Err(_) if bound < own => {
+                    crate::metrics::replica_fallback(shard, "timeout");
+                    return ReadOn::Primary;
+                }
+                Err(_) => self.replica_failed(replica, &format_args!("no answer within {bound:?}")),
             }
         }
         crate::metrics::replica_fallback(shard, "down");
@@ -206,6 +260,19 @@ impl Shards {
         let cause = replica.url.scrub(&cause.to_string());
         tracing::warn!(replica = %replica.name, %cause, "replica left the rotation");
         replica.mark_down(cause);
+    }
+
+    /// `replica` did not answer a read's statement `within` its bound: out
+    /// of the rotation when that was the replica timeout; when the read's
+    /// own timeout cut it shorter, the shard answers and the replica stays.
+    pub(crate) fn replica_too_slow(&self, replica: &Replica, within: Within, shard: &str) {
+        if within.cut {
+            crate::metrics::replica_fallback(shard, "timeout");
+        } else {
+            let bound = within.bound;
+            self.replica_failed(replica, &format_args!("no answer within {bound:?}"));
+            crate::metrics::replica_fallback(shard, "failed");
+        }
     }
 
     /// A statement on `replica` failed: a lost or refused connection takes
@@ -371,5 +438,55 @@ impl Shards {
             }
         });
         futures::future::join_all(probes).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn any() -> Consistency {
+        Consistency::Replica { max_lag: None }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_read_s_timeout_is_shared_by_its_replica_and_its_shard() {
+        let time = ReadTime::start(Some(Duration::from_millis(1000)), &any());
+        let started = tokio::time::Instant::now();
+        assert_eq!(
+            time.replica_until(),
+            Some(started + Duration::from_millis(500))
+        );
+        tokio::time::advance(Duration::from_millis(700)).await;
+        assert_eq!(time.left(), Some(Duration::from_millis(300)));
+        tokio::time::advance(Duration::from_millis(700)).await;
+        assert_eq!(time.left(), Some(Duration::ZERO));
+        // Reads of the primary and reads without a timeout read no clock.
+        let primary = ReadTime::start(Some(Duration::from_secs(1)), &Consistency::Primary);
+        assert_eq!(primary.replica_until(), None);
+        tokio::time::advance(Duration::from_secs(5)).await;
+        assert_eq!(primary.left(), Some(Duration::from_secs(1)));
+        let unbounded = ReadTime::start(None, &any());
+        assert_eq!((unbounded.replica_until(), unbounded.left()), (None, None));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_timeout_past_the_clock_s_range_bounds_nothing_and_panics_nowhere() {
+        let time = ReadTime::start(Some(Duration::MAX), &any());
+        assert_eq!(time.replica_until(), None);
+        assert_eq!(time.left(), Some(Duration::MAX));
+    }
+
+    #[test]
+    fn a_session_s_wait_leaves_its_replica_time_to_answer() {
+        let ms = Duration::from_millis;
+        // A quarter of what is left, at least 50 ms (half when less is
+        // left), at most the replica timeout.
+        assert_eq!(answer_margin(ms(1500), ms(1000)), ms(375));
+        assert_eq!(answer_margin(ms(500), ms(1000)), ms(125));
+        assert_eq!(answer_margin(ms(100), ms(1000)), ms(50));
+        assert_eq!(answer_margin(ms(60), ms(1000)), ms(30));
+        assert_eq!(answer_margin(ms(2100), ms(100)), ms(100));
+        assert_eq!(answer_margin(Duration::ZERO, ms(100)), Duration::ZERO);
     }
 }

@@ -104,22 +104,26 @@ impl<E: ShardedEntity> Read<E> {
         };
         let shard = self.shards.shard_name(id);
         let within = time.replica_within(&self.shards);
+        if within.too_short() {
+            crate::metrics::replica_fallback(shard, "timeout");
+            return None;
+        }
         let fut = Box::pin(run(select.clone(), &replica.conn)).instrument(read_span::<E>(
             &replica.name,
             None,
             op,
         ));
-        match tokio::time::timeout(within, fut).await {
+        match tokio::time::timeout(within.bound, fut).await {
             Ok(Ok(value)) => {
                 crate::metrics::replica_read(shard, &replica.name);
                 return Some(value);
             }
-            Ok(Err(err)) => self.shards.replica_error(replica, &err),
-            Err(_) => self
-                .shards
-                .replica_failed(replica, &format_args!("no answer within {within:?}")),
+            Ok(Err(err)) => {
+                self.shards.replica_error(replica, &err);
+                crate::metrics::replica_fallback(shard, "failed");
+            }
+            Err(_) => self.shards.replica_too_slow(replica, within, shard),
         }
-        crate::metrics::replica_fallback(shard, "failed");
         None
     }
 
@@ -170,26 +174,30 @@ impl<E: ShardedEntity> Read<E> {
             let mut rows = None;
             let mut first = None;
             let mut on_replica = false;
+            let within = time.replica_within(&shards);
+            if replica.is_some() && within.too_short() {
+                crate::metrics::replica_fallback(shard, "timeout");
+                replica = None;
+            }
             if let Some((r, conn)) = &replica {
-                let within = time.replica_within(&shards);
                 let span = read_span::<E>(&r.name, target.bucket, "stream");
                 let open = async {
                     let mut opened = into((*select).clone()).stream(conn).await?;
                     let head = opened.next().await.transpose()?;
                     Ok::<_, DbErr>((opened, head))
                 };
-                match tokio::time::timeout(within, crate::trace::in_span(span, open)).await {
+                match tokio::time::timeout(within.bound, crate::trace::in_span(span, open)).await {
                     Ok(Ok((opened, head))) => {
                         crate::metrics::replica_read(shard, &r.name);
                         rows = Some(opened);
                         first = Some(head);
                         on_replica = true;
                     }
-                    Ok(Err(err)) => shards.replica_error(r, &err),
-                    Err(_) => shards.replica_failed(r, &format_args!("no answer within {within:?}")),
-                }
-                if !on_replica {
-                    crate::metrics::replica_fallback(shard, "failed");
+                    Ok(Err(err)) => {
+                        shards.replica_error(r, &err);
+                        crate::metrics::replica_fallback(shard, "failed");
+                    }
+                    Err(_) => shards.replica_too_slow(r, within, shard),
                 }
             }
             let mut rows = match rows {
@@ -219,6 +227,9 @@ impl<E: ShardedEntity> Read<E> {
                 Some(None) => return,
                 None => {}
             }
+            // The shard's first row is still within the read's timeout
+            // (what the replica's part left); later rows each get all of it.
+            let mut first_of_shard = !on_replica;
             loop {
                 let next = if on_replica {
                     let within = timeout.unwrap_or(shards.replica_timeout());
@@ -230,6 +241,9 @@ impl<E: ShardedEntity> Read<E> {
                             after: within,
                         }),
                     }
+                } else if std::mem::take(&mut first_of_shard) {
+                    let next = async { Ok(rows.next().await) };
+                    time.on_shard(&shards, target.shard, group, next).await
                 } else {
                     let next = async { Ok(rows.next().await) };
                     shards.bounded(target.shard, group, timeout, next).await

@@ -202,7 +202,10 @@ impl<E: ShardedEntity, R> Find<E, R> {
     }
 
     /// How long each shard may take before it counts as failed and its query is
-    /// cancelled (overrides `read.timeout_ms`).
+    /// cancelled (overrides `read.timeout_ms`). A read a replica may answer
+    /// gives the replica at most half of it (the session's wait and the
+    /// replica's answer) and the shard the rest; a stream's first row is
+    /// within it, each later row gets all of it.
     pub fn timeout(mut self, timeout: Duration) -> Self {
         self.timeout = Some(timeout);
         self
@@ -213,7 +216,8 @@ impl<E: ShardedEntity, R> Find<E, R> {
     /// replayed past a session's writes (see [`Consistency`]). A read that
     /// a replica cannot serve is answered by the shard itself; a replica
     /// that fails or does not answer within `[read] replica_timeout_ms`
-    /// leaves the rotation and the shard answers. A replica answers a read
+    /// leaves the rotation and the shard answers (one that the read's own
+    /// [`timeout`](Self::timeout) cut shorter stays in it). A replica answers a read
     /// of a `movable` group only once it has replayed past the last bucket
     /// move this instance has seen (see `shardkit::guide::replicas`).
     /// Transactions always read their own shard.

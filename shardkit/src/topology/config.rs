@@ -209,11 +209,15 @@ pub struct ReadConfig {
     pub max_concurrency: Option<usize>,
     /// Milliseconds a read with a session ([`Consistency::AtLeast`](crate::Consistency::AtLeast))
     /// waits for a replica to replay past the session's writes before it
-    /// reads the shard itself instead (default 500).
+    /// reads the shard itself instead (default 500; less when the read's
+    /// timeout leaves less, see `replica_timeout_ms`).
     pub replica_wait_ms: Option<u64>,
     /// Milliseconds a replica may take to answer before the read goes to
     /// the shard itself and the replica leaves the rotation until its next
-    /// good probe (default 1,000; bounded by `timeout_ms` too).
+    /// good probe (default 1,000). A read with a timeout (`timeout_ms`, or
+    /// the read's own) gives its replica at most half of that timeout, the
+    /// session's wait included; a replica cut off by it goes on serving
+    /// other reads.
     pub replica_timeout_ms: Option<u64>,
     /// Milliseconds between two measurements of each replica's lag
     /// (default 1,000).
