@@ -1893,21 +1893,25 @@ async fn an_instance_that_has_not_refreshed_reads_a_moved_row_as_at_the_flip(dbs
     let other = Cluster::connect(config).await.unwrap();
     other.refresh_bucket_maps().await.unwrap();
     // On servers, a fourth, as stale, that reaches the control shard (s0)
-    // through a proxy, with a read timeout of 500 ms.
+    // through a proxy, with a read timeout of 500 ms (and a connect timeout
+    // of 3 s, which also bounds the wait for a pooled connection).
     let control = match dbs.backend.server_address() {
         Some(server) => {
             let proxy = Proxy::start(server).await;
             let shards = dbs
-                .shards_toml_through(5, "connect_timeout_secs = 1\n", &[(0, proxy.port)])
+                .shards_toml_through(5, "connect_timeout_secs = 3\n", &[(0, proxy.port)])
                 .replace("max_connections = 4", "max_connections = 2");
             let toml = format!(
                 "{shards}\n[groups.Customer]\nbuckets = {BUCKETS}\nshards = [\"s0\", \"s1\", \"s2\", \"s3\"]\nmovable = true\n\n[rebalance]\nrefresh_ms = 0\ncleanup_grace_ms = 600000\nchunk = 40\n\n[read]\ntimeout_ms = 500\n"
             );
-            let through = Cluster::connect(ClusterConfig::from_toml(&toml).unwrap())
+            let clock = Arc::new(shardkit::clock::ManualClock::starting_now());
+            let through = Cluster::builder(ClusterConfig::from_toml(&toml).unwrap())
+                .clock(clock.clone())
+                .connect()
                 .await
                 .unwrap();
             through.refresh_bucket_maps().await.unwrap();
-            Some((proxy, through))
+            Some((proxy, through, clock))
         }
         None => None,
     };
@@ -1982,7 +1986,7 @@ async fn an_instance_that_has_not_refreshed_reads_a_moved_row_as_at_the_flip(dbs
     // A control database that accepts and never answers: the read with the
     // session fails within its timeout, naming the control shard, instead
     // of waiting for the map (or reading the old owner's row).
-    if let Some((proxy, through)) = control {
+    if let Some((proxy, through, clock)) = control {
         proxy.freeze();
         let started = std::time::Instant::now();
         let hung = through
@@ -1998,6 +2002,28 @@ async fn an_instance_that_has_not_refreshed_reads_a_moved_row_as_at_the_flip(dbs
         );
         assert!(
             started.elapsed() < std::time::Duration::from_secs(5),
+            "{:?}",
+            started.elapsed()
+        );
+        // Its map is now older than half the cleanup grace, so a read
+        // (without a session) reads the map again before it routes: within
+        // the read's timeout, and on by the map it has when the control
+        // database does not answer (before, the read waited for the pool:
+        // here 3 s, by default 30 s, for good with `test_before_acquire`
+        // off).
+        clock.advance(std::time::Duration::from_secs(301));
+        let started = std::time::Instant::now();
+        let read = tokio::time::timeout(
+            std::time::Duration::from_secs(20),
+            through.find::<customer::Entity>().key(1).one(),
+        )
+        .await
+        .expect("a read waited on a control database that never answers");
+        read.unwrap_or_else(|e| {
+            panic!("a read after a map refresh that timed out: {}", e.report())
+        });
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(2),
             "{:?}",
             started.elapsed()
         );

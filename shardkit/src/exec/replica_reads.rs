@@ -33,6 +33,16 @@ impl ReadTime {
         }
     }
 
+    /// A stream with `timeout` beginning now: its opening and first row
+    /// share the timeout whoever answers (the clock is read for a stream of
+    /// the primary too).
+    pub(crate) fn start_stream(timeout: Option<Duration>) -> Self {
+        ReadTime {
+            timeout,
+            started: timeout.map(|_| tokio::time::Instant::now()),
+        }
+    }
+
     /// When the replica's part ends, for a read with a timeout (none for a
     /// timeout too large to fall within the clock's range).
     pub(crate) fn replica_until(&self) -> Option<tokio::time::Instant> {
@@ -105,9 +115,10 @@ pub(crate) struct Within {
 }
 
 impl Within {
-    /// Too short to ask a replica at all: the shard answers at once.
+    /// What the read's timeout leaves is too short to ask a replica at
+    /// all: the shard answers at once.
     pub(crate) fn too_short(&self) -> bool {
-        self.bound < MIN_REPLICA_TIME
+        self.cut && self.bound < MIN_REPLICA_TIME
     }
 }
 
@@ -123,6 +134,22 @@ fn answer_margin(left: Duration, replica_timeout: Duration) -> Duration {
     (left / 4)
         .max(Duration::from_millis(50).min(left / 2))
         .min(replica_timeout)
+}
+
+/// The bound of a session's wait on one replica begun at `now` with
+/// `left` of the choice's time: the wait, then the replica timeout, within
+/// `left`; and whether the read's own deadline `until` cut it (then a
+/// replica that does not answer in time has not failed).
+fn wait_bound(
+    now: tokio::time::Instant,
+    left: Duration,
+    waited: Duration,
+    replica_timeout: Duration,
+    until: Option<tokio::time::Instant>,
+) -> (Duration, bool) {
+    let own = waited + replica_timeout;
+    let cut = until.is_some_and(|until| until < now + own);
+    (own.min(left), cut)
 }
 
 /// Where a read runs.
@@ -218,7 +245,8 @@ impl Shards {
             return ReadOn::Replica(replica);
         }
         for replica in set.candidates(None) {
-            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            let now = tokio::time::Instant::now();
+            let left = deadline.saturating_duration_since(now);
             if left.is_zero() {
                 break;
             }
@@ -227,8 +255,7 @@ impl Shards {
             // its own bound (the wait, then the replica timeout) has
             // failed; one cut off by the read's timeout has not.
             let waited = wait.min(left - answer_margin(left, replica_timeout));
-            let own = waited + replica_timeout;
-            let bound = own.min(left);
+            let (bound, cut) = wait_bound(now, left, waited, replica_timeout, until);
             let answer = tokio::time::timeout(bound, replica.reached(&want, waited)).await;
             match answer {
                 Ok(Ok(true)) => {
@@ -241,7 +268,7 @@ impl Shards {
                     return ReadOn::Primary;
                 }
                 Ok(Err(err)) => self.replica_error(replica, &err),
-                Err(_) if bound < own => {
+                Err(_) if cut => {
                     crate::metrics::replica_fallback(shard, "timeout");
                     return ReadOn::Primary;
                 }
@@ -475,6 +502,32 @@ mod tests {
         let time = ReadTime::start(Some(Duration::MAX), &any());
         assert_eq!(time.replica_until(), None);
         assert_eq!(time.left(), Some(Duration::MAX));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn only_the_read_s_own_deadline_cuts_a_session_s_wait() {
+        let ms = Duration::from_millis;
+        let start = tokio::time::Instant::now();
+        // No read timeout: the choice's deadline (wait + replica timeout)
+        // was set a moment before this replica's turn, so `left` is a
+        // little short of the replica's own bound; still not cut.
+        let now = start + ms(1);
+        assert_eq!(
+            wait_bound(now, ms(1499), ms(500), ms(1000), None),
+            (ms(1499), false)
+        );
+        // A read timeout whose half ends after the replica's own bound.
+        let until = Some(start + ms(2500));
+        assert_eq!(
+            wait_bound(now, ms(1499), ms(500), ms(1000), until),
+            (ms(1499), false)
+        );
+        // One whose half ends first: cut.
+        let until = Some(start + ms(500));
+        assert_eq!(
+            wait_bound(now, ms(499), ms(374), ms(1000), until),
+            (ms(499), true)
+        );
     }
 
     #[test]

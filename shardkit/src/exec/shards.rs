@@ -89,6 +89,14 @@ pub(crate) struct ReadSettings {
     pub(crate) replica_probe: Duration,
 }
 
+impl ReadSettings {
+    /// How long a read of the control database's bucket map may take (for
+    /// a read, the map refresh, a move mark): the read timeout, else 5 s.
+    pub(crate) fn control_bound(&self) -> Duration {
+        self.timeout.unwrap_or(Duration::from_secs(5))
+    }
+}
+
 /// Bucket-move settings (from `[rebalance]`).
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct RebalanceSettings {

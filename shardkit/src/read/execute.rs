@@ -156,7 +156,7 @@ impl<E: ShardedEntity> Read<E> {
         } = self;
         let group = Self::group();
         let rows = async_stream::stream! {
-            let time = ReadTime::start(timeout, &consistency);
+            let time = ReadTime::start_stream(timeout);
             let shard = shards.shard_name(target.shard);
             let primary = shards.shard_conn(target.shard).clone();
             // A replica, when the consistency lets one answer: opened and

@@ -17,19 +17,25 @@ pub(crate) trait ReadGuard: Send + Sync {
 
     /// Work to await before routing a read of `group` (a bucket map read
     /// long ago, or older than `seen_epoch`, the epoch a read's session
-    /// saw, is read again); `None` when there is none. `Err`: the read
-    /// must not be routed (the session's map could not be read).
+    /// saw, is read again), within the read's `timeout` when it has one;
+    /// `None` when there is none. `Err`: the read must not be routed (the
+    /// session's map could not be read).
     fn before_routing(
         &self,
         _group: &'static str,
         _seen_epoch: Option<u64>,
+        _timeout: Option<std::time::Duration>,
     ) -> Option<futures::future::BoxFuture<'_, Result<()>>> {
         None
     }
 
     /// The moves of `group` (see [`MoveMark`]); `None`: it never moves
     /// (rows are on one shard each).
-    fn move_mark(&self, _group: &'static str) -> Option<futures::future::BoxFuture<'_, MoveMark>> {
+    fn move_mark(
+        &self,
+        _group: &'static str,
+        _timeout: Option<std::time::Duration>,
+    ) -> Option<futures::future::BoxFuture<'_, MoveMark>> {
         None
     }
 
@@ -73,12 +79,17 @@ impl<T: ReadGuard + ?Sized> ReadGuard for Arc<T> {
         &self,
         group: &'static str,
         seen_epoch: Option<u64>,
+        timeout: Option<std::time::Duration>,
     ) -> Option<futures::future::BoxFuture<'_, Result<()>>> {
-        (**self).before_routing(group, seen_epoch)
+        (**self).before_routing(group, seen_epoch, timeout)
     }
 
-    fn move_mark(&self, group: &'static str) -> Option<futures::future::BoxFuture<'_, MoveMark>> {
-        (**self).move_mark(group)
+    fn move_mark(
+        &self,
+        group: &'static str,
+        timeout: Option<std::time::Duration>,
+    ) -> Option<futures::future::BoxFuture<'_, MoveMark>> {
+        (**self).move_mark(group, timeout)
     }
 
     fn reference_fence(&self) -> Option<&dyn ReferenceFence> {
@@ -101,10 +112,11 @@ impl<A: ReadGuard, B: ReadGuard> ReadGuard for (A, B) {
         &self,
         group: &'static str,
         seen_epoch: Option<u64>,
+        timeout: Option<std::time::Duration>,
     ) -> Option<futures::future::BoxFuture<'_, Result<()>>> {
         match (
-            self.0.before_routing(group, seen_epoch),
-            self.1.before_routing(group, seen_epoch),
+            self.0.before_routing(group, seen_epoch, timeout),
+            self.1.before_routing(group, seen_epoch, timeout),
         ) {
             (Some(a), Some(b)) => Some(Box::pin(async move {
                 a.await?;
@@ -114,8 +126,14 @@ impl<A: ReadGuard, B: ReadGuard> ReadGuard for (A, B) {
         }
     }
 
-    fn move_mark(&self, group: &'static str) -> Option<futures::future::BoxFuture<'_, MoveMark>> {
-        self.0.move_mark(group).or_else(|| self.1.move_mark(group))
+    fn move_mark(
+        &self,
+        group: &'static str,
+        timeout: Option<std::time::Duration>,
+    ) -> Option<futures::future::BoxFuture<'_, MoveMark>> {
+        self.0
+            .move_mark(group, timeout)
+            .or_else(|| self.1.move_mark(group, timeout))
     }
 
     fn reference_fence(&self) -> Option<&dyn ReferenceFence> {

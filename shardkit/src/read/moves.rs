@@ -30,7 +30,11 @@ impl<E: ShardedEntity> Read<E> {
         if !scatters_movable {
             return None;
         }
-        match self.guard.as_ref().and_then(|g| g.move_mark(Self::group())) {
+        match self
+            .guard
+            .as_ref()
+            .and_then(|g| g.move_mark(Self::group(), self.timeout))
+        {
             Some(asked) => Some(asked.await),
             // No guard (not a cluster's read): nothing says there is no move.
             None => Some(None),

@@ -254,7 +254,7 @@ impl<E: ShardedEntity> Read<E> {
         if let Some(refresh) = self
             .guard
             .as_ref()
-            .and_then(|g| g.before_routing(Self::group(), seen_epoch))
+            .and_then(|g| g.before_routing(Self::group(), seen_epoch, self.timeout))
         {
             refresh.await?;
         }

@@ -56,10 +56,26 @@ pub(crate) async fn refresh_all(shards: &Shards) {
             .ok()
             .flatten()
             .is_some_and(|map| map.epoch() == 0);
+        // Bounded like a read of the control database (the read timeout,
+        // else 5 s): a control database that accepts and never answers
+        // must not hold the refresh task, and the connection, for good.
+        let within = shards.read_settings().control_bound();
         let result = if first {
+            // (Seeding: not cut off midway.)
             load_maps(shards).await
         } else {
-            refresh(shards, &group).await.map(drop)
+            match tokio::time::timeout(within, map::read_map(shards, &group)).await {
+                Ok(Ok(read)) => map::install_map(shards, &group, read).await.map(drop),
+                Ok(Err(e)) => Err(e),
+                Err(_) => {
+                    tracing::warn!(
+                        group,
+                        ?within,
+                        "bucket map refresh failed: the control database did not answer"
+                    );
+                    continue;
+                }
+            }
         };
         if let Err(e) = result {
             tracing::warn!(group, error = %e.report(), "bucket map refresh failed");
@@ -125,9 +141,10 @@ pub(crate) async fn move_mark(shards: &Shards, group: &str) -> Result<(u64, i64)
 /// Whether a read of `group` must read the bucket map first: the map this
 /// instance holds was read longer ago than half the cleanup grace, so the
 /// shard it names may have given the bucket away and deleted its rows
-/// (an instance with periodic refresh off, or one whose refreshes failed).
-/// Reads then refresh first and are routed by the new map: a read never
-/// finds a cleaned source.
+/// (an instance with periodic refresh off; a failed attempt counts as a
+/// read, so an instance that cannot reach the control database is not
+/// protected beyond the grace).
+/// Reads then refresh first and are routed by the new map.
 pub(crate) fn read_needs_refresh(shards: &Shards, group: &str) -> bool {
     if !shards.topology().is_movable(group) {
         return false;

@@ -72,6 +72,21 @@ pub(crate) fn live_map<'a>(shards: &'a Shards, group: &str) -> Result<LiveMap<'a
 /// uses, the map; seeds the map from the config when the database has none.
 /// Returns the epoch now in use.
 pub(crate) async fn refresh(shards: &Shards, group: &str) -> Result<u64> {
+    let read = read_map(shards, group).await?;
+    install_map(shards, group, read).await
+}
+
+/// What [`read_map`] read on the control database.
+pub(crate) struct MapRead {
+    epoch: u64,
+    /// The map's rows, when its epoch is newer than the one routing uses.
+    rows: Option<Vec<sea_orm::QueryResult>>,
+}
+
+/// The control database's part of [`refresh`]: the epoch, the rows of a
+/// newer map (seeding the map and the states when there is none). The
+/// only statements a refresh sends there, so a caller can bound them.
+pub(crate) async fn read_map(shards: &Shards, group: &str) -> Result<MapRead> {
     let map = live_map(shards, group)?;
     map.mark_read(shards.now_ms());
     let id = control(shards, group)?;
@@ -90,24 +105,41 @@ pub(crate) async fn refresh(shards: &Shards, group: &str) -> Result<u64> {
             epoch
         }
     };
-    if epoch > map.epoch() {
-        let mut stmt = Query::select();
-        stmt.columns([Alias::new("bucket"), Alias::new("shard")])
-            .from(Alias::new(MAP))
-            .and_where(Expr::col(Alias::new("grp")).eq(group));
-        if buckets.is_none() {
-            // Named explicitly: SQLite names an unaliased column after the
-            // text the statement was first prepared from, and a pooled
-            // connection that prepared it before the migration added the
-            // column keeps a quoted name.
-            for column in ["lo", "hi"] {
-                stmt.expr_as(Expr::col(Alias::new(column)), Alias::new(column));
-            }
+    if epoch <= map.epoch() {
+        return Ok(MapRead { epoch, rows: None });
+    }
+    let mut stmt = Query::select();
+    stmt.columns([Alias::new("bucket"), Alias::new("shard")])
+        .from(Alias::new(MAP))
+        .and_where(Expr::col(Alias::new("grp")).eq(group));
+    if buckets.is_none() {
+        // Named explicitly: SQLite names an unaliased column after the
+        // text the statement was first prepared from, and a pooled
+        // connection that prepared it before the migration added the
+        // column keeps a quoted name.
+        for column in ["lo", "hi"] {
+            stmt.expr_as(Expr::col(Alias::new(column)), Alias::new(column));
         }
-        let rows = db
-            .query_all(&stmt)
-            .await
-            .map_err(|e| db_err(name, MAP, "read", e))?;
+    }
+    let rows = db
+        .query_all(&stmt)
+        .await
+        .map_err(|e| db_err(name, MAP, "read", e))?;
+    Ok(MapRead {
+        epoch,
+        rows: Some(rows),
+    })
+}
+
+/// The rest of [`refresh`]: installs a newer map read by [`read_map`]
+/// (after raising the replicas' floors); the epoch now in use.
+pub(crate) async fn install_map(shards: &Shards, group: &str, read: MapRead) -> Result<u64> {
+    let map = live_map(shards, group)?;
+    let MapRead { epoch, rows } = read;
+    if let Some(rows) = rows
+        && epoch > map.epoch()
+    {
+        let name = shards.shard_name(control(shards, group)?);
         // Replicas answer for the new map only once past every copy the
         // moves behind it made (see `Shards::raise_replica_floors`).
         shards.raise_replica_floors().await;

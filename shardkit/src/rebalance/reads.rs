@@ -5,7 +5,7 @@
 use crate::exec::Shards;
 use crate::read::{MoveMark, ReadFrom, ReadGuard};
 use crate::rebalance::live::{move_mark, read_needs_refresh};
-use crate::rebalance::map::refresh;
+use crate::rebalance::map;
 use futures::future::BoxFuture;
 use std::collections::HashMap;
 use std::time::Duration;
@@ -37,13 +37,34 @@ impl MoveReads {
         }
     }
 
-    /// How long a read of the control database may take for a read: the
-    /// read timeout, else 5 s.
+    /// How long a read of the control database may take for a read.
     fn within(&self) -> Duration {
-        self.shards
-            .read_settings()
-            .timeout
-            .unwrap_or(Duration::from_secs(5))
+        self.shards.read_settings().control_bound()
+    }
+
+    /// Reads the map of `group` again, its statements on the control
+    /// database within `within` (a control database that accepts and never
+    /// answers holds no read; installing a newer map then raises the
+    /// replicas' floors under their own bound); the epoch it holds. The
+    /// attempt counts as the map's read even when the control shard's
+    /// breaker refuses it, as a failed refresh does.
+    async fn refresh_within(
+        &self,
+        group: &'static str,
+        within: Duration,
+    ) -> crate::error::Result<u64> {
+        map::live_map(&self.shards, group)?.mark_read(self.shards.now_ms());
+        let control = map::control(&self.shards, group)?;
+        let read = self
+            .shards
+            .bounded(
+                control,
+                group,
+                Some(within),
+                map::read_map(&self.shards, group),
+            )
+            .await?;
+        map::install_map(&self.shards, group, read).await
     }
 
     fn epoch(&self, group: &str) -> Option<u64> {
@@ -54,9 +75,26 @@ impl MoveReads {
     }
 
     /// Reads the map of `group` for a session that has seen epoch `seen`,
-    /// within the read timeout (`[read] timeout_ms`, else 5 s).
-    async fn catch_up(&self, group: &'static str, seen: u64) -> crate::error::Result<()> {
-        let mut behind = self.behind.lock().await;
+    /// within `within` (the read's timeout), the wait for another read's
+    /// catch-up included.
+    async fn catch_up(
+        &self,
+        group: &'static str,
+        seen: u64,
+        within: Duration,
+    ) -> crate::error::Result<()> {
+        // (A timeout too large for the clock bounds nothing.)
+        let deadline = tokio::time::Instant::now()
+            .checked_add(within)
+            .unwrap_or_else(|| tokio::time::Instant::now() + Duration::from_secs(86_400 * 365));
+        let Ok(mut behind) = tokio::time::timeout_at(deadline, self.behind.lock()).await else {
+            let control = crate::rebalance::map::control(&self.shards, group)?;
+            return Err(crate::ShardError::Timeout {
+                group,
+                shard: self.shards.shard_name(control).to_owned(),
+                after: within,
+            });
+        };
         if self.epoch(group).is_some_and(|have| have >= seen) {
             return Ok(());
         }
@@ -70,16 +108,19 @@ impl MoveReads {
         {
             return Ok(());
         }
-        let control = crate::rebalance::map::control(&self.shards, group)?;
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
         let now = self
-            .shards
-            .bounded(
-                control,
-                group,
-                Some(self.within()),
-                refresh(&self.shards, group),
-            )
-            .await?;
+            .refresh_within(group, left)
+            .await
+            .map_err(|e| match e {
+                // The read's timeout, not what was left of it.
+                crate::ShardError::Timeout { group, shard, .. } => crate::ShardError::Timeout {
+                    group,
+                    shard,
+                    after: within,
+                },
+                e => e,
+            })?;
         if now < seen {
             let known = behind.insert(group, (seen, now_ms));
             if known.is_none() {
@@ -110,7 +151,9 @@ impl ReadGuard for MoveReads {
         &self,
         group: &'static str,
         seen_epoch: Option<u64>,
+        timeout: Option<Duration>,
     ) -> Option<BoxFuture<'_, crate::error::Result<()>>> {
+        let within = timeout.unwrap_or_else(|| self.within());
         // A session that saw a newer map than this instance holds: its
         // commits may be on a bucket's new owner, which this map does not
         // name yet. Read the map first; a read that cannot is refused.
@@ -119,11 +162,14 @@ impl ReadGuard for MoveReads {
             && self.shards.topology().is_movable(group)
             && self.epoch(group).is_some_and(|have| seen > have)
         {
-            return Some(Box::pin(self.catch_up(group, seen)));
+            return Some(Box::pin(self.catch_up(group, seen, within)));
         }
+        // A map read so long ago that its shards may have cleaned what it
+        // routes to: read again, within the read's timeout; a read that
+        // cannot goes on by the map it has (as when the refresh fails).
         read_needs_refresh(&self.shards, group).then(|| {
             Box::pin(async move {
-                if let Err(e) = refresh(&self.shards, group).await {
+                if let Err(e) = self.refresh_within(group, within).await {
                     tracing::warn!(group, error = %e.report(), "bucket map refresh before a read failed");
                 }
                 Ok(())
@@ -131,10 +177,14 @@ impl ReadGuard for MoveReads {
         })
     }
 
-    fn move_mark(&self, group: &'static str) -> Option<BoxFuture<'_, MoveMark>> {
+    fn move_mark(
+        &self,
+        group: &'static str,
+        timeout: Option<Duration>,
+    ) -> Option<BoxFuture<'_, MoveMark>> {
         self.shards.topology().is_movable(group).then(|| {
             Box::pin(async move {
-                let within = self.within();
+                let within = timeout.unwrap_or_else(|| self.within());
                 match tokio::time::timeout(within, move_mark(&self.shards, group)).await {
                     Ok(Ok(mark)) => Some(mark),
                     Ok(Err(e)) => {
