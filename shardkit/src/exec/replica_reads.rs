@@ -138,8 +138,11 @@ fn answer_margin(left: Duration, replica_timeout: Duration) -> Duration {
 
 /// The bound of a session's wait on one replica begun at `now` with
 /// `left` of the choice's time: the wait, then the replica timeout, within
-/// `left`; and whether the read's own deadline `until` cut it (then a
-/// replica that does not answer in time has not failed).
+/// `left`; and whether it was cut short of that (by the read's own
+/// deadline `until`, or by the time replicas before it took from the
+/// choice), when a replica that does not answer in time has not failed.
+/// (The first replica's `left` falls a moment short of its own bound, set
+/// just before: that is not a cut.)
 fn wait_bound(
     now: tokio::time::Instant,
     left: Duration,
@@ -148,8 +151,9 @@ fn wait_bound(
     until: Option<tokio::time::Instant>,
 ) -> (Duration, bool) {
     let own = waited + replica_timeout;
-    let cut = until.is_some_and(|until| until < now + own);
-    (own.min(left), cut)
+    let bound = own.min(left);
+    let cut = until.is_some_and(|until| until < now + own) || bound + MIN_REPLICA_TIME < own;
+    (bound, cut)
 }
 
 /// Where a read runs.
@@ -527,6 +531,13 @@ mod tests {
         assert_eq!(
             wait_bound(now, ms(499), ms(374), ms(1000), until),
             (ms(499), true)
+        );
+        // A later replica, after one that failed 400 ms in: 1,100 ms left
+        // of the choice, short of its own 1,500: cut, not failed.
+        let later = start + ms(400);
+        assert_eq!(
+            wait_bound(later, ms(1100), ms(500), ms(1000), None),
+            (ms(1100), true)
         );
     }
 

@@ -18,21 +18,26 @@ pub(crate) const REROUTE_FOR: Duration = Duration::from_millis(mover::LEASE_MS a
 /// shard its bucket states. A group whose tables do not exist yet (a cluster
 /// not migrated) keeps the configured spread until the next refresh.
 pub(crate) async fn load_maps(shards: &Shards) -> Result<()> {
-    let groups = movable_groups(shards);
-    for group in groups {
-        match refresh(shards, &group).await {
-            Ok(_) => seed_states(shards, &group).await?,
-            Err(e) if missing_table(&e) => {
-                tracing::debug!(group, error = %e.report(), "bucket map not there yet (run migrate)");
-            }
-            // The control shard is down: route by the configured spread
-            // (every shard's fence still refuses what it does not own) and
-            // read the map at the next refresh.
-            Err(e) if e.kind() == crate::ErrorKind::Database => {
-                tracing::warn!(group, error = %e.report(), "bucket map unreadable; routing by the configured spread until the next refresh");
-            }
-            Err(e) => return Err(e),
+    for group in movable_groups(shards) {
+        load_map(shards, &group).await?;
+    }
+    Ok(())
+}
+
+/// [`load_maps`] for one group.
+async fn load_map(shards: &Shards, group: &str) -> Result<()> {
+    match refresh(shards, group).await {
+        Ok(_) => seed_states(shards, group).await?,
+        Err(e) if missing_table(&e) => {
+            tracing::debug!(group, error = %e.report(), "bucket map not there yet (run migrate)");
         }
+        // The control shard is down: route by the configured spread
+        // (every shard's fence still refuses what it does not own) and
+        // read the map at the next refresh.
+        Err(e) if e.kind() == crate::ErrorKind::Database => {
+            tracing::warn!(group, error = %e.report(), "bucket map unreadable; routing by the configured spread until the next refresh");
+        }
+        Err(e) => return Err(e),
     }
     Ok(())
 }
@@ -56,15 +61,20 @@ pub(crate) async fn refresh_all(shards: &Shards) {
             .ok()
             .flatten()
             .is_some_and(|map| map.epoch() == 0);
-        // Bounded like a read of the control database (the read timeout,
-        // else 5 s): a control database that accepts and never answers
-        // must not hold the refresh task, and the connection, for good.
-        let within = shards.read_settings().control_bound();
+        // Bounded (the read timeout, at least 5 s: a whole map is read): a
+        // control database that accepts and never answers must not hold
+        // the refresh task for good. Not the first read, which may seed
+        // (its states are written in chunks, not to be cut off midway).
+        let within = shards
+            .read_settings()
+            .control_bound()
+            .max(Duration::from_secs(5));
         let result = if first {
-            // (Seeding: not cut off midway.)
-            load_maps(shards).await
+            load_map(shards, &group).await
         } else {
-            match tokio::time::timeout(within, map::read_map(shards, &group)).await {
+            match tokio::time::timeout(within, map::read_map(shards, &group, map::Seed::Never))
+                .await
+            {
                 Ok(Ok(read)) => map::install_map(shards, &group, read).await.map(drop),
                 Ok(Err(e)) => Err(e),
                 Err(_) => {

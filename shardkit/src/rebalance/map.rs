@@ -72,7 +72,7 @@ pub(crate) fn live_map<'a>(shards: &'a Shards, group: &str) -> Result<LiveMap<'a
 /// uses, the map; seeds the map from the config when the database has none.
 /// Returns the epoch now in use.
 pub(crate) async fn refresh(shards: &Shards, group: &str) -> Result<u64> {
-    let read = read_map(shards, group).await?;
+    let read = read_map(shards, group, Seed::IfMissing).await?;
     install_map(shards, group, read).await
 }
 
@@ -83,10 +83,22 @@ pub(crate) struct MapRead {
     rows: Option<Vec<sea_orm::QueryResult>>,
 }
 
+/// Whether [`read_map`] seeds a map the control database does not have.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Seed {
+    /// Seed the map and every shard's states (not to be cut off midway:
+    /// the states are written in chunks).
+    IfMissing,
+    /// Leave it to a refresh that may seed: nothing is read (a bounded
+    /// read's refresh, which its timeout may cut off).
+    Never,
+}
+
 /// The control database's part of [`refresh`]: the epoch, the rows of a
-/// newer map (seeding the map and the states when there is none). The
-/// only statements a refresh sends there, so a caller can bound them.
-pub(crate) async fn read_map(shards: &Shards, group: &str) -> Result<MapRead> {
+/// newer map (seeding the map and the states when there is none and
+/// `seed` says so). The only statements a refresh sends there, so a
+/// caller can bound them (with [`Seed::Never`]).
+pub(crate) async fn read_map(shards: &Shards, group: &str, seed: Seed) -> Result<MapRead> {
     let map = live_map(shards, group)?;
     map.mark_read(shards.now_ms());
     let id = control(shards, group)?;
@@ -97,6 +109,12 @@ pub(crate) async fn read_map(shards: &Shards, group: &str) -> Result<MapRead> {
     };
     let epoch = match read_epoch(db, name, group, buckets).await? {
         Some((epoch, _)) => epoch,
+        None if seed == Seed::Never => {
+            return Ok(MapRead {
+                epoch: map.epoch(),
+                rows: None,
+            });
+        }
         None => {
             let epoch = seed_map(shards, group, map).await?;
             // Every shard's fence with the map, in the same step: a map

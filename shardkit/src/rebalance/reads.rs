@@ -61,7 +61,7 @@ impl MoveReads {
                 control,
                 group,
                 Some(within),
-                map::read_map(&self.shards, group),
+                map::read_map(&self.shards, group, map::Seed::Never),
             )
             .await?;
         map::install_map(&self.shards, group, read).await
