@@ -141,18 +141,21 @@ fn answer_margin(left: Duration, replica_timeout: Duration) -> Duration {
 /// `left`; and whether it was cut short of that (by the read's own
 /// deadline `until`, or by the time replicas before it took from the
 /// choice), when a replica that does not answer in time has not failed.
-/// (The first replica's `left` falls a moment short of its own bound, set
-/// just before: that is not a cut.)
+/// (The first replica's `left` falls short of its own bound only by the
+/// moments since the choice began: that is not a cut, however slow the
+/// machine.)
 fn wait_bound(
     now: tokio::time::Instant,
     left: Duration,
     waited: Duration,
     replica_timeout: Duration,
     until: Option<tokio::time::Instant>,
+    first: bool,
 ) -> (Duration, bool) {
     let own = waited + replica_timeout;
     let bound = own.min(left);
-    let cut = until.is_some_and(|until| until < now + own) || bound + MIN_REPLICA_TIME < own;
+    let cut =
+        until.is_some_and(|until| until < now + own) || (!first && bound + MIN_REPLICA_TIME < own);
     (bound, cut)
 }
 
@@ -248,7 +251,7 @@ impl Shards {
             crate::metrics::token_wait(started.elapsed());
             return ReadOn::Replica(replica);
         }
-        for replica in set.candidates(None) {
+        for (turn, replica) in set.candidates(None).enumerate() {
             let now = tokio::time::Instant::now();
             let left = deadline.saturating_duration_since(now);
             if left.is_zero() {
@@ -259,7 +262,7 @@ impl Shards {
             // its own bound (the wait, then the replica timeout) has
             // failed; one cut off by the read's timeout has not.
             let waited = wait.min(left - answer_margin(left, replica_timeout));
-            let (bound, cut) = wait_bound(now, left, waited, replica_timeout, until);
+            let (bound, cut) = wait_bound(now, left, waited, replica_timeout, until, turn == 0);
             let answer = tokio::time::timeout(bound, replica.reached(&want, waited)).await;
             match answer {
                 Ok(Ok(true)) => {
@@ -517,26 +520,31 @@ mod tests {
         // little short of the replica's own bound; still not cut.
         let now = start + ms(1);
         assert_eq!(
-            wait_bound(now, ms(1499), ms(500), ms(1000), None),
+            wait_bound(now, ms(1499), ms(500), ms(1000), None, true),
             (ms(1499), false)
+        );
+        // On a machine that paused 30 ms before the first replica's turn.
+        assert_eq!(
+            wait_bound(start + ms(30), ms(1470), ms(500), ms(1000), None, true),
+            (ms(1470), false)
         );
         // A read timeout whose half ends after the replica's own bound.
         let until = Some(start + ms(2500));
         assert_eq!(
-            wait_bound(now, ms(1499), ms(500), ms(1000), until),
+            wait_bound(now, ms(1499), ms(500), ms(1000), until, true),
             (ms(1499), false)
         );
         // One whose half ends first: cut.
         let until = Some(start + ms(500));
         assert_eq!(
-            wait_bound(now, ms(499), ms(374), ms(1000), until),
+            wait_bound(now, ms(499), ms(374), ms(1000), until, true),
             (ms(499), true)
         );
         // A later replica, after one that failed 400 ms in: 1,100 ms left
         // of the choice, short of its own 1,500: cut, not failed.
         let later = start + ms(400);
         assert_eq!(
-            wait_bound(later, ms(1100), ms(500), ms(1000), None),
+            wait_bound(later, ms(1100), ms(500), ms(1000), None, false),
             (ms(1100), true)
         );
     }

@@ -63,28 +63,30 @@ pub(crate) async fn refresh_all(shards: &Shards) {
             .is_some_and(|map| map.epoch() == 0);
         // Bounded (the read timeout, at least 5 s: a whole map is read): a
         // control database that accepts and never answers must not hold
-        // the refresh task for good. Not the first read, which may seed
-        // (its states are written in chunks, not to be cut off midway).
+        // the refresh task for good. Only seeding a map the control
+        // database does not have is not (it writes every shard's states
+        // in chunks, not to be cut off midway).
         let within = shards
             .read_settings()
             .control_bound()
             .max(Duration::from_secs(5));
-        let result = if first {
-            load_map(shards, &group).await
-        } else {
-            match tokio::time::timeout(within, map::read_map(shards, &group, map::Seed::Never))
-                .await
-            {
-                Ok(Ok(read)) => map::install_map(shards, &group, read).await.map(drop),
-                Ok(Err(e)) => Err(e),
-                Err(_) => {
-                    tracing::warn!(
-                        group,
-                        ?within,
-                        "bucket map refresh failed: the control database did not answer"
-                    );
-                    continue;
-                }
+        let read = tokio::time::timeout(within, map::read_map(shards, &group, map::Seed::Never));
+        let result = match read.await {
+            Ok(Ok(read)) if read.missing && first => load_map(shards, &group).await,
+            Ok(Ok(read)) => match map::install_map(shards, &group, read).await {
+                // A map read for the first time: every shard's states too.
+                Ok(_) if first => seed_states(shards, &group).await,
+                other => other.map(drop),
+            },
+            Ok(Err(e)) if first && missing_table(&e) => Ok(()),
+            Ok(Err(e)) => Err(e),
+            Err(_) => {
+                tracing::warn!(
+                    group,
+                    ?within,
+                    "bucket map refresh failed: the control database did not answer"
+                );
+                continue;
             }
         };
         if let Err(e) = result {

@@ -81,6 +81,9 @@ pub(crate) struct MapRead {
     epoch: u64,
     /// The map's rows, when its epoch is newer than the one routing uses.
     rows: Option<Vec<sea_orm::QueryResult>>,
+    /// The control database has no map of the group (read with
+    /// [`Seed::Never`]).
+    pub(crate) missing: bool,
 }
 
 /// Whether [`read_map`] seeds a map the control database does not have.
@@ -110,9 +113,19 @@ pub(crate) async fn read_map(shards: &Shards, group: &str, seed: Seed) -> Result
     let epoch = match read_epoch(db, name, group, buckets).await? {
         Some((epoch, _)) => epoch,
         None if seed == Seed::Never => {
+            if map.epoch() > 0 {
+                tracing::warn!(
+                    group,
+                    shard = name,
+                    epoch = map.epoch(),
+                    "the control database has no bucket map of the group: routing by this \
+                     instance's map (a control database restored from an older copy?)"
+                );
+            }
             return Ok(MapRead {
                 epoch: map.epoch(),
                 rows: None,
+                missing: true,
             });
         }
         None => {
@@ -124,7 +137,11 @@ pub(crate) async fn read_map(shards: &Shards, group: &str, seed: Seed) -> Result
         }
     };
     if epoch <= map.epoch() {
-        return Ok(MapRead { epoch, rows: None });
+        return Ok(MapRead {
+            epoch,
+            rows: None,
+            missing: false,
+        });
     }
     let mut stmt = Query::select();
     stmt.columns([Alias::new("bucket"), Alias::new("shard")])
@@ -146,6 +163,7 @@ pub(crate) async fn read_map(shards: &Shards, group: &str, seed: Seed) -> Result
     Ok(MapRead {
         epoch,
         rows: Some(rows),
+        missing: false,
     })
 }
 
@@ -153,7 +171,7 @@ pub(crate) async fn read_map(shards: &Shards, group: &str, seed: Seed) -> Result
 /// (after raising the replicas' floors); the epoch now in use.
 pub(crate) async fn install_map(shards: &Shards, group: &str, read: MapRead) -> Result<u64> {
     let map = live_map(shards, group)?;
-    let MapRead { epoch, rows } = read;
+    let MapRead { epoch, rows, .. } = read;
     if let Some(rows) = rows
         && epoch > map.epoch()
     {
