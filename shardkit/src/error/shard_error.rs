@@ -446,6 +446,20 @@ pub enum ErrorKind {
 }
 
 impl ShardError {
+    /// A `Timeout` that fired on what was left of a longer budget, reported
+    /// with the whole budget `after` (what the caller set); other errors as
+    /// they are.
+    pub(crate) fn timed_out_after(self, after: std::time::Duration) -> Self {
+        match self {
+            ShardError::Timeout { group, shard, .. } => ShardError::Timeout {
+                group,
+                shard,
+                after,
+            },
+            other => other,
+        }
+    }
+
     /// The shard this error happened on, when it names one.
     pub(crate) fn shard(&self) -> Option<&str> {
         match self {

@@ -89,17 +89,10 @@ impl ReadTime {
         group: &'static str,
         fut: impl std::future::Future<Output = crate::error::Result<T>>,
     ) -> crate::error::Result<T> {
-        match shards.bounded(id, group, self.left(), fut).await {
-            Err(crate::ShardError::Timeout {
-                group,
-                shard,
-                after,
-            }) => Err(crate::ShardError::Timeout {
-                group,
-                shard,
-                after: self.timeout.unwrap_or(after),
-            }),
-            other => other,
+        let out = shards.bounded(id, group, self.left(), fut).await;
+        match self.timeout {
+            Some(timeout) => out.map_err(|e| e.timed_out_after(timeout)),
+            None => out,
         }
     }
 }

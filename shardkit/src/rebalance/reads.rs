@@ -112,15 +112,7 @@ impl MoveReads {
         let now = self
             .refresh_within(group, left)
             .await
-            .map_err(|e| match e {
-                // The read's timeout, not what was left of it.
-                crate::ShardError::Timeout { group, shard, .. } => crate::ShardError::Timeout {
-                    group,
-                    shard,
-                    after: within,
-                },
-                e => e,
-            })?;
+            .map_err(|e| e.timed_out_after(within))?;
         if now < seen {
             let known = behind.insert(group, (seen, now_ms));
             if known.is_none() {
