@@ -1887,7 +1887,12 @@ async fn an_instance_that_has_not_refreshed_reads_a_moved_row_as_at_the_flip(dbs
     let a = Cluster::connect(config.clone()).await.unwrap();
     let acked: Shared = Arc::default();
     seed(&a, &acked, 1..=20).await;
-    let stale = Cluster::connect(config.clone()).await.unwrap();
+    let stale_clock = Arc::new(shardkit::clock::ManualClock::starting_now());
+    let stale = Cluster::builder(config.clone())
+        .clock(stale_clock.clone())
+        .connect()
+        .await
+        .unwrap();
     stale.refresh_bucket_maps().await.unwrap();
     // A third instance, as stale, that only reads with a session.
     let other = Cluster::connect(config).await.unwrap();
@@ -1951,6 +1956,36 @@ async fn an_instance_that_has_not_refreshed_reads_a_moved_row_as_at_the_flip(dbs
     assert_eq!(inside.as_deref(), Some("c1-r1"));
     // The rerouted transaction refreshed the map: reads follow.
     assert_eq!(read(&stale).await.as_deref(), Some("c1-r1"));
+    // Once its map is older than half the cleanup grace, a read goes on by
+    // it and the map is read again in the background; past three quarters,
+    // a read reads the map first (the old owner may have cleaned a moved
+    // bucket's rows by the time the read's statement runs).
+    let read_at = || {
+        stale
+            .topology()
+            .live_owners("Customer")
+            .unwrap()
+            .unwrap()
+            .read_at_ms()
+    };
+    let before = read_at();
+    stale_clock.advance(std::time::Duration::from_secs(301));
+    assert_eq!(read(&stale).await.as_deref(), Some("c1-r1"));
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while read_at() == before {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "a stale map was not read in the background"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    let before = read_at();
+    stale_clock.advance(std::time::Duration::from_secs(451));
+    assert_eq!(read(&stale).await.as_deref(), Some("c1-r1"));
+    assert!(
+        read_at() > before,
+        "an expired map was not read before a read"
+    );
 
     // Read-your-writes across instances: a session records the bucket map
     // its commit was routed by, and an instance with an older map reads
@@ -2005,12 +2040,11 @@ async fn an_instance_that_has_not_refreshed_reads_a_moved_row_as_at_the_flip(dbs
             "{:?}",
             started.elapsed()
         );
-        // Its map is now older than half the cleanup grace, so a read
-        // (without a session) reads the map again before it routes: within
-        // the read's timeout, and on by the map it has when the control
-        // database does not answer (before, the read waited for the pool:
-        // here 3 s, by default 30 s, for good with `test_before_acquire`
-        // off).
+        // Its map is now older than half the cleanup grace, still safe to
+        // route by: a read (without a session) goes on by it while the map
+        // is read again in the background, and does not wait for the
+        // control database (before, the read waited for the pool: here
+        // 3 s, by default 30 s, for good with `test_before_acquire` off).
         clock.advance(std::time::Duration::from_secs(301));
         let started = std::time::Instant::now();
         let read = tokio::time::timeout(
@@ -2022,6 +2056,35 @@ async fn an_instance_that_has_not_refreshed_reads_a_moved_row_as_at_the_flip(dbs
         read.unwrap_or_else(|e| {
             panic!("a read after a map refresh that timed out: {}", e.report())
         });
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(2),
+            "{:?}",
+            started.elapsed()
+        );
+        // Past three quarters of the grace since the map's last successful
+        // read (the attempts since failed), a bucket moved since may have
+        // been cleaned from the shard the map names: reads are refused,
+        // each within its timeout, rather than routed by it (before, a
+        // failed attempt counted as a read, and the read went to the old
+        // owner). Eight at once, on pools of 2.
+        clock.advance(std::time::Duration::from_secs(150));
+        let started = std::time::Instant::now();
+        let reads = futures::future::join_all(
+            (0..8).map(|_| through.find::<customer::Entity>().key(1).one()),
+        )
+        .await;
+        for read in reads {
+            let refused = read.unwrap_err();
+            assert!(
+                matches!(
+                    &refused,
+                    ShardError::BucketMapExpired { group: "Customer", cause, .. }
+                        if cause.contains("`s0`")
+                ),
+                "{}",
+                refused.report()
+            );
+        }
         assert!(
             started.elapsed() < std::time::Duration::from_secs(2),
             "{:?}",
@@ -2046,6 +2109,31 @@ async fn an_instance_that_has_not_refreshed_reads_a_moved_row_as_at_the_flip(dbs
         assert_eq!(read.as_deref(), Some("c1-session"));
     }
     assert_eq!(epoch(&other), epoch(&a));
+    // A control database that lost the group's map (restored from a copy
+    // older than the first move) answers, but is not a read of the map:
+    // once the instance's map has expired, its reads are refused, saying
+    // why, rather than routed by a map no longer confirmed.
+    a.connection("s0")
+        .unwrap()
+        .execute_unprepared("DELETE FROM shardkit_bucket_epochs; DELETE FROM shardkit_bucket_map")
+        .await
+        .unwrap();
+    stale_clock.advance(std::time::Duration::from_secs(451));
+    let refused = stale
+        .find::<customer::Entity>()
+        .key(1)
+        .one()
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            &refused,
+            ShardError::BucketMapExpired { group: "Customer", age: Some(_), cause, .. }
+                if cause.contains("holds no bucket map as new as this instance's")
+        ),
+        "{}",
+        refused.report()
+    );
 }
 
 /// A mover paused inside its write transaction (holding the fence's shared

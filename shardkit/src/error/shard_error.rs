@@ -338,6 +338,34 @@ pub enum ShardError {
         state: String,
     },
 
+    /// A read of a `movable` group was refused: this instance last read the
+    /// group's bucket map longer ago than three quarters of
+    /// `cleanup_grace_ms` (or never), and reading it again failed: the
+    /// control database out of reach, slower than the read's timeout, or
+    /// holding an older map than this instance (restored or failed over to
+    /// an older copy). A bucket
+    /// moved since the map was read may have left its old shard by now, so
+    /// routing by it could miss rows; nothing was read. Writes are not
+    /// affected (each shard's fence checks them). Retry once the control
+    /// database answers; a longer `cleanup_grace_ms` rides out longer
+    /// outages of it.
+    #[error(
+        "bucket map of group `{group}` {} (a read needs it read within three quarters of the cleanup grace, {:?}): a moved bucket's old rows may be gone, so the read is refused; reading the map again failed: {cause}",
+        age.map_or_else(|| "never read since this instance connected".to_owned(), |a| format!("last read {}s ago", a.as_secs())),
+        grace
+    )]
+    BucketMapExpired {
+        /// The group read.
+        group: &'static str,
+        /// How long ago the map was last read (`None`: never, since this
+        /// instance connected).
+        age: Option<std::time::Duration>,
+        /// The group's `cleanup_grace_ms`.
+        grace: std::time::Duration,
+        /// Why reading the map failed (the control database's error).
+        cause: String,
+    },
+
     /// A bucket move was refused or cannot go on (an overlapping move, a
     /// plan naming an unknown shard, an abort after the cut-over, rows that
     /// still differ after catch-up). Nothing was changed by the refused call.
@@ -483,6 +511,7 @@ impl ShardError {
             | ShardError::Unavailable { .. }
             | ShardError::IdsUnavailable { .. }
             | ShardError::ReferenceBehind { .. }
+            | ShardError::BucketMapExpired { .. }
             | ShardError::ClockMovedBackwards { .. } => ErrorKind::Database,
             ShardError::CrossShardWrite { .. }
             | ShardError::MissingShardKey { .. }
@@ -538,7 +567,9 @@ impl ShardError {
                 })
                 .unwrap_or(Retry::Never),
             ShardError::Unavailable { .. } => Retry::After(REPROBE),
-            ShardError::ReferenceBehind { .. } => Retry::After(std::time::Duration::from_secs(1)),
+            ShardError::ReferenceBehind { .. } | ShardError::BucketMapExpired { .. } => {
+                Retry::After(std::time::Duration::from_secs(1))
+            }
             ShardError::ClockMovedBackwards { millis } => {
                 Retry::After(std::time::Duration::from_millis(*millis))
             }

@@ -154,3 +154,40 @@ fn a_db_error_says_what_where_and_the_driver_message_once() {
         "migrating shard `s2` failed: Migration Error: table `orders` exists"
     );
 }
+
+#[test]
+fn an_expired_bucket_map_says_how_old_and_why_once_and_is_retried_later() {
+    let timeout = ShardError::Timeout {
+        group: "Customer",
+        shard: "s0".to_owned(),
+        after: Duration::from_millis(500),
+    };
+    let cause = timeout.report().to_string();
+    let expired = |age| ShardError::BucketMapExpired {
+        group: "Customer",
+        age,
+        grace: Duration::from_secs(600),
+        cause: cause.clone(),
+    };
+    let old = expired(Some(Duration::from_millis(451_900)))
+        .report()
+        .to_string();
+    assert_eq!(
+        old,
+        format!(
+            "bucket map of group `Customer` last read 451s ago (a read needs it read within three \
+             quarters of the cleanup grace, 600s): a moved bucket's old rows may be gone, so the \
+             read is refused; reading the map again failed: {cause}"
+        )
+    );
+    assert_eq!(old.matches("did not answer").count(), 1, "{old}");
+    let never = expired(None).report().to_string();
+    assert!(
+        never.starts_with(
+            "bucket map of group `Customer` never read since this instance connected ("
+        ),
+        "{never}"
+    );
+    assert_eq!(expired(None).kind(), ErrorKind::Database);
+    assert_eq!(expired(None).retry(), Retry::After(Duration::from_secs(1)));
+}

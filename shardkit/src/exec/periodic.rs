@@ -123,6 +123,26 @@ async fn one_pass<H: Handle, F: FnMut(H) -> Fut, Fut: Future>(
     }
 }
 
+/// Runs `pass` once, in a task of its own, unless the cluster has no user
+/// left (also while it runs: the pass is dropped then, as a periodic
+/// task's is).
+pub(crate) fn spawn_once<H, F, Fut>(handle: &H, pass: F) -> JoinHandle<()>
+where
+    H: Handle,
+    F: FnOnce(H) -> Fut + Send + 'static,
+    Fut: Future<Output = ()> + Send,
+{
+    let weak = handle.downgrade();
+    let mut stopped = handle.stop_signal().subscribe();
+    tokio::spawn(async move {
+        let mut pass = Some(pass);
+        one_pass(&weak, &mut stopped, &mut |h| {
+            (pass.take().expect("one pass"))(h)
+        })
+        .await;
+    })
+}
+
 /// Runs `pass` at once, then again after the wait each pass returns
 /// ([`ControlFlow::Continue`]), until a pass returns [`ControlFlow::Break`]
 /// or the cluster's last user handle is dropped (as [`spawn`]).

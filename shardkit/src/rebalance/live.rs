@@ -150,20 +150,48 @@ pub(crate) async fn move_mark(shards: &Shards, group: &str) -> Result<(u64, i64)
     Ok((get("n")? as u64, get("newest")?))
 }
 
-/// Whether a read of `group` must read the bucket map first: the map this
-/// instance holds was read longer ago than half the cleanup grace, so the
-/// shard it names may have given the bucket away and deleted its rows
-/// (an instance with periodic refresh off; a failed attempt counts as a
-/// read, so an instance that cannot reach the control database is not
-/// protected beyond the grace).
-/// Reads then refresh first and are routed by the new map.
-pub(crate) fn read_needs_refresh(shards: &Shards, group: &str) -> bool {
+/// How old a `movable` group's map is for a read (see [`map_age`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum MapAge {
+    /// Read less than half the cleanup grace ago (or not movable).
+    Fresh,
+    /// Read longer ago than half the grace: still safe to route by (a
+    /// bucket moved since the read keeps its old rows until the grace has
+    /// passed since its flip), but to be read again.
+    Stale,
+    /// Read longer ago than three quarters of the grace (the last quarter
+    /// is the margin for the read's own time and the clocks of the instance
+    /// and the mover): a bucket moved since may be cleaned by the time the
+    /// read's statement runs. The map must be read before the read is
+    /// routed, or the read refused.
+    Expired {
+        /// How long ago the map was last read (`None`: never, since the
+        /// instance connected).
+        age: Option<std::time::Duration>,
+    },
+}
+
+/// How long ago this instance last read `group`'s map (the start of the
+/// last read that succeeded: a failed or cut-off attempt does not count),
+/// against the cleanup grace.
+pub(crate) fn map_age(shards: &Shards, group: &str) -> MapAge {
     if !shards.topology().is_movable(group) {
-        return false;
+        return MapAge::Fresh;
     }
     let Ok(Some(owners)) = shards.topology().live_owners(group) else {
-        return false;
+        return MapAge::Fresh;
     };
-    let half_grace = shards.rebalance_settings().cleanup_grace.as_millis() as i64 / 2;
-    shards.now_ms() - owners.read_at_ms() > half_grace
+    let grace = shards.rebalance_settings().cleanup_grace.as_millis() as i64;
+    let read_at = owners.read_at_ms();
+    let age = shards.now_ms() - read_at;
+    if age > grace / 4 * 3 {
+        MapAge::Expired {
+            age: (read_at > 0)
+                .then(|| std::time::Duration::from_millis(u64::try_from(age).unwrap_or(0))),
+        }
+    } else if age > grace / 2 {
+        MapAge::Stale
+    } else {
+        MapAge::Fresh
+    }
 }

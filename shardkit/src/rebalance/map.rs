@@ -84,6 +84,11 @@ pub(crate) struct MapRead {
     /// The control database has no map of the group (read with
     /// [`Seed::Never`]).
     pub(crate) missing: bool,
+    /// When the read began (clock ms): what the map is known good as of
+    /// once installed.
+    started_ms: i64,
+    /// The epoch this instance held when the read began.
+    held: u64,
 }
 
 /// Whether [`read_map`] seeds a map the control database does not have.
@@ -103,7 +108,9 @@ pub(crate) enum Seed {
 /// caller can bound them (with [`Seed::Never`]).
 pub(crate) async fn read_map(shards: &Shards, group: &str, seed: Seed) -> Result<MapRead> {
     let map = live_map(shards, group)?;
-    map.mark_read(shards.now_ms());
+    let started_ms = shards.now_ms();
+    let held = map.epoch();
+    map.reads().mark_tried(started_ms);
     let id = control(shards, group)?;
     let (db, name) = (shards.side_conn(id), shards.shard_name(id));
     let buckets = match map {
@@ -126,6 +133,8 @@ pub(crate) async fn read_map(shards: &Shards, group: &str, seed: Seed) -> Result
                 epoch: map.epoch(),
                 rows: None,
                 missing: true,
+                started_ms,
+                held,
             });
         }
         None => {
@@ -141,6 +150,8 @@ pub(crate) async fn read_map(shards: &Shards, group: &str, seed: Seed) -> Result
             epoch,
             rows: None,
             missing: false,
+            started_ms,
+            held,
         });
     }
     let mut stmt = Query::select();
@@ -164,14 +175,26 @@ pub(crate) async fn read_map(shards: &Shards, group: &str, seed: Seed) -> Result
         epoch,
         rows: Some(rows),
         missing: false,
+        started_ms,
+        held,
     })
 }
 
 /// The rest of [`refresh`]: installs a newer map read by [`read_map`]
-/// (after raising the replicas' floors); the epoch now in use.
+/// (after raising the replicas' floors); the epoch now in use. The map
+/// counts as read at the read's start once installed, or when it was as
+/// new; not when the control database holds an older map than this
+/// instance, or none while this instance holds one (a copy restored or
+/// failed over from before a move: moves since may be missing from it).
 pub(crate) async fn install_map(shards: &Shards, group: &str, read: MapRead) -> Result<u64> {
     let map = live_map(shards, group)?;
-    let MapRead { epoch, rows, .. } = read;
+    let MapRead {
+        epoch,
+        rows,
+        missing,
+        started_ms,
+        held,
+    } = read;
     if let Some(rows) = rows
         && epoch > map.epoch()
     {
@@ -187,6 +210,19 @@ pub(crate) async fn install_map(shards: &Shards, group: &str, read: MapRead) -> 
             tracing::info!(group, epoch, "bucket map installed");
             crate::metrics::map_epoch(group, epoch);
         }
+    }
+    let current = if missing { held == 0 } else { epoch >= held };
+    if current {
+        map.reads().mark_read(started_ms, shards.now_ms());
+    } else if !missing {
+        tracing::warn!(
+            group,
+            control = epoch,
+            held,
+            "the control database's bucket map is older than this instance's (restored or \
+             failed over to an older copy?): routing by this instance's map, which stops \
+             counting as read"
+        );
     }
     Ok(map.epoch())
 }

@@ -4,22 +4,48 @@
 
 use crate::exec::Shards;
 use crate::read::{MoveMark, ReadFrom, ReadGuard};
-use crate::rebalance::live::{move_mark, read_needs_refresh};
+use crate::rebalance::live::{MapAge, map_age, move_mark};
 use crate::rebalance::map;
 use futures::future::BoxFuture;
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Duration;
 
 /// Reads of `movable` groups: a bucket map read too long ago is read again
-/// before a read is routed by it; a count or projection gets the group's
-/// move mark, bounded like a read of the shard it asks.
+/// (in the background while it is still safe to route by, before the read
+/// once it is not); a count or projection gets the group's move mark,
+/// bounded like a read of the shard it asks.
 pub(crate) struct MoveReads {
     shards: Shards,
-    /// Map reads for sessions ahead of this instance's map, one at a time
-    /// (the reads that waited find the map read); per group, the epoch
-    /// the last session found ahead of the control database, and when.
-    behind: tokio::sync::Mutex<HashMap<&'static str, (u64, i64)>>,
+    /// Per group: the map reads that reads wait for, one at a time (the
+    /// reads that waited find the map read, or its failure).
+    groups: std::sync::Mutex<HashMap<&'static str, Arc<tokio::sync::Mutex<GroupReads>>>>,
 }
+
+/// What a group's reads learnt from the map reads made for them.
+#[derive(Default)]
+struct GroupReads {
+    /// The epoch the last session found ahead of the control database,
+    /// and when.
+    behind: Option<(u64, i64)>,
+    /// The last map read for an expired map that failed (the reads that
+    /// waited for it are refused with it).
+    failed: Option<Failed>,
+}
+
+/// A failed map read for an expired map.
+struct Failed {
+    /// When it began.
+    at: tokio::time::Instant,
+    /// The time it had.
+    had: Duration,
+    /// Why it failed.
+    cause: String,
+}
+
+/// How often a stale map (still safe to route by) is tried again in the
+/// background after an attempt.
+const STALE_RETRY_MS: i64 = 1_000;
 
 /// For how long a control database found below a session's map epoch is
 /// not asked again for a session ahead of it (a session of another
@@ -33,7 +59,34 @@ impl MoveReads {
     pub(crate) fn new(shards: Shards) -> Self {
         MoveReads {
             shards,
-            behind: tokio::sync::Mutex::default(),
+            groups: std::sync::Mutex::default(),
+        }
+    }
+
+    /// `group`'s map reads for reads.
+    fn group(&self, group: &'static str) -> Arc<tokio::sync::Mutex<GroupReads>> {
+        let mut groups = self.groups.lock().unwrap_or_else(|p| p.into_inner());
+        Arc::clone(groups.entry(group).or_default())
+    }
+
+    /// Waits for `group`'s map reads until `deadline`; `Err`: the deadline
+    /// passed first (a `Timeout` naming the control shard, `within` long).
+    async fn lock_group(
+        &self,
+        group: &'static str,
+        deadline: tokio::time::Instant,
+        within: Duration,
+    ) -> crate::error::Result<tokio::sync::OwnedMutexGuard<GroupReads>> {
+        match tokio::time::timeout_at(deadline, self.group(group).lock_owned()).await {
+            Ok(guard) => Ok(guard),
+            Err(_) => {
+                let control = map::control(&self.shards, group)?;
+                Err(crate::ShardError::Timeout {
+                    group,
+                    shard: self.shards.shard_name(control).to_owned(),
+                    after: within,
+                })
+            }
         }
     }
 
@@ -45,26 +98,100 @@ impl MoveReads {
     /// Reads the map of `group` again, its statements on the control
     /// database within `within` (a control database that accepts and never
     /// answers holds no read; installing a newer map then raises the
-    /// replicas' floors under their own bound); the epoch it holds. The
-    /// attempt counts as the map's read even when the control shard's
-    /// breaker refuses it, as a failed refresh does.
+    /// replicas' floors under their own bound); the epoch it holds. Only a
+    /// read that succeeds counts as the map's read.
     async fn refresh_within(
         &self,
         group: &'static str,
         within: Duration,
     ) -> crate::error::Result<u64> {
-        map::live_map(&self.shards, group)?.mark_read(self.shards.now_ms());
-        let control = map::control(&self.shards, group)?;
-        let read = self
-            .shards
-            .bounded(
-                control,
-                group,
-                Some(within),
-                map::read_map(&self.shards, group, map::Seed::Never),
-            )
-            .await?;
-        map::install_map(&self.shards, group, read).await
+        refresh_within(&self.shards, group, within).await
+    }
+
+    /// Reads an expired map of `group` before a read is routed by it
+    /// (one read at a time; a read that waited finds the map read by one
+    /// that began after it did, or is refused with the failure of one that
+    /// began after it did with at least its time); `Err`: the read is
+    /// refused ([`crate::ShardError::BucketMapExpired`], or the map's own
+    /// error when it is not the control database's answer that failed).
+    async fn renew(
+        &self,
+        group: &'static str,
+        age: Option<Duration>,
+        within: Duration,
+    ) -> crate::error::Result<()> {
+        let began = tokio::time::Instant::now();
+        let began_ms = self.shards.now_ms();
+        let deadline = deadline_after(within);
+        let control = self.shards.shard_name(map::control(&self.shards, group)?);
+        let expired = |cause: String| crate::ShardError::BucketMapExpired {
+            group,
+            age,
+            grace: self.shards.rebalance_settings().cleanup_grace,
+            cause,
+        };
+        let Ok(mut reads) = tokio::time::timeout_at(deadline, self.group(group).lock_owned()).await
+        else {
+            return Err(expired(format!(
+                "another read's map read on the control database `{control}` did not end within \
+                 {within:?}"
+            )));
+        };
+        let map = map::live_map(&self.shards, group)?;
+        // A map read that began since this read did is as good as its own
+        // (with a grace of 0 the map is expired again a moment later).
+        if map.read_at_ms() >= began_ms
+            || !matches!(map_age(&self.shards, group), MapAge::Expired { .. })
+        {
+            return Ok(());
+        }
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        if let Some(failed) = &reads.failed
+            && failed.at >= began
+            && failed.had >= left
+        {
+            return Err(expired(failed.cause.clone()));
+        }
+        let (at, tried_ms) = (tokio::time::Instant::now(), self.shards.now_ms());
+        let (cause, refused) = match self.refresh_within(group, left).await {
+            // Read, unless the control database holds an older map than
+            // this instance, or none (see `map::install_map`).
+            Ok(_) if map.read_at_ms() >= tried_ms => {
+                reads.failed = None;
+                return Ok(());
+            }
+            Ok(_) => {
+                let cause = format!(
+                    "the control database `{control}` holds no bucket map as new as this \
+                     instance's (epoch {}): restored or failed over to an older copy?",
+                    map.epoch()
+                );
+                (cause.clone(), expired(cause))
+            }
+            // Not the control database's answer: the map itself is wrong
+            // for this instance (a shard its config lacks), which waiting
+            // does not mend; the reads that waited are refused with it.
+            Err(e) if e.kind() != crate::ErrorKind::Database => (e.report().to_string(), e),
+            Err(e) => {
+                let cause = e.timed_out_after(left).report().to_string();
+                (cause.clone(), expired(cause))
+            }
+        };
+        // Logged once a second at most (a breaker refusing at once would
+        // log every read's).
+        if reads
+            .failed
+            .as_ref()
+            .is_none_or(|f| at.duration_since(f.at) >= Duration::from_secs(1))
+        {
+            tracing::warn!(group, ?age, error = %cause, "bucket map expired and unreadable: reads of the group are refused");
+        }
+        reads.failed = Some(Failed {
+            at,
+            had: left,
+            cause,
+        });
+        Err(refused)
     }
 
     fn epoch(&self, group: &str) -> Option<u64> {
@@ -83,18 +210,8 @@ impl MoveReads {
         seen: u64,
         within: Duration,
     ) -> crate::error::Result<()> {
-        // (A timeout too large for the clock bounds nothing.)
-        let deadline = tokio::time::Instant::now()
-            .checked_add(within)
-            .unwrap_or_else(|| tokio::time::Instant::now() + Duration::from_secs(86_400 * 365));
-        let Ok(mut behind) = tokio::time::timeout_at(deadline, self.behind.lock()).await else {
-            let control = crate::rebalance::map::control(&self.shards, group)?;
-            return Err(crate::ShardError::Timeout {
-                group,
-                shard: self.shards.shard_name(control).to_owned(),
-                after: within,
-            });
-        };
+        let deadline = deadline_after(within);
+        let mut reads = self.lock_group(group, deadline, within).await?;
         if self.epoch(group).is_some_and(|have| have >= seen) {
             return Ok(());
         }
@@ -102,9 +219,9 @@ impl MoveReads {
         // Only a session at or past the one found ahead of the control
         // database is spared the map read: a session below it may be a
         // real commit's after a cut-over.
-        if behind
-            .get(group)
-            .is_some_and(|&(ahead, at)| seen >= ahead && now_ms - at < BEHIND_FOR_MS)
+        if reads
+            .behind
+            .is_some_and(|(ahead, at)| seen >= ahead && now_ms - at < BEHIND_FOR_MS)
         {
             return Ok(());
         }
@@ -114,7 +231,7 @@ impl MoveReads {
             .await
             .map_err(|e| e.timed_out_after(within))?;
         if now < seen {
-            let known = behind.insert(group, (seen, now_ms));
+            let known = reads.behind.replace((seen, now_ms));
             if known.is_none() {
                 tracing::warn!(
                     group,
@@ -128,6 +245,43 @@ impl MoveReads {
         }
         Ok(())
     }
+}
+
+/// Ends a background map read claimed with `MapReads::claim_try` however
+/// its pass ends.
+struct Trying<'a>(&'a Shards, &'static str);
+
+impl Drop for Trying<'_> {
+    fn drop(&mut self) {
+        if let Ok(map) = map::live_map(self.0, self.1) {
+            map.reads().done_trying();
+        }
+    }
+}
+
+/// `within` from now (a timeout too large for the clock bounds nothing).
+fn deadline_after(within: Duration) -> tokio::time::Instant {
+    let now = tokio::time::Instant::now();
+    now.checked_add(within)
+        .unwrap_or_else(|| now + Duration::from_secs(86_400 * 365))
+}
+
+/// [`MoveReads::refresh_within`] on a task's handle.
+async fn refresh_within(
+    shards: &Shards,
+    group: &'static str,
+    within: Duration,
+) -> crate::error::Result<u64> {
+    let control = map::control(shards, group)?;
+    let read = shards
+        .bounded(
+            control,
+            group,
+            Some(within),
+            map::read_map(shards, group, map::Seed::Never),
+        )
+        .await?;
+    map::install_map(shards, group, read).await
 }
 
 impl ReadGuard for MoveReads {
@@ -154,19 +308,46 @@ impl ReadGuard for MoveReads {
             && self.shards.topology().is_movable(group)
             && self.epoch(group).is_some_and(|have| seen > have)
         {
-            return Some(Box::pin(self.catch_up(group, seen, within)));
-        }
-        // A map read so long ago that its shards may have cleaned what it
-        // routes to: read again, within the read's timeout; a read that
-        // cannot goes on by the map it has (as when the refresh fails).
-        read_needs_refresh(&self.shards, group).then(|| {
-            Box::pin(async move {
-                if let Err(e) = self.refresh_within(group, within).await {
-                    tracing::warn!(group, error = %e.report(), "bucket map refresh before a read failed");
+            return Some(Box::pin(async move {
+                let deadline = deadline_after(within);
+                self.catch_up(group, seen, within).await?;
+                // (A control database behind the session leaves the map
+                // as it was: it may still be expired.)
+                match map_age(&self.shards, group) {
+                    MapAge::Expired { age } => {
+                        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+                        self.renew(group, age, left).await
+                    }
+                    _ => Ok(()),
                 }
-                Ok(())
-            }) as BoxFuture<'_, crate::error::Result<()>>
-        })
+            }));
+        }
+        match map_age(&self.shards, group) {
+            MapAge::Fresh => None,
+            // Still safe to route by: read again in the background (one
+            // read at a time, a second apart at least) while this read
+            // goes on.
+            MapAge::Stale => {
+                let map = map::live_map(&self.shards, group).ok()?;
+                if map.reads().claim_try(self.shards.now_ms(), STALE_RETRY_MS) {
+                    let within = self.within();
+                    crate::exec::periodic::spawn_once(
+                        &self.shards,
+                        move |shards: Shards| async move {
+                            let _done = Trying(&shards, group);
+                            if let Err(e) = refresh_within(&shards, group, within).await {
+                                tracing::warn!(group, error = %e.report(), "bucket map refresh failed");
+                            }
+                        },
+                    );
+                }
+                None
+            }
+            // A map read so long ago that its shards may have cleaned what
+            // it routes to: read it first, within the read's timeout, or
+            // refuse the read.
+            MapAge::Expired { age } => Some(Box::pin(self.renew(group, age, within))),
+        }
     }
 
     fn move_mark(

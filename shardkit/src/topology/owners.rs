@@ -15,8 +15,74 @@ pub struct BucketOwners {
     /// One install at a time, so a map is never a mix of two epochs' and
     /// the epoch never goes back.
     installing: std::sync::Mutex<()>,
-    /// When the map was last read (or tried), clock ms.
+    /// When the map was last read, and last tried.
+    reads: MapReads,
+}
+
+/// When a `movable` group's map was last read from the control database
+/// (the start of the last read that succeeded) and last tried (the start of
+/// the last attempt, failed or not), in clock ms; 0 before the first time.
+/// A read is safe by a map as long as the buckets it routes to cannot have
+/// been cleaned since it was read: cleaning waits `cleanup_grace_ms` after a
+/// move's flip, and a flip after the read's start is what the map may miss.
+#[derive(Default)]
+pub(crate) struct MapReads {
     read_ms: std::sync::atomic::AtomicI64,
+    tried_ms: std::sync::atomic::AtomicI64,
+    /// A background read of the map is under way (see
+    /// [`claim_try`](Self::claim_try)).
+    trying: std::sync::atomic::AtomicBool,
+}
+
+impl MapReads {
+    /// The start of the last map read that succeeded.
+    pub(crate) fn read_at_ms(&self) -> i64 {
+        self.read_ms.load(AtomicOrdering::Acquire)
+    }
+
+    /// A map read that began at `started_ms` succeeded, at `now_ms` (a
+    /// later one's time is kept when two overlap, unless the clock has gone
+    /// back past it).
+    pub(crate) fn mark_read(&self, started_ms: i64, now_ms: i64) {
+        let _ =
+            self.read_ms
+                .fetch_update(AtomicOrdering::AcqRel, AtomicOrdering::Acquire, |kept| {
+                    Some(if kept > now_ms {
+                        started_ms
+                    } else {
+                        kept.max(started_ms)
+                    })
+                });
+    }
+
+    /// A map read begins at `now_ms`.
+    pub(crate) fn mark_tried(&self, now_ms: i64) {
+        self.tried_ms.fetch_max(now_ms, AtomicOrdering::AcqRel);
+    }
+
+    /// Claims a background read of the map at `now_ms` when none is under
+    /// way and none began in the last `every_ms`: of the reads that find the
+    /// map stale at once, one starts it. The claimant calls
+    /// [`done_trying`](Self::done_trying) when it ends.
+    /// The claim counts as a try (a read the breaker refuses at once never
+    /// reaches the map's statements).
+    pub(crate) fn claim_try(&self, now_ms: i64, every_ms: i64) -> bool {
+        let last = self.tried_ms.load(AtomicOrdering::Acquire);
+        let claimed = (now_ms - last >= every_ms || last > now_ms)
+            && self
+                .trying
+                .compare_exchange(false, true, AtomicOrdering::AcqRel, AtomicOrdering::Acquire)
+                .is_ok();
+        if claimed {
+            self.tried_ms.store(now_ms, AtomicOrdering::Release);
+        }
+        claimed
+    }
+
+    /// The background read claimed with [`claim_try`](Self::claim_try) ended.
+    pub(crate) fn done_trying(&self) {
+        self.trying.store(false, AtomicOrdering::Release);
+    }
 }
 
 impl BucketOwners {
@@ -26,7 +92,7 @@ impl BucketOwners {
             owner: owner.iter().map(|s| AtomicU32::new(s.0)).collect(),
             configured: owner,
             installing: std::sync::Mutex::new(()),
-            read_ms: std::sync::atomic::AtomicI64::new(0),
+            reads: MapReads::default(),
         }
     }
 
@@ -62,14 +128,14 @@ impl BucketOwners {
         &self.configured
     }
 
-    /// When the map's epoch was last read from the database (or tried),
-    /// in clock ms; 0 before the first time.
+    /// When the map's epoch was last read from the database (the start of
+    /// the last read that succeeded), in clock ms; 0 before the first time.
     pub fn read_at_ms(&self) -> i64 {
-        self.read_ms.load(AtomicOrdering::Acquire)
+        self.reads.read_at_ms()
     }
 
-    pub(crate) fn mark_read(&self, now_ms: i64) {
-        self.read_ms.store(now_ms, AtomicOrdering::Release);
+    pub(crate) fn reads(&self) -> &MapReads {
+        &self.reads
     }
 
     /// Installs a newer map; an older or equal epoch changes nothing.

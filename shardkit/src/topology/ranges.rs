@@ -3,11 +3,12 @@
 
 use crate::entity::{KeyRef, ShardKey};
 use crate::topology::config::RangeBound;
+use crate::topology::owners::MapReads;
 use crate::topology::{BucketOwners, ShardId};
 use std::cmp::Ordering;
 use std::fmt;
+use std::sync::atomic::AtomicU64;
 use std::sync::atomic::Ordering as AtomicOrdering;
-use std::sync::atomic::{AtomicI64, AtomicU64};
 use std::sync::{Arc, Mutex, RwLock};
 
 /// One range of a range placement: keys in `[from, to)` (an absent bound is
@@ -66,8 +67,8 @@ pub struct RangeOwners {
     configured: Arc<[RangeUnit]>,
     /// One install at a time (see [`BucketOwners`]).
     installing: Mutex<()>,
-    /// When the map was last read (or tried), clock ms.
-    read_ms: AtomicI64,
+    /// When the map was last read, and last tried.
+    reads: MapReads,
 }
 
 impl RangeOwners {
@@ -79,7 +80,7 @@ impl RangeOwners {
             table: RwLock::new(Arc::clone(&units)),
             configured: units,
             installing: Mutex::new(()),
-            read_ms: AtomicI64::new(0),
+            reads: MapReads::default(),
         }
     }
 
@@ -105,13 +106,14 @@ impl RangeOwners {
         self.epoch.load(AtomicOrdering::Acquire)
     }
 
-    /// When the map's epoch was last read from the database (or tried).
+    /// When the map's epoch was last read from the database (the start of
+    /// the last read that succeeded), in clock ms; 0 before the first time.
     pub fn read_at_ms(&self) -> i64 {
-        self.read_ms.load(AtomicOrdering::Acquire)
+        self.reads.read_at_ms()
     }
 
-    pub(crate) fn mark_read(&self, now_ms: i64) {
-        self.read_ms.store(now_ms, AtomicOrdering::Release);
+    pub(crate) fn reads(&self) -> &MapReads {
+        &self.reads
     }
 
     /// Installs a newer map; an older or equal epoch changes nothing.
@@ -306,18 +308,17 @@ impl LiveMap<'_> {
         }
     }
 
-    /// When the map was last read from the database (or tried), clock ms.
+    /// When the map was last read from the database (the start of the
+    /// last read that succeeded), clock ms.
     pub fn read_at_ms(&self) -> i64 {
-        match self {
-            LiveMap::Buckets(o) => o.read_at_ms(),
-            LiveMap::Ranges(r) => r.read_at_ms(),
-        }
+        self.reads().read_at_ms()
     }
 
-    pub(crate) fn mark_read(&self, now_ms: i64) {
+    /// When the map was last read, and last tried.
+    pub(crate) fn reads(&self) -> &MapReads {
         match self {
-            LiveMap::Buckets(o) => o.mark_read(now_ms),
-            LiveMap::Ranges(r) => r.mark_read(now_ms),
+            LiveMap::Buckets(o) => o.reads(),
+            LiveMap::Ranges(r) => r.reads(),
         }
     }
 
