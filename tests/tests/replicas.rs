@@ -469,6 +469,36 @@ async fn replica_faults(pair: Pair) {
         took >= Duration::from_millis(450) && took < Duration::from_secs(1),
         "the replica was not asked again, or the read took too long: {took:?}"
     );
+    // Eight at once on pools of 2, with and without a session: each
+    // answered by the shard within its own timeout, though the hung
+    // replica's connections are taken by the reads before them.
+    let started = Instant::now();
+    let reads = futures::future::join_all((0..8).map(|i| {
+        let (instance, key) = &timed[i % 2];
+        let consistency = if i % 2 == 0 {
+            Consistency::at_least(&session)
+        } else {
+            any()
+        };
+        async move {
+            let started = Instant::now();
+            let row = instance
+                .find::<order::Entity>()
+                .key(*key)
+                .consistency(consistency)
+                .timeout(Duration::from_secs(1))
+                .one()
+                .await;
+            (row, *key, started.elapsed())
+        }
+    }))
+    .await;
+    for (row, key, took) in reads {
+        let row = row.unwrap_or_else(|e| panic!("read {key} on a hung replica: {}", e.report()));
+        assert_eq!(row.map(|r| r.total_cents), Some(key));
+        assert!(took < Duration::from_secs(1), "answered after {took:?}");
+    }
+    assert!(started.elapsed() < Duration::from_secs(2), "{:?}", started.elapsed());
     drop(timed);
     // Refuses: answered by the shard; the status says why it is out.
     proxy.kill();
