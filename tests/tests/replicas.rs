@@ -498,7 +498,11 @@ async fn replica_faults(pair: Pair) {
         assert_eq!(row.map(|r| r.total_cents), Some(key));
         assert!(took < Duration::from_secs(1), "answered after {took:?}");
     }
-    assert!(started.elapsed() < Duration::from_secs(2), "{:?}", started.elapsed());
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        started.elapsed()
+    );
     drop(timed);
     // Refuses: answered by the shard; the status says why it is out.
     proxy.kill();

@@ -239,12 +239,14 @@ impl Shards {
         let replica_timeout = self.replica_timeout();
         let deadline = tokio::time::Instant::now() + wait + replica_timeout;
         let deadline = until.map_or(deadline, |until| until.min(deadline));
-        let already = set.candidates(None).find(|r| r.seen_past(&want));
+        // One turn for both looks, so the wait's first replica rotates too.
+        let turn = set.turn();
+        let already = set.candidates_from(turn, None).find(|r| r.seen_past(&want));
         if let Some(replica) = already {
             crate::metrics::token_wait(started.elapsed());
             return ReadOn::Replica(replica);
         }
-        for (turn, replica) in set.candidates(None).enumerate() {
+        for (asked, replica) in set.candidates_from(turn, None).enumerate() {
             let now = tokio::time::Instant::now();
             let left = deadline.saturating_duration_since(now);
             if left.is_zero() {
@@ -255,7 +257,7 @@ impl Shards {
             // its own bound (the wait, then the replica timeout) has
             // failed; one cut off by the read's timeout has not.
             let waited = wait.min(left - answer_margin(left, replica_timeout));
-            let (bound, cut) = wait_bound(now, left, waited, replica_timeout, until, turn == 0);
+            let (bound, cut) = wait_bound(now, left, waited, replica_timeout, until, asked == 0);
             let answer = tokio::time::timeout(bound, replica.reached(&want, waited)).await;
             match answer {
                 Ok(Ok(true)) => {

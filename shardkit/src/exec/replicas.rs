@@ -682,12 +682,23 @@ impl ReplicaSet {
     /// The replicas in the rotation whose lag is within `max_lag` (any
     /// lag, even unknown, when `None`), starting with the next in turn.
     pub(crate) fn candidates(&self, max_lag: Option<Duration>) -> impl Iterator<Item = &Replica> {
+        self.candidates_from(self.turn(), max_lag)
+    }
+
+    /// Whose turn it is to be asked first (the rotation moves on by one);
+    /// a read that looks at the replicas twice takes one turn for both.
+    pub(crate) fn turn(&self) -> usize {
+        self.next.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// [`candidates`](Self::candidates) starting with turn `turn`.
+    pub(crate) fn candidates_from(
+        &self,
+        turn: usize,
+        max_lag: Option<Duration>,
+    ) -> impl Iterator<Item = &Replica> {
         let n = self.replicas.len();
-        let start = if n == 0 {
-            0
-        } else {
-            self.next.fetch_add(1, Ordering::Relaxed) % n
-        };
+        let start = if n == 0 { 0 } else { turn % n };
         (0..n)
             .map(move |i| &self.replicas[(start + i) % n])
             .filter(move |r| {
@@ -698,8 +709,39 @@ impl ReplicaSet {
 
 #[cfg(test)]
 mod tests {
-    use super::{Position, ReplicaSet, Session};
+    use super::{Position, Replica, ReplicaSet, Session};
     use sea_orm::DbBackend;
+
+    /// Reads that look at the replicas twice (a session's read: one already
+    /// past its position, then the wait) take turns like the others: the
+    /// first asked alternates between two replicas.
+    #[test]
+    fn a_read_that_looks_twice_takes_one_turn() {
+        let replica = |name: &str| {
+            Replica::new(
+                name.to_owned(),
+                crate::topology::DatabaseUrl::new(format!("postgres://{name}")),
+                sea_orm::DatabaseConnection::default(),
+            )
+        };
+        let set = ReplicaSet::new(vec![replica("a"), replica("b")]);
+        let first: Vec<_> = (0..4)
+            .map(|_| {
+                let turn = set.turn();
+                let _already = set.candidates_from(turn, None).next();
+                set.candidates_from(turn, None)
+                    .next()
+                    .map(|r| r.name.clone())
+            })
+            .collect();
+        let names = |n: [&str; 4]| n.map(|s| Some(s.to_owned())).to_vec();
+        assert_eq!(first, names(["a", "b", "a", "b"]));
+        // Reads that look once rotate the same way.
+        let once: Vec<_> = (0..4)
+            .map(|_| set.candidates(None).next().map(|r| r.name.clone()))
+            .collect();
+        assert_eq!(once, names(["a", "b", "a", "b"]));
+    }
 
     #[test]
     fn an_unreachable_floor_is_settled_only_by_a_later_position() {
