@@ -73,7 +73,15 @@ pub(crate) fn live_map<'a>(shards: &'a Shards, group: &str) -> Result<LiveMap<'a
 /// Returns the epoch now in use.
 pub(crate) async fn refresh(shards: &Shards, group: &str) -> Result<u64> {
     let read = read_map(shards, group, Seed::IfMissing).await?;
-    install_map(shards, group, read).await
+    Ok(install_map(shards, group, read).await?.epoch)
+}
+
+/// What [`install_map`] did.
+pub(crate) struct Installed {
+    /// The epoch now in use.
+    pub(crate) epoch: u64,
+    /// Whether the map counts as read (see [`install_map`]).
+    pub(crate) read: bool,
 }
 
 /// What [`read_map`] read on the control database.
@@ -120,7 +128,7 @@ pub(crate) async fn read_map(shards: &Shards, group: &str, seed: Seed) -> Result
     let epoch = match read_epoch(db, name, group, buckets).await? {
         Some((epoch, _)) => epoch,
         None if seed == Seed::Never => {
-            if map.epoch() > 0 {
+            if map.epoch() > 0 && map.reads().warn_behind(shards.now_ms()) {
                 tracing::warn!(
                     group,
                     shard = name,
@@ -181,12 +189,12 @@ pub(crate) async fn read_map(shards: &Shards, group: &str, seed: Seed) -> Result
 }
 
 /// The rest of [`refresh`]: installs a newer map read by [`read_map`]
-/// (after raising the replicas' floors); the epoch now in use. The map
+/// (after raising the replicas' floors). The map
 /// counts as read at the read's start once installed, or when it was as
 /// new; not when the control database holds an older map than this
 /// instance, or none while this instance holds one (a copy restored or
 /// failed over from before a move: moves since may be missing from it).
-pub(crate) async fn install_map(shards: &Shards, group: &str, read: MapRead) -> Result<u64> {
+pub(crate) async fn install_map(shards: &Shards, group: &str, read: MapRead) -> Result<Installed> {
     let map = live_map(shards, group)?;
     let MapRead {
         epoch,
@@ -214,7 +222,7 @@ pub(crate) async fn install_map(shards: &Shards, group: &str, read: MapRead) -> 
     let current = if missing { held == 0 } else { epoch >= held };
     if current {
         map.reads().mark_read(started_ms, shards.now_ms());
-    } else if !missing {
+    } else if !missing && map.reads().warn_behind(shards.now_ms()) {
         tracing::warn!(
             group,
             control = epoch,
@@ -224,7 +232,10 @@ pub(crate) async fn install_map(shards: &Shards, group: &str, read: MapRead) -> 
              counting as read"
         );
     }
-    Ok(map.epoch())
+    Ok(Installed {
+        epoch: map.epoch(),
+        read: current,
+    })
 }
 
 /// A map row's owner.

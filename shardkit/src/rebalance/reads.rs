@@ -104,7 +104,7 @@ impl MoveReads {
         &self,
         group: &'static str,
         within: Duration,
-    ) -> crate::error::Result<u64> {
+    ) -> crate::error::Result<map::Installed> {
         refresh_within(&self.shards, group, within).await
     }
 
@@ -152,11 +152,11 @@ impl MoveReads {
         {
             return Err(expired(failed.cause.clone()));
         }
-        let (at, tried_ms) = (tokio::time::Instant::now(), self.shards.now_ms());
+        let at = tokio::time::Instant::now();
         let (cause, refused) = match self.refresh_within(group, left).await {
             // Read, unless the control database holds an older map than
             // this instance, or none (see `map::install_map`).
-            Ok(_) if map.read_at_ms() >= tried_ms => {
+            Ok(installed) if installed.read => {
                 reads.failed = None;
                 return Ok(());
             }
@@ -229,7 +229,8 @@ impl MoveReads {
         let now = self
             .refresh_within(group, left)
             .await
-            .map_err(|e| e.timed_out_after(within))?;
+            .map_err(|e| e.timed_out_after(within))?
+            .epoch;
         if now < seen {
             let known = reads.behind.replace((seen, now_ms));
             if known.is_none() {
@@ -271,7 +272,7 @@ async fn refresh_within(
     shards: &Shards,
     group: &'static str,
     within: Duration,
-) -> crate::error::Result<u64> {
+) -> crate::error::Result<map::Installed> {
     let control = map::control(shards, group)?;
     let read = shards
         .bounded(

@@ -32,6 +32,8 @@ pub(crate) struct MapReads {
     /// A background read of the map is under way (see
     /// [`claim_try`](Self::claim_try)).
     trying: std::sync::atomic::AtomicBool,
+    /// When a control database found behind this instance was last logged.
+    warned_ms: std::sync::atomic::AtomicI64,
 }
 
 impl MapReads {
@@ -77,6 +79,23 @@ impl MapReads {
             self.tried_ms.store(now_ms, AtomicOrdering::Release);
         }
         claimed
+    }
+
+    /// Whether a control database found behind this instance at `now_ms`
+    /// is to be logged: once a minute at most (reads, writes' reroutes and
+    /// the refreshes find it on every map read until it is mended).
+    pub(crate) fn warn_behind(&self, now_ms: i64) -> bool {
+        let last = self.warned_ms.load(AtomicOrdering::Acquire);
+        (now_ms - last >= 60_000 || last > now_ms)
+            && self
+                .warned_ms
+                .compare_exchange(
+                    last,
+                    now_ms,
+                    AtomicOrdering::AcqRel,
+                    AtomicOrdering::Acquire,
+                )
+                .is_ok()
     }
 
     /// The background read claimed with [`claim_try`](Self::claim_try) ended.
