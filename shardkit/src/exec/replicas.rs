@@ -691,19 +691,32 @@ impl ReplicaSet {
         self.next.fetch_add(1, Ordering::Relaxed)
     }
 
-    /// [`candidates`](Self::candidates) starting with turn `turn`.
+    /// [`candidates`](Self::candidates) starting with turn `turn`: the
+    /// turns go round the replicas that qualify, so the one after a replica
+    /// out of the rotation is not asked first twice as often as the others.
     pub(crate) fn candidates_from(
         &self,
         turn: usize,
         max_lag: Option<Duration>,
     ) -> impl Iterator<Item = &Replica> {
         let n = self.replicas.len();
-        let start = if n == 0 { 0 } else { turn % n };
+        let qualifies = move |r: &Replica| {
+            r.is_up() && max_lag.is_none_or(|max| r.lag().is_some_and(|lag| lag <= max))
+        };
+        let eligible = self.replicas.iter().filter(|r| qualifies(r)).count();
+        let start = match eligible {
+            0 => 0,
+            m => self
+                .replicas
+                .iter()
+                .enumerate()
+                .filter(|(_, r)| qualifies(r))
+                .nth(turn % m)
+                .map_or(0, |(i, _)| i),
+        };
         (0..n)
             .map(move |i| &self.replicas[(start + i) % n])
-            .filter(move |r| {
-                r.is_up() && max_lag.is_none_or(|max| r.lag().is_some_and(|lag| lag <= max))
-            })
+            .filter(move |r| qualifies(r))
     }
 }
 
@@ -716,7 +729,7 @@ mod tests {
     /// past its position, then the wait) take turns like the others: the
     /// first asked alternates between two replicas.
     #[test]
-    fn a_read_that_looks_twice_takes_one_turn() {
+    fn replicas_are_asked_first_in_turn_as_often_as_each_other() {
         let replica = |name: &str| {
             Replica::new(
                 name.to_owned(),
@@ -741,6 +754,18 @@ mod tests {
             .map(|_| set.candidates(None).next().map(|r| r.name.clone()))
             .collect();
         assert_eq!(once, names(["a", "b", "a", "b"]));
+        // With one of three out of the rotation, the other two are asked
+        // first in turn, as often as each other.
+        let set = ReplicaSet::new(vec![replica("a"), replica("b"), replica("c")]);
+        set.replicas[1].mark_down("refused".to_owned());
+        let first: Vec<_> = (0..4)
+            .map(|_| set.candidates(None).next().map(|r| r.name.clone()))
+            .collect();
+        assert_eq!(first, names(["a", "c", "a", "c"]));
+        // None in the rotation: none.
+        set.replicas[0].mark_down("refused".to_owned());
+        set.replicas[2].mark_down("refused".to_owned());
+        assert!(set.candidates(None).next().is_none());
     }
 
     #[test]
