@@ -34,6 +34,7 @@ pub mod m20261125_000009_add_move_fencing;
 pub mod m20261126_000010_create_cross_key;
 pub mod m20261127_000011_create_reference;
 pub mod m20261128_000012_exact_keys;
+pub mod m20261128_000013_add_cleanup_grace;
 
 pub use m20261128_000012_exact_keys::mysql_exact_collation;
 
@@ -54,6 +55,7 @@ pub fn migrations() -> Vec<Box<dyn MigrationTrait>> {
         Box::new(m20261126_000010_create_cross_key::Migration),
         Box::new(m20261127_000011_create_reference::Migration),
         Box::new(m20261128_000012_exact_keys::Migration),
+        Box::new(m20261128_000013_add_cleanup_grace::Migration),
     ]
 }
 

@@ -347,8 +347,8 @@ pub enum ShardError {
     /// moved since the map was read may have left its old shard by now, so
     /// routing by it could miss rows; nothing was read. Writes are not
     /// affected (each shard's fence checks them). Retry once the control
-    /// database answers; a longer `cleanup_grace_ms` (on every process of
-    /// the cluster, the movers' included) rides out longer outages of it.
+    /// database answers; a longer `cleanup_grace_ms` rides out longer
+    /// outages of it.
     #[error(
         "bucket map of group `{group}` {} (a read needs it read within three quarters of the cleanup grace, {:?}): a moved bucket's old rows may be gone, so the read is refused; reading the map again failed: {cause}",
         age.map_or_else(|| "never read since this instance connected".to_owned(), |a| format!("last read {}s ago", a.as_secs())),

@@ -221,8 +221,16 @@ pub(crate) async fn install_map(shards: &Shards, group: &str, read: MapRead) -> 
     }
     let current = if missing { held == 0 } else { epoch >= held };
     if current {
+        if !missing {
+            record_grace(shards, group, map).await;
+        }
         map.reads().mark_read(started_ms, shards.now_ms());
-    } else if !missing && map.reads().warn_behind(shards.now_ms()) {
+    } else {
+        // A control database restored from an older copy may have lost the
+        // recorded grace too: recorded again once it is current.
+        map.reads().set_grace_recorded(false);
+    }
+    if !current && !missing && map.reads().warn_behind(shards.now_ms()) {
         tracing::warn!(
             group,
             control = epoch,
@@ -348,6 +356,100 @@ fn install_ranges(
         ));
     }
     Ok(ranges.install(epoch, units))
+}
+
+/// Records this process's `cleanup_grace_ms` as `group`'s on the control
+/// database when it is longer than the one recorded there (see
+/// [`recorded_grace`]), before the map first counts as read; once per
+/// process and group while the control database keeps it. Best effort: a
+/// control database not migrated to hold it, or one that fails or does not
+/// answer, is tried again at the next map read (logged).
+async fn record_grace(shards: &Shards, group: &str, map: LiveMap<'_>) {
+    if map.reads().grace_recorded() {
+        return;
+    }
+    let Ok(id) = control(shards, group) else {
+        return;
+    };
+    let name = shards.shard_name(id);
+    let grace = shards.rebalance_settings().cleanup_grace;
+    let ms = grace.as_millis() as i64;
+    let stmt = Query::update()
+        .table(Alias::new(EPOCHS))
+        .value(Alias::new("grace_ms"), ms)
+        .and_where(Expr::col(Alias::new("grp")).eq(group))
+        .and_where(
+            Expr::col(Alias::new("grace_ms"))
+                .is_null()
+                .or(Expr::col(Alias::new("grace_ms")).lt(ms)),
+        )
+        .to_owned();
+    // Bounded like a map read: a control database that stops answering
+    // holds no refresh.
+    let within = shards
+        .read_settings()
+        .control_bound()
+        .max(Duration::from_secs(5));
+    let recorded = async {
+        match shards.side_conn(id).execute(&stmt).await {
+            Ok(_) => recorded_grace(shards, group).await,
+            Err(e) => {
+                let e = db_err(name, EPOCHS, "record the cleanup grace in", e);
+                if crate::rebalance::errors::missing_schema(&e) {
+                    tracing::debug!(group, error = %e.report(), "cleanup grace not recorded (run migrate)");
+                    Ok(None)
+                } else {
+                    Err(e)
+                }
+            }
+        }
+    };
+    match tokio::time::timeout(within, recorded).await {
+        Ok(Ok(Some(kept))) if kept >= grace => map.reads().set_grace_recorded(true),
+        Ok(Ok(_)) => {}
+        Ok(Err(e)) => {
+            tracing::warn!(group, error = %e.report(), "cleanup grace not recorded on the control database")
+        }
+        Err(_) => tracing::warn!(
+            group,
+            shard = name,
+            ?within,
+            "cleanup grace not recorded: the control database did not answer"
+        ),
+    }
+}
+
+/// The longest `cleanup_grace_ms` a process has recorded for `group` on the
+/// control database (`None`: none, or a control database not migrated to
+/// hold it): a mover cleans after it, so that an instance whose grace is
+/// longer than the mover's does not route reads to a cleaned shard.
+pub(crate) async fn recorded_grace(shards: &Shards, group: &str) -> Result<Option<Duration>> {
+    let id = control(shards, group)?;
+    let name = shards.shard_name(id);
+    // Named explicitly: SQLite takes an unknown quoted name for text, so a
+    // pooled connection that prepared the statement before the migration
+    // added the column keeps a quoted name (as `read_map`'s bounds).
+    let stmt = Query::select()
+        .expr_as(Expr::col(Alias::new("grace_ms")), Alias::new("grace_ms"))
+        .from(Alias::new(EPOCHS))
+        .and_where(Expr::col(Alias::new("grp")).eq(group))
+        .to_owned();
+    let row = match shards.side_conn(id).query_one(&stmt).await {
+        Ok(Some(row)) => row,
+        Ok(None) => return Ok(None),
+        Err(e) => {
+            let e = db_err(name, EPOCHS, "read", e);
+            if crate::rebalance::errors::missing_schema(&e) {
+                return Ok(None);
+            }
+            return Err(e);
+        }
+    };
+    // Text (SQLite's reading of a column not there yet): none recorded.
+    let ms: Option<i64> = row.try_get("", "grace_ms").unwrap_or(None);
+    Ok(ms
+        .and_then(|ms| u64::try_from(ms).ok())
+        .map(Duration::from_millis))
 }
 
 /// The group's epoch and its `buckets` column (a range group: the next

@@ -34,6 +34,8 @@ pub(crate) struct MapReads {
     trying: std::sync::atomic::AtomicBool,
     /// When a control database found behind this instance was last logged.
     warned_ms: std::sync::atomic::AtomicI64,
+    /// This process's cleanup grace is recorded on the control database.
+    grace_recorded: std::sync::atomic::AtomicBool,
 }
 
 impl MapReads {
@@ -96,6 +98,16 @@ impl MapReads {
                     AtomicOrdering::Acquire,
                 )
                 .is_ok()
+    }
+
+    /// Whether this process's cleanup grace is recorded on the control
+    /// database.
+    pub(crate) fn grace_recorded(&self) -> bool {
+        self.grace_recorded.load(AtomicOrdering::Acquire)
+    }
+
+    pub(crate) fn set_grace_recorded(&self, recorded: bool) {
+        self.grace_recorded.store(recorded, AtomicOrdering::Release);
     }
 
     /// The background read claimed with [`claim_try`](Self::claim_try) ended.

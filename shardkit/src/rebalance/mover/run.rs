@@ -493,8 +493,12 @@ impl<G> Rebalance<G> {
                 }
                 MovePhase::Cleaning => {
                     self.failpoint("cleaning", id, target)?;
-                    let due = status.cutover_ms.unwrap_or_default()
-                        + settings.cleanup_grace.as_millis() as i64;
+                    // The longest grace of any process that read the map:
+                    // an instance may route by a map that old.
+                    let grace = crate::rebalance::map::recorded_grace(&self.shards, self.group)
+                        .await?
+                        .map_or(settings.cleanup_grace, |g| g.max(settings.cleanup_grace));
+                    let due = status.cutover_ms.unwrap_or_default() + grace.as_millis() as i64;
                     let now = self.shards.now_ms();
                     if now < due {
                         if !self.wait_for_grace {
