@@ -1076,6 +1076,28 @@ async fn a_mover_cleans_after_the_longest_grace_of_the_instances(dbs: &mut TestD
         .await
         .unwrap();
     patient.refresh_bucket_maps().await.unwrap();
+    // (Recorded in the background once its map counts as read.)
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let row = a
+            .connection("s0")
+            .unwrap()
+            .query_one_raw(sea_orm::Statement::from_string(
+                a.connection("s0").unwrap().get_database_backend(),
+                "SELECT grace_ms FROM shardkit_bucket_epochs",
+            ))
+            .await
+            .unwrap()
+            .unwrap();
+        if row.try_get::<Option<i64>>("", "grace_ms").unwrap() == Some(600_000) {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the instance's grace was never recorded"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
     let source = a.shard_of_now::<Customer>(&1).unwrap().unwrap().to_owned();
     let on_source = || async {
         customer::Entity::find_by_id(1)

@@ -31,13 +31,6 @@ pub(crate) fn missing_table(e: &ShardError) -> bool {
         || text.contains("doesn't exist")
 }
 
-/// Whether `e` says a table or column is not there (a database not
-/// migrated yet), on any of the three backends.
-pub(crate) fn missing_schema(e: &ShardError) -> bool {
-    let text = e.report().to_string().to_ascii_lowercase();
-    missing_table(e) || text.contains("no such column") || text.contains("unknown column")
-}
-
 /// Runs `work` again when the database aborted it (a deadlock with the
 /// shard's own writers of other buckets, on MySQL/MariaDB's gap locks), or
 /// after the wait it asks for when the database was busy (SQLite's

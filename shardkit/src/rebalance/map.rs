@@ -221,8 +221,13 @@ pub(crate) async fn install_map(shards: &Shards, group: &str, read: MapRead) -> 
     }
     let current = if missing { held == 0 } else { epoch >= held };
     if current {
-        if !missing {
-            record_grace(shards, group, map).await;
+        // In the background: a write on the control database, which may
+        // wait for its locks, is not for a read's time.
+        if !missing && map.reads().claim_grace() {
+            let group = group.to_owned();
+            crate::exec::periodic::spawn_once(shards, move |shards: Shards| async move {
+                record_grace(&shards, &group).await;
+            });
         }
         map.reads().mark_read(started_ms, shards.now_ms());
     } else {
@@ -360,15 +365,16 @@ fn install_ranges(
 
 /// Records this process's `cleanup_grace_ms` as `group`'s on the control
 /// database when it is longer than the one recorded there (see
-/// [`recorded_grace`]), before the map first counts as read; once per
-/// process and group while the control database keeps it. Best effort: a
-/// control database not migrated to hold it, or one that fails or does not
-/// answer, is tried again at the next map read (logged).
-async fn record_grace(shards: &Shards, group: &str, map: LiveMap<'_>) {
-    if map.reads().grace_recorded() {
+/// [`recorded_grace`]); claimed once per process and group (when its map
+/// first counts as read) while the control database keeps it. Best effort:
+/// a control database not migrated to hold it, or one that fails or does
+/// not answer, is tried again after the next map read (logged).
+async fn record_grace(shards: &Shards, group: &str) {
+    let Ok(map) = live_map(shards, group) else {
         return;
-    }
+    };
     let Ok(id) = control(shards, group) else {
+        map.reads().set_grace_recorded(false);
         return;
     };
     let name = shards.shard_name(id);
@@ -393,19 +399,18 @@ async fn record_grace(shards: &Shards, group: &str, map: LiveMap<'_>) {
     let recorded = async {
         match shards.side_conn(id).execute(&stmt).await {
             Ok(_) => recorded_grace(shards, group).await,
-            Err(e) => {
+            Err(e) if grace_not_migrated(&e) => {
                 let e = db_err(name, EPOCHS, "record the cleanup grace in", e);
-                if crate::rebalance::errors::missing_schema(&e) {
-                    tracing::debug!(group, error = %e.report(), "cleanup grace not recorded (run migrate)");
-                    Ok(None)
-                } else {
-                    Err(e)
-                }
+                tracing::debug!(group, error = %e.report(), "cleanup grace not recorded (run migrate)");
+                Ok(None)
             }
+            Err(e) => Err(db_err(name, EPOCHS, "record the cleanup grace in", e)),
         }
     };
-    match tokio::time::timeout(within, recorded).await {
-        Ok(Ok(Some(kept))) if kept >= grace => map.reads().set_grace_recorded(true),
+    let outcome = tokio::time::timeout(within, recorded).await;
+    map.reads()
+        .set_grace_recorded(matches!(outcome, Ok(Ok(Some(kept))) if kept >= grace));
+    match outcome {
         Ok(Ok(_)) => {}
         Ok(Err(e)) => {
             tracing::warn!(group, error = %e.report(), "cleanup grace not recorded on the control database")
@@ -437,19 +442,31 @@ pub(crate) async fn recorded_grace(shards: &Shards, group: &str) -> Result<Optio
     let row = match shards.side_conn(id).query_one(&stmt).await {
         Ok(Some(row)) => row,
         Ok(None) => return Ok(None),
-        Err(e) => {
-            let e = db_err(name, EPOCHS, "read", e);
-            if crate::rebalance::errors::missing_schema(&e) {
-                return Ok(None);
-            }
-            return Err(e);
-        }
+        Err(e) if grace_not_migrated(&e) => return Ok(None),
+        Err(e) => return Err(db_err(name, EPOCHS, "read", e)),
     };
     // Text (SQLite's reading of a column not there yet): none recorded.
     let ms: Option<i64> = row.try_get("", "grace_ms").unwrap_or(None);
     Ok(ms
         .and_then(|ms| u64::try_from(ms).ok())
         .map(Duration::from_millis))
+}
+
+/// Whether the driver said the recorded grace's column or table is not
+/// there (a control database not migrated yet); no other error is taken
+/// for that.
+fn grace_not_migrated(e: &sea_orm::DbErr) -> bool {
+    let text = e.to_string().to_ascii_lowercase();
+    (text.contains("grace_ms") || text.contains(EPOCHS))
+        && [
+            "no such column",
+            "unknown column",
+            "no such table",
+            "does not exist",
+            "doesn't exist",
+        ]
+        .iter()
+        .any(|said| text.contains(said))
 }
 
 /// The group's epoch and its `buckets` column (a range group: the next

@@ -34,7 +34,8 @@ pub(crate) struct MapReads {
     trying: std::sync::atomic::AtomicBool,
     /// When a control database found behind this instance was last logged.
     warned_ms: std::sync::atomic::AtomicI64,
-    /// This process's cleanup grace is recorded on the control database.
+    /// This process's cleanup grace is recorded on the control database
+    /// (or being recorded).
     grace_recorded: std::sync::atomic::AtomicBool,
 }
 
@@ -100,12 +101,15 @@ impl MapReads {
                 .is_ok()
     }
 
-    /// Whether this process's cleanup grace is recorded on the control
-    /// database.
-    pub(crate) fn grace_recorded(&self) -> bool {
-        self.grace_recorded.load(AtomicOrdering::Acquire)
+    /// Claims the recording of this process's cleanup grace on the control
+    /// database: `false` when it is recorded or being recorded.
+    pub(crate) fn claim_grace(&self) -> bool {
+        self.grace_recorded
+            .compare_exchange(false, true, AtomicOrdering::AcqRel, AtomicOrdering::Acquire)
+            .is_ok()
     }
 
+    /// Whether the grace is recorded (`false`: to be recorded again).
     pub(crate) fn set_grace_recorded(&self, recorded: bool) {
         self.grace_recorded.store(recorded, AtomicOrdering::Release);
     }

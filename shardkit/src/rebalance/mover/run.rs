@@ -498,7 +498,10 @@ impl<G> Rebalance<G> {
                     let grace = crate::rebalance::map::recorded_grace(&self.shards, self.group)
                         .await?
                         .map_or(settings.cleanup_grace, |g| g.max(settings.cleanup_grace));
-                    let due = status.cutover_ms.unwrap_or_default() + grace.as_millis() as i64;
+                    let due = status
+                        .cutover_ms
+                        .unwrap_or_default()
+                        .saturating_add(i64::try_from(grace.as_millis()).unwrap_or(i64::MAX));
                     let now = self.shards.now_ms();
                     if now < due {
                         if !self.wait_for_grace {
