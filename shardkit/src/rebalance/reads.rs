@@ -95,19 +95,6 @@ impl MoveReads {
         self.shards.read_settings().control_bound()
     }
 
-    /// Reads the map of `group` again, its statements on the control
-    /// database within `within` (a control database that accepts and never
-    /// answers holds no read; installing a newer map then raises the
-    /// replicas' floors under their own bound); the epoch it holds. Only a
-    /// read that succeeds counts as the map's read.
-    async fn refresh_within(
-        &self,
-        group: &'static str,
-        within: Duration,
-    ) -> crate::error::Result<map::Installed> {
-        refresh_within(&self.shards, group, within).await
-    }
-
     /// Reads an expired map of `group` before a read is routed by it
     /// (one read at a time; a read that waited finds the map read by one
     /// that began after it did, or is refused with the failure of one that
@@ -153,7 +140,7 @@ impl MoveReads {
             return Err(expired(failed.cause.clone()));
         }
         let at = tokio::time::Instant::now();
-        let (cause, refused) = match self.refresh_within(group, left).await {
+        let (cause, refused) = match refresh_within(&self.shards, group, left).await {
             // Read, unless the control database holds an older map than
             // this instance, or none (see `map::install_map`).
             Ok(installed) if installed.read => {
@@ -226,8 +213,7 @@ impl MoveReads {
             return Ok(());
         }
         let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-        let now = self
-            .refresh_within(group, left)
+        let now = refresh_within(&self.shards, group, left)
             .await
             .map_err(|e| e.timed_out_after(within))?
             .epoch;
@@ -267,7 +253,11 @@ fn deadline_after(within: Duration) -> tokio::time::Instant {
         .unwrap_or_else(|| now + Duration::from_secs(86_400 * 365))
 }
 
-/// [`MoveReads::refresh_within`] on a task's handle.
+/// Reads the map of `group` again, its statements on the control database
+/// within `within` (a control database that accepts and never answers
+/// holds no read; installing a newer map then raises the replicas' floors
+/// under their own bound). Only a read that succeeds counts as the map's
+/// read (see [`map::Installed`]).
 async fn refresh_within(
     shards: &Shards,
     group: &'static str,
