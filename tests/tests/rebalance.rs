@@ -2162,8 +2162,54 @@ async fn an_instance_that_has_not_refreshed_reads_a_moved_row_as_at_the_flip(dbs
             "{:?}",
             started.elapsed()
         );
+        // A control database that refuses connections: the same refusal,
+        // at once, saying why.
         proxy.killed().await;
+        let started = std::time::Instant::now();
+        let reads = futures::future::join_all(
+            (0..8).map(|_| through.find::<customer::Entity>().key(1).one()),
+        )
+        .await;
+        for read in reads {
+            let refused = read.unwrap_err();
+            assert!(
+                matches!(
+                    &refused,
+                    ShardError::BucketMapExpired { group: "Customer", cause, .. }
+                        if cause.contains("`s0`")
+                ),
+                "{}",
+                refused.report()
+            );
+        }
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(2),
+            "{:?}",
+            started.elapsed()
+        );
+        // Once the control database answers again, the map is read and
+        // reads go on: a refusal is not kept past the outage. (The breaker
+        // spaces its probes by the instance's clock, moved on here.)
+        let port = proxy.port;
+        drop(proxy);
+        let server = dbs.backend.server_address().unwrap();
+        let back = Proxy::start_on(port, server).await;
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(15);
+        let read = loop {
+            match through.find::<customer::Entity>().key(1).one().await {
+                Ok(row) => break row.map(|m| m.name),
+                Err(e) => assert!(
+                    std::time::Instant::now() < deadline,
+                    "reads still refused after the control database came back: {}",
+                    e.report()
+                ),
+            }
+            clock.advance(std::time::Duration::from_secs(1));
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        };
+        assert_eq!(read.as_deref(), Some("c1-session"));
         drop(through);
+        back.killed().await;
     }
     assert_eq!(epoch(&other), epoch(&a));
     // A session from a map the control database never had (another
