@@ -37,6 +37,7 @@ backend_tests!(5 =>
     a_begin_whose_fence_read_the_database_aborts_begins_again,
     [Sqlite] a_move_run_by_another_process_on_the_same_sqlite_files,
     [Sqlite] child_process_mover,
+    [Sqlite] a_process_reads_what_another_process_moved_and_cleaned,
     a_cancelled_run_stops_at_a_chunk_and_the_next_run_resumes,
     an_outcome_pruned_on_one_side_of_a_move_does_not_stop_it,
     a_mover_cleans_after_the_longest_grace_of_the_instances,
@@ -2800,33 +2801,11 @@ async fn a_move_run_by_another_process_on_the_same_sqlite_files(dbs: &mut TestDb
         .id;
     let stop = Arc::new(AtomicBool::new(false));
     let writers = eight_writers([&a, &b], &acked, 1..=80, &stop);
-    let exe = std::env::current_exe().unwrap();
-    let child = tokio::task::spawn_blocking(move || {
-        std::process::Command::new(exe)
-            .args([
-                "child_process_mover::sqlite",
-                "--exact",
-                "--test-threads",
-                "1",
-            ])
-            .env(CHILD_CONFIG, toml)
-            .env(CHILD_MOVE, id.to_string())
-            .output()
-            .unwrap()
-    })
-    .await
-    .unwrap();
+    move_in_another_process(toml, id).await;
     stop.store(true, Ordering::SeqCst);
     for w in writers {
         w.await.unwrap();
     }
-    let out = String::from_utf8_lossy(&child.stdout);
-    assert!(
-        child.status.success() && out.contains("MOVED done"),
-        "the other process: {}\n{out}\n{}",
-        child.status,
-        String::from_utf8_lossy(&child.stderr)
-    );
     assert_eq!(mover(&a).status(id).await.unwrap().phase, MovePhase::Done);
     a.refresh_bucket_maps().await.unwrap();
     check_placement(&a, &acked).await;
@@ -2843,11 +2822,128 @@ async fn child_process_mover(_dbs: &mut TestDbs) {
     let cluster = Cluster::connect(ClusterConfig::from_toml(&toml).unwrap())
         .await
         .unwrap();
-    let done = mover(&cluster)
-        .run(id)
-        .await
-        .unwrap_or_else(|e| panic!("the move: {}", e.report()));
+    // Until the move is done: its cleaning waits for the longest cleanup
+    // grace an instance recorded.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let done = loop {
+        let status = mover(&cluster)
+            .run(id)
+            .await
+            .unwrap_or_else(|e| panic!("the move: {}", e.report()));
+        if status.phase != MovePhase::Cleaning || std::time::Instant::now() > deadline {
+            break status;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    };
     println!("\nMOVED {}", done.phase);
+}
+
+/// Runs [`child_process_mover`] in another OS process on the config `toml`
+/// for move `id`, and checks that it finished the move.
+async fn move_in_another_process(toml: String, id: i64) {
+    let exe = std::env::current_exe().unwrap();
+    let child = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(exe)
+            .args([
+                "child_process_mover::sqlite",
+                "--exact",
+                "--test-threads",
+                "1",
+            ])
+            .env(CHILD_CONFIG, toml)
+            .env(CHILD_MOVE, id.to_string())
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    let out = String::from_utf8_lossy(&child.stdout);
+    assert!(
+        child.status.success() && out.contains("MOVED done"),
+        "the other process: {}\n{out}\n{}",
+        child.status,
+        String::from_utf8_lossy(&child.stderr)
+    );
+}
+
+/// Two processes on one set of SQLite files, with different cleanup
+/// graces: this one's instances wait 3 s, the other process moves a bucket
+/// with none. The mover cleans only after this process's grace (recorded
+/// in the control database), and an instance here whose map is from
+/// before the move, never refreshed since, reads the moved row from its
+/// new owner, as written after the move, not the old owner's emptied
+/// copy.
+async fn a_process_reads_what_another_process_moved_and_cleaned(dbs: &mut TestDbs) {
+    let quick = toml_with(
+        dbs,
+        &format!("buckets = {BUCKETS}\nshards = [\"s0\", \"s1\", \"s2\", \"s3\"]"),
+        0,
+    );
+    let patient =
+        ClusterConfig::from_toml(&quick.replace("cleanup_grace_ms = 0", "cleanup_grace_ms = 3000"))
+            .unwrap();
+    let a = Cluster::connect(patient.clone()).await.unwrap();
+    let acked: Shared = Arc::default();
+    seed(&a, &acked, 1..=20).await;
+    let stale = Cluster::connect(patient).await.unwrap();
+    stale.refresh_bucket_maps().await.unwrap();
+    let read = |c: &Cluster| {
+        let c = c.clone();
+        async move {
+            c.find::<customer::Entity>()
+                .key(1)
+                .one()
+                .await
+                .unwrap_or_else(|e| panic!("read: {}", e.report()))
+                .map(|m| m.name)
+        }
+    };
+    assert_eq!(read(&stale).await, Some(first_name(1)));
+    let control = a.connection("s0").unwrap();
+    let recorded = || async {
+        control
+            .query_one_raw(sea_orm::Statement::from_string(
+                control.get_database_backend(),
+                "SELECT grace_ms FROM shardkit_bucket_epochs",
+            ))
+            .await
+            .unwrap()
+            .unwrap()
+            .try_get::<Option<i64>>("", "grace_ms")
+            .unwrap()
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while recorded().await != Some(3000) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "this process's grace was never recorded"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    let source = a.shard_of_now::<Customer>(&1).unwrap().unwrap().to_owned();
+    let m = mover(&a);
+    let id = m
+        .start(&m.plan_buckets([bucket(1)], "s4").await.unwrap())
+        .await
+        .unwrap()
+        .id;
+    move_in_another_process(quick, id).await;
+    let on_source = customer::Entity::find_by_id(1)
+        .one(a.connection(&source).unwrap())
+        .await
+        .unwrap();
+    assert_eq!(on_source, None, "the old owner was not cleaned");
+    a.transaction::<Customer, _, _>(1, |tx| async move {
+        tx.update(customer::ActiveModel {
+            id: sea_orm::ActiveValue::Unchanged(1),
+            name: Set("c1-moved".to_owned()),
+        })
+        .await
+    })
+    .await
+    .unwrap();
+    assert_eq!(a.shard_of_now::<Customer>(&1).unwrap(), Some("s4"));
+    assert_eq!(read(&stale).await.as_deref(), Some("c1-moved"));
 }
 
 /// A relay's prune deletes expired request outcomes on one shard at a
