@@ -20,6 +20,7 @@ backend_tests!(5 =>
     a_message_a_handler_sends_goes_in_the_same_deliver,
     a_pair_waits_for_its_message_another_relay_applies,
     [Postgres] a_handler_that_swallows_a_failed_statement_commits_nothing,
+    a_message_applied_before_that_its_handler_refuses_is_not_parked,
     child_relay,
 );
 
@@ -1654,4 +1655,54 @@ async fn a_handler_that_swallows_a_failed_statement_commits_nothing(dbs: &mut Te
             && why.contains("25P02"),
         "{why}"
     );
+}
+
+/// A message applied before whose sender's row was not deleted then (the
+/// relay stopped between the two) is delivered again; its handler refuses
+/// it, having done the work ("already credited", as a unique transfer id
+/// would). It is a duplicate, deleted, not a failure counted and parked
+/// (on PostgreSQL, where the inbox row is checked after the handler, it
+/// was parked with the handler's error).
+async fn a_message_applied_before_that_its_handler_refuses_is_not_parked(dbs: &mut TestDbs) {
+    use sea_orm::{ColumnTrait, QueryFilter};
+    let cluster = connect(&toml(dbs, &[])).await;
+    cluster.migrate::<Migrator>().await.unwrap();
+    for id in [1, 2] {
+        open_wallet(&cluster, id, 0).await;
+    }
+    let outbox =
+        cluster
+            .outbox()
+            .max_attempts(1)
+            .handle::<Credit, _, _, _>(|tx, c: Credit| async move {
+                let done = tx
+                    .find::<credit::Entity>()
+                    .filter(credit::Column::Transfer.eq(c.transfer.clone()))
+                    .one()
+                    .await?;
+                if done.is_some() {
+                    return Err(format!("transfer {} already credited", c.transfer).into());
+                }
+                apply_credit(&tx, c).await
+            });
+    let id = send_credit(&cluster, 1, 2, 1, 5).await;
+    {
+        let _turn = FAILPOINTS.lock().await;
+        fail::cfg("shardkit::outbox::after_apply", "1*return").unwrap();
+        let stopped = outbox.deliver().await;
+        fail::remove("shardkit::outbox::after_apply");
+        stopped.unwrap();
+    }
+    assert_eq!(balance(&cluster, 2).await, 5, "applied once");
+    let again = outbox.deliver().await.unwrap();
+    assert_eq!(
+        (again.applied, again.duplicates, again.parked),
+        (0, 1, 0),
+        "{again:?}"
+    );
+    assert_eq!(balance(&cluster, 2).await, 5, "applied once");
+    assert!(all_parked(&outbox).await.is_empty());
+    let status = outbox.status().await.unwrap();
+    let pending: u64 = status.shards.iter().map(|s| s.pending).sum();
+    assert_eq!(pending, 0, "message {id} still pending: {status:?}");
 }

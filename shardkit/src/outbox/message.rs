@@ -243,6 +243,29 @@ pub(crate) async fn in_inbox<G: EntityGroup>(tx: &ShardTx<G>, id: &str) -> Resul
         .map_err(|e| db_err(tx.shard(), INBOX.name, "read", e))
 }
 
+/// Whether the inbox on `shard` holds message `id`, read outside any
+/// transaction after a handler failed (`false` when it cannot be read: the
+/// failure is counted as it would have been).
+async fn applied_before(cluster: &Cluster, shard: &str, id: &str) -> bool {
+    let Some(conn) = cluster.connection(shard) else {
+        return false;
+    };
+    let stmt = Query::select()
+        .column(Alias::new("id"))
+        .from(Alias::new(INBOX.name))
+        .and_where(Expr::col(Alias::new("id")).eq(id))
+        .to_owned();
+    let within = cluster
+        .shards()
+        .read_settings()
+        .control_bound()
+        .max(std::time::Duration::from_secs(1));
+    matches!(
+        tokio::time::timeout(within, conn.query_one(&stmt)).await,
+        Ok(Ok(Some(_)))
+    )
+}
+
 /// Whether `err` says a key has no shard at all (as opposed to a shard that
 /// could not be reached): waiting does not help until the directory or the
 /// config changes.
@@ -319,23 +342,29 @@ impl<M: Message> Typed<M> {
                     .to_owned(),
             );
         };
-        let outcome = match outcome {
-            Ok(outcome) => outcome,
-            Err(panic) => {
+        let failed = match outcome {
+            Ok(Ok(())) => None,
+            Ok(Err(e)) if not_the_work(e.as_ref()) => {
                 let _ = tx.rollback().await;
-                return Delivery::Failed(format!(
-                    "the handler panicked: {}",
-                    panic_text(panic.as_ref())
-                ));
+                return Delivery::Unavailable(e.to_string());
             }
+            Ok(Err(e)) => Some(e.to_string()),
+            Err(panic) => Some(format!(
+                "the handler panicked: {}",
+                panic_text(panic.as_ref())
+            )),
         };
-        if let Err(e) = outcome {
+        if let Some(failed) = failed {
+            let shard = tx.shard().to_owned();
             let _ = tx.rollback().await;
-            return if not_the_work(e.as_ref()) {
-                Delivery::Unavailable(e.to_string())
-            } else {
-                Delivery::Failed(e.to_string())
-            };
+            // PostgreSQL checks the inbox after the handler: a message
+            // applied before (its sender's row not deleted then) may be
+            // refused by a handler that sees its own work ("already
+            // credited"). It is a duplicate, not a failure to count.
+            if inbox_last && applied_before(cluster, &shard, &row.id).await {
+                return Delivery::Duplicate;
+            }
+            return Delivery::Failed(failed);
         }
         // A handler that swallowed a failed statement returns `Ok` on a
         // transaction the database already ended (PostgreSQL then answers
