@@ -1253,4 +1253,44 @@ async fn reference_drift_is_repaired_and_a_move_target_gets_the_table(dbs: &mut 
     caught_up(&currencies).await;
     let cur = currency_of(&cluster, buyer).await.unwrap();
     assert_eq!(cur.map(|c| c.code), Some(bought(buyer)));
+    // The source (s0) replaced by an empty, migrated database: an instance
+    // that starts then takes no write of the table (it would be version 1
+    // with one row, and every copy would be set back to it, its other rows
+    // deleted), says why, and every copy keeps its rows.
+    let copy_rows = |shard: &'static str| {
+        let cluster = cluster.clone();
+        async move {
+            <currency::Entity as sea_orm::EntityTrait>::find()
+                .all(cluster.connection(shard).unwrap())
+                .await
+                .unwrap()
+                .len()
+        }
+    };
+    let held = copy_rows("s1").await;
+    assert!(held > 0);
+    exec(&cluster, "s0", "DELETE FROM purchases").await;
+    exec(&cluster, "s0", "DELETE FROM currencies").await;
+    exec(&cluster, "s0", "DELETE FROM shardkit_reference_versions").await;
+    let fresh = connect(&toml(dbs, 60_000)).await;
+    let refused = fresh
+        .reference::<currency::Entity>()
+        .insert(currency::Model {
+            code: "NEW".to_owned(),
+            name: "new".to_owned(),
+            rate: 1,
+        })
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            &refused,
+            ShardError::Reference { table: "currencies", reason }
+                if reason.contains("its source `s0` has no version of the table while the copy on `s1` is at")
+        ),
+        "{}",
+        refused.report()
+    );
+    assert_eq!(copy_rows("s0").await, 0, "nothing written on the source");
+    assert_eq!(copy_rows("s1").await, held, "a copy lost rows");
 }

@@ -129,11 +129,17 @@ where
         let ensure = async {
             ensure_row(db, table)
                 .await
-                .map_err(err("create the version of"))
+                .map_err(err("create the version of"))?;
+            version_of(db, table)
+                .await
+                .map_err(err("read the version of"))
         };
-        shards
+        let at = shards
             .bounded(SOURCE, "reference", shards.read_settings().timeout, ensure)
             .await?;
+        if at == 0 {
+            no_copy_ahead::<E>(refs).await?;
+        }
     }
     let mut attempt = 0;
     loop {
@@ -191,6 +197,37 @@ where
             Err(e) => return Err(e),
         }
     }
+}
+
+/// A source without a version of `E`'s table takes its first write only
+/// while no copy has a version: a source replaced by an empty database
+/// (its version row lost) would otherwise be at version 1 with the one
+/// written row, and every copy would follow it back, deleting the rest.
+/// A copy that cannot be read refuses the write too (it may be ahead).
+async fn no_copy_ahead<E: ReferenceEntity>(refs: &References) -> Result<()> {
+    let table = table_name::<E>();
+    let shards = refs.shards();
+    let timeout = shards.read_settings().timeout;
+    let count = shards.topology().shards().len() as u32;
+    for shard in (1..count).map(ShardId) {
+        let name = shards.shard_name(shard);
+        let read = async {
+            version_of(shards.shard_conn(shard), table)
+                .await
+                .map_err(|e| db_err(name, VERSIONS, "read", e))
+        };
+        let version = shards.bounded(shard, "reference", timeout, read).await?;
+        if version > 0 {
+            return Err(refused::<E>(format!(
+                "its source `{}` has no version of the table while the copy on `{name}` is at \
+                 {version}: a source replaced by an empty database takes no write (every copy \
+                 would be set back to its rows); restore the source's table and its row in \
+                 {VERSIONS}",
+                shards.shard_name(SOURCE)
+            )));
+        }
+    }
+    Ok(())
 }
 
 enum Applied {
