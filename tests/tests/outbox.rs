@@ -21,6 +21,7 @@ backend_tests!(5 =>
     a_pair_waits_for_its_message_another_relay_applies,
     [Postgres] a_handler_that_swallows_a_failed_statement_commits_nothing,
     a_message_applied_before_that_its_handler_refuses_is_not_parked,
+    a_saga_step_that_panics_is_refused_and_compensated,
     child_relay,
 );
 
@@ -1705,4 +1706,54 @@ async fn a_message_applied_before_that_its_handler_refuses_is_not_parked(dbs: &m
     let status = outbox.status().await.unwrap();
     let pending: u64 = status.shards.iter().map(|s| s.pending).sum();
     assert_eq!(pending, 0, "message {id} still pending: {status:?}");
+}
+
+/// A saga step that panics is refused like one that returns an error: the
+/// steps before it are undone, the saga says why, and the next saga runs
+/// (the panic used to end `start`, and every `resume` after, at it).
+async fn a_saga_step_that_panics_is_refused_and_compensated(dbs: &mut TestDbs) {
+    let cluster = connect(&toml(dbs, &[])).await;
+    cluster.migrate::<Migrator>().await.unwrap();
+    for id in [1, 2] {
+        open_wallet(&cluster, id, 100).await;
+    }
+    let saga = Saga::<Holder, Order>::new("panicky")
+        .step::<Holder, _, _, _, _, _, _, _>(
+            |o: &Order| o.buyer,
+            |tx, o: Order| async move { add(&tx, -o.amount).await },
+            |tx, o: Order| async move { add(&tx, o.amount).await },
+        )
+        .step::<Holder, _, _, _, _, _, _, _>(
+            |o: &Order| o.seller,
+            |tx, o: Order| async move {
+                assert_ne!(o.amount, 13, "unlucky amount");
+                add(&tx, o.amount).await
+            },
+            |tx, o: Order| async move { add(&tx, -o.amount).await },
+        );
+    let sagas = cluster.sagas(saga);
+    let order = |amount| Order {
+        buyer: 1,
+        seller: 2,
+        amount,
+    };
+    let (id, state) = sagas.start(1, &order(13)).await.unwrap();
+    assert_eq!(state, SagaState::Compensated);
+    assert_eq!(
+        (balance(&cluster, 1).await, balance(&cluster, 2).await),
+        (100, 100)
+    );
+    let status = cluster.saga_status(true).await.unwrap();
+    let status = status.iter().find(|s| s.id == id).unwrap();
+    let why = status.error.as_deref().unwrap_or_default();
+    assert!(
+        why.contains("the step panicked") && why.contains("unlucky amount"),
+        "{why}"
+    );
+    let (_, state) = sagas.start(1, &order(5)).await.unwrap();
+    assert_eq!(state, SagaState::Done);
+    assert_eq!(
+        (balance(&cluster, 1).await, balance(&cluster, 2).await),
+        (95, 105)
+    );
 }

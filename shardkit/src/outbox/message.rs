@@ -569,7 +569,7 @@ fn change_statement(
 }
 
 /// What a panic said (`panic!`'s message), or that it said nothing readable.
-fn panic_text(panic: &(dyn std::any::Any + Send)) -> &str {
+pub(crate) fn panic_text(panic: &(dyn std::any::Any + Send)) -> &str {
     panic
         .downcast_ref::<&str>()
         .copied()

@@ -13,7 +13,9 @@ use crate::cluster::{Cluster, ShardTx};
 use crate::entity::{EntityGroup, ShardKey};
 use crate::error::{Result, ShardError};
 use crate::exec::keyed_tables::SAGAS;
-use crate::outbox::message::{BoxError, db_err, in_inbox, not_the_work, owned_by, record_in_inbox};
+use crate::outbox::message::{
+    BoxError, db_err, in_inbox, not_the_work, owned_by, panic_text, record_in_inbox,
+};
 use crate::topology::ShardId;
 use futures::future::BoxFuture;
 use sea_orm::sea_query::{Alias, Expr, ExprTrait, Query};
@@ -178,90 +180,114 @@ impl<G: EntityGroup, D: Clone + Send + Sync + 'static> Step<D> for TypedStep<G, 
             // instance (a config rolled out there first, a directory entry
             // assigned meanwhile) may place it and run the step, whose undo
             // could then never be fenced.
-            let tx = match cluster.begin::<G>((self.key)(data)).await {
-                Ok(tx) => tx,
-                Err(e) => return Outcome::Later(e.report().to_string()),
-            };
-            let now = cluster.shards().now_ms();
-            let marker = |what: &str| format!("saga:{saga}:{i}:{what}");
-            let marked = |id: String| {
-                let tx = &tx;
-                async move { record_in_inbox(tx, &id, now).await }
-            };
-            // Undo: once; and only a step that ran (a step that never
-            // committed gets its run marker now, so it never will). A
-            // marker found taken ends the transaction (PostgreSQL aborts it
-            // at the refused insert): read before the second insert.
-            let found = if undo {
-                match marked(marker("undo")).await {
-                    Ok(true) => match in_inbox(&tx, &marker("run")).await {
-                        Ok(true) => Ok(Some(&self.undo)),
-                        Ok(false) => match marked(marker("run")).await {
-                            Ok(true) => Ok(None),
-                            Ok(false) => Err(Outcome::Later(
-                                "a run of the step committed meanwhile".to_owned(),
-                            )),
-                            Err(e) => Err(Outcome::Later(e.report().to_string())),
-                        },
-                        Err(e) => Err(Outcome::Later(e.report().to_string())),
-                    },
-                    Ok(false) => Err(Outcome::Done),
-                    Err(e) => Err(Outcome::Later(e.report().to_string())),
+            // A step that panics (its key, its work or its compensation) is
+            // refused like one that returns an error: the panic would
+            // otherwise end `drive` and every `resume`, at this saga, for
+            // good. (Its transaction, dropped with it, rolls back.)
+            let step = std::panic::AssertUnwindSafe(self.attempt(cluster, saga, i, data, undo));
+            match futures::FutureExt::catch_unwind(step).await {
+                Ok(outcome) => outcome,
+                Err(panic) => {
+                    Outcome::Refused(format!("the step panicked: {}", panic_text(panic.as_ref())))
                 }
-            } else {
-                match marked(marker("run")).await {
-                    Ok(true) => Ok(Some(&self.run)),
-                    Ok(false) => Err(Outcome::Done),
-                    Err(e) => Err(Outcome::Later(e.report().to_string())),
-                }
-            };
-            let work = match found {
-                Ok(work) => work,
-                Err(outcome) => {
-                    let _ = tx.rollback().await;
-                    return outcome;
-                }
-            };
-            let tx = Arc::new(tx);
-            if let Some(work) = work
-                && let Err(e) = work(Arc::clone(&tx), data.clone()).await
-            {
-                if let Ok(tx) = Arc::try_unwrap(tx) {
-                    let _ = tx.rollback().await;
-                }
-                return if not_the_work(e.as_ref()) {
-                    Outcome::Later(e.to_string())
-                } else {
-                    Outcome::Refused(e.to_string())
-                };
-            }
-            let Ok(tx) = Arc::try_unwrap(tx) else {
-                return Outcome::Refused(
-                    "the step kept a clone of its ShardTx past its end; nothing was committed"
-                        .to_owned(),
-                );
-            };
-            // A step that swallowed a failed statement returns `Ok` on a
-            // transaction the database already ended: its marker, read
-            // back, proves the commit carries the work.
-            let mark = marker(if undo { "undo" } else { "run" });
-            let ended = match in_inbox(&tx, &mark).await {
-                Ok(true) => None,
-                Ok(false) => Some(String::from("its marker is gone")),
-                Err(e) => Some(e.report().to_string()),
-            };
-            if let Some(cause) = ended {
-                let _ = tx.rollback().await;
-                return Outcome::Later(format!(
-                    "the step returned Ok on a transaction the database had ended; nothing was \
-                     committed: {cause}"
-                ));
-            }
-            match tx.commit().await {
-                Ok(()) => Outcome::Done,
-                Err(e) => Outcome::Later(e.report().to_string()),
             }
         })
+    }
+}
+
+impl<G: EntityGroup, D: Clone + Send + Sync + 'static> TypedStep<G, D> {
+    /// [`Step::run`], a panic not caught.
+    async fn attempt(
+        &self,
+        cluster: &Cluster,
+        saga: &str,
+        i: usize,
+        data: &D,
+        undo: bool,
+    ) -> Outcome {
+        let tx = match cluster.begin::<G>((self.key)(data)).await {
+            Ok(tx) => tx,
+            Err(e) => return Outcome::Later(e.report().to_string()),
+        };
+        let now = cluster.shards().now_ms();
+        let marker = |what: &str| format!("saga:{saga}:{i}:{what}");
+        let marked = |id: String| {
+            let tx = &tx;
+            async move { record_in_inbox(tx, &id, now).await }
+        };
+        // Undo: once; and only a step that ran (a step that never
+        // committed gets its run marker now, so it never will). A
+        // marker found taken ends the transaction (PostgreSQL aborts it
+        // at the refused insert): read before the second insert.
+        let found = if undo {
+            match marked(marker("undo")).await {
+                Ok(true) => match in_inbox(&tx, &marker("run")).await {
+                    Ok(true) => Ok(Some(&self.undo)),
+                    Ok(false) => match marked(marker("run")).await {
+                        Ok(true) => Ok(None),
+                        Ok(false) => Err(Outcome::Later(
+                            "a run of the step committed meanwhile".to_owned(),
+                        )),
+                        Err(e) => Err(Outcome::Later(e.report().to_string())),
+                    },
+                    Err(e) => Err(Outcome::Later(e.report().to_string())),
+                },
+                Ok(false) => Err(Outcome::Done),
+                Err(e) => Err(Outcome::Later(e.report().to_string())),
+            }
+        } else {
+            match marked(marker("run")).await {
+                Ok(true) => Ok(Some(&self.run)),
+                Ok(false) => Err(Outcome::Done),
+                Err(e) => Err(Outcome::Later(e.report().to_string())),
+            }
+        };
+        let work = match found {
+            Ok(work) => work,
+            Err(outcome) => {
+                let _ = tx.rollback().await;
+                return outcome;
+            }
+        };
+        let tx = Arc::new(tx);
+        if let Some(work) = work
+            && let Err(e) = work(Arc::clone(&tx), data.clone()).await
+        {
+            if let Ok(tx) = Arc::try_unwrap(tx) {
+                let _ = tx.rollback().await;
+            }
+            return if not_the_work(e.as_ref()) {
+                Outcome::Later(e.to_string())
+            } else {
+                Outcome::Refused(e.to_string())
+            };
+        }
+        let Ok(tx) = Arc::try_unwrap(tx) else {
+            return Outcome::Refused(
+                "the step kept a clone of its ShardTx past its end; nothing was committed"
+                    .to_owned(),
+            );
+        };
+        // A step that swallowed a failed statement returns `Ok` on a
+        // transaction the database already ended: its marker, read
+        // back, proves the commit carries the work.
+        let mark = marker(if undo { "undo" } else { "run" });
+        let ended = match in_inbox(&tx, &mark).await {
+            Ok(true) => None,
+            Ok(false) => Some(String::from("its marker is gone")),
+            Err(e) => Some(e.report().to_string()),
+        };
+        if let Some(cause) = ended {
+            let _ = tx.rollback().await;
+            return Outcome::Later(format!(
+                "the step returned Ok on a transaction the database had ended; nothing was \
+                 committed: {cause}"
+            ));
+        }
+        match tx.commit().await {
+            Ok(()) => Outcome::Done,
+            Err(e) => Outcome::Later(e.report().to_string()),
+        }
     }
 }
 
