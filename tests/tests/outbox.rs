@@ -22,6 +22,7 @@ backend_tests!(5 =>
     [Postgres] a_handler_that_swallows_a_failed_statement_commits_nothing,
     a_message_applied_before_that_its_handler_refuses_is_not_parked,
     a_saga_step_that_panics_is_refused_and_compensated,
+    a_handler_that_swallows_a_refusal_is_parked,
     child_relay,
 );
 
@@ -1756,4 +1757,42 @@ async fn a_saga_step_that_panics_is_refused_and_compensated(dbs: &mut TestDbs) {
         (balance(&cluster, 1).await, balance(&cluster, 2).await),
         (95, 105)
     );
+}
+
+/// A handler that swallows a refusal of shardkit's (a write of another
+/// key's row, which leaves its transaction rollback-only) and returns `Ok`:
+/// nothing is committed, and the delivery is a failure counted and parked
+/// with the reason, not put off at every pass for good. (Its relay's
+/// durations are `Duration::MAX`, "no bound": taken as a year, they
+/// panicked computing a deadline.)
+async fn a_handler_that_swallows_a_refusal_is_parked(dbs: &mut TestDbs) {
+    let cluster = connect(&toml(dbs, &[])).await;
+    cluster.migrate::<Migrator>().await.unwrap();
+    for id in [1, 2] {
+        open_wallet(&cluster, id, 0).await;
+    }
+    let outbox = cluster
+        .outbox()
+        .max_attempts(1)
+        .step_timeout(Duration::MAX)
+        .backoff(Duration::MAX, Duration::MAX)
+        .handle::<Credit, _, _, _>(|tx, c: Credit| async move {
+            apply_credit(&tx, c).await?;
+            let _ignored = tx
+                .insert(wallet::ActiveModel {
+                    id: Set(*tx.key() + 1000),
+                    balance: Set(1),
+                })
+                .await;
+            Ok::<_, shardkit::BoxError>(())
+        });
+    let id = send_credit(&cluster, 1, 2, 1, 5).await;
+    let report = outbox.deliver().await.unwrap();
+    assert_eq!((report.applied, report.parked), (0, 1), "{report:?}");
+    assert_eq!(balance(&cluster, 2).await, 0, "nothing credited");
+    let parked = all_parked(&outbox).await;
+    assert_eq!(parked.len(), 1, "{parked:?}");
+    assert_eq!(parked[0].id, id);
+    let why = parked[0].last_error.clone().unwrap_or_default();
+    assert!(why.contains("rollback-only"), "{why}");
 }

@@ -243,6 +243,15 @@ pub(crate) async fn in_inbox<G: EntityGroup>(tx: &ShardTx<G>, id: &str) -> Resul
         .map_err(|e| db_err(tx.shard(), INBOX.name, "read", e))
 }
 
+/// Why a handler's or a saga step's `Ok` on a rollback-only transaction
+/// committed nothing.
+pub(crate) fn rollback_only(reason: &str) -> String {
+    format!(
+        "it returned Ok on a transaction an earlier refusal made rollback-only (an error it did \
+         not return); nothing was committed: {reason}"
+    )
+}
+
 /// Whether the inbox on `shard` holds message `id`, read outside any
 /// transaction after a handler failed (`false` when it cannot be read: the
 /// failure is counted as it would have been).
@@ -365,6 +374,14 @@ impl<M: Message> Typed<M> {
                 return Delivery::Duplicate;
             }
             return Delivery::Failed(failed);
+        }
+        // A handler that swallowed a refusal of shardkit's (a unique
+        // index value taken, a write off its key) returns `Ok` on a
+        // transaction that can only roll back: its commit would fail the
+        // same way at every delivery, so it is the work's failure, counted.
+        if let Some(reason) = tx.poison_reason() {
+            let _ = tx.rollback().await;
+            return Delivery::Failed(rollback_only(&reason));
         }
         // A handler that swallowed a failed statement returns `Ok` on a
         // transaction the database already ended (PostgreSQL then answers

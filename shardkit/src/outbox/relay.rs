@@ -21,6 +21,10 @@ use std::ops::ControlFlow;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+/// The longest any of a relay's durations is taken to be: a deadline
+/// `Duration::MAX` away cannot be computed (an `Instant` overflows).
+const LONGEST: Duration = Duration::from_secs(365 * 24 * 3600);
+
 /// How the relay paces itself.
 #[derive(Clone, Copy, Debug)]
 struct Settings {
@@ -327,7 +331,7 @@ impl Outbox {
     /// How long the running relay waits between passes that found nothing
     /// to deliver (default 25 ms).
     pub fn poll_every(mut self, every: Duration) -> Self {
-        self.settings.poll = every.max(Duration::from_millis(1));
+        self.settings.poll = every.clamp(Duration::from_millis(1), LONGEST);
         self
     }
 
@@ -339,20 +343,22 @@ impl Outbox {
     }
 
     /// The wait after the first failed attempt, doubled after each
-    /// further one up to `max` (default 200 ms up to 60 s).
+    /// further one up to `max` (default 200 ms up to 60 s; each at most a
+    /// year).
     pub fn backoff(mut self, first: Duration, max: Duration) -> Self {
-        self.settings.first_backoff = first;
-        self.settings.max_backoff = max.max(first);
+        self.settings.first_backoff = first.min(LONGEST);
+        self.settings.max_backoff = max.clamp(self.settings.first_backoff, LONGEST);
         self
     }
 
     /// The longest a relay waits for one shard's step (reading its outbox,
     /// applying one receiving key's messages) before it gives up on it for
-    /// this pass (default 10 s): a shard that hangs holds nothing else up.
+    /// this pass (default 10 s, at most a year: `Duration::MAX` for "no
+    /// bound" is taken as a year): a shard that hangs holds nothing else up.
     /// A message not applied within it is put off by the backoff, without
     /// counting an attempt.
     pub fn step_timeout(mut self, timeout: Duration) -> Self {
-        self.settings.step_timeout = timeout;
+        self.settings.step_timeout = timeout.min(LONGEST);
         self
     }
 

@@ -14,7 +14,7 @@ use crate::entity::{EntityGroup, ShardKey};
 use crate::error::{Result, ShardError};
 use crate::exec::keyed_tables::SAGAS;
 use crate::outbox::message::{
-    BoxError, db_err, in_inbox, not_the_work, owned_by, panic_text, record_in_inbox,
+    BoxError, db_err, in_inbox, not_the_work, owned_by, panic_text, record_in_inbox, rollback_only,
 };
 use crate::topology::ShardId;
 use futures::future::BoxFuture;
@@ -268,6 +268,12 @@ impl<G: EntityGroup, D: Clone + Send + Sync + 'static> TypedStep<G, D> {
                     .to_owned(),
             );
         };
+        // A step that swallowed a refusal returns `Ok` on a transaction
+        // that can only roll back (see `Typed::apply`): refused.
+        if let Some(reason) = tx.poison_reason() {
+            let _ = tx.rollback().await;
+            return Outcome::Refused(rollback_only(&reason));
+        }
         // A step that swallowed a failed statement returns `Ok` on a
         // transaction the database already ended: its marker, read
         // back, proves the commit carries the work.

@@ -121,7 +121,7 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
         self.poisoned.get().is_some()
     }
 
-    fn poison_reason(&self) -> Option<String> {
+    pub(crate) fn poison_reason(&self) -> Option<String> {
         self.poisoned.get().cloned()
     }
 
