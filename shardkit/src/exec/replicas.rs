@@ -4,7 +4,7 @@
 //! it ([`Consistency`]), and each replica's pool and measured lag
 //! ([`Replica`]).
 
-use crate::error::{Result, ShardError};
+use crate::error::{Bounded, Result, ShardError};
 use sea_orm::{ConnectionTrait, DatabaseConnection, DbBackend, Statement};
 use std::collections::BTreeMap;
 use std::fmt;
@@ -86,8 +86,12 @@ impl Position {
             let mut it = part.splitn(3, '-');
             let domain = it.next()?.parse().ok()?;
             let server = it.next()?.parse().ok()?;
-            let seq = it.next()?.parse().ok()?;
-            map.insert(domain, (server, seq));
+            let seq: u64 = it.next()?.parse().ok()?;
+            // A domain given twice: its later position.
+            let entry = map.entry(domain).or_insert((server, seq));
+            if seq > entry.1 {
+                *entry = (server, seq);
+            }
         }
         Some(map)
     }
@@ -127,14 +131,15 @@ impl FromStr for Position {
         if let Some(lsn) = s.strip_prefix("pg:") {
             Position::parse_lsn(lsn)
                 .map(Position::Lsn)
-                .ok_or_else(|| format!("`{lsn}` is not a WAL position"))
+                .ok_or_else(|| format!("{} is not a WAL position", Bounded(lsn)))
         } else if let Some(gtid) = s.strip_prefix("gtid:") {
             Position::parse_gtid(gtid)
                 .map(Position::Gtid)
-                .ok_or_else(|| format!("`{gtid}` is not a GTID position"))
+                .ok_or_else(|| format!("{} is not a GTID position", Bounded(gtid)))
         } else {
             Err(format!(
-                "`{s}` is neither a WAL position (`pg:...`) nor a GTID position (`gtid:...`)"
+                "{} is neither a WAL position (`pg:...`) nor a GTID position (`gtid:...`)",
+                Bounded(s)
             ))
         }
     }
@@ -204,6 +209,12 @@ pub struct Session {
 struct Seen {
     positions: BTreeMap<String, Position>,
     epochs: BTreeMap<String, u64>,
+    /// Per shard whose position is [`Position::unreachable`], the count of
+    /// [`Seen::marks`] when it became so: a position read after that (a
+    /// later commit's) covers the commits it stood for, and replaces it.
+    unreachable_since: BTreeMap<String, u64>,
+    /// Unreachable positions recorded so far.
+    marks: u64,
 }
 
 impl Session {
@@ -221,6 +232,34 @@ impl Session {
     /// Records that a commit on `shard` landed at `position`.
     pub(crate) fn record(&self, shard: &str, position: Position) {
         self.lock().record(shard, position);
+    }
+
+    /// What to pass to [`record_read_after`](Self::record_read_after) for
+    /// a position read from now on.
+    pub(crate) fn mark(&self) -> u64 {
+        self.lock().marks
+    }
+
+    /// Records a commit's `position` on `shard`, read after [`mark`]
+    /// returned `since`: it replaces an unreachable position recorded
+    /// before that (the commits it stood for had ended, so this position is
+    /// past them), which would otherwise send the session's reads of the
+    /// shard to the shard itself for good.
+    ///
+    /// [`mark`]: Self::mark
+    pub(crate) fn record_read_after(&self, shard: &str, position: Position, since: u64) {
+        let mut seen = self.lock();
+        if !position.is_unreachable()
+            && seen
+                .unreachable_since
+                .get(shard)
+                .is_some_and(|&at| at <= since)
+        {
+            seen.unreachable_since.remove(shard);
+            seen.positions.insert(shard.to_owned(), position);
+        } else {
+            seen.record(shard, position);
+        }
     }
 
     /// Records that a commit of `group` was routed by its bucket map of
@@ -263,6 +302,10 @@ impl Session {
 
 impl Seen {
     fn record(&mut self, shard: &str, position: Position) {
+        if position.is_unreachable() {
+            self.marks += 1;
+            self.unreachable_since.insert(shard.to_owned(), self.marks);
+        }
         match self.positions.get_mut(shard) {
             Some(known) => known.merge(position),
             None => {
@@ -316,7 +359,7 @@ impl FromStr for Session {
         let session = Session::new();
         for part in s.split(';').filter(|p| !p.is_empty()) {
             let invalid = |reason: String| ShardError::InvalidSession {
-                reason: format!("`{}`: {reason}", crate::error::Bounded(part)),
+                reason: format!("{}: {reason}", Bounded(part)),
             };
             let (name, value) = part.split_once('=').ok_or_else(|| {
                 invalid("expected `shard=position` or `group=map:epoch`".to_owned())
@@ -324,11 +367,17 @@ impl FromStr for Session {
             if name.is_empty() {
                 return Err(invalid("the shard or group name is empty".to_owned()));
             }
+            if name.chars().any(char::is_whitespace) {
+                return Err(invalid(
+                    "the shard or group name holds a space (no shard or group is named so)"
+                        .to_owned(),
+                ));
+            }
             match value.strip_prefix(MAP_EPOCH) {
                 Some(epoch) => {
                     let epoch = epoch
                         .parse::<u64>()
-                        .map_err(|_| invalid(format!("`{epoch}` is not a map epoch")))?;
+                        .map_err(|_| invalid(format!("{} is not a map epoch", Bounded(epoch))))?;
                     session.record_epoch(name, epoch);
                 }
                 None => {
@@ -787,6 +836,34 @@ mod tests {
         assert!("pg:100000000/0".parse::<Position>().is_err());
     }
 
+    /// A position a commit could not read stands until a position read
+    /// after it (a later commit's) replaces it; one read before it (a
+    /// commit at the same time) does not, nor does a merge.
+    #[test]
+    fn an_unreachable_position_gives_way_to_one_read_after_it() {
+        let s = Session::new();
+        let before = s.mark();
+        s.record("s0", Position::unreachable(DbBackend::Postgres));
+        s.record_read_after("s0", Position::Lsn(7), before);
+        assert!(s.position("s0").is_some_and(|p| p.is_unreachable()));
+        let other: Session = "s0=pg:0/9".parse().unwrap();
+        s.merge(&other);
+        assert!(s.position("s0").is_some_and(|p| p.is_unreachable()));
+        let after = s.mark();
+        s.record_read_after("s0", Position::Lsn(8), after);
+        assert_eq!(s.position("s0"), Some(Position::Lsn(8)));
+        // Then positions merge as before.
+        s.record_read_after("s0", Position::Lsn(6), s.mark());
+        assert_eq!(s.position("s0"), Some(Position::Lsn(8)));
+        // Carried as text, the unreachable position counts from the parse.
+        let carried: Session = format!("s1={}", Position::unreachable(DbBackend::MySql))
+            .parse()
+            .unwrap();
+        let since = carried.mark();
+        carried.record_read_after("s1", "gtid:0-1-5".parse().unwrap(), since);
+        assert_eq!(carried.to_string(), "s1=gtid:0-1-5");
+    }
+
     #[test]
     fn positions_and_sessions_round_trip_and_merge() {
         let s: Session = "s0=pg:16/B374D848;s1=gtid:0-1-42,1-2-7".parse().unwrap();
@@ -813,8 +890,16 @@ mod tests {
         assert_eq!(back.to_string(), s.to_string());
         assert_eq!((back.epoch("s0"), back.epoch("Order")), (Some(2), None));
         assert!(!"Customer=map:1".parse::<Session>().unwrap().is_empty());
+        // A domain given twice: its later position.
+        let twice: Session = "s1=gtid:0-1-42,0-1-7".parse().unwrap();
+        assert_eq!(twice.to_string(), "s1=gtid:0-1-42");
+        // The caller's text is quoted, escaped and cut in the error.
+        let long = format!("s0=pg:{}", "\n".repeat(10_000));
+        let err = long.parse::<Session>().unwrap_err().to_string();
+        assert!(err.len() < 400 && !err.contains('\n'), "{err}");
         for bad in [
             "s0",
+            " s1=pg:0/1",
             "=pg:0/1",
             "s0=pg:xyz",
             "s0=redis:1",

@@ -251,7 +251,10 @@ impl<E: ShardedEntity> Read<E> {
                 match next {
                     Ok(Some(Ok(row))) => yield Ok(row),
                     Ok(Some(Err(err))) => {
-                        yield Err(read_err::<E>(shard, err));
+                        // Named by the database that failed: a replica's
+                        // failure is not the shard's.
+                        let from = replica.as_ref().map_or(shard, |(r, _)| r.name.as_str());
+                        yield Err(read_err::<E>(from, err));
                         return;
                     }
                     Ok(None) => return,

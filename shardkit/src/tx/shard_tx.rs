@@ -699,6 +699,11 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
     /// routed by, so that another instance whose map is older reads the map
     /// again before it routes a read of the session (and reads a key whose
     /// bucket moved on its new owner).
+    ///
+    /// When the commit fails, its outcome may be unknown (the connection
+    /// lost after `COMMIT` was sent): the session records the map and sends
+    /// its reads of the shard to the shard itself, as after a position it
+    /// could not read, until a later commit's position is read.
     pub async fn commit_in(self, session: &crate::exec::Session) -> Result<()> {
         let shards = self.shards.clone();
         let id = self.target.shard;
@@ -706,12 +711,21 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
             Ok(Some(map)) if shards.topology().is_movable(G::NAME) => Some(map.epoch()),
             _ => None,
         };
-        self.commit().await?;
+        let committed = self.commit().await;
         if let Some(epoch) = epoch {
             session.record_epoch(G::NAME, epoch);
         }
+        let shard = shards.shard_name(id);
+        if let Err(e) = committed {
+            let backend = shards.shard_conn(id).get_database_backend();
+            if backend != sea_orm::DbBackend::Sqlite {
+                session.record(shard, crate::exec::replicas::Position::unreachable(backend));
+            }
+            return Err(e);
+        }
+        let since = session.mark();
         if let Some(position) = shards.commit_position(id).await {
-            session.record(shards.shard_name(id), position);
+            session.record_read_after(shard, position, since);
         }
         Ok(())
     }
