@@ -129,7 +129,11 @@ impl Shards {
                 let replicas = conns
                     .into_iter()
                     .zip(&spec.replicas)
-                    .map(|(conn, r)| Ok(Replica::new(r.name.clone(), r.url.clone(), conn?)))
+                    .map(|(conn, r)| {
+                        let conn = conn?;
+                        let slots = pool_size(&conn);
+                        Ok(Replica::new(r.name.clone(), r.url.clone(), conn, slots))
+                    })
                     .collect::<Result<Vec<_>>>()?;
                 Ok(ReplicaSet::new(replicas))
             })
@@ -568,4 +572,22 @@ fn observe(conn: &mut DatabaseConnection, name: String, observer: Option<&Statem
             })
         }
     });
+}
+
+/// How many connections `conn`'s pool opens at most.
+fn pool_size(conn: &DatabaseConnection) -> u32 {
+    match conn.get_database_backend() {
+        sea_orm::DbBackend::Postgres => conn
+            .get_postgres_connection_pool()
+            .options()
+            .get_max_connections(),
+        sea_orm::DbBackend::MySql => conn
+            .get_mysql_connection_pool()
+            .options()
+            .get_max_connections(),
+        _ => conn
+            .get_sqlite_connection_pool()
+            .options()
+            .get_max_connections(),
+    }
 }

@@ -246,7 +246,30 @@ impl Shards {
             crate::metrics::token_wait(started.elapsed());
             return ReadOn::Replica(replica);
         }
+        let mut busy = false;
         for (asked, replica) in set.candidates_from(turn, None).enumerate() {
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            // MariaDB's wait holds a connection throughout (PostgreSQL's
+            // asks again and again, each a short statement): its pool busy
+            // that long, the next replica, else the shard.
+            let _slot = match &want {
+                Position::Gtid(_) => match replica.slot(left.min(replica_timeout)).await {
+                    Some(slot) => Some(slot),
+                    None => {
+                        busy = true;
+                        continue;
+                    }
+                },
+                Position::Lsn(_) => None,
+            };
+            // Out of the rotation meanwhile (the reads ahead found it
+            // hung): not asked.
+            if !replica.is_up() {
+                continue;
+            }
             let now = tokio::time::Instant::now();
             let left = deadline.saturating_duration_since(now);
             if left.is_zero() {
@@ -277,7 +300,7 @@ impl Shards {
                 Err(_) => self.replica_failed(replica, &format_args!("no answer within {bound:?}")),
             }
         }
-        crate::metrics::replica_fallback(shard, "down");
+        crate::metrics::replica_fallback(shard, if busy { "busy" } else { "down" });
         ReadOn::Primary
     }
 
@@ -456,6 +479,10 @@ impl Shards {
                 set.settle_floor(position.clone(), raises);
             }
             for replica in &set.replicas {
+                // Reads keeping every connection busy: measured next time.
+                let Some(_slot) = replica.slot(bound).await else {
+                    continue;
+                };
                 match tokio::time::timeout(bound, replica.measure(primary.as_ref())).await {
                     Ok(Ok(lag)) => replica.measured(lag),
                     Ok(Err(err)) => self.replica_failed(replica, &crate::error::DriverCause(&err)),

@@ -459,13 +459,20 @@ pub(crate) struct Replica {
     down: AtomicBool,
     /// The position the last probe found it had replayed.
     replayed: Mutex<Option<Position>>,
+    /// One per connection of its pool: a statement takes one before its
+    /// bound starts, so the wait for a connection of a busy pool is told
+    /// apart from a replica that does not answer ([`Replica::slot`]).
+    slots: Arc<tokio::sync::Semaphore>,
 }
 
 impl Replica {
+    /// A replica named `name` at `url`, `conn` its pool of `slots`
+    /// connections.
     pub(crate) fn new(
         name: String,
         url: crate::topology::DatabaseUrl,
         conn: DatabaseConnection,
+        slots: u32,
     ) -> Self {
         Replica {
             name,
@@ -475,7 +482,22 @@ impl Replica {
             down: AtomicBool::new(false),
             last_error: Mutex::new(None),
             replayed: Mutex::new(None),
+            slots: Arc::new(tokio::sync::Semaphore::new(slots.max(1) as usize)),
         }
+    }
+
+    /// A connection's turn on this replica, waited for at most `within`:
+    /// `None` when every connection of its pool stays busy that long (the
+    /// shard answers the read, and the replica stays in the rotation: a
+    /// busy pool is not a replica that failed). Held for the statement.
+    pub(crate) async fn slot(&self, within: Duration) -> Option<tokio::sync::OwnedSemaphorePermit> {
+        if let Ok(slot) = Arc::clone(&self.slots).try_acquire_owned() {
+            return Some(slot);
+        }
+        tokio::time::timeout(within, Arc::clone(&self.slots).acquire_owned())
+            .await
+            .ok()?
+            .ok()
     }
 
     /// The last measured lag, if known.
@@ -784,6 +806,7 @@ mod tests {
                 name.to_owned(),
                 crate::topology::DatabaseUrl::new(format!("postgres://{name}")),
                 sea_orm::DatabaseConnection::default(),
+                1,
             )
         };
         let set = ReplicaSet::new(vec![replica("a"), replica("b")]);

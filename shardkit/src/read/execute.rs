@@ -108,6 +108,22 @@ impl<E: ShardedEntity> Read<E> {
             crate::metrics::replica_fallback(shard, "timeout");
             return None;
         }
+        // The statement's bound starts once a connection is free: waiting
+        // for one of a busy pool is not the replica failing to answer.
+        let Some(_slot) = replica.slot(within.bound).await else {
+            crate::metrics::replica_fallback(shard, "busy");
+            return None;
+        };
+        // Out of the rotation meanwhile (the reads ahead found it hung).
+        if !replica.is_up() {
+            crate::metrics::replica_fallback(shard, "down");
+            return None;
+        }
+        let within = time.replica_within(&self.shards);
+        if within.too_short() {
+            crate::metrics::replica_fallback(shard, "timeout");
+            return None;
+        }
         let fut = Box::pin(run(select.clone(), &replica.conn)).instrument(read_span::<E>(
             &replica.name,
             None,
@@ -174,6 +190,27 @@ impl<E: ShardedEntity> Read<E> {
             let mut rows = None;
             let mut first = None;
             let mut on_replica = false;
+            // A connection's turn on the replica, held while rows flow
+            // from it (see `Read::on_replica`).
+            let mut slot = None;
+            if let Some((r, _)) = &replica {
+                let within = time.replica_within(&shards);
+                if !within.too_short() {
+                    slot = r.slot(within.bound).await;
+                }
+                let why = match &slot {
+                    None if within.too_short() => Some("timeout"),
+                    None => Some("busy"),
+                    // Out of the rotation meanwhile.
+                    Some(_) if !r.is_up() => Some("down"),
+                    Some(_) => None,
+                };
+                if let Some(why) = why {
+                    crate::metrics::replica_fallback(shard, why);
+                    replica = None;
+                    slot = None;
+                }
+            }
             let within = time.replica_within(&shards);
             if replica.is_some() && within.too_short() {
                 crate::metrics::replica_fallback(shard, "timeout");
@@ -200,6 +237,11 @@ impl<E: ShardedEntity> Read<E> {
                     Err(_) => shards.replica_too_slow(r, within, shard),
                 }
             }
+            if !on_replica {
+                // The shard answers: the replica's connection is free.
+                slot = None;
+            }
+            let _slot = slot;
             let mut rows = match rows {
                 Some(rows) => rows,
                 None => {
