@@ -1155,7 +1155,10 @@ impl Outbox {
         })
     }
 
-    /// Message `id` on the shard that owns its sender's key.
+    /// Message `id` on the shard that owns its sender's key. Every shard
+    /// is read at once; one that cannot be read fails the search only when
+    /// no other holds the message (it may be the one that does), so an
+    /// operator clears a parked message while another shard is down.
     async fn find(&self, id: &str) -> Result<Option<Row>> {
         let shards = self.cluster.shards();
         let stmt = Query::select()
@@ -1163,11 +1166,23 @@ impl Outbox {
             .from(Alias::new(OUTBOX.name))
             .and_where(Expr::col(Alias::new("id")).eq(id))
             .to_owned();
-        let mut found = None;
-        for i in 0..shards.topology().shards().len() as u32 {
-            let sid = ShardId(i);
-            let name = shards.shard_name(sid);
-            for r in self.query(sid, &stmt, "read").await? {
+        let count = shards.topology().shards().len() as u32;
+        let stmt = &stmt;
+        let reads = futures::future::join_all(
+            (0..count).map(|i| async move { (i, self.query(ShardId(i), stmt, "read").await) }),
+        )
+        .await;
+        let (mut found, mut failed) = (None, None);
+        for (i, read) in reads {
+            let name = shards.shard_name(ShardId(i));
+            let rows = match read {
+                Ok(rows) => rows,
+                Err(e) => {
+                    failed.get_or_insert(e);
+                    continue;
+                }
+            };
+            for r in rows {
                 let row = Row::read(&r).map_err(|e| db_err(name, OUTBOX.name, "read", e))?;
                 let owned = self
                     .kinds
@@ -1178,6 +1193,9 @@ impl Outbox {
                 }
             }
         }
-        Ok(found)
+        match (found, failed) {
+            (None, Some(e)) => Err(e),
+            (found, _) => Ok(found),
+        }
     }
 }
