@@ -280,11 +280,13 @@ pub trait ReferenceTable: Send + Sync + 'static {
     /// The entity's type.
     fn entity(&self) -> std::any::TypeId;
 
-    /// Brings shard `shard`'s copy up to the source's version; `state` is
-    /// shardkit's reference state (anything else is an internal error).
+    /// Brings shard `shard`'s copy up to the source's version, each step
+    /// within `bound`; `state` is shardkit's reference state (anything else
+    /// is an internal error).
     fn catch_up<'a>(
         &'a self,
         state: &'a (dyn std::any::Any + Send + Sync),
         shard: usize,
+        bound: Option<std::time::Duration>,
     ) -> futures::future::BoxFuture<'a, crate::error::Result<i64>>;
 }

@@ -15,6 +15,7 @@ backend_tests!(5 =>
     a_migration_during_a_move_reaches_the_target,
     reference_writes_reach_every_shard_while_one_refuses_and_one_hangs,
     reference_drift_is_repaired_and_a_move_target_gets_the_table,
+    a_copy_that_needs_many_rows_is_caught_up_under_a_short_read_timeout,
 );
 
 #[derive(shardkit::EntityGroup)]
@@ -1291,6 +1292,59 @@ async fn reference_drift_is_repaired_and_a_move_target_gets_the_table(dbs: &mut 
         "{}",
         refused.report()
     );
+    // Nor does the instance that wrote before (the source's version it
+    // last saw is no licence).
+    let refused = currencies
+        .insert(currency::Model {
+            code: "OLD".to_owned(),
+            name: "old".to_owned(),
+            rate: 1,
+        })
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&refused, ShardError::Reference { reason, .. } if reason.contains("while the copy on `s1` is at")),
+        "{}",
+        refused.report()
+    );
     assert_eq!(copy_rows("s0").await, 0, "nothing written on the source");
     assert_eq!(copy_rows("s1").await, held, "a copy lost rows");
+}
+
+/// A read timeout of 30 ms bounds reads, not the catch-up of a copy that
+/// needs thousands of rows (a shard added, a copy lost): the write of 2,000
+/// rows and every copy's catch-up finish, each step bounded by the longer
+/// of the read timeout and a mover's step timeout. (Before, each attempt
+/// was cut at 30 ms and such a copy never caught up.)
+async fn a_copy_that_needs_many_rows_is_caught_up_under_a_short_read_timeout(dbs: &mut TestDbs) {
+    let cluster = connect(&toml(dbs, 60_000).replace("timeout_ms = 1500", "timeout_ms = 30")).await;
+    cluster.migrate::<Before>().await.unwrap();
+    let currencies = cluster.reference::<currency::Entity>();
+    let rows = (0..2000).map(|i| currency::Model {
+        code: format!("K{i:04}"),
+        name: format!("currency k{i}"),
+        rate: i,
+    });
+    let write = currencies
+        .insert_many(rows)
+        .await
+        .unwrap_or_else(|e| panic!("write: {}", e.report()));
+    // Every copy lost (as on a shard added to the fleet).
+    for shard in ["s1", "s2", "s3", "s4"] {
+        exec(&cluster, shard, "DELETE FROM currencies").await;
+        exec(&cluster, shard, "DELETE FROM shardkit_reference_versions").await;
+    }
+    let status = currencies
+        .catch_up()
+        .await
+        .unwrap_or_else(|e| panic!("catch-up: {}", e.report()));
+    assert!(status.behind().is_empty(), "{status:?}");
+    assert_eq!(status.source, Some(write.version));
+    for shard in ["s1", "s2", "s3", "s4"] {
+        let copy = <currency::Entity as sea_orm::EntityTrait>::find()
+            .all(cluster.connection(shard).unwrap())
+            .await
+            .unwrap();
+        assert_eq!(copy.len(), 2000, "{shard}");
+    }
 }

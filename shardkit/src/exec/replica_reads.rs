@@ -253,8 +253,10 @@ impl Shards {
                 break;
             }
             // MariaDB's wait holds a connection throughout (PostgreSQL's
-            // asks again and again, each a short statement): its pool busy
-            // that long, the next replica, else the shard.
+            // asks again and again, each a short statement that takes its
+            // own turn): its pool busy that long, the next replica, else
+            // the shard.
+            let queued = tokio::time::Instant::now();
             let _slot = match &want {
                 Position::Gtid(_) => match replica.slot(left.min(replica_timeout)).await {
                     Some(slot) => Some(slot),
@@ -280,7 +282,10 @@ impl Shards {
             // its own bound (the wait, then the replica timeout) has
             // failed; one cut off by the read's timeout has not.
             let waited = wait.min(left - answer_margin(left, replica_timeout));
-            let (bound, cut) = wait_bound(now, left, waited, replica_timeout, until, asked == 0);
+            // A replica whose turn came late has less than its own bound
+            // left, as one after another that failed: cut, not failed.
+            let first = asked == 0 && now.duration_since(queued) < MIN_REPLICA_TIME;
+            let (bound, cut) = wait_bound(now, left, waited, replica_timeout, until, first);
             let answer = tokio::time::timeout(bound, replica.reached(&want, waited)).await;
             match answer {
                 Ok(Ok(true)) => {

@@ -590,7 +590,16 @@ impl Replica {
                 let deadline = tokio::time::Instant::now() + wait;
                 let mut pause = Duration::from_millis(2);
                 loop {
-                    if let Some(have) = self.replayed().await?
+                    // Each look takes a connection's turn, waited for
+                    // within the wait: a pool busy that long is "not yet",
+                    // not a replica that does not answer.
+                    let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+                    let Some(slot) = self.slot(left).await else {
+                        return Ok(false);
+                    };
+                    let replayed = self.replayed().await;
+                    drop(slot);
+                    if let Some(have) = replayed?
                         && have.covers(want)
                     {
                         self.saw(have);

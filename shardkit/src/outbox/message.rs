@@ -380,7 +380,13 @@ impl<M: Message> Typed<M> {
         // transaction that can only roll back: its commit would fail the
         // same way at every delivery, so it is the work's failure, counted.
         if let Some(reason) = tx.poison_reason() {
+            let shard = tx.shard().to_owned();
             let _ = tx.rollback().await;
+            // As after a handler's error: on PostgreSQL the refusal may be
+            // its own earlier work's (a message applied before).
+            if inbox_last && applied_before(cluster, &shard, &row.id).await {
+                return Delivery::Duplicate;
+            }
             return Delivery::Failed(rollback_only(&reason));
         }
         // A handler that swallowed a failed statement returns `Ok` on a

@@ -295,7 +295,10 @@ impl<E: ShardedEntity> Read<E> {
                     Ok(Some(Err(err))) => {
                         // Named by the database that failed: a replica's
                         // failure is not the shard's.
-                        let from = replica.as_ref().map_or(shard, |(r, _)| r.name.as_str());
+                        let from = match &replica {
+                            Some((r, _)) if on_replica => r.name.as_str(),
+                            _ => shard,
+                        };
                         yield Err(read_err::<E>(from, err));
                         return;
                     }

@@ -385,7 +385,7 @@ where
         let count = shards.topology().shards().len() as u32;
         let runs = (1..count)
             .map(ShardId)
-            .map(|s| async move { catch_up::<E>(&self.refs, s).await });
+            .map(|s| async move { catch_up::<E>(&self.refs, s, self.refs.bulk_bound()).await });
         for result in futures::future::join_all(runs).await {
             if let Err(e) = result {
                 tracing::debug!(table = Self::table(), error = %e.report(), "reference copy not caught up");
@@ -403,7 +403,8 @@ where
         let shards = self.refs.shards();
         let timeout = shards.read_settings().timeout;
         let table = Self::table();
-        let Snapshot { version, rows } = read_source::<E>(&self.refs, None).await?;
+        let bulk = self.refs.bulk_bound();
+        let Snapshot { version, rows } = read_source::<E>(&self.refs, None, bulk).await?;
         let source = texts::<E>(&rows);
         let count = shards.topology().shards().len() as u32;
         let mut copies = Vec::new();
@@ -458,8 +459,8 @@ where
                         "the copy moved to version {v}, past the source's snapshot ({version}), while it was compared: run verify again"
                     ));
                 } else {
-                    match apply_version::<E>(&self.refs, s, v, version, Rows::Snapshot(&rows)).await
-                    {
+                    let rows = Rows::Snapshot(&rows);
+                    match apply_version::<E>(&self.refs, s, v, version, rows, bulk).await {
                         Ok(true) => report.repaired = true,
                         Ok(false) => report.error = Some(
                             "the copy's version changed while it was repaired: run verify again"

@@ -146,6 +146,15 @@ impl References {
         lock(&self.inner.tables).clone()
     }
 
+    /// How long a step of a catch-up that is not a read's may take: the
+    /// read timeout, or a mover's step timeout (`[rebalance]
+    /// step_timeout_ms`) when that is longer; none without a read timeout.
+    pub(crate) fn bulk_bound(&self) -> Option<std::time::Duration> {
+        let shards = &self.inner.shards;
+        let step = shards.rebalance_settings().step_timeout;
+        shards.read_settings().timeout.map(|t| t.max(step))
+    }
+
     /// Brings `shard`'s copy of every registered table up to its source
     /// (a bucket move's target, before it takes buckets).
     pub(crate) async fn catch_up_all(&self, shard: ShardId) -> Result<()> {
@@ -162,6 +171,12 @@ impl References {
     /// again: the read gets `Ok(None)` (a copy still behind) at once, so a
     /// copy stuck on a constraint does not make every read of it run a
     /// whole catch-up and hold a connection waiting for the others.
+    ///
+    /// A read's catch-up, and its wait for one under way, take at most the
+    /// read timeout (then `Ok(None)`); any other (the background pass, a
+    /// move's, [`Reference::catch_up`](crate::reference::Reference::catch_up))
+    /// [`bulk_bound`](Self::bulk_bound) per step, so that a copy that needs
+    /// many rows is caught up in the end however short the read timeout.
     pub(super) async fn catch_up(
         &self,
         table: &'static dyn ReferenceTable,
@@ -182,7 +197,17 @@ impl References {
         if held() {
             return Ok(None);
         }
-        let _one = flight.running.lock().await;
+        let read_timeout = self.inner.shards.read_settings().timeout;
+        let (bound, _one) = match (need, read_timeout) {
+            (Some(_), Some(within)) => {
+                match tokio::time::timeout(within, flight.running.lock()).await {
+                    Ok(one) => (read_timeout, one),
+                    Err(_) => return Ok(None),
+                }
+            }
+            (Some(_), None) => (None, flight.running.lock().await),
+            (None, _) => (self.bulk_bound(), flight.running.lock().await),
+        };
         if let Some(need) = need {
             let known = self.copy(name, shard);
             if known >= need {
@@ -192,7 +217,7 @@ impl References {
                 return Ok(None);
             }
         }
-        match table.catch_up(self, shard.0 as usize).await {
+        match table.catch_up(self, shard.0 as usize, bound).await {
             Ok(version) => {
                 *lock(&flight.failed_at) = None;
                 Ok(Some(version))

@@ -14,6 +14,7 @@ use sea_orm::{
     IsolationLevel, Iterable, QueryFilter, TransactionTrait, Value,
 };
 use std::collections::BTreeMap;
+use std::time::Duration;
 
 pub(crate) const VERSIONS: &str = "shardkit_reference_versions";
 
@@ -129,17 +130,11 @@ where
         let ensure = async {
             ensure_row(db, table)
                 .await
-                .map_err(err("create the version of"))?;
-            version_of(db, table)
-                .await
-                .map_err(err("read the version of"))
+                .map_err(err("create the version of"))
         };
-        let at = shards
-            .bounded(SOURCE, "reference", shards.read_settings().timeout, ensure)
+        shards
+            .bounded(SOURCE, "reference", refs.bulk_bound(), ensure)
             .await?;
-        if at == 0 {
-            no_copy_ahead::<E>(refs).await?;
-        }
     }
     let mut attempt = 0;
     loop {
@@ -168,6 +163,13 @@ where
             let version = version_of(&txn, table)
                 .await
                 .map_err(err("read the version of"))?;
+            // The table's first version, whatever this instance last saw of
+            // the source (another may have written since it was replaced):
+            // taken only while no copy has one. (The version row's lock,
+            // held meanwhile, keeps other writers of the table waiting.)
+            if version == 1 {
+                no_copy_ahead::<E>(refs).await?;
+            }
             for change in changes {
                 apply_source::<E, _>(&txn, change)
                     .await
@@ -179,8 +181,9 @@ where
             txn.commit().await.map_err(err("commit a write of"))?;
             Ok(version)
         };
+        // A write of many rows is not a read: bounded as a catch-up is.
         match shards
-            .bounded(SOURCE, "reference", shards.read_settings().timeout, write)
+            .bounded(SOURCE, "reference", refs.bulk_bound(), write)
             .await
         {
             Ok(version) => {
@@ -308,10 +311,11 @@ where
     E: ReferenceEntity,
 {
     let rows = Rows::Changes(changes);
-    if apply_version::<E>(refs, shard, version - 1, version, rows).await? {
+    let bound = refs.shards().read_settings().timeout;
+    if apply_version::<E>(refs, shard, version - 1, version, rows, bound).await? {
         Ok(version)
     } else {
-        catch_up::<E>(refs, shard).await
+        catch_up::<E>(refs, shard, bound).await
     }
 }
 
@@ -494,10 +498,11 @@ pub(super) struct Snapshot<M> {
 }
 
 /// In one snapshot of the source: its version, and its rows unless the
-/// version is `from` (the copy holds it already).
+/// version is `from` (the copy holds it already); within `bound`.
 pub(super) async fn read_source<E: ReferenceEntity>(
     refs: &References,
     from: Option<i64>,
+    bound: Option<Duration>,
 ) -> Result<Snapshot<E::Model>> {
     let table = table_name::<E>();
     let shards = refs.shards();
@@ -525,20 +530,19 @@ pub(super) async fn read_source<E: ReferenceEntity>(
         txn.commit().await.map_err(err("end a snapshot of"))?;
         Ok(Snapshot { version, rows })
     };
-    shards
-        .bounded(SOURCE, "reference", shards.read_settings().timeout, read)
-        .await
+    shards.bounded(SOURCE, "reference", bound, read).await
 }
 
 /// Moves `shard`'s copy from version `from` to `version` and writes `rows`
-/// there, in one transaction, when the copy is still at `from` (compare and
-/// set); false when it moved meanwhile.
+/// there, in one transaction within `bound`, when the copy is still at
+/// `from` (compare and set); false when it moved meanwhile.
 pub(super) async fn apply_version<E: ReferenceEntity>(
     refs: &References,
     shard: ShardId,
     from: i64,
     version: i64,
     rows: Rows<'_, E>,
+    bound: Option<Duration>,
 ) -> Result<bool> {
     let table = table_name::<E>();
     let shards = refs.shards();
@@ -603,9 +607,7 @@ pub(super) async fn apply_version<E: ReferenceEntity>(
         txn.commit().await.map_err(err("commit"))?;
         Ok(true)
     };
-    let applied = shards
-        .bounded(shard, "reference", shards.read_settings().timeout, apply)
-        .await?;
+    let applied = shards.bounded(shard, "reference", bound, apply).await?;
     if applied {
         refs.copy_is(table, shard, version);
     }
@@ -613,8 +615,12 @@ pub(super) async fn apply_version<E: ReferenceEntity>(
 }
 
 /// Brings `shard`'s copy of `E`'s table to the source's version (see the
-/// module's docs); returns the copy's version.
-pub(crate) async fn catch_up<E: ReferenceEntity>(refs: &References, shard: ShardId) -> Result<i64> {
+/// module's docs), each step within `bound`; returns the copy's version.
+pub(crate) async fn catch_up<E: ReferenceEntity>(
+    refs: &References,
+    shard: ShardId,
+    bound: Option<Duration>,
+) -> Result<i64> {
     let table = table_name::<E>();
     if shard == SOURCE {
         return source_version(refs, table).await;
@@ -623,16 +629,15 @@ pub(crate) async fn catch_up<E: ReferenceEntity>(refs: &References, shard: Shard
     let name = shards.shard_name(shard);
     let db = shards.shard_conn(shard);
     let err = |op: &'static str| move |e| db_err(name, table, op, e);
-    let timeout = shards.read_settings().timeout;
     for _ in 0..5 {
         let read = async {
             version_of(db, table)
                 .await
                 .map_err(err("read the version of"))
         };
-        let from = shards.bounded(shard, "reference", timeout, read).await?;
+        let from = shards.bounded(shard, "reference", bound, read).await?;
         refs.copy_is(table, shard, from);
-        let source = read_source::<E>(refs, Some(from)).await?;
+        let source = read_source::<E>(refs, Some(from), bound).await?;
         if source.version == from {
             return Ok(from);
         }
@@ -667,6 +672,7 @@ pub(crate) async fn catch_up<E: ReferenceEntity>(refs: &References, shard: Shard
             from,
             source.version,
             Rows::Snapshot(&source.rows),
+            bound,
         )
         .await?
         {

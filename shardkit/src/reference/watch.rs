@@ -218,12 +218,13 @@ impl<E: ReferenceEntity + 'static> ReferenceTable for Typed<E> {
         &'a self,
         state: &'a (dyn Any + Send + Sync),
         shard: usize,
+        bound: Option<std::time::Duration>,
     ) -> BoxFuture<'a, Result<i64>> {
         Box::pin(async move {
             let refs = state.downcast_ref::<References>().ok_or_else(|| {
                 ShardError::internal("a reference table caught up with another state")
             })?;
-            catch_up::<E>(refs, ShardId(shard as u32)).await
+            catch_up::<E>(refs, ShardId(shard as u32), bound).await
         })
     }
 }

@@ -703,7 +703,9 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
     /// When the commit fails, its outcome may be unknown (the connection
     /// lost after `COMMIT` was sent): the session records the map and sends
     /// its reads of the shard to the shard itself, as after a position it
-    /// could not read, until a later commit's position is read.
+    /// could not read, until a later commit's position is read. (Not after
+    /// a commit that surely did not happen: a rollback-only transaction,
+    /// one the database aborted.)
     pub async fn commit_in(self, session: &crate::exec::Session) -> Result<()> {
         let shards = self.shards.clone();
         let id = self.target.shard;
@@ -717,8 +719,12 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
         }
         let shard = shards.shard_name(id);
         if let Err(e) = committed {
+            // Not for a commit that surely did not happen: rollback-only,
+            // or one the database aborted.
+            let unknown = !matches!(e, ShardError::RollbackOnly { .. })
+                && e.retry() != crate::Retry::Transaction;
             let backend = shards.shard_conn(id).get_database_backend();
-            if backend != sea_orm::DbBackend::Sqlite {
+            if unknown && backend != sea_orm::DbBackend::Sqlite {
                 session.record(shard, crate::exec::replicas::Position::unreachable(backend));
             }
             return Err(e);
