@@ -1651,12 +1651,7 @@ async fn a_message_a_handler_sends_goes_in_the_same_deliver(dbs: &mut TestDbs) {
 /// back without an error): the message is not taken for applied, nothing
 /// is credited, and the parked message says why.
 async fn a_handler_that_swallows_a_failed_statement_commits_nothing(dbs: &mut TestDbs) {
-    let cluster = connect(&toml(dbs, &[])).await;
-    cluster.migrate::<Migrator>().await.unwrap();
-    for id in [1, 2] {
-        open_wallet(&cluster, id, 0).await;
-    }
-    let outbox =
+    let why = parked_at_once(dbs, |cluster| {
         cluster
             .outbox()
             .max_attempts(1)
@@ -1667,7 +1662,26 @@ async fn a_handler_that_swallows_a_failed_statement_commits_nothing(dbs: &mut Te
                     .execute_unprepared("SELECT * FROM no_such_table")
                     .await;
                 Ok::<_, shardkit::BoxError>(())
-            });
+            })
+    })
+    .await;
+    assert!(
+        why.contains("returned Ok on a transaction the database had ended")
+            && why.contains("25P02"),
+        "{why}"
+    );
+}
+
+/// Sends one credit from wallet 1 to wallet 2 and delivers it through
+/// `relay`'s outbox, whose handler fails: nothing is credited, the message
+/// is parked at once; its last error.
+async fn parked_at_once(dbs: &TestDbs, relay: fn(&Cluster) -> shardkit::Outbox) -> String {
+    let cluster = connect(&toml(dbs, &[])).await;
+    cluster.migrate::<Migrator>().await.unwrap();
+    for id in [1, 2] {
+        open_wallet(&cluster, id, 0).await;
+    }
+    let outbox = relay(&cluster);
     let id = send_credit(&cluster, 1, 2, 1, 5).await;
     let report = outbox.deliver().await.unwrap();
     assert_eq!((report.applied, report.parked), (0, 1), "{report:?}");
@@ -1675,12 +1689,7 @@ async fn a_handler_that_swallows_a_failed_statement_commits_nothing(dbs: &mut Te
     let parked = all_parked(&outbox).await;
     assert_eq!(parked.len(), 1, "{parked:?}");
     assert_eq!(parked[0].id, id);
-    let why = parked[0].last_error.clone().unwrap_or_default();
-    assert!(
-        why.contains("returned Ok on a transaction the database had ended")
-            && why.contains("25P02"),
-        "{why}"
-    );
+    parked[0].last_error.clone().unwrap_or_default()
 }
 
 /// A message applied before whose sender's row was not deleted then (the
@@ -1790,33 +1799,23 @@ async fn a_saga_step_that_panics_is_refused_and_compensated(dbs: &mut TestDbs) {
 /// durations are `Duration::MAX`, "no bound": taken as a year, they
 /// panicked computing a deadline.)
 async fn a_handler_that_swallows_a_refusal_is_parked(dbs: &mut TestDbs) {
-    let cluster = connect(&toml(dbs, &[])).await;
-    cluster.migrate::<Migrator>().await.unwrap();
-    for id in [1, 2] {
-        open_wallet(&cluster, id, 0).await;
-    }
-    let outbox = cluster
-        .outbox()
-        .max_attempts(1)
-        .step_timeout(Duration::MAX)
-        .backoff(Duration::MAX, Duration::MAX)
-        .handle::<Credit, _, _, _>(|tx, c: Credit| async move {
-            apply_credit(&tx, c).await?;
-            let _ignored = tx
-                .insert(wallet::ActiveModel {
-                    id: Set(*tx.key() + 1000),
-                    balance: Set(1),
-                })
-                .await;
-            Ok::<_, shardkit::BoxError>(())
-        });
-    let id = send_credit(&cluster, 1, 2, 1, 5).await;
-    let report = outbox.deliver().await.unwrap();
-    assert_eq!((report.applied, report.parked), (0, 1), "{report:?}");
-    assert_eq!(balance(&cluster, 2).await, 0, "nothing credited");
-    let parked = all_parked(&outbox).await;
-    assert_eq!(parked.len(), 1, "{parked:?}");
-    assert_eq!(parked[0].id, id);
-    let why = parked[0].last_error.clone().unwrap_or_default();
+    let why = parked_at_once(dbs, |cluster| {
+        cluster
+            .outbox()
+            .max_attempts(1)
+            .step_timeout(Duration::MAX)
+            .backoff(Duration::MAX, Duration::MAX)
+            .handle::<Credit, _, _, _>(|tx, c: Credit| async move {
+                apply_credit(&tx, c).await?;
+                let _ignored = tx
+                    .insert(wallet::ActiveModel {
+                        id: Set(*tx.key() + 1000),
+                        balance: Set(1),
+                    })
+                    .await;
+                Ok::<_, shardkit::BoxError>(())
+            })
+    })
+    .await;
     assert!(why.contains("rollback-only"), "{why}");
 }
