@@ -115,6 +115,16 @@ type Placed = (String, (i64, i64));
 
 /// A customer's first name: with the characters a copy must carry
 /// unchanged (`COPY`'s delimiters and escape, a quote, a non-ASCII letter).
+/// Customer 1's name, read by `c` (outside a transaction).
+async fn name_of_first(c: &Cluster) -> Option<String> {
+    c.find::<customer::Entity>()
+        .key(1)
+        .one()
+        .await
+        .unwrap_or_else(|e| panic!("read: {}", e.report()))
+        .map(|m| m.name)
+}
+
 fn first_name(id: i64) -> String {
     format!("c{id}\t\\N\n\\'é")
 }
@@ -1993,17 +2003,7 @@ async fn an_instance_that_has_not_refreshed_reads_a_moved_row_as_at_the_flip(dbs
         }
         None => None,
     };
-    let read = |c: &Cluster| {
-        let c = c.clone();
-        async move {
-            c.find::<customer::Entity>()
-                .key(1)
-                .one()
-                .await
-                .unwrap()
-                .map(|m| m.name)
-        }
-    };
+    let read = name_of_first;
     assert_eq!(read(&stale).await, Some(first_name(1)));
     let m = mover(&a);
     let id = m
@@ -2869,17 +2869,7 @@ async fn a_process_reads_what_another_process_moved_and_cleaned(dbs: &mut TestDb
     seed(&a, &acked, 1..=20).await;
     let stale = Cluster::connect(patient).await.unwrap();
     stale.refresh_bucket_maps().await.unwrap();
-    let read = |c: &Cluster| {
-        let c = c.clone();
-        async move {
-            c.find::<customer::Entity>()
-                .key(1)
-                .one()
-                .await
-                .unwrap_or_else(|e| panic!("read: {}", e.report()))
-                .map(|m| m.name)
-        }
-    };
+    let read = name_of_first;
     assert_eq!(read(&stale).await, Some(first_name(1)));
     let control = a.connection("s0").unwrap();
     let recorded = || async {
