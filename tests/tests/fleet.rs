@@ -1316,6 +1316,11 @@ async fn reference_drift_is_repaired_and_a_move_target_gets_the_table(dbs: &mut 
 /// rows and every copy's catch-up finish, each step bounded by the longer
 /// of the read timeout and a mover's step timeout. (Before, each attempt
 /// was cut at 30 ms and such a copy never caught up.)
+///
+/// Then a migration ahead of this build adds a column to the table on
+/// every shard: this instance, whose entity lacks it, does not catch a copy
+/// up (the copy would hold the column's default where the source holds
+/// another value, and count as current), and `verify` says why.
 async fn a_copy_that_needs_many_rows_is_caught_up_under_a_short_read_timeout(dbs: &mut TestDbs) {
     let cluster = connect(&toml(dbs, 60_000).replace("timeout_ms = 1500", "timeout_ms = 30")).await;
     cluster.migrate::<Before>().await.unwrap();
@@ -1334,10 +1339,14 @@ async fn a_copy_that_needs_many_rows_is_caught_up_under_a_short_read_timeout(dbs
         exec(&cluster, shard, "DELETE FROM currencies").await;
         exec(&cluster, shard, "DELETE FROM shardkit_reference_versions").await;
     }
-    let status = currencies
+    currencies
         .catch_up()
         .await
         .unwrap_or_else(|e| panic!("catch-up: {}", e.report()));
+    // Versions read by an instance whose reads are not cut at 30 ms (this
+    // machine may be slower than that for a moment).
+    let calm = connect(&toml(dbs, 60_000)).await;
+    let status = calm.reference::<currency::Entity>().status().await.unwrap();
     assert!(status.behind().is_empty(), "{status:?}");
     assert_eq!(status.source, Some(write.version));
     for shard in ["s1", "s2", "s3", "s4"] {
@@ -1347,4 +1356,40 @@ async fn a_copy_that_needs_many_rows_is_caught_up_under_a_short_read_timeout(dbs
             .unwrap();
         assert_eq!(copy.len(), 2000, "{shard}");
     }
+    for shard in ["s0", "s1", "s2", "s3", "s4"] {
+        exec(
+            &cluster,
+            shard,
+            "ALTER TABLE currencies ADD COLUMN decimals INTEGER NOT NULL DEFAULT 2",
+        )
+        .await;
+    }
+    exec(
+        &cluster,
+        "s0",
+        "UPDATE currencies SET decimals = 0 WHERE code = 'K0001'",
+    )
+    .await;
+    exec(&cluster, "s1", "DELETE FROM currencies").await;
+    exec(
+        &cluster,
+        "s1",
+        "UPDATE shardkit_reference_versions SET version = 0 WHERE tbl = 'currencies'",
+    )
+    .await;
+    currencies.catch_up().await.unwrap();
+    let status = calm.reference::<currency::Entity>().status().await.unwrap();
+    assert_eq!(status.behind(), ["s1"], "{status:?}");
+    let refused = currencies.verify(true).await.unwrap_err();
+    assert!(
+        matches!(&refused, ShardError::Reference { table: "currencies", reason }
+            if reason.contains("the source `s0` has column(s) `decimals` that this instance's entity lacks")),
+        "{}",
+        refused.report()
+    );
+    let copy = <currency::Entity as sea_orm::EntityTrait>::find()
+        .all(cluster.connection("s1").unwrap())
+        .await
+        .unwrap();
+    assert!(copy.is_empty(), "a copy written without the column");
 }

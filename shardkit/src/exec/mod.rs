@@ -6,6 +6,7 @@
 
 mod begin;
 mod breaker;
+pub(crate) mod columns;
 mod connect;
 mod directory;
 pub(crate) mod health;

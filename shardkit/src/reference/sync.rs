@@ -491,6 +491,35 @@ fn constraint_refused(err: &DbErr) -> bool {
     )
 }
 
+/// Refuses to copy `E`'s rows from the source `db` (named `name`) when its
+/// table has a column the entity lacks: a migration ahead of this build
+/// (a rolling deploy). A copy written from this entity's rows would hold
+/// that column's default and count as the source's version; an instance
+/// of a build whose entity has the column catches the copies up.
+async fn known_columns<E: ReferenceEntity, C: ConnectionTrait>(db: &C, name: &str) -> Result<()> {
+    use sea_orm::IdenStatic;
+    let table = table_name::<E>();
+    let backend = db.get_database_backend();
+    let entity = E::default();
+    let schema = sea_orm::EntityName::schema_name(&entity);
+    let have = crate::exec::columns::table_columns(db, schema, table)
+        .await
+        .map_err(|e| db_err(name, table, "read the columns of", e))?;
+    let known: std::collections::BTreeSet<String> = E::Column::iter()
+        .map(|c| crate::exec::columns::named(backend, c.as_str()))
+        .collect();
+    let unknown: Vec<String> = have.difference(&known).map(|c| format!("`{c}`")).collect();
+    if unknown.is_empty() {
+        return Ok(());
+    }
+    Err(refused::<E>(format!(
+        "the source `{name}` has column(s) {} that this instance's entity lacks (a migration \
+         ahead of this build): its rows are not copied from here, as a copy would hold those \
+         columns' defaults; an instance whose entity has them catches the copies up",
+        unknown.join(", ")
+    )))
+}
+
 /// The source at one moment: its version and its rows.
 pub(super) struct Snapshot<M> {
     pub(super) version: i64,
@@ -522,6 +551,9 @@ pub(super) async fn read_source<E: ReferenceEntity>(
         let rows = if Some(version) == from {
             Vec::new()
         } else {
+            // In the snapshot's transaction: a second connection of the
+            // pool, while this one is held, could wait for good.
+            known_columns::<E, _>(&txn, name).await?;
             crate::exec::keyset::by_pk(E::find())
                 .all(&txn)
                 .await

@@ -446,12 +446,10 @@ impl<G> Rebalance<G> {
             for shard in &shards {
                 let (db, name) = self.conn(*shard);
                 let have = self.timed(name, table_columns(db, name, table)).await?;
+                let backend = db.get_database_backend();
                 let expected: BTreeSet<String> = columns
                     .iter()
-                    .map(|c| match db.get_database_backend() {
-                        DbBackend::Postgres => (*c).to_owned(),
-                        _ => c.to_lowercase(),
-                    })
+                    .map(|c| crate::exec::columns::named(backend, c))
                     .collect();
                 let lacks: Vec<&str> = expected
                     .iter()
@@ -513,47 +511,15 @@ fn list<'a>(columns: impl IntoIterator<Item = &'a str>) -> String {
         .join(", ")
 }
 
-/// The columns `table` has on `db` (none when it does not exist), by name,
-/// lower-cased where the database compares names without case (MySQL,
-/// MariaDB, SQLite); a MySQL invisible column (a generated invisible
-/// primary key) is not one the application writes, and is left out.
+/// The columns `table` has on `db` (see [`crate::exec::columns`]).
 async fn table_columns(
     db: &DatabaseConnection,
     shard: &str,
     table: &MovingTable,
 ) -> Result<BTreeSet<String>> {
-    let backend = db.get_database_backend();
-    // In the entity's schema when it names one; otherwise the table an
-    // unqualified name in a statement finds (the search path, the
-    // connection's database, SQLite's temp, main and attached databases).
-    let sql = match backend {
-        DbBackend::Sqlite => "SELECT name FROM pragma_table_info(?2, ?1)",
-        DbBackend::Postgres => {
-            "SELECT attname::text AS name FROM pg_attribute \
-             WHERE attrelid = to_regclass(COALESCE(quote_ident($1) || '.', '') || quote_ident($2)) \
-             AND attnum > 0 AND NOT attisdropped"
-        }
-        _ => {
-            "SELECT CAST(column_name AS CHAR) AS name FROM information_schema.columns \
-             WHERE table_schema = COALESCE(?, DATABASE()) AND table_name = ? \
-             AND COALESCE(extra, '') NOT LIKE '%INVISIBLE%'"
-        }
-    };
-    let values = [table.schema.clone().into(), table.name.into()];
-    let rows = db
-        .query_all_raw(Statement::from_sql_and_values(backend, sql, values))
+    crate::exec::columns::table_columns(db, table.schema.as_deref(), table.name)
         .await
-        .map_err(|e| db_err(shard, &table.to_string(), "read the columns of", e))?;
-    rows.iter()
-        .map(|row| {
-            row.try_get::<String>("", "name")
-                .map(|name| match backend {
-                    DbBackend::Postgres => name,
-                    _ => name.to_lowercase(),
-                })
-                .map_err(|e| db_err(shard, &table.to_string(), "read the columns of", e))
-        })
-        .collect::<std::result::Result<_, ShardError>>()
+        .map_err(|e| db_err(shard, &table.to_string(), "read the columns of", e))
 }
 
 /// Why two shards reach one table under a moving table's name.
