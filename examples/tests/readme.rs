@@ -898,8 +898,8 @@ async fn read_your_writes(cluster: &Cluster, session: Session) -> shardkit::Resu
     let tx = cluster.begin::<Customer>(7).await?;
     tx.update(order::ActiveModel { id: Set(1), customer_id: Set(7), total_cents: Set(250) }).await?;
     tx.commit_in(&session).await?;                      // records where the commit landed
-    let cookie = session.to_string();                   // `s1=pg:0/9CD80F8`, for the next request
-    let session: Session = cookie.parse()?;             // in that request, maybe another instance
+    let header = session.to_string();                   // `s1=pg:0/9CD80F8`, for the next request
+    let session: Session = header.parse()?;             // in that request, maybe another instance
     let order = cluster.find::<order::Entity>().key(7)
         .consistency(Consistency::at_least(&session))   // a replica past the commit, else the shard
         .one().await?;

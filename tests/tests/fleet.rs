@@ -1254,6 +1254,23 @@ async fn reference_drift_is_repaired_and_a_move_target_gets_the_table(dbs: &mut 
     caught_up(&currencies).await;
     let cur = currency_of(&cluster, buyer).await.unwrap();
     assert_eq!(cur.map(|c| c.code), Some(bought(buyer)));
+    // A copy that never had a version (a shard just added, its rows as a
+    // restore left them): an instance that starts then, having seen no
+    // version yet, does not read it as the table. Its read catches the copy
+    // up first (no background pass meanwhile).
+    fail::cfg("shardkit::reference::no_pass", "return").unwrap();
+    let no_pass = Removed("shardkit::reference::no_pass");
+    exec(
+        &cluster,
+        &shard,
+        "UPDATE shardkit_reference_versions SET version = 0 WHERE tbl = 'currencies'",
+    )
+    .await;
+    exec(&cluster, &shard, "UPDATE currencies SET name = LOWER(code)").await;
+    let starting = connect(&toml(dbs, 60_000)).await;
+    let cur = currency_of(&starting, buyer).await.unwrap();
+    assert_eq!(cur.map(|c| c.name), Some("renamed".to_owned()));
+    drop((no_pass, starting));
     // The source (s0) replaced by an empty, migrated database: an instance
     // that starts then takes no write of the table (it would be version 1
     // with one row, and every copy would be set back to it, its other rows

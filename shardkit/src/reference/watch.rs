@@ -108,7 +108,10 @@ impl ReferenceFence for References {
         Box::pin(async move {
             register(self, table);
             let name = table.table();
-            let need = self.seen(name);
+            let mut need = self.seen(name);
+            if need == 0 {
+                need = self.first_version(name).await;
+            }
             let shard = self.shard_of(conn);
             if need == 0 || shard.is_some_and(|s| self.copy(name, s) >= need) {
                 return Ok(need);
@@ -171,6 +174,26 @@ impl References {
         version_of(conn, table)
             .await
             .map_err(|e| db_err(self.where_is(shard), table, "read the version of", e))
+    }
+
+    /// What a read needs of a copy when this instance has seen no version
+    /// of `table`: one version (none while the source has none), so that a
+    /// copy that never had one (a shard just added, not yet caught up) is
+    /// not read as the table. Learnt by one read of the source's version,
+    /// again while it has none; a source that cannot be read asks nothing
+    /// of the copy, as before.
+    async fn first_version(&self, table: &'static str) -> i64 {
+        match source_version(self, table).await {
+            Ok(0) => 0,
+            Ok(_) => {
+                self.saw(table, 1);
+                1
+            }
+            Err(e) => {
+                tracing::debug!(table, error = %e.report(), "reference source not read; the copy is read as it is");
+                0
+            }
+        }
     }
 
     /// The refusal of a read whose copy is older than it needs.
