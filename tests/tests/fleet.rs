@@ -1287,6 +1287,9 @@ async fn reference_drift_is_repaired_and_a_move_target_gets_the_table(dbs: &mut 
     };
     let held = copy_rows("s1").await;
     assert!(held > 0);
+    // (No background pass: one would tell `cluster` the source is at 0.)
+    fail::cfg("shardkit::reference::no_pass", "return").unwrap();
+    let no_pass = Removed("shardkit::reference::no_pass");
     exec(&cluster, "s0", "DELETE FROM purchases").await;
     exec(&cluster, "s0", "DELETE FROM currencies").await;
     exec(&cluster, "s0", "DELETE FROM shardkit_reference_versions").await;
@@ -1310,7 +1313,8 @@ async fn reference_drift_is_repaired_and_a_move_target_gets_the_table(dbs: &mut 
         refused.report()
     );
     // Nor does the instance that wrote before (the source's version it
-    // last saw is no licence).
+    // last saw is no licence), the version row gone again.
+    exec(&cluster, "s0", "DELETE FROM shardkit_reference_versions").await;
     let refused = currencies
         .insert(currency::Model {
             code: "OLD".to_owned(),
@@ -1326,6 +1330,7 @@ async fn reference_drift_is_repaired_and_a_move_target_gets_the_table(dbs: &mut 
     );
     assert_eq!(copy_rows("s0").await, 0, "nothing written on the source");
     assert_eq!(copy_rows("s1").await, held, "a copy lost rows");
+    drop(no_pass);
 }
 
 /// A read timeout of 30 ms bounds reads, not the catch-up of a copy that

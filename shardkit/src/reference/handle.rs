@@ -401,7 +401,6 @@ where
     /// snapshot meanwhile is left for the next run, and says so).
     pub async fn verify(&self, repair: bool) -> Result<ReferenceReport> {
         let shards = self.refs.shards();
-        let timeout = shards.read_settings().timeout;
         let table = Self::table();
         let bulk = self.refs.bulk_bound();
         let Snapshot { version, rows } = read_source::<E>(&self.refs, None, bulk).await?;
@@ -427,7 +426,7 @@ where
                 let rows = E::find().all(db).await.map_err(err)?;
                 Ok((v, rows))
             };
-            let (v, copy) = match shards.bounded(s, "reference", timeout, read).await {
+            let (v, copy) = match shards.bounded(s, "reference", bulk, read).await {
                 Ok(read) => read,
                 Err(e) => {
                     report.error = Some(e.report().to_string());

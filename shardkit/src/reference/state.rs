@@ -197,11 +197,13 @@ impl References {
         if held() {
             return Ok(None);
         }
-        let read_timeout = self.inner.shards.read_settings().timeout;
-        let (bound, _one) = match (need, read_timeout) {
+        // A read's share: half its timeout, so that the read, not its
+        // timeout, says the copy is behind.
+        let read_share = self.inner.shards.read_settings().timeout.map(|t| t / 2);
+        let (bound, _one) = match (need, read_share) {
             (Some(_), Some(within)) => {
                 match tokio::time::timeout(within, flight.running.lock()).await {
-                    Ok(one) => (read_timeout, one),
+                    Ok(one) => (read_share, one),
                     Err(_) => return Ok(None),
                 }
             }

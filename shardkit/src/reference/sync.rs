@@ -125,8 +125,8 @@ where
     let name = shards.shard_name(SOURCE);
     let db = shards.shard_conn(SOURCE);
     let err = |op: &'static str| move |e| db_err(name, table, op, e);
-    if refs.copy(table, SOURCE) == 0 {
-        // Under the source's breaker and the timeout, as the write is.
+    // Under the source's breaker and the timeout, as the write is.
+    let ensure = || async {
         let ensure = async {
             ensure_row(db, table)
                 .await
@@ -134,11 +134,16 @@ where
         };
         shards
             .bounded(SOURCE, "reference", refs.bulk_bound(), ensure)
-            .await?;
+            .await
+    };
+    if refs.copy(table, SOURCE) == 0 {
+        ensure().await?;
     }
     let mut attempt = 0;
     loop {
         attempt += 1;
+        // `Ok(Err(_))`: refused by a copy's version, or a copy's error,
+        // which is not the source's (its breaker does not count it).
         let write = async {
             let txn = crate::exec::begin_write(db).await.map_err(err("begin"))?;
             let bump = Query::update()
@@ -156,9 +161,9 @@ where
                 .rows_affected()
                 != 1
             {
-                return Err(ShardError::internal(format!(
-                    "reference table `{table}` has no version row on its source `{name}`"
-                )));
+                // No version row: the source lost it since this instance
+                // last wrote (an empty database put in its place).
+                return Ok(Err(None));
             }
             let version = version_of(&txn, table)
                 .await
@@ -167,8 +172,10 @@ where
             // the source (another may have written since it was replaced):
             // taken only while no copy has one. (The version row's lock,
             // held meanwhile, keeps other writers of the table waiting.)
-            if version == 1 {
-                no_copy_ahead::<E>(refs).await?;
+            if version == 1
+                && let Err(e) = no_copy_ahead::<E>(refs).await
+            {
+                return Ok(Err(Some(e)));
             }
             for change in changes {
                 apply_source::<E, _>(&txn, change)
@@ -179,17 +186,24 @@ where
                     })?;
             }
             txn.commit().await.map_err(err("commit a write of"))?;
-            Ok(version)
+            Ok(Ok(version))
         };
         // A write of many rows is not a read: bounded as a catch-up is.
         match shards
             .bounded(SOURCE, "reference", refs.bulk_bound(), write)
             .await
         {
-            Ok(version) => {
+            Ok(Ok(version)) => {
                 refs.copy_is(table, SOURCE, version);
                 refs.saw(table, version);
                 return Ok(version);
+            }
+            Ok(Err(Some(refused))) => return Err(refused),
+            Ok(Err(None)) if attempt < 5 => ensure().await?,
+            Ok(Err(None)) => {
+                return Err(ShardError::internal(format!(
+                    "reference table `{table}` has no version row on its source `{name}`"
+                )));
             }
             // Only a transaction the database aborted (rolled back for
             // sure) is written again: after a timeout or a lost connection
@@ -212,14 +226,20 @@ async fn no_copy_ahead<E: ReferenceEntity>(refs: &References) -> Result<()> {
     let shards = refs.shards();
     let timeout = shards.read_settings().timeout;
     let count = shards.topology().shards().len() as u32;
-    for shard in (1..count).map(ShardId) {
+    let reads = (1..count).map(ShardId).map(|shard| async move {
         let name = shards.shard_name(shard);
         let read = async {
             version_of(shards.shard_conn(shard), table)
                 .await
                 .map_err(|e| db_err(name, VERSIONS, "read", e))
         };
-        let version = shards.bounded(shard, "reference", timeout, read).await?;
+        (
+            name,
+            shards.bounded(shard, "reference", timeout, read).await,
+        )
+    });
+    for (name, version) in futures::future::join_all(reads).await {
+        let version = version?;
         if version > 0 {
             return Err(refused::<E>(format!(
                 "its source `{}` has no version of the table while the copy on `{name}` is at \

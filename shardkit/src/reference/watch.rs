@@ -5,7 +5,7 @@
 use crate::entity::{ReferenceEntity, ReferenceTable, table_name};
 use crate::error::{Result, ShardError};
 use crate::read::{ReadFrom, ReadGuard, ReferenceFence};
-use crate::reference::state::References;
+use crate::reference::state::{References, SOURCE};
 use crate::reference::sync::{catch_up, db_err, source_version, version_of};
 use crate::topology::ShardId;
 use futures::future::BoxFuture;
@@ -109,14 +109,25 @@ impl ReferenceFence for References {
             register(self, table);
             let name = table.table();
             let mut need = self.seen(name);
-            if need == 0 {
-                need = self.first_version(name).await;
-            }
             let shard = self.shard_of(conn);
-            if need == 0 || shard.is_some_and(|s| self.copy(name, s) >= need) {
+            // Having seen no version, a read still needs the copy to have
+            // one (below): known, or read once per copy.
+            if shard.is_some_and(|s| self.copy(name, s) >= need.max(1)) {
                 return Ok(need);
             }
             let mut have = self.version_here(conn, shard, name).await?;
+            if need == 0 {
+                if have > 0 {
+                    if let Some(s) = shard {
+                        self.copy_is(name, s, have);
+                    }
+                    return Ok(0);
+                }
+                need = self.first_version(name).await;
+                if need == 0 {
+                    return Ok(0);
+                }
+            }
             if have < need
                 && let Some(s) = shard
             {
@@ -176,14 +187,23 @@ impl References {
             .map_err(|e| db_err(self.where_is(shard), table, "read the version of", e))
     }
 
-    /// What a read needs of a copy when this instance has seen no version
-    /// of `table`: one version (none while the source has none), so that a
-    /// copy that never had one (a shard just added, not yet caught up) is
-    /// not read as the table. Learnt by one read of the source's version,
-    /// again while it has none; a source that cannot be read asks nothing
-    /// of the copy, as before.
+    /// What a read needs of a copy that has no version, when this instance
+    /// has seen none of `table`: one version (none while the source has
+    /// none), so that a copy that never had one (a shard just added, not
+    /// yet caught up) is not read as the table. One read of the source's
+    /// version, within half the read timeout (the read's own error, not
+    /// the source's, if it had to wait longer); a source that cannot be
+    /// read asks nothing of the copy, which is read as it is.
     async fn first_version(&self, table: &'static str) -> i64 {
-        match source_version(self, table).await {
+        let shards = self.shards();
+        let within = shards.read_settings().timeout.map(|t| t / 2);
+        let read = async {
+            version_of(shards.shard_conn(SOURCE), table)
+                .await
+                .map_err(|e| db_err(shards.shard_name(SOURCE), table, "read the version of", e))
+        };
+        let source = shards.bounded(SOURCE, "reference", within, read).await;
+        match source {
             Ok(0) => 0,
             Ok(_) => {
                 self.saw(table, 1);
