@@ -115,6 +115,32 @@ type Placed = (String, (i64, i64));
 
 /// A customer's first name: with the characters a copy must carry
 /// unchanged (`COPY`'s delimiters and escape, a quote, a non-ASCII letter).
+/// Waits (at most 10 s) until the control database (s0) holds `ms` as the
+/// longest cleanup grace an instance recorded (recorded in the background
+/// once an instance's map counts as read).
+async fn grace_recorded(a: &Cluster, ms: i64) {
+    let control = a.connection("s0").unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let row = control
+            .query_one_raw(sea_orm::Statement::from_string(
+                control.get_database_backend(),
+                "SELECT grace_ms FROM shardkit_bucket_epochs",
+            ))
+            .await
+            .unwrap()
+            .unwrap();
+        if row.try_get::<Option<i64>>("", "grace_ms").unwrap() == Some(ms) {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the instance's grace was never recorded"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+}
+
 /// Customer 1's name, read by `c` (outside a transaction).
 async fn name_of_first(c: &Cluster) -> Option<String> {
     c.find::<customer::Entity>()
@@ -1087,28 +1113,7 @@ async fn a_mover_cleans_after_the_longest_grace_of_the_instances(dbs: &mut TestD
         .await
         .unwrap();
     patient.refresh_bucket_maps().await.unwrap();
-    // (Recorded in the background once its map counts as read.)
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    loop {
-        let row = a
-            .connection("s0")
-            .unwrap()
-            .query_one_raw(sea_orm::Statement::from_string(
-                a.connection("s0").unwrap().get_database_backend(),
-                "SELECT grace_ms FROM shardkit_bucket_epochs",
-            ))
-            .await
-            .unwrap()
-            .unwrap();
-        if row.try_get::<Option<i64>>("", "grace_ms").unwrap() == Some(600_000) {
-            break;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the instance's grace was never recorded"
-        );
-        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-    }
+    grace_recorded(&a, 600_000).await;
     let source = a.shard_of_now::<Customer>(&1).unwrap().unwrap().to_owned();
     let on_source = || async {
         customer::Entity::find_by_id(1)
@@ -2871,27 +2876,7 @@ async fn a_process_reads_what_another_process_moved_and_cleaned(dbs: &mut TestDb
     stale.refresh_bucket_maps().await.unwrap();
     let read = name_of_first;
     assert_eq!(read(&stale).await, Some(first_name(1)));
-    let control = a.connection("s0").unwrap();
-    let recorded = || async {
-        control
-            .query_one_raw(sea_orm::Statement::from_string(
-                control.get_database_backend(),
-                "SELECT grace_ms FROM shardkit_bucket_epochs",
-            ))
-            .await
-            .unwrap()
-            .unwrap()
-            .try_get::<Option<i64>>("", "grace_ms")
-            .unwrap()
-    };
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    while recorded().await != Some(3000) {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "this process's grace was never recorded"
-        );
-        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-    }
+    grace_recorded(&a, 3000).await;
     let source = a.shard_of_now::<Customer>(&1).unwrap().unwrap().to_owned();
     let m = mover(&a);
     let id = m
