@@ -235,6 +235,17 @@ impl TestShards {
             .expect("create test database");
     }
 
+    /// A text in the URL of this test's first shard and of no other test's
+    /// shard: the argument that scopes one of shardkit's failpoints to the
+    /// clusters over these databases (`return(<scope>)`), so that tests
+    /// running at once in one process do not stop each other's work.
+    pub fn scope(&self) -> String {
+        match self.backend.server_address() {
+            None => self.names[0].clone(),
+            Some(address) => format!("{address}/{}", self.names[0]),
+        }
+    }
+
     /// An extra database for the test (a directory, a ticket server...), also
     /// dropped by [`cleanup`](Self::cleanup). Returns its URL.
     pub async fn extra(&mut self, suffix: &str) -> String {

@@ -587,7 +587,11 @@ async fn a_migration_during_a_move_reaches_the_target(dbs: &mut TestDbs) {
         .entity::<note_memo::Entity>();
     let plan = old.plan_buckets(back, "s0").await.unwrap();
     let started = old.start(&plan).await.unwrap();
-    fail::cfg("shardkit::rebalance::verified", "return").unwrap();
+    fail::cfg(
+        "shardkit::rebalance::verified",
+        &format!("return({})", dbs.scope()),
+    )
+    .unwrap();
     let stopped = old.run(started.id).await;
     fail::remove("shardkit::rebalance::verified");
     assert!(stopped.is_err());
@@ -1002,7 +1006,11 @@ async fn reference_drift_is_repaired_and_a_move_target_gets_the_table(dbs: &mut 
     // A writer dies after the source committed, before any copy: the
     // background catch-up (of any instance that registered the table; here
     // both) brings every copy up, and a second instance reads the write.
-    fail::cfg("shardkit::reference::after_source", "return").unwrap();
+    fail::cfg(
+        "shardkit::reference::after_source",
+        &format!("return({})", dbs.scope()),
+    )
+    .unwrap();
     let died = currencies
         .upsert(currency::Model {
             code: code(4),
@@ -1140,7 +1148,11 @@ async fn reference_drift_is_repaired_and_a_move_target_gets_the_table(dbs: &mut 
     // read after it refuses the older rows instead of returning them. (No
     // background pass meanwhile; one under way when the failpoint is set
     // may still bring the copy back: then it is set back again.)
-    fail::cfg("shardkit::reference::no_pass", "return").unwrap();
+    fail::cfg(
+        "shardkit::reference::no_pass",
+        &format!("return({})", dbs.scope()),
+    )
+    .unwrap();
     // Removed however the scenario ends: a failed assertion must not stop
     // the next backend's passes.
     struct Removed(&'static str);
@@ -1232,7 +1244,11 @@ async fn reference_drift_is_repaired_and_a_move_target_gets_the_table(dbs: &mut 
         format!("UPDATE purchases SET currency_code = '{code}' WHERE buyer_id = {buyer}")
     };
     exec(&cluster, &shard, &uses("ZZZ")).await;
-    fail::cfg("shardkit::reference::no_pass", "return").unwrap();
+    fail::cfg(
+        "shardkit::reference::no_pass",
+        &format!("return({})", dbs.scope()),
+    )
+    .unwrap();
     let no_pass = Removed("shardkit::reference::no_pass");
     let gone = currencies.delete(one_off).await.unwrap();
     assert!(gone.behind.iter().any(|(s, _)| *s == shard), "{gone:?}");
@@ -1258,7 +1274,11 @@ async fn reference_drift_is_repaired_and_a_move_target_gets_the_table(dbs: &mut 
     // restore left them): an instance that starts then, having seen no
     // version yet, does not read it as the table. Its read catches the copy
     // up first (no background pass meanwhile).
-    fail::cfg("shardkit::reference::no_pass", "return").unwrap();
+    fail::cfg(
+        "shardkit::reference::no_pass",
+        &format!("return({})", dbs.scope()),
+    )
+    .unwrap();
     let no_pass = Removed("shardkit::reference::no_pass");
     exec(
         &cluster,
@@ -1288,7 +1308,11 @@ async fn reference_drift_is_repaired_and_a_move_target_gets_the_table(dbs: &mut 
     let held = copy_rows("s1").await;
     assert!(held > 0);
     // (No background pass: one would tell `cluster` the source is at 0.)
-    fail::cfg("shardkit::reference::no_pass", "return").unwrap();
+    fail::cfg(
+        "shardkit::reference::no_pass",
+        &format!("return({})", dbs.scope()),
+    )
+    .unwrap();
     let no_pass = Removed("shardkit::reference::no_pass");
     exec(&cluster, "s0", "DELETE FROM purchases").await;
     exec(&cluster, "s0", "DELETE FROM currencies").await;

@@ -456,7 +456,11 @@ async fn transfers_keep_the_money_under_faults_and_a_move(dbs: &mut TestDbs) {
 
     // Relays: one per instance, the faulty instance's dying after applying
     // one message in five.
-    fail::cfg("shardkit::outbox::after_apply", "20%return").unwrap();
+    fail::cfg(
+        "shardkit::outbox::after_apply",
+        &format!("20%return({})", dbs.scope()),
+    )
+    .unwrap();
     let relay_a = relay(&a).poll_every(Duration::from_millis(10)).run();
     let relay_b = relay(&b).poll_every(Duration::from_millis(10)).run();
 
@@ -736,9 +740,13 @@ async fn a_saga_whose_step_is_refused_is_compensated_once(dbs: &mut TestDbs) {
 
     // The seller's step is refused (130 + 50 > 150); the process "dies"
     // after the buyer's debit was undone and before the saga saved it
-    // (the 4th save: step 1 done, step 2 refused, step 2's undo fenced it,
-    // step 1 undone).
-    fail::cfg("shardkit::saga::before_save", "3*off->return").unwrap();
+    // (the save of step 0, after step 1 done, step 2 refused, step 2's undo
+    // fenced it, step 1 undone).
+    fail::cfg(
+        "shardkit::saga::before_save",
+        &format!("return({}@0)", dbs.scope()),
+    )
+    .unwrap();
     let stopped = sagas
         .start(
             1,
@@ -1723,7 +1731,11 @@ async fn a_message_applied_before_that_its_handler_refuses_is_not_parked(dbs: &m
     let id = send_credit(&cluster, 1, 2, 1, 5).await;
     {
         let _turn = FAILPOINTS.lock().await;
-        fail::cfg("shardkit::outbox::after_apply", "1*return").unwrap();
+        fail::cfg(
+            "shardkit::outbox::after_apply",
+            &format!("return({})", dbs.scope()),
+        )
+        .unwrap();
         let stopped = outbox.deliver().await;
         fail::remove("shardkit::outbox::after_apply");
         stopped.unwrap();

@@ -215,6 +215,24 @@ impl Shards {
         }
     }
 
+    /// Fault injection: whether the failpoint `name` fires for this
+    /// cluster. Its argument, `scope` or `scope@detail`, scopes it to the
+    /// clusters one of whose shard URLs contains `scope` (tests of one
+    /// process each set their own); `Some(detail)` (empty without one) when
+    /// it fires. Without an argument it fires for every cluster.
+    pub(crate) fn failpoint(&self, name: &str) -> Option<String> {
+        let arg = fail::eval(name, |arg| arg.unwrap_or_default())?;
+        let (scope, detail) = arg.rsplit_once('@').unwrap_or((arg.as_str(), ""));
+        (scope.is_empty()
+            || self
+                .inner
+                .topology
+                .shards()
+                .iter()
+                .any(|s| s.url.expose().contains(scope)))
+        .then(|| detail.to_owned())
+    }
+
     pub(crate) fn read_settings(&self) -> ReadSettings {
         self.inner.read
     }

@@ -790,7 +790,7 @@ impl Outbox {
             let delivered = matches!(change, SourceChange::Delivered);
             // The relay dying here (after the apply, before the message is
             // deleted) leaves it to be delivered again: the inbox holds it.
-            if fail::eval("shardkit::outbox::after_apply", |_| ()).is_some() {
+            if shards.failpoint("shardkit::outbox::after_apply").is_some() {
                 return report;
             }
             // Counted once the sender's row shows it: a pass whose changes

@@ -641,7 +641,14 @@ where
                 }
                 SagaState::Done | SagaState::Compensated => unreachable!("returned above"),
             };
-            if fail::eval("shardkit::saga::before_save", |_| ()).is_some() {
+            // Fault injection: the process dying before it saves the
+            // saga's next step (`scope@n`: only before saving step `n`).
+            if self
+                .cluster
+                .shards()
+                .failpoint("shardkit::saga::before_save")
+                .is_some_and(|step| step.is_empty() || step == next.1.to_string())
+            {
                 return Err(ShardError::CrossKey {
                     what: self.what(id),
                     reason: "stopped by the failpoint shardkit::saga::before_save".to_owned(),

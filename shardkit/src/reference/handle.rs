@@ -175,7 +175,12 @@ where
         }
         let version = write_source::<E>(&self.refs, &changes).await?;
         // The process dying here leaves the copies to the catch-up.
-        if fail::eval("shardkit::reference::after_source", |_| ()).is_some() {
+        if self
+            .refs
+            .shards()
+            .failpoint("shardkit::reference::after_source")
+            .is_some()
+        {
             return Err(ShardError::internal(
                 "failpoint shardkit::reference::after_source",
             ));

@@ -48,7 +48,11 @@ pub(crate) fn register(refs: &References, table: &'static dyn ReferenceTable) {
 async fn pass(refs: &References) {
     // Fault injection: no background pass (a copy set back stays so).
     #[cfg(feature = "failpoints")]
-    if fail::eval("shardkit::reference::no_pass", |_| ()).is_some() {
+    if refs
+        .shards()
+        .failpoint("shardkit::reference::no_pass")
+        .is_some()
+    {
         return;
     }
     let shards = refs.shards();
