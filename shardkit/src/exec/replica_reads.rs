@@ -69,6 +69,39 @@ impl ReadTime {
         }
     }
 
+    /// A turn on `replica` for one statement of a read of shard `shard`: a
+    /// connection's slot, taken before the statement's bound starts
+    /// (waiting for a connection of a busy pool is not the replica failing
+    /// to answer), and that bound. `None` when the shard must answer, the
+    /// fallback counted with its reason: `timeout` (too little of the
+    /// read's time left), `busy` (no slot within the bound) or `down` (out
+    /// of the rotation meanwhile: the reads ahead found it hung).
+    pub(crate) async fn replica_turn(
+        &self,
+        shards: &Shards,
+        replica: &Replica,
+        shard: &str,
+    ) -> Option<(tokio::sync::OwnedSemaphorePermit, Within)> {
+        let within = self.replica_within(shards);
+        let why = if within.too_short() {
+            "timeout"
+        } else {
+            match replica.slot(within.bound).await {
+                None => "busy",
+                Some(_) if !replica.is_up() => "down",
+                Some(slot) => {
+                    let within = self.replica_within(shards);
+                    if !within.too_short() {
+                        return Some((slot, within));
+                    }
+                    "timeout"
+                }
+            }
+        };
+        crate::metrics::replica_fallback(shard, why);
+        None
+    }
+
     /// What is left of the read's timeout for the shard, if it has one.
     pub(crate) fn left(&self) -> Option<Duration> {
         let timeout = self.timeout?;
@@ -329,6 +362,36 @@ impl Shards {
             let bound = within.bound;
             self.replica_failed(replica, &format_args!("no answer within {bound:?}"));
             crate::metrics::replica_fallback(shard, "failed");
+        }
+    }
+
+    /// Runs `statement` on `replica` (a read of shard `shard`, in a turn
+    /// from [`ReadTime::replica_turn`]) within its bound: its value, or
+    /// `None` when the shard must answer. A replica that failed or did not
+    /// answer within the replica timeout leaves the rotation
+    /// ([`replica_error`](Self::replica_error),
+    /// [`replica_too_slow`](Self::replica_too_slow)).
+    pub(crate) async fn on_replica<T>(
+        &self,
+        replica: &Replica,
+        within: Within,
+        shard: &str,
+        statement: impl std::future::Future<Output = Result<T, sea_orm::DbErr>>,
+    ) -> Option<T> {
+        match tokio::time::timeout(within.bound, statement).await {
+            Ok(Ok(value)) => {
+                crate::metrics::replica_read(shard, &replica.name);
+                Some(value)
+            }
+            Ok(Err(err)) => {
+                self.replica_error(replica, &err);
+                crate::metrics::replica_fallback(shard, "failed");
+                None
+            }
+            Err(_) => {
+                self.replica_too_slow(replica, within, shard);
+                None
+            }
         }
     }
 

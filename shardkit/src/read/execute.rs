@@ -103,44 +103,13 @@ impl<E: ShardedEntity> Read<E> {
             return None;
         };
         let shard = self.shards.shard_name(id);
-        let within = time.replica_within(&self.shards);
-        if within.too_short() {
-            crate::metrics::replica_fallback(shard, "timeout");
-            return None;
-        }
-        // The statement's bound starts once a connection is free: waiting
-        // for one of a busy pool is not the replica failing to answer.
-        let Some(_slot) = replica.slot(within.bound).await else {
-            crate::metrics::replica_fallback(shard, "busy");
-            return None;
-        };
-        // Out of the rotation meanwhile (the reads ahead found it hung).
-        if !replica.is_up() {
-            crate::metrics::replica_fallback(shard, "down");
-            return None;
-        }
-        let within = time.replica_within(&self.shards);
-        if within.too_short() {
-            crate::metrics::replica_fallback(shard, "timeout");
-            return None;
-        }
+        let (_slot, within) = time.replica_turn(&self.shards, replica, shard).await?;
         let fut = Box::pin(run(select.clone(), &replica.conn)).instrument(read_span::<E>(
             &replica.name,
             None,
             op,
         ));
-        match tokio::time::timeout(within.bound, fut).await {
-            Ok(Ok(value)) => {
-                crate::metrics::replica_read(shard, &replica.name);
-                return Some(value);
-            }
-            Ok(Err(err)) => {
-                self.shards.replica_error(replica, &err);
-                crate::metrics::replica_fallback(shard, "failed");
-            }
-            Err(_) => self.shards.replica_too_slow(replica, within, shard),
-        }
-        None
+        self.shards.on_replica(replica, within, shard, fut).await
     }
 
     /// Runs a plan whose one key's shard answers as a stream of rows
@@ -191,57 +160,31 @@ impl<E: ShardedEntity> Read<E> {
             let mut first = None;
             let mut on_replica = false;
             // A connection's turn on the replica, held while rows flow
-            // from it (see `Read::on_replica`).
-            let mut slot = None;
+            // from it.
+            let mut turn = None;
             if let Some((r, _)) = &replica {
-                let within = time.replica_within(&shards);
-                if !within.too_short() {
-                    slot = r.slot(within.bound).await;
-                }
-                let why = match &slot {
-                    None if within.too_short() => Some("timeout"),
-                    None => Some("busy"),
-                    // Out of the rotation meanwhile.
-                    Some(_) if !r.is_up() => Some("down"),
-                    Some(_) => None,
-                };
-                if let Some(why) = why {
-                    crate::metrics::replica_fallback(shard, why);
-                    replica = None;
-                    slot = None;
-                }
+                turn = time.replica_turn(&shards, r, shard).await;
             }
-            let within = time.replica_within(&shards);
-            if replica.is_some() && within.too_short() {
-                crate::metrics::replica_fallback(shard, "timeout");
-                replica = None;
-            }
-            if let Some((r, conn)) = &replica {
+            if let (Some((r, conn)), Some((_, within))) = (&replica, &turn) {
                 let span = read_span::<E>(&r.name, target.bucket, "stream");
                 let open = async {
                     let mut opened = into((*select).clone()).stream(conn).await?;
                     let head = opened.next().await.transpose()?;
                     Ok::<_, DbErr>((opened, head))
                 };
-                match tokio::time::timeout(within.bound, crate::trace::in_span(span, open)).await {
-                    Ok(Ok((opened, head))) => {
-                        crate::metrics::replica_read(shard, &r.name);
-                        rows = Some(opened);
-                        first = Some(head);
-                        on_replica = true;
-                    }
-                    Ok(Err(err)) => {
-                        shards.replica_error(r, &err);
-                        crate::metrics::replica_fallback(shard, "failed");
-                    }
-                    Err(_) => shards.replica_too_slow(r, within, shard),
+                if let Some((opened, head)) =
+                    shards.on_replica(r, *within, shard, crate::trace::in_span(span, open)).await
+                {
+                    rows = Some(opened);
+                    first = Some(head);
+                    on_replica = true;
                 }
             }
             if !on_replica {
                 // The shard answers: the replica's connection is free.
-                slot = None;
+                turn = None;
             }
-            let _slot = slot;
+            let _turn = turn;
             let mut rows = match rows {
                 Some(rows) => rows,
                 None => {
