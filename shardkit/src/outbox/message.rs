@@ -231,13 +231,8 @@ pub(crate) async fn record_in_inbox<G: EntityGroup>(
 
 /// Whether the receiving key's inbox holds `id`, read in its transaction.
 pub(crate) async fn in_inbox<G: EntityGroup>(tx: &ShardTx<G>, id: &str) -> Result<bool> {
-    let stmt = Query::select()
-        .column(Alias::new("id"))
-        .from(Alias::new(INBOX.name))
-        .and_where(Expr::col(Alias::new("id")).eq(id))
-        .to_owned();
     tx.unchecked_connection()
-        .query_one(&stmt)
+        .query_one(&inbox_row(id))
         .await
         .map(|r| r.is_some())
         .map_err(|e| db_err(tx.shard(), INBOX.name, "read", e))
@@ -252,27 +247,45 @@ pub(crate) fn rollback_only(reason: &str) -> String {
     )
 }
 
-/// Whether the inbox on `shard` holds message `id`, read outside any
-/// transaction after a handler failed (`false` when it cannot be read: the
-/// failure is counted as it would have been).
-async fn applied_before(cluster: &Cluster, shard: &str, id: &str) -> bool {
-    let Some(conn) = cluster.connection(shard) else {
-        return false;
-    };
-    let stmt = Query::select()
+/// The read of message `id`'s row in the inbox.
+fn inbox_row(id: &str) -> sea_orm::sea_query::SelectStatement {
+    Query::select()
         .column(Alias::new("id"))
         .from(Alias::new(INBOX.name))
         .and_where(Expr::col(Alias::new("id")).eq(id))
-        .to_owned();
+        .to_owned()
+}
+
+/// A delivery whose work failed (`why`, counted), its transaction `tx`
+/// rolled back. On PostgreSQL (`inbox_last`: the inbox row goes in after
+/// the handler) a message applied before, whose sender's row was not
+/// deleted then, may be refused by a handler that sees its own work
+/// ("already credited"): when the inbox holds it, read outside any
+/// transaction, it is a duplicate (a failed read counts the failure).
+async fn failed_unless_applied<G: EntityGroup>(
+    cluster: &Cluster,
+    tx: ShardTx<G>,
+    inbox_last: bool,
+    id: &str,
+    why: String,
+) -> Delivery {
+    let shard = tx.shard().to_owned();
+    let _ = tx.rollback().await;
+    if !inbox_last {
+        return Delivery::Failed(why);
+    }
+    let Some(conn) = cluster.connection(&shard) else {
+        return Delivery::Failed(why);
+    };
     let within = cluster
         .shards()
         .read_settings()
         .control_bound()
         .max(std::time::Duration::from_secs(1));
-    matches!(
-        tokio::time::timeout(within, conn.query_one(&stmt)).await,
-        Ok(Ok(Some(_)))
-    )
+    match tokio::time::timeout(within, conn.query_one(&inbox_row(id))).await {
+        Ok(Ok(Some(_))) => Delivery::Duplicate,
+        _ => Delivery::Failed(why),
+    }
 }
 
 /// Whether `err` says a key has no shard at all (as opposed to a shard that
@@ -364,30 +377,17 @@ impl<M: Message> Typed<M> {
             )),
         };
         if let Some(failed) = failed {
-            let shard = tx.shard().to_owned();
-            let _ = tx.rollback().await;
-            // PostgreSQL checks the inbox after the handler: a message
-            // applied before (its sender's row not deleted then) may be
-            // refused by a handler that sees its own work ("already
-            // credited"). It is a duplicate, not a failure to count.
-            if inbox_last && applied_before(cluster, &shard, &row.id).await {
-                return Delivery::Duplicate;
-            }
-            return Delivery::Failed(failed);
+            return failed_unless_applied(cluster, tx, inbox_last, &row.id, failed).await;
         }
         // A handler that swallowed a refusal of shardkit's (a unique
         // index value taken, a write off its key) returns `Ok` on a
         // transaction that can only roll back: its commit would fail the
         // same way at every delivery, so it is the work's failure, counted.
+        // As after a handler's error, the refusal may be its own earlier
+        // work's (a message applied before).
         if let Some(reason) = tx.poison_reason() {
-            let shard = tx.shard().to_owned();
-            let _ = tx.rollback().await;
-            // As after a handler's error: on PostgreSQL the refusal may be
-            // its own earlier work's (a message applied before).
-            if inbox_last && applied_before(cluster, &shard, &row.id).await {
-                return Delivery::Duplicate;
-            }
-            return Delivery::Failed(rollback_only(&reason));
+            let why = rollback_only(&reason);
+            return failed_unless_applied(cluster, tx, inbox_last, &row.id, why).await;
         }
         // A handler that swallowed a failed statement returns `Ok` on a
         // transaction the database already ended (PostgreSQL then answers
