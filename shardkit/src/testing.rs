@@ -240,9 +240,15 @@ impl TestShards {
     /// clusters over these databases (`return(<scope>)`), so that tests
     /// running at once in one process do not stop each other's work.
     pub fn scope(&self) -> String {
+        self.scope_of(0)
+    }
+
+    /// [`scope`](Self::scope) of shard `shard` (a failpoint scoped to a
+    /// move's target matches that shard's URL only).
+    pub fn scope_of(&self, shard: usize) -> String {
         match self.backend.server_address() {
-            None => self.names[0].clone(),
-            Some(address) => format!("{address}/{}", self.names[0]),
+            None => self.names[shard].clone(),
+            Some(address) => format!("{address}/{}", self.names[shard]),
         }
     }
 

@@ -1818,18 +1818,40 @@ async fn a_mover_dead_after_fencing_is_taken_over_once_its_hold_lapses(dbs: &mut
     // One bucket, from one source: its state changes are the source's
     // `moving`, the source's fence, then the target's `owned`.
     let m = mover(&a);
-    let id = m
-        .start(&m.plan_buckets([bucket(1)], "s4").await.unwrap())
-        .await
-        .unwrap()
-        .id;
+    let plan = m.plan_buckets([bucket(1)], "s4").await.unwrap();
+    let source = plan.buckets[0].1.clone();
+    let id = m.start(&plan).await.unwrap().id;
     let at = "shardkit::rebalance::park::states";
-    fail::cfg(at, &format!("2*off->return({target_db}@1)")).unwrap();
+    fail::cfg(at, &format!("return({target_db}@1#3)")).unwrap();
     let first = tokio::spawn(async move { m.run(id).await });
     until("parked with the source fenced", || {
         parked.load(Ordering::SeqCst) > 0
     })
     .await;
+    let state = |shard: String| {
+        let a = a.clone();
+        async move {
+            let db = a.connection(&shard).unwrap();
+            let sql = format!(
+                "SELECT state FROM shardkit_bucket_states WHERE grp = 'Customer' AND bucket = {}",
+                bucket(1)
+            );
+            let row = db
+                .query_one_raw(sea_orm::Statement::from_string(
+                    db.get_database_backend(),
+                    sql,
+                ))
+                .await
+                .unwrap()
+                .unwrap();
+            row.try_get::<String>("", "state").unwrap()
+        }
+    };
+    assert_eq!(
+        (state(source).await, state("s4".to_owned()).await),
+        ("moved".to_owned(), "none".to_owned()),
+        "parked after the source's fence, before the target owns the bucket"
+    );
     let died = std::time::Instant::now();
     // Another process tries until the dead mover's hold lapses.
     let b = connect(dbs, 20).await;
@@ -2425,7 +2447,11 @@ async fn a_table_in_a_database_every_shard_shares_is_not_moved(dbs: &mut TestDbs
     // from the one table, and each note is found by its key afterwards.
     {
         let _turn = FAILPOINTS.lock().await;
-        fail::cfg("shardkit::rebalance::tables_apart_unchecked", "return").unwrap();
+        fail::cfg(
+            "shardkit::rebalance::tables_apart_unchecked",
+            &format!("return({})", dbs.scope_of(4)),
+        )
+        .unwrap();
         let aborted = async {
             let id = m.start(&plan).await?.id;
             m.abort(id).await
@@ -2723,12 +2749,14 @@ async fn paused_mover_then_take_over(dbs: &mut TestDbs, at: &str) {
 /// to run the transaction again.
 async fn a_begin_whose_fence_read_the_database_aborts_begins_again(dbs: &mut TestDbs) {
     const KEY: i64 = 9_999_937;
+    // Before the seed: the failpoint names a key, which the backends' runs
+    // share.
+    let _turn = FAILPOINTS.lock().await;
     let a = connect(dbs, 20).await;
     let acked: Shared = Arc::default();
     seed(&a, &acked, [KEY]).await;
-    let _turn = FAILPOINTS.lock().await;
     let at = "shardkit::begin::fence_aborted";
-    fail::cfg(at, &format!("3*return({KEY})")).unwrap();
+    fail::cfg(at, &format!("return({KEY}@3)")).unwrap();
     let tx = a
         .begin::<Customer>(KEY)
         .await

@@ -215,22 +215,36 @@ impl Shards {
         }
     }
 
-    /// Fault injection: whether the failpoint `name` fires for this
-    /// cluster. Its argument, `scope` or `scope@detail`, scopes it to the
-    /// clusters one of whose shard URLs contains `scope` (tests of one
-    /// process each set their own); `Some(detail)` (empty without one) when
-    /// it fires. Without an argument it fires for every cluster.
+    /// Fault injection (feature `failpoints`): whether the failpoint
+    /// `name` fires for this cluster. Its argument, `scope` or
+    /// `scope@<n>`, scopes it to the clusters one of whose shard URLs
+    /// contains `scope` (tests of one process each set their own);
+    /// `Some(n)` (empty without one) when it fires. Without an argument it
+    /// fires for every cluster. A count (`2*return(...)`) is used up by
+    /// every cluster's evaluation, whatever its scope: scoped failpoints
+    /// take none.
     pub(crate) fn failpoint(&self, name: &str) -> Option<String> {
-        let arg = fail::eval(name, |arg| arg.unwrap_or_default())?;
-        let (scope, detail) = arg.rsplit_once('@').unwrap_or((arg.as_str(), ""));
-        (scope.is_empty()
-            || self
-                .inner
-                .topology
-                .shards()
-                .iter()
-                .any(|s| s.url.expose().contains(scope)))
-        .then(|| detail.to_owned())
+        #[cfg(not(feature = "failpoints"))]
+        {
+            let _ = name;
+            None
+        }
+        #[cfg(feature = "failpoints")]
+        {
+            let arg = fail::eval(name, |arg| arg.unwrap_or_default())?;
+            let (scope, detail) = match arg.rsplit_once('@') {
+                Some((scope, n)) if n.bytes().all(|b| b.is_ascii_digit()) => (scope, n),
+                _ => (arg.as_str(), ""),
+            };
+            (scope.is_empty()
+                || self
+                    .inner
+                    .topology
+                    .shards()
+                    .iter()
+                    .any(|s| s.url.expose().contains(scope)))
+            .then(|| detail.to_owned())
+        }
     }
 
     pub(crate) fn read_settings(&self) -> ReadSettings {

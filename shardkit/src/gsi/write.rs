@@ -355,12 +355,18 @@ impl Gsi {
             .columns(["value", "shard_key", "owner_pk", "created_ms"].map(Alias::new))
             .values_panic([value.into(), key.into(), owner.into(), stamp.into()])
             .on_conflict(on_conflict);
-        // Tests: the claim's statement fails as a lost connection would.
-        fail::fail_point!("shardkit::gsi::claim", |_| Err(err(DbErr::Conn(
-            sea_orm::RuntimeErr::SqlxError(std::sync::Arc::new(sea_orm::sqlx::Error::Io(
-                std::io::Error::from(std::io::ErrorKind::ConnectionReset)
-            )))
-        ))));
+        // Tests: the claim of the value the failpoint's argument names
+        // fails as a lost connection would.
+        #[cfg(feature = "failpoints")]
+        if fail::eval("shardkit::gsi::claim", |arg| arg)
+            .is_some_and(|arg| arg.as_deref() == Some(value))
+        {
+            return Err(err(DbErr::Conn(sea_orm::RuntimeErr::SqlxError(
+                std::sync::Arc::new(sea_orm::sqlx::Error::Io(std::io::Error::from(
+                    std::io::ErrorKind::ConnectionReset,
+                ))),
+            ))));
+        }
         let affected = conn.execute(&upsert).await.map_err(err)?.rows_affected();
         let ours = match backend {
             DbBackend::MySql => affected == 2,

@@ -43,12 +43,20 @@ async fn begin<G: EntityGroup>(shards: &Shards, key: &G::Key) -> Result<Begun> {
         let name = shards.shard_name(shard);
         let fenced = crate::rebalance::fence(&begun.txn, name, G::NAME, bucket, &key_text).await;
         // Fault injection: the database aborts the fence read of the key
-        // the failpoint's argument names.
+        // the failpoint's argument names (`<key>@<n>`: its first `n`
+        // reads in one begin).
         #[cfg(feature = "failpoints")]
         let fenced = match fenced {
             Ok(_)
-                if fail::eval("shardkit::begin::fence_aborted", |arg| arg)
-                    .is_some_and(|arg| arg.as_deref() == Some(key_text.as_str())) =>
+                if fail::eval("shardkit::begin::fence_aborted", |arg| {
+                    arg.unwrap_or_default()
+                })
+                .is_some_and(|arg| {
+                    match arg.rsplit_once('@').map(|(key, n)| (key, n.parse::<u32>())) {
+                        Some((key, Ok(n))) => key == key_text && aborted < n,
+                        _ => arg == key_text,
+                    }
+                }) =>
             {
                 Err(crate::rebalance::db_err(
                     name,

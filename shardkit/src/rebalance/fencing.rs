@@ -45,6 +45,10 @@ pub(crate) struct Token {
     /// Parked at a failpoint: a paused process, which renews nothing.
     #[cfg(feature = "failpoints")]
     parked: std::sync::atomic::AtomicBool,
+    /// How many times each parking failpoint matched this mover (for
+    /// `#<n>`: park at the `n`-th).
+    #[cfg(feature = "failpoints")]
+    matched: std::sync::Mutex<std::collections::HashMap<String, u32>>,
     /// Where the statements sent outside SeaORM are reported (the
     /// `on_statement` observer and the statement metrics).
     shards: Shards,
@@ -70,6 +74,8 @@ impl Token {
             scope: shards.topology().shard(target).url.expose().to_owned(),
             #[cfg(feature = "failpoints")]
             parked: std::sync::atomic::AtomicBool::new(false),
+            #[cfg(feature = "failpoints")]
+            matched: std::sync::Mutex::default(),
             shards: shards.for_task(),
         }
     }
@@ -389,15 +395,23 @@ impl Token {
     /// fence's lock held; `park_sending::<what>`: between two sends of a
     /// `COPY`'s data), for as long as the failpoint's argument is part
     /// of the target database's URL (any move, without one); `<part>@<n>`
-    /// parks only the mover holding generation `n`. It evaluates
-    /// `shardkit::rebalance::parked` once when it parks.
+    /// parks only the mover holding generation `n`, and a further `#<k>`
+    /// from that mover's `k`-th such write on (a count of the failpoint's
+    /// own, `2*off->...`, would be used up by every mover of the process).
+    /// It evaluates `shardkit::rebalance::parked` once when it parks.
     #[allow(unused_variables)]
     async fn park(&self, kind: &str, what: &str) {
         #[cfg(feature = "failpoints")]
         {
             let name = format!("shardkit::rebalance::{kind}::{what}");
-            let here = || {
+            let mut nth = 1;
+            let here = |nth: &mut u32| {
                 fail::eval(&name, |arg| arg.unwrap_or_default()).is_some_and(|arg| {
+                    let (arg, k) = match arg.rsplit_once('#') {
+                        Some((arg, k)) => (arg.to_owned(), k.parse::<u32>().unwrap_or(1)),
+                        None => (arg, 1),
+                    };
+                    *nth = k;
                     let (scope, generation) = match arg.rsplit_once('@') {
                         Some((scope, g)) => (scope.to_owned(), g.parse::<i64>().ok()),
                         None => (arg, None),
@@ -406,7 +420,16 @@ impl Token {
                         && generation.is_none_or(|g| g == self.generation)
                 })
             };
-            if !here() {
+            if !here(&mut nth) {
+                return;
+            }
+            let times = {
+                let mut matched = self.matched.lock().unwrap_or_else(|e| e.into_inner());
+                let times = matched.entry(name.clone()).or_default();
+                *times += 1;
+                *times
+            };
+            if times < nth {
                 return;
             }
             tracing::warn!(
@@ -419,7 +442,7 @@ impl Token {
             self.parked
                 .store(true, std::sync::atomic::Ordering::Release);
             fail::eval("shardkit::rebalance::parked", |_| ());
-            while here() {
+            while here(&mut nth) {
                 tokio::time::sleep(Duration::from_millis(5)).await;
             }
             self.parked

@@ -468,10 +468,14 @@ async fn race(cluster: &Cluster, phase: &'static str, writers: &[i64]) {
 }
 
 /// A claim whose statement fails as a cut connection would (failpoint
-/// `shardkit::gsi::claim`, armed for one never-used value) is a database
-/// error that may be retried, not a duplicate; nothing is written, and the
-/// same write then succeeds.
+/// `shardkit::gsi::claim`, armed for one never-used value: the other
+/// scenarios' claims go on) is a database error that may be retried, not a
+/// duplicate; nothing is written, and the same write then succeeds.
 pub(crate) async fn failed_claim_is_not_a_duplicate(dbs: &mut TestDbs) {
+    // The backends' runs take turns: setting the failpoint replaces another
+    // run's value, removing it removes it for all.
+    static FAILPOINT: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+    let _turn = FAILPOINT.lock().await;
     // The index lives on the owner's own shard, so the claim runs inside the
     // owner's transaction.
     let cluster = gsi_cluster(dbs, "[gsi]\npin = { gsi_contacts_email = \"s1\" }\n").await;

@@ -109,9 +109,20 @@ impl<G> Rebalance<G> {
         target: ShardId,
     ) -> Result<()> {
         // Fault injection: a move registered and run as by a build without
-        // this check, for the clean-up's and the abort's own.
+        // this check, for the clean-up's and the abort's own (a move to the
+        // target whose URL holds the failpoint's argument).
         #[cfg(feature = "failpoints")]
-        if fail::eval("shardkit::rebalance::tables_apart_unchecked", |_| ()).is_some() {
+        if fail::eval("shardkit::rebalance::tables_apart_unchecked", |arg| {
+            arg.unwrap_or_default()
+        })
+        .is_some_and(|arg| {
+            self.shards
+                .topology()
+                .shard(target)
+                .url
+                .expose()
+                .contains(arg.as_str())
+        }) {
             return Ok(());
         }
         for &source in sources.iter().filter(|s| **s != target) {
