@@ -246,20 +246,25 @@ impl<G> Rebalance<G> {
     #[allow(unused_variables)]
     pub(super) fn failpoint(&self, step: &str, id: i64, target: ShardId) -> Result<()> {
         #[cfg(feature = "failpoints")]
-        if fail::eval(&format!("shardkit::rebalance::{step}"), |arg| {
-            arg.unwrap_or_default()
-        })
-        .is_some_and(|arg| {
+        if self.fires(&format!("shardkit::rebalance::{step}"), target) {
+            return Err(self.refuse(Some(id), format!("failpoint shardkit::rebalance::{step}")));
+        }
+        Ok(())
+    }
+
+    /// Fault injection: whether failpoint `name` fires for a move to
+    /// `target`: its argument is part of the target database's URL (any
+    /// move, without one).
+    #[cfg(feature = "failpoints")]
+    pub(super) fn fires(&self, name: &str, target: ShardId) -> bool {
+        fail::eval(name, |arg| arg.unwrap_or_default()).is_some_and(|arg| {
             self.shards
                 .topology()
                 .shard(target)
                 .url
                 .expose()
                 .contains(arg.as_str())
-        }) {
-            return Err(self.refuse(Some(id), format!("failpoint shardkit::rebalance::{step}")));
-        }
-        Ok(())
+        })
     }
 
     /// `work` (one step against `shard`) bounded by `[rebalance]
