@@ -43,8 +43,8 @@ async fn begin<G: EntityGroup>(shards: &Shards, key: &G::Key) -> Result<Begun> {
         let name = shards.shard_name(shard);
         let fenced = crate::rebalance::fence(&begun.txn, name, G::NAME, bucket, &key_text).await;
         // Fault injection: the database aborts the fence read of the key
-        // the failpoint's argument names (`<key>@<n>`: its first `n`
-        // reads in one begin).
+        // the failpoint's argument names (`<key>@<n>`: until `n` of one
+        // begin's reads have aborted).
         #[cfg(feature = "failpoints")]
         let fenced = match fenced {
             Ok(_)
@@ -52,10 +52,10 @@ async fn begin<G: EntityGroup>(shards: &Shards, key: &G::Key) -> Result<Begun> {
                     arg.unwrap_or_default()
                 })
                 .is_some_and(|arg| {
-                    match arg.rsplit_once('@').map(|(key, n)| (key, n.parse::<u32>())) {
-                        Some((key, Ok(n))) => key == key_text && aborted < n,
-                        _ => arg == key_text,
-                    }
+                    arg == key_text
+                        || arg.rsplit_once('@').is_some_and(|(key, n)| {
+                            key == key_text && n.parse::<u32>().is_ok_and(|n| aborted < n)
+                        })
                 }) =>
             {
                 Err(crate::rebalance::db_err(

@@ -407,14 +407,20 @@ impl Token {
             let mut nth = 1;
             let here = |nth: &mut u32| {
                 fail::eval(&name, |arg| arg.unwrap_or_default()).is_some_and(|arg| {
+                    // `#<k>` and `@<n>` only as numbers: a path's own `#`
+                    // or `@` stays part of the scope.
                     let (arg, k) = match arg.rsplit_once('#') {
-                        Some((arg, k)) => (arg.to_owned(), k.parse::<u32>().unwrap_or(1)),
-                        None => (arg, 1),
+                        Some((rest, k)) if k.parse::<u32>().is_ok() => {
+                            (rest.to_owned(), k.parse().unwrap_or(1))
+                        }
+                        _ => (arg, 1),
                     };
                     *nth = k;
                     let (scope, generation) = match arg.rsplit_once('@') {
-                        Some((scope, g)) => (scope.to_owned(), g.parse::<i64>().ok()),
-                        None => (arg, None),
+                        Some((scope, g)) if g.parse::<i64>().is_ok() => {
+                            (scope.to_owned(), g.parse::<i64>().ok())
+                        }
+                        _ => (arg, None),
                     };
                     self.scope.contains(scope.as_str())
                         && generation.is_none_or(|g| g == self.generation)

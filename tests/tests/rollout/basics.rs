@@ -1304,7 +1304,11 @@ pub(crate) async fn backfill_when_ready_waits_out_the_gap_and_resumes_after_a_ti
     let err = people.backfill().await.unwrap_err();
     assert!(matches!(err, ShardError::RolloutTooSoon { .. }), "{err:?}");
     let at = "shardkit::rollout::backfill_chunk";
-    fail::cfg(at, &format!("2*return({})", dbs.names[1])).unwrap();
+    // The backends' runs take turns: arming replaces another run's
+    // argument, removing it removes it for both.
+    static FAILPOINT: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+    let _turn = FAILPOINT.lock().await;
+    fail::cfg(at, &format!("2*return({})", dbs.scope_of(1))).unwrap();
     let task = {
         let people = people.clone();
         tokio::spawn(async move { people.backfill_when_ready().await })
