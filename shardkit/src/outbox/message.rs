@@ -6,6 +6,7 @@ use crate::cluster::{Cluster, ShardTx};
 use crate::entity::{EntityGroup, ShardKey};
 use crate::error::{ErrorKind, Origin, Result, ShardError, Subsystem};
 use crate::exec::keyed_tables::{INBOX, OUTBOX};
+use crate::topology::ShardId;
 use futures::FutureExt;
 use futures::future::BoxFuture;
 use sea_orm::sea_query::{Alias, Expr, ExprTrait, Query};
@@ -64,10 +65,16 @@ pub(crate) struct Row {
     pub(crate) next_at: i64,
     pub(crate) created_at: i64,
     pub(crate) last_error: Option<String>,
+    /// The shard whose outbox it was read from.
+    pub(crate) shard: ShardId,
 }
 
 impl Row {
-    pub(crate) fn read(r: &QueryResult) -> std::result::Result<Row, sea_orm::DbErr> {
+    /// The row `r` of shard `shard`'s outbox.
+    pub(crate) fn read(
+        r: &QueryResult,
+        shard: ShardId,
+    ) -> std::result::Result<Row, sea_orm::DbErr> {
         Ok(Row {
             id: r.try_get("", "id")?,
             grp: r.try_get("", "grp")?,
@@ -82,6 +89,7 @@ impl Row {
             next_at: r.try_get("", "next_at")?,
             created_at: r.try_get("", "created_at")?,
             last_error: r.try_get("", "last_error")?,
+            shard,
         })
     }
 
@@ -159,13 +167,6 @@ type Handler<M> = Arc<
 /// Message type `M`'s operations; `handler` when this instance applies it.
 pub(crate) struct Typed<M: Message> {
     pub(crate) handler: Option<Handler<M>>,
-}
-
-fn cross_key(what: String, reason: impl Into<String>) -> ShardError {
-    ShardError::CrossKey {
-        what,
-        reason: reason.into(),
-    }
 }
 
 pub(crate) fn db_err(shard: &str, table: &str, what: &str, e: sea_orm::DbErr) -> ShardError {
@@ -480,37 +481,21 @@ impl<M: Message> Kind for Typed<M> {
     ) -> BoxFuture<'a, Result<bool>> {
         Box::pin(async move {
             let key =
-                <<M::From as EntityGroup>::Key as ShardKey>::from_directory_text(&row.key_text)
-                    .ok_or_else(|| {
-                        cross_key(
-                            row.what(),
-                            format!(
-                                "the sending key {:?} is not a key of group {}",
-                                row.key_text,
-                                <M::From as EntityGroup>::NAME
-                            ),
-                        )
-                    })?;
+                <<M::From as EntityGroup>::Key as ShardKey>::from_directory_text(&row.key_text);
             let statement = change_statement(row, &change);
             let shards = cluster.shards();
             let group = <M::From as EntityGroup>::NAME;
             // A group whose buckets never move has no fence to read: the
             // change is one statement on the key's shard. A movable group's
-            // runs in a transaction of the key, behind its fence.
+            // runs in a transaction of the key, behind its fence. A key
+            // this release cannot read has no bucket a move could take:
+            // the change is one statement on the shard it was read from.
+            let Some(key) = key else {
+                return change_on(cluster, group, row.shard, &statement).await;
+            };
             if !shards.topology().is_movable(group) {
                 let target = shards.route::<M::From>(&key).await?;
-                let conn = shards.shard_conn(target.shard);
-                let name = shards.shard_name(target.shard);
-                let run = async {
-                    conn.execute_raw(statement(conn.get_database_backend()))
-                        .await
-                        .map_err(|e| db_err(name, OUTBOX.name, "write", e))
-                };
-                let n = shards
-                    .bounded(target.shard, group, None, run)
-                    .await?
-                    .rows_affected();
-                return Ok(n > 0);
+                return change_on(cluster, group, target.shard, &statement).await;
             }
             let statement = &statement;
             cluster
@@ -526,6 +511,29 @@ impl<M: Message> Kind for Typed<M> {
                 .await
         })
     }
+}
+
+/// Runs `statement` (a change to an outbox row of `group`) on shard
+/// `shard` on its own, under the shard's breaker; whether it changed a row.
+async fn change_on(
+    cluster: &Cluster,
+    group: &'static str,
+    shard: ShardId,
+    statement: &impl Fn(sea_orm::DbBackend) -> sea_orm::Statement,
+) -> Result<bool> {
+    let shards = cluster.shards();
+    let conn = shards.shard_conn(shard);
+    let name = shards.shard_name(shard);
+    let run = async {
+        conn.execute_raw(statement(conn.get_database_backend()))
+            .await
+            .map_err(|e| db_err(name, OUTBOX.name, "write", e))
+    };
+    let n = shards
+        .bounded(shard, group, None, run)
+        .await?
+        .rows_affected();
+    Ok(n > 0)
 }
 
 /// The statement that makes `change` to `row` in its sender's outbox.

@@ -950,7 +950,7 @@ impl Outbox {
         self.query(id, stmt, "read")
             .await?
             .iter()
-            .map(|r| Row::read(r).map_err(|e| db_err(name, OUTBOX.name, "read", e)))
+            .map(|r| Row::read(r, id).map_err(|e| db_err(name, OUTBOX.name, "read", e)))
             .collect()
     }
 
@@ -1183,7 +1183,8 @@ impl Outbox {
                 }
             };
             for r in rows {
-                let row = Row::read(&r).map_err(|e| db_err(name, OUTBOX.name, "read", e))?;
+                let row =
+                    Row::read(&r, ShardId(i)).map_err(|e| db_err(name, OUTBOX.name, "read", e))?;
                 let owned = self
                     .kinds
                     .get(row.kind.as_str())
