@@ -409,18 +409,17 @@ impl Token {
                 fail::eval(&name, |arg| arg.unwrap_or_default()).is_some_and(|arg| {
                     // `#<k>` and `@<n>` only as numbers: a path's own `#`
                     // or `@` stays part of the scope.
-                    let (arg, k) = match arg.rsplit_once('#') {
-                        Some((rest, k)) if k.parse::<u32>().is_ok() => {
-                            (rest.to_owned(), k.parse().unwrap_or(1))
-                        }
-                        _ => (arg, 1),
-                    };
+                    let (arg, k) = arg
+                        .rsplit_once('#')
+                        .and_then(|(rest, k)| Some((rest.to_owned(), k.parse::<u32>().ok()?)))
+                        .unwrap_or((arg, 1));
                     *nth = k;
                     let (scope, generation) = match arg.rsplit_once('@') {
-                        Some((scope, g)) if g.parse::<i64>().is_ok() => {
-                            (scope.to_owned(), g.parse::<i64>().ok())
-                        }
-                        _ => (arg, None),
+                        Some((scope, g)) => match g.parse::<i64>() {
+                            Ok(g) => (scope.to_owned(), Some(g)),
+                            Err(_) => (arg, None),
+                        },
+                        None => (arg, None),
                     };
                     self.scope.contains(scope.as_str())
                         && generation.is_none_or(|g| g == self.generation)
