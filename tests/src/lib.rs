@@ -82,6 +82,8 @@ pub mod harness {
     use super::{Backend, TestDbs, in_ci};
     use std::future::Future;
     use std::pin::Pin;
+    use std::sync::{Arc, Mutex, mpsc};
+    use std::time::Duration;
 
     type Body = for<'a> fn(&'a mut TestDbs) -> Pin<Box<dyn Future<Output = ()> + 'a>>;
 
@@ -115,16 +117,80 @@ pub mod harness {
         }
 
         fn run(self) {
+            let watchdog = Watchdog::start(self.name());
             let runtime = tokio::runtime::Builder::new_multi_thread()
                 .worker_threads(2)
                 .enable_all()
                 .build()
                 .expect("a tokio runtime for the scenario");
+            let phase = &watchdog.phase;
             runtime.block_on(async move {
+                *lock(phase) = "creating its databases";
                 let mut dbs = TestDbs::create(self.backend, self.test, self.shards).await;
+                *lock(phase) = "running";
                 (self.body)(&mut dbs).await;
+                *lock(phase) = "dropping its databases";
                 dbs.cleanup().await;
             });
+            *lock(phase) = "shutting its runtime down (a task or blocking call is stuck)";
+            drop(runtime);
+        }
+    }
+
+    /// A phase that a panicking scenario left is still worth reporting.
+    fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+        m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// How long one scenario may take before [`Watchdog`] stops the binary
+    /// (`SHARDKIT_SCENARIO_LIMIT_SECS`, default 600; the longest scenarios
+    /// take a minute or two on a loaded two-core machine).
+    fn scenario_limit() -> Duration {
+        let secs = std::env::var("SHARDKIT_SCENARIO_LIMIT_SECS")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(600);
+        Duration::from_secs(secs)
+    }
+
+    /// Turns a scenario that hangs into a failure that names it, what it was
+    /// doing and where every thread of the process stands (through `gdb`,
+    /// when the machine has it), instead of a test binary that runs until
+    /// CI's own limit with nothing to show. A scenario's threads cannot be
+    /// cancelled from outside, so it ends the process.
+    struct Watchdog {
+        phase: Arc<Mutex<&'static str>>,
+        _done: mpsc::Sender<()>,
+    }
+
+    impl Watchdog {
+        fn start(name: String) -> Watchdog {
+            let phase = Arc::new(Mutex::new("starting"));
+            let (done, finished) = mpsc::channel::<()>();
+            let watched = Arc::clone(&phase);
+            let limit = scenario_limit();
+            std::thread::spawn(move || {
+                // The scenario drops the sender when it ends, however it ends.
+                if finished.recv_timeout(limit) != Err(mpsc::RecvTimeoutError::Timeout) {
+                    return;
+                }
+                let phase = *lock(&watched);
+                eprintln!(
+                    "\n{name}: still {phase} after {} s; the stacks of every thread follow",
+                    limit.as_secs()
+                );
+                let gdb = std::process::Command::new("gdb")
+                    .args(["-p", &std::process::id().to_string(), "-batch"])
+                    .args(["-ex", "thread apply all bt"])
+                    .stdout(std::process::Stdio::inherit())
+                    .status();
+                if let Err(err) = gdb {
+                    eprintln!("(no stacks: gdb could not run: {err})");
+                }
+                eprintln!("{name}: still {phase} after {} s", limit.as_secs());
+                std::process::exit(101);
+            });
+            Watchdog { phase, _done: done }
         }
     }
 
