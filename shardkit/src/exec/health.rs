@@ -242,19 +242,34 @@ impl ShardHealth {
                 state.last = Some((Instant::now(), now, result));
             }
         }
-        let mut finish = Finish {
-            health: Arc::clone(self),
-            clock: Arc::clone(clock),
-            result: None,
-        };
+        let (health, task_clock) = (Arc::clone(self), Arc::clone(clock));
+        // The task makes its `Finish` when it first runs: a runtime that is
+        // shutting down drops a task spawned on it there and then, on this
+        // thread, which holds `state`; a `Finish` dropped with it would lock
+        // `state` again and never return (nor would the runtime's shutdown,
+        // waiting for this thread).
         let task = tokio::spawn(async move {
+            let mut finish = Finish {
+                health,
+                clock: task_clock,
+                result: None,
+            };
             let result = finish.health.probe_once().await;
             finish.result = Some(result.clone());
             drop(finish);
             result
         });
-        // A probe task that never finished found nothing.
-        let probe = async move { task.await.unwrap_or(Ok(())) }.boxed().shared();
+        let health = Arc::clone(self);
+        let probe = async move {
+            task.await.unwrap_or_else(|_| {
+                // The task was dropped (its runtime shut down), perhaps before
+                // it ran: the probe ends here, and found nothing.
+                health.state().running = None;
+                Ok(())
+            })
+        }
+        .boxed()
+        .shared();
         state.running = Some((tokio::time::Instant::now(), probe.clone()));
         probe
     }
@@ -512,6 +527,38 @@ mod tests {
             assert_eq!(health.check().await, Ok(()), "{url}");
             assert_eq!(health.down_cause(), None);
         }
+    }
+
+    /// A probe started on a runtime that has shut down (a cluster used from
+    /// a runtime that ended, a request polled while its runtime shuts down)
+    /// ends, and says it found nothing: the task was dropped as it was
+    /// spawned, while the breaker's state was locked to record the probe,
+    /// and its end used to lock that state again and wait forever.
+    #[test]
+    fn a_probe_spawned_on_a_runtime_that_shut_down_ends() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let handle = runtime.handle().clone();
+        drop(runtime);
+        let url = DatabaseUrl::new("postgres://app:hunter2@127.0.0.1:1/shop".to_owned());
+        let health = Arc::new(ShardHealth::new(&url, Duration::from_secs(1)));
+        let (done, ended) = std::sync::mpsc::channel();
+        let checked = Arc::clone(&health);
+        std::thread::spawn(move || {
+            let _runtime = handle.enter();
+            let clock: Arc<dyn Clock> = Arc::new(crate::clock::SystemClock);
+            let _ = done.send(futures::executor::block_on(checked.check_on(&clock)));
+        });
+        let result = ended
+            .recv_timeout(Duration::from_secs(10))
+            .expect("the check never returned: the probe's end waits for the lock its start holds");
+        assert_eq!(result, Ok(()));
+        assert!(
+            health.state().running.is_none(),
+            "the probe is still running"
+        );
     }
 
     /// A refused connection is a shard down.

@@ -44,15 +44,29 @@ impl std::fmt::Debug for Sequence {
     }
 }
 
-/// Ends a fetch however it ends (done, failed, or its caller went away), so
-/// a waiter can take over.
-struct FetchDone<'a>(&'a Sequence);
+/// A sequence's one fetch under way (`fetching` set), ended when dropped
+/// however it ends (done, failed, its caller went away, or its background
+/// task was dropped before it ran: its runtime shut down), so a waiter can
+/// take over. Never dropped with the sequence's state locked.
+struct Fetching(Arc<Sequence>);
 
-impl Drop for FetchDone<'_> {
+impl Drop for Fetching {
     fn drop(&mut self) {
         lock(&self.0.state).fetching = false;
         self.0.fetched.notify_waiters();
     }
+}
+
+/// What [`Sequence::next`] does after looking at the state.
+enum Step<'a> {
+    /// Hand out this id, and start the prefetch first when `true`.
+    Id(u64, bool),
+    /// The ready block was installed: look again.
+    Again,
+    /// Wait for the fetch under way (failures counted when it started).
+    Wait(tokio::sync::futures::Notified<'a>, u64),
+    /// No block and no fetch: fetch one.
+    Fetch,
 }
 
 impl Sequence {
@@ -83,42 +97,52 @@ impl Sequence {
             return self.block_of(ticket).map(|(start, _)| start as i64);
         }
         loop {
-            let waiting = {
+            let step = {
                 let mut st = lock(&self.state);
                 if st.next < st.end {
                     let id = st.next;
                     st.next += 1;
-                    if st.next >= st.prefetch_at && st.ready.is_none() && !st.fetching {
+                    let prefetch = st.next >= st.prefetch_at && st.ready.is_none() && !st.fetching;
+                    if prefetch {
                         st.fetching = true;
-                        let seq = Arc::clone(self);
+                    }
+                    Step::Id(id, prefetch)
+                } else if let Some((start, end)) = st.ready.take() {
+                    st.next = start;
+                    st.end = end;
+                    st.prefetch_at = start + (self.block / 10).max(1);
+                    Step::Again
+                } else if st.fetching {
+                    // Registered before the lock is released (a `Notified`
+                    // gets `notify_waiters` from its creation on), so the
+                    // fetch's wake-up cannot be missed.
+                    Step::Wait(self.fetched.notified(), st.failures)
+                } else {
+                    st.fetching = true;
+                    Step::Fetch
+                }
+            };
+            match step {
+                Step::Id(id, prefetch) => {
+                    if prefetch {
+                        // Claimed above, spawned with the lock released: a
+                        // runtime shutting down drops the task at once, and
+                        // its claim's end locks the state.
+                        let claim = Fetching(Arc::clone(self));
                         // The task holds the sequence only while its one
                         // request lasts (at most `timeout_ms` per server).
                         tokio::spawn(async move {
-                            if let Err(err) = seq.fetch().await {
+                            let seq = Arc::clone(&claim.0);
+                            if let Err(err) = seq.fetch(claim).await {
                                 tracing::warn!(sequence = %seq.name, error = %err.report(), "prefetching the next block failed; the next caller that needs it asks again");
                             }
                         });
                     }
                     return Ok(id as i64);
                 }
-                if let Some((start, end)) = st.ready.take() {
-                    st.next = start;
-                    st.end = end;
-                    st.prefetch_at = start + (self.block / 10).max(1);
-                    continue;
-                }
-                if st.fetching {
-                    // Registered before the lock is released, so the fetch's
-                    // wake-up cannot be missed.
-                    Some((self.fetched.notified(), st.failures))
-                } else {
-                    st.fetching = true;
-                    None
-                }
-            };
-            match waiting {
-                None => self.fetch().await?,
-                Some((notified, failures)) => {
+                Step::Again => {}
+                Step::Fetch => self.fetch(Fetching(Arc::clone(self))).await?,
+                Step::Wait(notified, failures) => {
                     notified.await;
                     // The fetch this caller waited on failed: report it
                     // rather than queue up behind the same dead servers.
@@ -137,8 +161,7 @@ impl Sequence {
 
     /// Asks for a ticket and installs its block as the ready one. The caller
     /// has set `fetching`.
-    async fn fetch(&self) -> Result<()> {
-        let _done = FetchDone(self);
+    async fn fetch(&self, _done: Fetching) -> Result<()> {
         let epoch = lock(&self.state).epoch;
         let result = self
             .tickets

@@ -1,6 +1,6 @@
 //! Ticket sequences under the conditions that used to break them: a cluster
 //! dropped with ids drawn or a prefetch in flight (the ticket pools must
-//! close), a sequence whose table was never created (a configuration error,
+//! close), a prefetch dropped with its runtime before it ran, a sequence whose table was never created (a configuration error,
 //! not an outage), servers that fail (one clear message), migrations (the
 //! application's tables never reach a ticket server), Flickr mode under
 //! concurrency (requests run side by side) and configs whose `ids.servers`
@@ -111,6 +111,44 @@ pub(crate) async fn dropping_the_cluster_closes_the_ticket_pools(dbs: &mut TestD
         fail::remove("shardkit::ids::ticket::blocks");
         drop(failpoint);
         assert_eq!(left, 0, "{case}: connections still open after the drop");
+    }
+}
+
+/// A prefetch whose task its runtime dropped before it ran (a sequence used
+/// from a runtime that then ended: a test's, a short job's) leaves the
+/// sequence serving: the next caller that needs a block, on another
+/// runtime, fetches it instead of waiting for a fetch that never ends.
+pub(crate) async fn a_prefetch_dropped_with_its_runtime_leaves_the_sequence_serving(
+    dbs: &mut TestDbs,
+) {
+    let (config, _) = ticket_config(dbs, "[ids.sequences.orphaned]\nblock = 10\n").await;
+    let cluster = Cluster::connect(config).await.unwrap();
+    cluster.migrate::<Migrator>().await.unwrap();
+    cluster.ids().create_sequence("orphaned").await.unwrap();
+    let seq = cluster.ids().sequence("orphaned").unwrap();
+    // The first id fetches the first block and, a tenth into it, spawns the
+    // prefetch of the next; its runtime ends with that id, before the
+    // prefetch's task ever runs.
+    let first = {
+        let seq = std::sync::Arc::clone(&seq);
+        std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            runtime.block_on(seq.next())
+        })
+        .join()
+        .unwrap()
+        .unwrap()
+    };
+    let mut ids = HashSet::from([first]);
+    for _ in 0..25 {
+        let id = tokio::time::timeout(Duration::from_secs(10), seq.next())
+            .await
+            .expect("the caller waited for the prefetch its runtime dropped")
+            .unwrap();
+        assert!(ids.insert(id), "{id} handed out twice");
     }
 }
 

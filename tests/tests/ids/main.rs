@@ -25,6 +25,7 @@ use failures::{
     a_hung_or_refusing_ticket_server_fails_set_up_not_tickets,
     a_list_that_sets_up_between_anothers_read_and_write_wins_alone,
     a_missing_sequence_is_a_config_error_not_an_outage,
+    a_prefetch_dropped_with_its_runtime_leaves_the_sequence_serving,
     a_set_up_that_stops_while_confirming_is_finished_by_the_next,
     a_sqlite_ticket_server_that_cannot_be_opened_is_opened_on_first_use,
     a_ticket_server_serves_only_the_list_it_was_set_up_with,
@@ -45,6 +46,7 @@ backend_tests!(2 =>
     // failures.rs
     [Postgres, MySql] dropping_the_cluster_closes_the_ticket_pools,
     a_missing_sequence_is_a_config_error_not_an_outage,
+    a_prefetch_dropped_with_its_runtime_leaves_the_sequence_serving,
     failed_servers_are_reported_once,
     migrate_runs_only_shardkit_migrations_on_ticket_servers,
     flickr_requests_run_concurrently,
