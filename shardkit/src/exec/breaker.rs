@@ -9,6 +9,7 @@ use crate::topology::ShardId;
 use std::future::Future;
 use std::ops::ControlFlow;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::Poll;
 use std::time::Duration;
 
@@ -194,25 +195,42 @@ impl Shards {
             cause,
             "shard down: requests fail fast, except while a probe runs, until a probe reaches it"
         );
+        /// Gives the background probe up when its task ends without
+        /// having given it up itself (its runtime shut down, before the
+        /// task ran or while it ran): the next outage starts another.
+        struct Claim(Arc<ShardHealth>, AtomicBool);
+        impl Drop for Claim {
+            fn drop(&mut self) {
+                if self.1.load(Ordering::Acquire) {
+                    self.0.stop_reprobing();
+                }
+            }
+        }
+        let claim = Arc::new(Claim(Arc::clone(health), AtomicBool::new(true)));
         crate::exec::periodic::spawn(
             self,
             REPROBE,
             crate::exec::periodic::FirstPass::AfterInterval,
-            move |shards: Shards| async move {
-                let health = Arc::clone(shards.health(id));
-                if let Some(probe) = health.probe_if_due(shards.clock()) {
-                    let _ = probe.await;
+            move |shards: Shards| {
+                let claim = Arc::clone(&claim);
+                async move {
+                    let health = &claim.0;
+                    if let Some(probe) = health.probe_if_due(shards.clock()) {
+                        let _ = probe.await;
+                    }
+                    if health.down_cause().is_some() {
+                        return std::ops::ControlFlow::Continue(());
+                    }
+                    claim.1.store(false, Ordering::Release);
+                    health.stop_reprobing();
+                    // Down again since: go on unless another task took over.
+                    if health.down_cause().is_some() && health.start_reprobing() {
+                        claim.1.store(true, Ordering::Release);
+                        return std::ops::ControlFlow::Continue(());
+                    }
+                    tracing::info!(shard = shards.shard_name(id), "shard back up");
+                    std::ops::ControlFlow::Break(())
                 }
-                if health.down_cause().is_some() {
-                    return std::ops::ControlFlow::Continue(());
-                }
-                health.stop_reprobing();
-                // Down again since: go on unless another task took over.
-                if health.down_cause().is_some() && health.start_reprobing() {
-                    return std::ops::ControlFlow::Continue(());
-                }
-                tracing::info!(shard = shards.shard_name(id), "shard back up");
-                std::ops::ControlFlow::Break(())
             },
         );
     }

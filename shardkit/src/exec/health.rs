@@ -95,10 +95,79 @@ struct State {
     /// The last probe: when it ended (real time, and the clock's ms), and
     /// its outcome.
     last: Option<(Instant, u64, ProbeResult)>,
-    /// The probe running, and when it started.
-    running: Option<(tokio::time::Instant, SharedProbe)>,
+    /// The probe running.
+    running: Option<Running>,
+    /// Probes started so far: the running one's number.
+    probes: u64,
     /// The clock the breaker was last asked with (for [`ShardHealth::check`]).
     clock: Option<Arc<dyn Clock>>,
+}
+
+/// The probe running on a shard.
+struct Running {
+    started: tokio::time::Instant,
+    probe: SharedProbe,
+    /// Its number ([`State::probes`]): its end clears this probe only.
+    generation: u64,
+}
+
+/// A probe recorded as running, not yet spawned ([`ShardHealth::start`]).
+#[must_use = "a probe recorded as running must be spawned"]
+struct Launch(Finish);
+
+impl Launch {
+    /// Runs the probe in a task of its own (a request that gives up must
+    /// not cancel the probe that would mark the shard down or up). Never
+    /// called with the breaker's state locked.
+    fn spawn(self) {
+        let Launch(mut finish) = self;
+        tokio::spawn(async move {
+            finish.result = Some(finish.health.probe_once().await);
+            drop(finish);
+        });
+    }
+}
+
+/// Ends a probe however its task ends (done, or dropped by a runtime that
+/// shut down, before it ran or while it ran): applies its outcome, if it
+/// has one, and tells the requests waiting on it.
+struct Finish {
+    health: Arc<ShardHealth>,
+    clock: Arc<dyn Clock>,
+    generation: u64,
+    result: Option<ProbeResult>,
+    sender: Option<tokio::sync::oneshot::Sender<ProbeResult>>,
+}
+
+impl Drop for Finish {
+    fn drop(&mut self) {
+        let now = self.clock.now_millis();
+        let result = self.result.take();
+        {
+            let mut state = self.health.state();
+            if state
+                .running
+                .as_ref()
+                .is_some_and(|r| r.generation == self.generation)
+            {
+                state.running = None;
+            }
+            if let Some(result) = &result {
+                match result {
+                    Ok(()) => state.down = None,
+                    Err(cause) => {
+                        let since = state.down.as_ref().map_or(now, |(_, since)| *since);
+                        state.down = Some((cause.clone(), since));
+                    }
+                }
+                state.last = Some((Instant::now(), now, result.clone()));
+            }
+        }
+        // After the state: a request woken by the outcome finds it applied.
+        if let (Some(sender), Some(result)) = (self.sender.take(), result) {
+            let _ = sender.send(result);
+        }
+    }
 }
 
 /// What a request of a shard does, by its breaker ([`ShardHealth::gate`]).
@@ -180,12 +249,12 @@ impl ShardHealth {
             return Gate::Closed;
         };
         let cause = cause.clone();
-        if let Some((started, probe)) = &state.running {
-            let until = *started + HALF_OPEN_WAIT;
+        if let Some(running) = &state.running {
+            let until = running.started + HALF_OPEN_WAIT;
             return if tokio::time::Instant::now() < until {
                 Gate::HalfOpen {
                     until,
-                    probe: probe.clone(),
+                    probe: running.probe.clone(),
                 }
             } else {
                 Gate::Open(cause)
@@ -194,7 +263,9 @@ impl ShardHealth {
         if !due(&state, clock.now_millis()) {
             return Gate::Open(cause);
         }
-        let probe = self.start(&mut state, clock);
+        let (probe, launch) = self.start(&mut state, clock);
+        drop(state);
+        launch.spawn();
         Gate::HalfOpen {
             until: tokio::time::Instant::now() + HALF_OPEN_WAIT,
             probe,
@@ -205,73 +276,44 @@ impl ShardHealth {
     /// probe ended long enough ago; `None` otherwise (the background probe).
     pub(crate) fn probe_if_due(self: &Arc<Self>, clock: &Arc<dyn Clock>) -> Option<SharedProbe> {
         let mut state = self.state();
-        if let Some((_, probe)) = &state.running {
-            return Some(probe.clone());
+        if let Some(running) = &state.running {
+            return Some(running.probe.clone());
         }
         if state.down.is_none() || !due(&state, clock.now_millis()) {
             return None;
         }
-        Some(self.start(&mut state, clock))
+        let (probe, launch) = self.start(&mut state, clock);
+        drop(state);
+        launch.spawn();
+        Some(probe)
     }
 
-    /// Starts the probe (in a task of its own: a request that gives up must
-    /// not cancel the probe that would mark the shard down or up).
-    fn start(self: &Arc<Self>, state: &mut State, clock: &Arc<dyn Clock>) -> SharedProbe {
-        /// Applies the probe's outcome, or only ends the probe if it never
-        /// finished (the runtime shut down).
-        struct Finish {
-            health: Arc<ShardHealth>,
-            clock: Arc<dyn Clock>,
-            result: Option<ProbeResult>,
-        }
-        impl Drop for Finish {
-            fn drop(&mut self) {
-                let now = self.clock.now_millis();
-                let mut state = self.health.state();
-                state.running = None;
-                let Some(result) = self.result.take() else {
-                    return;
-                };
-                match &result {
-                    Ok(()) => state.down = None,
-                    Err(cause) => {
-                        let since = state.down.as_ref().map_or(now, |(_, since)| *since);
-                        state.down = Some((cause.clone(), since));
-                    }
-                }
-                state.last = Some((Instant::now(), now, result));
-            }
-        }
-        let (health, task_clock) = (Arc::clone(self), Arc::clone(clock));
-        // The task makes its `Finish` when it first runs: a runtime that is
-        // shutting down drops a task spawned on it there and then, on this
-        // thread, which holds `state`; a `Finish` dropped with it would lock
-        // `state` again and never return (nor would the runtime's shutdown,
-        // waiting for this thread).
-        let task = tokio::spawn(async move {
-            let mut finish = Finish {
-                health,
-                clock: task_clock,
-                result: None,
-            };
-            let result = finish.health.probe_once().await;
-            finish.result = Some(result.clone());
-            drop(finish);
-            result
+    /// Records a new probe as the one running and returns it, with the
+    /// task that runs it, to be [spawned](Launch::spawn) once `state` is
+    /// unlocked: a runtime that is shutting down drops a task spawned on it
+    /// there and then, and the task's end locks `state`.
+    fn start(self: &Arc<Self>, state: &mut State, clock: &Arc<dyn Clock>) -> (SharedProbe, Launch) {
+        state.probes += 1;
+        let generation = state.probes;
+        let (sender, outcome) = tokio::sync::oneshot::channel();
+        // A probe whose task ended without an outcome (its runtime shut
+        // down, before it ran or while it ran) found nothing.
+        let probe = async move { outcome.await.unwrap_or(Ok(())) }
+            .boxed()
+            .shared();
+        state.running = Some(Running {
+            started: tokio::time::Instant::now(),
+            probe: probe.clone(),
+            generation,
         });
-        let health = Arc::clone(self);
-        let probe = async move {
-            task.await.unwrap_or_else(|_| {
-                // The task was dropped (its runtime shut down), perhaps before
-                // it ran: the probe ends here, and found nothing.
-                health.state().running = None;
-                Ok(())
-            })
-        }
-        .boxed()
-        .shared();
-        state.running = Some((tokio::time::Instant::now(), probe.clone()));
-        probe
+        let finish = Finish {
+            health: Arc::clone(self),
+            clock: Arc::clone(clock),
+            generation,
+            result: None,
+            sender: Some(sender),
+        };
+        (probe, Launch(finish))
     }
 
     /// Claims the background probe of this down shard: `true` if none ran.
@@ -344,17 +386,23 @@ impl ShardHealth {
 
     /// [`check`](Self::check), on `clock`.
     pub(crate) async fn check_on(self: &Arc<Self>, clock: &Arc<dyn Clock>) -> ProbeResult {
-        let probe = {
+        let (probe, launch) = {
             let mut state = self.state();
             remember(&mut state, clock);
             match (&state.running, &state.last) {
-                (Some((_, probe)), _) => probe.clone(),
+                (Some(running), _) => (running.probe.clone(), None),
                 (None, Some((at, _, result))) if at.elapsed() < HEALTHY_FOR => {
                     return result.clone();
                 }
-                (None, _) => self.start(&mut state, clock),
+                (None, _) => {
+                    let (probe, launch) = self.start(&mut state, clock);
+                    (probe, Some(launch))
+                }
             }
         };
+        if let Some(launch) = launch {
+            launch.spawn();
+        }
         probe.await
     }
 }
@@ -559,6 +607,32 @@ mod tests {
             health.state().running.is_none(),
             "the probe is still running"
         );
+    }
+
+    /// A probe that a request of a down shard started, on a runtime that
+    /// then shut down with nobody waiting on the probe, is not left running:
+    /// on another runtime the shard's requests would fail at once for good,
+    /// the stale probe too old to wait on and no new one started.
+    #[test]
+    fn a_probe_dropped_with_its_runtime_unawaited_is_not_left_running() {
+        let url = DatabaseUrl::new("postgres://app:hunter2@127.0.0.1:1/shop".to_owned());
+        let health = Arc::new(ShardHealth::new(&url, Duration::from_secs(1)));
+        let clock: Arc<dyn Clock> = Arc::new(crate::clock::SystemClock);
+        health.state().down = Some(("refused".to_owned(), 0));
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async {
+            assert!(matches!(health.gate(&clock), Gate::HalfOpen { .. }));
+        });
+        assert!(health.state().running.is_some(), "no probe was started");
+        drop(runtime);
+        assert!(
+            health.state().running.is_none(),
+            "the probe of a runtime that shut down is still running"
+        );
+        assert_eq!(health.down_cause().as_deref(), Some("refused"));
     }
 
     /// A refused connection is a shard down.

@@ -234,18 +234,6 @@ impl MoveReads {
     }
 }
 
-/// Ends a background map read claimed with `MapReads::claim_try` however
-/// its pass ends.
-struct Trying<'a>(&'a Shards, &'static str);
-
-impl Drop for Trying<'_> {
-    fn drop(&mut self) {
-        if let Ok(map) = map::live_map(self.0, self.1) {
-            map.reads().done_trying();
-        }
-    }
-}
-
 /// `within` from now (a timeout too large for the clock bounds nothing).
 fn deadline_after(within: Duration) -> tokio::time::Instant {
     let now = tokio::time::Instant::now();
@@ -322,10 +310,14 @@ impl ReadGuard for MoveReads {
                 let map = map::live_map(&self.shards, group).ok()?;
                 if map.reads().claim_try(self.shards.now_ms(), STALE_RETRY_MS) {
                     let within = self.within();
+                    // Ends the read however its task ends.
+                    let trying = map::MapClaim::new(&self.shards, group, |reads| {
+                        reads.done_trying();
+                    });
                     crate::exec::periodic::spawn_once(
                         &self.shards,
                         move |shards: Shards| async move {
-                            let _done = Trying(&shards, group);
+                            let _trying = trying;
                             if let Err(e) = refresh_within(&shards, group, within).await {
                                 tracing::warn!(group, error = %e.report(), "bucket map refresh failed");
                             }

@@ -27,6 +27,7 @@ pub use layout::{
     DEFAULT_BUCKETS, DEFAULT_DIRECTORY_TABLE, DirectorySpec, Located, MAX_BUCKETS, Placement,
     ReplicaSpec, ShardSpec, Target, Topology,
 };
+pub(crate) use owners::MapReads;
 pub use owners::{BucketOwners, ShardId};
 pub use ranges::{LiveMap, MapSnapshot, RangeOwners, RangeUnit};
 pub(crate) use ranges::{find_bound, find_key};
