@@ -28,6 +28,7 @@ backend_tests!(5 =>
     a_shard_added_to_the_config_connects_unmigrated_and_takes_buckets_after_migrate,
     a_migrate_that_fails_on_a_ticket_server_leaves_the_movable_group_writable,
     an_instance_that_has_not_refreshed_reads_a_moved_row_as_at_the_flip,
+    [Sqlite] a_background_map_read_dropped_unrun_is_tried_again,
     [Postgres, MySql] a_mover_paused_inside_its_transaction_does_not_block_the_next,
     [Postgres] a_mover_paused_while_sending_a_copy_does_not_block_the_next,
     [Postgres] a_table_in_a_named_schema_moves_with_copy,
@@ -1979,6 +1980,72 @@ async fn a_migrate_that_fails_on_a_ticket_server_leaves_the_movable_group_writab
     }
     cluster.refresh_bucket_maps().await.unwrap();
     check_placement(&cluster, &acked).await;
+}
+
+/// A stale map's background read whose task was dropped before it ran (the
+/// runtime that the read spawned it on had shut down) is tried again by the
+/// next stale read: it used to stay claimed, and the map was not read again
+/// in the background until it expired. SQLite only: the read is polled once
+/// on a runtime that has shut down, and a server's connection opened there
+/// would be left dead.
+async fn a_background_map_read_dropped_unrun_is_tried_again(dbs: &mut TestDbs) {
+    let toml = toml_with(
+        dbs,
+        &format!("buckets = {BUCKETS}\nshards = [\"s0\", \"s1\", \"s2\", \"s3\"]"),
+        0,
+    )
+    .replace("cleanup_grace_ms = 0", "cleanup_grace_ms = 600000");
+    let clock = Arc::new(shardkit::clock::ManualClock::starting_now());
+    let cluster = Cluster::builder(ClusterConfig::from_toml(&toml).unwrap())
+        .clock(clock.clone())
+        .connect()
+        .await
+        .unwrap();
+    let acked: Shared = Arc::default();
+    seed(&cluster, &acked, 1..=2).await;
+    let read_at = || {
+        cluster
+            .topology()
+            .live_owners("Customer")
+            .unwrap()
+            .unwrap()
+            .read_at_ms()
+    };
+    let before = read_at();
+    // Past half the grace: a read goes on by the map and reads it in the
+    // background.
+    clock.advance(std::time::Duration::from_secs(301));
+    let ended = cluster.clone();
+    std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let handle = runtime.handle().clone();
+        drop(runtime);
+        let _entered = handle.enter();
+        // One poll: the read spawns the map's read, which the runtime drops
+        // there and then; what the read does next on a runtime without a
+        // timer may panic, and the read is dropped after that poll anyway.
+        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            futures::FutureExt::now_or_never(name_of_first(&ended))
+        }));
+    })
+    .join()
+    .unwrap();
+    assert_eq!(read_at(), before, "the map was read on the ended runtime");
+    // A second later (background reads are a second apart at least), the
+    // next stale read reads the map in the background.
+    clock.advance(std::time::Duration::from_secs(2));
+    assert_eq!(name_of_first(&cluster).await, Some(first_name(1)));
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while read_at() == before {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the stale map was not read again in the background"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
 }
 
 /// After a move's flip, an instance that has not read the map since reads a
