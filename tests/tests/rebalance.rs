@@ -2003,15 +2003,7 @@ async fn a_background_map_read_dropped_unrun_is_tried_again(dbs: &mut TestDbs) {
         .unwrap();
     let acked: Shared = Arc::default();
     seed(&cluster, &acked, 1..=2).await;
-    let read_at = || {
-        cluster
-            .topology()
-            .live_owners("Customer")
-            .unwrap()
-            .unwrap()
-            .read_at_ms()
-    };
-    let before = read_at();
+    let before = map_read_at(&cluster);
     // Past half the grace: a read goes on by the map and reads it in the
     // background.
     clock.advance(std::time::Duration::from_secs(301));
@@ -2033,17 +2025,39 @@ async fn a_background_map_read_dropped_unrun_is_tried_again(dbs: &mut TestDbs) {
     })
     .join()
     .unwrap();
-    assert_eq!(read_at(), before, "the map was read on the ended runtime");
+    assert_eq!(
+        map_read_at(&cluster),
+        before,
+        "the map was read on the ended runtime"
+    );
     // A second later (background reads are a second apart at least), the
     // next stale read reads the map in the background.
     clock.advance(std::time::Duration::from_secs(2));
     assert_eq!(name_of_first(&cluster).await, Some(first_name(1)));
+    map_read_again(
+        &cluster,
+        before,
+        "the stale map was not read again in the background",
+    )
+    .await;
+}
+
+/// When `cluster` last read its Customer map (its clock's ms).
+fn map_read_at(cluster: &Cluster) -> i64 {
+    cluster
+        .topology()
+        .live_owners("Customer")
+        .unwrap()
+        .unwrap()
+        .read_at_ms()
+}
+
+/// Waits (at most 10 s) until `cluster` has read its Customer map since
+/// `before`; fails with `otherwise`.
+async fn map_read_again(cluster: &Cluster, before: i64, otherwise: &str) {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    while read_at() == before {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the stale map was not read again in the background"
-        );
+    while map_read_at(cluster) == before {
+        assert!(std::time::Instant::now() < deadline, "{otherwise}");
         tokio::time::sleep(std::time::Duration::from_millis(5)).await;
     }
 }
@@ -2127,30 +2141,15 @@ async fn an_instance_that_has_not_refreshed_reads_a_moved_row_as_at_the_flip(dbs
     // it and the map is read again in the background; past three quarters,
     // a read reads the map first (the old owner may have cleaned a moved
     // bucket's rows by the time the read's statement runs).
-    let read_at = || {
-        stale
-            .topology()
-            .live_owners("Customer")
-            .unwrap()
-            .unwrap()
-            .read_at_ms()
-    };
-    let before = read_at();
+    let before = map_read_at(&stale);
     stale_clock.advance(std::time::Duration::from_secs(301));
     assert_eq!(read(&stale).await.as_deref(), Some("c1-r1"));
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    while read_at() == before {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "a stale map was not read in the background"
-        );
-        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
-    }
-    let before = read_at();
+    map_read_again(&stale, before, "a stale map was not read in the background").await;
+    let before = map_read_at(&stale);
     stale_clock.advance(std::time::Duration::from_secs(451));
     assert_eq!(read(&stale).await.as_deref(), Some("c1-r1"));
     assert!(
-        read_at() > before,
+        map_read_at(&stale) > before,
         "an expired map was not read before a read"
     );
 
