@@ -635,6 +635,23 @@ mod tests {
         assert_eq!(health.down_cause().as_deref(), Some("refused"));
     }
 
+    /// The end of a probe that is no longer the running one (its record
+    /// was replaced) leaves the running probe's record alone: one probe at
+    /// a time holds even when an older one's task ends late.
+    #[test]
+    fn an_older_probes_end_leaves_the_running_probe() {
+        let url = DatabaseUrl::new("postgres://app:hunter2@127.0.0.1:1/shop".to_owned());
+        let health = Arc::new(ShardHealth::new(&url, Duration::from_secs(1)));
+        let clock: Arc<dyn Clock> = Arc::new(crate::clock::SystemClock);
+        let (_, older) = health.start(&mut health.state(), &clock);
+        let (_, newer) = health.start(&mut health.state(), &clock);
+        drop(older);
+        let running = health.state().running.as_ref().map(|r| r.generation);
+        assert_eq!(running, Some(2), "the older probe's end cleared the newer");
+        drop(newer);
+        assert!(health.state().running.is_none());
+    }
+
     /// A refused connection is a shard down.
     #[tokio::test]
     async fn a_refused_connection_is_down() {
