@@ -9,7 +9,6 @@ use crate::topology::ShardId;
 use std::future::Future;
 use std::ops::ControlFlow;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::Poll;
 use std::time::Duration;
 
@@ -195,18 +194,15 @@ impl Shards {
             cause,
             "shard down: requests fail fast, except while a probe runs, until a probe reaches it"
         );
-        /// Gives the background probe up when its task ends without
-        /// having given it up itself (its runtime shut down, before the
-        /// task ran or while it ran): the next outage starts another.
-        struct Claim(Arc<ShardHealth>, AtomicBool);
-        impl Drop for Claim {
-            fn drop(&mut self) {
-                if self.1.load(Ordering::Acquire) {
-                    self.0.stop_reprobing();
-                }
-            }
-        }
-        let claim = Arc::new(Claim(Arc::clone(health), AtomicBool::new(true)));
+        // Given up when the task ends without having given it up itself
+        // (its runtime shut down, before the task ran or while it ran): the
+        // next outage starts another.
+        let claim = {
+            let health = Arc::clone(health);
+            Arc::new(crate::exec::periodic::Claim::new(move || {
+                health.stop_reprobing();
+            }))
+        };
         crate::exec::periodic::spawn(
             self,
             REPROBE,
@@ -214,18 +210,18 @@ impl Shards {
             move |shards: Shards| {
                 let claim = Arc::clone(&claim);
                 async move {
-                    let health = &claim.0;
+                    let health = shards.health(id);
                     if let Some(probe) = health.probe_if_due(shards.clock()) {
                         let _ = probe.await;
                     }
                     if health.down_cause().is_some() {
                         return std::ops::ControlFlow::Continue(());
                     }
-                    claim.1.store(false, Ordering::Release);
+                    claim.arm(false);
                     health.stop_reprobing();
                     // Down again since: go on unless another task took over.
                     if health.down_cause().is_some() && health.start_reprobing() {
-                        claim.1.store(true, Ordering::Release);
+                        claim.arm(true);
                         return std::ops::ControlFlow::Continue(());
                     }
                     tracing::info!(shard = shards.shard_name(id), "shard back up");

@@ -45,6 +45,39 @@ impl Stop {
 /// feature's handle built on it. Its weak form keeps nothing alive.
 ///
 /// [`Shards`]: crate::exec::Shards
+/// A claim that a background task holds (a flag set so that one such task
+/// runs at a time): made before the task is spawned and moved into it, it
+/// runs `release` when dropped armed, however the task ends (its passes
+/// done, the cluster gone, or a runtime that shut down dropping the task
+/// before it ran). A task that releases the flag itself disarms it first.
+pub(crate) struct Claim {
+    armed: std::sync::atomic::AtomicBool,
+    release: Box<dyn Fn() + Send + Sync>,
+}
+
+impl Claim {
+    pub(crate) fn new(release: impl Fn() + Send + Sync + 'static) -> Claim {
+        Claim {
+            armed: std::sync::atomic::AtomicBool::new(true),
+            release: Box::new(release),
+        }
+    }
+
+    /// Whether dropping the claim releases the flag.
+    pub(crate) fn arm(&self, armed: bool) {
+        self.armed
+            .store(armed, std::sync::atomic::Ordering::Release);
+    }
+}
+
+impl Drop for Claim {
+    fn drop(&mut self) {
+        if self.armed.load(std::sync::atomic::Ordering::Acquire) {
+            (self.release)();
+        }
+    }
+}
+
 pub(crate) trait Handle: Sized + Send + 'static {
     /// The reference a task keeps between passes.
     type Weak: Send + Sync + 'static;

@@ -68,52 +68,24 @@ pub(crate) fn live_map<'a>(shards: &'a Shards, group: &str) -> Result<LiveMap<'a
     })
 }
 
-/// A background task's claim on one of a group's map flags (a map read
-/// under way, the grace being recorded), released on the live map when
-/// the claim is dropped armed: with the task's pass, or with a task that
-/// never ran (its runtime shut down first). Made before the task is
-/// spawned and moved into it, so no way the task ends leaves the flag set.
-pub(crate) struct MapClaim {
-    shards: crate::exec::shards::WeakShards,
-    group: String,
+/// A background task's claim on one of `group`'s map flags (a map read
+/// under way, the grace being recorded): `release` runs on the live map
+/// when the claim is dropped armed (see [`crate::exec::periodic::Claim`]).
+pub(crate) fn map_claim(
+    shards: &Shards,
+    group: &str,
     release: fn(&crate::topology::MapReads),
-    armed: bool,
-}
-
-impl MapClaim {
-    pub(crate) fn new(
-        shards: &Shards,
-        group: &str,
-        release: fn(&crate::topology::MapReads),
-    ) -> Self {
-        use crate::exec::periodic::Handle as _;
-        MapClaim {
-            shards: shards.downgrade(),
-            group: group.to_owned(),
-            release,
-            armed: true,
-        }
-    }
-
-    /// The task released the flag itself (or means it to stay set).
-    pub(crate) fn disarm(mut self) {
-        self.armed = false;
-    }
-}
-
-impl Drop for MapClaim {
-    fn drop(&mut self) {
-        use crate::exec::periodic::Handle as _;
-        if !self.armed {
-            return;
-        }
+) -> crate::exec::periodic::Claim {
+    use crate::exec::periodic::Handle as _;
+    let (weak, group) = (shards.downgrade(), group.to_owned());
+    crate::exec::periodic::Claim::new(move || {
         // A cluster already gone has no flag to release.
-        if let Some(shards) = Shards::upgrade(&self.shards)
-            && let Ok(map) = live_map(&shards, &self.group)
+        if let Some(shards) = Shards::upgrade(&weak)
+            && let Ok(map) = live_map(&shards, &group)
         {
-            (self.release)(map.reads());
+            release(map.reads());
         }
-    }
+    })
 }
 
 /// Reads the group's map epoch and, when it is newer than the one routing
@@ -273,10 +245,11 @@ pub(crate) async fn install_map(shards: &Shards, group: &str, read: MapRead) -> 
         // wait for its locks, is not for a read's time.
         if !missing && map.reads().claim_grace() {
             // Dropped unrecorded, the grace is to be recorded again.
-            let claim = MapClaim::new(shards, group, |reads| reads.set_grace_recorded(false));
+            let claim = map_claim(shards, group, |reads| reads.set_grace_recorded(false));
+            let group = group.to_owned();
             crate::exec::periodic::spawn_once(shards, move |shards: Shards| async move {
-                record_grace(&shards, &claim.group).await;
-                claim.disarm();
+                record_grace(&shards, &group).await;
+                claim.arm(false);
             });
         }
         map.reads().mark_read(started_ms, shards.now_ms());

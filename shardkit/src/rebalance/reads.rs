@@ -311,7 +311,7 @@ impl ReadGuard for MoveReads {
                 if map.reads().claim_try(self.shards.now_ms(), STALE_RETRY_MS) {
                     let within = self.within();
                     // Ends the read however its task ends.
-                    let trying = map::MapClaim::new(&self.shards, group, |reads| {
+                    let trying = map::map_claim(&self.shards, group, |reads| {
                         reads.done_trying();
                     });
                     crate::exec::periodic::spawn_once(
