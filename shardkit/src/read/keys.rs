@@ -3,7 +3,7 @@
 use crate::entity::{EntityGroup, Joinable, KeyRef, ShardKey, ShardedEntity, table_name};
 use crate::error::{Result, ShardError};
 use crate::read::{ReadFrom, ReadGuard};
-use sea_orm::sea_query::{Expr, JoinType};
+use sea_orm::sea_query::{ConditionalStatement, Expr, JoinType, LogicalChainOper};
 use sea_orm::{
     Condition, DbBackend, DbErr, EntityTrait, ExprTrait, ModelTrait, QueryFilter, QuerySelect,
     QueryTrait, Related, Select,
@@ -64,6 +64,28 @@ pub(super) fn keyed_select<E: ShardedEntity>(
 ) -> Select<E> {
     add_key::<E>(&mut select, key, backend);
     select
+}
+
+/// Gives a statement built here, with no condition yet, the key predicate
+/// `key` and then `filter` as one expression.
+///
+/// SeaORM's `filter` adds a `Condition`, which sea-query renders from a
+/// clone of the whole condition, every time the statement is built; an
+/// expression added as a link of a chain is rendered where it is. The tree
+/// is the one `filter(key).filter(filter)` would render, so the SQL means
+/// the same. A statement that already has a condition would make sea-query
+/// panic (it refuses to mix the two forms): only statements made with no
+/// filter come here.
+pub(crate) fn where_keyed<S: ConditionalStatement>(
+    statement: &mut S,
+    key: Expr,
+    filter: Option<Condition>,
+) {
+    let expr = match filter {
+        Some(filter) => key.and(Expr::from(filter)),
+        None => key,
+    };
+    statement.and_or_where(LogicalChainOper::And(expr));
 }
 
 /// Adds the one-key predicate to a statement in place.

@@ -275,16 +275,11 @@ impl<'t, G: EntityGroup, P: WriteStage, E: InGroup<G>> TxUpdateMany<'t, G, P, E>
                 for (column, expr) in exprs {
                     update = update.col_expr(column, expr);
                 }
-                update = update.filter(tx.key_expr::<E>());
-                if let Some(filter) = filter {
-                    update = update.filter(filter);
-                }
-                return crate::exec::statements::rows_affected(
-                    &tx.txn,
-                    &sea_orm::QueryTrait::into_query(update),
-                )
-                .await
-                .map_err(|e| tx.poison_if_aborted(tx.write_err::<E>(op, e)));
+                let mut update = sea_orm::QueryTrait::into_query(update);
+                crate::read::where_keyed(&mut update, tx.key_expr::<E>(), filter);
+                return crate::exec::statements::rows_affected(&tx.txn, &update)
+                    .await
+                    .map_err(|e| tx.poison_if_aborted(tx.write_err::<E>(op, e)));
             }
             Batch::Refused(reason) => return Err(refuse(&reason)),
             Batch::PerRow => {}
@@ -368,16 +363,11 @@ impl<'t, G: EntityGroup, P: WriteStage, E: InGroup<G>> TxDeleteMany<'t, G, P, E>
         tx.ensure_open()?;
         match tx.stages.batch::<E>(&tx.ctx(), WriteOp::Delete) {
             Batch::Statement => {
-                let mut delete = E::delete_many().filter(tx.key_expr::<E>());
-                if let Some(filter) = filter {
-                    delete = delete.filter(filter);
-                }
-                return crate::exec::statements::rows_affected(
-                    &tx.txn,
-                    &sea_orm::QueryTrait::into_query(delete),
-                )
-                .await
-                .map_err(|e| tx.poison_if_aborted(tx.write_err::<E>(op, e)));
+                let mut delete = sea_orm::QueryTrait::into_query(E::delete_many());
+                crate::read::where_keyed(&mut delete, tx.key_expr::<E>(), filter);
+                return crate::exec::statements::rows_affected(&tx.txn, &delete)
+                    .await
+                    .map_err(|e| tx.poison_if_aborted(tx.write_err::<E>(op, e)));
             }
             Batch::Refused(reason) => return Err(unsupported::<E>(op, reason)),
             Batch::PerRow => {}

@@ -371,23 +371,19 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
                     for c in <E::PrimaryKey as sea_orm::Iterable>::iter() {
                         model.not_set(sea_orm::PrimaryKeyToColumn::into_column(c));
                     }
-                    let update = E::update_many()
-                        .set(model)
-                        .filter(crate::exec::keyset::pk_condition::<E>(&pk))
-                        .filter(self.key_expr::<E>());
-                    if sea_orm::QueryTrait::as_query(&update)
-                        .get_values()
-                        .is_empty()
-                    {
+                    let mut update = sea_orm::QueryTrait::into_query(E::update_many().set(model));
+                    if update.get_values().is_empty() {
                         // SeaORM's `exec` of an update that sets nothing.
                         0
                     } else {
-                        crate::exec::statements::rows_affected(
-                            &self.txn,
-                            &sea_orm::QueryTrait::into_query(update),
-                        )
-                        .await
-                        .map_err(|e| self.write_err::<E>(name, e))?
+                        crate::read::where_keyed(
+                            &mut update,
+                            self.key_expr::<E>(),
+                            Some(crate::exec::keyset::pk_condition::<E>(&pk)),
+                        );
+                        crate::exec::statements::rows_affected(&self.txn, &update)
+                            .await
+                            .map_err(|e| self.write_err::<E>(name, e))?
                     }
                 }
             };
