@@ -35,11 +35,16 @@ fn column_key_condition<E: EntityTrait, K: ShardKey>(
     keys: &[K],
     backend: DbBackend,
 ) -> Expr {
+    compare_keys(|| Expr::col((table_name::<E>(), column)), keys, backend)
+}
+
+/// `column() = key` (or `IN`), twice for text keys on MySQL/MariaDB (see
+/// [`key_condition`]).
+fn compare_keys<K: ShardKey>(column: impl Fn() -> Expr, keys: &[K], backend: DbBackend) -> Expr {
     let compare = |expr: Expr| match keys {
         [key] => expr.eq(key.clone()),
         _ => expr.is_in(keys.iter().cloned()),
     };
-    let column = || Expr::col((table_name::<E>(), column));
     let plain = compare(column());
     if binary_text_keys(keys, backend) {
         plain.and(compare(column().cast_as("BINARY")))
@@ -66,8 +71,8 @@ pub(super) fn keyed_select<E: ShardedEntity>(
     select
 }
 
-/// Gives a statement built here, with no condition yet, the key predicate
-/// `key` and then `filter` as one expression.
+/// Gives an `UPDATE` or `DELETE` built here, with no condition yet, the
+/// predicate of `key` and then `filter` as one expression.
 ///
 /// SeaORM's `filter` adds a `Condition`, which sea-query renders from a
 /// clone of the whole condition, every time the statement is built; an
@@ -75,12 +80,20 @@ pub(super) fn keyed_select<E: ShardedEntity>(
 /// is the one `filter(key).filter(filter)` would render, so the SQL means
 /// the same. A statement that already has a condition would make sea-query
 /// panic (it refuses to mix the two forms): only statements made with no
-/// filter come here.
-pub(crate) fn where_keyed<S: ConditionalStatement>(
+/// filter come here. The key's column is not qualified by its table: the
+/// statement has one table, and its top-level `WHERE` names that table's
+/// columns whatever subqueries the filter holds.
+pub(crate) fn where_keyed<E: ShardedEntity, S: ConditionalStatement>(
     statement: &mut S,
-    key: Expr,
+    key: &KeyOf<E>,
+    backend: DbBackend,
     filter: Option<Condition>,
 ) {
+    let key = compare_keys(
+        || Expr::col(E::shard_key_column()),
+        std::slice::from_ref(key),
+        backend,
+    );
     let expr = match filter {
         Some(filter) => key.and(Expr::from(filter)),
         None => key,

@@ -276,7 +276,7 @@ impl<'t, G: EntityGroup, P: WriteStage, E: InGroup<G>> TxUpdateMany<'t, G, P, E>
                     update = update.col_expr(column, expr);
                 }
                 let mut update = sea_orm::QueryTrait::into_query(update);
-                crate::read::where_keyed(&mut update, tx.key_expr::<E>(), filter);
+                crate::read::where_keyed::<E, _>(&mut update, &tx.key, tx.backend(), filter);
                 return crate::exec::statements::rows_affected(&tx.txn, &update)
                     .await
                     .map_err(|e| tx.poison_if_aborted(tx.write_err::<E>(op, e)));
@@ -364,7 +364,7 @@ impl<'t, G: EntityGroup, P: WriteStage, E: InGroup<G>> TxDeleteMany<'t, G, P, E>
         match tx.stages.batch::<E>(&tx.ctx(), WriteOp::Delete) {
             Batch::Statement => {
                 let mut delete = sea_orm::QueryTrait::into_query(E::delete_many());
-                crate::read::where_keyed(&mut delete, tx.key_expr::<E>(), filter);
+                crate::read::where_keyed::<E, _>(&mut delete, &tx.key, tx.backend(), filter);
                 return crate::exec::statements::rows_affected(&tx.txn, &delete)
                     .await
                     .map_err(|e| tx.poison_if_aborted(tx.write_err::<E>(op, e)));

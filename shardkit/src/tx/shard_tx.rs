@@ -217,10 +217,11 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
 
     /// The transaction's key as a predicate on `E` (see [`crate::read`]).
     pub(super) fn key_expr<E: InGroup<G>>(&self) -> sea_orm::sea_query::Expr {
-        crate::read::key_expr::<E>(
-            &self.key,
-            sea_orm::ConnectionTrait::get_database_backend(&self.txn),
-        )
+        crate::read::key_expr::<E>(&self.key, self.backend())
+    }
+
+    pub(super) fn backend(&self) -> sea_orm::DbBackend {
+        sea_orm::ConnectionTrait::get_database_backend(&self.txn)
     }
 
     pub(super) fn ctx(&self) -> WriteCtx<'_> {
@@ -376,9 +377,10 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
                         // SeaORM's `exec` of an update that sets nothing.
                         0
                     } else {
-                        crate::read::where_keyed(
+                        crate::read::where_keyed::<E, _>(
                             &mut update,
-                            self.key_expr::<E>(),
+                            &self.key,
+                            self.backend(),
                             Some(crate::exec::keyset::pk_condition::<E>(&pk)),
                         );
                         crate::exec::statements::rows_affected(&self.txn, &update)

@@ -513,7 +513,48 @@ pub(crate) async fn batch_writes_touch_only_the_key(dbs: &mut TestDbs) {
         .await
         .unwrap();
     assert_eq!(deleted, 0, "an empty any() and cart 1: no row");
+    // A lone `any` naming b's item, and a subquery on another table of the
+    // group (which has a shard-key column of its own) naming b's carts,
+    // still stop at a's rows.
+    let changed = tx
+        .update_many::<cart_item::Entity>()
+        .col_expr(
+            cart_item::Column::Quantity,
+            sea_orm::sea_query::Expr::value(7),
+        )
+        .filter(
+            sea_orm::Condition::any()
+                .add(cart_item::Column::Id.eq(20))
+                .add(cart_item::Column::Id.eq(10)),
+        )
+        .exec()
+        .await
+        .unwrap();
+    assert_eq!(changed, 1, "item 10 only: item 20 is b's");
+    let b_carts = sea_orm::sea_query::Query::select()
+        .column(cart::Column::Id)
+        .from(cart::Entity)
+        .and_where(cart::Column::CustomerId.is_in([a, b]))
+        .to_owned();
+    let changed = tx
+        .update_many::<cart_item::Entity>()
+        .col_expr(
+            cart_item::Column::Quantity,
+            sea_orm::sea_query::Expr::value(8),
+        )
+        .filter(cart_item::Column::CartId.in_subquery(b_carts))
+        .exec()
+        .await
+        .unwrap();
+    assert_eq!(changed, 2, "a's items 10 and 11, not b's 20 and 21");
     tx.commit().await.unwrap();
+    let theirs = cluster
+        .find::<cart_item::Entity>()
+        .key(b)
+        .all()
+        .await
+        .unwrap();
+    assert!(theirs.iter().all(|i| i.quantity == 1), "{theirs:?}");
     let mine = cluster
         .find::<cart_item::Entity>()
         .key(a)
