@@ -820,7 +820,9 @@ async fn text_keys_match_exactly(dbs: &mut TestDbs) {
         .unwrap();
     assert_eq!(deleted, 0);
     tx.commit().await.unwrap();
-    // Nor can a batch of "acme" reach the other two keys' rows.
+    // Nor can a batch of "acme" reach the other two keys' rows, even with a
+    // filter of its own that names them (an `OR`, which must stay within
+    // the key's two comparisons).
     let changed = cluster
         .transaction::<Tenant, _, _>("acme".to_string(), |tx| async move {
             tx.update_many::<note::Entity>()
@@ -828,6 +830,12 @@ async fn text_keys_match_exactly(dbs: &mut TestDbs) {
                     body: Set("batch".into()),
                     ..Default::default()
                 })
+                .filter(
+                    sea_orm::Condition::any()
+                        .add(note::Column::Id.eq(0))
+                        .add(note::Column::Id.eq(1))
+                        .add(note::Column::Id.eq(2)),
+                )
                 .exec()
                 .await
         })

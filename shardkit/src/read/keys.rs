@@ -72,28 +72,35 @@ pub(super) fn keyed_select<E: ShardedEntity>(
 }
 
 /// Gives an `UPDATE` or `DELETE` built here, with no condition yet, the
-/// predicate of `key` and then `filter` as one expression.
+/// predicate of `key` and then `filter` as one expression,
+/// `key AND (filter)`.
 ///
 /// SeaORM's `filter` adds a `Condition`, which sea-query renders from a
 /// clone of the whole condition, every time the statement is built; an
-/// expression added as a link of a chain is rendered where it is. The tree
-/// is the one `filter(key).filter(filter)` would render, so the SQL means
-/// the same. A statement that already has a condition would make sea-query
-/// panic (it refuses to mix the two forms): only statements made with no
-/// filter come here. The key's column is not qualified by its table: the
-/// statement has one table, and its top-level `WHERE` names that table's
-/// columns whatever subqueries the filter holds.
+/// expression added as a link of a chain is rendered where it is.
+/// sea-query parenthesizes the filter unless it binds tighter than `AND`
+/// (a comparison, a function call), so no `OR` in it escapes the key. A
+/// statement that already has a condition would make sea-query panic (it
+/// refuses to mix the two forms): only statements made with no filter come
+/// here.
+///
+/// The key's column is not qualified by its table on PostgreSQL and
+/// MySQL/MariaDB: the statement has one table, which its top-level `WHERE`
+/// names whatever subqueries the filter holds. SQLite keeps the qualifier:
+/// it takes a double-quoted name that matches no column for a string, so a
+/// table without its key column would compare a constant instead of failing.
 pub(crate) fn where_keyed<E: ShardedEntity, S: ConditionalStatement>(
     statement: &mut S,
     key: &KeyOf<E>,
     backend: DbBackend,
     filter: Option<Condition>,
 ) {
-    let key = compare_keys(
-        || Expr::col(E::shard_key_column()),
-        std::slice::from_ref(key),
-        backend,
-    );
+    let key = std::slice::from_ref(key);
+    let key = if backend == DbBackend::Sqlite {
+        column_key_condition::<E, KeyOf<E>>(E::shard_key_column(), key, backend)
+    } else {
+        compare_keys(|| Expr::col(E::shard_key_column()), key, backend)
+    };
     let expr = match filter {
         Some(filter) => key.and(Expr::from(filter)),
         None => key,

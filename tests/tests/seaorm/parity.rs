@@ -513,8 +513,9 @@ pub(crate) async fn batch_writes_touch_only_the_key(dbs: &mut TestDbs) {
         .await
         .unwrap();
     assert_eq!(deleted, 0, "an empty any() and cart 1: no row");
-    // A lone `any` naming b's item, and a subquery on another table of the
-    // group (which has a shard-key column of its own) naming b's carts,
+    // A lone `any` naming b's item last (`key AND id = 10 OR id = 20`
+    // would reach it), and a subquery on another table of the group (which
+    // has a shard-key column of its own) naming every cart, a's and b's,
     // still stop at a's rows.
     let changed = tx
         .update_many::<cart_item::Entity>()
@@ -524,14 +525,14 @@ pub(crate) async fn batch_writes_touch_only_the_key(dbs: &mut TestDbs) {
         )
         .filter(
             sea_orm::Condition::any()
-                .add(cart_item::Column::Id.eq(20))
-                .add(cart_item::Column::Id.eq(10)),
+                .add(cart_item::Column::Id.eq(10))
+                .add(cart_item::Column::Id.eq(20)),
         )
         .exec()
         .await
         .unwrap();
     assert_eq!(changed, 1, "item 10 only: item 20 is b's");
-    let b_carts = sea_orm::sea_query::Query::select()
+    let every_cart = sea_orm::sea_query::Query::select()
         .column(cart::Column::Id)
         .from(cart::Entity)
         .and_where(cart::Column::CustomerId.is_in([a, b]))
@@ -542,7 +543,7 @@ pub(crate) async fn batch_writes_touch_only_the_key(dbs: &mut TestDbs) {
             cart_item::Column::Quantity,
             sea_orm::sea_query::Expr::value(8),
         )
-        .filter(cart_item::Column::CartId.in_subquery(b_carts))
+        .filter(cart_item::Column::CartId.in_subquery(every_cart))
         .exec()
         .await
         .unwrap();
