@@ -64,6 +64,16 @@ async fn seed_carts(cluster: &Cluster, a: i64, b: i64) {
     tx.commit().await.unwrap();
 }
 
+/// Every cart item of `key`.
+async fn items_of(cluster: &Cluster, key: i64) -> Vec<cart_item::Model> {
+    cluster
+        .find::<cart_item::Entity>()
+        .key(key)
+        .all()
+        .await
+        .unwrap()
+}
+
 fn skus(items: &[cart_item::Model]) -> Vec<&str> {
     let mut skus: Vec<&str> = items.iter().map(|i| i.sku.as_str()).collect();
     skus.sort_unstable();
@@ -419,22 +429,12 @@ pub(crate) async fn batch_writes_touch_only_the_key(dbs: &mut TestDbs) {
         .unwrap();
     assert_eq!(changed, 2, "a's two items in cart 1, not b's item in it");
     tx.commit().await.unwrap();
-    let mine = cluster
-        .find::<cart_item::Entity>()
-        .key(a)
-        .all()
-        .await
-        .unwrap();
+    let mine = items_of(&cluster, a).await;
     assert!(
         mine.iter().all(|i| i.sku == "renamed" && i.quantity == 5),
         "{mine:?}"
     );
-    let theirs = cluster
-        .find::<cart_item::Entity>()
-        .key(b)
-        .all()
-        .await
-        .unwrap();
+    let theirs = items_of(&cluster, b).await;
     assert_eq!(skus(&theirs), vec!["b-in-a1", "b-in-a2"]);
     assert!(theirs.iter().all(|i| i.quantity == 1), "{theirs:?}");
 
@@ -549,19 +549,9 @@ pub(crate) async fn batch_writes_touch_only_the_key(dbs: &mut TestDbs) {
         .unwrap();
     assert_eq!(changed, 2, "a's items 10 and 11, not b's 20 and 21");
     tx.commit().await.unwrap();
-    let theirs = cluster
-        .find::<cart_item::Entity>()
-        .key(b)
-        .all()
-        .await
-        .unwrap();
+    let theirs = items_of(&cluster, b).await;
     assert!(theirs.iter().all(|i| i.quantity == 1), "{theirs:?}");
-    let mine = cluster
-        .find::<cart_item::Entity>()
-        .key(a)
-        .all()
-        .await
-        .unwrap();
+    let mine = items_of(&cluster, a).await;
     assert_eq!(skus(&mine), vec!["renamed", "renamed"]);
 
     // delete_many: a's rows only.
