@@ -2,7 +2,7 @@
 //! ([`crate::exec::health`]).
 
 use crate::error::{Result, ShardError};
-use crate::exec::health::{Gate, HEALTHY_FOR, REPROBE, SUSPECT_AFTER, ShardHealth, suspects_down};
+use crate::exec::health::{Gate, HEALTHY_FOR, REPROBE, SUSPECT_AFTER, suspects_down};
 use crate::exec::shards::Shards;
 use crate::exec::watchdog::{self, Due, Ticker};
 use crate::topology::ShardId;
@@ -134,18 +134,14 @@ impl Shards {
     /// overdue fail with the cause. It ends when no request waits that it
     /// has not failed.
     fn start_watch(&self, id: ShardId, ticker: Ticker) {
-        /// Gives the watch up when the task ends, however it ends.
-        struct Claim(Arc<ShardHealth>, Ticker);
-        impl Drop for Claim {
-            fn drop(&mut self) {
-                self.0.waiting().release(self.1);
-            }
-        }
-        let claim = Claim(Arc::clone(self.health(id)), ticker);
+        // Gives the watch up when the task ends, however it ends (the
+        // closure owns the claim: it ends with the task, run or not).
+        let claim = {
+            let health = Arc::clone(self.health(id));
+            crate::exec::periodic::Claim::new(move || health.waiting().release(ticker))
+        };
         crate::exec::periodic::spawn_paced(self, move |shards: Shards| {
-            // (The closure owns the whole claim: it ends with the task.)
-            let Claim(_, ticker) = &claim;
-            let ticker = *ticker;
+            let _claim = &claim;
             async move {
                 let waiting = shards.health(id).waiting();
                 match waiting.due(SUSPECT_AFTER) {

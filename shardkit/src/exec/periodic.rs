@@ -41,15 +41,12 @@ impl Stop {
     }
 }
 
-/// What a periodic task runs on: the execution layer's [`Shards`] or a
-/// feature's handle built on it. Its weak form keeps nothing alive.
-///
-/// [`Shards`]: crate::exec::Shards
 /// A claim that a background task holds (a flag set so that one such task
 /// runs at a time): made before the task is spawned and moved into it, it
 /// runs `release` when dropped armed, however the task ends (its passes
 /// done, the cluster gone, or a runtime that shut down dropping the task
-/// before it ran). A task that releases the flag itself disarms it first.
+/// before it ran). A task that releases the flag itself disarms it first;
+/// one that never does (a shard's watch) leaves it armed.
 pub(crate) struct Claim {
     armed: std::sync::atomic::AtomicBool,
     release: Box<dyn Fn() + Send + Sync>,
@@ -78,6 +75,10 @@ impl Drop for Claim {
     }
 }
 
+/// What a periodic task runs on: the execution layer's [`Shards`] or a
+/// feature's handle built on it. Its weak form keeps nothing alive.
+///
+/// [`Shards`]: crate::exec::Shards
 pub(crate) trait Handle: Sized + Send + 'static {
     /// The reference a task keeps between passes.
     type Weak: Send + Sync + 'static;
