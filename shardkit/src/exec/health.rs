@@ -111,7 +111,7 @@ struct Running {
     generation: u64,
 }
 
-/// A probe recorded as running, not yet spawned ([`ShardHealth::start`]).
+/// A probe recorded as running, not yet spawned ([`ShardHealth::record`]).
 #[must_use = "a probe recorded as running must be spawned"]
 struct Launch(Finish);
 
@@ -263,9 +263,7 @@ impl ShardHealth {
         if !due(&state, clock.now_millis()) {
             return Gate::Open(cause);
         }
-        let (probe, launch) = self.start(&mut state, clock);
-        drop(state);
-        launch.spawn();
+        let probe = self.start(state, clock);
         Gate::HalfOpen {
             until: tokio::time::Instant::now() + HALF_OPEN_WAIT,
             probe,
@@ -275,24 +273,37 @@ impl ShardHealth {
     /// The running probe, or a new one if the shard is down and the last
     /// probe ended long enough ago; `None` otherwise (the background probe).
     pub(crate) fn probe_if_due(self: &Arc<Self>, clock: &Arc<dyn Clock>) -> Option<SharedProbe> {
-        let mut state = self.state();
+        let state = self.state();
         if let Some(running) = &state.running {
             return Some(running.probe.clone());
         }
         if state.down.is_none() || !due(&state, clock.now_millis()) {
             return None;
         }
-        let (probe, launch) = self.start(&mut state, clock);
+        Some(self.start(state, clock))
+    }
+
+    /// Starts a new probe: records it as the one running, unlocks `state`,
+    /// then spawns its task. A runtime that is shutting down drops a task
+    /// spawned on it there and then, and the task's end locks `state`.
+    fn start(
+        self: &Arc<Self>,
+        mut state: MutexGuard<'_, State>,
+        clock: &Arc<dyn Clock>,
+    ) -> SharedProbe {
+        let (probe, launch) = self.record(&mut state, clock);
         drop(state);
         launch.spawn();
-        Some(probe)
+        probe
     }
 
     /// Records a new probe as the one running and returns it, with the
-    /// task that runs it, to be [spawned](Launch::spawn) once `state` is
-    /// unlocked: a runtime that is shutting down drops a task spawned on it
-    /// there and then, and the task's end locks `state`.
-    fn start(self: &Arc<Self>, state: &mut State, clock: &Arc<dyn Clock>) -> (SharedProbe, Launch) {
+    /// task that runs it, not yet spawned ([`start`](Self::start)).
+    fn record(
+        self: &Arc<Self>,
+        state: &mut State,
+        clock: &Arc<dyn Clock>,
+    ) -> (SharedProbe, Launch) {
         state.probes += 1;
         let generation = state.probes;
         let (sender, outcome) = tokio::sync::oneshot::channel();
@@ -386,23 +397,19 @@ impl ShardHealth {
 
     /// [`check`](Self::check), on `clock`.
     pub(crate) async fn check_on(self: &Arc<Self>, clock: &Arc<dyn Clock>) -> ProbeResult {
-        let (probe, launch) = {
+        let probe = {
             let mut state = self.state();
             remember(&mut state, clock);
-            match (&state.running, &state.last) {
-                (Some(running), _) => (running.probe.clone(), None),
-                (None, Some((at, _, result))) if at.elapsed() < HEALTHY_FOR => {
-                    return result.clone();
-                }
-                (None, _) => {
-                    let (probe, launch) = self.start(&mut state, clock);
-                    (probe, Some(launch))
-                }
+            if let Some(running) = &state.running {
+                running.probe.clone()
+            } else if let Some((at, _, result)) = &state.last
+                && at.elapsed() < HEALTHY_FOR
+            {
+                return result.clone();
+            } else {
+                self.start(state, clock)
             }
         };
-        if let Some(launch) = launch {
-            launch.spawn();
-        }
         probe.await
     }
 }
@@ -577,6 +584,12 @@ mod tests {
         }
     }
 
+    /// The breaker of a shard whose port refuses connections.
+    fn unreachable_shard() -> Arc<ShardHealth> {
+        let url = DatabaseUrl::new("postgres://app:hunter2@127.0.0.1:1/shop".to_owned());
+        Arc::new(ShardHealth::new(&url, Duration::from_secs(1)))
+    }
+
     /// A probe started on a runtime that has shut down (a cluster used from
     /// a runtime that ended, a request polled while its runtime shuts down)
     /// ends, and says it found nothing: the task was dropped as it was
@@ -590,8 +603,7 @@ mod tests {
             .unwrap();
         let handle = runtime.handle().clone();
         drop(runtime);
-        let url = DatabaseUrl::new("postgres://app:hunter2@127.0.0.1:1/shop".to_owned());
-        let health = Arc::new(ShardHealth::new(&url, Duration::from_secs(1)));
+        let health = unreachable_shard();
         let (done, ended) = std::sync::mpsc::channel();
         let checked = Arc::clone(&health);
         std::thread::spawn(move || {
@@ -615,8 +627,7 @@ mod tests {
     /// the stale probe too old to wait on and no new one started.
     #[test]
     fn a_probe_dropped_with_its_runtime_unawaited_is_not_left_running() {
-        let url = DatabaseUrl::new("postgres://app:hunter2@127.0.0.1:1/shop".to_owned());
-        let health = Arc::new(ShardHealth::new(&url, Duration::from_secs(1)));
+        let health = unreachable_shard();
         let clock: Arc<dyn Clock> = Arc::new(crate::clock::SystemClock);
         health.state().down = Some(("refused".to_owned(), 0));
         let runtime = tokio::runtime::Builder::new_current_thread()
@@ -640,11 +651,10 @@ mod tests {
     /// a time holds even when an older one's task ends late.
     #[test]
     fn an_older_probes_end_leaves_the_running_probe() {
-        let url = DatabaseUrl::new("postgres://app:hunter2@127.0.0.1:1/shop".to_owned());
-        let health = Arc::new(ShardHealth::new(&url, Duration::from_secs(1)));
+        let health = unreachable_shard();
         let clock: Arc<dyn Clock> = Arc::new(crate::clock::SystemClock);
-        let (_, older) = health.start(&mut health.state(), &clock);
-        let (_, newer) = health.start(&mut health.state(), &clock);
+        let (_, older) = health.record(&mut health.state(), &clock);
+        let (_, newer) = health.record(&mut health.state(), &clock);
         drop(older);
         let running = health.state().running.as_ref().map(|r| r.generation);
         assert_eq!(running, Some(2), "the older probe's end cleared the newer");

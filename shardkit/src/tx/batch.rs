@@ -133,7 +133,7 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
         if let Some(filter) = filter {
             select = select.filter(filter);
         }
-        if sea_orm::ConnectionTrait::get_database_backend(&self.txn) != sea_orm::DbBackend::Sqlite {
+        if self.backend() != sea_orm::DbBackend::Sqlite {
             select = select.lock_exclusive();
         }
         select

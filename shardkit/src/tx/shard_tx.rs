@@ -193,7 +193,7 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
         op: &str,
     ) -> Result<Option<E::Model>> {
         let mut select = self.row_select::<E>(model, op)?;
-        if sea_orm::ConnectionTrait::get_database_backend(&self.txn) != sea_orm::DbBackend::Sqlite {
+        if self.backend() != sea_orm::DbBackend::Sqlite {
             select = sea_orm::QuerySelect::lock_exclusive(select);
         }
         select
