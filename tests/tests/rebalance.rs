@@ -418,6 +418,15 @@ async fn seeded_with_writer(
     (a, acked, stop, w)
 }
 
+/// An instance of `config` on `clock`.
+async fn connect_on(config: ClusterConfig, clock: Arc<dyn shardkit::Clock>) -> Cluster {
+    Cluster::builder(config)
+        .clock(clock)
+        .connect()
+        .await
+        .unwrap()
+}
+
 /// Another instance whose clock is 10 minutes ahead: to it, a mover's hold
 /// taken by an instance on the system clock lapsed long ago (a mover frozen
 /// past its hold, without waiting for it).
@@ -425,11 +434,7 @@ async fn ahead_instance(dbs: &TestDbs) -> Cluster {
     let ahead = Arc::new(shardkit::clock::ManualClock::new(
         shardkit::Clock::now_millis(&shardkit::clock::SystemClock) + 600_000,
     ));
-    Cluster::builder(config(dbs, 20))
-        .clock(ahead)
-        .connect()
-        .await
-        .unwrap()
+    connect_on(config(dbs, 20), ahead).await
 }
 
 /// Counts the movers that park at a `shardkit::rebalance::park::*`
@@ -1996,11 +2001,7 @@ async fn a_background_map_read_dropped_unrun_is_tried_again(dbs: &mut TestDbs) {
     )
     .replace("cleanup_grace_ms = 0", "cleanup_grace_ms = 600000");
     let clock = Arc::new(shardkit::clock::ManualClock::starting_now());
-    let cluster = Cluster::builder(ClusterConfig::from_toml(&toml).unwrap())
-        .clock(clock.clone())
-        .connect()
-        .await
-        .unwrap();
+    let cluster = connect_on(ClusterConfig::from_toml(&toml).unwrap(), clock.clone()).await;
     let acked: Shared = Arc::default();
     seed(&cluster, &acked, 1..=2).await;
     let before = map_read_at(&cluster);
@@ -2079,11 +2080,7 @@ async fn an_instance_that_has_not_refreshed_reads_a_moved_row_as_at_the_flip(dbs
     let acked: Shared = Arc::default();
     seed(&a, &acked, 1..=20).await;
     let stale_clock = Arc::new(shardkit::clock::ManualClock::starting_now());
-    let stale = Cluster::builder(config.clone())
-        .clock(stale_clock.clone())
-        .connect()
-        .await
-        .unwrap();
+    let stale = connect_on(config.clone(), stale_clock.clone()).await;
     stale.refresh_bucket_maps().await.unwrap();
     // A third instance, as stale, that only reads with a session.
     let other = Cluster::connect(config).await.unwrap();
@@ -2101,11 +2098,7 @@ async fn an_instance_that_has_not_refreshed_reads_a_moved_row_as_at_the_flip(dbs
                 "{shards}\n[groups.Customer]\nbuckets = {BUCKETS}\nshards = [\"s0\", \"s1\", \"s2\", \"s3\"]\nmovable = true\n\n[rebalance]\nrefresh_ms = 0\ncleanup_grace_ms = 600000\nchunk = 40\n\n[read]\ntimeout_ms = 500\n"
             );
             let clock = Arc::new(shardkit::clock::ManualClock::starting_now());
-            let through = Cluster::builder(ClusterConfig::from_toml(&toml).unwrap())
-                .clock(clock.clone())
-                .connect()
-                .await
-                .unwrap();
+            let through = connect_on(ClusterConfig::from_toml(&toml).unwrap(), clock.clone()).await;
             through.refresh_bucket_maps().await.unwrap();
             Some((proxy, through, clock))
         }
@@ -3007,13 +3000,13 @@ async fn an_outcome_pruned_on_one_side_of_a_move_does_not_stop_it(dbs: &mut Test
     let config = config(dbs, 0);
     // An instance two days behind stores outcomes that every other
     // instance finds expired.
-    let past = Cluster::builder(config.clone())
-        .clock(Arc::new(shardkit::clock::ManualClock::new(
+    let past = connect_on(
+        config.clone(),
+        Arc::new(shardkit::clock::ManualClock::new(
             shardkit::Clock::now_millis(&shardkit::clock::SystemClock) - 48 * 3_600_000,
-        )))
-        .connect()
-        .await
-        .unwrap();
+        )),
+    )
+    .await;
     past.migrate::<Migrator>().await.unwrap();
     past.refresh_bucket_maps().await.unwrap();
     let request = |cluster: &Cluster, value: i64| {
