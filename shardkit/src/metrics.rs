@@ -42,20 +42,19 @@
 use metrics::{Counter, Histogram, counter, histogram};
 use std::time::Duration;
 
-/// A statement's kind, from its first word.
+/// A statement's kind, from its first word. On bytes: it runs for every
+/// statement, and the words it looks for are ASCII.
 fn kind(sql: &str) -> usize {
-    let word = sql.trim_start().get(..6).unwrap_or("");
-    if word.eq_ignore_ascii_case("select") {
-        0
-    } else if word.eq_ignore_ascii_case("insert") {
-        1
-    } else if word.eq_ignore_ascii_case("update") {
-        2
-    } else if word.eq_ignore_ascii_case("delete") {
-        3
-    } else {
-        4
-    }
+    let sql = sql.as_bytes();
+    let start = sql
+        .iter()
+        .position(|b| !b.is_ascii_whitespace())
+        .unwrap_or(sql.len());
+    let word = sql.get(start..start + 6).unwrap_or(b"");
+    [b"select", b"insert", b"update", b"delete"]
+        .iter()
+        .position(|kind| word.eq_ignore_ascii_case(*kind))
+        .unwrap_or(4)
 }
 
 const KINDS: [&str; 5] = ["select", "insert", "update", "delete", "other"];
@@ -249,4 +248,28 @@ pub(crate) fn reference_copy_version(table: &'static str, shard: &str, version: 
 pub(crate) fn reference_drift(table: &'static str, shard: &str, differs: bool) {
     metrics::gauge!("shardkit_reference_drift", "table" => table, "shard" => shard.to_owned())
         .set(if differs { 1.0 } else { 0.0 });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{KINDS, kind};
+
+    #[test]
+    fn a_statement_is_counted_under_its_first_word() {
+        for (sql, expected) in [
+            ("SELECT 1", "select"),
+            ("  \n\tselect * FROM t", "select"),
+            ("Insert INTO t VALUES (1)", "insert"),
+            ("UPDATE t SET a = 1", "update"),
+            ("delete FROM t", "delete"),
+            ("BEGIN", "other"),
+            ("WITH x AS (SELECT 1) SELECT * FROM x", "other"),
+            ("selec", "other"),
+            ("", "other"),
+            ("   ", "other"),
+            ("é SELECT", "other"),
+        ] {
+            assert_eq!(KINDS[kind(sql)], expected, "{sql:?}");
+        }
+    }
 }

@@ -6,7 +6,7 @@
 //! allocator's small sizes). What they send and return is SeaORM's.
 
 use sea_orm::{
-    ConnectionTrait, DbErr, EntityTrait, FromQueryResult, QueryTrait, Select, StatementBuilder,
+    ConnectionTrait, DbErr, EntityTrait, FromQueryResult, QueryTrait, Select, Statement,
 };
 use std::future::Future;
 
@@ -51,12 +51,14 @@ pub(crate) fn one_model<E: EntityTrait, C: ConnectionTrait>(
 }
 
 /// The rows `statement` changed (SeaORM's `exec` of an update, delete or
-/// insert without `RETURNING`: `rows_affected`).
-pub(crate) fn rows_affected<'c, C: ConnectionTrait, S: StatementBuilder>(
-    conn: &'c C,
-    statement: &S,
-) -> impl Future<Output = std::result::Result<u64, DbErr>> + 'c {
-    let statement = conn.get_database_backend().build(statement);
+/// insert without `RETURNING`: `rows_affected`). Takes the statement built:
+/// a write's future then holds SeaORM's boxed future, not the sea-query
+/// statement it was built from (hundreds of bytes, which would push a boxed
+/// write's future past the allocator's cached sizes).
+pub(crate) fn rows_affected<C: ConnectionTrait>(
+    conn: &C,
+    statement: Statement,
+) -> impl Future<Output = std::result::Result<u64, DbErr>> + '_ {
     let done = conn.execute_raw(statement);
     async move { Ok(done.await?.rows_affected()) }
 }

@@ -275,9 +275,14 @@ impl<'t, G: EntityGroup, P: WriteStage, E: InGroup<G>> TxUpdateMany<'t, G, P, E>
                 for (column, expr) in exprs {
                     update = update.col_expr(column, expr);
                 }
-                let mut update = sea_orm::QueryTrait::into_query(update);
-                crate::read::where_keyed::<E, _>(&mut update, &tx.key, tx.backend(), filter);
-                return crate::exec::statements::rows_affected(&tx.txn, &update)
+                // Built before the await: the future holds the statement's
+                // text, not the sea-query statement.
+                let statement = {
+                    let mut update = sea_orm::QueryTrait::into_query(update);
+                    crate::read::where_keyed::<E, _>(&mut update, &tx.key, tx.backend(), filter);
+                    tx.backend().build(&update)
+                };
+                return crate::exec::statements::rows_affected(&tx.txn, statement)
                     .await
                     .map_err(|e| tx.poison_if_aborted(tx.write_err::<E>(op, e)));
             }
@@ -363,9 +368,14 @@ impl<'t, G: EntityGroup, P: WriteStage, E: InGroup<G>> TxDeleteMany<'t, G, P, E>
         tx.ensure_open()?;
         match tx.stages.batch::<E>(&tx.ctx(), WriteOp::Delete) {
             Batch::Statement => {
-                let mut delete = sea_orm::QueryTrait::into_query(E::delete_many());
-                crate::read::where_keyed::<E, _>(&mut delete, &tx.key, tx.backend(), filter);
-                return crate::exec::statements::rows_affected(&tx.txn, &delete)
+                // Built before the await: the future holds the statement's
+                // text, not the sea-query statement.
+                let statement = {
+                    let mut delete = sea_orm::QueryTrait::into_query(E::delete_many());
+                    crate::read::where_keyed::<E, _>(&mut delete, &tx.key, tx.backend(), filter);
+                    tx.backend().build(&delete)
+                };
+                return crate::exec::statements::rows_affected(&tx.txn, statement)
                     .await
                     .map_err(|e| tx.poison_if_aborted(tx.write_err::<E>(op, e)));
             }

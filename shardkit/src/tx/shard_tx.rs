@@ -343,55 +343,64 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
         }
         self.stages.prepare::<E>(&ctx, op, &mut model).await?;
         self.check::<E>(&model)?;
-        crate::trace::in_span(self.write_span::<E>(name), async {
-            let rows = match op {
-                WriteOp::Insert => {
-                    let insert = sea_orm::QueryTrait::into_query(E::insert(model));
-                    crate::exec::statements::rows_affected(&self.txn, &insert)
-                        .await
-                        .map_err(|e| self.write_err::<E>(name, e))?
-                }
-                _ => {
-                    let pk: Vec<sea_orm::Value> = <E::PrimaryKey as sea_orm::Iterable>::iter()
-                        .map(|c| {
-                            sea_orm::ActiveValue::into_value(
-                                model.get(sea_orm::PrimaryKeyToColumn::into_column(c)),
-                            )
-                            .ok_or_else(|| {
-                                self.write_err::<E>(
-                                    name,
-                                    DbErr::Custom(
-                                        "an update without its primary key set".to_owned(),
-                                    ),
-                                )
-                            })
-                        })
-                        .collect::<Result<_>>()?;
-                    // The primary key selects the row; it is not set again.
-                    let mut model = model;
-                    for c in <E::PrimaryKey as sea_orm::Iterable>::iter() {
-                        model.not_set(sea_orm::PrimaryKeyToColumn::into_column(c));
-                    }
-                    let mut update = sea_orm::QueryTrait::into_query(E::update_many().set(model));
-                    if update.get_values().is_empty() {
-                        // SeaORM's `exec` of an update that sets nothing.
-                        0
-                    } else {
-                        crate::read::where_keyed::<E, _>(
-                            &mut update,
-                            &self.key,
-                            self.backend(),
-                            Some(crate::exec::keyset::pk_condition::<E>(&pk)),
-                        );
-                        crate::exec::statements::rows_affected(&self.txn, &update)
-                            .await
-                            .map_err(|e| self.write_err::<E>(name, e))?
-                    }
-                }
-            };
-            Ok(rows)
-        })
+        let span = self.write_span::<E>(name);
+        // Built before the await: the future holds the statement's text, not
+        // the sea-query statement (hundreds of bytes more in every boxed
+        // write).
+        let Some(statement) = self.statement_without_returning::<E>(op, model)? else {
+            // SeaORM's `exec` of an update that sets nothing.
+            return Ok(0);
+        };
+        crate::trace::in_span(
+            span,
+            crate::exec::statements::rows_affected(&self.txn, statement),
+        )
         .await
+        .map_err(|e| self.write_err::<E>(name, e))
+    }
+
+    /// The one statement of [`write_without_returning`](Self::write_without_returning):
+    /// the insert, or the update of the set columns matching the primary key
+    /// and the shard key; `None` for an update that sets nothing.
+    fn statement_without_returning<E: InGroup<G>>(
+        &self,
+        op: WriteOp,
+        model: E::ActiveModel,
+    ) -> Result<Option<sea_orm::Statement>> {
+        let backend = self.backend();
+        if op == WriteOp::Insert {
+            let insert = sea_orm::QueryTrait::into_query(E::insert(model));
+            return Ok(Some(backend.build(&insert)));
+        }
+        let pk: Vec<sea_orm::Value> = <E::PrimaryKey as sea_orm::Iterable>::iter()
+            .map(|c| {
+                sea_orm::ActiveValue::into_value(
+                    model.get(sea_orm::PrimaryKeyToColumn::into_column(c)),
+                )
+                .ok_or_else(|| {
+                    self.write_err::<E>(
+                        op.as_str(),
+                        DbErr::Custom("an update without its primary key set".to_owned()),
+                    )
+                })
+            })
+            .collect::<Result<_>>()?;
+        // The primary key selects the row; it is not set again.
+        let mut model = model;
+        for c in <E::PrimaryKey as sea_orm::Iterable>::iter() {
+            model.not_set(sea_orm::PrimaryKeyToColumn::into_column(c));
+        }
+        let mut update = sea_orm::QueryTrait::into_query(E::update_many().set(model));
+        if update.get_values().is_empty() {
+            return Ok(None);
+        }
+        crate::read::where_keyed::<E, _>(
+            &mut update,
+            &self.key,
+            backend,
+            Some(crate::exec::keyset::pk_condition::<E>(&pk)),
+        );
+        Ok(Some(backend.build(&update)))
     }
 
     async fn insert_rows<E: InGroup<G>>(&self, models: Vec<E::ActiveModel>) -> Result<Vec<E::Model>>

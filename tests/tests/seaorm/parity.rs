@@ -983,6 +983,23 @@ pub(crate) async fn writes_without_returning_send_one_statement(dbs: &mut TestDb
             .unwrap(),
         0
     );
+    // An update that does not name its row is refused before any SQL.
+    let err = tx
+        .update_without_returning(cart::ActiveModel {
+            customer_id: Set(9),
+            label: Set("unnamed".to_owned()),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert!(matches!(err, ShardError::Db { .. }), "{err:?}");
+    assert!(
+        err.to_string().contains("update carts")
+            && err
+                .to_string()
+                .contains("an update without its primary key set"),
+        "{err}"
+    );
     let statements: Vec<String> = sent
         .lock()
         .unwrap()
