@@ -104,6 +104,7 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
         TxUpdateMany {
             tx: self,
             set: E::ActiveModel::default(),
+            set_columns: Vec::new(),
             exprs: Vec::new(),
             filter: None,
             run: |batch| boxed(|| batch.run()),
@@ -168,6 +169,8 @@ fn unsupported<E: EntityTrait>(operation: &'static str, reason: String) -> Shard
 pub struct TxUpdateMany<'t, G: EntityGroup, P, E: ShardedEntity> {
     tx: &'t ShardTx<G, P>,
     set: E::ActiveModel,
+    /// The columns `set` has `Set`, in the entity's order.
+    set_columns: Vec<E::Column>,
     exprs: Vec<(E::Column, SimpleExpr)>,
     /// The filters, `None` before the first (not nested in an empty
     /// condition: the statement takes the caller's as it is).
@@ -190,6 +193,9 @@ impl<'t, G: EntityGroup, P: WriteStage, E: ShardedEntity> TxUpdateMany<'t, G, P,
                 let _ = self.set.try_set(column, value);
             }
         }
+        self.set_columns = <E::Column as Iterable>::iter()
+            .filter(|c| matches!(self.set.get(*c), ActiveValue::Set(_)))
+            .collect();
         self
     }
 
@@ -222,13 +228,19 @@ impl<'t, G: EntityGroup, P: WriteStage, E: InGroup<G>> TxUpdateMany<'t, G, P, E>
         let TxUpdateMany {
             tx,
             set,
+            set_columns,
             exprs,
             filter,
             run: _,
         } = self;
         let op = "update_many";
         tx.ensure_open()?;
-        if let Some(found) = E::active_shard_key(&set).filter(|k| *k != tx.key) {
+        // With no column set, `set` is the default model: no key in it.
+        let set_key = match set_columns.is_empty() {
+            true => None,
+            false => E::active_shard_key(&set),
+        };
+        if let Some(found) = set_key.filter(|k| *k != tx.key) {
             return Err(tx.poison(ShardError::CrossShardWrite {
                 entity: table_name::<E>(),
                 column: E::SHARD_KEY_FIELD,
@@ -251,9 +263,6 @@ impl<'t, G: EntityGroup, P: WriteStage, E: InGroup<G>> TxUpdateMany<'t, G, P, E>
                 sea_orm::PrimaryKeyToColumn::into_column(key).as_str() == column.as_str()
             })
         };
-        let set_columns: Vec<E::Column> = <E::Column as Iterable>::iter()
-            .filter(|c| matches!(set.get(*c), ActiveValue::Set(_)))
-            .collect();
         if set_columns
             .iter()
             .chain(exprs.iter().map(|(c, _)| c))
@@ -271,14 +280,18 @@ impl<'t, G: EntityGroup, P: WriteStage, E: InGroup<G>> TxUpdateMany<'t, G, P, E>
         }
         match tx.stages.batch::<E>(&tx.ctx(), WriteOp::Update) {
             Batch::Statement => {
-                let mut update = E::update_many().set(set);
-                for (column, expr) in exprs {
-                    update = update.col_expr(column, expr);
-                }
                 // Built before the await: the future holds the statement's
                 // text, not the sea-query statement.
                 let statement = {
+                    let mut update = E::update_many();
+                    if !set_columns.is_empty() {
+                        update = update.set(set);
+                    }
                     let mut update = sea_orm::QueryTrait::into_query(update);
+                    // SeaORM's `col_expr`, on the statement in place.
+                    for (column, expr) in exprs {
+                        update.value(column, expr);
+                    }
                     crate::read::where_keyed::<E, _>(&mut update, &tx.key, tx.backend(), filter);
                     tx.backend().build(&update)
                 };

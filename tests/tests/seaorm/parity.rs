@@ -475,6 +475,25 @@ pub(crate) async fn batch_writes_touch_only_the_key(dbs: &mut TestDbs) {
         .unwrap_err();
     assert!(matches!(err, ShardError::CrossShardWrite { .. }), "{err:?}");
     drop(tx);
+    // Setting a primary key, or nothing at all, is refused before any I/O.
+    let tx = cluster.begin::<Customer>(a).await.unwrap();
+    let sets_id = tx
+        .update_many::<cart_item::Entity>()
+        .set(cart_item::ActiveModel {
+            id: Set(77),
+            ..Default::default()
+        });
+    for (update, expected) in [
+        (sets_id, "it sets a primary-key column"),
+        (tx.update_many::<cart_item::Entity>(), "nothing to set"),
+    ] {
+        let err = update.exec().await.unwrap_err();
+        assert!(
+            matches!(&err, ShardError::Unsupported { reason, .. } if reason.starts_with(expected)),
+            "{err:?}"
+        );
+    }
+    drop(tx);
     assert_eq!(
         cluster
             .find::<cart_item::Entity>()
