@@ -236,9 +236,10 @@ impl<'t, G: EntityGroup, P: WriteStage, E: InGroup<G>> TxUpdateMany<'t, G, P, E>
         let op = "update_many";
         tx.ensure_open()?;
         // With no column set, `set` is the default model: no key in it.
-        let set_key = match set_columns.is_empty() {
-            true => None,
-            false => E::active_shard_key(&set),
+        let set_key = if set_columns.is_empty() {
+            None
+        } else {
+            E::active_shard_key(&set)
         };
         if let Some(found) = set_key.filter(|k| *k != tx.key) {
             return Err(tx.poison(ShardError::CrossShardWrite {
