@@ -475,12 +475,17 @@ pub(crate) async fn batch_writes_touch_only_the_key(dbs: &mut TestDbs) {
         .unwrap_err();
     assert!(matches!(err, ShardError::CrossShardWrite { .. }), "{err:?}");
     drop(tx);
-    // Setting a primary key, or nothing at all, is refused before any I/O.
+    // Setting a primary key (in the first of two `set`s), or nothing at all,
+    // is refused before any I/O.
     let tx = cluster.begin::<Customer>(a).await.unwrap();
     let sets_id = tx
         .update_many::<cart_item::Entity>()
         .set(cart_item::ActiveModel {
             id: Set(77),
+            ..Default::default()
+        })
+        .set(cart_item::ActiveModel {
+            sku: Set("unkeyed".into()),
             ..Default::default()
         });
     for (update, expected) in [
@@ -572,6 +577,34 @@ pub(crate) async fn batch_writes_touch_only_the_key(dbs: &mut TestDbs) {
     assert!(theirs.iter().all(|i| i.quantity == 1), "{theirs:?}");
     let mine = items_of(&cluster, a).await;
     assert_eq!(skus(&mine), vec!["renamed", "renamed"]);
+
+    // `set` twice sets the columns of both calls.
+    let tx = cluster.begin::<Customer>(a).await.unwrap();
+    let changed = tx
+        .update_many::<cart_item::Entity>()
+        .set(cart_item::ActiveModel {
+            sku: Set("twice".into()),
+            ..Default::default()
+        })
+        .set(cart_item::ActiveModel {
+            quantity: Set(7),
+            ..Default::default()
+        })
+        .exec()
+        .await
+        .unwrap();
+    assert_eq!(changed, 2);
+    tx.commit().await.unwrap();
+    let mine = items_of(&cluster, a).await;
+    assert!(
+        mine.iter().all(|i| i.sku == "twice" && i.quantity == 7),
+        "{mine:?}"
+    );
+    let theirs = items_of(&cluster, b).await;
+    assert!(
+        theirs.iter().all(|i| i.sku != "twice" && i.quantity == 1),
+        "{theirs:?}"
+    );
 
     // delete_many: a's rows only.
     let tx = cluster.begin::<Customer>(a).await.unwrap();
