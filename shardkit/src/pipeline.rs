@@ -21,6 +21,10 @@
 //!    (`WriteCtx::defer`: cache fills, removal of replaced index rows);
 //! 9. SeaORM's `after_save` / `after_delete`.
 //!
+//! An insert or update of an entity that no stage has work for (every
+//! stage's [`batch`](WriteStage::batch) answers [`Batch::Statement`])
+//! takes steps 1–3, 7 and 9 only: the others would do nothing.
+//!
 //! Stages are typed by the entity they see (`E`), so they are composed
 //! statically: a tuple of stages is a stage that runs its members in order.
 //! The cluster's stages are [`crate::cluster::Stages`]; a feature that must see

@@ -339,7 +339,7 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
             }
             // All or nothing, like the one statement: a row that fails
             // leaves the rows before it written, so nothing may commit.
-            self.write::<E>(WriteOp::Update, model)
+            self.write_staged::<E>(WriteOp::Update, model)
                 .await
                 .map_err(|e| self.poison(e))?;
             changed += 1;

@@ -338,7 +338,7 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
             // Boxed: the pipeline's state would otherwise sit in every
             // statement-path future (one allocation of kilobytes per write).
             Batch::PerRow | Batch::Refused(_) => {
-                return Box::pin(self.write::<E>(op, model)).await.map(|_| 1);
+                return Box::pin(self.write_staged::<E>(op, model)).await.map(|_| 1);
             }
         }
         self.stages.prepare::<E>(&ctx, op, &mut model).await?;
@@ -432,7 +432,61 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
 
     /// An insert or an update, through the write pipeline (see
     /// [`crate::pipeline`] for the steps).
+    ///
+    /// When no stage has work for a row of `E` (no global index, no
+    /// rollout: the stages' [`batch`](WriteStage::batch) answer is one
+    /// statement), the steps that would do nothing are not taken: the ids,
+    /// SeaORM's hooks and the key's checks around them, then the write.
+    /// Otherwise the whole pipeline runs, boxed where taken, so the common
+    /// write's future does not carry the stages' state.
     pub(crate) async fn write<E: InGroup<G>>(
+        &self,
+        op: WriteOp,
+        mut model: E::ActiveModel,
+    ) -> Result<E::Model>
+    where
+        E::ActiveModel: 'static,
+    {
+        let name = op.as_str();
+        self.check::<E>(&model)?;
+        let ctx = self.ctx();
+        if self.stages.batch::<E>(&ctx, op) != Batch::Statement {
+            return Box::pin(self.write_staged::<E>(op, model)).await;
+        }
+        self.stages.prepare::<E>(&ctx, op, &mut model).await?;
+        crate::trace::in_span(self.write_span::<E>(name), async {
+            let insert = op == WriteOp::Insert;
+            let model =
+                <E::ActiveModel as ActiveModelBehavior>::before_save(model, &self.txn, insert)
+                    .await
+                    .map_err(|e| self.write_err::<E>(name, e))?;
+            self.check::<E>(&model)?;
+            let row = if insert {
+                E::insert(model).exec_with_returning(&self.txn).await
+            } else if !model.is_changed() {
+                // Nothing to set: SeaORM would answer with a primary-key
+                // read that ignores the shard key. Read within the key.
+                self.row_select::<E>(&model, name)?
+                    .one(&self.txn)
+                    .await
+                    .and_then(|row| row.ok_or(DbErr::RecordNotUpdated))
+            } else {
+                let update = E::update(model)
+                    .validate()
+                    .map_err(|e| self.write_err::<E>(name, e))?
+                    .filter(self.key_expr::<E>());
+                update.exec(&self.txn).await
+            }
+            .map_err(|e| self.write_err::<E>(name, e))?;
+            <E::ActiveModel as ActiveModelBehavior>::after_save(row, &self.txn, insert)
+                .await
+                .map_err(|e| self.write_err::<E>(name, e))
+        })
+        .await
+    }
+
+    /// [`write`](Self::write) with every stage of the pipeline.
+    pub(super) async fn write_staged<E: InGroup<G>>(
         &self,
         op: WriteOp,
         mut model: E::ActiveModel,
