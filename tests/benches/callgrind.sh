@@ -17,6 +17,16 @@
 # count the benchmark's future alone ($future, callgrind's inclusive cost),
 # which leaves the park out and moves much less.
 # Needs: n1, n2, rounds, future.
+#
+# PostgreSQL without TLS unless PGSSLMODE says otherwise (sqlx reads it): a
+# TLS handshake costs about 1.5 million instructions, and whether the main
+# thread's count holds one more or one fewer varied from run to run (11.3M
+# and 12.8M of ring's code in two runs of 100 reads, 13.6M in runs of 400),
+# a few thousand instructions per operation either way in the marginal
+# count, more than the differences measured. Connecting is not per
+# operation; what TLS costs per statement is the same for every variant.
+: "${PGSSLMODE:=disable}"
+export PGSSLMODE
 
 bench_bin() {
   cargo bench -p shardkit-tests --bench "$1" --no-run --message-format=json 2>/dev/null \
