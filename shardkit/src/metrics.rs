@@ -51,11 +51,27 @@ fn kind(sql: &str) -> usize {
         Some(b) if b.is_ascii_alphabetic() => sql,
         _ => sql.trim_start(),
     };
-    let word = sql.as_bytes().get(..6).unwrap_or(b"");
-    [b"select", b"insert", b"update", b"delete"]
+    let Some(&[a, b, c, d, e, f]) = sql.as_bytes().get(..6) else {
+        return 4;
+    };
+    // The six bytes as one number, each with 0x20 set: that lowers an ASCII
+    // letter and makes no other byte a lower-case letter, so comparing with
+    // the lower-case words is `eq_ignore_ascii_case`, in one comparison.
+    let word = u64::from_le_bytes([a, b, c, d, e, f, 0, 0]) | LOWER;
+    [SELECT, INSERT, UPDATE, DELETE]
         .iter()
-        .position(|kind| word.eq_ignore_ascii_case(*kind))
+        .position(|kind| word == *kind)
         .unwrap_or(4)
+}
+
+const LOWER: u64 = 0x2020_2020_2020;
+const SELECT: u64 = word(b"select");
+const INSERT: u64 = word(b"insert");
+const UPDATE: u64 = word(b"update");
+const DELETE: u64 = word(b"delete");
+
+const fn word(w: &[u8; 6]) -> u64 {
+    u64::from_le_bytes([w[0], w[1], w[2], w[3], w[4], w[5], 0, 0])
 }
 
 const KINDS: [&str; 5] = ["select", "insert", "update", "delete", "other"];
@@ -271,6 +287,14 @@ mod tests {
             ("é SELECT", "other"),
             ("\x0BSELECT 1", "select"),
             ("\u{00A0}\u{2028}UPDATE t SET a = 1", "update"),
+            ("uPdAtE t SET a = 1", "update"),
+            ("DELETE", "delete"),
+            // Near misses: a letter's byte less 0x40 ('3' for 's'), a
+            // control byte, a letter beside the one asked for.
+            ("3elect 1", "other"),
+            ("s\x05lect 1", "other"),
+            ("selecu", "other"),
+            ("insert\u{0}", "insert"),
         ] {
             assert_eq!(KINDS[kind(sql)], expected, "{sql:?}");
         }

@@ -274,7 +274,11 @@ impl<A: WriteStage, B: WriteStage> WriteStage for (A, B) {
     }
 
     fn batch<E: ShardedEntity>(&self, ctx: &WriteCtx<'_>, op: WriteOp) -> Batch {
-        self.0.batch::<E>(ctx, op).and(self.1.batch::<E>(ctx, op))
+        // Asked of every write: the common answer takes no `and`.
+        match self.0.batch::<E>(ctx, op) {
+            Batch::Statement => self.1.batch::<E>(ctx, op),
+            first => first.and(self.1.batch::<E>(ctx, op)),
+        }
     }
 
     async fn before_write<E: ShardedEntity>(
