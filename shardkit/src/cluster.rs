@@ -864,7 +864,8 @@ impl Cluster {
     }
 
     /// The rollouts other instances registered whose old entity this
-    /// instance has written without registering them, as (old table,
+    /// instance has written (or tried to: a write counts from its start,
+    /// failed or not) without registering them, as (old table,
     /// rollout) pairs: its writes of those tables are neither dual-written
     /// nor cached. Each is also logged once at warn level. Found from
     /// `shardkit_rollout_instances`, re-read in the background every 30 s

@@ -31,7 +31,10 @@
 //! every write (a fence, a change log, a metric) is one implementation of
 //! [`WriteStage`] in its own module and one more member of that tuple.
 //! Every method has a default that does nothing, so a stage implements
-//! only the steps it takes part in.
+//! only the steps it takes part in, and answers [`batch`](WriteStage::batch)
+//! with more than one statement for every entity it has work for in
+//! `replace`, `before_write` or `after_write`: that answer decides whether an
+//! insert or update takes those steps at all.
 
 use crate::entity::{ShardKey, ShardedEntity};
 use crate::error::Result;
@@ -199,6 +202,13 @@ pub trait WriteStage: sealed::Sealed + Send + Sync + 'static {
     /// as far as this stage is concerned: as one statement, row by row
     /// (the batch reads the rows it matches under the row lock and writes
     /// each through the whole pipeline), or not at all.
+    ///
+    /// Asked of every insert and update too, before anything is written:
+    /// when every stage answers [`Batch::Statement`], the write skips
+    /// [`replace`](Self::replace), [`needs_current`](Self::needs_current),
+    /// [`before_write`](Self::before_write) and
+    /// [`after_write`](Self::after_write). So a stage with work in any of
+    /// those for `E` answers `PerRow` (or `Refused`) for `E`.
     ///
     /// [`ShardTx::update_many`]: crate::tx::ShardTx::update_many
     fn batch<E: ShardedEntity>(&self, _ctx: &WriteCtx<'_>, _op: WriteOp) -> Batch {

@@ -435,10 +435,10 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
     ///
     /// When no stage has work for a row of `E` (no global index, no
     /// rollout: the stages' [`batch`](WriteStage::batch) answer is one
-    /// statement), the steps that would do nothing are not taken: the ids,
-    /// SeaORM's hooks and the key's checks around them, then the write.
-    /// Otherwise the whole pipeline runs, boxed where taken, so the common
-    /// write's future does not carry the stages' state.
+    /// statement), the stage steps that would do nothing are skipped, and
+    /// only the ids, SeaORM's hooks with the key's checks around them, and
+    /// the write itself run. Otherwise the whole pipeline runs, boxed where
+    /// taken, so the common write's future does not carry the stages' state.
     pub(crate) async fn write<E: InGroup<G>>(
         &self,
         op: WriteOp,
