@@ -6,7 +6,8 @@
 //! allocator's small sizes). What they send and return is SeaORM's.
 
 use sea_orm::{
-    ConnectionTrait, DbErr, EntityTrait, FromQueryResult, QueryTrait, Select, Statement,
+    ColumnTrait, ConnectionTrait, DbBackend, DbErr, EntityTrait, FromQueryResult, Iterable,
+    QueryTrait, Select, Statement,
 };
 use std::future::Future;
 
@@ -35,13 +36,66 @@ pub(crate) fn all_models<E: EntityTrait, C: ConnectionTrait>(
 /// this returns (see `Read::single`), and a box that small is one of the
 /// allocator's cheap sizes; a read in a transaction holds it as is.
 pub(crate) fn one_model<E: EntityTrait, C: ConnectionTrait>(
-    mut select: Select<E>,
+    select: Select<E>,
     conn: &C,
 ) -> impl Future<Output = std::result::Result<Option<E::Model>, DbErr>> + '_ {
+    first_model::<E, C>(conn, one_statement(select, conn.get_database_backend()))
+}
+
+/// `Select::one`'s statement: `select` with `LIMIT 1`, built for `backend`.
+pub(crate) fn one_statement<E: EntityTrait>(
+    mut select: Select<E>,
+    backend: DbBackend,
+) -> Statement {
     QueryTrait::query(&mut select).limit(1);
-    let statement = conn
-        .get_database_backend()
-        .build(QueryTrait::as_query(&select));
+    backend.build(QueryTrait::as_query(&select))
+}
+
+/// `statement` (an insert or update) returning every column of `E`, as
+/// SeaORM's `exec_with_returning` and `exec` add it (each column through
+/// its `select_as`), built for `backend`.
+pub(crate) fn with_returning<E: EntityTrait, S: Returning>(
+    statement: &mut S,
+    backend: DbBackend,
+) -> Statement {
+    let returning = sea_orm::sea_query::Query::returning().exprs(
+        <E::Column as Iterable>::iter().map(|c| c.select_as(c.into_returning_expr(backend))),
+    );
+    statement.returning(returning);
+    statement.build_for(backend)
+}
+
+/// The statements [`with_returning`] takes.
+pub(crate) trait Returning {
+    fn returning(&mut self, returning: sea_orm::sea_query::ReturningClause);
+    fn build_for(&self, backend: DbBackend) -> Statement;
+}
+
+impl Returning for sea_orm::sea_query::InsertStatement {
+    fn returning(&mut self, returning: sea_orm::sea_query::ReturningClause) {
+        sea_orm::sea_query::InsertStatement::returning(self, returning);
+    }
+    fn build_for(&self, backend: DbBackend) -> Statement {
+        backend.build(self)
+    }
+}
+
+impl Returning for sea_orm::sea_query::UpdateStatement {
+    fn returning(&mut self, returning: sea_orm::sea_query::ReturningClause) {
+        sea_orm::sea_query::UpdateStatement::returning(self, returning);
+    }
+    fn build_for(&self, backend: DbBackend) -> Statement {
+        backend.build(self)
+    }
+}
+
+/// The first row `statement` returns, decoded as `E::Model`, as SeaORM's
+/// `Select::one` and the `RETURNING` row of its `exec_with_returning` and
+/// `exec` decode it; the future holds SeaORM's boxed query future only.
+pub(crate) fn first_model<E: EntityTrait, C: ConnectionTrait>(
+    conn: &C,
+    statement: Statement,
+) -> impl Future<Output = std::result::Result<Option<E::Model>, DbErr>> + '_ {
     let row = conn.query_one_raw(statement);
     async move {
         row.await?
