@@ -467,9 +467,11 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
             // future then holds SeaORM's boxed query future, not SeaORM's
             // chain around the statement and the model (4.7 KB in every
             // boxed write, past the allocator's cached sizes). Without
-            // `RETURNING` (MySQL/MariaDB), SeaORM's own path, boxed. Each is
-            // made in a block of its own, so that the statement and the
-            // model it came from are not kept across the await.
+            // `RETURNING` (MySQL/MariaDB unless SeaORM's
+            // `mariadb-use-returning` is on, SQLite unless
+            // `sqlite-use-returning-for-3_35` is), SeaORM's own path, boxed.
+            // Each is made in a block of its own, and the model is moved in
+            // every branch, so neither is kept across the await.
             use crate::exec::statements::{first_model, with_returning};
             use futures::future::Either;
             let returning = sea_orm::ConnectionTrait::support_returning(&self.txn);
@@ -490,6 +492,7 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
                 // Nothing to set: SeaORM would answer with a primary-key
                 // read that ignores the shard key. Read within the key.
                 let select = self.row_select::<E>(&model, name)?;
+                drop(model);
                 Either::Left(first_model::<E, _>(
                     &self.txn,
                     crate::exec::statements::one_statement(select, backend),
