@@ -457,11 +457,7 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
         let backend = self.backend();
         crate::trace::in_span(self.write_span::<E>(name), async {
             let insert = op == WriteOp::Insert;
-            let model =
-                <E::ActiveModel as ActiveModelBehavior>::before_save(model, &self.txn, insert)
-                    .await
-                    .map_err(|e| self.write_err::<E>(name, e))?;
-            self.check::<E>(&model)?;
+            let model = self.before_save::<E>(model, insert, name).await?;
             // SeaORM's `exec_with_returning` and `exec`, with the statement
             // built before the await where the backend has `RETURNING`: the
             // future then holds SeaORM's boxed query future, not SeaORM's
@@ -533,6 +529,21 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
         .await
     }
 
+    /// SeaORM's `before_save`, then the key's check again, so that a hook
+    /// cannot move the row to another key.
+    async fn before_save<E: InGroup<G>>(
+        &self,
+        model: E::ActiveModel,
+        insert: bool,
+        name: &str,
+    ) -> Result<E::ActiveModel> {
+        let model = <E::ActiveModel as ActiveModelBehavior>::before_save(model, &self.txn, insert)
+            .await
+            .map_err(|e| self.write_err::<E>(name, e))?;
+        self.check::<E>(&model)?;
+        Ok(model)
+    }
+
     /// [`write`](Self::write) with every stage of the pipeline.
     pub(super) async fn write_staged<E: InGroup<G>>(
         &self,
@@ -548,11 +559,7 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
         self.stages.prepare::<E>(&ctx, op, &mut model).await?;
         crate::trace::in_span(self.write_span::<E>(name), async {
             let insert = op == WriteOp::Insert;
-            let model =
-                <E::ActiveModel as ActiveModelBehavior>::before_save(model, &self.txn, insert)
-                    .await
-                    .map_err(|e| self.write_err::<E>(name, e))?;
-            self.check::<E>(&model)?;
+            let model = self.before_save::<E>(model, insert, name).await?;
             let row = match self
                 .stages
                 .replace::<E>(&ctx, op, &model)
