@@ -51,42 +51,13 @@ pub(crate) fn one_statement<E: EntityTrait>(
     backend.build(QueryTrait::as_query(&select))
 }
 
-/// `statement` (an insert or update) returning every column of `E`, as
-/// SeaORM's `exec_with_returning` and `exec` add it (each column through
-/// its `select_as`), built for `backend`.
-pub(crate) fn with_returning<E: EntityTrait, S: Returning>(
-    statement: &mut S,
+/// The `RETURNING` clause SeaORM's `exec_with_returning` and `exec` add to
+/// an insert or update: every column of `E`, each through its `select_as`.
+pub(crate) fn returning_all<E: EntityTrait>(
     backend: DbBackend,
-) -> Statement {
-    let returning = sea_orm::sea_query::Query::returning().exprs(
-        <E::Column as Iterable>::iter().map(|c| c.select_as(c.into_returning_expr(backend))),
-    );
-    statement.returning(returning);
-    statement.build_for(backend)
-}
-
-/// The statements [`with_returning`] takes.
-pub(crate) trait Returning {
-    fn returning(&mut self, returning: sea_orm::sea_query::ReturningClause);
-    fn build_for(&self, backend: DbBackend) -> Statement;
-}
-
-impl Returning for sea_orm::sea_query::InsertStatement {
-    fn returning(&mut self, returning: sea_orm::sea_query::ReturningClause) {
-        sea_orm::sea_query::InsertStatement::returning(self, returning);
-    }
-    fn build_for(&self, backend: DbBackend) -> Statement {
-        backend.build(self)
-    }
-}
-
-impl Returning for sea_orm::sea_query::UpdateStatement {
-    fn returning(&mut self, returning: sea_orm::sea_query::ReturningClause) {
-        sea_orm::sea_query::UpdateStatement::returning(self, returning);
-    }
-    fn build_for(&self, backend: DbBackend) -> Statement {
-        backend.build(self)
-    }
+) -> sea_orm::sea_query::ReturningClause {
+    sea_orm::sea_query::Query::returning()
+        .exprs(<E::Column as Iterable>::iter().map(|c| c.select_as(c.into_returning_expr(backend))))
 }
 
 /// The first row `statement` returns, decoded as `E::Model`, as SeaORM's

@@ -468,17 +468,15 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
             // `sqlite-use-returning-for-3_35` is), SeaORM's own path, boxed.
             // Each is made in a block of its own, and the model is moved in
             // every branch, so neither is kept across the await.
-            use crate::exec::statements::{first_model, with_returning};
+            use crate::exec::statements::{first_model, returning_all};
             use futures::future::Either;
             let returning = sea_orm::ConnectionTrait::support_returning(&self.txn);
             let write = if insert {
                 let mut statement = E::insert(model);
                 if returning {
                     let query = sea_orm::QueryTrait::query(&mut statement);
-                    Either::Left(first_model::<E, _>(
-                        &self.txn,
-                        with_returning::<E, _>(query, backend),
-                    ))
+                    query.returning(returning_all::<E>(backend));
+                    Either::Left(first_model::<E, _>(&self.txn, backend.build(&*query)))
                 } else {
                     Either::Right(Box::pin(async move {
                         statement.exec_with_returning(&self.txn).await.map(Some)
@@ -502,10 +500,8 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
                 // An update that sets no column is SeaORM's to answer (a
                 // read by primary key).
                 if returning && !query.get_values().is_empty() {
-                    Either::Left(first_model::<E, _>(
-                        &self.txn,
-                        with_returning::<E, _>(query, backend),
-                    ))
+                    query.returning(returning_all::<E>(backend));
+                    Either::Left(first_model::<E, _>(&self.txn, backend.build(&*query)))
                 } else {
                     Either::Right(
                         Box::pin(async move { update.exec(&self.txn).await.map(Some) })
