@@ -4,17 +4,20 @@
 //! branches and history must agree after every run.
 //!
 //! Variants: `plain` (SeaORM on one database, B), `one` (shardkit on one
-//! shard, D), `four` (shardkit on four shards, C), on PostgreSQL and
-//! MySQL/MariaDB (`SHARDKIT_PG_URL`, `SHARDKIT_MYSQL_URL`; a server that does
+//! shard, D), `four` (shardkit on four shards, C), and, for throughput,
+//! `plainfour` (B4: plain SeaORM on four databases of the same server, each
+//! branch on the database where `four` placed it, a pool per database as
+//! `four` has: what four databases of one server give without shardkit), on
+//! PostgreSQL and MySQL/MariaDB (`SHARDKIT_PG_URL`, `SHARDKIT_MYSQL_URL`; a server that does
 //! not answer is skipped).
 //!
 //! - `cargo bench -p shardkit-tests --bench tpcb`: transactions per second
 //!   at 8 and 32 clients, the variants interleaved round by round, medians
 //!   (each backend and client count in a process of its own). The variants
-//!   share out the same connections (four shards: a quarter each);
-//!   `TPCB_FOUR_POOL=n` gives each of the four shards a pool of `n`.
+//!   share out the same connections (four databases: a quarter each);
+//!   `TPCB_FOUR_POOL=n` gives each of the four databases a pool of `n`.
 //! - `tests/benches/tpcb.sh`: client instructions per transaction under
-//!   callgrind (`tpcb <plain|keyed|one|four> <postgres|mysql> <transactions>`,
+//!   callgrind (`tpcb <plain|keyed|one|four|plainfour> <postgres|mysql> <transactions>`,
 //!   one task on a current-thread runtime). `keyed` is plain SeaORM sending
 //!   the statements shardkit sends: each also matches the branch (`AND bid
 //!   = $n`), the predicate shardkit adds to every statement of a key's
@@ -34,7 +37,7 @@ const BRANCHES: i64 = 8;
 const TELLERS: i64 = 10; // per branch
 const ACCOUNTS: i64 = 1_000; // per branch
 const ROUNDS: usize = 5;
-const PER_CLIENT: i64 = 50;
+const PER_CLIENT: i64 = 200;
 
 #[derive(shardkit::EntityGroup)]
 #[shardkit(key = i64)]
@@ -148,11 +151,18 @@ enum Variant {
     Keyed,
     One,
     Four,
+    /// Plain SeaORM on four databases (throughput only).
+    PlainFour,
 }
 
 impl Variant {
     /// The variants measured for throughput.
-    const ALL: [Variant; 3] = [Variant::Plain, Variant::One, Variant::Four];
+    const ALL: [Variant; 4] = [
+        Variant::Plain,
+        Variant::One,
+        Variant::Four,
+        Variant::PlainFour,
+    ];
 
     fn name(self) -> &'static str {
         match self {
@@ -160,11 +170,15 @@ impl Variant {
             Variant::Keyed => "keyed",
             Variant::One => "one",
             Variant::Four => "four",
+            Variant::PlainFour => "plainfour",
         }
     }
 
     fn databases(self) -> usize {
-        if self == Variant::Four { 4 } else { 1 }
+        match self {
+            Variant::Four | Variant::PlainFour => 4,
+            _ => 1,
+        }
     }
 }
 
@@ -302,26 +316,30 @@ async fn sharded(cluster: &Cluster, t: Txn) -> i64 {
 /// A variant's databases, created afresh and loaded.
 struct Setup {
     variant: Variant,
-    plain: Option<DatabaseConnection>,
+    /// Plain SeaORM's pools, one per database, and the index of each
+    /// branch's (`bid - 1`).
+    plain: Vec<DatabaseConnection>,
+    db_of: Vec<usize>,
     cluster: Option<Cluster>,
 }
 
 impl Setup {
     async fn run(&self, t: Txn) -> i64 {
-        match (&self.plain, &self.cluster) {
-            (Some(db), _) => plain(db, t, self.variant == Variant::Keyed).await,
-            (None, Some(cluster)) => sharded(cluster, t).await,
-            (None, None) => unreachable!("a setup has a database"),
+        match &self.cluster {
+            None => {
+                let db = &self.plain[self.db_of[t.bid as usize - 1]];
+                plain(db, t, self.variant == Variant::Keyed).await
+            }
+            Some(cluster) => sharded(cluster, t).await,
         }
     }
 
     fn connections(&self) -> Vec<DatabaseConnection> {
-        match (&self.plain, &self.cluster) {
-            (Some(db), _) => vec![db.clone()],
-            (None, Some(cluster)) => (0..self.variant.databases())
+        match &self.cluster {
+            None => self.plain.clone(),
+            Some(cluster) => (0..self.variant.databases())
                 .map(|i| cluster.connection(&format!("s{i}")).unwrap().clone())
                 .collect(),
-            (None, None) => Vec::new(),
         }
     }
 
@@ -427,20 +445,31 @@ async fn setup(backend: Backend, variant: Variant, pool: u32) -> Option<Setup> {
             .unwrap();
     }
     Some(match variant {
-        Variant::Plain | Variant::Keyed => {
+        Variant::Plain | Variant::Keyed | Variant::PlainFour => {
+            // Each branch on the database shardkit placed it on.
+            let mut db_of = Vec::new();
+            for bid in 1..=BRANCHES {
+                let shard = cluster.shard_of::<Branch>(&bid).await.unwrap();
+                db_of.push(shard.trim_start_matches('s').parse().unwrap());
+            }
             drop(cluster);
-            let mut options = sea_orm::ConnectOptions::new(format!("{server}/{}", names[0]));
-            options.max_connections(pool).sqlx_logging(false);
-            let db = Database::connect(options).await.unwrap();
+            let mut plain = Vec::new();
+            for name in &names {
+                let mut options = sea_orm::ConnectOptions::new(format!("{server}/{name}"));
+                options.max_connections(pool).sqlx_logging(false);
+                plain.push(Database::connect(options).await.unwrap());
+            }
             Setup {
                 variant,
-                plain: Some(db),
+                plain,
+                db_of,
                 cluster: None,
             }
         }
         _ => Setup {
             variant,
-            plain: None,
+            plain: Vec::new(),
+            db_of: Vec::new(),
             cluster: Some(cluster),
         },
     })
@@ -448,17 +477,17 @@ async fn setup(backend: Backend, variant: Variant, pool: u32) -> Option<Setup> {
 
 /// Transactions per second at `clients` clients, each variant's median of
 /// interleaved rounds.
-async fn throughput(backend: Backend, clients: i64) -> Option<[f64; 3]> {
+async fn throughput(backend: Backend, clients: i64) -> Option<[f64; 4]> {
     let mut setups = Vec::new();
     for v in Variant::ALL {
         // The same connections in all in every variant: as many as
         // clients, at most 24 (the three variants' pools and shardkit's
         // side pools stay within PostgreSQL's default 100), so at 32
         // clients some wait for a connection in every variant alike.
-        // `TPCB_FOUR_POOL=n` gives each of the four shards a pool of `n`
-        // instead (as a deployment sizes a pool per database).
+        // `TPCB_FOUR_POOL=n` gives each of the four databases a pool of
+        // `n` instead (as a deployment sizes a pool per database).
         let pool = match std::env::var("TPCB_FOUR_POOL") {
-            Ok(n) if v == Variant::Four => n.parse().expect("TPCB_FOUR_POOL: a number"),
+            Ok(n) if v.databases() == 4 => n.parse().expect("TPCB_FOUR_POOL: a number"),
             _ => std::cmp::min(clients, 24) / v.databases() as i64,
         };
         setups.push(Arc::new(setup(backend, v, pool as u32).await?));
@@ -482,7 +511,7 @@ async fn throughput(backend: Backend, clients: i64) -> Option<[f64; 3]> {
             }
         }) as shardkit_tests::Job<'static>
     };
-    let medians = interleaved(ROUNDS, 3, job).await;
+    let medians = interleaved(ROUNDS, Variant::ALL.len(), job).await;
     for s in &setups {
         s.check_balances().await;
     }
@@ -520,10 +549,11 @@ fn main() {
                 .build()
                 .unwrap();
             match runtime.block_on(throughput(backend, clients)) {
-                Some([b, d, c]) => println!(
-                    "tpcb/{backend:?}/{clients} clients: plain {b:.0} tps, shardkit one shard {d:.0} tps ({:.2}x), four shards {c:.0} tps ({:.2}x of one shard)",
+                Some([b, d, c, b4]) => println!(
+                    "tpcb/{backend:?}/{clients} clients: plain {b:.0} tps, shardkit one shard {d:.0} tps ({:.2}x), four shards {c:.0} tps ({:.2}x of one shard); plain on four databases {b4:.0} tps ({:.2}x of plain on one)",
                     d / b,
-                    c / d
+                    c / d,
+                    b4 / b
                 ),
                 None => println!("tpcb/{backend:?}: no server: skipped"),
             }
@@ -534,7 +564,7 @@ fn main() {
                 .chain(Variant::ALL)
                 .find(|v| v.name() == variant)
                 .unwrap_or_else(|| {
-                    panic!("variant `{variant}`: expected plain, keyed, one or four")
+                    panic!("variant `{variant}`: expected plain, keyed, one, four or plainfour")
                 });
             let n: i64 = n.parse().expect("a number of transactions");
             tokio::runtime::Builder::new_current_thread()
@@ -557,6 +587,8 @@ fn main() {
                 }
             }
         }
-        _ => panic!("usage: tpcb [<plain|keyed|one|four> <postgres|mysql> <transactions>]"),
+        _ => {
+            panic!("usage: tpcb [<plain|keyed|one|four|plainfour> <postgres|mysql> <transactions>]")
+        }
     }
 }
