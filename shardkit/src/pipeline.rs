@@ -21,8 +21,8 @@
 //!    (`WriteCtx::defer`: cache fills, removal of replaced index rows);
 //! 9. SeaORM's `after_save` / `after_delete`.
 //!
-//! An insert or update of an entity that no stage has work for (every
-//! stage's [`batch`](WriteStage::batch) answers [`Batch::Statement`])
+//! An insert, update or delete of an entity that no stage has work for
+//! (every stage's [`batch`](WriteStage::batch) answers [`Batch::Statement`])
 //! takes steps 1–3, 7 and 9 only: the others would do nothing.
 //!
 //! Stages are typed by the entity they see (`E`), so they are composed
@@ -203,7 +203,8 @@ pub trait WriteStage: sealed::Sealed + Send + Sync + 'static {
     /// (the batch reads the rows it matches under the row lock and writes
     /// each through the whole pipeline), or not at all.
     ///
-    /// Asked of every insert and update too, before anything is written:
+    /// Asked of every insert, update and delete too, before anything is
+    /// written:
     /// when every stage answers [`Batch::Statement`], the write skips
     /// [`replace`](Self::replace), [`needs_current`](Self::needs_current),
     /// [`before_write`](Self::before_write) and

@@ -4,7 +4,7 @@
 //! `valgrind --tool=callgrind` repeat. One invocation runs one variant:
 //!
 //! ```text
-//! overhead <plain|shardkit|session> <sqlite|postgres> <read|update> <operations>
+//! overhead <plain|shardkit|session> <sqlite|postgres> <read|update|delete> <operations>
 //! ```
 //!
 //! - `read`: a keyed point read of one row (`cluster.find().key(k)` + primary
@@ -19,6 +19,10 @@
 //!   `Entity::update` with the same key predicate, `commit`. Both begin the
 //!   same way: `BEGIN IMMEDIATE` on SQLite (shardkit takes a write
 //!   transaction's lock up front, see `exec::begin`), `BEGIN` elsewhere.
+//! - `delete`: a one-row delete transaction by primary key (`tx.delete`)
+//!   against SeaORM's `Entity::delete` with the same key predicate, begun
+//!   and committed as `update`'s. The first deletes the row; the others
+//!   send the same statement and match nothing, on both sides alike.
 //!
 //! Set-up (connecting, migrating, the row) is the same whatever the count,
 //! so the difference between two counts divided by the difference in
@@ -50,6 +54,7 @@ enum Mode {
 enum Op {
     Read,
     Update,
+    Delete,
 }
 
 async fn read(mode: Mode, cluster: &Cluster, db: &DatabaseConnection, session: &Session) {
@@ -79,6 +84,16 @@ async fn read(mode: Mode, cluster: &Cluster, db: &DatabaseConnection, session: &
     std::hint::black_box(row.expect("the row exists"));
 }
 
+/// Plain SeaORM's write transaction, begun as shardkit begins one.
+async fn begin_plain(db: &DatabaseConnection) -> sea_orm::DatabaseTransaction {
+    db.begin_with_options(TransactionOptions {
+        sqlite_transaction_mode: Some(SqliteTransactionMode::Immediate),
+        ..TransactionOptions::default()
+    })
+    .await
+    .expect("begin")
+}
+
 async fn update(mode: Mode, cluster: &Cluster, db: &DatabaseConnection, value: i64) {
     let model = order::ActiveModel {
         id: Unchanged(ROW),
@@ -87,13 +102,7 @@ async fn update(mode: Mode, cluster: &Cluster, db: &DatabaseConnection, value: i
     };
     match mode {
         Mode::Plain => {
-            let txn = db
-                .begin_with_options(TransactionOptions {
-                    sqlite_transaction_mode: Some(SqliteTransactionMode::Immediate),
-                    ..TransactionOptions::default()
-                })
-                .await
-                .expect("begin");
+            let txn = begin_plain(db).await;
             let row = order::Entity::update(model)
                 .validate()
                 .expect("a valid update")
@@ -111,6 +120,36 @@ async fn update(mode: Mode, cluster: &Cluster, db: &DatabaseConnection, value: i
             std::hint::black_box(row);
         }
     }
+}
+
+async fn delete(mode: Mode, cluster: &Cluster, db: &DatabaseConnection) {
+    let model = order::ActiveModel {
+        id: Unchanged(ROW),
+        customer_id: Unchanged(KEY),
+        total_cents: sea_orm::ActiveValue::NotSet,
+    };
+    let rows = match mode {
+        Mode::Plain => {
+            let txn = begin_plain(db).await;
+            let rows = order::Entity::delete(model)
+                .validate()
+                .expect("a valid delete")
+                .filter(order::Column::CustomerId.eq(KEY))
+                .exec(&txn)
+                .await
+                .expect("plain delete")
+                .rows_affected;
+            txn.commit().await.expect("commit");
+            rows
+        }
+        Mode::Shardkit | Mode::Session => {
+            let tx = cluster.begin::<Customer>(KEY).await.expect("begin");
+            let rows = tx.delete(model).await.expect("delete");
+            tx.commit().await.expect("commit");
+            rows
+        }
+    };
+    std::hint::black_box(rows);
 }
 
 async fn run(mode: Mode, backend: Backend, op: Op, operations: i64) {
@@ -134,6 +173,7 @@ async fn run(mode: Mode, backend: Backend, op: Op, operations: i64) {
         match op {
             Op::Read => read(mode, &cluster, &db, &session).await,
             Op::Update => update(mode, &cluster, &db, i).await,
+            Op::Delete => delete(mode, &cluster, &db).await,
         }
     }
     drop(db);
@@ -166,7 +206,8 @@ fn main() {
             let op = match op.as_str() {
                 "read" => Op::Read,
                 "update" => Op::Update,
-                other => panic!("operation `{other}`: expected read or update"),
+                "delete" => Op::Delete,
+                other => panic!("operation `{other}`: expected read, update or delete"),
             };
             let n: i64 = n
                 .parse()
@@ -176,7 +217,7 @@ fn main() {
         [] => None,
         _ => {
             panic!(
-                "usage: overhead <plain|shardkit|session> <sqlite|postgres> <read|update> <operations>"
+                "usage: overhead <plain|shardkit|session> <sqlite|postgres> <read|update|delete> <operations>"
             )
         }
     };
@@ -185,7 +226,7 @@ fn main() {
             Some((mode, backend, op, n)) => run(mode, backend, op, n).await,
             None => {
                 for mode in [Mode::Plain, Mode::Shardkit, Mode::Session] {
-                    for op in [Op::Read, Op::Update] {
+                    for op in [Op::Read, Op::Update, Op::Delete] {
                         run(mode, Backend::Sqlite, op, 20).await;
                     }
                 }

@@ -25,6 +25,7 @@ rounds="${3:-3}"
 . tests/benches/callgrind.sh
 bin=$(bench_bin overhead)
 if [ "${ONLY:-}" != session ]; then
-  compare plain shardkit ratio "sqlite read" "postgres read" "sqlite update" "postgres update"
+  compare plain shardkit ratio "sqlite read" "postgres read" "sqlite update" "postgres update" \
+    "sqlite delete" "postgres delete"
 fi
 compare shardkit session "session ratio" "sqlite read" "postgres read"

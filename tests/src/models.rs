@@ -91,9 +91,9 @@ pub mod ghost {
     impl ActiveModelBehavior for ActiveModel {}
 }
 
-/// A Customer-group entity whose `before_save` hook moves the row to customer
-/// 999 when asked to (`note == "move"`); its table is never created, so a
-/// refusal proves no SQL ran.
+/// A Customer-group entity whose `before_save` and `before_delete` hooks move
+/// the row to customer 999 when asked to (`note == "move"`); its table is
+/// never created, so a refusal proves no SQL ran.
 pub mod mover {
     use sea_orm::entity::prelude::*;
 
@@ -112,6 +112,16 @@ pub mod mover {
     #[async_trait::async_trait]
     impl ActiveModelBehavior for ActiveModel {
         async fn before_save<C>(mut self, _db: &C, _insert: bool) -> Result<Self, DbErr>
+        where
+            C: ConnectionTrait,
+        {
+            if self.note.as_ref() == "move" {
+                self.customer_id = sea_orm::ActiveValue::Set(999);
+            }
+            Ok(self)
+        }
+
+        async fn before_delete<C>(mut self, _db: &C) -> Result<Self, DbErr>
         where
             C: ConnectionTrait,
         {

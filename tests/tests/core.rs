@@ -253,6 +253,21 @@ async fn cross_shard_write_is_refused(dbs: &mut TestDbs) {
         "{err:?}"
     );
     drop(hooked);
+    // Nor before a delete.
+    let hooked = cluster.begin::<Customer>(1).await.unwrap();
+    let err = hooked
+        .delete(mover::ActiveModel {
+            id: Unchanged(1),
+            customer_id: Unchanged(1),
+            note: Set("move".into()),
+        })
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, ShardError::CrossShardWrite { found, .. } if found == "999"),
+        "{err:?}"
+    );
+    drop(hooked);
 
     // A fresh transaction on the same shard for the other key is refused too,
     // even though it would land on the same database.
@@ -359,6 +374,25 @@ async fn update_and_delete_stay_within_their_key(dbs: &mut TestDbs) {
         .await
         .unwrap();
     assert_eq!(deleted, 0);
+    // A delete without its primary key is SeaORM's error, before any SQL.
+    let err = tx
+        .delete(order::ActiveModel {
+            id: NotSet,
+            customer_id: Unchanged(b),
+            total_cents: NotSet,
+        })
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            ShardError::Db {
+                source: DbErr::PrimaryKeyNotSet { .. },
+                ..
+            }
+        ),
+        "{err:?}"
+    );
     tx.commit().await.unwrap();
     let rows = orders_on(&cluster, &shard, a).await;
     assert_eq!(rows.len(), 1);

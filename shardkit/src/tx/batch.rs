@@ -410,7 +410,7 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
         for row in rows {
             // All or nothing, as for `update_many`.
             deleted += self
-                .delete_row(row.into_active_model())
+                .delete_staged(row.into_active_model())
                 .await
                 .map_err(|e| self.poison(e))?;
         }

@@ -540,6 +540,20 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
         Ok(model)
     }
 
+    /// SeaORM's `before_delete`, then the key's check again, so that a hook
+    /// cannot move the row to another key.
+    async fn before_delete<A>(&self, model: A, name: &str) -> Result<A>
+    where
+        A: ActiveModelTrait + ActiveModelBehavior + Send,
+        A::Entity: InGroup<G> + EntityTrait<ActiveModel = A>,
+    {
+        let model = A::before_delete(model, &self.txn)
+            .await
+            .map_err(|e| self.write_err::<A::Entity>(name, e))?;
+        self.check::<A::Entity>(&model)?;
+        Ok(model)
+    }
+
     /// [`write`](Self::write) with every stage of the pipeline.
     pub(super) async fn write_staged<E: InGroup<G>>(
         &self,
@@ -643,7 +657,69 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
         boxed(|| self.delete_row(model))
     }
 
-    pub(super) async fn delete_row<A>(&self, model: A) -> Result<u64>
+    /// A delete, through the write pipeline. As for [`write`](Self::write):
+    /// when no stage has work for a row of the entity, only SeaORM's hooks
+    /// with the key's checks around them and the `DELETE` run, its statement
+    /// built before the await; otherwise the whole pipeline, boxed.
+    async fn delete_row<A>(&self, model: A) -> Result<u64>
+    where
+        A: ActiveModelTrait + ActiveModelBehavior + Send + 'static,
+        A::Entity: InGroup<G> + EntityTrait<ActiveModel = A>,
+    {
+        let op = WriteOp::Delete;
+        let name = op.as_str();
+        self.check::<A::Entity>(&model)?;
+        if self.stages.batch::<A::Entity>(&self.ctx(), op) != Batch::Statement {
+            return Box::pin(self.delete_staged(model)).await;
+        }
+        crate::trace::in_span(self.write_span::<A::Entity>(name), async {
+            let model = self.before_delete(model, name).await?;
+            let statement = self.delete_statement::<A::Entity>(&model)?;
+            let rows = crate::exec::statements::rows_affected(&self.txn, statement)
+                .await
+                .map_err(|e| self.write_err::<A::Entity>(name, e))?;
+            A::after_delete(model, &self.txn)
+                .await
+                .map_err(|e| self.write_err::<A::Entity>(name, e))?;
+            Ok(rows)
+        })
+        .await
+    }
+
+    /// The `DELETE` of `model`'s row: its primary key and the transaction's
+    /// key (SeaORM's `Entity::delete(model)` with the key's predicate, as one
+    /// expression, see [`crate::read::where_keyed`]).
+    fn delete_statement<E: InGroup<G>>(
+        &self,
+        model: &E::ActiveModel,
+    ) -> Result<sea_orm::Statement> {
+        let pk = <E::PrimaryKey as sea_orm::Iterable>::iter()
+            .map(|c| {
+                sea_orm::ActiveValue::into_value(
+                    model.get(sea_orm::PrimaryKeyToColumn::into_column(c)),
+                )
+                .ok_or_else(|| {
+                    // SeaORM's `DeleteOne` refuses it the same way.
+                    self.write_err::<E>(
+                        WriteOp::Delete.as_str(),
+                        DbErr::PrimaryKeyNotSet { ctx: "DeleteOne" },
+                    )
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let backend = self.backend();
+        let mut delete = sea_orm::QueryTrait::into_query(E::delete_many());
+        crate::read::where_keyed::<E, _>(
+            &mut delete,
+            &self.key,
+            backend,
+            Some(crate::exec::keyset::pk_condition::<E>(&pk)),
+        );
+        Ok(backend.build(&delete))
+    }
+
+    /// [`delete_row`](Self::delete_row) with every stage of the pipeline.
+    pub(super) async fn delete_staged<A>(&self, model: A) -> Result<u64>
     where
         A: ActiveModelTrait + ActiveModelBehavior + Send + 'static,
         A::Entity: InGroup<G> + EntityTrait<ActiveModel = A>,
@@ -653,10 +729,7 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
         self.check::<A::Entity>(&model)?;
         let ctx = self.ctx();
         crate::trace::in_span(self.write_span::<A::Entity>(name), async {
-            let model = A::before_delete(model, &self.txn)
-                .await
-                .map_err(|e| self.write_err::<A::Entity>(name, e))?;
-            self.check::<A::Entity>(&model)?;
+            let model = self.before_delete(model, name).await?;
             let replaced = self
                 .stages
                 .replace::<A::Entity>(&ctx, op, &model)
