@@ -34,7 +34,7 @@
 //! only the steps it takes part in, and answers [`batch`](WriteStage::batch)
 //! with more than one statement for every entity it has work for in
 //! `replace`, `before_write` or `after_write`: that answer decides whether an
-//! insert or update takes those steps at all.
+//! insert, update or delete takes those steps at all.
 
 use crate::entity::{ShardKey, ShardedEntity};
 use crate::error::Result;

@@ -91,9 +91,26 @@ pub mod ghost {
     impl ActiveModelBehavior for ActiveModel {}
 }
 
+/// A statement that makes the database abort the transaction the way a
+/// deadlock does (SQLSTATE 40001 / MySQL 1213); SQLite has no way to raise
+/// one, so it is a plain failure there.
+pub fn deadlock_sql(backend: sea_orm::DbBackend) -> &'static str {
+    match backend {
+        sea_orm::DbBackend::Postgres => {
+            "DO $$ BEGIN RAISE EXCEPTION 'chosen as deadlock victim' USING ERRCODE = '40001'; END $$"
+        }
+        sea_orm::DbBackend::MySql => {
+            "SIGNAL SQLSTATE '40001' SET MYSQL_ERRNO = 1213, MESSAGE_TEXT = 'Deadlock found'"
+        }
+        _ => "SELECT * FROM no_such_table",
+    }
+}
+
 /// A Customer-group entity whose `before_save` and `before_delete` hooks move
-/// the row to customer 999 when asked to (`note == "move"`); its table is
-/// never created, so a refusal proves no SQL ran.
+/// the row to customer 999 when asked to (`note == "move"`), or fail with
+/// the database's abort of the transaction (`note == "abort"`, see
+/// [`deadlock_sql`]); its table is never created, so a refusal proves no SQL
+/// ran.
 pub mod mover {
     use sea_orm::entity::prelude::*;
 
@@ -109,26 +126,35 @@ pub mod mover {
         pub note: String,
     }
 
-    #[async_trait::async_trait]
-    impl ActiveModelBehavior for ActiveModel {
-        async fn before_save<C>(mut self, _db: &C, _insert: bool) -> Result<Self, DbErr>
-        where
-            C: ConnectionTrait,
-        {
-            if self.note.as_ref() == "move" {
-                self.customer_id = sea_orm::ActiveValue::Set(999);
+    impl ActiveModel {
+        /// What both hooks do (see the module's docs).
+        async fn hook<C: ConnectionTrait>(mut self, db: &C) -> Result<Self, DbErr> {
+            match self.note.as_ref().as_str() {
+                "move" => self.customer_id = sea_orm::ActiveValue::Set(999),
+                "abort" => {
+                    let sql = crate::models::deadlock_sql(db.get_database_backend());
+                    db.execute_unprepared(sql).await?;
+                }
+                _ => {}
             }
             Ok(self)
         }
+    }
 
-        async fn before_delete<C>(mut self, _db: &C) -> Result<Self, DbErr>
+    #[async_trait::async_trait]
+    impl ActiveModelBehavior for ActiveModel {
+        async fn before_save<C>(self, db: &C, _insert: bool) -> Result<Self, DbErr>
         where
             C: ConnectionTrait,
         {
-            if self.note.as_ref() == "move" {
-                self.customer_id = sea_orm::ActiveValue::Set(999);
-            }
-            Ok(self)
+            self.hook(db).await
+        }
+
+        async fn before_delete<C>(self, db: &C) -> Result<Self, DbErr>
+        where
+            C: ConnectionTrait,
+        {
+            self.hook(db).await
         }
     }
 }

@@ -387,12 +387,14 @@ async fn update_and_delete_stay_within_their_key(dbs: &mut TestDbs) {
         matches!(
             &err,
             ShardError::Db {
-                source: DbErr::PrimaryKeyNotSet { .. },
+                source: DbErr::PrimaryKeyNotSet { ctx: "DeleteOne" },
+                operation,
                 ..
-            }
+            } if operation == "delete orders"
         ),
         "{err:?}"
     );
+    assert!(!tx.is_rollback_only(), "a refusal before any SQL");
     tx.commit().await.unwrap();
     let rows = orders_on(&cluster, &shard, a).await;
     assert_eq!(rows.len(), 1);

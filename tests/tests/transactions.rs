@@ -2,7 +2,7 @@
 //! the database aborted the transaction, and `ShardError::retry` read from
 //! the driver's own error codes.
 
-use sea_orm::{ConnectionTrait, DbBackend};
+use sea_orm::ConnectionTrait;
 use shardkit::Retry;
 use shardkit::prelude::*;
 use shardkit_tests::models::*;
@@ -13,6 +13,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 backend_tests!(2 =>
     closure_commits_on_ok_and_rolls_back_on_err,
     aborted_transactions_run_again_within_the_bound,
+    a_write_the_database_aborted_leaves_the_transaction_rollback_only,
     driver_errors_are_classified_by_code,
     errors_say_what_failed_where_and_the_drivers_cause_once,
     insert_many_checks_every_row_first,
@@ -79,20 +80,10 @@ async fn closure_commits_on_ok_and_rolls_back_on_err(dbs: &mut TestDbs) {
 }
 
 /// Makes the database abort the transaction the way a deadlock does
-/// (SQLSTATE 40001 / MySQL 1213); SQLite has no way to raise one, so it
-/// reports a plain failure there.
+/// ([`deadlock_sql`]; a plain failure on SQLite).
 async fn abort_like_a_deadlock(tx: &ShardTx<Customer>) -> shardkit::Result<()> {
     let conn = tx.unchecked_connection();
-    let sql = match conn.get_database_backend() {
-        DbBackend::Postgres => {
-            "DO $$ BEGIN RAISE EXCEPTION 'chosen as deadlock victim' USING ERRCODE = '40001'; END $$"
-        }
-        DbBackend::MySql => {
-            "SIGNAL SQLSTATE '40001' SET MYSQL_ERRNO = 1213, MESSAGE_TEXT = 'Deadlock found'"
-        }
-        _ => "SELECT * FROM no_such_table",
-    };
-    conn.execute_unprepared(sql)
+    conn.execute_unprepared(deadlock_sql(conn.get_database_backend()))
         .await
         .map_err(|source| ShardError::Db {
             origin: Box::new(shardkit::Origin::Group("Customer")),
@@ -101,6 +92,49 @@ async fn abort_like_a_deadlock(tx: &ShardTx<Customer>) -> shardkit::Result<()> {
             source,
         })?;
     Ok(())
+}
+
+/// A write whose statement (here its `before_save` / `before_delete` hook's)
+/// the database aborted leaves the transaction rollback-only: on
+/// MySQL/MariaDB what it sent next would run outside the transaction, which
+/// the server has rolled back already.
+async fn a_write_the_database_aborted_leaves_the_transaction_rollback_only(dbs: &mut TestDbs) {
+    let cluster = dbs.cluster(2, "[groups.Customer]\n").await;
+    cluster.migrate::<Migrator>().await.unwrap();
+    for op in ["insert", "delete"] {
+        let tx = cluster.begin::<Customer>(11).await.unwrap();
+        tx.insert(order_row(1, 11)).await.unwrap();
+        let aborting = mover::ActiveModel {
+            id: Set(1),
+            customer_id: Set(11),
+            note: Set("abort".into()),
+        };
+        let err = match op {
+            "insert" => tx.insert(aborting).await.map(drop),
+            _ => tx.delete(aborting).await.map(drop),
+        }
+        .unwrap_err();
+        if dbs.backend == Backend::Sqlite {
+            assert_eq!(err.retry(), Retry::Never, "{op}: {err}");
+            assert!(!tx.is_rollback_only(), "{op}: a plain failure");
+        } else {
+            assert_eq!(err.retry(), Retry::Transaction, "{op}: {err}");
+            assert!(tx.is_rollback_only(), "{op}");
+            let later = tx.insert(order_row(2, 11)).await.unwrap_err();
+            assert!(
+                matches!(later, ShardError::RollbackOnly { .. }),
+                "{op}: {later:?}"
+            );
+            let commit = tx.commit().await.unwrap_err();
+            assert!(
+                matches!(commit, ShardError::RollbackOnly { .. }),
+                "{op}: {commit:?}"
+            );
+            continue;
+        }
+        drop(tx);
+    }
+    assert_eq!(count_rows(&cluster, "orders").await, 0, "nothing committed");
 }
 
 async fn aborted_transactions_run_again_within_the_bound(dbs: &mut TestDbs) {

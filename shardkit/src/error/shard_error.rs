@@ -96,9 +96,12 @@ pub enum ShardError {
     },
 
     /// The transaction refused an earlier write (cross-shard or without a shard
-    /// key), so it can only be rolled back. Nothing it did was committed. (A
-    /// statement the database rejected does not poison it; the caller decides,
-    /// as with any SeaORM transaction.)
+    /// key), or the database aborted it during one of its writes (a deadlock,
+    /// a serialization failure: the database has rolled it back, and on
+    /// MySQL/MariaDB later statements would run outside it), so it can only be
+    /// rolled back. Nothing it did was committed. (Any other statement the
+    /// database rejected, a unique violation say, does not poison it; the
+    /// caller decides, as with any SeaORM transaction.)
     #[error(
         "transaction for group `{group}` on shard `{shard}` is rollback-only after an earlier \
          error ({reason}); nothing was committed"

@@ -298,7 +298,7 @@ impl<'t, G: EntityGroup, P: WriteStage, E: InGroup<G>> TxUpdateMany<'t, G, P, E>
                 };
                 return crate::exec::statements::rows_affected(&tx.txn, statement)
                     .await
-                    .map_err(|e| tx.poison_if_aborted(tx.write_err::<E>(op, e)));
+                    .map_err(|e| tx.write_err::<E>(op, e));
             }
             Batch::Refused(reason) => return Err(refuse(&reason)),
             Batch::PerRow => {}
@@ -391,7 +391,7 @@ impl<'t, G: EntityGroup, P: WriteStage, E: InGroup<G>> TxDeleteMany<'t, G, P, E>
                 };
                 return crate::exec::statements::rows_affected(&tx.txn, statement)
                     .await
-                    .map_err(|e| tx.poison_if_aborted(tx.write_err::<E>(op, e)));
+                    .map_err(|e| tx.write_err::<E>(op, e));
             }
             Batch::Refused(reason) => return Err(unsupported::<E>(op, reason)),
             Batch::PerRow => {}

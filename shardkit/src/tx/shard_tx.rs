@@ -116,7 +116,8 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
         &self.txn
     }
 
-    /// Whether an earlier refusal made it rollback-only.
+    /// Whether an earlier refusal, or a write the database aborted, made it
+    /// rollback-only ([`ShardError::RollbackOnly`]).
     pub fn is_rollback_only(&self) -> bool {
         self.poisoned.get().is_some()
     }
@@ -236,13 +237,17 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
         }
     }
 
+    /// A database error of a write of `E` (its statement, a SeaORM hook's,
+    /// the row read under lock). One that aborted the transaction makes it
+    /// rollback-only ([`poison_if_aborted`](Self::poison_if_aborted)): on
+    /// MySQL/MariaDB the statements after it would run outside it.
     pub(super) fn write_err<E: EntityTrait>(&self, op: &str, source: DbErr) -> ShardError {
-        ShardError::db(
+        self.poison_if_aborted(ShardError::db(
             crate::error::Origin::Group(G::NAME),
             self.shard().to_owned(),
             format!("{op} {}", table_name::<E>()),
             source,
-        )
+        ))
     }
 
     fn write_span<E: EntityTrait>(&self, op: &'static str) -> tracing::Span {
