@@ -94,8 +94,8 @@ async fn abort_like_a_deadlock(tx: &ShardTx<Customer>) -> shardkit::Result<()> {
     Ok(())
 }
 
-/// A write whose statement (here its `before_save` / `before_delete` hook's)
-/// the database aborted leaves the transaction rollback-only: on
+/// A write whose statement (here its `before_save` / `before_delete` hook's),
+/// or a read, the database aborted leaves the transaction rollback-only: on
 /// MySQL/MariaDB what it sent next would run outside the transaction, which
 /// the server has rolled back already.
 async fn a_write_the_database_aborted_leaves_the_transaction_rollback_only(dbs: &mut TestDbs) {
@@ -132,6 +132,40 @@ async fn a_write_the_database_aborted_leaves_the_transaction_rollback_only(dbs: 
             );
             continue;
         }
+        drop(tx);
+    }
+    if dbs.backend != Backend::Sqlite {
+        // A read the database aborts does the same.
+        let create = match dbs.backend {
+            Backend::Postgres => {
+                "CREATE FUNCTION aborts() RETURNS integer AS $$ BEGIN RAISE EXCEPTION \
+                 'chosen as deadlock victim' USING ERRCODE = '40001'; END $$ LANGUAGE plpgsql"
+            }
+            _ => {
+                "CREATE FUNCTION aborts() RETURNS INT NOT DETERMINISTIC NO SQL BEGIN \
+                 SIGNAL SQLSTATE '40001' SET MYSQL_ERRNO = 1213, MESSAGE_TEXT = \
+                 'Deadlock found'; RETURN 0; END"
+            }
+        };
+        for shard in ["s0", "s1"] {
+            let conn = cluster.connection(shard).unwrap();
+            conn.execute_unprepared(create).await.unwrap();
+        }
+        let tx = cluster.begin::<Customer>(11).await.unwrap();
+        tx.insert(order_row(1, 11)).await.unwrap();
+        let err = tx
+            .find::<order::Entity>()
+            .filter(sea_orm::sea_query::Expr::cust("aborts() = 1"))
+            .all()
+            .await
+            .unwrap_err();
+        assert_eq!(err.retry(), Retry::Transaction, "read: {err}");
+        assert!(tx.is_rollback_only(), "read");
+        let later = tx.insert(order_row(2, 11)).await.unwrap_err();
+        assert!(
+            matches!(later, ShardError::RollbackOnly { .. }),
+            "read: {later:?}"
+        );
         drop(tx);
     }
     assert_eq!(count_rows(&cluster, "orders").await, 0, "nothing committed");

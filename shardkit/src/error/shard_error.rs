@@ -96,8 +96,8 @@ pub enum ShardError {
     },
 
     /// The transaction refused an earlier write (cross-shard or without a shard
-    /// key), or the database aborted it during one of its writes (a deadlock,
-    /// a serialization failure: the database has rolled it back, and on
+    /// key), or the database aborted it during one of its writes or reads
+    /// (a deadlock, a serialization failure: the database has rolled it back, and on
     /// MySQL/MariaDB later statements would run outside it), so it can only be
     /// rolled back. Nothing it did was committed. (Any other statement the
     /// database rejected, a unique violation say, does not poison it; the

@@ -14,6 +14,7 @@ use sea_orm::{
     ConnectionTrait, FromQueryResult, PaginatorTrait, Related, Select, SelectGetableTuple,
     SelectModel, Selector, SelectorTrait, TryGetableMany,
 };
+use std::sync::OnceLock;
 use std::sync::atomic::AtomicUsize;
 use std::sync::atomic::Ordering as AtomicOrdering;
 
@@ -28,11 +29,29 @@ pub struct TxFind<'t, E: ShardedEntity, C> {
     /// The transaction's open streams: while one is open it holds the
     /// transaction's connection, and anything else would wait for it.
     pub(super) streams: &'t AtomicUsize,
+    /// The transaction's rollback-only reason, set by a read the database
+    /// aborted ([`poison_if_aborted`]).
+    pub(super) poisoned: &'t OnceLock<String>,
     /// Why this read may not run (a rollout no longer writes `E`'s table
     /// and cannot serve it from the new one).
     pub(super) refused: Option<ShardError>,
     /// What the features say of reads (for the other side of a relation).
     pub(super) guard: Option<&'t dyn ReadGuard>,
+}
+
+/// `err`, and when the database aborted the transaction with it (a
+/// deadlock, a serialization failure:
+/// [`Retry::Transaction`](crate::error::Retry::Transaction)) the
+/// transaction becomes rollback-only with it as the reason: the database has
+/// rolled back everything it did, on MySQL/MariaDB at once, and later
+/// statements would run outside it. For a transaction's reads and writes
+/// alike.
+pub(crate) fn poison_if_aborted(poisoned: &OnceLock<String>, err: ShardError) -> ShardError {
+    if err.retry() == crate::error::Retry::Transaction {
+        // The first reason is kept.
+        let _ = poisoned.set(err.to_string());
+    }
+    err
 }
 
 /// The error for a use of a transaction while one of its streams is open.
@@ -76,10 +95,10 @@ impl<'t, E: ShardedEntity, C: ConnectionTrait> TxFind<'t, E, C> {
         conn: &'t C,
         shard: &'t str,
         key: &KeyOf<E>,
-        streams: &'t AtomicUsize,
+        (streams, poisoned): (&'t AtomicUsize, &'t OnceLock<String>),
         guard: Option<&'t dyn ReadGuard>,
     ) -> Self {
-        Self::of(conn, shard, key, E::find(), streams, guard)
+        Self::of(conn, shard, key, E::find(), (streams, poisoned), guard)
     }
 
     /// `select` scoped to `key`.
@@ -88,7 +107,7 @@ impl<'t, E: ShardedEntity, C: ConnectionTrait> TxFind<'t, E, C> {
         shard: &'t str,
         key: &KeyOf<E>,
         select: Select<E>,
-        streams: &'t AtomicUsize,
+        (streams, poisoned): (&'t AtomicUsize, &'t OnceLock<String>),
         guard: Option<&'t dyn ReadGuard>,
     ) -> Self {
         let mut select = keyed_select::<E>(select, key, conn.get_database_backend());
@@ -106,6 +125,7 @@ impl<'t, E: ShardedEntity, C: ConnectionTrait> TxFind<'t, E, C> {
             key: key.clone(),
             select,
             streams,
+            poisoned,
             refused,
             guard,
         }
@@ -123,15 +143,29 @@ impl<'t, E: ShardedEntity, C: ConnectionTrait> TxFind<'t, E, C> {
         stream_open(self.streams, table_name::<E>())
     }
 
+    /// What a failure of the read's statement becomes (see
+    /// [`poison_if_aborted`]).
+    fn fail(&self) -> impl Fn(sea_orm::DbErr) -> ShardError + Copy + Send + use<'t, E, C> {
+        let (shard, poisoned) = (self.shard, self.poisoned);
+        move |e| poison_if_aborted(poisoned, read_err::<E>(shard, e))
+    }
+
     /// The statement left-joined with `R` along `E`'s relation, `R`'s side
     /// scoped to the key (and read from where the guard says), with the
     /// connection and shard to run it on.
-    fn joined<R>(mut self) -> Result<(Select<E>, &'t C, &'t str)>
+    fn joined<R>(
+        mut self,
+    ) -> Result<(
+        Select<E>,
+        &'t C,
+        impl Fn(sea_orm::DbErr) -> ShardError + Copy + Send + 't,
+    )>
     where
         R: Joinable<E::Group>,
         E: Related<R>,
     {
         self.ready()?;
+        let fail = self.fail();
         let r_from = guard_check::<R>(self.guard)?;
         let backend = self.conn.get_database_backend();
         let select = join_related::<E, R>(
@@ -141,7 +175,7 @@ impl<'t, E: ShardedEntity, C: ConnectionTrait> TxFind<'t, E, C> {
             backend,
             r_from.as_ref(),
         );
-        Ok((select, self.conn, self.shard))
+        Ok((select, self.conn, fail))
     }
 
     /// Each row of the transaction's key with its related rows of `R`
@@ -154,12 +188,12 @@ impl<'t, E: ShardedEntity, C: ConnectionTrait> TxFind<'t, E, C> {
         C: Sync,
     {
         boxed(move || async move {
-            let (select, conn, shard) = self.joined::<R>()?;
+            let (select, conn, fail) = self.joined::<R>()?;
             select
                 .select_with(R::default())
                 .all(conn)
                 .await
-                .map_err(|e| read_err::<E>(shard, e))
+                .map_err(fail)
         })
     }
 
@@ -173,29 +207,31 @@ impl<'t, E: ShardedEntity, C: ConnectionTrait> TxFind<'t, E, C> {
         C: Sync,
     {
         boxed(move || async move {
-            let (select, conn, shard) = self.joined::<R>()?;
+            let (select, conn, fail) = self.joined::<R>()?;
             select
                 .select_also(R::default())
                 .all(conn)
                 .await
-                .map_err(|e| read_err::<E>(shard, e))
+                .map_err(fail)
         })
     }
 
     /// All matching rows of the transaction's key.
     pub async fn all(mut self) -> Result<Vec<E::Model>> {
         self.ready()?;
+        let fail = self.fail();
         crate::exec::statements::all_models(self.select, self.conn)
             .await
-            .map_err(|e| read_err::<E>(self.shard, e))
+            .map_err(fail)
     }
 
     /// The first matching row of the transaction's key.
     pub async fn one(mut self) -> Result<Option<E::Model>> {
         self.ready()?;
+        let fail = self.fail();
         crate::exec::statements::one_model(self.select, self.conn)
             .await
-            .map_err(|e| read_err::<E>(self.shard, e))
+            .map_err(fail)
     }
 
     /// The matching rows of the transaction's key as a stream (SeaORM's
@@ -208,15 +244,11 @@ impl<'t, E: ShardedEntity, C: ConnectionTrait> TxFind<'t, E, C> {
         C: sea_orm::StreamTrait + Send + Sync,
     {
         self.ready()?;
-        let shard = self.shard;
-        let rows = self
-            .select
-            .stream(self.conn)
-            .await
-            .map_err(|e| read_err::<E>(shard, e))?;
+        let fail = self.fail();
+        let rows = self.select.stream(self.conn).await.map_err(fail)?;
         self.streams.fetch_add(1, AtomicOrdering::AcqRel);
         Ok(Box::pin(Counted {
-            rows: rows.map(move |row| row.map_err(|e| read_err::<E>(shard, e))),
+            rows: rows.map(move |row| row.map_err(fail)),
             streams: self.streams,
         }))
     }
@@ -224,10 +256,8 @@ impl<'t, E: ShardedEntity, C: ConnectionTrait> TxFind<'t, E, C> {
     /// The number of matching rows of the transaction's key.
     pub async fn count(mut self) -> Result<u64> {
         self.ready()?;
-        self.select
-            .count(self.conn)
-            .await
-            .map_err(|e| read_err::<E>(self.shard, e))
+        let fail = self.fail();
+        self.select.count(self.conn).await.map_err(fail)
     }
 }
 
@@ -235,42 +265,35 @@ impl<'t, E: ShardedEntity, C: ConnectionTrait> TxFind<'t, E, C> {
     /// Decodes each row into `M` (SeaORM's [`Select::into_model`]), inside
     /// the transaction and scoped to its key.
     pub fn into_model<M: FromQueryResult>(self) -> TxSelect<'t, C, SelectModel<M>> {
-        let TxFind {
-            conn,
-            shard,
-            select,
-            streams,
-            refused,
-            ..
-        } = self;
-        TxSelect::new::<E>(conn, shard, select.into_model::<M>(), streams, refused)
+        self.decoded(Select::into_model::<M>)
     }
 
     /// Decodes each row into a tuple of its selected columns (SeaORM's
     /// [`Select::into_tuple`]).
     pub fn into_tuple<T: TryGetableMany>(self) -> TxSelect<'t, C, SelectGetableTuple<T>> {
-        let TxFind {
-            conn,
-            shard,
-            select,
-            streams,
-            refused,
-            ..
-        } = self;
-        TxSelect::new::<E>(conn, shard, select.into_tuple::<T>(), streams, refused)
+        self.decoded(Select::into_tuple::<T>)
     }
 
     /// Decodes each row into a JSON object (SeaORM's [`Select::into_json`]).
     pub fn into_json(self) -> TxSelect<'t, C, SelectModel<sea_orm::JsonValue>> {
+        self.decoded(Select::into_json)
+    }
+
+    /// The read with its rows decoded by `into`'s selector.
+    fn decoded<S: SelectorTrait>(
+        self,
+        into: impl FnOnce(Select<E>) -> Selector<S>,
+    ) -> TxSelect<'t, C, S> {
         let TxFind {
             conn,
             shard,
             select,
             streams,
+            poisoned,
             refused,
             ..
         } = self;
-        TxSelect::new::<E>(conn, shard, select.into_json(), streams, refused)
+        TxSelect::new::<E>(conn, shard, into(select), (streams, poisoned), refused)
     }
 }
 
@@ -284,6 +307,7 @@ pub struct TxSelect<'t, C, S: SelectorTrait> {
     pub(super) group: &'static str,
     pub(super) selector: Selector<S>,
     pub(super) streams: &'t AtomicUsize,
+    pub(super) poisoned: &'t OnceLock<String>,
     pub(super) refused: Option<ShardError>,
 }
 
@@ -292,7 +316,7 @@ impl<'t, C: ConnectionTrait, S: SelectorTrait> TxSelect<'t, C, S> {
         conn: &'t C,
         shard: &'t str,
         selector: Selector<S>,
-        streams: &'t AtomicUsize,
+        (streams, poisoned): (&'t AtomicUsize, &'t OnceLock<String>),
         refused: Option<ShardError>,
     ) -> Self {
         TxSelect {
@@ -302,6 +326,7 @@ impl<'t, C: ConnectionTrait, S: SelectorTrait> TxSelect<'t, C, S> {
             group: <E::Group as EntityGroup>::NAME,
             selector,
             streams,
+            poisoned,
             refused,
         }
     }
@@ -335,6 +360,7 @@ impl<'t, C: ConnectionTrait, S: SelectorTrait> TxSelect<'t, C, S> {
             group,
             selector,
             streams,
+            poisoned,
             refused,
         } = self;
         if let Some(err) = refused {
@@ -342,7 +368,7 @@ impl<'t, C: ConnectionTrait, S: SelectorTrait> TxSelect<'t, C, S> {
         }
         stream_open(streams, table)?;
         Ok((selector, conn, move |source| {
-            select_err(group, table, shard, source)
+            poison_if_aborted(poisoned, select_err(group, table, shard, source))
         }))
     }
 }

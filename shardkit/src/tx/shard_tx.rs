@@ -116,8 +116,8 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
         &self.txn
     }
 
-    /// Whether an earlier refusal, or a write the database aborted, made it
-    /// rollback-only ([`ShardError::RollbackOnly`]).
+    /// Whether an earlier refusal, or a write or read the database aborted,
+    /// made it rollback-only ([`ShardError::RollbackOnly`]).
     pub fn is_rollback_only(&self) -> bool {
         self.poisoned.get().is_some()
     }
@@ -209,11 +209,7 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
     /// statements would run outside it. It becomes rollback-only, and the
     /// error (which says to run the transaction again) goes to the caller.
     pub(super) fn poison_if_aborted(&self, err: ShardError) -> ShardError {
-        if err.retry() == crate::error::Retry::Transaction {
-            self.poison(err)
-        } else {
-            err
-        }
+        crate::read::poison_if_aborted(&self.poisoned, err)
     }
 
     /// The transaction's key as a predicate on `E` (see [`crate::read`]).
@@ -789,7 +785,7 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
             &self.txn,
             self.shard(),
             &self.key,
-            &self.streams,
+            (&self.streams, &self.poisoned),
             self.guard.as_deref(),
         )
     }
@@ -817,7 +813,7 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
             self.shard(),
             &self.key,
             select,
-            &self.streams,
+            (&self.streams, &self.poisoned),
             guard,
         );
         if let Some(err) = refused {
