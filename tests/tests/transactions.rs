@@ -2,7 +2,7 @@
 //! the database aborted the transaction, and `ShardError::retry` read from
 //! the driver's own error codes.
 
-use sea_orm::ConnectionTrait;
+use sea_orm::{ConnectionTrait, QuerySelect};
 use shardkit::Retry;
 use shardkit::prelude::*;
 use shardkit_tests::models::*;
@@ -166,9 +166,53 @@ async fn a_write_the_database_aborted_leaves_the_transaction_rollback_only(dbs: 
             matches!(later, ShardError::RollbackOnly { .. }),
             "read: {later:?}"
         );
+        // Reads too: they would run outside the ended transaction.
+        let read = tx.find::<order::Entity>().all().await.unwrap_err();
+        assert!(
+            matches!(read, ShardError::RollbackOnly { .. }),
+            "read: {read:?}"
+        );
         drop(tx);
     }
     assert_eq!(count_rows(&cluster, "orders").await, 0, "nothing committed");
+
+    if dbs.backend == Backend::MySql {
+        // MySQL/MariaDB's lock wait timeout (1205, which a refused `NOWAIT`
+        // lock says too) is retried as a transaction but ends only the
+        // statement: the transaction goes on.
+        cluster
+            .transaction::<Customer, _, _>(12, |tx| async move {
+                tx.insert(order_row(3, 12)).await.map(drop)
+            })
+            .await
+            .unwrap();
+        let holder = cluster.begin::<Customer>(12).await.unwrap();
+        let held = holder
+            .find::<order::Entity>()
+            .lock_exclusive()
+            .all()
+            .await
+            .unwrap();
+        assert_eq!(held.len(), 1);
+        let waiter = cluster.begin::<Customer>(12).await.unwrap();
+        let err = waiter
+            .find::<order::Entity>()
+            .lock_with_behavior(
+                sea_orm::sea_query::LockType::Update,
+                sea_orm::sea_query::LockBehavior::Nowait,
+            )
+            .all()
+            .await
+            .unwrap_err();
+        assert_eq!(err.retry(), Retry::Transaction, "{err}");
+        assert!(!waiter.is_rollback_only(), "{err}");
+        assert_eq!(waiter.find::<order::Entity>().count().await.unwrap(), 1);
+        // (The holder's lock covers the key's range: it goes first.)
+        drop(holder);
+        waiter.insert(order_row(4, 12)).await.unwrap();
+        waiter.commit().await.unwrap();
+        assert_eq!(count_rows(&cluster, "orders").await, 2);
+    }
 }
 
 async fn aborted_transactions_run_again_within_the_bound(dbs: &mut TestDbs) {

@@ -134,6 +134,26 @@ impl sea_orm::sqlx::error::DatabaseError for Synthetic {
     }
 }
 
+/// Whether the error is MySQL/MariaDB's lock wait timeout (1205): retried
+/// as a transaction ([`db_retry`]), but InnoDB ends only the statement with
+/// it (`innodb_rollback_on_timeout` is off by default), and a `NOWAIT` or
+/// `WAIT n` lock that is refused says it too. The transaction goes on.
+pub(crate) fn is_lock_wait_timeout(err: &DbErr) -> bool {
+    use sea_orm::{RuntimeErr, sqlx};
+    let (DbErr::Conn(RuntimeErr::SqlxError(e))
+    | DbErr::Exec(RuntimeErr::SqlxError(e))
+    | DbErr::Query(RuntimeErr::SqlxError(e))) = err
+    else {
+        return false;
+    };
+    match &**e {
+        sqlx::Error::Database(db) => db
+            .try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>()
+            .is_some_and(|mysql| mysql.number() == 1205),
+        _ => false,
+    }
+}
+
 /// Classifies a driver error by its code (see [`ShardError::retry`]).
 pub(crate) fn db_retry(err: &DbErr) -> Retry {
     use sea_orm::{RuntimeErr, SqlErr, sqlx};

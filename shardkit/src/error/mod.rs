@@ -12,8 +12,8 @@ mod shard_error;
 pub(crate) mod tests;
 
 pub(crate) use classify::{
-    Synthetic, db_retry, is_capacity, is_missing_table, is_sqlite_busy, is_unique_violation,
-    sqlx_is_capacity,
+    Synthetic, db_retry, is_capacity, is_lock_wait_timeout, is_missing_table, is_sqlite_busy,
+    is_unique_violation, sqlx_is_capacity,
 };
 pub(crate) use driver::{Bounded, QUOTED_CHARS, SqlxCause, database_code};
 pub use driver::{DriverCause, DriverError};

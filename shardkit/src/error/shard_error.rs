@@ -96,12 +96,14 @@ pub enum ShardError {
     },
 
     /// The transaction refused an earlier write (cross-shard or without a shard
-    /// key), or the database aborted it during one of its writes or reads
-    /// (a deadlock, a serialization failure: the database has rolled it back, and on
-    /// MySQL/MariaDB later statements would run outside it), so it can only be
-    /// rolled back. Nothing it did was committed. (Any other statement the
-    /// database rejected, a unique violation say, does not poison it; the
-    /// caller decides, as with any SeaORM transaction.)
+    /// key), a write stage or a batch written row by row failed in it, or the
+    /// database ended it during one of its writes or reads (a deadlock, a
+    /// serialization failure: the database has rolled it back, and on
+    /// MySQL/MariaDB later statements would run outside it; after that, reads
+    /// are refused too), so it can only be rolled back. Nothing it did was
+    /// committed. (Another error of a one-row write's or a read's statement,
+    /// a unique violation or MySQL/MariaDB's lock wait timeout, say, does not
+    /// poison it; the caller decides, as with any SeaORM transaction.)
     #[error(
         "transaction for group `{group}` on shard `{shard}` is rollback-only after an earlier \
          error ({reason}); nothing was committed"
@@ -533,6 +535,15 @@ impl ShardError {
             ShardError::Unroutable { .. } | ShardError::BucketMoved { .. } => ErrorKind::Routing,
             ShardError::Internal { .. } => ErrorKind::Internal,
         }
+    }
+
+    /// Whether the database ended the transaction with this error: a
+    /// deadlock or a serialization failure ([`Retry::Transaction`]), not
+    /// MySQL/MariaDB's lock wait timeout, which ends only the statement.
+    pub(crate) fn ended_transaction(&self) -> bool {
+        self.retry() == Retry::Transaction
+            && !matches!(self, ShardError::Db { source, .. }
+                if crate::error::is_lock_wait_timeout(source))
     }
 
     /// What a caller can do about this error: never retry, retry the same

@@ -31,7 +31,7 @@ pub struct TxFind<'t, E: ShardedEntity, C> {
     pub(super) streams: &'t AtomicUsize,
     /// The transaction's rollback-only reason, set by a read the database
     /// aborted ([`poison_if_aborted`]).
-    pub(super) poisoned: &'t OnceLock<String>,
+    pub(super) poisoned: &'t Poison,
     /// Why this read may not run (a rollout no longer writes `E`'s table
     /// and cannot serve it from the new one).
     pub(super) refused: Option<ShardError>,
@@ -39,17 +39,51 @@ pub struct TxFind<'t, E: ShardedEntity, C> {
     pub(super) guard: Option<&'t dyn ReadGuard>,
 }
 
-/// `err`, and when the database aborted the transaction with it (a
-/// deadlock, a serialization failure:
-/// [`Retry::Transaction`](crate::error::Retry::Transaction)) the
-/// transaction becomes rollback-only with it as the reason: the database has
-/// rolled back everything it did, on MySQL/MariaDB at once, and later
-/// statements would run outside it. For a transaction's reads and writes
-/// alike.
-pub(crate) fn poison_if_aborted(poisoned: &OnceLock<String>, err: ShardError) -> ShardError {
-    if err.retry() == crate::error::Retry::Transaction {
-        // The first reason is kept.
-        let _ = poisoned.set(err.to_string());
+/// Why a transaction became rollback-only, and whether the database ended
+/// it: then its reads are refused too, since they would run outside it.
+#[derive(Default)]
+pub(crate) struct Poison {
+    /// The first reason.
+    reason: OnceLock<String>,
+    aborted: std::sync::atomic::AtomicBool,
+}
+
+impl Poison {
+    /// Makes the transaction rollback-only with `err` as the reason (the
+    /// first reason is kept).
+    pub(crate) fn set(&self, err: &ShardError) {
+        let _ = self.reason.set(err.to_string());
+    }
+
+    pub(crate) fn reason(&self) -> Option<&String> {
+        self.reason.get()
+    }
+
+    /// The refusal of a read after the database ended the transaction.
+    fn refuse_read(&self, group: &'static str, shard: &str) -> Result<()> {
+        match self.reason.get() {
+            Some(reason) if self.aborted.load(AtomicOrdering::Acquire) => {
+                Err(ShardError::RollbackOnly {
+                    group,
+                    shard: shard.to_owned(),
+                    reason: reason.clone(),
+                })
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
+/// `err`, and when the database ended the transaction with it (a deadlock,
+/// a serialization failure: [`ShardError::ended_transaction`]) the
+/// transaction becomes rollback-only with it as the reason, and its later
+/// reads and writes are refused: the database has rolled back everything it
+/// did, and on MySQL/MariaDB later statements would run outside it. For a
+/// transaction's reads and writes alike.
+pub(crate) fn poison_if_aborted(poisoned: &Poison, err: ShardError) -> ShardError {
+    if err.ended_transaction() {
+        poisoned.set(&err);
+        poisoned.aborted.store(true, AtomicOrdering::Release);
     }
     err
 }
@@ -95,7 +129,7 @@ impl<'t, E: ShardedEntity, C: ConnectionTrait> TxFind<'t, E, C> {
         conn: &'t C,
         shard: &'t str,
         key: &KeyOf<E>,
-        (streams, poisoned): (&'t AtomicUsize, &'t OnceLock<String>),
+        (streams, poisoned): (&'t AtomicUsize, &'t Poison),
         guard: Option<&'t dyn ReadGuard>,
     ) -> Self {
         Self::of(conn, shard, key, E::find(), (streams, poisoned), guard)
@@ -107,7 +141,7 @@ impl<'t, E: ShardedEntity, C: ConnectionTrait> TxFind<'t, E, C> {
         shard: &'t str,
         key: &KeyOf<E>,
         select: Select<E>,
-        (streams, poisoned): (&'t AtomicUsize, &'t OnceLock<String>),
+        (streams, poisoned): (&'t AtomicUsize, &'t Poison),
         guard: Option<&'t dyn ReadGuard>,
     ) -> Self {
         let mut select = keyed_select::<E>(select, key, conn.get_database_backend());
@@ -140,7 +174,9 @@ impl<'t, E: ShardedEntity, C: ConnectionTrait> TxFind<'t, E, C> {
         if let Some(err) = self.refused.take() {
             return Err(err);
         }
-        stream_open(self.streams, table_name::<E>())
+        stream_open(self.streams, table_name::<E>())?;
+        self.poisoned
+            .refuse_read(<E::Group as EntityGroup>::NAME, self.shard)
     }
 
     /// What a failure of the read's statement becomes (see
@@ -307,7 +343,7 @@ pub struct TxSelect<'t, C, S: SelectorTrait> {
     pub(super) group: &'static str,
     pub(super) selector: Selector<S>,
     pub(super) streams: &'t AtomicUsize,
-    pub(super) poisoned: &'t OnceLock<String>,
+    pub(super) poisoned: &'t Poison,
     pub(super) refused: Option<ShardError>,
 }
 
@@ -316,7 +352,7 @@ impl<'t, C: ConnectionTrait, S: SelectorTrait> TxSelect<'t, C, S> {
         conn: &'t C,
         shard: &'t str,
         selector: Selector<S>,
-        (streams, poisoned): (&'t AtomicUsize, &'t OnceLock<String>),
+        (streams, poisoned): (&'t AtomicUsize, &'t Poison),
         refused: Option<ShardError>,
     ) -> Self {
         TxSelect {
@@ -367,6 +403,7 @@ impl<'t, C: ConnectionTrait, S: SelectorTrait> TxSelect<'t, C, S> {
             return Err(err);
         }
         stream_open(streams, table)?;
+        poisoned.refuse_read(group, shard)?;
         Ok((selector, conn, move |source| {
             poison_if_aborted(poisoned, select_err(group, table, shard, source))
         }))

@@ -23,8 +23,10 @@ use std::sync::{Arc, Mutex};
 /// is checked: a missing key is [`ShardError::MissingShardKey`], a different
 /// key is [`ShardError::CrossShardWrite`]. Either refusal makes the
 /// transaction rollback-only: later writes and [`commit`](Self::commit) return
-/// [`ShardError::RollbackOnly`] and nothing is written. Dropping it without
-/// committing rolls it back.
+/// [`ShardError::RollbackOnly`] and nothing is written. So does an error with
+/// which the database ended the transaction (a deadlock, a serialization
+/// failure), in a write or a read; later reads are then refused too. Dropping
+/// it without committing rolls it back.
 pub struct ShardTx<G: EntityGroup, P> {
     pub(super) txn: DatabaseTransaction,
     shards: Shards,
@@ -35,7 +37,7 @@ pub struct ShardTx<G: EntityGroup, P> {
     /// `key` as the text stages store, made when first needed.
     key_text: std::sync::OnceLock<String>,
     target: Target,
-    poisoned: std::sync::OnceLock<String>,
+    poisoned: crate::read::Poison,
     /// Streams of this transaction still open (see [`TxFind::stream`]).
     streams: std::sync::atomic::AtomicUsize,
     /// What the features say of reads (a rollout's old entity from
@@ -80,7 +82,7 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
             key_text: std::sync::OnceLock::new(),
             key,
             target,
-            poisoned: std::sync::OnceLock::new(),
+            poisoned: crate::read::Poison::default(),
             streams: std::sync::atomic::AtomicUsize::new(0),
             guard,
             span,
@@ -119,22 +121,22 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
     /// Whether an earlier refusal, or a write or read the database aborted,
     /// made it rollback-only ([`ShardError::RollbackOnly`]).
     pub fn is_rollback_only(&self) -> bool {
-        self.poisoned.get().is_some()
+        self.poisoned.reason().is_some()
     }
 
     pub(crate) fn poison_reason(&self) -> Option<String> {
-        self.poisoned.get().cloned()
+        self.poisoned.reason().cloned()
     }
 
     pub(crate) fn poison(&self, err: ShardError) -> ShardError {
         // The first refusal is the reason; later ones keep it.
-        let _ = self.poisoned.set(err.to_string());
+        self.poisoned.set(&err);
         err
     }
 
     pub(crate) fn ensure_open(&self) -> Result<()> {
         crate::read::stream_open(&self.streams, G::NAME)?;
-        match self.poisoned.get() {
+        match self.poisoned.reason() {
             Some(reason) => Err(ShardError::RollbackOnly {
                 group: G::NAME,
                 shard: self.shard().to_owned(),
