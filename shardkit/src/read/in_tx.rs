@@ -29,8 +29,9 @@ pub struct TxFind<'t, E: ShardedEntity, C> {
     /// The transaction's open streams: while one is open it holds the
     /// transaction's connection, and anything else would wait for it.
     pub(super) streams: &'t AtomicUsize,
-    /// The transaction's rollback-only reason, set by a read the database
-    /// aborted ([`poison_if_aborted`]).
+    /// The transaction's rollback-only state: a read the database aborted
+    /// sets it ([`poison_if_aborted`]), and once the database ended the
+    /// transaction, reads are refused.
     pub(super) poisoned: &'t Poison,
     /// Why this read may not run (a rollout no longer writes `E`'s table
     /// and cannot serve it from the new one).
