@@ -422,10 +422,13 @@ impl TestShards {
         let after = self
             .settle_connections(expected, std::time::Duration::from_secs(10))
             .await;
-        assert!(
-            after <= expected,
-            "connections leaked: {after} open, at most {expected} expected"
-        );
+        if after > expected {
+            let open = match &self.admin {
+                Some(admin) => describe_connections(admin, &self.names).await,
+                None => String::new(),
+            };
+            panic!("connections leaked: {after} open, at most {expected} expected{open}");
+        }
     }
 
     /// Waits (polling, at most `within`) until the server holds at most
@@ -447,11 +450,7 @@ impl TestShards {
 /// MySQL/MariaDB): what a test counts to find connections a cluster left
 /// behind.
 pub async fn connections_to(admin: &sea_orm::DatabaseConnection, names: &[String]) -> usize {
-    let list = names
-        .iter()
-        .map(|n| format!("'{}'", n.replace('\'', "")))
-        .collect::<Vec<_>>()
-        .join(", ");
+    let list = quoted_list(names);
     let backend = admin.get_database_backend();
     let sql = match backend {
         sea_orm::DbBackend::Postgres => format!(
@@ -469,4 +468,43 @@ pub async fn connections_to(admin: &sea_orm::DatabaseConnection, names: &[String
         .expect("count server connections")
         .expect("a count row");
     row.try_get::<i64>("", "n").expect("a count") as usize
+}
+
+fn quoted_list(names: &[String]) -> String {
+    names
+        .iter()
+        .map(|n| format!("'{}'", n.replace('\'', "")))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// One line per connection the server holds to `names`: its database,
+/// state and last statement, for a failed leak check to show what is
+/// still open.
+async fn describe_connections(admin: &sea_orm::DatabaseConnection, names: &[String]) -> String {
+    let list = quoted_list(names);
+    let backend = admin.get_database_backend();
+    let sql = match backend {
+        sea_orm::DbBackend::Postgres => format!(
+            "SELECT CONCAT_WS(' | ', datname, state, \
+             CAST(now() - state_change AS TEXT), LEFT(query, 200)) AS line \
+             FROM pg_stat_activity WHERE datname IN ({list}) AND pid <> pg_backend_pid()"
+        ),
+        _ => format!(
+            "SELECT CONCAT_WS(' | ', DB, COMMAND, TIME, STATE, LEFT(INFO, 200)) AS line \
+             FROM information_schema.PROCESSLIST WHERE DB IN ({list}) \
+             AND ID <> CONNECTION_ID()"
+        ),
+    };
+    match admin
+        .query_all_raw(sea_orm::Statement::from_string(backend, sql))
+        .await
+    {
+        Ok(rows) => rows
+            .iter()
+            .filter_map(|r| r.try_get::<String>("", "line").ok())
+            .map(|line| format!("\n  {line}"))
+            .collect(),
+        Err(e) => format!("\n  (listing them failed: {e})"),
+    }
 }

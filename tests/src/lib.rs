@@ -237,13 +237,17 @@ pub mod harness {
 /// A TCP proxy in front of a database server that a test can cut, to make a
 /// server unreachable mid-test: [`kill`](Proxy::kill) closes the listener and
 /// every connection through it; [`freeze`](Proxy::freeze) keeps every
-/// connection open and stops forwarding (a server that hangs mid-statement).
-/// Dropping it kills it.
+/// connection open and stops forwarding (a server that hangs mid-statement),
+/// [`freeze_open`](Proxy::freeze_open) does so for the connections open now
+/// only. Dropping it kills it.
 pub struct Proxy {
     /// The port clients connect to.
     pub port: u16,
     kill: tokio::sync::watch::Sender<bool>,
-    frozen: tokio::sync::watch::Sender<bool>,
+    /// Connections are numbered as accepted; those numbered below this
+    /// are frozen.
+    frozen: tokio::sync::watch::Sender<u64>,
+    accepted: std::sync::Arc<std::sync::atomic::AtomicU64>,
     /// Connections being forwarded (their tasks not yet ended).
     open: std::sync::Arc<std::sync::atomic::AtomicUsize>,
 }
@@ -262,9 +266,11 @@ impl Proxy {
             .expect("bind proxy");
         let port = listener.local_addr().expect("proxy address").port();
         let (kill, mut killed) = tokio::sync::watch::channel(false);
-        let (frozen, freezes) = tokio::sync::watch::channel(false);
+        let (frozen, freezes) = tokio::sync::watch::channel(0_u64);
         let open = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let counted = std::sync::Arc::clone(&open);
+        let accepted = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let numbers = std::sync::Arc::clone(&accepted);
         tokio::spawn(async move {
             loop {
                 let accepted = tokio::select! {
@@ -278,6 +284,7 @@ impl Proxy {
                 let mut killed = killed.clone();
                 let mut freezes = freezes.clone();
                 counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                let number = numbers.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
                 let done = Countdown(std::sync::Arc::clone(&counted));
                 tokio::spawn(async move {
                     let _done = done;
@@ -287,7 +294,7 @@ impl Proxy {
                     tokio::select! {
                         _ = tokio::io::copy_bidirectional(&mut client, &mut server) => {}
                         _ = killed.changed() => return,
-                        _ = freezes.wait_for(|f| *f) => {}
+                        _ = freezes.wait_for(|below| number < *below) => {}
                     }
                     // Frozen: both sockets stay open, nothing moves, until
                     // the proxy is killed.
@@ -300,6 +307,7 @@ impl Proxy {
             port,
             kill,
             frozen,
+            accepted,
             open,
         }
     }
@@ -326,7 +334,16 @@ impl Proxy {
     /// Stops forwarding on every connection (open ones and new ones) while
     /// keeping them open: the server looks hung mid-statement.
     pub fn freeze(&self) {
-        let _ = self.frozen.send(true);
+        let _ = self.frozen.send(u64::MAX);
+    }
+
+    /// Stops forwarding on the connections open now, keeping them open;
+    /// new ones are forwarded: a connection whose server stopped answering
+    /// mid-statement, while the server still takes new ones.
+    pub fn freeze_open(&self) {
+        let _ = self
+            .frozen
+            .send(self.accepted.load(std::sync::atomic::Ordering::SeqCst));
     }
 }
 

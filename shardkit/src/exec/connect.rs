@@ -487,24 +487,45 @@ pub(super) async fn connect_one(
             }
         });
     }
-    if let Some(sql) = mysql_session {
-        // Session variables live per connection: set them on every connection
-        // the pool opens, not once.
-        let sql = Arc::new(sql);
-        options.map_sqlx_mysql_pool_opts(move |opts| {
+    // The pool tests a returned connection with a ping that first reads
+    // what a cancelled statement left unread, without bound; a statement
+    // cancelled part-way (a timeout, an aborted task) can leave a
+    // connection waiting for bytes that never come (on MySQL/MariaDB even
+    // from a healthy server), and the pool, its permit and its other
+    // connections held open forever. Checked first within a bound, such a
+    // connection is closed instead.
+    let shard = Arc::new(name.clone());
+    options.map_sqlx_postgres_pool_opts({
+        let shard = Arc::clone(&shard);
+        move |opts| {
+            let shard = Arc::clone(&shard);
+            opts.after_release(move |conn, _meta| Box::pin(release_check(conn, Arc::clone(&shard))))
+        }
+    });
+    // Session variables live per connection: set them on every connection
+    // the pool opens, not once. One closure (SeaORM keeps only the last
+    // one set).
+    let session = mysql_session.map(Arc::new);
+    options.map_sqlx_mysql_pool_opts(move |opts| {
+        let opts = {
+            let shard = Arc::clone(&shard);
+            opts.after_release(move |conn, _meta| Box::pin(release_check(conn, Arc::clone(&shard))))
+        };
+        let Some(sql) = &session else {
+            return opts;
+        };
+        let sql = Arc::clone(sql);
+        opts.after_connect(move |conn, _meta| {
             let sql = Arc::clone(&sql);
-            opts.after_connect(move |conn, _meta| {
-                let sql = Arc::clone(&sql);
-                Box::pin(async move {
-                    use sea_orm::sqlx::{AssertSqlSafe, Executor, raw_sql};
-                    // The statement is built from two integers, not user input.
-                    conn.execute(raw_sql(AssertSqlSafe(sql.to_string())))
-                        .await
-                        .map(|_| ())
-                })
+            Box::pin(async move {
+                use sea_orm::sqlx::{AssertSqlSafe, Executor, raw_sql};
+                // The statement is built from two integers, not user input.
+                conn.execute(raw_sql(AssertSqlSafe(sql.to_string())))
+                    .await
+                    .map(|_| ())
             })
-        });
-    }
+        })
+    });
     let mut conn = Database::connect(options)
         .await
         .map_err(|err| ShardError::Connect {
@@ -514,6 +535,33 @@ pub(super) async fn connect_one(
         })?;
     observe(&mut conn, name, observer);
     Ok(conn)
+}
+
+/// How long a connection returned to its pool may wait for what a
+/// cancelled statement left unread before it is closed instead of kept.
+const RELEASE_CHECK: Duration = Duration::from_secs(5);
+
+/// Whether a connection returned to its pool is fit to keep: what a
+/// statement cancelled part-way left unread arrives within
+/// [`RELEASE_CHECK`] (a connection with nothing pending passes at once,
+/// without a round trip). One that does not is closed, and its pool can
+/// open another; the pool's own ping follows on a connection kept.
+async fn release_check<C: sea_orm::sqlx::Connection>(
+    conn: &mut C,
+    shard: Arc<String>,
+) -> std::result::Result<bool, sea_orm::sqlx::Error> {
+    match tokio::time::timeout(RELEASE_CHECK, conn.flush()).await {
+        Ok(answer) => answer.map(|()| true),
+        Err(_) => {
+            tracing::warn!(
+                shard = %shard,
+                "a connection returned to its pool still waited for an answer after {} s \
+                 (a statement cancelled part-way): closed",
+                RELEASE_CHECK.as_secs()
+            );
+            Ok(false)
+        }
+    }
 }
 
 /// A pool on a SQLite file that opens it on first use: what

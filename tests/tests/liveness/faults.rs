@@ -494,6 +494,80 @@ pub(crate) async fn down_shard_comes_back_once_reachable(dbs: &mut TestDbs) {
     assert_eq!(row.map(|r| r.name), Some("back".to_owned()));
 }
 
+/// A read the application gives up on mid-statement (a timeout, a dropped
+/// request) while its server answers nothing on that connection: the
+/// connection goes back to the pool still waiting for the answer, and the
+/// pool closes it instead of keeping it (its check is bounded): the next
+/// read on the pool of one gets a new connection, and nothing stays open.
+pub(crate) async fn a_connection_left_mid_statement_is_closed_not_kept(dbs: &mut TestDbs) {
+    let server = dbs.backend.server_address().unwrap();
+    let before = dbs.server_connections().await;
+    let proxy = Proxy::start(server).await;
+    let url = match dbs.backend {
+        Backend::MySql => format!("mysql://root@127.0.0.1:{}/{}", proxy.port, dbs.names[0]),
+        // Without TLS: sqlx closes a TLS connection by waiting for its
+        // peer's answer, which a server that answers nothing never sends.
+        _ => format!(
+            "postgres://postgres@127.0.0.1:{}/{}?sslmode=disable",
+            proxy.port, dbs.names[0]
+        ),
+    };
+    // The acquire timeout is well past the pool's bound on its check; no
+    // ping before a connection is handed out, so the read's statement is
+    // what meets the frozen connection (a ping there would be dropped with
+    // the read, and its connection with it).
+    let toml = format!(
+        "[pool]\nmax_connections = 1\nacquire_timeout_secs = 30\ntest_before_acquire = false\n\n\
+         [[shards]]\nname = \"s0\"\nurl = \"{url}\"\n\n[groups.Customer]\n"
+    );
+    let cluster = Cluster::connect(ClusterConfig::from_toml(&toml).unwrap())
+        .await
+        .unwrap();
+    cluster.migrate::<Migrator>().await.unwrap();
+    let tx = cluster.begin::<Customer>(1).await.unwrap();
+    tx.insert(customer::ActiveModel {
+        id: Set(1),
+        name: Set("kept".into()),
+    })
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+
+    // Back in the pool (its return, a ping, has been answered), the pool's
+    // one connection stops answering; the read is given up.
+    let db = cluster.connection("s0").unwrap();
+    let idle = || match dbs.backend {
+        Backend::MySql => db.get_mysql_connection_pool().num_idle(),
+        _ => db.get_postgres_connection_pool().num_idle(),
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while idle() == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the connection never went back to its pool"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    proxy.freeze_open();
+    let given_up = tokio::time::timeout(
+        Duration::from_millis(300),
+        cluster.find::<customer::Entity>().key(1).one(),
+    )
+    .await;
+    assert!(given_up.is_err(), "the frozen read answered: {given_up:?}");
+    let row = cluster
+        .find::<customer::Entity>()
+        .key(1)
+        .one()
+        .await
+        .expect("a new connection once the stuck one is closed");
+    assert_eq!(row.map(|r| r.name), Some("kept".to_owned()));
+    drop(cluster);
+    // The proxy holds the frozen connection's server side open.
+    proxy.killed().await;
+    dbs.assert_connections_settle(before).await;
+}
+
 /// `by_index(..).partial()` when the shard holding the index row is down
 /// (refused, an empty SQLite file) or hung: the healthy owners' rows come
 /// back with that shard in `failed`, within the read's timeout; a strict

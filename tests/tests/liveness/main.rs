@@ -8,7 +8,8 @@
 //! - `faults.rs`: liveness under load and faults: index-first writes on small
 //!   pools never deadlock, a down or hung shard fails requests fast with its
 //!   cause (and comes back once reachable), and index reads with
-//!   `.partial()` report a down index shard instead of failing or hanging.
+//!   `.partial()` report a down index shard instead of failing or hanging;
+//!   a connection left mid-statement is closed, not kept by its pool.
 
 mod breaker;
 mod faults;
@@ -20,6 +21,7 @@ use breaker::{
     waiting_readers_fail_together_when_the_watch_finds_the_shard_down,
 };
 use faults::{
+    a_connection_left_mid_statement_is_closed_not_kept,
     create_databases_skips_a_lazy_shard_that_is_down, down_shard_comes_back_once_reachable,
     hung_shard_fails_fast_with_its_cause, index_first_writes_on_small_pools_all_complete,
     index_read_partial_reports_a_down_index_shard, refused_shard_fails_fast_with_its_cause,
@@ -39,4 +41,5 @@ backend_tests!(2 =>
     [Postgres, MySql] down_shard_comes_back_once_reachable,
     [Postgres, MySql] create_databases_skips_a_lazy_shard_that_is_down,
     index_read_partial_reports_a_down_index_shard,
+    [Postgres, MySql] a_connection_left_mid_statement_is_closed_not_kept,
 );
