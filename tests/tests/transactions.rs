@@ -2,7 +2,8 @@
 //! the database aborted the transaction, and `ShardError::retry` read from
 //! the driver's own error codes.
 
-use sea_orm::{ConnectionTrait, QuerySelect};
+use sea_orm::sea_query::ExprTrait;
+use sea_orm::{ConnectionTrait, IntoActiveModel, QuerySelect};
 use shardkit::Retry;
 use shardkit::prelude::*;
 use shardkit_tests::models::*;
@@ -18,6 +19,7 @@ backend_tests!(2 =>
     errors_say_what_failed_where_and_the_drivers_cause_once,
     insert_many_checks_every_row_first,
     a_closure_with_its_own_error_type_commits_or_rolls_back,
+    [Postgres, MySql] real_deadlocks_on_small_pools_commit_whole_or_not_at_all,
 );
 
 fn order_row(id: i64, customer: i64) -> order::ActiveModel {
@@ -77,6 +79,162 @@ async fn closure_commits_on_ok_and_rolls_back_on_err(dbs: &mut TestDbs) {
         2,
         "row 5 not committed"
     );
+}
+
+/// Real deadlocks on small pools: transactions of one key update its two
+/// orders in opposite orders, swallowing the second update's error (as a
+/// careless program might), then replace a third order (read, delete,
+/// insert). The database's deadlock victim is refused everything after
+/// (on MySQL/MariaDB it would run outside the transaction the server
+/// rolled back), so what commits, commits whole: both orders and the third
+/// moved by the number of committed transactions. First a pair that meets
+/// after its first updates (a deadlock for sure), then 8 tasks on pools
+/// of 2.
+async fn real_deadlocks_on_small_pools_commit_whole_or_not_at_all(dbs: &mut TestDbs) {
+    let before = dbs.server_connections().await;
+    let toml = format!(
+        "{}\n[groups.Customer]\n",
+        dbs.shards_toml(1)
+            .replace("max_connections = 4", "max_connections = 2")
+    );
+    let cluster = Cluster::connect(ClusterConfig::from_toml(&toml).unwrap())
+        .await
+        .unwrap();
+    cluster.migrate::<Migrator>().await.unwrap();
+    let key = 3;
+    cluster
+        .transaction::<Customer, _, _>(key, |tx| async move {
+            for (id, total) in [(1, 100), (2, 100), (3, 0)] {
+                tx.insert(order::ActiveModel {
+                    id: Set(id),
+                    customer_id: Set(key),
+                    total_cents: Set(total),
+                })
+                .await?;
+            }
+            Ok(())
+        })
+        .await
+        .unwrap();
+
+    let meet = Arc::new(tokio::sync::Barrier::new(2));
+    let pair: Vec<_> = [(1, 2), (2, 1)]
+        .into_iter()
+        .map(|order_of| {
+            let (cluster, meet) = (cluster.clone(), Arc::clone(&meet));
+            tokio::spawn(async move { replace_third(&cluster, key, order_of, Some(meet)).await })
+        })
+        .collect();
+    let mut outcomes = Vec::new();
+    for task in pair {
+        outcomes.push(task.await.unwrap());
+    }
+    let refused = |r: &shardkit::Result<()>| matches!(r, Err(ShardError::RollbackOnly { .. }));
+    assert_eq!(
+        (
+            outcomes.iter().filter(|r| r.is_ok()).count(),
+            outcomes.iter().filter(|r| refused(r)).count()
+        ),
+        (1, 1),
+        "one commits, the deadlock's victim is refused: {outcomes:?}"
+    );
+
+    let tasks: Vec<_> = (0..8)
+        .map(|t| {
+            let cluster = cluster.clone();
+            tokio::spawn(async move {
+                let order_of = if t % 2 == 0 { (1, 2) } else { (2, 1) };
+                let mut outcomes = Vec::new();
+                for _ in 0..3 {
+                    outcomes.push(replace_third(&cluster, key, order_of, None).await);
+                }
+                outcomes
+            })
+        })
+        .collect();
+    for task in tasks {
+        outcomes.extend(task.await.unwrap());
+    }
+    for outcome in &outcomes {
+        assert!(outcome.is_ok() || refused(outcome), "{outcome:?}");
+    }
+    let committed = outcomes.iter().filter(|r| r.is_ok()).count() as i64;
+    let mut rows: Vec<order::Model> = cluster
+        .find::<order::Entity>()
+        .key(key)
+        .all()
+        .await
+        .unwrap();
+    rows.sort_by_key(|r| r.id);
+    let totals: Vec<(i64, i64)> = rows.iter().map(|r| (r.id, r.total_cents)).collect();
+    assert_eq!(
+        totals,
+        [(1, 100 + committed), (2, 100 + committed), (3, committed)],
+        "{committed} of {} transactions committed",
+        outcomes.len()
+    );
+    drop(cluster);
+    dbs.assert_connections_settle(before).await;
+}
+
+/// One transaction of [`real_deadlocks_on_small_pools_commit_whole_or_not_at_all`]:
+/// a cent on orders `first` and `second` (the second's error swallowed),
+/// then order 3 replaced by one with a cent more. With `meet`, its first
+/// attempt waits there after the first update.
+async fn replace_third(
+    cluster: &Cluster,
+    key: i64,
+    (first, second): (i64, i64),
+    meet: Option<Arc<tokio::sync::Barrier>>,
+) -> shardkit::Result<()> {
+    let attempts = Arc::new(AtomicU32::new(0));
+    cluster
+        .transaction::<Customer, _, _>(key, move |tx| {
+            let meet = meet
+                .clone()
+                .filter(|_| attempts.fetch_add(1, Ordering::SeqCst) == 0);
+            async move {
+                let conn = tx.unchecked_connection();
+                if conn.get_database_backend() == sea_orm::DbBackend::Postgres {
+                    // Found within 100 ms instead of the server's 1 s.
+                    conn.execute_unprepared("SET LOCAL deadlock_timeout = '100ms'")
+                        .await
+                        .unwrap();
+                }
+                add_a_cent(&tx, first).await?;
+                if let Some(meet) = meet {
+                    tokio::time::timeout(std::time::Duration::from_secs(10), meet.wait())
+                        .await
+                        .expect("the pair meets");
+                }
+                let _ = add_a_cent(&tx, second).await;
+                let third = tx
+                    .find::<order::Entity>()
+                    .filter(order::Column::Id.eq(3))
+                    .one()
+                    .await?
+                    .expect("order 3");
+                tx.delete(third.clone().into_active_model()).await?;
+                tx.insert(order::ActiveModel {
+                    total_cents: Set(third.total_cents + 1),
+                    ..third.into_active_model()
+                })
+                .await?;
+                Ok(())
+            }
+        })
+        .await
+}
+
+async fn add_a_cent(tx: &ShardTx<Customer>, id: i64) -> shardkit::Result<u64> {
+    tx.update_many::<order::Entity>()
+        .col_expr(
+            order::Column::TotalCents,
+            sea_orm::sea_query::Expr::col(order::Column::TotalCents).add(1),
+        )
+        .filter(order::Column::Id.eq(id))
+        .exec()
+        .await
 }
 
 /// Makes the database abort the transaction the way a deadlock does

@@ -493,7 +493,9 @@ pub(super) async fn connect_one(
     // connection waiting for bytes that never come (on MySQL/MariaDB even
     // from a healthy server), and the pool, its permit and its other
     // connections held open forever. Checked first within a bound, such a
-    // connection is closed instead.
+    // connection is closed instead. (A server that stops answering on that
+    // connection still holds it: sqlx's ping after the check, and its close
+    // over TLS, wait without bound.)
     let shard = Arc::new(name.clone());
     options.map_sqlx_postgres_pool_opts({
         let shard = Arc::clone(&shard);

@@ -503,10 +503,13 @@ pub(crate) async fn a_connection_left_mid_statement_is_closed_not_kept(dbs: &mut
     let server = dbs.backend.server_address().unwrap();
     let before = dbs.server_connections().await;
     let proxy = Proxy::start(server).await;
+    // Without TLS: sqlx closes a TLS connection by waiting for its peer's
+    // answer, which a server that answers nothing never sends.
     let url = match dbs.backend {
-        Backend::MySql => format!("mysql://root@127.0.0.1:{}/{}", proxy.port, dbs.names[0]),
-        // Without TLS: sqlx closes a TLS connection by waiting for its
-        // peer's answer, which a server that answers nothing never sends.
+        Backend::MySql => format!(
+            "mysql://root@127.0.0.1:{}/{}?ssl-mode=disabled",
+            proxy.port, dbs.names[0]
+        ),
         _ => format!(
             "postgres://postgres@127.0.0.1:{}/{}?sslmode=disable",
             proxy.port, dbs.names[0]
