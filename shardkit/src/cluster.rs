@@ -411,7 +411,10 @@ impl Cluster {
     /// jittered pause: 4 ms, then 8 ms, plus up to 4 ms) when the
     /// database aborted the transaction — a deadlock or serialization
     /// failure, [`Retry::Transaction`](crate::Retry::Transaction) — in the
-    /// work or in the commit, or, after its short wait, when SQLite said
+    /// work or in the commit (also when the work handled that error itself
+    /// and then returned another, such as the
+    /// [`RollbackOnly`](ShardError::RollbackOnly) refusal of its next
+    /// statement, or `Ok`), or, after its short wait, when SQLite said
     /// `database is locked` (another writer, maybe another process, held a
     /// file's lock for the whole busy timeout). Any other error is returned
     /// at once.
@@ -599,6 +602,10 @@ impl Cluster {
         loop {
             let tx = Arc::new(self.begin::<G>(key.clone()).await?);
             let outcome = work(Arc::clone(&tx)).await;
+            // The database ended this attempt: whatever error `work` made
+            // of that (it may have handled the abort's own error and met
+            // the refusal of its next statement), a new attempt can succeed.
+            let aborted = tx.was_aborted();
             let result = match (outcome, Arc::try_unwrap(tx)) {
                 (Ok(value), Ok(tx)) => match session {
                     Some(session) => tx.commit_in(session).await.map(|()| value),
@@ -624,7 +631,10 @@ impl Cluster {
                 }
             };
             match result {
-                Err(err) if attempt < attempts && err.retry() == crate::Retry::Transaction => {
+                Err(err)
+                    if attempt < attempts
+                        && (aborted || err.retry() == crate::Retry::Transaction) =>
+                {
                     tracing::debug!(group = G::NAME, attempt, error = %err.report(), "transaction retried");
                     // Transactions that deadlocked with each other would
                     // collide again if they ran again at once.

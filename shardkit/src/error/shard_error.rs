@@ -101,7 +101,9 @@ pub enum ShardError {
     /// serialization failure: the database has rolled it back, and on
     /// MySQL/MariaDB later statements would run outside it; after that, reads
     /// are refused too), so it can only be rolled back. Nothing it did was
-    /// committed. (Another error of a one-row write's or a read's statement,
+    /// committed. Its [`retry`](Self::retry) is `Never`, but
+    /// [`Cluster::transaction`](crate::Cluster::transaction) runs its work
+    /// again when the database ended the transaction. (Another error of a one-row write's or a read's statement,
     /// a unique violation or MySQL/MariaDB's lock wait timeout, say, does not
     /// poison it; the caller decides, as with any SeaORM transaction.)
     #[error(

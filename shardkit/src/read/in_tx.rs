@@ -60,16 +60,19 @@ impl Poison {
         self.reason.get()
     }
 
+    /// Whether the database ended the transaction.
+    pub(crate) fn aborted(&self) -> bool {
+        self.aborted.load(AtomicOrdering::Acquire)
+    }
+
     /// The refusal of a read after the database ended the transaction.
     fn refuse_read(&self, group: &'static str, shard: &str) -> Result<()> {
         match self.reason.get() {
-            Some(reason) if self.aborted.load(AtomicOrdering::Acquire) => {
-                Err(ShardError::RollbackOnly {
-                    group,
-                    shard: shard.to_owned(),
-                    reason: reason.clone(),
-                })
-            }
+            Some(reason) if self.aborted() => Err(ShardError::RollbackOnly {
+                group,
+                shard: shard.to_owned(),
+                reason: reason.clone(),
+            }),
             _ => Ok(()),
         }
     }

@@ -25,8 +25,10 @@ use std::sync::{Arc, Mutex};
 /// transaction rollback-only: later writes and [`commit`](Self::commit) return
 /// [`ShardError::RollbackOnly`] and nothing is written. So does an error with
 /// which the database ended the transaction (a deadlock, a serialization
-/// failure), in a write or a read; later reads are then refused too. Dropping
-/// it without committing rolls it back.
+/// failure), in a write or a read; later reads are then refused too
+/// ([`Cluster::transaction`](crate::Cluster::transaction) runs its work again
+/// then, whatever error the work made of it). Dropping it without
+/// committing rolls it back.
 pub struct ShardTx<G: EntityGroup, P> {
     pub(super) txn: DatabaseTransaction,
     shards: Shards,
@@ -122,6 +124,13 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
     /// made it rollback-only ([`ShardError::RollbackOnly`]).
     pub fn is_rollback_only(&self) -> bool {
         self.poisoned.reason().is_some()
+    }
+
+    /// Whether the database ended the transaction (a deadlock, a
+    /// serialization failure met by one of its statements), whatever the
+    /// program did with that error.
+    pub(crate) fn was_aborted(&self) -> bool {
+        self.poisoned.aborted()
     }
 
     pub(crate) fn poison_reason(&self) -> Option<String> {
