@@ -106,6 +106,28 @@ pub fn deadlock_sql(backend: sea_orm::DbBackend) -> &'static str {
     }
 }
 
+/// Creates `aborts()` on `conn`: a function that makes the database abort
+/// the transaction the way a deadlock does ([`deadlock_sql`]), for a read
+/// that filters on it (`Expr::cust("aborts() = 1")`). PostgreSQL and
+/// MySQL/MariaDB only.
+pub async fn create_aborting_function(conn: &sea_orm::DatabaseConnection) {
+    use sea_orm::ConnectionTrait;
+    let create = match conn.get_database_backend() {
+        sea_orm::DbBackend::Postgres => {
+            "CREATE FUNCTION aborts() RETURNS integer AS $$ BEGIN RAISE EXCEPTION \
+             'chosen as deadlock victim' USING ERRCODE = '40001'; END $$ LANGUAGE plpgsql"
+        }
+        _ => {
+            "CREATE FUNCTION aborts() RETURNS INT NOT DETERMINISTIC NO SQL BEGIN \
+             SIGNAL SQLSTATE '40001' SET MYSQL_ERRNO = 1213, MESSAGE_TEXT = \
+             'Deadlock found'; RETURN 0; END"
+        }
+    };
+    conn.execute_unprepared(create)
+        .await
+        .expect("create the function aborts()");
+}
+
 /// A Customer-group entity whose `before_save` and `before_delete` hooks move
 /// the row to customer 999 when asked to (`note == "move"`), or fail with
 /// the database's abort of the transaction (`note == "abort"`, see

@@ -3,7 +3,7 @@
 //! killed, a shard refusing and one hanging, a bucket move), a saga whose
 //! step is refused, concurrent retries of one request, parked messages.
 
-use sea_orm::{ActiveValue::Set, ConnectionTrait, QuerySelect};
+use sea_orm::{ActiveValue::Set, ConnectionTrait, QueryFilter, QuerySelect};
 use shardkit::{Cluster, ClusterConfig, Message, Saga, SagaState, ShardError};
 use shardkit_tests::{Backend, Proxy, TestDbs, backend_tests};
 use std::collections::{BTreeMap, BTreeSet};
@@ -1079,6 +1079,38 @@ async fn concurrent_retries_of_a_request_run_it_once(dbs: &mut TestDbs) {
                 && text.contains("current transaction is aborted"),
             "{text}"
         );
+    }
+    // Work that handles a deadlock's error itself and returns Ok: the
+    // database ended that run, so nothing of it is stored and it runs
+    // again; a retry of the request then gets the second run's outcome.
+    if dbs.backend != Backend::Sqlite {
+        let shard = cluster.shard_of::<Holder>(&7).await.unwrap().to_owned();
+        shardkit_tests::models::create_aborting_function(cluster.connection(&shard).unwrap()).await;
+        let ran = Arc::new(AtomicUsize::new(0));
+        let counted = Arc::clone(&ran);
+        let outcome = cluster
+            .transaction_once::<Holder, usize, _>(7, "req-aborted", move |tx| {
+                let run = counted.fetch_add(1, Ordering::SeqCst) + 1;
+                async move {
+                    if run == 1 {
+                        let aborted = tx
+                            .find::<wallet::Entity>()
+                            .filter(sea_orm::sea_query::Expr::cust("aborts() = 1"))
+                            .all()
+                            .await;
+                        assert!(aborted.is_err(), "{aborted:?}");
+                    }
+                    Ok(run)
+                }
+            })
+            .await
+            .unwrap();
+        assert_eq!((outcome, ran.load(Ordering::SeqCst)), (2, 2));
+        let again = cluster
+            .transaction_once::<Holder, usize, _>(7, "req-aborted", |_| async { Ok(99) })
+            .await
+            .unwrap();
+        assert_eq!(again, 2, "the second run's stored outcome");
     }
     // To an instance a day and an hour ahead, req-1's outcome expired: 8
     // retries of it at once run the work once more (MySQL/MariaDB: a

@@ -299,20 +299,8 @@ async fn a_write_the_database_aborted_leaves_the_transaction_rollback_only(dbs: 
     }
     if dbs.backend != Backend::Sqlite {
         // A read the database aborts does the same.
-        let create = match dbs.backend {
-            Backend::Postgres => {
-                "CREATE FUNCTION aborts() RETURNS integer AS $$ BEGIN RAISE EXCEPTION \
-                 'chosen as deadlock victim' USING ERRCODE = '40001'; END $$ LANGUAGE plpgsql"
-            }
-            _ => {
-                "CREATE FUNCTION aborts() RETURNS INT NOT DETERMINISTIC NO SQL BEGIN \
-                 SIGNAL SQLSTATE '40001' SET MYSQL_ERRNO = 1213, MESSAGE_TEXT = \
-                 'Deadlock found'; RETURN 0; END"
-            }
-        };
         for shard in ["s0", "s1"] {
-            let conn = cluster.connection(shard).unwrap();
-            conn.execute_unprepared(create).await.unwrap();
+            create_aborting_function(cluster.connection(shard).unwrap()).await;
         }
         let tx = cluster.begin::<Customer>(11).await.unwrap();
         tx.insert(order_row(1, 11)).await.unwrap();

@@ -181,6 +181,9 @@ impl Cluster {
             }
             let tx = Arc::new(tx);
             let outcome = work(Arc::clone(&tx)).await;
+            // The database ended this run: whatever the work returned (it may
+            // have handled the abort's error itself), a new run can succeed.
+            let aborted = tx.was_aborted();
             let Ok(tx) = Arc::try_unwrap(tx) else {
                 return Err(ShardError::RollbackOnly {
                     group: G::NAME,
@@ -194,12 +197,26 @@ impl Cluster {
                 Ok(value) => value,
                 Err(e) => {
                     let _ = tx.rollback().await;
-                    if e.retry() == crate::Retry::Transaction && attempt < 3 {
+                    if (aborted || e.retry() == crate::Retry::Transaction) && attempt < 3 {
                         continue;
                     }
                     return Err(e);
                 }
             };
+            // `Ok` on a transaction left rollback-only (a refusal or an
+            // abort the work did not return): nothing to store or commit,
+            // and on MySQL/MariaDB the store would run outside it.
+            if let Some(reason) = tx.poison_reason() {
+                let _ = tx.rollback().await;
+                if aborted && attempt < 3 {
+                    continue;
+                }
+                return Err(ShardError::RollbackOnly {
+                    group: G::NAME,
+                    shard,
+                    reason,
+                });
+            }
             let refuse = |reason: String| ShardError::CrossKey {
                 what: what(),
                 reason,
