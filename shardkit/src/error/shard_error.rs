@@ -103,9 +103,10 @@ pub enum ShardError {
     /// are refused too), so it can only be rolled back. Nothing it did was
     /// committed. Its [`retry`](Self::retry) is `Never`, but
     /// [`Cluster::transaction`](crate::Cluster::transaction) runs its work
-    /// again when the database ended the transaction. (Another error of a one-row write's or a read's statement,
-    /// a unique violation or MySQL/MariaDB's lock wait timeout, say, does not
-    /// poison it; the caller decides, as with any SeaORM transaction.)
+    /// again when the database ended the transaction. (Another error of a
+    /// one-row write's or a read's statement, a unique violation or
+    /// MySQL/MariaDB's lock wait timeout, say, does not poison it; the
+    /// caller decides, as with any SeaORM transaction.)
     #[error(
         "transaction for group `{group}` on shard `{shard}` is rollback-only after an earlier \
          error ({reason}); nothing was committed"
