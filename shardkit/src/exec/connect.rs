@@ -499,20 +499,14 @@ pub(super) async fn connect_one(
     let shard = Arc::new(name.clone());
     options.map_sqlx_postgres_pool_opts({
         let shard = Arc::clone(&shard);
-        move |opts| {
-            let shard = Arc::clone(&shard);
-            opts.after_release(move |conn, _meta| Box::pin(release_check(conn, Arc::clone(&shard))))
-        }
+        move |opts| with_release_check(opts, &shard)
     });
     // Session variables live per connection: set them on every connection
     // the pool opens, not once. One closure (SeaORM keeps only the last
     // one set).
     let session = mysql_session.map(Arc::new);
     options.map_sqlx_mysql_pool_opts(move |opts| {
-        let opts = {
-            let shard = Arc::clone(&shard);
-            opts.after_release(move |conn, _meta| Box::pin(release_check(conn, Arc::clone(&shard))))
-        };
+        let opts = with_release_check(opts, &shard);
         let Some(sql) = &session else {
             return opts;
         };
@@ -542,6 +536,16 @@ pub(super) async fn connect_one(
 /// How long a connection returned to its pool may wait for what a
 /// cancelled statement left unread before it is closed instead of kept.
 const RELEASE_CHECK: Duration = Duration::from_secs(5);
+
+/// `opts` with [`release_check`] run on every connection returned to the
+/// pool.
+fn with_release_check<DB: sea_orm::sqlx::Database>(
+    opts: sea_orm::sqlx::pool::PoolOptions<DB>,
+    shard: &Arc<String>,
+) -> sea_orm::sqlx::pool::PoolOptions<DB> {
+    let shard = Arc::clone(shard);
+    opts.after_release(move |conn, _meta| Box::pin(release_check(conn, Arc::clone(&shard))))
+}
 
 /// Whether a connection returned to its pool is fit to keep: what a
 /// statement cancelled part-way left unread arrives within
