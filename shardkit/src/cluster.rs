@@ -441,6 +441,14 @@ impl Cluster {
     /// can own it; it must not keep a clone past its own end (the commit
     /// needs the only one: a kept clone rolls the attempt back and returns
     /// [`ShardError::RollbackOnly`]).
+    ///
+    /// After the database aborted the transaction, shardkit refuses the
+    /// work's later reads and writes through the [`ShardTx`]; statements it
+    /// sends itself through
+    /// [`unchecked_connection`](ShardTx::unchecked_connection) are not
+    /// checked: on MySQL/MariaDB they run outside the rolled-back
+    /// transaction, each committed on its own, and then again in the next
+    /// attempt. Return the error of a statement sent that way.
     pub async fn transaction<G, T, Fut>(
         &self,
         key: G::Key,

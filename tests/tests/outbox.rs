@@ -24,6 +24,8 @@ backend_tests!(5 =>
     a_saga_step_that_panics_is_refused_and_compensated,
     a_handler_that_swallows_a_refusal_is_parked,
     a_message_whose_sending_key_cannot_be_read_is_applied_once,
+    [Postgres, MySql] a_handler_that_swallows_an_abort_runs_again,
+    [Postgres, MySql] a_saga_step_that_swallows_an_abort_is_tried_again,
     child_relay,
 );
 
@@ -1902,4 +1904,118 @@ async fn a_handler_that_swallows_a_refusal_is_parked(dbs: &mut TestDbs) {
     })
     .await;
     assert!(why.contains("rollback-only"), "{why}");
+}
+
+/// Reads wallet `id` through `aborts()`, which makes the database abort the
+/// transaction the way a deadlock does, and swallows the error, as a
+/// handler or a step that handles a deadlock itself might.
+async fn swallow_an_abort(tx: &shardkit::ShardTx<Holder>) {
+    let aborted = tx
+        .find::<wallet::Entity>()
+        .filter(sea_orm::sea_query::Expr::cust("aborts() = 1"))
+        .all()
+        .await;
+    assert!(aborted.is_err(), "{aborted:?}");
+}
+
+/// A handler that handles its transaction's abort by the database (a
+/// deadlock) itself and returns `Ok`: nothing of that run commits, and the
+/// message is delivered again at once, not counted as a failed attempt
+/// (with one attempt allowed, counting it would park the message).
+async fn a_handler_that_swallows_an_abort_runs_again(dbs: &mut TestDbs) {
+    let cluster = connect(&toml(dbs, &[])).await;
+    cluster.migrate::<Migrator>().await.unwrap();
+    for id in [1, 2] {
+        open_wallet(&cluster, id, 0).await;
+    }
+    let shard = cluster.shard_of::<Holder>(&2).await.unwrap().to_owned();
+    shardkit_tests::models::create_aborting_function(cluster.connection(&shard).unwrap()).await;
+    let ran = Arc::new(AtomicUsize::new(0));
+    let counted = Arc::clone(&ran);
+    let outbox =
+        cluster
+            .outbox()
+            .max_attempts(1)
+            .handle::<Credit, _, _, _>(move |tx, c: Credit| {
+                let run = counted.fetch_add(1, Ordering::SeqCst) + 1;
+                async move {
+                    apply_credit(&tx, c).await?;
+                    if run == 1 {
+                        swallow_an_abort(&tx).await;
+                    }
+                    Ok::<_, shardkit::BoxError>(())
+                }
+            });
+    send_credit(&cluster, 1, 2, 1, 5).await;
+    let report = outbox.deliver().await.unwrap();
+    assert_eq!(
+        (report.applied, report.parked, ran.load(Ordering::SeqCst)),
+        (1, 0, 2),
+        "{report:?}"
+    );
+    assert_eq!(balance(&cluster, 2).await, 5, "credited once");
+    assert_eq!(shardkit_tests::count_rows(&cluster, "credits").await, 1);
+    assert!(all_parked(&outbox).await.is_empty());
+}
+
+/// A saga step that handles its transaction's abort by the database itself
+/// and returns `Ok`: the saga is not compensated for a transient conflict;
+/// the step is put off, and the next drive after its wait runs it again.
+async fn a_saga_step_that_swallows_an_abort_is_tried_again(dbs: &mut TestDbs) {
+    let clock = Arc::new(shardkit::clock::ManualClock::new(
+        shardkit::Clock::now_millis(&shardkit::clock::SystemClock),
+    ));
+    let cluster = Cluster::builder(ClusterConfig::from_toml(&toml(dbs, &[])).unwrap())
+        .clock(clock.clone())
+        .connect()
+        .await
+        .unwrap();
+    cluster.refresh_bucket_maps().await.unwrap();
+    cluster.migrate::<Migrator>().await.unwrap();
+    for id in [1, 2] {
+        open_wallet(&cluster, id, 100).await;
+    }
+    let shard = cluster.shard_of::<Holder>(&2).await.unwrap().to_owned();
+    shardkit_tests::models::create_aborting_function(cluster.connection(&shard).unwrap()).await;
+    let ran = Arc::new(AtomicUsize::new(0));
+    let counted = Arc::clone(&ran);
+    let saga = Saga::<Holder, Order>::new("aborted")
+        .step::<Holder, _, _, _, _, _, _, _>(
+            |o: &Order| o.buyer,
+            |tx, o: Order| async move { add(&tx, -o.amount).await },
+            |tx, o: Order| async move { add(&tx, o.amount).await },
+        )
+        .step::<Holder, _, _, _, _, _, _, _>(
+            |o: &Order| o.seller,
+            move |tx, o: Order| {
+                let run = counted.fetch_add(1, Ordering::SeqCst) + 1;
+                async move {
+                    add(&tx, o.amount).await?;
+                    if run == 1 {
+                        swallow_an_abort(&tx).await;
+                    }
+                    Ok::<_, shardkit::BoxError>(())
+                }
+            },
+            |tx, o: Order| async move { add(&tx, -o.amount).await },
+        );
+    let sagas = cluster.sagas(saga);
+    let order = Order {
+        buyer: 1,
+        seller: 2,
+        amount: 5,
+    };
+    let (id, state) = sagas.start(1, &order).await.unwrap();
+    assert_eq!(state, SagaState::Running, "put off, not compensated");
+    assert_eq!(
+        (balance(&cluster, 1).await, balance(&cluster, 2).await),
+        (95, 100)
+    );
+    clock.advance(Duration::from_secs(1));
+    assert_eq!(sagas.drive(1, &id).await.unwrap(), SagaState::Done);
+    assert_eq!(
+        (balance(&cluster, 1).await, balance(&cluster, 2).await),
+        (95, 105)
+    );
+    assert_eq!(ran.load(Ordering::SeqCst), 2);
 }

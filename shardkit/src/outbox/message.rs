@@ -239,6 +239,21 @@ pub(crate) async fn in_inbox<G: EntityGroup>(tx: &ShardTx<G>, id: &str) -> Resul
         .map_err(|e| db_err(tx.shard(), INBOX.name, "read", e))
 }
 
+/// Why a handler's or a saga step's transaction runs again, when the
+/// database ended it (a deadlock, a serialization failure met by one of its
+/// statements) whatever the work made of that error: one that handled the
+/// error itself, then returned `Ok` or another error (the `RollbackOnly`
+/// refusal of its next statement), failed only because of a transient
+/// conflict, not of its own.
+pub(crate) fn ended_by_the_database<G: EntityGroup>(tx: &ShardTx<G>) -> Option<String> {
+    tx.was_aborted().then(|| {
+        format!(
+            "the database ended the transaction; it runs again: {}",
+            tx.poison_reason().unwrap_or_default()
+        )
+    })
+}
+
 /// Why a handler's or a saga step's `Ok` on a rollback-only transaction
 /// committed nothing.
 pub(crate) fn rollback_only(reason: &str) -> String {
@@ -365,6 +380,14 @@ impl<M: Message> Typed<M> {
                     .to_owned(),
             );
         };
+        // A handler that handled the database's abort of its transaction
+        // itself: run again at once, not counted (as a propagated abort).
+        if outcome.is_ok()
+            && let Some(why) = ended_by_the_database(&tx)
+        {
+            let _ = tx.rollback().await;
+            return Delivery::Aborted(why);
+        }
         let failed = match outcome {
             Ok(Ok(())) => None,
             Ok(Err(e)) if not_the_work(e.as_ref()) => {

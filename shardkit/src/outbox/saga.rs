@@ -14,7 +14,8 @@ use crate::entity::{EntityGroup, ShardKey};
 use crate::error::{Result, ShardError};
 use crate::exec::keyed_tables::SAGAS;
 use crate::outbox::message::{
-    BoxError, db_err, in_inbox, not_the_work, owned_by, panic_text, record_in_inbox, rollback_only,
+    BoxError, db_err, ended_by_the_database, in_inbox, not_the_work, owned_by, panic_text,
+    record_in_inbox, rollback_only,
 };
 use crate::topology::ShardId;
 use futures::future::BoxFuture;
@@ -253,8 +254,14 @@ impl<G: EntityGroup, D: Clone + Send + Sync + 'static> TypedStep<G, D> {
         if let Some(work) = work
             && let Err(e) = work(Arc::clone(&tx), data.clone()).await
         {
+            let ended = ended_by_the_database(&tx);
             if let Ok(tx) = Arc::try_unwrap(tx) {
                 let _ = tx.rollback().await;
+            }
+            // The database ended the transaction (a deadlock), whatever
+            // error the work made of it: tried again, not compensated.
+            if let Some(why) = ended {
+                return Outcome::Later(why);
             }
             return if not_the_work(e.as_ref()) {
                 Outcome::Later(e.to_string())
@@ -268,8 +275,14 @@ impl<G: EntityGroup, D: Clone + Send + Sync + 'static> TypedStep<G, D> {
                     .to_owned(),
             );
         };
-        // A step that swallowed a refusal returns `Ok` on a transaction
-        // that can only roll back (see `Typed::apply`): refused.
+        // A step that handled the database's abort of its transaction
+        // itself: tried again. One that swallowed a refusal returns `Ok` on
+        // a transaction that can only roll back (see `Typed::apply`):
+        // refused.
+        if let Some(why) = ended_by_the_database(&tx) {
+            let _ = tx.rollback().await;
+            return Outcome::Later(why);
+        }
         if let Some(reason) = tx.poison_reason() {
             let _ = tx.rollback().await;
             return Outcome::Refused(rollback_only(&reason));

@@ -51,9 +51,14 @@ pub(crate) struct Poison {
 
 impl Poison {
     /// Makes the transaction rollback-only with `err` as the reason (the
-    /// first reason is kept).
+    /// first reason is kept), and marks it ended when the database ended it
+    /// with `err` ([`ShardError::ended_transaction`]), whichever path made
+    /// it rollback-only (a read's, a write's, a write stage's).
     pub(crate) fn set(&self, err: &ShardError) {
         let _ = self.reason.set(err.to_string());
+        if err.ended_transaction() {
+            self.aborted.store(true, AtomicOrdering::Release);
+        }
     }
 
     pub(crate) fn reason(&self) -> Option<&String> {
@@ -87,7 +92,6 @@ impl Poison {
 pub(crate) fn poison_if_aborted(poisoned: &Poison, err: ShardError) -> ShardError {
     if err.ended_transaction() {
         poisoned.set(&err);
-        poisoned.aborted.store(true, AtomicOrdering::Release);
     }
     err
 }
