@@ -611,8 +611,7 @@ impl Cluster {
             let tx = Arc::new(self.begin::<G>(key.clone()).await?);
             let outcome = work(Arc::clone(&tx)).await;
             // The database ended this attempt: whatever error `work` made
-            // of that (it may have handled the abort's own error and met
-            // the refusal of its next statement), a new attempt can succeed.
+            // of that, a new attempt can succeed (`again_after_abort`).
             let aborted = tx.was_aborted();
             let result = match (outcome, Arc::try_unwrap(tx)) {
                 (Ok(value), Ok(tx)) => match session {
@@ -638,26 +637,21 @@ impl Cluster {
                     }))
                 }
             };
-            match result {
-                Err(err)
-                    if attempt < attempts
-                        && (aborted || err.retry() == crate::Retry::Transaction) =>
-                {
-                    tracing::debug!(group = G::NAME, attempt, error = %err.report(), "transaction retried");
-                    // Transactions that deadlocked with each other would
-                    // collide again if they ran again at once.
-                    tokio::time::sleep(crate::error::abort_backoff(attempt)).await;
-                    attempt += 1;
+            let err = match result {
+                Ok(value) => return Ok(value),
+                Err(err) => err,
+            };
+            if crate::error::again_after_abort(&err, aborted, attempt, attempts).await {
+                tracing::debug!(group = G::NAME, attempt, error = %err.report(), "transaction retried");
+            } else if attempt < attempts && err.is_sqlite_busy() {
+                tracing::debug!(group = G::NAME, attempt, error = %err.report(), "transaction retried after a wait");
+                if let crate::Retry::After(wait) = err.retry() {
+                    tokio::time::sleep(wait).await;
                 }
-                Err(err) if attempt < attempts && err.is_sqlite_busy() => {
-                    tracing::debug!(group = G::NAME, attempt, error = %err.report(), "transaction retried after a wait");
-                    if let crate::Retry::After(wait) = err.retry() {
-                        tokio::time::sleep(wait).await;
-                    }
-                    attempt += 1;
-                }
-                result => return result,
+            } else {
+                return Err(err);
             }
+            attempt += 1;
         }
     }
 

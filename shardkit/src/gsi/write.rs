@@ -3,7 +3,7 @@
 //! shard transaction, and removals after the owner's commit.
 
 use crate::entity::{EntityGroup, ShardKey, ShardedEntity, table_name};
-use crate::error::{Result, Retry, ShardError};
+use crate::error::{Result, ShardError};
 use crate::exec::quoted;
 use crate::gsi::{Durability, Gsi, IndexDef, Removal, gsi_err};
 use crate::key::value_text;
@@ -258,9 +258,11 @@ impl Gsi {
                 Err(e) => Err(err(e)),
             };
             match result {
-                Err(e) if attempt < CLAIM_ATTEMPTS && e.retry() == Retry::Transaction => {
-                    tracing::debug!(index = %index.table, attempt, error = %e, "unique claim aborted by the database; retrying");
-                    tokio::time::sleep(crate::error::abort_backoff(attempt)).await;
+                Err(e)
+                    if crate::error::again_after_abort(&e, false, attempt, CLAIM_ATTEMPTS)
+                        .await =>
+                {
+                    tracing::debug!(index = %index.table, attempt, error = %e, "unique claim aborted by the database; retried");
                     attempt += 1;
                 }
                 other => return other,

@@ -3,7 +3,10 @@
 
 use crate::cluster::{Cluster, ShardTx};
 use crate::entity::{EntityGroup, ShardKey};
-use crate::error::{Result, ShardError};
+use crate::error::{Result, ShardError, again_after_abort};
+
+/// Runs of the work when the database ended its transaction.
+const ATTEMPTS: u32 = 3;
 use crate::exec::keyed_tables::REQUESTS;
 use crate::outbox::message::db_err;
 use sea_orm::ConnectionTrait;
@@ -38,11 +41,11 @@ impl Cluster {
     /// for it (the id's row is locked) and then returns its outcome. When
     /// `work` fails, nothing is stored and a retry runs it again; like
     /// [`transaction`](Self::transaction), a transaction the database
-    /// aborted runs again (3 attempts in all). Outcomes are kept for
-    /// [`REQUEST_TTL`]. A request id holds 1 to 200 characters and is
-    /// scoped to the key (another key's request of the same id is
-    /// another request); an empty or longer one, or an outcome that does
-    /// not serialise, is refused with [`ShardError::CrossKey`].
+    /// aborted runs again (3 attempts in all, after the same short pause).
+    /// Outcomes are kept for [`REQUEST_TTL`]. A request id holds 1 to 200
+    /// characters and is scoped to the key (another key's request of the
+    /// same id is another request); an empty or longer one, or an outcome
+    /// that does not serialise, is refused with [`ShardError::CrossKey`].
     pub async fn transaction_once<G, T, Fut>(
         &self,
         key: G::Key,
@@ -75,7 +78,7 @@ impl Cluster {
         // Transactions the database aborted (3 attempts in all), and rounds
         // lost to another run of the same request (its claim, or a new one
         // where an expired row was), counted apart.
-        let mut attempt = 0;
+        let mut attempt = 0u32;
         let mut races = 0;
         let raced = || ShardError::CrossKey {
             what: what(),
@@ -173,7 +176,7 @@ impl Cluster {
                 Err(e) => {
                     let e = err("insert into")(e);
                     let _ = tx.rollback().await;
-                    if e.retry() == crate::Retry::Transaction && attempt < 3 {
+                    if again_after_abort(&e, false, attempt, ATTEMPTS).await {
                         continue;
                     }
                     return Err(e);
@@ -197,7 +200,7 @@ impl Cluster {
                 Ok(value) => value,
                 Err(e) => {
                     let _ = tx.rollback().await;
-                    if (aborted || e.retry() == crate::Retry::Transaction) && attempt < 3 {
+                    if again_after_abort(&e, aborted, attempt, ATTEMPTS).await {
                         continue;
                     }
                     return Err(e);
@@ -208,14 +211,15 @@ impl Cluster {
             // and on MySQL/MariaDB the store would run outside it.
             if let Some(reason) = tx.poison_reason() {
                 let _ = tx.rollback().await;
-                if aborted && attempt < 3 {
-                    continue;
-                }
-                return Err(ShardError::RollbackOnly {
+                let err = ShardError::RollbackOnly {
                     group: G::NAME,
                     shard,
                     reason,
-                });
+                };
+                if again_after_abort(&err, aborted, attempt, ATTEMPTS).await {
+                    continue;
+                }
+                return Err(err);
             }
             let refuse = |reason: String| ShardError::CrossKey {
                 what: what(),
@@ -273,7 +277,7 @@ impl Cluster {
             }
             match tx.commit().await {
                 Ok(()) => return Ok(value),
-                Err(e) if e.retry() == crate::Retry::Transaction && attempt < 3 => continue,
+                Err(e) if again_after_abort(&e, false, attempt, ATTEMPTS).await => {}
                 Err(e) => return Err(e),
             }
         }
