@@ -17,7 +17,7 @@ pub(crate) use classify::{
 };
 pub(crate) use driver::{Bounded, QUOTED_CHARS, SqlxCause, database_code};
 pub use driver::{DriverCause, DriverError};
-pub(crate) use origin::again_after_abort;
+pub(crate) use origin::abort_backoff;
 pub use origin::{Origin, Retry, Subsystem};
-pub(crate) use shard_error::REPROBE;
 pub use shard_error::{ErrorKind, Report, Result, ShardError, ShardFailure};
+pub(crate) use shard_error::{REPROBE, again_after_abort};

@@ -105,31 +105,10 @@ pub enum Retry {
 /// the database aborted (a deadlock, a serialization failure, a lost
 /// unique claim), so that the attempts that collided do not collide again
 /// in lockstep: 4 ms, 8 ms, 16 ms … at most 128 ms, plus up to 4 ms.
-fn abort_backoff(attempt: u32) -> std::time::Duration {
+pub(crate) fn abort_backoff(attempt: u32) -> std::time::Duration {
     use std::hash::{BuildHasher, Hasher};
     // A fresh random seed per call: jitter without a clock or an RNG crate.
     let jitter = std::hash::RandomState::new().build_hasher().finish() % 4_000_000;
     std::time::Duration::from_millis(2u64 << Ord::min(attempt, 6))
         + std::time::Duration::from_nanos(jitter)
-}
-
-/// Whether attempt `attempt` of at most `attempts` of a transaction that
-/// failed with `err` runs again: when the database ended it (`aborted`,
-/// whatever error the work made of that: it may have handled the abort's
-/// own error and met the refusal of its next statement) or `err` says to
-/// run the whole transaction again ([`Retry::Transaction`]), and attempts
-/// are left. It returns after the pause of [`abort_backoff`]: transactions
-/// that deadlocked with each other would collide again if they ran again at
-/// once.
-pub(crate) async fn again_after_abort(
-    err: &super::ShardError,
-    aborted: bool,
-    attempt: u32,
-    attempts: u32,
-) -> bool {
-    if attempt >= attempts || !(aborted || err.retry() == Retry::Transaction) {
-        return false;
-    }
-    tokio::time::sleep(abort_backoff(attempt)).await;
-    true
 }

@@ -730,3 +730,24 @@ impl std::fmt::Debug for Report<'_> {
         std::fmt::Display::fmt(self, f)
     }
 }
+
+/// Whether attempt `attempt` of at most `attempts` of a transaction that
+/// failed with `err` runs again: when the database ended it (`aborted`,
+/// whatever error the work made of that: it may have handled the abort's
+/// own error and met the refusal of its next statement) or `err` says to
+/// run the whole transaction again ([`Retry::Transaction`]), and attempts
+/// are left. It returns after the pause of
+/// [`abort_backoff`](super::abort_backoff): transactions that deadlocked
+/// with each other would collide again if they ran again at once.
+pub(crate) async fn again_after_abort(
+    err: &ShardError,
+    aborted: bool,
+    attempt: u32,
+    attempts: u32,
+) -> bool {
+    if attempt >= attempts || !(aborted || err.retry() == Retry::Transaction) {
+        return false;
+    }
+    tokio::time::sleep(super::abort_backoff(attempt)).await;
+    true
+}

@@ -179,8 +179,10 @@ pub(crate) fn db_err(shard: &str, table: &str, what: &str, e: sea_orm::DbErr) ->
 }
 
 /// Whether an error means the database could not do the work now (a shard
-/// down, a lost connection, a timeout, a moved bucket), not that the work
-/// itself failed: such a delivery is retried without counting an attempt.
+/// down, a lost connection, a timeout, a moved bucket, a deadlock), not
+/// that the work itself failed: such a delivery is retried without
+/// counting an attempt. SeaORM's own `DbErr` (a statement the work sent
+/// through `unchecked_connection`) is classified by its driver code too.
 pub(crate) fn not_the_work(err: &(dyn std::error::Error + 'static)) -> bool {
     let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(err);
     while let Some(e) = cause {
@@ -190,6 +192,9 @@ pub(crate) fn not_the_work(err: &(dyn std::error::Error + 'static)) -> bool {
                 ErrorKind::Database => !matches!(shard.retry(), crate::Retry::Never),
                 _ => false,
             };
+        }
+        if let Some(db) = e.downcast_ref::<sea_orm::DbErr>() {
+            return !matches!(crate::error::db_retry(db), crate::Retry::Never);
         }
         cause = e.source();
     }
@@ -483,12 +488,15 @@ impl<M: Message> Kind for Typed<M> {
     fn deliver<'a>(&'a self, cluster: &'a Cluster, row: &'a Row) -> BoxFuture<'a, Delivery> {
         Box::pin(async move {
             // A transaction the database aborted (a deadlock with another
-            // writer of the key) runs again at once, twice at most.
+            // writer of the key) runs again after a short pause, twice at
+            // most.
             let mut attempt = 0;
             loop {
                 attempt += 1;
                 match self.apply(cluster, row).await {
-                    Delivery::Aborted(_) if attempt < 3 => {}
+                    Delivery::Aborted(_) if attempt < 3 => {
+                        tokio::time::sleep(crate::error::abort_backoff(attempt)).await;
+                    }
                     Delivery::Aborted(e) => return Delivery::Unavailable(e),
                     other => return other,
                 }

@@ -4,9 +4,6 @@
 use crate::cluster::{Cluster, ShardTx};
 use crate::entity::{EntityGroup, ShardKey};
 use crate::error::{Result, ShardError, again_after_abort};
-
-/// Runs of the work when the database ended its transaction.
-const ATTEMPTS: u32 = 3;
 use crate::exec::keyed_tables::REQUESTS;
 use crate::outbox::message::db_err;
 use sea_orm::ConnectionTrait;
@@ -17,6 +14,9 @@ use std::future::Future;
 use std::sync::Arc;
 
 pub use crate::exec::keyed_tables::REQUEST_TTL;
+
+/// Runs of the work when the database ended its transaction.
+const ATTEMPTS: u32 = 3;
 
 /// The longest request id stored.
 const MAX_REQUEST_ID: usize = 200;

@@ -51,9 +51,12 @@ pub(crate) struct Poison {
 
 impl Poison {
     /// Makes the transaction rollback-only with `err` as the reason (the
-    /// first reason is kept), and marks it ended when the database ended it
-    /// with `err` ([`ShardError::ended_transaction`]), whichever path made
-    /// it rollback-only (a read's, a write's, a write stage's).
+    /// first reason is kept), and marks it ended when `err` is one with
+    /// which a database ends a transaction ([`ShardError::ended_transaction`]),
+    /// whichever path made it rollback-only (a read's, a write's, a write
+    /// stage's: a stage's may come from a side connection, whose deadlock
+    /// left the transaction itself alive; its reads are refused too then,
+    /// and a new attempt can succeed all the same).
     pub(crate) fn set(&self, err: &ShardError) {
         let _ = self.reason.set(err.to_string());
         if err.ended_transaction() {

@@ -128,7 +128,12 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
 
     /// Whether the database ended the transaction (a deadlock, a
     /// serialization failure met by one of its statements), whatever the
-    /// program did with that error.
+    /// program did with that error: a new attempt can succeed. Also set
+    /// when such an error came from a statement a write stage sent for the
+    /// transaction on a side connection (a global index's claim): the
+    /// transaction is rollback-only then too, and a new attempt can succeed
+    /// as well. Statements sent through
+    /// [`unchecked_connection`](Self::unchecked_connection) do not set it.
     pub(crate) fn was_aborted(&self) -> bool {
         self.poisoned.aborted()
     }
