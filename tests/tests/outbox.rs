@@ -26,6 +26,7 @@ backend_tests!(5 =>
     a_message_whose_sending_key_cannot_be_read_is_applied_once,
     [Postgres, MySql] a_handler_that_swallows_an_abort_runs_again,
     [Postgres, MySql] a_saga_step_that_swallows_an_abort_is_tried_again,
+    [Postgres, MySql] a_handler_that_loses_a_real_deadlock_runs_again,
     child_relay,
 );
 
@@ -2047,4 +2048,148 @@ async fn a_saga_step_that_swallows_an_abort_is_tried_again(dbs: &mut TestDbs) {
         (90, 110)
     );
     assert_eq!(ran.load(Ordering::SeqCst), 4);
+}
+
+/// Adds `by` to the amount of credit row `id` of the transaction's key.
+async fn bump(tx: &shardkit::ShardTx<Holder>, id: &str, by: i64) -> shardkit::Result<u64> {
+    use sea_orm::ColumnTrait;
+    tx.update_many::<credit::Entity>()
+        .col_expr(
+            credit::Column::Amount,
+            sea_orm::sea_query::ExprTrait::add(
+                sea_orm::sea_query::Expr::col(credit::Column::Amount),
+                by,
+            ),
+        )
+        .filter(credit::Column::Id.eq(id))
+        .exec()
+        .await
+}
+
+/// Gives a PostgreSQL transaction its own `deadlock_timeout`: of two
+/// transactions in a deadlock, the one with the shorter is the victim.
+async fn deadlock_timeout(tx: &shardkit::ShardTx<Holder>, ms: u32) {
+    let conn = tx.unchecked_connection();
+    if conn.get_database_backend() == sea_orm::DbBackend::Postgres {
+        conn.execute_unprepared(&format!("SET LOCAL deadlock_timeout = {ms}"))
+            .await
+            .expect("SET LOCAL deadlock_timeout");
+    }
+}
+
+/// A real deadlock between a handler and another transaction of the
+/// receiving key, each updating two rows in the opposite order. The handler
+/// is made the victim (PostgreSQL: its `deadlock_timeout` is the shorter;
+/// MariaDB, which rolls the victim back at once: the other transaction has
+/// written more rows, and InnoDB rolls back the lighter one) and swallows
+/// the error, as careless code might. The relay runs the delivery again,
+/// not counted (one attempt allowed), and each row moves once per committed
+/// transaction: nothing of the victim's attempt, its inbox row included,
+/// is taken for applied.
+async fn a_handler_that_loses_a_real_deadlock_runs_again(dbs: &mut TestDbs) {
+    let before = dbs.server_connections().await;
+    let cluster = connect(&toml(dbs, &[])).await;
+    cluster.migrate::<Migrator>().await.unwrap();
+    for id in [1, 2] {
+        open_wallet(&cluster, id, 0).await;
+    }
+    cluster
+        .transaction::<Holder, _, _>(2, |tx| async move {
+            for id in ["a", "b"] {
+                tx.insert(credit::ActiveModel {
+                    id: Set(id.to_owned()),
+                    wallet_id: Set(2),
+                    transfer: Set("counter".to_owned()),
+                    amount: Set(0),
+                    seq: Set(0),
+                })
+                .await?;
+            }
+            Ok(())
+        })
+        .await
+        .unwrap();
+    let meet = Arc::new(tokio::sync::Barrier::new(2));
+    let (handled, other) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let (counted, met) = (Arc::clone(&handled), Arc::clone(&meet));
+    let outbox =
+        cluster
+            .outbox()
+            .max_attempts(1)
+            .handle::<Credit, _, _, _>(move |tx, c: Credit| {
+                let run = counted.fetch_add(1, Ordering::SeqCst) + 1;
+                let meet = Arc::clone(&met);
+                async move {
+                    deadlock_timeout(&tx, 100).await;
+                    bump(&tx, "a", c.amount).await?;
+                    if run == 1 {
+                        meet.wait().await;
+                    }
+                    let _swallowed = bump(&tx, "b", c.amount).await;
+                    Ok::<_, shardkit::BoxError>(())
+                }
+            });
+    send_credit(&cluster, 1, 2, 1, 1).await;
+    let writer = {
+        let (cluster, ran) = (cluster.clone(), Arc::clone(&other));
+        tokio::spawn(async move {
+            cluster
+                .transaction::<Holder, _, _>(2, move |tx| {
+                    let run = ran.fetch_add(1, Ordering::SeqCst) + 1;
+                    let meet = Arc::clone(&meet);
+                    async move {
+                        deadlock_timeout(&tx, 10_000).await;
+                        for i in 0..8 {
+                            tx.insert(credit::ActiveModel {
+                                id: Set(format!("w{run}-{i}")),
+                                wallet_id: Set(2),
+                                transfer: Set("weight".to_owned()),
+                                amount: Set(0),
+                                seq: Set(0),
+                            })
+                            .await?;
+                        }
+                        bump(&tx, "b", 10).await?;
+                        if run == 1 {
+                            meet.wait().await;
+                        }
+                        bump(&tx, "a", 10).await?;
+                        Ok(())
+                    }
+                })
+                .await
+        })
+    };
+    let report = outbox.deliver().await.unwrap();
+    writer.await.unwrap().unwrap();
+    assert_eq!(
+        (
+            report.applied,
+            report.parked,
+            handled.load(Ordering::SeqCst),
+            other.load(Ordering::SeqCst)
+        ),
+        (1, 0, 2, 1),
+        "{report:?}: the handler was the victim and ran again"
+    );
+    let amounts: BTreeMap<String, i64> = cluster
+        .find::<credit::Entity>()
+        .key(2)
+        .filter(<credit::Column as sea_orm::ColumnTrait>::eq(
+            &credit::Column::Transfer,
+            "counter",
+        ))
+        .all()
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|c| (c.id, c.amount))
+        .collect();
+    assert_eq!(
+        amounts,
+        BTreeMap::from([("a".to_owned(), 11), ("b".to_owned(), 11)])
+    );
+    assert!(all_parked(&outbox).await.is_empty());
+    drop((outbox, cluster));
+    dbs.assert_connections_settle(before).await;
 }
