@@ -27,6 +27,7 @@ backend_tests!(5 =>
     [Postgres, MySql] a_handler_that_swallows_an_abort_runs_again,
     [Postgres, MySql] a_saga_step_that_swallows_an_abort_is_tried_again,
     [Postgres, MySql] a_handler_that_loses_a_real_deadlock_runs_again,
+    [Postgres, MySql] a_request_that_loses_a_real_deadlock_runs_again,
     child_relay,
 );
 
@@ -1079,47 +1080,36 @@ async fn concurrent_retries_of_a_request_run_it_once(dbs: &mut TestDbs) {
     if dbs.backend != Backend::Sqlite {
         let shard = cluster.shard_of::<Holder>(&7).await.unwrap().to_owned();
         shardkit_tests::models::create_aborting_function(cluster.connection(&shard).unwrap()).await;
-        let ran = Arc::new(AtomicUsize::new(0));
-        let counted = Arc::clone(&ran);
-        let outcome = cluster
-            .transaction_once::<Holder, usize, _>(7, "req-aborted", move |tx| {
-                let run = counted.fetch_add(1, Ordering::SeqCst) + 1;
-                async move {
-                    if run == 1 {
-                        swallow_an_abort(&tx).await;
+        // Then the same, the work returning the refusal of its next write.
+        for (request, then_write) in [("req-aborted", false), ("req-aborted-write", true)] {
+            let ran = Arc::new(AtomicUsize::new(0));
+            let counted = Arc::clone(&ran);
+            let outcome = cluster
+                .transaction_once::<Holder, usize, _>(7, request, move |tx| {
+                    let run = counted.fetch_add(1, Ordering::SeqCst) + 1;
+                    async move {
+                        if run == 1 {
+                            swallow_an_abort(&tx).await;
+                        }
+                        if then_write {
+                            tx.update(wallet::ActiveModel {
+                                id: Set(7),
+                                balance: Set(15),
+                            })
+                            .await?;
+                        }
+                        Ok(run)
                     }
-                    Ok(run)
-                }
-            })
-            .await
-            .unwrap();
-        assert_eq!((outcome, ran.load(Ordering::SeqCst)), (2, 2));
-        let again = cluster
-            .transaction_once::<Holder, usize, _>(7, "req-aborted", |_| async { Ok(99) })
-            .await
-            .unwrap();
-        assert_eq!(again, 2, "the second run's stored outcome");
-        // The same, the work returning the refusal of its next write.
-        let ran = Arc::new(AtomicUsize::new(0));
-        let counted = Arc::clone(&ran);
-        let outcome = cluster
-            .transaction_once::<Holder, usize, _>(7, "req-aborted-err", move |tx| {
-                let run = counted.fetch_add(1, Ordering::SeqCst) + 1;
-                async move {
-                    if run == 1 {
-                        swallow_an_abort(&tx).await;
-                    }
-                    tx.update(wallet::ActiveModel {
-                        id: Set(7),
-                        balance: Set(15),
-                    })
-                    .await?;
-                    Ok(run)
-                }
-            })
-            .await
-            .unwrap();
-        assert_eq!((outcome, ran.load(Ordering::SeqCst)), (2, 2));
+                })
+                .await
+                .unwrap();
+            assert_eq!((outcome, ran.load(Ordering::SeqCst)), (2, 2), "{request}");
+            let again = cluster
+                .transaction_once::<Holder, usize, _>(7, request, |_| async { Ok(99) })
+                .await
+                .unwrap();
+            assert_eq!(again, 2, "{request}: the second run's stored outcome");
+        }
     }
     // To an instance a day and an hour ahead, req-1's outcome expired: 8
     // retries of it at once run the work once more (MySQL/MariaDB: a
@@ -2077,21 +2067,12 @@ async fn deadlock_timeout(tx: &shardkit::ShardTx<Holder>, ms: u32) {
     }
 }
 
-/// A real deadlock between a handler and another transaction of the
-/// receiving key, each updating two rows in the opposite order. The handler
-/// is made the victim (PostgreSQL: its `deadlock_timeout` is the shorter;
-/// MariaDB, which rolls the victim back at once: the other transaction has
-/// written more rows, and InnoDB rolls back the lighter one) and swallows
-/// the error, as careless code might. The relay runs the delivery again,
-/// not counted (one attempt allowed), and each row moves once per committed
-/// transaction: nothing of the victim's attempt, its inbox row included,
-/// is taken for applied.
-async fn a_handler_that_loses_a_real_deadlock_runs_again(dbs: &mut TestDbs) {
-    let before = dbs.server_connections().await;
-    let cluster = connect(&toml(dbs, &[])).await;
+/// Wallets 1 and 2, and two counters of wallet 2 (credit rows `a` and
+/// `b`, amount 0) for [`lose_a_deadlock`] and [`heavier_writer`].
+async fn two_counters(cluster: &Cluster) {
     cluster.migrate::<Migrator>().await.unwrap();
     for id in [1, 2] {
-        open_wallet(&cluster, id, 0).await;
+        open_wallet(cluster, id, 0).await;
     }
     cluster
         .transaction::<Holder, _, _>(2, |tx| async move {
@@ -2109,8 +2090,100 @@ async fn a_handler_that_loses_a_real_deadlock_runs_again(dbs: &mut TestDbs) {
         })
         .await
         .unwrap();
+}
+
+/// The counters' amounts.
+async fn counters(cluster: &Cluster) -> BTreeMap<String, i64> {
+    cluster
+        .find::<credit::Entity>()
+        .key(2)
+        .filter(<credit::Column as sea_orm::ColumnTrait>::eq(
+            &credit::Column::Transfer,
+            "counter",
+        ))
+        .all()
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|c| (c.id, c.amount))
+        .collect()
+}
+
+/// Adds `by` to counter `a`, then (its first run meeting
+/// [`heavier_writer`] first) to counter `b`, swallowing that update's
+/// error as careless code might: it is the deadlock's victim
+/// (PostgreSQL: its `deadlock_timeout` is the shorter; MariaDB, which
+/// rolls the victim back at once: it has written fewer rows, and InnoDB
+/// rolls back the lighter transaction).
+async fn lose_a_deadlock(
+    tx: &shardkit::ShardTx<Holder>,
+    run: usize,
+    meet: &tokio::sync::Barrier,
+    by: i64,
+) -> shardkit::Result<()> {
+    deadlock_timeout(tx, 100).await;
+    bump(tx, "a", by).await?;
+    if run == 1 {
+        meet.wait().await;
+    }
+    let _swallowed = bump(tx, "b", by).await;
+    Ok(())
+}
+
+/// A transaction of wallet 2 that writes 8 rows, adds 10 to counter `b`,
+/// (its first run meeting [`lose_a_deadlock`]) then to counter `a`; with
+/// its runs.
+fn heavier_writer(
+    cluster: &Cluster,
+    meet: Arc<tokio::sync::Barrier>,
+) -> (
+    tokio::task::JoinHandle<shardkit::Result<()>>,
+    Arc<AtomicUsize>,
+) {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let (cluster, ran) = (cluster.clone(), Arc::clone(&runs));
+    let task = tokio::spawn(async move {
+        cluster
+            .transaction::<Holder, _, _>(2, move |tx| {
+                let run = ran.fetch_add(1, Ordering::SeqCst) + 1;
+                let meet = Arc::clone(&meet);
+                async move {
+                    deadlock_timeout(&tx, 10_000).await;
+                    for i in 0..8 {
+                        tx.insert(credit::ActiveModel {
+                            id: Set(format!("w{run}-{i}")),
+                            wallet_id: Set(2),
+                            transfer: Set("weight".to_owned()),
+                            amount: Set(0),
+                            seq: Set(0),
+                        })
+                        .await?;
+                    }
+                    bump(&tx, "b", 10).await?;
+                    if run == 1 {
+                        meet.wait().await;
+                    }
+                    bump(&tx, "a", 10).await?;
+                    Ok(())
+                }
+            })
+            .await
+    });
+    (task, runs)
+}
+
+/// A real deadlock between a handler and another transaction of the
+/// receiving key, each updating two rows in the opposite order; the
+/// handler is the victim and swallows the error ([`lose_a_deadlock`]). The
+/// relay runs the delivery again, not counted (one attempt allowed), and
+/// each row moves once per committed transaction: nothing of the victim's
+/// attempt, its inbox row included, is taken for applied.
+async fn a_handler_that_loses_a_real_deadlock_runs_again(dbs: &mut TestDbs) {
+    let before = dbs.server_connections().await;
+    let cluster = connect(&toml(dbs, &[])).await;
+    two_counters(&cluster).await;
     let meet = Arc::new(tokio::sync::Barrier::new(2));
-    let (handled, other) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let handled = Arc::new(AtomicUsize::new(0));
     let (counted, met) = (Arc::clone(&handled), Arc::clone(&meet));
     let outbox =
         cluster
@@ -2120,46 +2193,11 @@ async fn a_handler_that_loses_a_real_deadlock_runs_again(dbs: &mut TestDbs) {
                 let run = counted.fetch_add(1, Ordering::SeqCst) + 1;
                 let meet = Arc::clone(&met);
                 async move {
-                    deadlock_timeout(&tx, 100).await;
-                    bump(&tx, "a", c.amount).await?;
-                    if run == 1 {
-                        meet.wait().await;
-                    }
-                    let _swallowed = bump(&tx, "b", c.amount).await;
-                    Ok::<_, shardkit::BoxError>(())
+                    Ok::<_, shardkit::BoxError>(lose_a_deadlock(&tx, run, &meet, c.amount).await?)
                 }
             });
     send_credit(&cluster, 1, 2, 1, 1).await;
-    let writer = {
-        let (cluster, ran) = (cluster.clone(), Arc::clone(&other));
-        tokio::spawn(async move {
-            cluster
-                .transaction::<Holder, _, _>(2, move |tx| {
-                    let run = ran.fetch_add(1, Ordering::SeqCst) + 1;
-                    let meet = Arc::clone(&meet);
-                    async move {
-                        deadlock_timeout(&tx, 10_000).await;
-                        for i in 0..8 {
-                            tx.insert(credit::ActiveModel {
-                                id: Set(format!("w{run}-{i}")),
-                                wallet_id: Set(2),
-                                transfer: Set("weight".to_owned()),
-                                amount: Set(0),
-                                seq: Set(0),
-                            })
-                            .await?;
-                        }
-                        bump(&tx, "b", 10).await?;
-                        if run == 1 {
-                            meet.wait().await;
-                        }
-                        bump(&tx, "a", 10).await?;
-                        Ok(())
-                    }
-                })
-                .await
-        })
-    };
+    let (writer, other) = heavier_writer(&cluster, meet);
     let report = outbox.deliver().await.unwrap();
     writer.await.unwrap().unwrap();
     assert_eq!(
@@ -2172,24 +2210,58 @@ async fn a_handler_that_loses_a_real_deadlock_runs_again(dbs: &mut TestDbs) {
         (1, 0, 2, 1),
         "{report:?}: the handler was the victim and ran again"
     );
-    let amounts: BTreeMap<String, i64> = cluster
-        .find::<credit::Entity>()
-        .key(2)
-        .filter(<credit::Column as sea_orm::ColumnTrait>::eq(
-            &credit::Column::Transfer,
-            "counter",
-        ))
-        .all()
-        .await
-        .unwrap()
-        .into_iter()
-        .map(|c| (c.id, c.amount))
-        .collect();
     assert_eq!(
-        amounts,
+        counters(&cluster).await,
         BTreeMap::from([("a".to_owned(), 11), ("b".to_owned(), 11)])
     );
     assert!(all_parked(&outbox).await.is_empty());
     drop((outbox, cluster));
+    dbs.assert_connections_settle(before).await;
+}
+
+/// The same deadlock, lost by the work of `transaction_once`: on MariaDB
+/// the victim's claim of the request id is rolled back with it, so its
+/// outcome must not be stored (the store would run outside the transaction
+/// and find no claim, or another run's). The work runs again, its second
+/// outcome is stored once, and a retry of the request gets it.
+async fn a_request_that_loses_a_real_deadlock_runs_again(dbs: &mut TestDbs) {
+    let before = dbs.server_connections().await;
+    let cluster = connect(&toml(dbs, &[])).await;
+    two_counters(&cluster).await;
+    let meet = Arc::new(tokio::sync::Barrier::new(2));
+    let (writer, other) = heavier_writer(&cluster, Arc::clone(&meet));
+    let ran = Arc::new(AtomicUsize::new(0));
+    let counted = Arc::clone(&ran);
+    let outcome = cluster
+        .transaction_once::<Holder, usize, _>(2, "req-deadlock", move |tx| {
+            let run = counted.fetch_add(1, Ordering::SeqCst) + 1;
+            let meet = Arc::clone(&meet);
+            async move {
+                lose_a_deadlock(&tx, run, &meet, 1).await?;
+                Ok(run)
+            }
+        })
+        .await
+        .unwrap();
+    writer.await.unwrap().unwrap();
+    assert_eq!(
+        (
+            outcome,
+            ran.load(Ordering::SeqCst),
+            other.load(Ordering::SeqCst)
+        ),
+        (2, 2, 1),
+        "the work was the victim and ran again"
+    );
+    assert_eq!(
+        counters(&cluster).await,
+        BTreeMap::from([("a".to_owned(), 11), ("b".to_owned(), 11)])
+    );
+    let again = cluster
+        .transaction_once::<Holder, usize, _>(2, "req-deadlock", |_| async { Ok(99) })
+        .await
+        .unwrap();
+    assert_eq!(again, 2, "the second run's stored outcome");
+    drop(cluster);
     dbs.assert_connections_settle(before).await;
 }
