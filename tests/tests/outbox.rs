@@ -1909,18 +1909,24 @@ async fn swallow_an_abort(tx: &shardkit::ShardTx<Holder>) {
     assert!(aborted.is_err(), "{aborted:?}");
 }
 
+/// Wallets 1 and 2 with `balance`, and `aborts()` on wallet 2's shard
+/// (see [`swallow_an_abort`]).
+async fn wallets_and_aborts(cluster: &Cluster, balance: i64) {
+    cluster.migrate::<Migrator>().await.unwrap();
+    for id in [1, 2] {
+        open_wallet(cluster, id, balance).await;
+    }
+    let shard = cluster.shard_of::<Holder>(&2).await.unwrap().to_owned();
+    shardkit_tests::models::create_aborting_function(cluster.connection(&shard).unwrap()).await;
+}
+
 /// A handler that handles its transaction's abort by the database (a
 /// deadlock) itself and returns `Ok`: nothing of that run commits, and the
 /// message is delivered again at once, not counted as a failed attempt
 /// (with one attempt allowed, counting it would park the message).
 async fn a_handler_that_swallows_an_abort_runs_again(dbs: &mut TestDbs) {
     let cluster = connect(&toml(dbs, &[])).await;
-    cluster.migrate::<Migrator>().await.unwrap();
-    for id in [1, 2] {
-        open_wallet(&cluster, id, 0).await;
-    }
-    let shard = cluster.shard_of::<Holder>(&2).await.unwrap().to_owned();
-    shardkit_tests::models::create_aborting_function(cluster.connection(&shard).unwrap()).await;
+    wallets_and_aborts(&cluster, 0).await;
     let ran = Arc::new(AtomicUsize::new(0));
     let counted = Arc::clone(&ran);
     let outbox =
@@ -1979,12 +1985,7 @@ async fn a_saga_step_that_swallows_an_abort_is_tried_again(dbs: &mut TestDbs) {
         .await
         .unwrap();
     cluster.refresh_bucket_maps().await.unwrap();
-    cluster.migrate::<Migrator>().await.unwrap();
-    for id in [1, 2] {
-        open_wallet(&cluster, id, 100).await;
-    }
-    let shard = cluster.shard_of::<Holder>(&2).await.unwrap().to_owned();
-    shardkit_tests::models::create_aborting_function(cluster.connection(&shard).unwrap()).await;
+    wallets_and_aborts(&cluster, 100).await;
     let ran = Arc::new(AtomicUsize::new(0));
     let counted = Arc::clone(&ran);
     let saga = buyer_pays("aborted").step::<Holder, _, _, _, _, _, _, _>(
