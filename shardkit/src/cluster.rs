@@ -624,17 +624,19 @@ impl Cluster {
                     let _ = tx.rollback().await;
                     Err(err)
                 }
+                // Not run again, whatever ended the attempt: the kept clone
+                // may hold the transaction, and its locks, open.
                 (outcome, Err(shared)) => {
                     let shard = shared.shard().to_owned();
                     // Dropping the last clone rolls back.
                     drop(shared);
-                    outcome.and(Err(ShardError::RollbackOnly {
+                    return outcome.and(Err(ShardError::RollbackOnly {
                         group: G::NAME,
                         shard,
                         reason: "the transaction closure kept a clone of its ShardTx past its \
                                  end; nothing was committed"
                             .to_owned(),
-                    }))
+                    }));
                 }
             };
             let err = match result {

@@ -8,8 +8,8 @@ use shardkit::Retry;
 use shardkit::prelude::*;
 use shardkit_tests::models::*;
 use shardkit_tests::{Backend, TestDbs, backend_tests, count_rows};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
 
 backend_tests!(2 =>
     closure_commits_on_ok_and_rolls_back_on_err,
@@ -432,6 +432,26 @@ async fn aborted_transactions_run_again_within_the_bound(dbs: &mut TestDbs) {
             [202],
             "the second attempt's row alone"
         );
+    }
+
+    // Aborted while the work kept a clone of its transaction: not run again
+    // (the clone may hold the transaction and its locks open); the error
+    // says to run it again.
+    if retried {
+        let attempts = Arc::new(AtomicU32::new(0));
+        let (seen, kept) = (Arc::clone(&attempts), Arc::new(Mutex::new(Vec::new())));
+        let slot = Arc::clone(&kept);
+        let err = cluster
+            .transaction::<Customer, (), _>(14, move |tx| {
+                seen.fetch_add(1, Ordering::SeqCst);
+                slot.lock().unwrap().push(Arc::clone(&tx));
+                async move { abort_like_a_deadlock(&tx).await }
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(attempts.load(Ordering::SeqCst), 1, "{err}");
+        assert_eq!(err.retry(), Retry::Transaction, "{err}");
+        kept.lock().unwrap().clear();
     }
 
     // Always aborted: three attempts, then the error, nothing written.

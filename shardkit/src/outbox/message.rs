@@ -182,7 +182,12 @@ pub(crate) fn db_err(shard: &str, table: &str, what: &str, e: sea_orm::DbErr) ->
 /// down, a lost connection, a timeout, a moved bucket, a deadlock), not
 /// that the work itself failed: such a delivery is retried without
 /// counting an attempt. SeaORM's own `DbErr` (a statement the work sent
-/// through `unchecked_connection`) is classified by its driver code too.
+/// itself, through `unchecked_connection` or to a database of its own)
+/// counts only when the database aborted the transaction (a deadlock, a
+/// serialization failure): its other errors, a connection's included, may
+/// be the work's for good (a statement over the protocol's bind limit, a
+/// database the work names that is gone), and are counted, so the message
+/// is parked after its attempts rather than put off for ever.
 pub(crate) fn not_the_work(err: &(dyn std::error::Error + 'static)) -> bool {
     let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(err);
     while let Some(e) = cause {
@@ -194,7 +199,7 @@ pub(crate) fn not_the_work(err: &(dyn std::error::Error + 'static)) -> bool {
             };
         }
         if let Some(db) = e.downcast_ref::<sea_orm::DbErr>() {
-            return !matches!(crate::error::db_retry(db), crate::Retry::Never);
+            return crate::error::db_retry(db) == crate::Retry::Transaction;
         }
         cause = e.source();
     }
