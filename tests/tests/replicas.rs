@@ -1040,7 +1040,7 @@ fn sqlite_replica_is_a_config_error() {
 /// On MySQL/MariaDB a `schema_name` names a database of the server: between
 /// shards on two servers (the default server and the replica pair's
 /// primary), `shardkit_shared_test.notes` is each server's own, so a move of
-/// its buckets is not refused as one within a server is (`rebalance.rs`),
+/// its buckets is not refused as one within a server is (`rebalance/placement.rs`),
 /// and the notes leave the source's server for the target's.
 async fn named_database_moves_between_servers() {
     let (primary, _) = Pair::MySql.urls();
