@@ -391,7 +391,8 @@ impl<M: Message> Typed<M> {
             );
         };
         // A handler that handled the database's abort of its transaction
-        // itself: run again at once, not counted (as a propagated abort).
+        // itself: run again after a short pause, not counted (as a
+        // propagated abort; see `deliver`).
         if outcome.is_ok()
             && let Some(why) = ended_by_the_database(&tx)
         {
