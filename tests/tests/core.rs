@@ -365,6 +365,26 @@ async fn update_and_delete_stay_within_their_key(dbs: &mut TestDbs) {
         ),
         "{err:?}"
     );
+    // Only the primary key set, nothing else to set: the same (SeaORM reads
+    // the row back by its primary key alone).
+    let err = tx
+        .update(order::ActiveModel {
+            id: Set(order_id),
+            customer_id: Unchanged(b),
+            total_cents: Unchanged(0),
+        })
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            ShardError::Db {
+                source: DbErr::RecordNotUpdated,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
     let deleted = tx
         .delete(order::ActiveModel {
             id: Unchanged(order_id),
@@ -810,7 +830,8 @@ async fn text_and_uuid_keys(dbs: &mut TestDbs) {
 /// MySQL/MariaDB whose default collation calls them equal.
 async fn text_keys_match_exactly(dbs: &mut TestDbs) {
     // Every tenant on one shard, so the three keys share a table.
-    let cluster = dbs.cluster(4, "[groups.Tenant]\nshards = [\"s0\"]\n").await;
+    let (cluster, sent) =
+        shardkit_tests::recording_cluster(dbs, 4, "[groups.Tenant]\nshards = [\"s0\"]\n").await;
     cluster.migrate::<Migrator>().await.unwrap();
     let tenants = ["acme", "Acme", "acme "];
     for (i, tenant) in tenants.iter().enumerate() {
@@ -878,6 +899,40 @@ async fn text_keys_match_exactly(dbs: &mut TestDbs) {
         .await
         .unwrap();
     assert_eq!(changed, 1, "acme's own row only");
+    // The key's comparison comes first, and the filter's `OR` stays inside
+    // parentheses after it (on MySQL/MariaDB after both comparisons).
+    let update = sent
+        .lock()
+        .unwrap()
+        .iter()
+        .rev()
+        .find(|(_, s)| s.sql.starts_with("UPDATE"))
+        .map(|(shard, s)| {
+            (
+                shard.clone(),
+                s.sql.clone(),
+                s.values.as_ref().map(|v| v.0.len()),
+            )
+        })
+        .expect("the batch's UPDATE");
+    let expected = match dbs.backend {
+        shardkit_tests::Backend::Postgres => {
+            r#"UPDATE "notes" SET "body" = $1 WHERE "tenant" = $2 AND ("notes"."id" = $3 OR "notes"."id" = $4 OR "notes"."id" = $5)"#
+        }
+        shardkit_tests::Backend::MySql => {
+            "UPDATE `notes` SET `body` = ? WHERE `tenant` = ? AND CAST(`tenant` AS BINARY) = ? \
+             AND (`notes`.`id` = ? OR `notes`.`id` = ? OR `notes`.`id` = ?)"
+        }
+        _ => {
+            r#"UPDATE "notes" SET "body" = ? WHERE "notes"."tenant" = ? AND ("notes"."id" = ? OR "notes"."id" = ? OR "notes"."id" = ?)"#
+        }
+    };
+    let values = if dbs.backend == shardkit_tests::Backend::MySql {
+        6
+    } else {
+        5
+    };
+    assert_eq!(update, ("s0".to_owned(), expected.to_owned(), Some(values)));
     let deleted = cluster
         .transaction::<Tenant, _, _>("acme".to_string(), |tx| async move {
             tx.delete_many::<note::Entity>()

@@ -56,8 +56,14 @@ pub(crate) fn one_statement<E: EntityTrait>(
 pub(crate) fn returning_all<E: EntityTrait>(
     backend: DbBackend,
 ) -> sea_orm::sea_query::ReturningClause {
-    sea_orm::sea_query::Query::returning()
-        .exprs(<E::Column as Iterable>::iter().map(|c| c.select_as(c.into_returning_expr(backend))))
+    sea_orm::sea_query::Query::returning().exprs(returning_exprs::<E>(backend))
+}
+
+/// The expressions of [`returning_all`].
+pub(crate) fn returning_exprs<E: EntityTrait>(backend: DbBackend) -> Vec<sea_orm::sea_query::Expr> {
+    <E::Column as Iterable>::iter()
+        .map(|c| c.select_as(c.into_returning_expr(backend)))
+        .collect()
 }
 
 /// The first row `statement` returns, decoded as `E::Model`, as SeaORM's

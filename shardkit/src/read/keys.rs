@@ -3,11 +3,15 @@
 use crate::entity::{EntityGroup, Joinable, KeyRef, ShardKey, ShardedEntity, table_name};
 use crate::error::{Result, ShardError};
 use crate::read::{ReadFrom, ReadGuard};
-use sea_orm::sea_query::{ConditionalStatement, Expr, JoinType, LogicalChainOper};
-use sea_orm::{
-    Condition, DbBackend, DbErr, EntityTrait, ExprTrait, ModelTrait, QueryFilter, QuerySelect,
-    QueryTrait, Related, Select,
+use sea_orm::sea_query::{
+    Expr, JoinType, MysqlQueryBuilder, PostgresQueryBuilder, QueryBuilder, QueryStatementBuilder,
+    Quote, SqlWriter, SqlWriterValues, SqliteQueryBuilder, Values,
 };
+use sea_orm::{
+    Condition, DbBackend, DbErr, EntityTrait, ExprTrait, IdenStatic, ModelTrait, QueryFilter,
+    QuerySelect, QueryTrait, Related, Select, Statement,
+};
+use std::fmt::Write as _;
 
 /// The shard-key predicate of a read or write: `key = ?` or `key IN (...)`,
 /// one expression on the column qualified by the table's static name
@@ -71,41 +75,133 @@ pub(super) fn keyed_select<E: ShardedEntity>(
     select
 }
 
-/// Gives an `UPDATE` or `DELETE` built here, with no condition yet, the
-/// predicate of `key` and then `filter` as one expression,
-/// `key AND (filter)`.
+/// An `UPDATE` or `DELETE` built here (no condition, order, limit or
+/// `RETURNING` of its own) as the statement to send, with the predicate of
+/// `key` and then `filter`, and `returning`'s expressions if any: `… WHERE
+/// key = ? AND (filter) RETURNING …` (only on a backend that has it).
 ///
-/// SeaORM's `filter` adds a `Condition`, which sea-query renders from a
-/// clone of the whole condition, every time the statement is built; an
-/// expression added as a link of a chain is rendered where it is.
-/// sea-query parenthesizes the filter unless it binds tighter than `AND`
-/// (a comparison, a function call), so no `OR` in it escapes the key. A
-/// statement that already has a condition would make sea-query panic (it
-/// refuses to mix the two forms): only statements made with no filter come
-/// here.
+/// sea-query renders the statement, then the `WHERE` is written after it on
+/// the same writer: the key's comparison as text with its value bound,
+/// the filter through sea-query's `prepare_expr`. Every keyed write sends
+/// one, so it is not built as an expression tree (two boxed operands, two
+/// more to join the filter, a precedence check at each node, the tree
+/// dropped after rendering) nor, for a `Condition`, cloned to be rendered.
+/// Safe because nothing of the statement follows its `WHERE` (sea-query
+/// writes `ORDER BY`, `LIMIT` and `RETURNING` after it, and none is set
+/// on the statement; `RETURNING` is written here after the `WHERE`, as
+/// sea-query writes it), and the filter is always in parentheses, so no
+/// `OR` in it escapes the key.
 ///
 /// The key's column is not qualified by its table on PostgreSQL and
 /// MySQL/MariaDB: the statement has one table, which its top-level `WHERE`
 /// names whatever subqueries the filter holds. SQLite keeps the qualifier:
 /// it takes a double-quoted name that matches no column for a string, so a
-/// table without its key column would compare a constant instead of failing.
-pub(crate) fn where_keyed<E: ShardedEntity, S: ConditionalStatement>(
-    statement: &mut S,
+/// table without its key column would compare a constant instead of
+/// failing. Text keys on MySQL/MariaDB are compared twice, as
+/// [`key_condition`] does.
+pub(crate) fn keyed_statement<E: ShardedEntity, S: QueryStatementBuilder>(
+    statement: &S,
     key: &KeyOf<E>,
     backend: DbBackend,
     filter: Option<Condition>,
-) {
-    let key = std::slice::from_ref(key);
-    let key = if backend == DbBackend::Sqlite {
-        column_key_condition::<E, KeyOf<E>>(E::shard_key_column(), key, backend)
-    } else {
-        compare_keys(|| Expr::col(E::shard_key_column()), key, backend)
+    returning: &[Expr],
+) -> Statement {
+    let (sql, values) = match backend {
+        DbBackend::MySql => render_keyed::<E, _, _>(
+            &MysqlQueryBuilder,
+            backend,
+            statement,
+            key,
+            filter,
+            returning,
+        ),
+        DbBackend::Postgres => render_keyed::<E, _, _>(
+            &PostgresQueryBuilder,
+            backend,
+            statement,
+            key,
+            filter,
+            returning,
+        ),
+        _ => render_keyed::<E, _, _>(
+            &SqliteQueryBuilder,
+            backend,
+            statement,
+            key,
+            filter,
+            returning,
+        ),
     };
-    let expr = match filter {
-        Some(filter) => key.and(Expr::from(filter)),
-        None => key,
+    Statement::from_sql_and_values(backend, sql, values.0)
+}
+
+/// [`keyed_statement`] with `builder`'s quotes and placeholders.
+fn render_keyed<E: ShardedEntity, Q: QueryBuilder, S: QueryStatementBuilder>(
+    builder: &Q,
+    backend: DbBackend,
+    statement: &S,
+    key: &KeyOf<E>,
+    filter: Option<Condition>,
+    returning: &[Expr],
+) -> (String, Values) {
+    let table = (backend == DbBackend::Sqlite).then(table_name::<E>);
+    let column = IdenStatic::as_str(&E::shard_key_column());
+    let binary_too = binary_text_keys(std::slice::from_ref(key), backend);
+    let (placeholder, numbered) = builder.placeholder();
+    let mut sql = SqlWriterValues::new(placeholder, numbered);
+    statement.build_collect_any_into(builder, &mut sql);
+    let quote = builder.quote();
+    let column_ref = |sql: &mut SqlWriterValues| -> std::fmt::Result {
+        if let Some(table) = table {
+            write_iden(sql, &quote, table)?;
+            sql.write_char('.')?;
+        }
+        write_iden(sql, &quote, column)
     };
-    statement.and_or_where(LogicalChainOper::And(expr));
+    let clause = || -> std::fmt::Result {
+        sql.write_str(" WHERE ")?;
+        column_ref(&mut sql)?;
+        sql.write_str(" = ")?;
+        sql.push_param(key.clone().into(), builder);
+        if binary_too {
+            sql.write_str(" AND CAST(")?;
+            column_ref(&mut sql)?;
+            sql.write_str(" AS BINARY) = ")?;
+            sql.push_param(key.clone().into(), builder);
+        }
+        if let Some(filter) = filter {
+            sql.write_str(" AND (")?;
+            builder.prepare_expr(&Expr::from(filter), &mut sql);
+            sql.write_char(')')?;
+        }
+        // sea-query writes no `RETURNING` for MySQL/MariaDB (MariaDB has
+        // none on `UPDATE`).
+        let returning = if backend == DbBackend::MySql {
+            &[]
+        } else {
+            returning
+        };
+        for (i, expr) in returning.iter().enumerate() {
+            sql.write_str(if i == 0 { " RETURNING " } else { ", " })?;
+            builder.prepare_expr(expr, &mut sql);
+        }
+        Ok(())
+    };
+    clause().expect("a statement is written to a String");
+    sql.into_parts()
+}
+
+/// `name` between `quote`'s marks, a mark inside it doubled.
+fn write_iden(sql: &mut SqlWriterValues, quote: &Quote, name: &str) -> std::fmt::Result {
+    let mark = quote.right();
+    sql.write_char(quote.left())?;
+    for c in name.chars() {
+        if c == mark {
+            sql.write_char(c)?;
+        }
+        sql.write_char(c)?;
+    }
+    sql.write_char(mark)
 }
 
 /// Adds the one-key predicate to a statement in place.

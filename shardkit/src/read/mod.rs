@@ -36,7 +36,7 @@ pub(crate) use in_tx::{Poison, poison_if_aborted, stream_open};
 pub use in_tx::{TxFind, TxSelect};
 pub(crate) use index::{IndexLookup, IndexQuery, exact_eq};
 pub use keys::KeyOf;
-pub(crate) use keys::{guard_check, key_condition, key_expr, related_select, where_keyed};
+pub(crate) use keys::{guard_check, key_condition, key_expr, keyed_statement, related_select};
 pub(crate) use merge::compare_values;
 pub use plan::{MergePlan, PlannedRoute, PlannedStatement, ReadPlan, escape_controls};
 pub use related::{AlsoRelated, WithRelated};

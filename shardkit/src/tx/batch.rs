@@ -293,8 +293,13 @@ impl<'t, G: EntityGroup, P: WriteStage, E: InGroup<G>> TxUpdateMany<'t, G, P, E>
                     for (column, expr) in exprs {
                         update.value(column, expr);
                     }
-                    crate::read::where_keyed::<E, _>(&mut update, &tx.key, tx.backend(), filter);
-                    tx.backend().build(&update)
+                    crate::read::keyed_statement::<E, _>(
+                        &update,
+                        &tx.key,
+                        tx.backend(),
+                        filter,
+                        &[],
+                    )
                 };
                 return crate::exec::statements::rows_affected(&tx.txn, statement)
                     .await
@@ -385,9 +390,14 @@ impl<'t, G: EntityGroup, P: WriteStage, E: InGroup<G>> TxDeleteMany<'t, G, P, E>
                 // Built before the await: the future holds the statement's
                 // text, not the sea-query statement.
                 let statement = {
-                    let mut delete = sea_orm::QueryTrait::into_query(E::delete_many());
-                    crate::read::where_keyed::<E, _>(&mut delete, &tx.key, tx.backend(), filter);
-                    tx.backend().build(&delete)
+                    let delete = sea_orm::QueryTrait::into_query(E::delete_many());
+                    crate::read::keyed_statement::<E, _>(
+                        &delete,
+                        &tx.key,
+                        tx.backend(),
+                        filter,
+                        &[],
+                    )
                 };
                 return crate::exec::statements::rows_affected(&tx.txn, statement)
                     .await

@@ -389,35 +389,54 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
             let insert = sea_orm::QueryTrait::into_query(E::insert(model));
             return Ok(Some(backend.build(&insert)));
         }
-        let pk: Vec<sea_orm::Value> = <E::PrimaryKey as sea_orm::Iterable>::iter()
-            .map(|c| {
-                sea_orm::ActiveValue::into_value(
-                    model.get(sea_orm::PrimaryKeyToColumn::into_column(c)),
-                )
-                .ok_or_else(|| {
-                    self.write_err::<E>(
-                        op.as_str(),
-                        DbErr::Custom("an update without its primary key set".to_owned()),
-                    )
-                })
-            })
-            .collect::<Result<_>>()?;
-        // The primary key selects the row; it is not set again.
-        let mut model = model;
-        for c in <E::PrimaryKey as sea_orm::Iterable>::iter() {
-            model.not_set(sea_orm::PrimaryKeyToColumn::into_column(c));
+        self.update_statement::<E>(&model, op.as_str(), false, || {
+            DbErr::Custom("an update without its primary key set".to_owned())
+        })
+    }
+
+    /// The `UPDATE` of `model`'s row as SeaORM's `Update::one` builds it
+    /// (its set columns but the primary key's, matching its primary key), in
+    /// the key (see [`crate::read::keyed_statement`]), with every column
+    /// returned when `returning`; `None` when it sets no column.
+    fn update_statement<E: InGroup<G>>(
+        &self,
+        model: &E::ActiveModel,
+        name: &str,
+        returning: bool,
+        missing_pk: impl FnOnce() -> DbErr,
+    ) -> Result<Option<sea_orm::Statement>> {
+        use sea_orm::{ActiveValue, Iterable, PrimaryKeyToColumn};
+        let mut pk = Vec::new();
+        for key in <E::PrimaryKey as Iterable>::iter() {
+            match model.get(key.into_column()) {
+                ActiveValue::Set(v) | ActiveValue::Unchanged(v) => pk.push(v),
+                ActiveValue::NotSet => return Err(self.write_err::<E>(name, missing_pk())),
+            }
         }
-        let mut update = sea_orm::QueryTrait::into_query(E::update_many().set(model));
+        let mut update = sea_orm::QueryTrait::into_query(E::update_many());
+        for column in <E::Column as Iterable>::iter() {
+            if <E::PrimaryKey as PrimaryKeyToColumn>::from_column(column).is_some() {
+                continue;
+            }
+            if let ActiveValue::Set(value) = model.get(column) {
+                update.value(column, column.save_as(sea_orm::sea_query::Expr::val(value)));
+            }
+        }
         if update.get_values().is_empty() {
             return Ok(None);
         }
-        crate::read::where_keyed::<E, _>(
-            &mut update,
+        let backend = self.backend();
+        let returning = match returning {
+            true => crate::exec::statements::returning_exprs::<E>(backend),
+            false => Vec::new(),
+        };
+        Ok(Some(crate::read::keyed_statement::<E, _>(
+            &update,
             &self.key,
             backend,
             Some(crate::exec::keyset::pk_condition::<E>(&pk)),
-        );
-        Ok(Some(backend.build(&update)))
+            &returning,
+        )))
     }
 
     async fn insert_rows<E: InGroup<G>>(&self, models: Vec<E::ActiveModel>) -> Result<Vec<E::Model>>
@@ -479,10 +498,12 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
             // built before the await where the backend has `RETURNING`: the
             // future then holds SeaORM's boxed query future, not SeaORM's
             // chain around the statement and the model (4.7 KB in every
-            // boxed write, past the allocator's cached sizes). Without
+            // boxed write, past the allocator's cached sizes). An update's
+            // statement is `update_statement`'s, in the key. Without
             // `RETURNING` (MySQL/MariaDB unless SeaORM's
             // `mariadb-use-returning` is on, SQLite unless
-            // `sqlite-use-returning-for-3_35` is), SeaORM's own path, boxed.
+            // `sqlite-use-returning-for-3_35` is), an insert is SeaORM's own
+            // path and an update its statement and then a read, boxed.
             // Each is made in a block of its own, and the model is moved in
             // every branch, so neither is kept across the await.
             use crate::exec::statements::{first_model, returning_all};
@@ -509,21 +530,40 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
                     crate::exec::statements::one_statement(select, backend),
                 ))
             } else {
-                let mut update = E::update(model)
-                    .validate()
-                    .map_err(|e| self.write_err::<E>(name, e))?
-                    .filter(self.key_expr::<E>());
-                let query = sea_orm::QueryTrait::query(&mut update);
-                // An update that sets no column is SeaORM's to answer (a
-                // read by primary key).
-                if returning && !query.get_values().is_empty() {
-                    query.returning(returning_all::<E>(backend));
-                    Either::Left(first_model::<E, _>(&self.txn, backend.build(&*query)))
-                } else {
-                    Either::Right(
-                        Box::pin(async move { update.exec(&self.txn).await.map(Some) })
-                            as BoxFuture<'_, _>,
-                    )
+                let statement = self.update_statement::<E>(&model, name, returning, || {
+                    DbErr::PrimaryKeyNotSet { ctx: "UpdateOne" }
+                })?;
+                match statement {
+                    Some(statement) if returning => {
+                        drop(model);
+                        Either::Left(first_model::<E, _>(&self.txn, statement))
+                    }
+                    // Without `RETURNING`, SeaORM's way (the update, then a
+                    // read of the row when it matched), both in the key:
+                    // SeaORM's read is by primary key alone.
+                    Some(statement) => {
+                        let select = self.row_select::<E>(&model, name)?;
+                        drop(model);
+                        let read = crate::exec::statements::one_statement(select, backend);
+                        let txn = &self.txn;
+                        Either::Right(Box::pin(async move {
+                            match crate::exec::statements::rows_affected(txn, statement).await? {
+                                0 => Ok(None),
+                                _ => first_model::<E, _>(txn, read).await,
+                            }
+                        }) as BoxFuture<'_, _>)
+                    }
+                    // It sets no column (only the primary key's): SeaORM would
+                    // answer with a primary-key read that ignores the shard
+                    // key, as above.
+                    None => {
+                        let select = self.row_select::<E>(&model, name)?;
+                        drop(model);
+                        Either::Left(first_model::<E, _>(
+                            &self.txn,
+                            crate::exec::statements::one_statement(select, backend),
+                        ))
+                    }
                 }
             };
             let row = write
@@ -704,8 +744,8 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
     }
 
     /// The `DELETE` of `model`'s row: its primary key and the transaction's
-    /// key (SeaORM's `Entity::delete(model)` with the key's predicate, as one
-    /// expression, see [`crate::read::where_keyed`]).
+    /// key (SeaORM's `Entity::delete(model)` with the key's predicate, see
+    /// [`crate::read::keyed_statement`]).
     fn delete_statement<E: InGroup<G>>(
         &self,
         model: &E::ActiveModel,
@@ -725,14 +765,14 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
             })
             .collect::<Result<Vec<_>>>()?;
         let backend = self.backend();
-        let mut delete = sea_orm::QueryTrait::into_query(E::delete_many());
-        crate::read::where_keyed::<E, _>(
-            &mut delete,
+        let delete = sea_orm::QueryTrait::into_query(E::delete_many());
+        Ok(crate::read::keyed_statement::<E, _>(
+            &delete,
             &self.key,
             backend,
             Some(crate::exec::keyset::pk_condition::<E>(&pk)),
-        );
-        Ok(backend.build(&delete))
+            &[],
+        ))
     }
 
     /// [`delete_row`](Self::delete_row) with every stage of the pipeline.
