@@ -325,6 +325,14 @@ async fn update_and_delete_stay_within_their_key(dbs: &mut TestDbs) {
     let shard = expected_customer_shard(a);
     insert_customer_with_orders(&cluster, a, 1).await; // order id 100
     let order_id = a * 100;
+    // A row of an entity with a global index (its writes take the stages'
+    // path), under the same primary key.
+    cluster.setup::<contact::Entity>().await.unwrap();
+    let tx = cluster.begin::<Customer>(a).await.unwrap();
+    tx.insert(contact::row(order_id, a, "a@example.com", "1"))
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
 
     // Key b cannot update or delete a's row through a shared primary key.
     let tx = cluster.begin::<Customer>(b).await.unwrap();
@@ -366,12 +374,32 @@ async fn update_and_delete_stay_within_their_key(dbs: &mut TestDbs) {
         "{err:?}"
     );
     // Only the primary key set, nothing else to set: the same (SeaORM reads
-    // the row back by its primary key alone).
+    // the row back by its primary key alone), on the one-statement path and
+    // on the stages' path.
     let err = tx
         .update(order::ActiveModel {
             id: Set(order_id),
             customer_id: Unchanged(b),
             total_cents: Unchanged(0),
+        })
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            ShardError::Db {
+                source: DbErr::RecordNotUpdated,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    let err = tx
+        .update(contact::ActiveModel {
+            id: Set(order_id),
+            customer_id: Unchanged(b),
+            email: Unchanged("a@example.com".to_owned()),
+            phone: Unchanged("1".to_owned()),
         })
         .await
         .unwrap_err();

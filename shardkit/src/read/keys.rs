@@ -83,9 +83,10 @@ pub(super) fn keyed_select<E: ShardedEntity>(
 /// sea-query renders the statement, then the `WHERE` is written after it on
 /// the same writer: the key's comparison as text with its value bound,
 /// the filter through sea-query's `prepare_expr`. Every keyed write sends
-/// one, so it is not built as an expression tree (two boxed operands, two
-/// more to join the filter, a precedence check at each node, the tree
-/// dropped after rendering) nor, for a `Condition`, cloned to be rendered.
+/// one, so the key's comparison is not built as an expression tree (two
+/// boxed operands, two more to join it to the filter, a precedence check at
+/// each node, the tree dropped after rendering), and the filter, a
+/// `Condition`, is not cloned to be rendered.
 /// Safe because nothing of the statement follows its `WHERE` (sea-query
 /// writes `ORDER BY`, `LIMIT` and `RETURNING` after it, and none is set
 /// on the statement; `RETURNING` is written here after the `WHERE`, as
@@ -99,7 +100,7 @@ pub(super) fn keyed_select<E: ShardedEntity>(
 /// table without its key column would compare a constant instead of
 /// failing. Text keys on MySQL/MariaDB are compared twice, as
 /// [`key_condition`] does.
-pub(crate) fn keyed_statement<E: ShardedEntity, S: QueryStatementBuilder>(
+pub(crate) fn keyed_statement<E: ShardedEntity, S: KeyedWrite>(
     statement: &S,
     key: &KeyOf<E>,
     backend: DbBackend,
@@ -134,6 +135,14 @@ pub(crate) fn keyed_statement<E: ShardedEntity, S: QueryStatementBuilder>(
     };
     Statement::from_sql_and_values(backend, sql, values.0)
 }
+
+/// The statements [`keyed_statement`] takes: an `UPDATE` or a `DELETE`,
+/// whose `WHERE` sea-query writes last when no order, limit or `RETURNING`
+/// is set (a `SELECT`'s is followed by its grouping and order).
+pub(crate) trait KeyedWrite: QueryStatementBuilder {}
+
+impl KeyedWrite for sea_orm::sea_query::UpdateStatement {}
+impl KeyedWrite for sea_orm::sea_query::DeleteStatement {}
 
 /// [`keyed_statement`] with `builder`'s quotes and placeholders.
 fn render_keyed<E: ShardedEntity, Q: QueryBuilder, S: QueryStatementBuilder>(

@@ -455,8 +455,9 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
 
     /// Updates a row of the transaction's key by primary key; returns it as
     /// stored. The `UPDATE` also matches the shard key, so a row of another key
-    /// with the same primary key is never touched (SeaORM's
-    /// `RecordNotUpdated` is returned instead).
+    /// with the same primary key is never touched nor returned (SeaORM's
+    /// `RecordNotUpdated` is returned instead); so does the read of an update
+    /// that sets nothing.
     pub fn update<A>(&self, model: A) -> BoxFuture<'_, Result<<A::Entity as EntityTrait>::Model>>
     where
         A: ActiveModelTrait + ActiveModelBehavior + Send + 'static,
@@ -530,6 +531,10 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
                     crate::exec::statements::one_statement(select, backend),
                 ))
             } else {
+                // MariaDB has no `RETURNING` on `UPDATE`, and sea-query writes
+                // none for MySQL/MariaDB, even with SeaORM's
+                // `mariadb-use-returning`: the update, then the read.
+                let returning = returning && backend != sea_orm::DbBackend::MySql;
                 let statement = self.update_statement::<E>(&model, name, returning, || {
                     DbErr::PrimaryKeyNotSet { ctx: "UpdateOne" }
                 })?;
@@ -659,9 +664,10 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
                         .map_err(|e| self.poison(e))?;
                     row
                 }
-                None if !model.is_changed() => {
-                    // Nothing to set: SeaORM would answer with a primary-key
-                    // read that ignores the shard key. Read within the key.
+                None if !sets_a_column::<E>(&model) => {
+                    // Nothing to set (or only the primary key): SeaORM would
+                    // answer with a primary-key read that ignores the shard
+                    // key. Read within the key.
                     self.row_select::<E>(&model, name)?
                         .one(&self.txn)
                         .await
@@ -991,4 +997,15 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
             )
         })
     }
+}
+
+/// Whether `model` sets a column other than its primary key's: an update
+/// that does not writes nothing (SeaORM's `Update::one` sets no column, and
+/// answers with a read by primary key alone).
+fn sets_a_column<E: EntityTrait>(model: &E::ActiveModel) -> bool {
+    use sea_orm::{Iterable, PrimaryKeyToColumn};
+    <E::Column as Iterable>::iter().any(|column| {
+        <E::PrimaryKey as PrimaryKeyToColumn>::from_column(column).is_none()
+            && model.get(column).is_set()
+    })
 }
