@@ -315,6 +315,21 @@ async fn missing_shard_key_is_refused(dbs: &mut TestDbs) {
     assert_eq!(total_orders(&cluster).await, 0);
 }
 
+/// Asserts that an update matched no row of its key.
+fn not_updated<T: std::fmt::Debug>(result: Result<T, ShardError>) {
+    let err = result.unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            ShardError::Db {
+                source: DbErr::RecordNotUpdated,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+}
+
 async fn update_and_delete_stay_within_their_key(dbs: &mut TestDbs) {
     let cluster = customer_cluster(dbs).await;
     // Two customers on one shard.
@@ -336,82 +351,42 @@ async fn update_and_delete_stay_within_their_key(dbs: &mut TestDbs) {
 
     // Key b cannot update or delete a's row through a shared primary key.
     let tx = cluster.begin::<Customer>(b).await.unwrap();
-    let err = tx
-        .update(order::ActiveModel {
+    not_updated(
+        tx.update(order::ActiveModel {
             id: Unchanged(order_id),
             customer_id: Unchanged(b),
             total_cents: Set(999),
         })
-        .await
-        .unwrap_err();
-    assert!(
-        matches!(
-            &err,
-            ShardError::Db {
-                source: DbErr::RecordNotUpdated,
-                ..
-            }
-        ),
-        "{err:?}"
+        .await,
     );
     // Nothing to set: still matched within key b, so a's row is not returned.
-    let err = tx
-        .update(order::ActiveModel {
+    not_updated(
+        tx.update(order::ActiveModel {
             id: Unchanged(order_id),
             customer_id: Unchanged(b),
             total_cents: Unchanged(0),
         })
-        .await
-        .unwrap_err();
-    assert!(
-        matches!(
-            &err,
-            ShardError::Db {
-                source: DbErr::RecordNotUpdated,
-                ..
-            }
-        ),
-        "{err:?}"
+        .await,
     );
     // Only the primary key set, nothing else to set: the same (SeaORM reads
     // the row back by its primary key alone), on the one-statement path and
     // on the stages' path.
-    let err = tx
-        .update(order::ActiveModel {
+    not_updated(
+        tx.update(order::ActiveModel {
             id: Set(order_id),
             customer_id: Unchanged(b),
             total_cents: Unchanged(0),
         })
-        .await
-        .unwrap_err();
-    assert!(
-        matches!(
-            &err,
-            ShardError::Db {
-                source: DbErr::RecordNotUpdated,
-                ..
-            }
-        ),
-        "{err:?}"
+        .await,
     );
-    let err = tx
-        .update(contact::ActiveModel {
+    not_updated(
+        tx.update(contact::ActiveModel {
             id: Set(order_id),
             customer_id: Unchanged(b),
             email: Unchanged("a@example.com".to_owned()),
             phone: Unchanged("1".to_owned()),
         })
-        .await
-        .unwrap_err();
-    assert!(
-        matches!(
-            &err,
-            ShardError::Db {
-                source: DbErr::RecordNotUpdated,
-                ..
-            }
-        ),
-        "{err:?}"
+        .await,
     );
     let deleted = tx
         .delete(order::ActiveModel {
