@@ -406,13 +406,7 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
         missing_pk: impl FnOnce() -> DbErr,
     ) -> Result<Option<sea_orm::Statement>> {
         use sea_orm::{ActiveValue, Iterable, PrimaryKeyToColumn};
-        let mut pk = Vec::new();
-        for key in <E::PrimaryKey as Iterable>::iter() {
-            match model.get(key.into_column()) {
-                ActiveValue::Set(v) | ActiveValue::Unchanged(v) => pk.push(v),
-                ActiveValue::NotSet => return Err(self.write_err::<E>(name, missing_pk())),
-            }
-        }
+        let pk = self.pk_condition::<E>(model, name, missing_pk)?;
         let mut update = sea_orm::QueryTrait::into_query(E::update_many());
         for column in <E::Column as Iterable>::iter() {
             if <E::PrimaryKey as PrimaryKeyToColumn>::from_column(column).is_some() {
@@ -434,9 +428,28 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
             &update,
             &self.key,
             backend,
-            Some(crate::exec::keyset::pk_condition::<E>(&pk)),
+            Some(pk),
             &returning,
         )))
+    }
+
+    /// `model`'s primary key as the condition that selects its row; `missing_pk`'s
+    /// error (SeaORM's for the same write) when a column of it is not set.
+    fn pk_condition<E: InGroup<G>>(
+        &self,
+        model: &E::ActiveModel,
+        name: &str,
+        missing_pk: impl FnOnce() -> DbErr,
+    ) -> Result<sea_orm::Condition> {
+        let pk = <E::PrimaryKey as sea_orm::Iterable>::iter()
+            .map(|c| {
+                model
+                    .get(sea_orm::PrimaryKeyToColumn::into_column(c))
+                    .into_value()
+            })
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(|| self.write_err::<E>(name, missing_pk()))?;
+        Ok(crate::exec::keyset::pk_condition::<E>(&pk))
     }
 
     async fn insert_rows<E: InGroup<G>>(&self, models: Vec<E::ActiveModel>) -> Result<Vec<E::Model>>
@@ -756,27 +769,16 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
         &self,
         model: &E::ActiveModel,
     ) -> Result<sea_orm::Statement> {
-        let pk = <E::PrimaryKey as sea_orm::Iterable>::iter()
-            .map(|c| {
-                sea_orm::ActiveValue::into_value(
-                    model.get(sea_orm::PrimaryKeyToColumn::into_column(c)),
-                )
-                .ok_or_else(|| {
-                    // SeaORM's `DeleteOne` refuses it the same way.
-                    self.write_err::<E>(
-                        WriteOp::Delete.as_str(),
-                        DbErr::PrimaryKeyNotSet { ctx: "DeleteOne" },
-                    )
-                })
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let backend = self.backend();
+        // SeaORM's `DeleteOne` refuses a missing primary key the same way.
+        let pk = self.pk_condition::<E>(model, WriteOp::Delete.as_str(), || {
+            DbErr::PrimaryKeyNotSet { ctx: "DeleteOne" }
+        })?;
         let delete = sea_orm::QueryTrait::into_query(E::delete_many());
         Ok(crate::read::keyed_statement::<E, _>(
             &delete,
             &self.key,
-            backend,
-            Some(crate::exec::keyset::pk_condition::<E>(&pk)),
+            self.backend(),
+            Some(pk),
             &[],
         ))
     }
