@@ -272,6 +272,7 @@ async fn read_your_writes(pair: Pair) {
     let (with_session, reads_done) = stale(Consistency::at_least, 0).await;
     let replica_reads = on_replica.load(Ordering::Relaxed) - before;
     let (any_replica, _) = stale(|_| Consistency::Replica { max_lag: None }, 1000).await;
+    an_interrupted_commit_reads_the_shard(&cluster, &dbs.names[0]).await;
     set_apply_delay(pair, Duration::ZERO).await;
     assert_eq!(reads_done, 8 * rounds as u64 * reads);
     assert_eq!(
@@ -324,6 +325,35 @@ async fn read_your_writes(pair: Pair) {
     a_busy_replica_pool_is_not_a_failed_replica(pair, &dbs, &carried).await;
     drop((cluster, other));
     dbs.drop_all().await;
+}
+
+/// A `commit_in` that stops after its commit landed (a request's timeout
+/// dropping its future, a process going down) leaves the session reading
+/// the shard itself: the replica, which applies late here, does not have
+/// the row yet. `scope` is a part of the cluster's shard URLs.
+async fn an_interrupted_commit_reads_the_shard(cluster: &Cluster, scope: &str) {
+    let session = Session::new();
+    let tx = cluster.begin::<Customer>(300).await.expect("begin");
+    tx.insert(order::ActiveModel {
+        id: Set(300),
+        customer_id: Set(300),
+        total_cents: Set(3),
+    })
+    .await
+    .expect("insert");
+    fail::cfg("shardkit::tx::commit_in", &format!("return({scope})")).unwrap();
+    let stopped = tx.commit_in(&session).await;
+    fail::remove("shardkit::tx::commit_in");
+    let err = stopped.expect_err("the failpoint stops commit_in");
+    assert!(err.to_string().contains("failpoint"), "{err}");
+    let row = cluster
+        .find::<order::Entity>()
+        .key(300)
+        .consistency(Consistency::at_least(&session))
+        .one()
+        .await
+        .expect("read");
+    assert_eq!(row.map(|r| r.total_cents), Some(3), "session: {session}");
 }
 
 /// 8 reads at once with a session ahead of the replica, on a pool of 2:

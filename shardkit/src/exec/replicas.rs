@@ -215,6 +215,11 @@ struct Seen {
     unreachable_since: BTreeMap<String, u64>,
     /// Unreachable positions recorded so far.
     marks: u64,
+    /// Per shard whose position is unreachable, the later of the
+    /// positions recorded while it was (another request's, merged in): a
+    /// position that replaces the unreachable one takes them in, since
+    /// they may be of commits that ended after it was read.
+    held: BTreeMap<String, Position>,
 }
 
 impl Session {
@@ -256,6 +261,10 @@ impl Session {
                 .is_some_and(|&at| at <= since)
         {
             seen.unreachable_since.remove(shard);
+            let mut position = position;
+            if let Some(held) = seen.held.remove(shard) {
+                position.merge(held);
+            }
             seen.positions.insert(shard.to_owned(), position);
         } else {
             seen.record(shard, position);
@@ -300,6 +309,39 @@ impl Session {
     }
 }
 
+/// A [`ShardTx::commit_in`](crate::ShardTx::commit_in) under way: if it
+/// stops before it has recorded its commit in the session (its future
+/// dropped, say by a request's timeout, or a panic), whether the commit
+/// landed is unknown, and the session records it as such: the bucket map
+/// it routed by, and the shard's reads sent to the shard itself (as after
+/// a commit whose outcome is unknown).
+pub(crate) struct PendingCommit<'a> {
+    pub(crate) session: &'a Session,
+    pub(crate) shard: &'a str,
+    pub(crate) backend: DbBackend,
+    /// The group and its bucket map's epoch, for a `movable` group.
+    pub(crate) epoch: Option<(&'static str, u64)>,
+}
+
+impl PendingCommit<'_> {
+    /// The commit is recorded (or surely did not happen).
+    pub(crate) fn finished(self) {
+        std::mem::forget(self);
+    }
+}
+
+impl Drop for PendingCommit<'_> {
+    fn drop(&mut self) {
+        if let Some((group, epoch)) = self.epoch {
+            self.session.record_epoch(group, epoch);
+        }
+        if self.backend != DbBackend::Sqlite {
+            self.session
+                .record(self.shard, Position::unreachable(self.backend));
+        }
+    }
+}
+
 impl Seen {
     fn record(&mut self, shard: &str, position: Position) {
         if position.is_unreachable() {
@@ -307,7 +349,17 @@ impl Seen {
             self.unreachable_since.insert(shard.to_owned(), self.marks);
         }
         match self.positions.get_mut(shard) {
-            Some(known) => known.merge(position),
+            Some(known) => {
+                if known.is_unreachable() && !position.is_unreachable() {
+                    match self.held.get_mut(shard) {
+                        Some(held) => held.merge(position.clone()),
+                        None => {
+                            self.held.insert(shard.to_owned(), position.clone());
+                        }
+                    }
+                }
+                known.merge(position)
+            }
             None => {
                 self.positions.insert(shard.to_owned(), position);
             }
@@ -883,10 +935,11 @@ mod tests {
         assert!(s.position("s0").is_some_and(|p| p.is_unreachable()));
         let after = s.mark();
         s.record_read_after("s0", Position::Lsn(8), after);
-        assert_eq!(s.position("s0"), Some(Position::Lsn(8)));
+        // The position merged in while it was unreachable is kept too.
+        assert_eq!(s.position("s0"), Some(Position::Lsn(9)));
         // Then positions merge as before.
         s.record_read_after("s0", Position::Lsn(6), s.mark());
-        assert_eq!(s.position("s0"), Some(Position::Lsn(8)));
+        assert_eq!(s.position("s0"), Some(Position::Lsn(9)));
         // Carried as text, the unreachable position counts from the parse.
         let carried: Session = format!("s1={}", Position::unreachable(DbBackend::MySql))
             .parse()
@@ -894,6 +947,28 @@ mod tests {
         let since = carried.mark();
         carried.record_read_after("s1", "gtid:0-1-5".parse().unwrap(), since);
         assert_eq!(carried.to_string(), "s1=gtid:0-1-5");
+    }
+
+    /// Another request's commit, merged in after this one's position was
+    /// read and before it replaced the unreachable position, is not lost.
+    #[test]
+    fn a_position_merged_in_while_unreachable_outlives_its_replacement() {
+        let s = Session::new();
+        s.record("s0", Position::unreachable(DbBackend::Postgres));
+        let since = s.mark();
+        // This request reads 0/800; another request's commit lands at
+        // 0/900 and its session is merged into this one.
+        let other: Session = "s0=pg:0/900".parse().unwrap();
+        s.merge(&other);
+        s.record_read_after("s0", Position::Lsn(0x800), since);
+        assert_eq!(s.position("s0"), Some(Position::Lsn(0x900)));
+        // MariaDB's GTID positions, per domain.
+        let s = Session::new();
+        s.record("s1", Position::unreachable(DbBackend::MySql));
+        let since = s.mark();
+        s.merge(&"s1=gtid:0-1-9,1-2-3".parse().unwrap());
+        s.record_read_after("s1", "gtid:0-1-8".parse().unwrap(), since);
+        assert_eq!(s.to_string(), "s1=gtid:0-1-9,1-2-3");
     }
 
     #[test]

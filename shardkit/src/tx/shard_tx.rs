@@ -939,8 +939,10 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
     /// position, MySQL/MariaDB's GTID position, read on the shard right
     /// after the commit), so that later reads with
     /// [`Consistency::AtLeast`](crate::Consistency::AtLeast) of the session
-    /// see this transaction's writes. A shard without replicas records no
-    /// position. When the position cannot be read after a commit that
+    /// see this transaction's writes. The position is read whether this
+    /// instance's config lists replicas of the shard or not (the session
+    /// may be read by an instance whose config does); on SQLite none is.
+    /// When the position cannot be read after a commit that
     /// succeeded, the session sends the shard's reads to the shard itself
     /// from then on (never to a replica that may be older), and this still
     /// returns `Ok`: the commit happened.
@@ -955,7 +957,9 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
     /// its reads of the shard to the shard itself, as after a position it
     /// could not read, until a later commit's position is read. (Not after
     /// a commit that surely did not happen: a rollback-only transaction,
-    /// one the database aborted.)
+    /// one the database aborted.) The same when this stops before it has
+    /// recorded the commit: its future dropped (a request's timeout, a
+    /// client gone) or a panic, after `COMMIT` may have been sent.
     pub async fn commit_in(self, session: &crate::exec::Session) -> Result<()> {
         let shards = self.shards.clone();
         let id = self.target.shard;
@@ -963,26 +967,40 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
             Ok(Some(map)) if shards.topology().is_movable(G::NAME) => Some(map.epoch()),
             _ => None,
         };
+        let shard = shards.shard_name(id);
+        let backend = shards.shard_conn(id).get_database_backend();
+        let pending = crate::exec::replicas::PendingCommit {
+            session,
+            shard,
+            backend,
+            epoch: epoch.map(|epoch| (G::NAME, epoch)),
+        };
         let committed = self.commit().await;
         if let Some(epoch) = epoch {
             session.record_epoch(G::NAME, epoch);
         }
-        let shard = shards.shard_name(id);
         if let Err(e) = committed {
             // Not for a commit that surely did not happen: rollback-only,
             // or one the database aborted.
             let unknown = !matches!(e, ShardError::RollbackOnly { .. })
                 && e.retry() != crate::Retry::Transaction;
-            let backend = shards.shard_conn(id).get_database_backend();
             if unknown && backend != sea_orm::DbBackend::Sqlite {
                 session.record(shard, crate::exec::replicas::Position::unreachable(backend));
             }
+            pending.finished();
             return Err(e);
+        }
+        if shards.failpoint("shardkit::tx::commit_in").is_some() {
+            // Stops here as a dropped future would: `pending` records it.
+            return Err(ShardError::internal(
+                "failpoint shardkit::tx::commit_in: stopped after the commit",
+            ));
         }
         let since = session.mark();
         if let Some(position) = shards.commit_position(id).await {
             session.record_read_after(shard, position, since);
         }
+        pending.finished();
         Ok(())
     }
 
