@@ -1384,6 +1384,60 @@ async fn reference_drift_is_repaired_and_a_move_target_gets_the_table(dbs: &mut 
     drop(no_pass);
 }
 
+/// Without a read timeout, a catch-up step still ends within `[rebalance]
+/// step_timeout_ms`: a copy whose version row a transaction left open
+/// holds is reported behind, not waited on for as long as that transaction
+/// lasts (before, `catch_up` and the background pass waited with no bound);
+/// once the lock goes, the copy is caught up. `calm` is another instance.
+async fn a_catch_up_waiting_on_a_lock_gives_up_after_its_step(dbs: &TestDbs, calm: &Cluster) {
+    use sea_orm::TransactionTrait;
+    let toml = toml(dbs, 60_000)
+        .replace("[read]\ntimeout_ms = 1500\n", "")
+        .replace("[rebalance]\n", "[rebalance]\nstep_timeout_ms = 300\n");
+    assert!(!toml.contains("timeout_ms = 1500"), "{toml}");
+    let bounded = connect(&toml).await;
+    let currencies = bounded.reference::<currency::Entity>();
+    // No background pass of either instance brings the copy back meanwhile.
+    fail::cfg(
+        "shardkit::reference::no_pass",
+        &format!("return({})", dbs.scope()),
+    )
+    .unwrap();
+    exec(calm, "s1", "DELETE FROM currencies").await;
+    exec(
+        calm,
+        "s1",
+        "UPDATE shardkit_reference_versions SET version = 0 WHERE tbl = 'currencies'",
+    )
+    .await;
+    let lock = calm.connection("s1").unwrap().begin().await.unwrap();
+    lock.execute_unprepared(
+        "UPDATE shardkit_reference_versions SET version = version WHERE tbl = 'currencies'",
+    )
+    .await
+    .unwrap();
+    let waited = tokio::time::timeout(Duration::from_secs(30), currencies.catch_up()).await;
+    lock.rollback().await.unwrap();
+    let status = waited
+        .expect("catch_up waited on the lock with no bound")
+        .unwrap();
+    assert_eq!(status.behind(), ["s1"], "{status:?}");
+    // The step cut at 300 ms left its statement waiting on the server,
+    // which takes the row once the lock goes and holds it until its
+    // connection's rollback: a few tries (at most 20 s in all).
+    let mut tries = 0;
+    let status = loop {
+        tries += 1;
+        let status = currencies.catch_up().await.unwrap();
+        if status.behind().is_empty() || tries == 50 {
+            break status;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    fail::remove("shardkit::reference::no_pass");
+    assert!(status.behind().is_empty(), "{status:?}");
+}
+
 /// A read timeout of 30 ms bounds reads, not the catch-up of a copy that
 /// needs thousands of rows (a shard added, a copy lost): the write of 2,000
 /// rows and every copy's catch-up finish, each step bounded by the longer
@@ -1429,6 +1483,7 @@ async fn a_copy_that_needs_many_rows_is_caught_up_under_a_short_read_timeout(dbs
             .unwrap();
         assert_eq!(copy.len(), 2000, "{shard}");
     }
+    a_catch_up_waiting_on_a_lock_gives_up_after_its_step(dbs, &calm).await;
     for shard in ["s0", "s1", "s2", "s3", "s4"] {
         exec(
             &cluster,

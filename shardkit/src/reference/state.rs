@@ -146,13 +146,16 @@ impl References {
         lock(&self.inner.tables).clone()
     }
 
-    /// How long a step of a catch-up that is not a read's may take: the
-    /// read timeout, or a mover's step timeout (`[rebalance]
-    /// step_timeout_ms`) when that is longer; none without a read timeout.
+    /// How long a step of a catch-up that is not a read's (and of a write
+    /// on the source) may take: a mover's step timeout (`[rebalance]
+    /// step_timeout_ms`, 60 s by default), or the read timeout when that is
+    /// longer. Bounded without a read timeout too: a step waiting on a
+    /// lock (a transaction left open on a copy) would otherwise hold the
+    /// copy's catch-up, and the background pass with it, for as long.
     pub(crate) fn bulk_bound(&self) -> Option<std::time::Duration> {
         let shards = &self.inner.shards;
         let step = shards.rebalance_settings().step_timeout;
-        shards.read_settings().timeout.map(|t| t.max(step))
+        Some(shards.read_settings().timeout.map_or(step, |t| t.max(step)))
     }
 
     /// Brings `shard`'s copy of every registered table up to its source
