@@ -611,7 +611,10 @@ fn change_statement(
                 .table(table)
                 .value(Alias::new("attempts"), *attempts)
                 .value(Alias::new("next_at"), *next_at)
-                .value(Alias::new("last_error"), error.as_str())
+                .value(
+                    Alias::new("last_error"),
+                    super::stored_error(error).as_ref(),
+                )
                 .value(
                     Alias::new("state"),
                     if *parked { "parked" } else { "pending" },

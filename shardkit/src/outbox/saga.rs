@@ -823,7 +823,10 @@ where
                 ("step", step.into()),
                 ("attempts", 0i32.into()),
                 ("next_at", 0i64.into()),
-                ("error", error.into()),
+                (
+                    "error",
+                    error.map(|e| super::stored_error(&e).into_owned()).into(),
+                ),
             ],
         )
         .await
@@ -849,7 +852,7 @@ where
             vec![
                 ("attempts", attempts.into()),
                 ("next_at", next_at.into()),
-                ("error", error.into()),
+                ("error", super::stored_error(&error).into_owned().into()),
             ],
         )
         .await

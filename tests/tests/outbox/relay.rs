@@ -51,7 +51,10 @@ pub(crate) async fn parked_messages_are_listed_retried_and_discarded_and_order_h
                         return Err(shardkit::BoxError::from("not yet"));
                     }
                     if c.amount == 13 && fail_13 {
-                        return Err(shardkit::BoxError::from("thirteen is unlucky"));
+                        // 70 KB: longer than MySQL/MariaDB's TEXT, which
+                        // holds the message's last error.
+                        let why = format!("thirteen is unlucky{}", " (and so on)".repeat(6000));
+                        return Err(shardkit::BoxError::from(why));
                     }
                     if c.amount == 66 {
                         quiet_panics("sixty-six");
@@ -91,7 +94,15 @@ pub(crate) async fn parked_messages_are_listed_retried_and_discarded_and_order_h
     assert_eq!(parked.len(), 1);
     assert_eq!(parked[0].id, parked_id);
     assert_eq!(parked[0].attempts, 2);
-    assert_eq!(parked[0].last_error.as_deref(), Some("thirteen is unlucky"));
+    // The error kept is cut to 8 KB, saying so (the whole text would not
+    // fit MySQL/MariaDB's column: the message was then never parked).
+    let kept = parked[0].last_error.as_deref().unwrap_or_default();
+    assert!(
+        kept.starts_with("thirteen is unlucky (and so on)") && kept.ends_with(" more bytes cut)"),
+        "{}",
+        &kept[kept.len().saturating_sub(60)..]
+    );
+    assert!(kept.len() < 8300, "{}", kept.len());
     // Retry: applied once the handler accepts it.
     fail_13.store(false, Ordering::SeqCst);
     // A pending message is neither retried nor discarded.
