@@ -96,12 +96,21 @@ pub struct SagaStatus {
 impl SagaStatus {
     fn read(r: &QueryResult) -> std::result::Result<(SagaStatus, String, i64), sea_orm::DbErr> {
         let state: String = r.try_get("", "state")?;
+        let id: String = r.try_get("", "id")?;
+        // Not taken for another: a saga driven as `running` whose row says
+        // otherwise would have every save refused, and be driven forever.
+        let Some(state) = SagaState::parse(&state) else {
+            return Err(sea_orm::DbErr::Type(format!(
+                "saga {id}: its state `{state}` is not one this release knows \
+                 (running, compensating, done, compensated)"
+            )));
+        };
         Ok((
             SagaStatus {
-                id: r.try_get("", "id")?,
+                id,
                 name: r.try_get("", "name")?,
                 origin: (r.try_get("", "grp")?, r.try_get("", "key_text")?),
-                state: SagaState::parse(&state).unwrap_or(SagaState::Running),
+                state,
                 step: r.try_get("", "step")?,
                 attempts: r.try_get("", "attempts")?,
                 error: r.try_get("", "error")?,

@@ -255,6 +255,36 @@ pub(crate) async fn a_saga_whose_step_is_refused_is_compensated_once(dbs: &mut T
         }
         other => panic!("aborting a saga that does not exist: {other:?}"),
     }
+    // A state this release does not know (a rollback past a release that
+    // added one, a row edited by hand): driving or aborting it fails and
+    // says so (it was driven as `running`, every save refused, forever).
+    let (id, _) = stuck.start(1, &order).await.unwrap();
+    for shard in ["s0", "s1", "s2", "s3", "s4"] {
+        cluster
+            .connection(shard)
+            .unwrap()
+            .execute_unprepared(&format!(
+                "UPDATE shardkit_sagas SET state = 'paused' WHERE id = '{id}'"
+            ))
+            .await
+            .unwrap();
+    }
+    let within = Duration::from_secs(30);
+    for ended in [
+        tokio::time::timeout(within, stuck.drive(1, &id)).await,
+        tokio::time::timeout(within, stuck.abort(1, &id, "late")).await,
+    ] {
+        let err = ended
+            .expect("a saga of an unknown state driven forever")
+            .unwrap_err();
+        assert!(
+            err.to_string().contains(&format!(
+                "saga {id}: its state `paused` is not one this release knows"
+            )),
+            "{}",
+            err.report()
+        );
+    }
 }
 
 /// A saga step that panics is refused like one that returns an error: the
