@@ -476,7 +476,7 @@ where
             e,
         )
     };
-    let src_txn = crate::exec::begin_write(source.db).await.map_err(serr)?;
+    let src_txn = crate::exec::begin_pooled(source.db).await.map_err(serr)?;
     let row = S::find()
         .filter(pk_condition::<S>(pk))
         .lock_exclusive()
@@ -487,7 +487,7 @@ where
     let dst_txn = if shared {
         None
     } else {
-        Some(crate::exec::begin_write(target.db).await.map_err(terr)?)
+        Some(crate::exec::begin_pooled(target.db).await.map_err(terr)?)
     };
     {
         let conn: &sea_orm::DatabaseTransaction = dst_txn.as_ref().unwrap_or(&src_txn);

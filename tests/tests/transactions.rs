@@ -20,6 +20,7 @@ backend_tests!(2 =>
     insert_many_checks_every_row_first,
     a_closure_with_its_own_error_type_commits_or_rolls_back,
     [Postgres, MySql] real_deadlocks_on_small_pools_commit_whole_or_not_at_all,
+    [Postgres, MySql] a_begin_cut_off_leaves_no_transaction_behind,
 );
 
 fn order_row(id: i64, customer: i64) -> order::ActiveModel {
@@ -91,6 +92,48 @@ async fn closure_commits_on_ok_and_rolls_back_on_err(dbs: &mut TestDbs) {
 /// third moved by the number of committed transactions. First a pair that
 /// meets after its first updates (a deadlock for sure: three attempts, two
 /// commits), then 8 tasks on pools of 2.
+/// Begins cut off by a timeout at different points (before `BEGIN` is
+/// sent, while its answer is on the way, after it), each followed by a write
+/// outside any transaction on the shard's one pooled connection: every such
+/// write is committed, as another instance sees. (A begin cut off after
+/// `BEGIN` was sent and before its answer was read left the connection
+/// inside a transaction, which the pool handed out again: the writes after
+/// it ran in that transaction and were never committed.)
+async fn a_begin_cut_off_leaves_no_transaction_behind(dbs: &mut TestDbs) {
+    use sea_orm::{ActiveModelTrait, PaginatorTrait};
+    let toml = format!(
+        "{}\n[groups.Customer]\n",
+        dbs.shards_toml(1)
+            .replace("max_connections = 4", "max_connections = 1")
+    );
+    let cluster = Cluster::connect(ClusterConfig::from_toml(&toml).unwrap())
+        .await
+        .unwrap();
+    cluster.migrate::<Migrator>().await.unwrap();
+    let rounds = 150;
+    for round in 0..rounds {
+        let cut = std::time::Duration::from_micros(10 * round as u64);
+        if let Ok(begun) = tokio::time::timeout(cut, cluster.begin::<Customer>(1)).await {
+            begun.unwrap().rollback().await.unwrap();
+        }
+        order_row(round, 1)
+            .insert(cluster.connection("s0").unwrap())
+            .await
+            .unwrap_or_else(|e| panic!("round {round}: {e}"));
+    }
+    let other = Cluster::connect(ClusterConfig::from_toml(&toml).unwrap())
+        .await
+        .unwrap();
+    let seen = order::Entity::find()
+        .count(other.connection("s0").unwrap())
+        .await
+        .unwrap();
+    assert_eq!(
+        seen, rounds as u64,
+        "writes after a cut-off begin were lost"
+    );
+}
+
 async fn real_deadlocks_on_small_pools_commit_whole_or_not_at_all(dbs: &mut TestDbs) {
     let before = dbs.server_connections().await;
     let toml = format!(

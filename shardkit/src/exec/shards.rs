@@ -393,7 +393,7 @@ impl Shards {
         // Under the shard's breaker: a shard that refuses or hangs fails the
         // begin with its cause instead of after the pool's acquire timeout.
         // SeaORM boxes the driver's begin: this future is a pointer.
-        let begin = async { crate::exec::begin_write(conn).await.map_err(begin_failed) };
+        let begin = async { crate::exec::begin_pooled(conn).await.map_err(begin_failed) };
         let txn = self.bounded(target.shard, G::NAME, None, begin).await?;
         Ok(Begun {
             txn,

@@ -171,7 +171,7 @@ impl Token {
         }
         let mut attempt = 0;
         loop {
-            let txn = crate::exec::begin_write(db).await.map_err(err)?;
+            let txn = crate::exec::begin_pooled(db).await.map_err(err)?;
             lock_wait(&txn, Some(wait)).await.map_err(err)?;
             let outcome = match self.install_in(&txn, shard).await {
                 Err(e) if crate::rebalance::errors::missing_table(&e) => {
@@ -236,7 +236,7 @@ impl Token {
     ) -> Result<DatabaseTransaction> {
         self.park("park", what).await;
         let err = |e| db_err(shard, FENCES, "check", e);
-        let txn = crate::exec::begin_write(db).await.map_err(err)?;
+        let txn = crate::exec::begin_pooled(db).await.map_err(err)?;
         let backend = txn.get_database_backend();
         if let Some(set) = self.idle_bound(backend) {
             txn.execute_unprepared(&set).await.map_err(err)?;
@@ -469,7 +469,7 @@ pub(crate) async fn begin_fenced(
 ) -> Result<DatabaseTransaction> {
     match token {
         Some(token) => token.begin((db, shard), what).await,
-        None => crate::exec::begin_write(db)
+        None => crate::exec::begin_pooled(db)
             .await
             .map_err(|e| db_err(shard, table, "begin", e)),
     }

@@ -538,7 +538,7 @@ async fn seed_map(shards: &Shards, group: &str, map: LiveMap<'_>) -> Result<u64>
     };
     let id = control(shards, group)?;
     let (db, name) = (shards.side_conn(id), shards.shard_name(id));
-    let txn = crate::exec::begin_write(db)
+    let txn = crate::exec::begin_pooled(db)
         .await
         .map_err(|e| db_err(name, EPOCHS, "seed", e))?;
     let insert = Query::insert()

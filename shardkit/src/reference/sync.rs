@@ -145,7 +145,7 @@ where
         // `Ok(Err(_))`: refused by a copy's version, or a copy's error,
         // which is not the source's (its breaker does not count it).
         let write = async {
-            let txn = crate::exec::begin_write(db).await.map_err(err("begin"))?;
+            let txn = crate::exec::begin_pooled(db).await.map_err(err("begin"))?;
             let bump = Query::update()
                 .table(Alias::new(VERSIONS))
                 .value(
@@ -610,7 +610,7 @@ pub(super) async fn apply_version<E: ReferenceEntity>(
                 .await
                 .map_err(err("create the version of"))?;
         }
-        let txn = crate::exec::begin_write(db).await.map_err(err("begin"))?;
+        let txn = crate::exec::begin_pooled(db).await.map_err(err("begin"))?;
         if !move_version(&txn, table, from, version)
             .await
             .map_err(err("move the version of"))?

@@ -276,7 +276,7 @@ where
         // Its index rows may need another SQLite file's lock: the cluster's
         // write slot first, as every SQLite write transaction that may.
         let _writer = self.shards.sqlite_write_slot(id).await.map_err(err)?;
-        let txn = crate::exec::begin_write(db).await.map_err(err)?;
+        let txn = crate::exec::begin_pooled(db).await.map_err(err)?;
         let rows = by_pk(Old::find().filter(after_condition::<Old>(after)))
             .limit(chunk)
             .lock_exclusive()

@@ -122,7 +122,7 @@ impl<G> Rebalance<G> {
         // Flip the map and end the phase in one transaction.
         let (cdb, cname) = self.control_db()?;
         let err = |e| db_err(cname, crate::rebalance::map::MAP, "cut over", e);
-        let txn = crate::exec::begin_write(cdb).await.map_err(err)?;
+        let txn = crate::exec::begin_pooled(cdb).await.map_err(err)?;
         for chunk in all.chunks(500) {
             let stmt = Query::update()
                 .table(Alias::new(crate::rebalance::map::MAP))

@@ -161,7 +161,7 @@ impl<G> Rebalance<G> {
         //    on only from the one this split was planned on, and the halves
         //    replace it.
         let err = |e| db_err(name, MAP, "split", e);
-        let txn = crate::exec::begin_write(db).await.map_err(err)?;
+        let txn = crate::exec::begin_pooled(db).await.map_err(err)?;
         let claim = Query::insert()
             .into_table(Alias::new(CLAIMS))
             .columns(["grp", "bucket", "move_id"].map(Alias::new))
@@ -291,7 +291,7 @@ impl<G> Rebalance<G> {
     async fn allocate_range_ids(&self, n: u32) -> Result<u32> {
         let (db, name) = self.control_db()?;
         let err = |e| db_err(name, EPOCHS, "allocate", e);
-        let txn = crate::exec::begin_write(db).await.map_err(err)?;
+        let txn = crate::exec::begin_pooled(db).await.map_err(err)?;
         let bump = Query::update()
             .table(Alias::new(EPOCHS))
             .value(

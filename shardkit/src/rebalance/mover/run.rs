@@ -154,7 +154,7 @@ impl<G> Rebalance<G> {
         }
         let (db, name) = self.control_db()?;
         let err = |e| db_err(name, MOVES, "register", e);
-        let txn = crate::exec::begin_write(db).await.map_err(err)?;
+        let txn = crate::exec::begin_pooled(db).await.map_err(err)?;
         let held = Query::select()
             .columns([Alias::new("bucket"), Alias::new("move_id")])
             .from(Alias::new(CLAIMS))
