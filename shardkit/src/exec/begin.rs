@@ -42,11 +42,19 @@ fn write_options() -> TransactionOptions {
 pub(crate) fn begin_pooled(
     db: &DatabaseConnection,
 ) -> impl Future<Output = Result<DatabaseTransaction, DbErr>> + Send + 'static {
+    begin_pooled_with(db, write_options())
+}
+
+/// [`begin_pooled`] with `options` (a snapshot's isolation level, say).
+pub(crate) fn begin_pooled_with(
+    db: &DatabaseConnection,
+    options: TransactionOptions,
+) -> impl Future<Output = Result<DatabaseTransaction, DbErr>> + Send + 'static {
     let db = db.clone();
     Finished {
-        future: Some(Box::pin(async move {
-            db.begin_with_options(write_options()).await
-        })),
+        future: Some(Box::pin(
+            async move { db.begin_with_options(options).await },
+        )),
         polled: false,
     }
 }

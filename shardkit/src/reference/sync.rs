@@ -561,8 +561,11 @@ pub(super) async fn read_source<E: ReferenceEntity>(
     let read = async {
         let isolation = (db.get_database_backend() != DbBackend::Sqlite)
             .then_some(IsolationLevel::RepeatableRead);
-        let txn = db
-            .begin_with_config(isolation, None)
+        let options = sea_orm::TransactionOptions {
+            isolation_level: isolation,
+            ..Default::default()
+        };
+        let txn = crate::exec::begin_pooled_with(db, options)
             .await
             .map_err(err("begin a snapshot of"))?;
         let version = version_of(&txn, table)

@@ -46,14 +46,14 @@ impl<G> Rebalance<G> {
         let err = |e| db_err(source.1, CHANGES, "read a snapshot of", e);
         let snapshot = match source.0.get_database_backend() {
             // A deferred transaction reads one snapshot (WAL).
-            DbBackend::Sqlite => sea_orm::TransactionTrait::begin(source.0).await,
+            DbBackend::Sqlite => crate::exec::begin_pooled_with(source.0, Default::default()).await,
             _ => {
-                sea_orm::TransactionTrait::begin_with_config(
-                    source.0,
-                    Some(sea_orm::IsolationLevel::RepeatableRead),
-                    Some(sea_orm::AccessMode::ReadOnly),
-                )
-                .await
+                let options = sea_orm::TransactionOptions {
+                    isolation_level: Some(sea_orm::IsolationLevel::RepeatableRead),
+                    access_mode: Some(sea_orm::AccessMode::ReadOnly),
+                    ..Default::default()
+                };
+                crate::exec::begin_pooled_with(source.0, options).await
             }
         }
         .map_err(err)?;

@@ -239,7 +239,6 @@ impl<G> Rebalance<G> {
         b: ShardId,
         table: &str,
     ) -> Result<bool> {
-        use sea_orm::TransactionTrait;
         let (a_name, b_name) = (self.shards.shard_name(a), self.shards.shard_name(b));
         let backend = self.conn(a).0.get_database_backend();
         let [take, look, release, what, lock] = match backend {
@@ -277,7 +276,9 @@ impl<G> Rebalance<G> {
         let err = |shard: &str| identify_err(shard, table);
         let held = self
             .timed(a_name, async {
-                self.shards.shard_conn(a).begin().await.map_err(err(a_name))
+                crate::exec::begin_pooled_with(self.shards.shard_conn(a), Default::default())
+                    .await
+                    .map_err(err(a_name))
             })
             .await?;
         let got = self
