@@ -83,7 +83,16 @@ pub struct Outbox {
     /// Per handler set and shard, the sending key its next pass starts at
     /// (see [`Window`]); none: the top of the outbox.
     windows: Arc<Mutex<HashMap<(u64, u32), Window>>>,
+    /// Per message, how many deliveries in a row this relay put off (a
+    /// shard down, an abort): the wait doubles with each, as after failed
+    /// attempts, without counting attempts (which would park it).
+    put_off: Arc<Mutex<HashMap<String, i32>>>,
 }
+
+/// The most messages whose put-offs a relay counts (those put off are the
+/// heads of their pairs; a message another process delivered leaves its
+/// count here, so the counts are cleared past this).
+const PUT_OFF_COUNTED: usize = 10_000;
 
 /// Where a shard's next pass starts reading its pending messages. A pass
 /// reads at most `PAGES` pages in the order of their sending keys; when
@@ -185,6 +194,7 @@ impl Cluster {
             handlers: next_handler_set(),
             unknown: Arc::default(),
             windows: Arc::default(),
+            put_off: Arc::default(),
         }
     }
 }
@@ -378,6 +388,7 @@ impl Outbox {
                 let windows = Arc::clone(&self.windows);
                 let pair_reads = Arc::clone(&self.pair_reads);
                 let unknown = Arc::clone(&self.unknown);
+                let put_off = Arc::clone(&self.put_off);
                 let handlers = self.handlers;
                 periodic::spawn(
                     &self.cluster,
@@ -393,6 +404,7 @@ impl Outbox {
                             pair_reads: Arc::clone(&pair_reads),
                             handlers,
                             unknown: Arc::clone(&unknown),
+                            put_off: Arc::clone(&put_off),
                         };
                         async move {
                             // Again at once while passes change something;
@@ -753,9 +765,18 @@ impl Outbox {
                 }
                 Delivery::Unavailable(error) | Delivery::Aborted(error) => {
                     step.deferred = 1;
-                    tracing::debug!(message = %row.id, kind = %row.kind, %error, "delivery put off");
+                    let times = {
+                        let mut put_off = self.put_off.lock().unwrap_or_else(|e| e.into_inner());
+                        if put_off.len() >= PUT_OFF_COUNTED {
+                            put_off.clear();
+                        }
+                        let times = put_off.entry(row.id.clone()).or_default();
+                        *times = times.saturating_add(1);
+                        *times
+                    };
+                    tracing::debug!(message = %row.id, kind = %row.kind, times, %error, "delivery put off");
                     SourceChange::Failed {
-                        next_at: now + self.wait_after(Ord::max(row.attempts, 1)),
+                        next_at: now + self.wait_after(Ord::max(row.attempts, times)),
                         attempts: row.attempts,
                         error,
                         parked: false,
@@ -787,6 +808,12 @@ impl Outbox {
                     }
                 }
             };
+            if step.deferred == 0 {
+                self.put_off
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .remove(&row.id);
+            }
             let delivered = matches!(change, SourceChange::Delivered);
             // The relay dying here (after the apply, before the message is
             // deleted) leaves it to be delivered again: the inbox holds it.

@@ -275,10 +275,11 @@ pub(crate) async fn parked_messages_are_listed_retried_and_discarded_and_order_h
     );
     // A handler slower than the step timeout: cut off, its transaction
     // rolled back, and put off by the backoff without counting an attempt
-    // (not run again back to back, holding the receiving key's rows).
+    // (not run again back to back, holding the receiving key's rows); put
+    // off again, it waits twice as long (it waited 30 s each time).
     let slow = relay(&cluster)
         .step_timeout(Duration::from_millis(300))
-        .backoff(Duration::from_secs(60), Duration::from_secs(60))
+        .backoff(Duration::from_secs(30), Duration::from_secs(600))
         .handle::<Credit, _, _, _>(|tx, c: Credit| async move {
             if c.amount == 77 {
                 tokio::time::sleep(Duration::from_secs(2)).await;
@@ -286,38 +287,51 @@ pub(crate) async fn parked_messages_are_listed_retried_and_discarded_and_order_h
             apply_credit(&tx, c).await
         });
     let id = send_credit(&cluster, 1, 2, 26, 77).await;
-    let report = slow.deliver().await.unwrap();
-    assert_eq!((report.applied, report.deferred), (0, 1), "{report:?}");
     let shard = cluster.shard_of::<Holder>(&1).await.unwrap();
     let db = cluster.connection(shard).unwrap();
-    let row = db
-        .query_one_raw(sea_orm::Statement::from_sql_and_values(
-            db.get_database_backend(),
-            match db.get_database_backend() {
-                sea_orm::DbBackend::Postgres => {
-                    "SELECT attempts, next_at, last_error FROM shardkit_outbox WHERE id = $1"
-                }
-                _ => "SELECT attempts, next_at, last_error FROM shardkit_outbox WHERE id = ?",
-            },
-            [id.clone().into()],
-        ))
-        .await
-        .unwrap()
-        .expect("the message is pending");
-    let attempts: i32 = row.try_get("", "attempts").unwrap();
-    let next_at: i64 = row.try_get("", "next_at").unwrap();
-    let error: Option<String> = row.try_get("", "last_error").unwrap();
-    assert_eq!(attempts, 0);
-    assert!(
-        next_at as u64 > shardkit::Clock::now_millis(cluster.clock().as_ref()) + 50_000,
-        "not put off: next_at {next_at}"
-    );
-    assert!(
-        error
-            .as_deref()
-            .is_some_and(|e| e.starts_with("not applied within the step timeout (300ms)")),
-        "{error:?}"
-    );
+    let sql = |sql: &str| {
+        let sql = match db.get_database_backend() {
+            sea_orm::DbBackend::Postgres => sql.replace('?', "$1"),
+            _ => sql.to_owned(),
+        };
+        sea_orm::Statement::from_sql_and_values(db.get_database_backend(), sql, [id.clone().into()])
+    };
+    let now = || shardkit::Clock::now_millis(cluster.clock().as_ref()) as i64;
+    for (round, waits) in [(1, 30_000), (2, 60_000)] {
+        let report = slow.deliver().await.unwrap();
+        assert_eq!((report.applied, report.deferred), (0, 1), "{report:?}");
+        let row = db
+            .query_one_raw(sql(
+                "SELECT attempts, next_at, last_error FROM shardkit_outbox WHERE id = ?",
+            ))
+            .await
+            .unwrap()
+            .expect("the message is pending");
+        let attempts: i32 = row.try_get("", "attempts").unwrap();
+        let next_at: i64 = row.try_get("", "next_at").unwrap();
+        let error: Option<String> = row.try_get("", "last_error").unwrap();
+        assert_eq!(attempts, 0);
+        let wait = next_at - now();
+        assert!(
+            wait > waits - 5_000 && wait <= waits,
+            "put off {round} time(s): waits {wait} ms"
+        );
+        assert!(
+            error
+                .as_deref()
+                .is_some_and(|e| e.starts_with("not applied within the step timeout (300ms)")),
+            "{error:?}"
+        );
+        // Due again at once.
+        db.execute_raw(sql("UPDATE shardkit_outbox SET next_at = 0 WHERE id = ?"))
+            .await
+            .unwrap();
+    }
+    db.execute_raw(sql(
+        "UPDATE shardkit_outbox SET next_at = 9000000000000 WHERE id = ?",
+    ))
+    .await
+    .unwrap();
     assert_eq!(
         slow.deliver().await.unwrap(),
         shardkit::RelayReport::default()
