@@ -59,7 +59,11 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
             // next-key locks on the index gap, where two first sends of
             // different keys deadlock: a plain read (no lock) comes first,
             // and sends of one key at once may share a number (ordered by
-            // id then).
+            // id then). That read sees the transaction's snapshot, taken
+            // at its first plain read (REPEATABLE READ), which misses the
+            // key's sends committed since: so the number is also past the
+            // highest committed, read on a connection of its own (a send
+            // after another transaction's committed goes after it).
             let max_seq = SimpleExpr::from(Func::coalesce([
                 Expr::col(Alias::new("seq")).max(),
                 Expr::val(0i64),
@@ -76,14 +80,21 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
                 let mut q = Query::select();
                 q.expr_as(max_seq, Alias::new("next"));
                 of_key(&mut q);
-                let next: i64 = self
-                    .unchecked_connection()
-                    .query_one(&q)
+                async fn next<C: ConnectionTrait>(
+                    conn: &C,
+                    q: &sea_orm::sea_query::SelectStatement,
+                ) -> std::result::Result<i64, sea_orm::DbErr> {
+                    let row = conn.query_one(q).await?;
+                    Ok(row
+                        .and_then(|r| r.try_get::<i64>("", "next").ok())
+                        .unwrap_or(1))
+                }
+                let err = |e| self.poison(db_err(self.shard(), OUTBOX.name, "read", e));
+                let committed = next(self.shards().side_conn(self.target().shard), &q)
                     .await
-                    .map_err(|e| self.poison(db_err(self.shard(), OUTBOX.name, "read", e)))?
-                    .and_then(|r| r.try_get::<i64>("", "next").ok())
-                    .unwrap_or(1);
-                Expr::val(next)
+                    .map_err(err)?;
+                let seen = next(self.unchecked_connection(), &q).await.map_err(err)?;
+                Expr::val(Ord::max(seen, committed))
             } else {
                 max_seq
             };
