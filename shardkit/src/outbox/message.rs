@@ -611,10 +611,7 @@ fn change_statement(
                 .table(table)
                 .value(Alias::new("attempts"), *attempts)
                 .value(Alias::new("next_at"), *next_at)
-                .value(
-                    Alias::new("last_error"),
-                    super::stored_error(error).as_ref(),
-                )
+                .value(Alias::new("last_error"), stored_error(error).as_ref())
                 .value(
                     Alias::new("state"),
                     if *parked { "parked" } else { "pending" },
@@ -646,4 +643,47 @@ pub(crate) fn panic_text(panic: &(dyn std::any::Any + Send)) -> &str {
         .copied()
         .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
         .unwrap_or("a panic without a message")
+}
+
+/// The most of an error's text a row keeps (a message's `last_error`, a
+/// saga's `error`). MySQL/MariaDB's `TEXT` holds 65,535 bytes: a longer
+/// text would fail the update that records the failure, and the message
+/// would be neither put off nor parked, its handler run again at every
+/// pass.
+const STORED_ERROR_BYTES: usize = 8 * 1024;
+
+/// `text` as a row keeps it: cut at [`STORED_ERROR_BYTES`] (on a character
+/// boundary), saying how much was cut.
+pub(crate) fn stored_error(text: &str) -> std::borrow::Cow<'_, str> {
+    if text.len() <= STORED_ERROR_BYTES {
+        return std::borrow::Cow::Borrowed(text);
+    }
+    let mut end = STORED_ERROR_BYTES;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    std::borrow::Cow::Owned(format!(
+        "{}… ({} more bytes cut)",
+        &text[..end],
+        text.len() - end
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_stored_error_is_cut_on_a_character_boundary() {
+        assert_eq!(stored_error("short"), "short");
+        let long = format!("a{}", "é".repeat(STORED_ERROR_BYTES));
+        let kept = stored_error(&long);
+        assert!(kept.len() <= STORED_ERROR_BYTES + 40, "{}", kept.len());
+        assert!(kept.starts_with("aé"));
+        let cut = long.len() - kept.find('…').unwrap();
+        assert!(
+            kept.ends_with(&format!("… ({cut} more bytes cut)")),
+            "{kept}"
+        );
+    }
 }

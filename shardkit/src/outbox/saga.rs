@@ -834,7 +834,9 @@ where
                 ("next_at", 0i64.into()),
                 (
                     "error",
-                    error.map(|e| super::stored_error(&e).into_owned()).into(),
+                    error
+                        .map(|e| crate::outbox::message::stored_error(&e).into_owned())
+                        .into(),
                 ),
             ],
         )
@@ -861,7 +863,12 @@ where
             vec![
                 ("attempts", attempts.into()),
                 ("next_at", next_at.into()),
-                ("error", super::stored_error(&error).into_owned().into()),
+                (
+                    "error",
+                    crate::outbox::message::stored_error(&error)
+                        .into_owned()
+                        .into(),
+                ),
             ],
         )
         .await
