@@ -1422,6 +1422,22 @@ async fn a_catch_up_waiting_on_a_lock_gives_up_after_its_step(dbs: &TestDbs, cal
         .expect("catch_up waited on the lock with no bound")
         .unwrap();
     assert_eq!(status.behind(), ["s1"], "{status:?}");
+    // And it says why.
+    let why = status.copies[1]
+        .catch_up_failed
+        .as_deref()
+        .unwrap_or_default();
+    assert!(
+        why.contains("shard `s1`") && why.contains("did not answer within 300ms"),
+        "{status:?}"
+    );
+    assert!(
+        status
+            .copies
+            .iter()
+            .all(|c| c.shard == "s1" || c.catch_up_failed.is_none()),
+        "{status:?}"
+    );
     // The step cut at 300 ms left its statement waiting on the server,
     // which takes the row once the lock goes and holds it until its
     // connection's rollback: a few tries (at most 20 s in all).

@@ -81,6 +81,11 @@ pub struct CopyStatus {
     pub shard: String,
     /// Its copy's version, or why it could not be read.
     pub version: std::result::Result<i64, String>,
+    /// Why [`Reference::catch_up`] could not bring this copy to the
+    /// source's version (a constraint on the shard, a step out of time,
+    /// the shard down); `None` when it did, and from
+    /// [`Reference::status`].
+    pub catch_up_failed: Option<String>,
 }
 
 impl ReferenceStatus {
@@ -373,6 +378,7 @@ where
             CopyStatus {
                 shard: name.to_owned(),
                 version: version.map_err(|e| e.report().to_string()),
+                catch_up_failed: None,
             }
         });
         let copies = futures::future::join_all(reads).await;
@@ -384,19 +390,25 @@ where
     }
 
     /// Brings every copy to the source's version now (what the background
-    /// task does every second), then reports every copy's version.
+    /// task does every second), then reports every copy's version, and for
+    /// a copy it could not bring up, why
+    /// ([`CopyStatus::catch_up_failed`]).
     pub async fn catch_up(&self) -> Result<ReferenceStatus> {
         let shards = self.refs.shards();
         let count = shards.topology().shards().len() as u32;
         let runs = (1..count)
             .map(ShardId)
             .map(|s| async move { catch_up::<E>(&self.refs, s, self.refs.bulk_bound()).await });
-        for result in futures::future::join_all(runs).await {
+        let results = futures::future::join_all(runs).await;
+        let mut status = self.status().await?;
+        // Copy 0 is the source's; the runs are the others', in order.
+        for (copy, result) in status.copies.iter_mut().skip(1).zip(results) {
             if let Err(e) = result {
                 tracing::debug!(table = Self::table(), error = %e.report(), "reference copy not caught up");
+                copy.catch_up_failed = Some(e.report().to_string());
             }
         }
-        self.status().await
+        Ok(status)
     }
 
     /// Compares every copy with the source (one snapshot of it), row by row
