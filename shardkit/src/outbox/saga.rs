@@ -611,23 +611,24 @@ where
             if status.state.is_finished() || next_at > self.cluster.shards().now_ms() {
                 return Ok(status.state);
             }
-            let data: D = serde_json::from_str(&data).map_err(|e| ShardError::CrossKey {
-                what: self.what(id),
-                reason: format!(
-                    "its stored data does not decode as `{}`: {e}",
-                    std::any::type_name::<D>()
-                ),
-            })?;
+            let data: D = match serde_json::from_str(&data) {
+                Ok(data) => data,
+                Err(e) => {
+                    let reason = format!(
+                        "its stored data does not decode as `{}`: {e}",
+                        std::any::type_name::<D>()
+                    );
+                    return Err(self.cannot_drive(&origin, &status, reason).await);
+                }
+            };
             let step = status.step;
             if step < 0 || step > n {
-                return Err(ShardError::CrossKey {
-                    what: self.what(id),
-                    reason: format!(
-                        "it is at step {step}, and this definition of `{}` has {n} steps: drive it \
-                         with the definition that started it",
-                        self.saga.name
-                    ),
-                });
+                let reason = format!(
+                    "it is at step {step}, and this definition of `{}` has {n} steps: drive it \
+                     with the definition that started it",
+                    self.saga.name
+                );
+                return Err(self.cannot_drive(&origin, &status, reason).await);
             }
             let (next, outcome) = match status.state {
                 SagaState::Running if step >= n => ((SagaState::Done, step), None),
@@ -841,6 +842,21 @@ where
             ],
         )
         .await
+    }
+
+    /// The error for a saga this definition cannot drive (its data does
+    /// not decode, its step is not one of the definition's), recorded on
+    /// the saga as a failed attempt: the saga says why, and waits its
+    /// backoff, so that a [`resume`](Self::resume) pass (which reads the
+    /// sagas due first) is not filled with it and reaches the others.
+    async fn cannot_drive(&self, origin: &O::Key, was: &SagaStatus, reason: String) -> ShardError {
+        if let Err(e) = self.failed(origin, &was.id, was, reason.clone()).await {
+            tracing::debug!(saga = %was.id, error = %e.report(), "saga's failure not recorded");
+        }
+        ShardError::CrossKey {
+            what: self.what(&was.id),
+            reason,
+        }
     }
 
     /// Records a failed attempt at the current step; the next after a

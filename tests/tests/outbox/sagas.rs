@@ -269,6 +269,40 @@ pub(crate) async fn a_saga_whose_step_is_refused_is_compensated_once(dbs: &mut T
             .await
             .unwrap();
     }
+    // Data that does not decode as the definition's: driving it fails and
+    // records why on the saga, with its backoff (it stayed due at once, so
+    // a thousand such sagas filled every `resume` pass).
+    let (undecodable, _) = stuck.start(1, &order).await.unwrap();
+    for shard in ["s0", "s1", "s2", "s3", "s4"] {
+        cluster
+            .connection(shard)
+            .unwrap()
+            .execute_unprepared(&format!(
+                "UPDATE shardkit_sagas SET data = 'not json', next_at = 0 WHERE id = '{undecodable}'"
+            ))
+            .await
+            .unwrap();
+    }
+    let before = stuck.status(1, &undecodable).await.unwrap().unwrap();
+    let err = stuck.drive(1, &undecodable).await.unwrap_err();
+    assert!(
+        err.to_string().contains("its stored data does not decode"),
+        "{err}"
+    );
+    let status = stuck.status(1, &undecodable).await.unwrap().unwrap();
+    assert_eq!(status.attempts, before.attempts + 1, "{status:?}");
+    assert!(
+        status
+            .error
+            .as_deref()
+            .is_some_and(|e| e.contains("its stored data does not decode")),
+        "{status:?}"
+    );
+    // Not due again at once: `drive` returns where it is without running.
+    assert_eq!(
+        stuck.drive(1, &undecodable).await.unwrap(),
+        SagaState::Running
+    );
     let within = Duration::from_secs(30);
     for ended in [
         tokio::time::timeout(within, stuck.drive(1, &id)).await,
