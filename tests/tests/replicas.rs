@@ -599,6 +599,19 @@ async fn replica_faults(pair: Pair) {
         !status[0].in_rotation && status[0].error.is_some() && status[0].lag.is_none(),
         "{status:?}"
     );
+    // The probe says it refuses, with the driver's cause (the pool's retries
+    // of a refused connection made it "no answer within 300ms").
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let status = cluster.replicas().await;
+        let error = status[0].error.clone().unwrap_or_default();
+        if error.to_lowercase().contains("refused") {
+            assert!(!status[0].in_rotation, "{status:?}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "{status:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     // Back: it rejoins the rotation after a good probe.
     let proxy = Proxy::start_on(proxy.port, target.clone()).await;
     let before = on_replica.load(Ordering::Relaxed);

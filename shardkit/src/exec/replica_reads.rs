@@ -554,10 +554,25 @@ impl Shards {
                 match tokio::time::timeout(bound, replica.measure(primary.as_ref())).await {
                     Ok(Ok(lag)) => replica.measured(lag),
                     Ok(Err(err)) => self.replica_failed(replica, &crate::error::DriverCause(&err)),
-                    Err(_) => self.replica_failed(
-                        replica,
-                        &format_args!("probe: no answer within {bound:?}"),
-                    ),
+                    // The pool retries a refused connection, and one the
+                    // server refuses for its connection limit, until its
+                    // acquire timeout: one connection of its own says which
+                    // it was, with the driver's cause.
+                    Err(_) => {
+                        let health = crate::exec::health::ShardHealth::new(&replica.url, bound);
+                        match health.connect_once().await {
+                            // At its connection limit: up, and busy (the
+                            // reads it cannot take go to the shard).
+                            Err(crate::exec::health::ProbeFailure::Full(_)) => {}
+                            Err(crate::exec::health::ProbeFailure::Down(cause)) => {
+                                self.replica_failed(replica, &format_args!("probe: {cause}"));
+                            }
+                            Ok(()) => self.replica_failed(
+                                replica,
+                                &format_args!("probe: no answer within {bound:?}"),
+                            ),
+                        }
+                    }
                 }
             }
         });
