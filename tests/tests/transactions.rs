@@ -82,16 +82,6 @@ async fn closure_commits_on_ok_and_rolls_back_on_err(dbs: &mut TestDbs) {
     );
 }
 
-/// Real deadlocks on small pools: transactions of one key update its two
-/// orders in opposite orders, swallowing the second update's error (as a
-/// careless program might), then replace a third order (read, delete,
-/// insert). The database's deadlock victim is refused everything after
-/// (on MySQL/MariaDB it would run outside the transaction the server
-/// rolled back), and `Cluster::transaction` runs it again since the
-/// database ended it, so what commits, commits whole: both orders and the
-/// third moved by the number of committed transactions. First a pair that
-/// meets after its first updates (a deadlock for sure: three attempts, two
-/// commits), then 8 tasks on pools of 2.
 /// Begins cut off by a timeout at different points (before `BEGIN` is
 /// sent, while its answer is on the way, after it), each followed by a write
 /// outside any transaction on the shard's one pooled connection: every such
@@ -134,6 +124,16 @@ async fn a_begin_cut_off_leaves_no_transaction_behind(dbs: &mut TestDbs) {
     );
 }
 
+/// Real deadlocks on small pools: transactions of one key update its two
+/// orders in opposite orders, swallowing the second update's error (as a
+/// careless program might), then replace a third order (read, delete,
+/// insert). The database's deadlock victim is refused everything after
+/// (on MySQL/MariaDB it would run outside the transaction the server
+/// rolled back), and `Cluster::transaction` runs it again since the
+/// database ended it, so what commits, commits whole: both orders and the
+/// third moved by the number of committed transactions. First a pair that
+/// meets after its first updates (a deadlock for sure: three attempts, two
+/// commits), then 8 tasks on pools of 2.
 async fn real_deadlocks_on_small_pools_commit_whole_or_not_at_all(dbs: &mut TestDbs) {
     let before = dbs.server_connections().await;
     let toml = format!(

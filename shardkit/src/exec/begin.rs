@@ -59,6 +59,33 @@ pub(crate) fn begin_pooled_with(
     }
 }
 
+/// How a write transaction begins on a connection shardkit holds as either
+/// kind: on a pool through [`begin_pooled`], inside a transaction as a
+/// savepoint ([`begin_write`]; sqlx rolls a savepoint back however it was
+/// cut off).
+pub(crate) trait BeginWrite: TransactionTrait<Transaction = DatabaseTransaction> {
+    fn begin_for_write(&self) -> BoxFuture<'_, Result<DatabaseTransaction, DbErr>>;
+}
+
+impl BeginWrite for DatabaseConnection {
+    fn begin_for_write(&self) -> BoxFuture<'_, Result<DatabaseTransaction, DbErr>> {
+        Box::pin(begin_pooled(self))
+    }
+}
+
+impl BeginWrite for DatabaseTransaction {
+    fn begin_for_write(&self) -> BoxFuture<'_, Result<DatabaseTransaction, DbErr>> {
+        Box::pin(begin_write(self))
+    }
+}
+
+/// How long the rest of a begin its caller stopped waiting for may take:
+/// one still waiting for a connection of a saturated pool then gives up
+/// (it sent nothing), instead of holding its place in the pool's queue
+/// ahead of live requests, while one whose `BEGIN` was sent has its answer
+/// long before.
+const FINISH_WITHIN: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// A future run to its end: dropped part-way, its rest runs in a task.
 struct Finished<T: Send + 'static> {
     future: Option<BoxFuture<'static, T>>,
@@ -86,7 +113,7 @@ impl<T: Send + 'static> Drop for Finished<T> {
             && let Ok(runtime) = tokio::runtime::Handle::try_current()
         {
             runtime.spawn(async move {
-                drop(future.await);
+                drop(tokio::time::timeout(FINISH_WITHIN, future).await);
             });
         }
     }

@@ -21,7 +21,7 @@ pub(crate) mod sqlite;
 pub(crate) mod statements;
 pub(crate) mod watchdog;
 
-pub(crate) use begin::{begin_pooled, begin_pooled_with, begin_write};
+pub(crate) use begin::{BeginWrite, begin_pooled, begin_pooled_with};
 
 /// An identifier quoted for `backend`.
 pub(crate) fn quoted(backend: sea_orm::DbBackend, name: &str) -> String {

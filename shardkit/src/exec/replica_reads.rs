@@ -562,8 +562,12 @@ impl Shards {
                         let health = crate::exec::health::ShardHealth::new(&replica.url, bound);
                         match health.connect_once().await {
                             // At its connection limit: up, and busy (the
-                            // reads it cannot take go to the shard).
-                            Err(crate::exec::health::ProbeFailure::Full(_)) => {}
+                            // reads it cannot take go to the shard); its
+                            // lag is not known now (reads with a lag bound
+                            // go to the shard).
+                            Err(crate::exec::health::ProbeFailure::Full(_)) => {
+                                replica.lag_unknown();
+                            }
                             Err(crate::exec::health::ProbeFailure::Down(cause)) => {
                                 self.replica_failed(replica, &format_args!("probe: {cause}"));
                             }

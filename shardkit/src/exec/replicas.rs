@@ -576,6 +576,13 @@ impl Replica {
         crate::metrics::replica_lag(&self.name, None);
     }
 
+    /// A probe that could not measure the lag of a replica that is up (at
+    /// its connection limit): it stays where it is, its lag unknown.
+    pub(crate) fn lag_unknown(&self) {
+        self.lag_ms.store(UNKNOWN, Ordering::Release);
+        crate::metrics::replica_lag(&self.name, None);
+    }
+
     /// A good probe: back in the rotation with lag `lag`.
     pub(crate) fn measured(&self, lag: Option<Duration>) {
         *self.last_error.lock().unwrap_or_else(|p| p.into_inner()) = None;

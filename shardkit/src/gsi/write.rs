@@ -13,8 +13,7 @@ use sea_orm::sea_query::{
     Alias, Expr, OnConflict, PostgresQueryBuilder, Query, QueryStatementWriter,
 };
 use sea_orm::{
-    ConnectionTrait, DbBackend, DbErr, ExprTrait, QueryFilter, Statement, StatementBuilder,
-    TransactionSession, TransactionTrait, Value,
+    ConnectionTrait, DbBackend, DbErr, ExprTrait, QueryFilter, Statement, StatementBuilder, Value,
 };
 use std::time::Instant;
 
@@ -162,7 +161,7 @@ impl Gsi {
     }
 
     #[allow(clippy::too_many_arguments)]
-    pub(super) async fn write_on<E: ShardedEntity, C: ConnectionTrait + TransactionTrait>(
+    pub(super) async fn write_on<E: ShardedEntity, C: ConnectionTrait + crate::exec::BeginWrite>(
         &self,
         db: &C,
         durability: Durability,
@@ -234,7 +233,7 @@ impl Gsi {
             let holder = self
                 .check_holder::<E, _>(db, shard, index, raw_value, value)
                 .await?;
-            let result = match crate::exec::begin_write(db).await {
+            let result = match crate::exec::BeginWrite::begin_for_write(db).await {
                 Ok(txn) => match self
                     .claim::<E, _>(
                         &txn,

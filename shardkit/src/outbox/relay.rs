@@ -92,7 +92,7 @@ pub struct Outbox {
 /// The most messages whose put-offs a relay counts (those put off are the
 /// heads of their pairs; a message another process delivered leaves its
 /// count here, so the counts are cleared past this).
-const PUT_OFF_COUNTED: usize = 10_000;
+const PUT_OFF_COUNTED: usize = 200_000;
 
 /// Where a shard's next pass starts reading its pending messages. A pass
 /// reads at most `PAGES` pages in the order of their sending keys; when

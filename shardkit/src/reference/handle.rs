@@ -76,6 +76,7 @@ pub struct ReferenceStatus {
 
 /// One copy's version.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct CopyStatus {
     /// The shard.
     pub shard: String,
