@@ -724,13 +724,24 @@ impl Outbox {
             if row.next_at > now {
                 break;
             }
-            let expired = row.attempts == 0
-                && row.last_error.is_none()
-                && now - row.created_at > INBOX_TTL.as_millis() as i64;
-            let delivery = if expired && row.next_at == 0 {
+            // Whether an attempt of it may have been applied longer than
+            // the inbox keeps ids ago (applied, then the relay stopped
+            // before the sender's row changed): when it was last tried, at
+            // the earliest (a failed or put-off attempt sets `next_at` at
+            // most the longest backoff after it), else when it was sent. A
+            // message an operator retried (no attempt, an error kept, no
+            // wait) is applied anyway.
+            let retried = row.attempts == 0 && row.last_error.is_some() && row.next_at == 0;
+            let tried_since = if row.next_at > 0 {
+                row.next_at - self.settings.max_backoff.as_millis() as i64
+            } else {
+                row.created_at
+            };
+            let expired = !retried && now - tried_since > INBOX_TTL.as_millis() as i64;
+            let delivery = if expired {
                 Delivery::Undecodable(format!(
-                    "sent more than {} days ago: the receiving inbox may no longer hold its id, so \
-                     applying it could apply it twice; `retry` applies it anyway",
+                    "sent or last tried more than {} days ago: the receiving inbox may no longer \
+                     hold its id, so applying it could apply it twice; `retry` applies it anyway",
                     INBOX_TTL.as_secs() / 86_400
                 ))
             } else {

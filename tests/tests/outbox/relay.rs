@@ -368,6 +368,80 @@ pub(crate) async fn parked_messages_are_listed_retried_and_discarded_and_order_h
         36
     };
     assert_eq!(balance(&cluster, 2).await, credited);
+    // The inbox keeps ids 7 days. Messages sent 8 days ago (by an instance
+    // whose clock says so): one never tried is parked, and so is one last
+    // tried 8 days ago (an attempt then may have been applied, its id
+    // since pruned; it was applied again); one put off a moment ago is
+    // applied. `retry` applies a parked one anyway.
+    let past = Arc::new(shardkit::clock::ManualClock::new(
+        shardkit::Clock::now_millis(cluster.clock().as_ref()) - 8 * 86_400_000,
+    ));
+    let old_sender = Cluster::builder(
+        ClusterConfig::from_toml(&toml(dbs, &[]).replace("movable = true", "movable = false"))
+            .unwrap(),
+    )
+    .clock(past.clone())
+    .connect()
+    .await
+    .unwrap();
+    let never = send_credit(&old_sender, 1, 2, 50, 1).await;
+    let long_ago = send_credit(&old_sender, 1, 2, 51, 1).await;
+    let lately = send_credit(&old_sender, 1, 2, 52, 1).await;
+    let now = shardkit::Clock::now_millis(cluster.clock().as_ref()) as i64;
+    let tried_at = shardkit::Clock::now_millis(past.as_ref()) as i64;
+    set_outbox_row(
+        &cluster,
+        &long_ago,
+        &format!("attempts = 1, last_error = 'then', next_at = {tried_at}"),
+    )
+    .await;
+    set_outbox_row(
+        &cluster,
+        &lately,
+        &format!("last_error = 'put off', next_at = {}", now - 1000),
+    )
+    .await;
+    // The slow message before them (put off far ahead above) is due, and
+    // the scenario's relay applies it first.
+    set_outbox_row(&cluster, &id, "next_at = 0").await;
+    let report = outbox.deliver().await.unwrap();
+    assert_eq!((report.applied, report.parked), (2, 2), "{report:?}");
+    let mut parked: Vec<String> = all_parked(&outbox)
+        .await
+        .into_iter()
+        .map(|p| {
+            assert!(
+                p.last_error
+                    .as_deref()
+                    .is_some_and(|e| e.starts_with("sent or last tried more than 7 days ago")),
+                "{p:?}"
+            );
+            p.id
+        })
+        .collect();
+    parked.sort();
+    let mut expected = vec![never.clone(), long_ago.clone()];
+    expected.sort();
+    assert_eq!(parked, expected);
+    outbox.retry(&never).await.unwrap();
+    assert_eq!(outbox.deliver().await.unwrap().applied, 1);
+    outbox.discard(&long_ago).await.unwrap();
+    assert_eq!(balance(&cluster, 2).await, credited + 77 + 2);
+}
+
+/// Sets `set` (SQL) on outbox message `id`'s row, on whichever shard holds
+/// it.
+async fn set_outbox_row(cluster: &Cluster, id: &str, set: &str) {
+    for shard in ["s0", "s1", "s2", "s3", "s4"] {
+        cluster
+            .connection(shard)
+            .unwrap()
+            .execute_unprepared(&format!(
+                "UPDATE shardkit_outbox SET {set} WHERE id = '{id}'"
+            ))
+            .await
+            .unwrap();
+    }
 }
 
 /// One sending key with more messages waiting than a pass reads (its
