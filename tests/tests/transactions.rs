@@ -122,6 +122,56 @@ async fn a_begin_cut_off_leaves_no_transaction_behind(dbs: &mut TestDbs) {
         seen, rounds as u64,
         "writes after a cut-off begin were lost"
     );
+    // 8 tasks on a pool of 2, each cutting begins off and writing (a
+    // transaction's write when its begin finished in time, else one on the
+    // pool): every write lands, and once the cluster is gone no connection
+    // is left on the server (the finished begins' tasks included).
+    drop((cluster, other));
+    let before = dbs.server_connections().await;
+    let busy = Cluster::connect(
+        ClusterConfig::from_toml(&toml.replace("max_connections = 1", "max_connections = 2"))
+            .unwrap(),
+    )
+    .await
+    .unwrap();
+    let tasks = (0..8i64).map(|task| {
+        let busy = busy.clone();
+        tokio::spawn(async move {
+            for round in 0..25i64 {
+                let id = 1000 + task * 100 + round;
+                let cut = std::time::Duration::from_micros(40 * round as u64);
+                match tokio::time::timeout(cut, busy.begin::<Customer>(task)).await {
+                    Ok(begun) => {
+                        let tx = begun.unwrap();
+                        tx.insert(order_row(id, task)).await.unwrap();
+                        tx.commit().await.unwrap();
+                    }
+                    Err(_) => {
+                        order_row(id, task)
+                            .insert(busy.connection("s0").unwrap())
+                            .await
+                            .unwrap_or_else(|e| panic!("task {task} round {round}: {e}"));
+                    }
+                }
+            }
+        })
+    });
+    for task in futures::future::join_all(tasks).await {
+        task.unwrap();
+    }
+    drop(busy);
+    let seen = order::Entity::find()
+        .count(
+            Cluster::connect(ClusterConfig::from_toml(&toml).unwrap())
+                .await
+                .unwrap()
+                .connection("s0")
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(seen, rounds as u64 + 8 * 25, "writes lost under 8 tasks");
+    dbs.assert_connections_settle(before).await;
 }
 
 /// Real deadlocks on small pools: transactions of one key update its two

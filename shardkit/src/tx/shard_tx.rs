@@ -968,11 +968,10 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
             _ => None,
         };
         let shard = shards.shard_name(id);
-        let backend = shards.shard_conn(id).get_database_backend();
         let pending = crate::exec::replicas::PendingCommit {
             session,
             shard,
-            backend,
+            backend: shards.shard_conn(id).get_database_backend(),
             epoch: epoch.map(|epoch| (G::NAME, epoch)),
         };
         let committed = self.commit().await;
@@ -984,10 +983,12 @@ impl<G: EntityGroup, P: WriteStage> ShardTx<G, P> {
             // or one the database aborted.
             let unknown = !matches!(e, ShardError::RollbackOnly { .. })
                 && e.retry() != crate::Retry::Transaction;
-            if unknown && backend != sea_orm::DbBackend::Sqlite {
-                session.record(shard, crate::exec::replicas::Position::unreachable(backend));
+            if unknown {
+                // Recorded as a commit stopped midway is.
+                drop(pending);
+            } else {
+                pending.finished();
             }
-            pending.finished();
             return Err(e);
         }
         if shards.failpoint("shardkit::tx::commit_in").is_some() {

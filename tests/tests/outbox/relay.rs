@@ -389,21 +389,23 @@ pub(crate) async fn parked_messages_are_listed_retried_and_discarded_and_order_h
     let lately = send_credit(&old_sender, 1, 2, 52, 1).await;
     let now = shardkit::Clock::now_millis(cluster.clock().as_ref()) as i64;
     let tried_at = shardkit::Clock::now_millis(past.as_ref()) as i64;
-    set_outbox_row(
+    edit_row(
         &cluster,
+        "shardkit_outbox",
         &long_ago,
         &format!("attempts = 1, last_error = 'then', next_at = {tried_at}"),
     )
     .await;
-    set_outbox_row(
+    edit_row(
         &cluster,
+        "shardkit_outbox",
         &lately,
         &format!("last_error = 'put off', next_at = {}", now - 1000),
     )
     .await;
     // The slow message before them (put off far ahead above) is due, and
     // the scenario's relay applies it first.
-    set_outbox_row(&cluster, &id, "next_at = 0").await;
+    edit_row(&cluster, "shardkit_outbox", &id, "next_at = 0").await;
     let report = outbox.deliver().await.unwrap();
     assert_eq!((report.applied, report.parked), (2, 2), "{report:?}");
     let mut parked: Vec<String> = all_parked(&outbox)
@@ -427,21 +429,6 @@ pub(crate) async fn parked_messages_are_listed_retried_and_discarded_and_order_h
     assert_eq!(outbox.deliver().await.unwrap().applied, 1);
     outbox.discard(&long_ago).await.unwrap();
     assert_eq!(balance(&cluster, 2).await, credited + 77 + 2);
-}
-
-/// Sets `set` (SQL) on outbox message `id`'s row, on whichever shard holds
-/// it.
-async fn set_outbox_row(cluster: &Cluster, id: &str, set: &str) {
-    for shard in ["s0", "s1", "s2", "s3", "s4"] {
-        cluster
-            .connection(shard)
-            .unwrap()
-            .execute_unprepared(&format!(
-                "UPDATE shardkit_outbox SET {set} WHERE id = '{id}'"
-            ))
-            .await
-            .unwrap();
-    }
 }
 
 /// One sending key with more messages waiting than a pass reads (its

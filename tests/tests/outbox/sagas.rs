@@ -259,7 +259,7 @@ pub(crate) async fn a_saga_whose_step_is_refused_is_compensated_once(dbs: &mut T
     // added one, a row edited by hand): driving or aborting it fails and
     // says so (it was driven as `running`, every save refused, forever).
     let (id, _) = stuck.start(1, &order).await.unwrap();
-    set_saga(&cluster, &id, "state = 'paused'").await;
+    edit_row(&cluster, "shardkit_sagas", &id, "state = 'paused'").await;
     // The listing leaves it out (with a warning) instead of failing whole.
     let listed = cluster.saga_status(true).await.unwrap();
     assert!(!listed.iter().any(|s| s.id == id), "{listed:?}");
@@ -268,7 +268,13 @@ pub(crate) async fn a_saga_whose_step_is_refused_is_compensated_once(dbs: &mut T
     // records why on the saga, with its backoff (it stayed due at once, so
     // a thousand such sagas filled every `resume` pass).
     let (undecodable, _) = stuck.start(1, &order).await.unwrap();
-    set_saga(&cluster, &undecodable, "data = 'not json', next_at = 0").await;
+    edit_row(
+        &cluster,
+        "shardkit_sagas",
+        &undecodable,
+        "data = 'not json', next_at = 0",
+    )
+    .await;
     let before = stuck.status(1, &undecodable).await.unwrap().unwrap();
     let err = stuck.drive(1, &undecodable).await.unwrap_err();
     assert!(
@@ -349,19 +355,4 @@ pub(crate) async fn a_saga_step_that_panics_is_refused_and_compensated(dbs: &mut
         (balance(&cluster, 1).await, balance(&cluster, 2).await),
         (95, 105)
     );
-}
-
-/// Sets `set` (SQL) on saga `id`'s row, on whichever shard holds it (an
-/// edit by hand, a release that wrote what this one does not read).
-async fn set_saga(cluster: &Cluster, id: &str, set: &str) {
-    for shard in ["s0", "s1", "s2", "s3", "s4"] {
-        cluster
-            .connection(shard)
-            .unwrap()
-            .execute_unprepared(&format!(
-                "UPDATE shardkit_sagas SET {set} WHERE id = '{id}'"
-            ))
-            .await
-            .unwrap();
-    }
 }
